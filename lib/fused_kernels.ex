@@ -1,0 +1,49 @@
+defmodule FusedKernels do
+  @moduledoc """
+  Fused CUDA kernels (and native CPU and pure-Nx equivalents) for Nx and Axon models.
+
+  Every op takes Nx tensors (or `FusedKernels.Buffer`s already on a GPU) and a `backend:`
+  option, resolved by `FusedKernels.Backend`: `:auto` (default), `:cuda`, `:cpu` or `:nx`.
+  """
+
+  alias FusedKernels.Native
+
+  @doc """
+  What the native layer found on this machine.
+
+  Always has `:nif_loaded`, `:cuda_available` and `:cache_dir`; with a GPU also
+  `:device_name`, `:compute_capability`, `:memory_total`, `:memory_free`, `:multiprocessors`,
+  `:driver_version`, `:nvrtc_version`, `:cublas_available`; without one, `:reason`.
+  """
+  def info(opts \\ []) do
+    case Native.status() do
+      :ok ->
+        opts
+        |> FusedKernels.Backend.device()
+        |> Native.info()
+        |> Map.put(:nif_loaded, true)
+
+      {:error, reason} ->
+        %{
+          nif_loaded: false,
+          cuda_available: false,
+          reason: "the native library did not load: #{reason}",
+          cache_dir: nil
+        }
+    end
+  end
+
+  @doc "Sets the directory for compiled kernels (also `config :fused_kernels, cache_dir:`)."
+  def set_cache_dir(dir) when is_binary(dir), do: dir |> Native.set_cache_dir() |> Native.unwrap!()
+
+  if Code.ensure_loaded?(Nx) do
+    @doc """
+    `softmax(scale * x)` over the last axis of a `{rows, cols}` or
+    `{batch, heads, seq_q, seq_k}` tensor: one read and one write per element.
+
+    Options: `scale` (1.0), `causal` (false; aligned bottom-right when seq_q != seq_k, masked
+    entries and fully masked rows are 0), `backend`, `device`, `out: :host | :device`.
+    """
+    defdelegate scaled_softmax(x, opts \\ []), to: FusedKernels.ScaledSoftmax, as: :run
+  end
+end

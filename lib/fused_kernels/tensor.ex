@@ -1,0 +1,36 @@
+defmodule FusedKernels.Tensor do
+  @moduledoc """
+  The tensor boundary: what ops accept and how results come back.
+
+  Natively a tensor is a `{binary, shape_tuple, type}` triple with Nx's type tuples
+  (`{:f, 32}`, `{:f, 16}`, `{:bf, 16}`; `{:f, 64}` on the CPU) or a `FusedKernels.Buffer`.
+  With Nx loaded, `Nx.Tensor`s convert to and from triples here, in one place.
+  """
+
+  @doc "The value passed to a NIF for `tensor`."
+  def to_native(%FusedKernels.Buffer{ref: ref}), do: ref
+  def to_native({bin, shape, type} = triple) when is_binary(bin) and is_tuple(shape) and is_tuple(type), do: triple
+
+  if Code.ensure_loaded?(Nx) do
+    def to_native(%Nx.Tensor{} = t), do: {Nx.to_binary(t), Nx.shape(t), Nx.type(t)}
+  end
+
+  def to_native(other) do
+    raise ArgumentError,
+          "expected an Nx tensor, a FusedKernels.Buffer or a {binary, shape, type} triple, got: " <>
+            inspect(other, limit: 5)
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @doc "An Nx tensor from a NIF result (a triple) or a buffer (downloaded)."
+    def to_nx({bin, shape, type}), do: bin |> Nx.from_binary(type) |> Nx.reshape(shape)
+    def to_nx(%FusedKernels.Buffer{} = b), do: b |> FusedKernels.Buffer.download() |> to_nx()
+    def to_nx(ref) when is_reference(ref), do: ref |> FusedKernels.Buffer.wrap() |> to_nx()
+
+    @doc "Whether `t` is a symbolic `defn` expression rather than concrete data."
+    def symbolic?(%Nx.Tensor{data: %Nx.Defn.Expr{}}), do: true
+    def symbolic?(_), do: false
+  else
+    def symbolic?(_), do: false
+  end
+end

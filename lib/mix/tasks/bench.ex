@@ -1,0 +1,31 @@
+defmodule Mix.Tasks.Bench do
+  @shortdoc "Times every fused op on every available backend (the 60-FPS table)"
+  @moduledoc """
+  Times every case on every backend available here (CUDA, CPU-native, pure Nx when Nx is
+  loaded) and prints median/p95/p99 ms, frames per second and the 60-FPS verdict.
+
+      mix bench [--quick] [--only SUBSTRING] [--backend cuda|cpu|nx ...] [--runs N] [--json PATH]
+  """
+  use Mix.Task
+
+  @switches [quick: :boolean, only: :string, backend: :keep, json: :string, runs: :integer]
+
+  @impl true
+  def run(argv) do
+    {opts, _rest, invalid} = OptionParser.parse(argv, strict: @switches)
+    if invalid != [], do: Mix.raise("unknown options: #{inspect(invalid)}; see `mix help bench`")
+    Mix.Task.run("app.start")
+
+    backends =
+      case Keyword.get_values(opts, :backend) do
+        [] -> nil
+        names -> Enum.map(names, &parse_backend/1)
+      end
+
+    opts = opts |> Keyword.delete(:backend) |> then(&if(backends, do: [{:backend, backends} | &1], else: &1))
+    FusedKernels.Bench.run(opts)
+  end
+
+  defp parse_backend(name) when name in ["cuda", "cpu", "nx"], do: String.to_atom(name)
+  defp parse_backend(name), do: Mix.raise("--backend must be cuda, cpu or nx, got #{name}")
+end

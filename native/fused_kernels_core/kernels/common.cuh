@@ -1,0 +1,70 @@
+// Shared by every kernel: prepended to each .cu source by the runtime (NVRTC ships no
+// toolkit headers, so nothing here may #include). 16-bit types are plain bit patterns
+// converted with PTX `cvt` (f16) or bit operations (bf16).
+
+#define FK_NEG_INF (__int_as_float(0xff800000))
+
+struct fk_f16 { unsigned short bits; };
+struct fk_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float fk_to_f32(float v) { return v; }
+__device__ __forceinline__ float fk_to_f32(fk_f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float fk_to_f32(fk_bf16 v) {
+  return __uint_as_float(((unsigned)v.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T fk_from_f32(float f);
+template <> __device__ __forceinline__ float fk_from_f32<float>(float f) { return f; }
+template <> __device__ __forceinline__ fk_f16 fk_from_f32<fk_f16>(float f) {
+  fk_f16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+  return r;
+}
+template <> __device__ __forceinline__ fk_bf16 fk_from_f32<fk_bf16>(float f) {
+  // Round to nearest even; keep NaN a (quiet) NaN instead of rounding it to infinity.
+  unsigned u = __float_as_uint(f);
+  fk_bf16 r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = (unsigned short)((u >> 16) | 0x40u);
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float fk_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float fk_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide reductions over all threads of the block; `scratch` holds one float per warp.
+// Every thread gets the result.
+__device__ __forceinline__ float fk_block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = fk_warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : FK_NEG_INF;
+  return fk_warp_max(v);
+}
+__device__ __forceinline__ float fk_block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = fk_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return fk_warp_sum(v);
+}

@@ -1,0 +1,143 @@
+// y = softmax(scale * x) over the last axis, with an optional causal mask aligned
+// bottom-right (FlashAttention's convention): in a group of `sq` query rows over `sk` keys,
+// row q keeps columns j <= q + sk - sq. Masked entries, and rows with nothing left, are 0.
+// Each element is read once and written once while the row fits in registers
+// (sk <= 32 * K for the warp kernels, sk <= 256 * K for the block kernels); longer rows
+// take the streaming kernel, which reads twice.
+
+__device__ __forceinline__ int fk_softmax_limit(long long row, int sq, int sk, int causal) {
+  if (!causal) return sk;
+  const long long q = row % sq;
+  const long long lim = q + (long long)(sk - sq) + 1;
+  return lim < 0 ? 0 : (lim > sk ? sk : (int)lim);
+}
+
+// One warp per row, K values per lane in registers.
+template <typename T, int K>
+__device__ __forceinline__ void fk_softmax_warp(const T* __restrict__ x, T* __restrict__ y,
+                                                long long rows, int sq, int sk, float scale,
+                                                int causal) {
+  const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int limit = fk_softmax_limit(row, sq, sk, causal);
+  const T* xr = x + row * sk;
+  T* yr = y + row * sk;
+  float v[K];
+  float m = FK_NEG_INF;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = lane + 32 * k;
+    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
+    m = fmaxf(m, v[k]);
+  }
+  m = fk_warp_max(m);
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = lane + 32 * k;
+    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
+    s += v[k];
+  }
+  s = fk_warp_sum(s);
+  const float inv = limit > 0 ? 1.0f / s : 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = lane + 32 * k;
+    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
+  }
+}
+
+// One block per row, K values per thread in registers.
+template <typename T, int K>
+__device__ __forceinline__ void fk_softmax_block(const T* __restrict__ x, T* __restrict__ y,
+                                                 int sq, int sk, float scale, int causal) {
+  __shared__ float scratch[32];
+  const long long row = blockIdx.x;
+  const int limit = fk_softmax_limit(row, sq, sk, causal);
+  const T* xr = x + row * sk;
+  T* yr = y + row * sk;
+  float v[K];
+  float m = FK_NEG_INF;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = threadIdx.x + blockDim.x * k;
+    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
+    m = fmaxf(m, v[k]);
+  }
+  m = fk_block_max(m, scratch);
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = threadIdx.x + blockDim.x * k;
+    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
+    s += v[k];
+  }
+  s = fk_block_sum(s, scratch);
+  const float inv = limit > 0 ? 1.0f / s : 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = threadIdx.x + blockDim.x * k;
+    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
+  }
+}
+
+// Rows too long for registers: one pass for the running max and sum (online softmax),
+// one pass to write.
+template <typename T>
+__device__ __forceinline__ void fk_softmax_stream(const T* __restrict__ x, T* __restrict__ y,
+                                                  int sq, int sk, float scale, int causal) {
+  __shared__ float scratch[32];
+  const long long row = blockIdx.x;
+  const int limit = fk_softmax_limit(row, sq, sk, causal);
+  const T* xr = x + row * sk;
+  T* yr = y + row * sk;
+  float m = FK_NEG_INF, s = 0.0f;
+  for (int j = threadIdx.x; j < limit; j += blockDim.x) {
+    const float v = fk_to_f32(xr[j]) * scale;
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;
+      m = v;
+    } else {
+      s += expf(v - m);
+    }
+  }
+  const float gm = fk_block_max(m, scratch);
+  s = m == FK_NEG_INF ? 0.0f : s * expf(m - gm);
+  s = fk_block_sum(s, scratch);
+  const float inv = limit > 0 ? 1.0f / s : 0.0f;
+  for (int j = threadIdx.x; j < sk; j += blockDim.x) {
+    yr[j] = fk_from_f32<T>(j < limit ? expf(fk_to_f32(xr[j]) * scale - gm) * inv : 0.0f);
+  }
+}
+
+#define FK_SOFTMAX_WARP(NAME, T, K)                                                           \
+  extern "C" __global__ void __launch_bounds__(128)                                           \
+      scaled_softmax_warp_##NAME##_##K(const T* x, T* y, long long rows, int sq, int sk,     \
+                                       float scale, int causal) {                             \
+    fk_softmax_warp<T, K>(x, y, rows, sq, sk, scale, causal);                                  \
+  }
+#define FK_SOFTMAX_BLOCK(NAME, T, K)                                                          \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      scaled_softmax_block_##NAME##_##K(const T* x, T* y, int sq, int sk, float scale,       \
+                                        int causal) {                                         \
+    fk_softmax_block<T, K>(x, y, sq, sk, scale, causal);                                       \
+  }
+#define FK_SOFTMAX_ALL(NAME, T)                                                               \
+  FK_SOFTMAX_WARP(NAME, T, 1)                                                                 \
+  FK_SOFTMAX_WARP(NAME, T, 2)                                                                 \
+  FK_SOFTMAX_WARP(NAME, T, 4)                                                                 \
+  FK_SOFTMAX_WARP(NAME, T, 8)                                                                 \
+  FK_SOFTMAX_WARP(NAME, T, 16)                                                                \
+  FK_SOFTMAX_WARP(NAME, T, 32)                                                                \
+  FK_SOFTMAX_BLOCK(NAME, T, 8)                                                                \
+  FK_SOFTMAX_BLOCK(NAME, T, 16)                                                               \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      scaled_softmax_stream_##NAME(const T* x, T* y, int sq, int sk, float scale,            \
+                                   int causal) {                                              \
+    fk_softmax_stream<T>(x, y, sq, sk, scale, causal);                                         \
+  }
+
+FK_SOFTMAX_ALL(f32, float)
+FK_SOFTMAX_ALL(f16, fk_f16)
+FK_SOFTMAX_ALL(bf16, fk_bf16)

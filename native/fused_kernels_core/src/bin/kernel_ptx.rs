@@ -1,0 +1,65 @@
+//! Writes the PTX of every shipped kernel for each architecture named on the command line
+//! (default sm_80 sm_89 sm_90) into a directory, through the same NVRTC path and the same
+//! source text the runtime compiles. CI then runs `ptxas -v` on each file for the register,
+//! shared-memory and spill report. Needs libnvrtc.so.13 (no GPU).
+//!
+//! Usage: kernel_ptx OUT_DIR [sm_XY ...]
+
+use fused_kernels_core::cuda::nvrtc::{compile, version, Target};
+use fused_kernels_core::kernels::ALL;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let Some(out_dir) = args.next() else {
+        eprintln!("usage: kernel_ptx OUT_DIR [sm_XY ...]");
+        return ExitCode::from(2);
+    };
+    let mut archs: Vec<String> = args.collect();
+    if archs.is_empty() {
+        archs = ["sm_80", "sm_89", "sm_90"].map(String::from).to_vec();
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("libnvrtc.so.13 not found: put the nvidia-cuda-nvrtc wheel's lib dir on LD_LIBRARY_PATH");
+        return ExitCode::from(2);
+    }
+    if let Err(e) = std::fs::create_dir_all(&out_dir) {
+        eprintln!("cannot create {out_dir}: {e}");
+        return ExitCode::from(2);
+    }
+    let (major, minor) = version().unwrap_or((0, 0));
+    println!("NVRTC {major}.{minor}");
+    let mut failed = false;
+    for kernel in ALL {
+        for arch in &archs {
+            let started = std::time::Instant::now();
+            // Both outputs: the cubin proves the real-architecture build the runtime does.
+            let result = compile(kernel.name, &kernel.source(), arch, Target::Cubin)
+                .and_then(|_| compile(kernel.name, &kernel.source(), arch, Target::Ptx));
+            match result {
+                Ok(ptx) => {
+                    let path = format!("{out_dir}/{}.{arch}.ptx", kernel.name);
+                    if let Err(e) = std::fs::write(&path, ptx) {
+                        eprintln!("cannot write {path}: {e}");
+                        failed = true;
+                    } else {
+                        println!(
+                            "compiled {} for {arch} in {:.0} ms -> {path}",
+                            kernel.name,
+                            started.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
+                }
+                Err(e) => {
+                    eprintln!("FAILED {} for {arch}: {e}", kernel.name);
+                    failed = true;
+                }
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,314 @@
+//! The CUDA runtime, in one place: probing the libraries, one context and stream per device,
+//! NVRTC compilation with an on-disk module cache, device buffers, launches.
+//!
+//! cudarc is built with `fallback-dynamic-loading`: libcuda and libnvrtc are opened on first
+//! use, and cudarc panics when one is missing. Every path into CUDA therefore goes through
+//! [`probe`] first, which checks that the libraries exist and a device answers.
+
+pub mod buffer;
+pub mod cache;
+pub mod nvrtc;
+
+use crate::error::{Error, Result};
+use crate::kernels::Kernel;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use once_cell::sync::{Lazy, OnceCell};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+pub use buffer::DeviceTensor;
+
+/// Oldest architecture the kernels are written for (NVRTC 13 targets sm_75 and newer).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (7, 5);
+
+/// What the probe learned about the machine's CUDA stack.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub device_count: usize,
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+    pub cublas_present: bool,
+}
+
+static PROBE: OnceCell<std::result::Result<Probe, String>> = OnceCell::new();
+
+/// Checks, once per process and without panicking, that CUDA can be used at all.
+pub fn probe() -> Result<&'static Probe> {
+    PROBE
+        .get_or_init(|| {
+            std::panic::catch_unwind(probe_uncached)
+                .unwrap_or_else(|_| Err("probing the CUDA libraries panicked".to_string()))
+        })
+        .as_ref()
+        .map_err(|reason| Error::Unavailable(reason.clone()))
+}
+
+fn probe_uncached() -> std::result::Result<Probe, String> {
+    if std::env::var("FUSED_KERNELS_DISABLE_CUDA").is_ok_and(|v| !v.is_empty() && v != "0") {
+        return Err("disabled by FUSED_KERNELS_DISABLE_CUDA".into());
+    }
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("libcuda.so was not found (no NVIDIA driver on this machine)".into());
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "libnvrtc.so.13 was not found (install the CUDA 13 NVRTC library, \
+                    e.g. the nvidia-cuda-nvrtc wheel, and put it on LD_LIBRARY_PATH)"
+                .into(),
+        );
+    }
+    cudarc::driver::result::init().map_err(|e| format!("cuInit failed: {}", Error::from(e)))?;
+    let mut driver_version = 0;
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .map_err(|e| format!("cuDriverGetVersion failed: {}", Error::from(e)))?;
+    let device_count = cudarc::driver::result::device::get_count()
+        .map_err(|e| format!("cuDeviceGetCount failed: {}", Error::from(e)))?;
+    if device_count < 1 {
+        return Err("the CUDA driver reports no devices".into());
+    }
+    let nvrtc_version = nvrtc::version().map_err(|e| e.to_string())?;
+    Ok(Probe {
+        device_count: device_count as usize,
+        driver_version,
+        nvrtc_version,
+        cublas_present: unsafe { cudarc::cublas::sys::is_culib_present() },
+    })
+}
+
+/// One device: its primary context, the stream all our work is ordered on, and the modules
+/// loaded so far. All ops of a device run on its one stream, so work submitted from many
+/// BEAM threads is ordered by the driver and buffers are never read before they are written.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub compute_capability: (i32, i32),
+    pub name: String,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+static GPUS: Lazy<Mutex<HashMap<usize, Arc<Gpu>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The device used when none is named: `FUSED_KERNELS_DEVICE`, else 0.
+pub fn default_ordinal() -> Result<usize> {
+    match std::env::var("FUSED_KERNELS_DEVICE") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse::<usize>().map_err(|_| {
+            Error::Argument(format!(
+                "FUSED_KERNELS_DEVICE must be a device index like 0, got {v:?}"
+            ))
+        }),
+        _ => Ok(0),
+    }
+}
+
+/// The device `ordinal` (or the default one), creating its context on first use.
+pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
+    let probe = probe()?;
+    let ordinal = match ordinal {
+        Some(o) => o,
+        None => default_ordinal()?,
+    };
+    if ordinal >= probe.device_count {
+        return Err(Error::Argument(format!(
+            "device {ordinal} does not exist: this machine has {} CUDA device(s)",
+            probe.device_count
+        )));
+    }
+    let mut gpus = GPUS
+        .lock()
+        .map_err(|_| Error::Cuda("device registry lock poisoned".into()))?;
+    if let Some(g) = gpus.get(&ordinal) {
+        return Ok(g.clone());
+    }
+    let ctx = CudaContext::new(ordinal)?;
+    let compute_capability = ctx.compute_capability()?;
+    if compute_capability < MIN_COMPUTE_CAPABILITY {
+        return Err(Error::Unavailable(format!(
+            "device {ordinal} has compute capability {}.{}; fused_kernels needs 7.5 or newer",
+            compute_capability.0, compute_capability.1
+        )));
+    }
+    let g = Arc::new(Gpu {
+        ordinal,
+        name: ctx.name()?,
+        stream: ctx.default_stream(),
+        ctx,
+        compute_capability,
+        modules: Mutex::new(HashMap::new()),
+    });
+    gpus.insert(ordinal, g.clone());
+    Ok(g)
+}
+
+impl Gpu {
+    /// `sm_XY` for this device; kernels are compiled for exactly this architecture.
+    pub fn arch(&self) -> String {
+        format!(
+            "sm_{}{}",
+            self.compute_capability.0, self.compute_capability.1
+        )
+    }
+
+    /// Tensor-core (`mma.sync` bf16/f16) paths need sm_80 or newer.
+    pub fn has_tensor_cores(&self) -> bool {
+        self.compute_capability >= (8, 0)
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(Error::from)
+    }
+
+    /// The named function of `kernel`, compiling (or reading from the disk cache) and loading
+    /// its module the first time this process asks.
+    pub fn function(&self, kernel: &Kernel, function: &str) -> Result<CudaFunction> {
+        self.bind()?;
+        let module = self.module(kernel)?;
+        module.load_function(function).map_err(|e| {
+            Error::Cuda(format!(
+                "function `{function}` of kernel `{}`: {}",
+                kernel.name,
+                Error::from(e)
+            ))
+        })
+    }
+
+    fn module(&self, kernel: &Kernel) -> Result<Arc<CudaModule>> {
+        // Held across compilation on purpose: two threads asking for the same new kernel
+        // compile it once.
+        let mut modules = self
+            .modules
+            .lock()
+            .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?;
+        if let Some(m) = modules.get(kernel.name) {
+            cache::STATS.record_memory_hit();
+            return Ok(m.clone());
+        }
+        let arch = self.arch();
+        let source = kernel.source();
+        let nvrtc_version = probe()?.nvrtc_version;
+        let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version);
+        if let Some(cubin) = cache::read(&path) {
+            match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+                Ok(m) => {
+                    cache::STATS.record_disk_hit();
+                    modules.insert(kernel.name, m.clone());
+                    return Ok(m);
+                }
+                Err(e) => eprintln!(
+                    "[fused_kernels] ignoring unloadable cache entry {} ({}); recompiling",
+                    path.display(),
+                    Error::from(e)
+                ),
+            }
+        }
+        let started = Instant::now();
+        let cubin = nvrtc::compile(kernel.name, &source, &arch, nvrtc::Target::Cubin)?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        cache::STATS.record_compile();
+        let stored = match cache::write(&path, &cubin) {
+            Ok(()) => format!("cached at {}", path.display()),
+            Err(e) => format!("not cached ({e})"),
+        };
+        eprintln!(
+            "[fused_kernels] compiled kernel {} for {arch} with NVRTC {}.{} in {ms:.1} ms; {stored}",
+            kernel.name, nvrtc_version.0, nvrtc_version.1
+        );
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+        modules.insert(kernel.name, m.clone());
+        Ok(m)
+    }
+
+    /// (free, total) device memory in bytes, after finishing queued work so that freed
+    /// buffers are counted as free.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        self.stream.synchronize()?;
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub fn multiprocessors(&self) -> Result<i32> {
+        Ok(self.ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?)
+    }
+}
+
+/// What `FusedKernels.info/0` reports about a device.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub memory_total: usize,
+    pub memory_free: usize,
+    pub multiprocessors: i32,
+    pub driver_version: i32,
+    pub nvrtc_version: (i32, i32),
+    pub cublas_present: bool,
+    pub device_count: usize,
+}
+
+pub fn device_info(ordinal: Option<usize>) -> Result<DeviceInfo> {
+    let probe = probe()?;
+    let g = gpu(ordinal)?;
+    let (memory_free, memory_total) = g.mem_info()?;
+    Ok(DeviceInfo {
+        ordinal: g.ordinal,
+        name: g.name.clone(),
+        compute_capability: g.compute_capability,
+        memory_total,
+        memory_free,
+        multiprocessors: g.multiprocessors()?,
+        driver_version: probe.driver_version,
+        nvrtc_version: probe.nvrtc_version,
+        cublas_present: probe.cublas_present,
+        device_count: probe.device_count,
+    })
+}
+
+/// Set `FUSED_KERNELS_REQUIRE_GPU=1` on a GPU machine to make GPU tests fail instead of skip
+/// when no device is found.
+pub fn gpu_for_tests() -> Option<Arc<Gpu>> {
+    match gpu(None) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("FUSED_KERNELS_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("FUSED_KERNELS_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_never_panics_and_explains_itself() {
+        match probe() {
+            Ok(p) => assert!(p.device_count >= 1),
+            Err(Error::Unavailable(reason)) => assert!(!reason.is_empty()),
+            Err(other) => panic!("unexpected error kind: {other}"),
+        }
+    }
+
+    #[test]
+    fn info_and_gpu_agree_with_probe() {
+        match (probe(), device_info(None)) {
+            (Ok(_), Ok(info)) => assert!(info.memory_total > 0 && !info.name.is_empty()),
+            (Err(_), Err(e)) => assert_eq!(e.kind(), "unavailable"),
+            (p, i) => panic!("probe {p:?} but info {i:?}"),
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! Element types crossing the boundary and their (bit-exact, little-endian) conversions.
+//! Every conversion copies, so a binary with any alignment is safe to read.
+
+use crate::error::{arg_error, Result};
+use half::{bf16, f16};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    /// Only for CPU references and tests; no kernel takes f64.
+    F64,
+}
+
+impl DType {
+    /// Nx's spelling: `{:f, 32}`, `{:f, 16}`, `{:bf, 16}`, `{:f, 64}`.
+    pub fn from_nx(kind: &str, bits: u64) -> Result<DType> {
+        match (kind, bits) {
+            ("f", 32) => Ok(DType::F32),
+            ("f", 16) => Ok(DType::F16),
+            ("bf", 16) => Ok(DType::BF16),
+            ("f", 64) => Ok(DType::F64),
+            _ => Err(arg_error(format!(
+                "unsupported type {{:{kind}, {bits}}}: expected {{:f, 32}}, {{:f, 16}}, {{:bf, 16}} or {{:f, 64}}"
+            ))),
+        }
+    }
+
+    pub fn nx_parts(self) -> (&'static str, u64) {
+        match self {
+            DType::F32 => ("f", 32),
+            DType::F16 => ("f", 16),
+            DType::BF16 => ("bf", 16),
+            DType::F64 => ("f", 64),
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::F64 => 8,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F64 => "f64",
+        }
+    }
+
+    /// The code kernels switch on (see `kernels/common.cuh`); f64 has none.
+    pub fn kernel_code(self) -> Option<i32> {
+        match self {
+            DType::F32 => Some(0),
+            DType::F16 => Some(1),
+            DType::BF16 => Some(2),
+            DType::F64 => None,
+        }
+    }
+}
+
+/// Decodes `bytes` (already validated to hold whole elements) into f32.
+pub fn decode_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F64 => decode_f64(bytes, dtype)
+            .into_iter()
+            .map(|v| v as f32)
+            .collect(),
+    }
+}
+
+/// Decodes into f64 (for references).
+pub fn decode_f64(bytes: &[u8], dtype: DType) -> Vec<f64> {
+    match dtype {
+        DType::F64 => bytes
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+        other => decode_f32(bytes, other)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    }
+}
+
+/// Encodes f32 values into `dtype` (round to nearest even for the 16-bit types).
+pub fn encode_f32(values: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    match dtype {
+        DType::F32 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F16 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        DType::BF16 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        DType::F64 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&f64::from(*v).to_le_bytes())),
+    }
+    out
+}
+
+/// Encodes f64 values into `dtype`.
+pub fn encode_f64(values: &[f64], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F64 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        other => encode_f32(&values.iter().map(|v| *v as f32).collect::<Vec<_>>(), other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_every_type() {
+        let vals = [1.0f32, -2.5, 0.15625, 65504.0, -0.0];
+        for dt in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let back = decode_f32(&encode_f32(&vals, dt), dt);
+            for (a, b) in vals.iter().zip(&back) {
+                let tol = if dt == DType::BF16 {
+                    1e-2 * a.abs()
+                } else {
+                    0.0
+                };
+                assert!((a - b).abs() <= tol, "{dt:?}: {a} -> {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        // 1 + 2^-8 sits halfway between two bf16 values; ties go to the even one (1.0).
+        let bytes = encode_f32(&[1.0 + 1.0 / 256.0], DType::BF16);
+        assert_eq!(u16::from_le_bytes([bytes[0], bytes[1]]), 0x3f80);
+    }
+
+    #[test]
+    fn rejects_unknown_types() {
+        assert!(DType::from_nx("s", 32).is_err());
+        assert!(DType::from_nx("f", 8).is_err());
+        assert_eq!(DType::from_nx("bf", 16).unwrap(), DType::BF16);
+    }
+}

@@ -1,0 +1,25 @@
+//! The kernel sources, embedded in the library so the NIF is one self-contained file. Each
+//! op's source is `kernels/<op>.cu`, compiled with `kernels/common.cuh` in front of it.
+
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+
+#[derive(Debug)]
+pub struct Kernel {
+    pub name: &'static str,
+    pub body: &'static str,
+}
+
+impl Kernel {
+    /// The exact text NVRTC compiles (and the cache hashes).
+    pub fn source(&self) -> String {
+        format!("{COMMON}\n// ---- {}.cu ----\n{}", self.name, self.body)
+    }
+}
+
+pub const SCALED_SOFTMAX: Kernel = Kernel {
+    name: "scaled_softmax",
+    body: include_str!("../kernels/scaled_softmax.cu"),
+};
+
+/// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
+pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX];

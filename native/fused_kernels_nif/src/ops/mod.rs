@@ -1,0 +1,3 @@
+//! One NIF per op, mirroring `fused_kernels_core::ops` and `lib/fused_kernels/<op>.ex`.
+
+mod scaled_softmax;

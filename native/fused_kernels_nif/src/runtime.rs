@@ -1,0 +1,120 @@
+//! Runtime NIFs: what the machine offers, the kernel cache, device buffers.
+
+use crate::terms::{decode_device, decode_host, encode_host, reply, Buffer};
+use fused_kernels_core::cuda::{self, cache, DeviceTensor};
+use fused_kernels_core::error::{arg_error, Result};
+use fused_kernels_core::parallel::CPU_THREADS;
+use rustler::{Encoder, Env, ResourceArc, Term};
+
+fn put<'a>(env: Env<'a>, map: Term<'a>, key: &str, value: Term<'a>) -> Term<'a> {
+    match rustler::Atom::from_str(env, key) {
+        Ok(k) => map.map_put(k, value).unwrap_or(map),
+        Err(_) => map,
+    }
+}
+
+/// A map describing the native layer and (when present) the device. Never fails: a missing
+/// GPU is reported as `cuda_available: false` with the reason.
+#[rustler::nif(schedule = "DirtyIo")]
+fn info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
+    let (mem_hits, disk_hits, compiles) = cache::STATS.snapshot();
+    let mut m = rustler::types::map::map_new(env);
+    m = put(
+        env,
+        m,
+        "cache_dir",
+        cache::dir().display().to_string().encode(env),
+    );
+    m = put(env, m, "cpu_threads", (*CPU_THREADS as u64).encode(env));
+    let stats = rustler::types::map::map_new(env);
+    let stats = put(env, stats, "memory_hits", mem_hits.encode(env));
+    let stats = put(env, stats, "disk_hits", disk_hits.encode(env));
+    let stats = put(env, stats, "compiles", compiles.encode(env));
+    m = put(env, m, "kernel_cache", stats);
+    let info = decode_device(device).and_then(cuda::device_info);
+    match info {
+        Ok(i) => {
+            m = put(env, m, "cuda_available", true.encode(env));
+            m = put(env, m, "device", (i.ordinal as u64).encode(env));
+            m = put(env, m, "device_count", (i.device_count as u64).encode(env));
+            m = put(env, m, "device_name", i.name.encode(env));
+            m = put(
+                env,
+                m,
+                "compute_capability",
+                i.compute_capability.encode(env),
+            );
+            m = put(env, m, "memory_total", (i.memory_total as u64).encode(env));
+            m = put(env, m, "memory_free", (i.memory_free as u64).encode(env));
+            m = put(env, m, "multiprocessors", i.multiprocessors.encode(env));
+            m = put(env, m, "driver_version", i.driver_version.encode(env));
+            m = put(env, m, "nvrtc_version", i.nvrtc_version.encode(env));
+            m = put(env, m, "cublas_available", i.cublas_present.encode(env));
+        }
+        Err(e) => {
+            m = put(env, m, "cuda_available", false.encode(env));
+            m = put(env, m, "reason", e.to_string().encode(env));
+        }
+    }
+    m
+}
+
+#[rustler::nif]
+fn set_cache_dir<'a>(env: Env<'a>, path: Term<'a>) -> Term<'a> {
+    let result = path
+        .decode::<String>()
+        .map_err(|_| arg_error("cache_dir must be a string path"))
+        .map(|p| {
+            cache::set_dir(p.into());
+            crate::atoms::ok().encode(env)
+        });
+    reply(env, result)
+}
+
+/// Copies a host tensor to a device; the buffer lives until the BEAM collects it.
+#[rustler::nif(schedule = "DirtyIo")]
+fn buffer_upload<'a>(env: Env<'a>, tensor: Term<'a>, device: Term<'a>) -> Term<'a> {
+    let result = (|| -> Result<Term<'a>> {
+        let host = decode_host("tensor", tensor)?;
+        let gpu = cuda::gpu(decode_device(device)?)?;
+        let dev = DeviceTensor::upload(&gpu, &host)?;
+        Ok(ResourceArc::new(Buffer(dev)).encode(env))
+    })();
+    reply(env, result)
+}
+
+#[rustler::nif(schedule = "DirtyIo")]
+fn buffer_download<'a>(env: Env<'a>, buffer: Term<'a>) -> Term<'a> {
+    let result = buffer
+        .decode::<ResourceArc<Buffer>>()
+        .map_err(|_| arg_error("buffer must be a device buffer"))
+        .and_then(|b| encode_host(env, &b.0.download()?));
+    reply(env, result)
+}
+
+/// `{shape, type, device}` of a buffer, without touching the device.
+#[rustler::nif]
+fn buffer_meta<'a>(env: Env<'a>, buffer: Term<'a>) -> Term<'a> {
+    let result = buffer
+        .decode::<ResourceArc<Buffer>>()
+        .map_err(|_| arg_error("buffer must be a device buffer"))
+        .and_then(|b| {
+            Ok((
+                crate::terms::encode_shape(env, &b.0.shape),
+                crate::terms::encode_dtype(env, b.0.dtype)?,
+                b.0.gpu.ordinal as u64,
+            )
+                .encode(env))
+        });
+    reply(env, result)
+}
+
+/// `{free, total}` bytes of device memory once queued work (and frees) have finished.
+#[rustler::nif(schedule = "DirtyIo")]
+fn cuda_mem_info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
+    let result = decode_device(device)
+        .and_then(cuda::gpu)
+        .and_then(|g| g.mem_info())
+        .map(|(free, total)| (free as u64, total as u64).encode(env));
+    reply(env, result)
+}

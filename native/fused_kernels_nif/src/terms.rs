@@ -1,0 +1,167 @@
+//! Terms <-> tensors. A host tensor crosses the boundary as `{binary, shape_tuple, type}`
+//! with Nx's type tuples (`{:f, 32}`, `{:bf, 16}`, ...); a device tensor as a buffer resource.
+//! Every decode failure names the argument and says what was expected.
+
+use crate::atoms;
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::error::{arg_error, Error, Result};
+use fused_kernels_core::operand::{Operand, Placement, Value};
+use fused_kernels_core::ops::Backend;
+use fused_kernels_core::tensor::shape_from_i64;
+use fused_kernels_core::{DType, HostTensor, OwnedTensor};
+use rustler::types::tuple::{get_tuple, make_tuple};
+use rustler::{Binary, Encoder, Env, NewBinary, ResourceArc, Term};
+
+/// A device buffer owned by the BEAM; freed on the GPU when the last reference is collected.
+pub struct Buffer(pub DeviceTensor);
+
+#[rustler::resource_impl]
+impl rustler::Resource for Buffer {}
+
+/// `{:ok, value}` or `{:error, {kind, message}}`.
+pub fn reply<'a>(env: Env<'a>, result: Result<Term<'a>>) -> Term<'a> {
+    match result {
+        Ok(t) => (atoms::ok(), t).encode(env),
+        Err(e) => error_term(env, &e),
+    }
+}
+
+pub fn error_term<'a>(env: Env<'a>, e: &Error) -> Term<'a> {
+    let kind = rustler::Atom::from_str(env, e.kind()).unwrap_or_else(|_| atoms::error());
+    (atoms::error(), (kind, e.to_string())).encode(env)
+}
+
+pub fn decode_dtype(name: &str, term: Term<'_>) -> Result<DType> {
+    let bad = || {
+        arg_error(format!(
+            "{name}: type must be a tuple like {{:f, 32}}, {{:f, 16}} or {{:bf, 16}}"
+        ))
+    };
+    let parts = get_tuple(term).map_err(|_| bad())?;
+    if parts.len() != 2 {
+        return Err(bad());
+    }
+    let kind = parts[0].atom_to_string().map_err(|_| bad())?;
+    let bits: u64 = parts[1].decode().map_err(|_| bad())?;
+    DType::from_nx(&kind, bits).map_err(|e| arg_error(format!("{name}: {e}")))
+}
+
+pub fn decode_shape(name: &str, term: Term<'_>) -> Result<Vec<usize>> {
+    let dims: Vec<Term> = get_tuple(term)
+        .or_else(|_| term.decode::<Vec<Term>>())
+        .map_err(|_| {
+            arg_error(format!(
+                "{name}: shape must be a tuple of positive integers"
+            ))
+        })?;
+    let dims: Vec<i64> = dims
+        .iter()
+        .map(|d| d.decode::<i64>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| {
+            arg_error(format!(
+                "{name}: shape must be a tuple of positive integers"
+            ))
+        })?;
+    shape_from_i64(name, &dims)
+}
+
+/// Decodes a host tensor triple; the binary is borrowed, never copied or cast.
+pub fn decode_host<'a>(name: &str, term: Term<'a>) -> Result<HostTensor<'a>> {
+    let bad = || {
+        arg_error(format!(
+            "{name}: expected {{binary, shape, type}} or a device buffer"
+        ))
+    };
+    let parts = get_tuple(term).map_err(|_| bad())?;
+    if parts.len() != 3 {
+        return Err(bad());
+    }
+    let bin: Binary<'a> = parts[0]
+        .decode()
+        .map_err(|_| arg_error(format!("{name}: data must be a binary")))?;
+    let shape = decode_shape(name, parts[1])?;
+    let dtype = decode_dtype(name, parts[2])?;
+    HostTensor::new(name, bin.as_slice(), shape, dtype)
+}
+
+/// A host triple or a device buffer resource.
+pub fn decode_operand<'a>(name: &str, term: Term<'a>) -> Result<Operand<'a>> {
+    if let Ok(buf) = term.decode::<ResourceArc<Buffer>>() {
+        // The resource term keeps the buffer alive for the whole NIF call.
+        let ptr: *const DeviceTensor = &buf.0;
+        return Ok(Operand::Device(unsafe { &*ptr }));
+    }
+    decode_host(name, term).map(Operand::Host)
+}
+
+pub fn decode_device(term: Term<'_>) -> Result<Option<usize>> {
+    if term
+        .decode::<rustler::Atom>()
+        .is_ok_and(|a| a == atoms::nil())
+    {
+        return Ok(None);
+    }
+    term.decode::<u32>()
+        .map(|d| Some(d as usize))
+        .map_err(|_| arg_error("device must be nil or a non-negative integer"))
+}
+
+pub fn decode_backend(term: Term<'_>, device: Term<'_>) -> Result<Backend> {
+    let name = term
+        .atom_to_string()
+        .map_err(|_| arg_error("backend must be the atom :cpu or :cuda"))?;
+    Backend::parse(&name, decode_device(device)?)
+}
+
+pub fn decode_placement(term: Term<'_>) -> Result<Placement> {
+    match term.decode::<rustler::Atom>() {
+        Ok(a) if a == atoms::host() => Ok(Placement::Host),
+        Ok(a) if a == atoms::device() => Ok(Placement::Device),
+        _ => Err(arg_error("out must be :host or :device")),
+    }
+}
+
+/// A number option (integers accepted), named in the error.
+pub fn decode_f64(name: &str, term: Term<'_>) -> Result<f64> {
+    term.decode::<f64>()
+        .or_else(|_| term.decode::<i64>().map(|i| i as f64))
+        .map_err(|_| arg_error(format!("{name} must be a number")))
+}
+
+pub fn decode_bool(name: &str, term: Term<'_>) -> Result<bool> {
+    term.decode::<bool>()
+        .map_err(|_| arg_error(format!("{name} must be true or false")))
+}
+
+pub fn encode_dtype<'a>(env: Env<'a>, dtype: DType) -> Result<Term<'a>> {
+    let (kind, bits) = dtype.nx_parts();
+    let kind = rustler::Atom::from_str(env, kind)
+        .map_err(|_| Error::Argument("cannot encode type".into()))?;
+    Ok((kind, bits).encode(env))
+}
+
+pub fn encode_shape<'a>(env: Env<'a>, shape: &[usize]) -> Term<'a> {
+    let dims: Vec<Term> = shape.iter().map(|d| (*d as u64).encode(env)).collect();
+    make_tuple(env, &dims)
+}
+
+pub fn encode_host<'a>(env: Env<'a>, t: &OwnedTensor) -> Result<Term<'a>> {
+    let data = NewBinary::from_slice(env, &t.data);
+    let data: Term<'a> = data.into();
+    Ok(make_tuple(
+        env,
+        &[
+            data,
+            encode_shape(env, &t.shape),
+            encode_dtype(env, t.dtype)?,
+        ],
+    ))
+}
+
+pub fn encode_value<'a>(env: Env<'a>, v: Value) -> Result<Term<'a>> {
+    match v {
+        Value::Host(t) => encode_host(env, &t),
+        Value::Device(d) => Ok(ResourceArc::new(Buffer(d)).encode(env)),
+    }
+}
