@@ -77,11 +77,11 @@ pub fn decode_host<'a>(name: &str, term: Term<'a>) -> Result<HostTensor<'a>> {
     if parts.len() != 3 {
         return Err(bad());
     }
+    let shape = decode_shape(name, parts[1])?;
+    let dtype = decode_dtype(name, parts[2])?;
     let bin: Binary<'a> = parts[0]
         .decode()
         .map_err(|_| arg_error(format!("{name}: data must be a binary")))?;
-    let shape = decode_shape(name, parts[1])?;
-    let dtype = decode_dtype(name, parts[2])?;
     HostTensor::new(name, bin.as_slice(), shape, dtype)
 }
 
