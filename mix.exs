@@ -16,7 +16,8 @@ defmodule FusedKernels.MixProject do
       compilers: [:fused_kernels_nif | Mix.compilers()],
       elixirc_paths: ["lib"],
       deps: deps(),
-      description: "Fused CUDA and native CPU kernels (attention, LSTM, GRU, Mamba) for Nx and Axon.",
+      description:
+        "Fused CUDA and native CPU kernels (attention, LSTM, GRU, Mamba) for Nx and Axon.",
       test_coverage: [summary: [threshold: 0]]
     ]
   end
@@ -35,5 +36,4 @@ defmodule FusedKernels.MixProject do
       []
     end
   end
-
 end

@@ -34,7 +34,8 @@ defmodule FusedKernels do
   end
 
   @doc "Sets the directory for compiled kernels (also `config :fused_kernels, cache_dir:`)."
-  def set_cache_dir(dir) when is_binary(dir), do: dir |> Native.set_cache_dir() |> Native.unwrap!()
+  def set_cache_dir(dir) when is_binary(dir),
+    do: dir |> Native.set_cache_dir() |> Native.unwrap!()
 
   if Code.ensure_loaded?(Nx) do
     @doc """

@@ -54,7 +54,12 @@ defmodule FusedKernels.BoundaryFuzzTest do
     size =
       case {shape, type} do
         {s, {k, b}} when is_tuple(s) and k in [:f, :bf] and is_integer(b) and b > 0 ->
-          s |> Tuple.to_list() |> Enum.reduce(1, fn d, acc -> if is_integer(d) and d in 0..64, do: d * acc, else: acc end) |> Kernel.*(div(b, 8))
+          s
+          |> Tuple.to_list()
+          |> Enum.reduce(1, fn d, acc ->
+            if is_integer(d) and d in 0..64, do: d * acc, else: acc
+          end)
+          |> Kernel.*(div(b, 8))
 
         _ ->
           16
@@ -91,10 +96,41 @@ defmodule FusedKernels.BoundaryFuzzTest do
     ])
   end
 
-  defp gen_scale, do: pick([{1.0, nil}, {0.125, nil}, {3, nil}, {"1.0", "scale"}, {:nan, "scale"}, {1 <<< 70, "scale"}])
+  defp gen_scale,
+    do:
+      pick([
+        {1.0, nil},
+        {0.125, nil},
+        {3, nil},
+        {"1.0", "scale"},
+        {:nan, "scale"},
+        {1 <<< 70, "scale"}
+      ])
+
   defp gen_causal, do: pick([{true, nil}, {false, nil}, {:yes, "causal"}, {1, "causal"}])
-  defp gen_backend, do: pick([{:cpu, nil}, {:cpu, nil}, {:cpu, nil}, {:cuda, nil}, {:tpu, "backend"}, {"cpu", "backend"}])
-  defp gen_device, do: pick([{nil, nil}, {nil, nil}, {0, nil}, {-1, "device"}, {1 <<< 40, "device"}, {:gpu, "device"}])
+
+  defp gen_backend,
+    do:
+      pick([
+        {:cpu, nil},
+        {:cpu, nil},
+        {:cpu, nil},
+        {:cuda, nil},
+        {:tpu, "backend"},
+        {"cpu", "backend"}
+      ])
+
+  defp gen_device,
+    do:
+      pick([
+        {nil, nil},
+        {nil, nil},
+        {0, nil},
+        {-1, "device"},
+        {1 <<< 40, "device"},
+        {:gpu, "device"}
+      ])
+
   defp gen_out, do: pick([{:host, nil}, {:host, nil}, {:device, nil}, {:disk, "out"}])
 
   # Each component is valid 85% of the time, so about a quarter of all calls are fully valid
@@ -126,10 +162,12 @@ defmodule FusedKernels.BoundaryFuzzTest do
             assert valid_result?(value, out)
             %{counts | ok: counts.ok + 1}
 
-          {:error, {kind, message}} when kind in @kinds and is_binary(message) and message != "" ->
+          {:error, {kind, message}}
+          when kind in @kinds and is_binary(message) and message != "" ->
             cond do
               errors != [] ->
                 assert kind == :argument, "#{inspect(terms, limit: 8)} -> #{inspect(result)}"
+
                 assert Enum.any?(errors, &String.contains?(message, &1)),
                        "message #{inspect(message)} names none of #{inspect(errors)}"
 
@@ -164,9 +202,14 @@ defmodule FusedKernels.BoundaryFuzzTest do
       {x, err, _} = gen_x()
 
       case Native.buffer_upload(x, nil) do
-        {:error, {:argument, msg}} -> assert err && msg =~ err, "#{inspect(x, limit: 6)}: #{msg} (expected #{inspect(err)})"
-        {:error, {:unavailable, _}} -> refute FusedKernels.Backend.cuda_available?()
-        {:ok, ref} -> assert is_reference(ref) and is_nil(err)
+        {:error, {:argument, msg}} ->
+          assert err && msg =~ err, "#{inspect(x, limit: 6)}: #{msg} (expected #{inspect(err)})"
+
+        {:error, {:unavailable, _}} ->
+          refute FusedKernels.Backend.cuda_available?()
+
+        {:ok, ref} ->
+          assert is_reference(ref) and is_nil(err)
       end
     end
   end

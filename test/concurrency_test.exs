@@ -12,13 +12,19 @@ defmodule FusedKernels.ConcurrencyTest do
     for p <- 1..@processes, c <- 1..@calls_each do
       shape = Enum.at([{3, 61}, {1, 4, 60, 60}, {5, 1000}, {2, 1, 7, 9}], rem(p + c, 4))
       type = Enum.at([{:f, 32}, {:bf, 16}, {:f, 16}], rem(p * c, 3))
-      {{TestRef.encode(TestRef.random_list(Tuple.product(shape)), type), shape, type}, rem(p, 2) == 0}
+
+      {{TestRef.encode(TestRef.random_list(Tuple.product(shape)), type), shape, type},
+       rem(p, 2) == 0}
     end
   end
 
   defp concurrent_equals_serial(backend) do
     inputs = inputs()
-    call = fn {x, causal} -> ScaledSoftmax.native(x, backend: backend, scale: 0.5, causal: causal) end
+
+    call = fn {x, causal} ->
+      ScaledSoftmax.native(x, backend: backend, scale: 0.5, causal: causal)
+    end
+
     serial = Enum.map(inputs, call)
 
     concurrent =

@@ -12,14 +12,29 @@ defmodule FusedKernels.NativeTest do
     assert is_boolean(info.cuda_available)
 
     if info.cuda_available do
-      for key <- [:device_name, :compute_capability, :memory_total, :driver_version, :nvrtc_version],
+      for key <- [
+            :device_name,
+            :compute_capability,
+            :memory_total,
+            :driver_version,
+            :nvrtc_version
+          ],
           do: assert(Map.has_key?(info, key))
     else
       assert info.reason =~ "CUDA is not available"
     end
   end
 
-  @shapes [{1, 1}, {1, 147}, {61, 61}, {7, 200}, {3, 1000}, {1, 4, 60, 60}, {2, 3, 13, 23}, {1, 2, 23, 13}]
+  @shapes [
+    {1, 1},
+    {1, 147},
+    {61, 61},
+    {7, 200},
+    {3, 1000},
+    {1, 4, 60, 60},
+    {2, 3, 13, 23},
+    {1, 2, 23, 13}
+  ]
 
   for type <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
     test "cpu scaled_softmax matches the f64 reference for #{inspect(type)}" do
@@ -29,7 +44,10 @@ defmodule FusedKernels.NativeTest do
         n = Tuple.product(shape)
         bin = TestRef.encode(TestRef.random_list(n), type)
         x = TestRef.decode(bin, type)
-        {out, ^shape, ^type} = ScaledSoftmax.native({bin, shape, type}, backend: :cpu, scale: 0.37, causal: causal)
+
+        {out, ^shape, ^type} =
+          ScaledSoftmax.native({bin, shape, type}, backend: :cpu, scale: 0.37, causal: causal)
+
         err = TestRef.rel_l2(TestRef.decode(out, type), TestRef.softmax(x, shape, 0.37, causal))
         assert err <= TestRef.tolerance(type), "#{inspect(shape)} causal=#{causal}: #{err}"
       end
@@ -86,7 +104,9 @@ defmodule FusedKernels.NativeTest do
         ScaledSoftmax.native({<<0::32>>, {1, 1}, {:f, 32}}, backend: :cuda)
       end
 
-      assert {:error, {:unavailable, _}} = Native.buffer_upload({<<0::32>>, {1, 1}, {:f, 32}}, nil)
+      assert {:error, {:unavailable, _}} =
+               Native.buffer_upload({<<0::32>>, {1, 1}, {:f, 32}}, nil)
+
       assert {:error, {:unavailable, _}} = Native.cuda_mem_info(nil)
     end
   end

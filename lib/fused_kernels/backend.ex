@@ -31,9 +31,14 @@ defmodule FusedKernels.Backend do
   @doc "The device option (nil: the native default)."
   def device(opts) do
     case Keyword.get(opts, :device, Application.get_env(:fused_kernels, :device)) do
-      nil -> nil
-      d when is_integer(d) and d >= 0 -> d
-      other -> raise ArgumentError, "device must be a non-negative integer, got: #{inspect(other)}"
+      nil ->
+        nil
+
+      d when is_integer(d) and d >= 0 ->
+        d
+
+      other ->
+        raise ArgumentError, "device must be a non-negative integer, got: #{inspect(other)}"
     end
   end
 

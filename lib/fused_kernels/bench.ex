@@ -50,7 +50,10 @@ defmodule FusedKernels.Bench do
       end
 
     IO.puts("\n" <> table(rows))
-    if path = opts[:json], do: File.write!(path, FusedKernels.Bench.JSON.encode(%{machine: machine(), rows: rows}))
+
+    if path = opts[:json],
+      do: File.write!(path, FusedKernels.Bench.JSON.encode(%{machine: machine(), rows: rows}))
+
     rows
   end
 
@@ -125,11 +128,23 @@ defmodule FusedKernels.Bench do
   defp type_name({k, b}), do: "#{k}#{b}"
 
   defp progress(r),
-    do: "  #{r.case} [#{r.backend}] median #{fmt(r.median_ms)} ms p95 #{fmt(r.p95_ms)} ms (#{r.runs} runs)"
+    do:
+      "  #{r.case} [#{r.backend}] median #{fmt(r.median_ms)} ms p95 #{fmt(r.p95_ms)} ms (#{r.runs} runs)"
 
   @doc "The results as a table."
   def table(rows) do
-    header = ["case", "backend", "shape", "type", "runs", "median ms", "p95 ms", "p99 ms", "FPS", "60 FPS"]
+    header = [
+      "case",
+      "backend",
+      "shape",
+      "type",
+      "runs",
+      "median ms",
+      "p95 ms",
+      "p99 ms",
+      "FPS",
+      "60 FPS"
+    ]
 
     body =
       Enum.map(rows, fn r ->
@@ -152,9 +167,17 @@ defmodule FusedKernels.Bench do
         Enum.zip_with(row, acc, &max(String.length(&1), &2))
       end)
 
-    line = fn row -> "| " <> Enum.join(Enum.zip_with(row, widths, &String.pad_trailing/2), " | ") <> " |" end
+    line = fn row ->
+      "| " <> Enum.join(Enum.zip_with(row, widths, &String.pad_trailing/2), " | ") <> " |"
+    end
+
     sep = "|" <> Enum.map_join(widths, "|", &String.duplicate("-", &1 + 2)) <> "|"
-    note = if Enum.any?(rows, & &1.reduced_runs), do: "\n* fewer runs: one run takes over 200 ms", else: ""
+
+    note =
+      if Enum.any?(rows, & &1.reduced_runs),
+        do: "\n* fewer runs: one run takes over 200 ms",
+        else: ""
+
     Enum.join([line.(header), sep | Enum.map(body, line)], "\n") <> note
   end
 
@@ -170,7 +193,8 @@ defmodule FusedKernels.Bench do
 
     gpu =
       if info.cuda_available,
-        do: "#{info.device_name} (sm_#{elem(info.compute_capability, 0)}#{elem(info.compute_capability, 1)})",
+        do:
+          "#{info.device_name} (sm_#{elem(info.compute_capability, 0)}#{elem(info.compute_capability, 1)})",
         else: "no GPU (#{info.reason})"
 
     "#{cpu}; #{gpu}; Elixir #{System.version()}/OTP #{System.otp_release()}" <>
@@ -182,7 +206,9 @@ defmodule FusedKernels.Bench.JSON do
   @moduledoc false
   # A small encoder so `--json` works on Elixir 1.14 without a JSON dependency.
   def encode(v) when is_map(v),
-    do: "{" <> Enum.map_join(v, ",", fn {k, x} -> encode(to_string(k)) <> ":" <> encode(x) end) <> "}"
+    do:
+      "{" <>
+        Enum.map_join(v, ",", fn {k, x} -> encode(to_string(k)) <> ":" <> encode(x) end) <> "}"
 
   def encode(v) when is_list(v), do: "[" <> Enum.map_join(v, ",", &encode/1) <> "]"
   def encode(v) when is_boolean(v) or is_nil(v), do: if(is_nil(v), do: "null", else: to_string(v))

@@ -10,7 +10,12 @@ defmodule FusedKernels.Buffer do
   @enforce_keys [:ref, :shape, :type, :device]
   defstruct [:ref, :shape, :type, :device]
 
-  @type t :: %__MODULE__{ref: reference(), shape: tuple(), type: tuple(), device: non_neg_integer()}
+  @type t :: %__MODULE__{
+          ref: reference(),
+          shape: tuple(),
+          type: tuple(),
+          device: non_neg_integer()
+        }
 
   @doc "Uploads a `{binary, shape, type}` triple (or an Nx tensor, when Nx is loaded)."
   def upload(tensor, opts \\ []) do

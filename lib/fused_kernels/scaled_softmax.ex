@@ -8,12 +8,17 @@ defmodule FusedKernels.ScaledSoftmax do
 
   @doc false
   def options(opts) do
-    opts = Keyword.validate!(opts, scale: 1.0, causal: false, backend: nil, device: nil, out: :host)
+    opts =
+      Keyword.validate!(opts, scale: 1.0, causal: false, backend: nil, device: nil, out: :host)
+
     scale = opts[:scale]
     causal = opts[:causal]
 
-    unless is_number(scale), do: raise(ArgumentError, "scale must be a number, got: #{inspect(scale)}")
-    unless is_boolean(causal), do: raise(ArgumentError, "causal must be a boolean, got: #{inspect(causal)}")
+    unless is_number(scale),
+      do: raise(ArgumentError, "scale must be a number, got: #{inspect(scale)}")
+
+    unless is_boolean(causal),
+      do: raise(ArgumentError, "causal must be a boolean, got: #{inspect(causal)}")
 
     unless opts[:out] in [:host, :device],
       do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
@@ -84,7 +89,10 @@ defmodule FusedKernels.ScaledSoftmax do
       mask =
         if causal do
           # Bottom-right aligned: query row q keeps keys j <= q + sk - sq.
-          Nx.greater_equal(Nx.add(Nx.iota({sq, sk}, axis: 0), sk - sq), Nx.iota({sq, sk}, axis: 1))
+          Nx.greater_equal(
+            Nx.add(Nx.iota({sq, sk}, axis: 0), sk - sq),
+            Nx.iota({sq, sk}, axis: 1)
+          )
           |> Nx.broadcast(Nx.shape(x))
         else
           Nx.broadcast(Nx.tensor(1, type: {:u, 8}), Nx.shape(x))

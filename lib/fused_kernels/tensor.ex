@@ -9,7 +9,10 @@ defmodule FusedKernels.Tensor do
 
   @doc "The value passed to a NIF for `tensor`."
   def to_native(%FusedKernels.Buffer{ref: ref}), do: ref
-  def to_native({bin, shape, type} = triple) when is_binary(bin) and is_tuple(shape) and is_tuple(type), do: triple
+
+  def to_native({bin, shape, type} = triple)
+      when is_binary(bin) and is_tuple(shape) and is_tuple(type),
+      do: triple
 
   if Code.ensure_loaded?(Nx) do
     def to_native(%Nx.Tensor{} = t), do: {Nx.to_binary(t), Nx.shape(t), Nx.type(t)}

@@ -22,7 +22,11 @@ defmodule Mix.Tasks.Bench do
         names -> Enum.map(names, &parse_backend/1)
       end
 
-    opts = opts |> Keyword.delete(:backend) |> then(&if(backends, do: [{:backend, backends} | &1], else: &1))
+    opts =
+      opts
+      |> Keyword.delete(:backend)
+      |> then(&if(backends, do: [{:backend, backends} | &1], else: &1))
+
     FusedKernels.Bench.run(opts)
   end
 

@@ -1,0 +1,1 @@
+[inputs: ["{mix,.formatter}.exs", "native/*.exs", "{lib,test,bench}/**/*.{ex,exs}"]]
