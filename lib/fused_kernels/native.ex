@@ -83,5 +83,7 @@ defmodule FusedKernels.Native do
   @doc false
   def cuda_mem_info(_device), do: not_loaded()
   @doc false
+  def cuda_synchronize(_device), do: not_loaded()
+  @doc false
   def scaled_softmax(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
 end

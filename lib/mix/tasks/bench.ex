@@ -4,7 +4,7 @@ defmodule Mix.Tasks.Bench do
   Times every case on every backend available here (CUDA, CPU-native, pure Nx when Nx is
   loaded) and prints median/p95/p99 ms, frames per second and the 60-FPS verdict.
 
-      mix bench [--quick] [--only SUBSTRING] [--backend cuda|cpu|nx ...] [--runs N] [--json PATH]
+      mix bench [--quick] [--only SUBSTRING] [--backend cuda|cuda_resident|cpu|nx ...] [--runs N] [--json PATH]
   """
   use Mix.Task
 
@@ -30,6 +30,9 @@ defmodule Mix.Tasks.Bench do
     FusedKernels.Bench.run(opts)
   end
 
-  defp parse_backend(name) when name in ["cuda", "cpu", "nx"], do: String.to_atom(name)
-  defp parse_backend(name), do: Mix.raise("--backend must be cuda, cpu or nx, got #{name}")
+  defp parse_backend(name) when name in ["cuda", "cuda_resident", "cpu", "nx"],
+    do: String.to_atom(name)
+
+  defp parse_backend(name),
+    do: Mix.raise("--backend must be cuda, cuda_resident, cpu or nx, got #{name}")
 end

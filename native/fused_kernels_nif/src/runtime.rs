@@ -118,3 +118,13 @@ fn cuda_mem_info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
         .map(|(free, total)| (free as u64, total as u64).encode(env));
     reply(env, result)
 }
+
+/// Waits until all work queued on the device has finished (for timing device-resident calls).
+#[rustler::nif(schedule = "DirtyIo")]
+fn cuda_synchronize<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
+    let result = decode_device(device)
+        .and_then(cuda::gpu)
+        .and_then(|g| g.synchronize())
+        .map(|()| crate::atoms::ok().encode(env));
+    reply(env, result)
+}

@@ -1,0 +1,40 @@
+"""Runs `ptxas -v` on every PTX file in a directory and prints one line per kernel function:
+registers, shared memory, stack frame and spills. Exits 1 if anything spills or fails."""
+import pathlib
+import re
+import subprocess
+import sys
+
+ptxas, ptx_dir = sys.argv[1], pathlib.Path(sys.argv[2])
+failed = False
+rows = []
+for ptx in sorted(ptx_dir.glob("*.ptx")):
+    kernel, arch = ptx.stem.rsplit(".", 1)
+    r = subprocess.run([ptxas, "-v", f"-arch={arch}", str(ptx), "-o", "/dev/null"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"FAILED ptxas {ptx}:\n{r.stderr}")
+        failed = True
+        continue
+    func = None
+    info = {}
+    for line in r.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            func = m.group(1)
+            info[func] = {}
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and func:
+            info[func].update(stack=int(m[1]), spill_st=int(m[2]), spill_ld=int(m[3]))
+        m = re.search(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$", line)
+        if m and func:
+            info[func].update(regs=int(m[1]), smem=int(m[2] or 0))
+    for func, i in info.items():
+        spills = i.get("spill_st", 0) + i.get("spill_ld", 0)
+        flag = "  SPILLS" if spills else ""
+        failed |= spills > 0
+        rows.append(f"{arch:6} {func:44} regs {i.get('regs', '?'):>3}  smem {i.get('smem', 0):>6} B  "
+                    f"stack {i.get('stack', 0):>4} B  spill st/ld {i.get('spill_st', 0)}/{i.get('spill_ld', 0)}{flag}")
+print("\n".join(rows))
+print(f"ptxas report: {len(rows)} kernel functions, " + ("SPILLS OR FAILURES FOUND" if failed else "no spills"))
+sys.exit(1 if failed else 0)
