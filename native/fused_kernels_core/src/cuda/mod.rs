@@ -222,11 +222,20 @@ impl Gpu {
         Ok(m)
     }
 
-    /// (free, total) device memory in bytes, after finishing queued work so that freed
-    /// buffers are counted as free.
+    /// (free, total) device memory in bytes, after finishing queued work and handing the
+    /// stream-ordered allocator's unused reserve back to the device, so that freed buffers
+    /// count as free.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
         self.stream.synchronize()?;
+        if self.ctx.has_async_alloc() {
+            let mut pool = std::ptr::null_mut();
+            unsafe {
+                cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                    .result()?;
+                cudarc::driver::sys::cuMemPoolTrimTo(pool, 0).result()?;
+            }
+        }
         Ok(self.ctx.mem_get_info()?)
     }
 
