@@ -65,10 +65,9 @@ impl Program {
 
     fn output(&self, target: Target) -> Result<Vec<u8>> {
         let mut size = 0usize;
-        let (size_fn, get_fn): (
-            unsafe fn(sys::nvrtcProgram, *mut usize) -> sys::nvrtcResult,
-            unsafe fn(sys::nvrtcProgram, *mut c_char) -> sys::nvrtcResult,
-        ) = match target {
+        type SizeFn = unsafe fn(sys::nvrtcProgram, *mut usize) -> sys::nvrtcResult;
+        type GetFn = unsafe fn(sys::nvrtcProgram, *mut c_char) -> sys::nvrtcResult;
+        let (size_fn, get_fn): (SizeFn, GetFn) = match target {
             Target::Cubin => (sys::nvrtcGetCUBINSize, sys::nvrtcGetCUBIN),
             Target::Ptx => (sys::nvrtcGetPTXSize, sys::nvrtcGetPTX),
         };
