@@ -72,6 +72,8 @@ defmodule Mix.Tasks.Compile.FusedKernelsNif do
           tmp = installed <> ".tmp"
           File.cp!(built, tmp)
           File.rename!(tmp, installed)
+          # Links priv/ into _build when it did not exist before this compiler ran.
+          Mix.Project.build_structure()
           {:ok, []}
       end
     end
