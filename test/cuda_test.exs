@@ -32,18 +32,7 @@ defmodule FusedKernels.CudaTest do
 
   for type <- [{:f, 32}, {:f, 16}, {:bf, 16}] do
     test "cuda scaled_softmax matches the f64 reference for #{inspect(type)}" do
-      type = unquote(Macro.escape(type))
-
-      for shape <- @shapes, causal <- [false, true] do
-        bin = TestRef.encode(TestRef.random_list(Tuple.product(shape)), type)
-        x = TestRef.decode(bin, type)
-
-        {out, ^shape, ^type} =
-          ScaledSoftmax.native({bin, shape, type}, backend: :cuda, scale: 0.37, causal: causal)
-
-        err = TestRef.rel_l2(TestRef.decode(out, type), TestRef.softmax(x, shape, 0.37, causal))
-        assert err <= TestRef.tolerance(type), "#{inspect(shape)} causal=#{causal}: #{err}"
-      end
+      TestRef.assert_softmax_matches(:cuda, unquote(Macro.escape(type)), @shapes)
     end
   end
 

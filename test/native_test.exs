@@ -38,19 +38,7 @@ defmodule FusedKernels.NativeTest do
 
   for type <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
     test "cpu scaled_softmax matches the f64 reference for #{inspect(type)}" do
-      type = unquote(Macro.escape(type))
-
-      for shape <- @shapes, causal <- [false, true] do
-        n = Tuple.product(shape)
-        bin = TestRef.encode(TestRef.random_list(n), type)
-        x = TestRef.decode(bin, type)
-
-        {out, ^shape, ^type} =
-          ScaledSoftmax.native({bin, shape, type}, backend: :cpu, scale: 0.37, causal: causal)
-
-        err = TestRef.rel_l2(TestRef.decode(out, type), TestRef.softmax(x, shape, 0.37, causal))
-        assert err <= TestRef.tolerance(type), "#{inspect(shape)} causal=#{causal}: #{err}"
-      end
+      TestRef.assert_softmax_matches(:cpu, unquote(Macro.escape(type)), @shapes)
     end
   end
 

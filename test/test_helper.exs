@@ -21,15 +21,27 @@ defmodule FusedKernels.TestRef do
 
   def random_list(n), do: for(_ <- 1..n, do: :rand.uniform() * 4 - 2)
 
-  def encode(list, type), do: for(v <- list, into: <<>>, do: enc(v, type))
+  defdelegate encode(list, type), to: FusedKernels.Bench, as: :encode_values
 
-  defp enc(v, {:f, 32}), do: <<v::float-32-native>>
-  defp enc(v, {:f, 64}), do: <<v::float-64-native>>
-  defp enc(v, {:f, 16}), do: <<v::float-16-native>>
+  @doc "Checks `ScaledSoftmax.native/2` on `backend` against the f64 reference."
+  def assert_softmax_matches(backend, type, shapes) do
+    for shape <- shapes, causal <- [false, true] do
+      bin = encode(random_list(Tuple.product(shape)), type)
 
-  defp enc(v, {:bf, 16}) do
-    <<hi::16, _::16>> = <<v::float-32-big>>
-    <<hi::16-native>>
+      {out, ^shape, ^type} =
+        FusedKernels.ScaledSoftmax.native({bin, shape, type},
+          backend: backend,
+          scale: 0.37,
+          causal: causal
+        )
+
+      err = rel_l2(decode(out, type), softmax(decode(bin, type), shape, 0.37, causal))
+
+      ExUnit.Assertions.assert(
+        err <= tolerance(type),
+        "#{backend} #{inspect(type)} #{inspect(shape)} causal=#{causal}: rel L2 #{err}"
+      )
+    end
   end
 
   @doc "Decodes a binary; NaN and infinities (which Elixir floats cannot hold) become :nan."

@@ -117,10 +117,12 @@ defmodule FusedKernels.Bench do
 
   @doc "A `{binary, shape, type}` of uniform values in [-2, 2) (never zeros)."
   def random_triple(shape, type) do
-    n = Tuple.product(shape)
-    bin = for _ <- 1..n, into: <<>>, do: encode(:rand.uniform() * 4 - 2, type)
-    {bin, shape, type}
+    values = for _ <- 1..Tuple.product(shape), do: :rand.uniform() * 4 - 2
+    {encode_values(values, type), shape, type}
   end
+
+  @doc "Encodes floats as a native-endian binary of `type` (bf16 by truncation)."
+  def encode_values(values, type), do: for(v <- values, into: <<>>, do: encode(v, type))
 
   defp encode(v, {:f, 32}), do: <<v::float-32-native>>
   defp encode(v, {:f, 64}), do: <<v::float-64-native>>

@@ -12,74 +12,55 @@ __device__ __forceinline__ int fk_softmax_limit(long long row, int sq, int sk, i
   return lim < 0 ? 0 : (lim > sk ? sk : (int)lim);
 }
 
-// One warp per row, K values per lane in registers.
+// One row held in registers, K values per thread: a warp per row (WARP, the thread's lane
+// strides the row) or a block per row (the thread index strides it).
+template <typename T, int K, bool WARP>
+__device__ __forceinline__ void fk_softmax_row(const T* __restrict__ xr, T* __restrict__ yr,
+                                               int limit, int sk, float scale) {
+  __shared__ float scratch[32];
+  const int first = WARP ? (threadIdx.x & 31) : threadIdx.x;
+  const int stride = WARP ? 32 : blockDim.x;
+  float v[K];
+  float m = FK_NEG_INF;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = first + stride * k;
+    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
+    m = fmaxf(m, v[k]);
+  }
+  m = WARP ? fk_warp_max(m) : fk_block_max(m, scratch);
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = first + stride * k;
+    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
+    s += v[k];
+  }
+  s = WARP ? fk_warp_sum(s) : fk_block_sum(s, scratch);
+  const float inv = limit > 0 ? 1.0f / s : 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int j = first + stride * k;
+    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
+  }
+}
+
 template <typename T, int K>
 __device__ __forceinline__ void fk_softmax_warp(const T* __restrict__ x, T* __restrict__ y,
                                                 long long rows, int sq, int sk, float scale,
                                                 int causal) {
   const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
   if (row >= rows) return;
-  const int limit = fk_softmax_limit(row, sq, sk, causal);
-  const T* xr = x + row * sk;
-  T* yr = y + row * sk;
-  float v[K];
-  float m = FK_NEG_INF;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = lane + 32 * k;
-    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
-    m = fmaxf(m, v[k]);
-  }
-  m = fk_warp_max(m);
-  float s = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = lane + 32 * k;
-    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
-    s += v[k];
-  }
-  s = fk_warp_sum(s);
-  const float inv = limit > 0 ? 1.0f / s : 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = lane + 32 * k;
-    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
-  }
+  fk_softmax_row<T, K, true>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
+                             sk, scale);
 }
 
-// One block per row, K values per thread in registers.
 template <typename T, int K>
 __device__ __forceinline__ void fk_softmax_block(const T* __restrict__ x, T* __restrict__ y,
                                                  int sq, int sk, float scale, int causal) {
-  __shared__ float scratch[32];
   const long long row = blockIdx.x;
-  const int limit = fk_softmax_limit(row, sq, sk, causal);
-  const T* xr = x + row * sk;
-  T* yr = y + row * sk;
-  float v[K];
-  float m = FK_NEG_INF;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = threadIdx.x + blockDim.x * k;
-    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
-    m = fmaxf(m, v[k]);
-  }
-  m = fk_block_max(m, scratch);
-  float s = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = threadIdx.x + blockDim.x * k;
-    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
-    s += v[k];
-  }
-  s = fk_block_sum(s, scratch);
-  const float inv = limit > 0 ? 1.0f / s : 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = threadIdx.x + blockDim.x * k;
-    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
-  }
+  fk_softmax_row<T, K, false>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
+                              sk, scale);
 }
 
 // Rows too long for registers: one pass for the running max and sum (online softmax),
