@@ -63,4 +63,10 @@ impl From<DriverError> for Error {
     }
 }
 
+impl From<cudarc::cublas::result::CublasError> for Error {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        Error::Cuda(format!("cuBLAS: {e:?}"))
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;

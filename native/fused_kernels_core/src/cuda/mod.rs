@@ -11,6 +11,7 @@ pub mod nvrtc;
 
 use crate::error::{Error, Result};
 use crate::kernels::Kernel;
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
 use std::collections::HashMap;
@@ -87,6 +88,7 @@ pub struct Gpu {
     pub compute_capability: (i32, i32),
     pub name: String,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    blas: OnceCell<std::result::Result<Mutex<CudaBlas>, String>>,
 }
 
 static GPUS: Lazy<Mutex<HashMap<usize, Arc<Gpu>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
@@ -137,6 +139,7 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
         ctx,
         compute_capability,
         modules: Mutex::new(HashMap::new()),
+        blas: OnceCell::new(),
     });
     gpus.insert(ordinal, g.clone());
     Ok(g)
@@ -220,6 +223,29 @@ impl Gpu {
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
         modules.insert(kernel.name, m.clone());
         Ok(m)
+    }
+
+    /// Runs `f` with this device's cuBLAS handle (created on first use, bound to the device's
+    /// stream). The handle is shared, so calls are serialised by a lock; the GEMMs it queues
+    /// are ordered with every other op on the stream.
+    pub fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
+        self.bind()?;
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                if !probe().is_ok_and(|p| p.cublas_present) {
+                    return Err("libcublas.so.13 was not found".to_string());
+                }
+                CudaBlas::new(self.stream.clone())
+                    .map(Mutex::new)
+                    .map_err(|e| format!("cuBLAS handle creation failed: {e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| Error::Unavailable(e.clone()))?;
+        let guard = blas
+            .lock()
+            .map_err(|_| Error::Cuda("cuBLAS handle lock poisoned".into()))?;
+        f(&guard)
     }
 
     /// (free, total) device memory in bytes, after finishing queued work and handing the
