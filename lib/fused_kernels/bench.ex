@@ -9,13 +9,13 @@ defmodule FusedKernels.Bench do
 
   @frame_ms 1000 / 60
 
-  @doc "The cases: `{name, shape, type, opts}` for scaled_softmax."
-  def cases do
-    [
-      {"scaled_softmax exphil scores", {1, 4, 60, 60}, {:f, 32}, [scale: 0.125, causal: true]},
-      {"scaled_softmax B4 H16 512x512", {4, 16, 512, 512}, {:bf, 16}, [scale: 0.125]}
-    ]
-  end
+  # Each op contributes its cases through `bench_cases/0`, returning maps with `:name`,
+  # `:shape` (a tuple, for the table), `:type` and `:runner`: `fn backend -> fun | nil end`,
+  # where `fun` runs one call synchronously and nil means "not on this backend".
+  @case_modules [FusedKernels.ScaledSoftmax.Bench]
+
+  @doc "Every benchmark case of every op."
+  def cases, do: Enum.flat_map(@case_modules, & &1.bench_cases())
 
   @doc """
   Backends present on this machine, in the order the table shows them. `:cuda` takes host
@@ -43,11 +43,11 @@ defmodule FusedKernels.Bench do
     IO.puts("fused_kernels bench: #{machine()}\n")
 
     rows =
-      for {name, shape, type, op_opts} <- cases(),
-          is_nil(only) or String.contains?(name, only),
+      for c <- cases(),
+          is_nil(only) or String.contains?(c.name, only),
           backend <- backends,
           backend in available_backends(),
-          row = measure(name, shape, type, op_opts, backend, runs),
+          row = measure(c, backend, runs),
           row != nil do
         IO.puts(progress(row))
         row
@@ -61,8 +61,8 @@ defmodule FusedKernels.Bench do
     rows
   end
 
-  defp measure(name, shape, type, op_opts, backend, runs) do
-    case runner(shape, type, op_opts, backend) do
+  defp measure(%{name: name, shape: shape, type: type, runner: runner}, backend, runs) do
+    case runner.(backend) do
       nil ->
         nil
 
@@ -88,30 +88,6 @@ defmodule FusedKernels.Bench do
           fps: 1000 / pct(times, 0.5),
           sixty_fps: pct(times, 0.95) < @frame_ms
         }
-    end
-  end
-
-  defp runner(shape, type, op_opts, :cuda_resident) do
-    # Input already on the GPU, output left there; timed until the device is idle.
-    x = FusedKernels.Buffer.upload(random_triple(shape, type))
-
-    fn ->
-      FusedKernels.ScaledSoftmax.native(x, [backend: :cuda, out: :device] ++ op_opts)
-      FusedKernels.Native.cuda_synchronize(nil)
-    end
-  end
-
-  defp runner(shape, type, op_opts, backend) when backend in [:cuda, :cpu] do
-    x = random_triple(shape, type)
-    fn -> FusedKernels.ScaledSoftmax.native(x, [backend: backend] ++ op_opts) end
-  end
-
-  defp runner(shape, type, op_opts, :nx) do
-    # Pure Nx on the configured Nx backend; skipped for big shapes (minutes per run).
-    if Tuple.product(shape) <= 100_000 and Code.ensure_loaded?(Nx) do
-      {bin, _, _} = random_triple(shape, type)
-      x = apply(Nx, :reshape, [apply(Nx, :from_binary, [bin, type]), shape])
-      fn -> apply(FusedKernels.ScaledSoftmax, :nx, [x, op_opts]) end
     end
   end
 

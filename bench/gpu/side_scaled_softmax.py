@@ -3,7 +3,7 @@ same run. PyTorch eager does what a user writes without a fused op: scale, mask,
 Timed like ours (wall clock around the call until the device is idle, median of many after
 warm-up), and with CUDA events for the kernel-only view. Prints a table with our ratio.
 
-Usage: python3 bench/gpu/torch_side.py BENCH_JSON"""
+Usage: python3 bench/gpu/side_scaled_softmax.py BENCH_JSON"""
 import json
 import sys
 import time
