@@ -67,6 +67,21 @@ defmodule FusedKernels.ScaledSoftmax do
       end
     end
 
+    # The op interface of FusedKernels.Axon.Call (fused layers inside graphs).
+    @doc false
+    def fused_call({x}, opts), do: run(x, Keyword.put(opts, :backend, native_backend(opts)))
+    @doc false
+    def nx_call({x}, opts), do: nx(x, opts)
+    @doc false
+    def output_template({x}, _opts), do: Nx.template(Nx.shape(x), Nx.type(x))
+
+    defp native_backend(opts) do
+      case Keyword.get(opts, :backend, :auto) do
+        :nx -> :auto
+        b -> b
+      end
+    end
+
     @doc """
     The pure-Nx implementation (f32 arithmetic, output in the input type); works on any Nx
     backend and inside `defn`.

@@ -1,0 +1,115 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule FusedKernels.Axon.Call do
+    @moduledoc """
+    Runs a fused op from inside a `defn` graph (an Axon model).
+
+    On Nx ≥ 0.11 the op becomes an `Nx.runtime_call/4` to the native kernel, wrapped in
+    `custom_grad` whose backward pass is the gradient of the op's pure-Nx implementation:
+    inference runs the kernel, training still gets exact gradients. On older Nx, or when no
+    native backend is available, the pure-Nx implementation is traced into the graph instead
+    (logged once). Nothing here raises at trace time because a GPU is missing.
+
+    An op module provides `fused_call(inputs, opts)` (concrete tensors in, native kernel),
+    `nx_call(inputs, opts)` (pure Nx, traceable) and `output_template(inputs, opts)`, where
+    `inputs` is a tuple of tensors and the outputs any Nx container.
+    """
+
+    require Logger
+
+    @doc "Whether this Nx has `Nx.runtime_call/4`."
+    def runtime_call? do
+      Code.ensure_loaded?(Nx) and function_exported?(Nx, :runtime_call, 4)
+    end
+
+    @doc "The path a fused layer takes here: `:runtime_call` or `:nx`."
+    def path(opts \\ []) do
+      native? =
+        FusedKernels.Backend.requested(opts) in [:auto, :cuda, :cpu] and
+          FusedKernels.Native.loaded?()
+
+      if runtime_call?() and native?, do: :runtime_call, else: :nx
+    end
+
+    @doc "Runs `op` on `inputs` (a tuple of tensors) inside or outside `defn`."
+    def run(op, inputs, opts) when is_tuple(inputs) do
+      case path(opts) do
+        :runtime_call ->
+          fused_with_pure_grad(op, inputs, opts)
+
+        :nx ->
+          log_fallback_once(op)
+          op.nx_call(inputs, opts)
+      end
+    end
+
+    defp fused_with_pure_grad(op, inputs, opts) do
+      template = op.output_template(inputs, opts)
+      leaves = flatten(template)
+      call_opts = [op: op, op_opts: opts]
+
+      out =
+        Nx.runtime_call(template, inputs, call_opts, &__MODULE__.callback/2)
+        |> flatten()
+        |> Enum.map(&Nx.reshape(&1, {Nx.size(&1)}))
+        |> Nx.concatenate()
+
+      input_list = Tuple.to_list(inputs)
+
+      # One flat tensor carries the custom gradient; its backward is the vector-Jacobian
+      # product of the pure-Nx implementation.
+      flat =
+        Nx.Defn.Kernel.custom_grad(out, input_list, fn g ->
+          g = Nx.Defn.Kernel.stop_grad(g)
+
+          grads =
+            Nx.Defn.grad(inputs, fn ins ->
+              ins
+              |> op.nx_call(opts)
+              |> flatten()
+              |> Enum.map(&Nx.flatten/1)
+              |> Nx.concatenate()
+              |> Nx.dot(g)
+            end)
+
+          Tuple.to_list(grads)
+        end)
+
+      unflatten(flat, template, leaves)
+    end
+
+    @doc false
+    def callback(inputs, opts), do: opts[:op].fused_call(inputs, opts[:op_opts])
+
+    defp flatten(container), do: Nx.Defn.Composite.flatten_list([container])
+
+    defp unflatten(flat, template, leaves) do
+      {parts, _} =
+        Enum.map_reduce(leaves, 0, fn leaf, offset ->
+          size = Nx.size(leaf)
+          part = flat |> Nx.slice([offset], [size]) |> Nx.reshape(Nx.shape(leaf))
+          {Nx.as_type(part, Nx.type(leaf)), offset + size}
+        end)
+
+      {out, []} =
+        Nx.Defn.Composite.traverse(template, parts, fn _leaf, [p | rest] -> {p, rest} end)
+
+      out
+    end
+
+    defp log_fallback_once(op) do
+      key = {__MODULE__, :fallback_logged, op}
+
+      unless :persistent_term.get(key, false) do
+        :persistent_term.put(key, true)
+
+        why =
+          if runtime_call?(),
+            do: "no native backend is available (#{inspect(FusedKernels.Native.status())})",
+            else:
+              "this Nx (#{Application.spec(:nx, :vsn)}) has no Nx.runtime_call/4 (needs ≥ 0.11)"
+
+        Logger.info("fused_kernels: #{inspect(op)} runs its pure-Nx path inside graphs: #{why}")
+      end
+    end
+  end
+end
