@@ -11,7 +11,8 @@ if Code.ensure_loaded?(Nx) do
 
     An op module provides `fused_call(inputs, opts)` (concrete tensors in, native kernel),
     `nx_call(inputs, opts)` (pure Nx, traceable) and `output_template(inputs, opts)`, where
-    `inputs` is a tuple of tensors and the outputs any Nx container.
+    `inputs` is a tuple of tensors or containers (e.g. Axon's parameter maps) and the outputs
+    any Nx container.
     """
 
     require Logger
@@ -47,13 +48,15 @@ if Code.ensure_loaded?(Nx) do
       leaves = flatten(template)
       call_opts = [op: op, op_opts: opts]
 
+      # apply/3: Nx < 0.11 has no runtime_call (this branch only runs on newer Nx).
       out =
-        Nx.runtime_call(template, inputs, call_opts, &__MODULE__.callback/2)
+        apply(Nx, :runtime_call, [template, inputs, call_opts, &__MODULE__.callback/2])
         |> flatten()
         |> Enum.map(&Nx.reshape(&1, {Nx.size(&1)}))
         |> Nx.concatenate()
 
-      input_list = Tuple.to_list(inputs)
+      # Inputs may hold parameter maps (Axon's kernels): gradients are per leaf tensor.
+      input_list = flatten(inputs)
 
       # One flat tensor carries the custom gradient; its backward is the vector-Jacobian
       # product of the pure-Nx implementation.
@@ -71,7 +74,7 @@ if Code.ensure_loaded?(Nx) do
               |> Nx.dot(g)
             end)
 
-          Tuple.to_list(grads)
+          flatten(grads)
         end)
 
       unflatten(flat, template, leaves)
