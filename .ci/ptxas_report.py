@@ -26,9 +26,10 @@ for ptx in sorted(ptx_dir.glob("*.ptx")):
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and func:
             info[func].update(stack=int(m[1]), spill_st=int(m[2]), spill_ld=int(m[3]))
-        m = re.search(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$", line)
+        m = re.search(r"Used (\d+) registers", line)
         if m and func:
-            info[func].update(regs=int(m[1]), smem=int(m[2] or 0))
+            smem = re.search(r"(\d+) bytes smem", line)
+            info[func].update(regs=int(m[1]), smem=int(smem[1]) if smem else 0)
     for func, i in info.items():
         spills = i.get("spill_st", 0) + i.get("spill_ld", 0)
         flag = "  SPILLS" if spills else ""

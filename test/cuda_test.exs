@@ -27,7 +27,11 @@ defmodule FusedKernels.CudaTest do
     {2, 3000},
     {1, 4, 60, 60},
     {2, 3, 113, 203},
-    {1, 1, 3, 5000}
+    {1, 1, 3, 5000},
+    # 16-byte load/store paths
+    {3, 128},
+    {2, 1, 9, 512},
+    {2, 2048}
   ]
 
   for type <- [{:f, 32}, {:f, 16}, {:bf, 16}] do

@@ -13,53 +13,78 @@ __device__ __forceinline__ int fk_softmax_limit(long long row, int sq, int sk, i
 }
 
 // One row held in registers, K values per thread: a warp per row (WARP, the thread's lane
-// strides the row) or a block per row (the thread index strides it).
-template <typename T, int K, bool WARP>
+// strides the row) or a block per row (the thread index strides it). With VEC, each thread
+// moves runs of 16 bytes (16 / sizeof(T) values) per access instead of single values; the
+// caller guarantees 16-byte aligned rows (sk a multiple of the run) and K a multiple of it.
+template <typename T, int K, bool WARP, bool VEC>
 __device__ __forceinline__ void fk_softmax_row(const T* __restrict__ xr, T* __restrict__ yr,
                                                int limit, int sk, float scale) {
+  constexpr int V = VEC ? 16 / (int)sizeof(T) : 1;
+  static_assert(K % V == 0, "K must be a multiple of the vector width");
   __shared__ float scratch[32];
   const int first = WARP ? (threadIdx.x & 31) : threadIdx.x;
   const int stride = WARP ? 32 : blockDim.x;
   float v[K];
   float m = FK_NEG_INF;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = first + stride * k;
-    v[k] = j < limit ? fk_to_f32(xr[j]) * scale : FK_NEG_INF;
-    m = fmaxf(m, v[k]);
+  for (int c = 0; c < K / V; ++c) {
+    const int j0 = (first + stride * c) * V;
+    if (VEC) {
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (j0 < limit) raw = *reinterpret_cast<const uint4*>(xr + j0);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int q = 0; q < V; ++q) v[c * V + q] = j0 + q < limit ? fk_to_f32(e[q]) * scale : FK_NEG_INF;
+    } else {
+      v[c] = j0 < limit ? fk_to_f32(xr[j0]) * scale : FK_NEG_INF;
+    }
+#pragma unroll
+    for (int q = 0; q < V; ++q) m = fmaxf(m, v[c * V + q]);
   }
   m = WARP ? fk_warp_max(m) : fk_block_max(m, scratch);
   float s = 0.0f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = first + stride * k;
-    v[k] = j < limit ? expf(v[k] - m) : 0.0f;
-    s += v[k];
+  for (int c = 0; c < K / V; ++c) {
+    const int j0 = (first + stride * c) * V;
+#pragma unroll
+    for (int q = 0; q < V; ++q) {
+      v[c * V + q] = j0 + q < limit ? expf(v[c * V + q] - m) : 0.0f;
+      s += v[c * V + q];
+    }
   }
   s = WARP ? fk_warp_sum(s) : fk_block_sum(s, scratch);
   const float inv = limit > 0 ? 1.0f / s : 0.0f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int j = first + stride * k;
-    if (j < sk) yr[j] = fk_from_f32<T>(v[k] * inv);
+  for (int c = 0; c < K / V; ++c) {
+    const int j0 = (first + stride * c) * V;
+    if (j0 >= sk) continue;
+    if (VEC) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int q = 0; q < V; ++q) e[q] = fk_from_f32<T>(v[c * V + q] * inv);
+      *reinterpret_cast<uint4*>(yr + j0) = raw;
+    } else {
+      yr[j0] = fk_from_f32<T>(v[c] * inv);
+    }
   }
 }
 
-template <typename T, int K>
+template <typename T, int K, bool VEC>
 __device__ __forceinline__ void fk_softmax_warp(const T* __restrict__ x, T* __restrict__ y,
                                                 long long rows, int sq, int sk, float scale,
                                                 int causal) {
   const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= rows) return;
-  fk_softmax_row<T, K, true>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
+  fk_softmax_row<T, K, true, VEC>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
                              sk, scale);
 }
 
-template <typename T, int K>
+template <typename T, int K, bool VEC>
 __device__ __forceinline__ void fk_softmax_block(const T* __restrict__ x, T* __restrict__ y,
                                                  int sq, int sk, float scale, int causal) {
   const long long row = blockIdx.x;
-  fk_softmax_row<T, K, false>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
+  fk_softmax_row<T, K, false, VEC>(x + row * sk, y + row * sk, fk_softmax_limit(row, sq, sk, causal),
                               sk, scale);
 }
 
@@ -92,32 +117,45 @@ __device__ __forceinline__ void fk_softmax_stream(const T* __restrict__ x, T* __
   }
 }
 
-#define FK_SOFTMAX_WARP(NAME, T, K)                                                           \
+#define FK_SOFTMAX_WARP(NAME, T, K, VEC, SUFFIX)                                              \
   extern "C" __global__ void __launch_bounds__(128)                                           \
-      scaled_softmax_warp_##NAME##_##K(const T* x, T* y, long long rows, int sq, int sk,     \
-                                       float scale, int causal) {                             \
-    fk_softmax_warp<T, K>(x, y, rows, sq, sk, scale, causal);                                  \
+      scaled_softmax_warp_##NAME##_##K##SUFFIX(const T* x, T* y, long long rows, int sq,     \
+                                               int sk, float scale, int causal) {             \
+    fk_softmax_warp<T, K, VEC>(x, y, rows, sq, sk, scale, causal);                             \
   }
-#define FK_SOFTMAX_BLOCK(NAME, T, K)                                                          \
+#define FK_SOFTMAX_BLOCK(NAME, T, K, VEC, SUFFIX)                                             \
   extern "C" __global__ void __launch_bounds__(256)                                           \
-      scaled_softmax_block_##NAME##_##K(const T* x, T* y, int sq, int sk, float scale,       \
-                                        int causal) {                                         \
-    fk_softmax_block<T, K>(x, y, sq, sk, scale, causal);                                       \
+      scaled_softmax_block_##NAME##_##K##SUFFIX(const T* x, T* y, int sq, int sk,            \
+                                                float scale, int causal) {                    \
+    fk_softmax_block<T, K, VEC>(x, y, sq, sk, scale, causal);                                  \
   }
+// Scalar variants for every K; 16-byte variants where K holds whole runs (V = 4 for f32,
+// 8 for the 16-bit types).
 #define FK_SOFTMAX_ALL(NAME, T)                                                               \
-  FK_SOFTMAX_WARP(NAME, T, 1)                                                                 \
-  FK_SOFTMAX_WARP(NAME, T, 2)                                                                 \
-  FK_SOFTMAX_WARP(NAME, T, 4)                                                                 \
-  FK_SOFTMAX_WARP(NAME, T, 8)                                                                 \
-  FK_SOFTMAX_WARP(NAME, T, 16)                                                                \
-  FK_SOFTMAX_WARP(NAME, T, 32)                                                                \
-  FK_SOFTMAX_BLOCK(NAME, T, 8)                                                                \
-  FK_SOFTMAX_BLOCK(NAME, T, 16)                                                               \
+  FK_SOFTMAX_WARP(NAME, T, 1, false, )                                                        \
+  FK_SOFTMAX_WARP(NAME, T, 2, false, )                                                        \
+  FK_SOFTMAX_WARP(NAME, T, 4, false, )                                                        \
+  FK_SOFTMAX_WARP(NAME, T, 8, false, )                                                        \
+  FK_SOFTMAX_WARP(NAME, T, 16, false, )                                                       \
+  FK_SOFTMAX_WARP(NAME, T, 32, false, )                                                       \
+  FK_SOFTMAX_WARP4V_##NAME                                                                    \
+  FK_SOFTMAX_WARP(NAME, T, 8, true, _v)                                                       \
+  FK_SOFTMAX_WARP(NAME, T, 16, true, _v)                                                      \
+  FK_SOFTMAX_WARP(NAME, T, 32, true, _v)                                                      \
+  FK_SOFTMAX_BLOCK(NAME, T, 8, false, )                                                       \
+  FK_SOFTMAX_BLOCK(NAME, T, 16, false, )                                                      \
+  FK_SOFTMAX_BLOCK(NAME, T, 8, true, _v)                                                      \
+  FK_SOFTMAX_BLOCK(NAME, T, 16, true, _v)                                                     \
   extern "C" __global__ void __launch_bounds__(256)                                           \
       scaled_softmax_stream_##NAME(const T* x, T* y, int sq, int sk, float scale,            \
                                    int causal) {                                              \
     fk_softmax_stream<T>(x, y, sq, sk, scale, causal);                                         \
   }
+
+// K = 4 holds a whole run only for f32.
+#define FK_SOFTMAX_WARP4V_f32 FK_SOFTMAX_WARP(f32, float, 4, true, _v)
+#define FK_SOFTMAX_WARP4V_f16
+#define FK_SOFTMAX_WARP4V_bf16
 
 FK_SOFTMAX_ALL(f32, float)
 FK_SOFTMAX_ALL(f16, fk_f16)

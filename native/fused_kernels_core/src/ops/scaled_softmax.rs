@@ -126,6 +126,16 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
             ))
         }
     };
+    // 16-byte accesses need every row to start on a 16-byte boundary (buffers are 256-byte
+    // aligned) and K to hold whole 16-byte runs.
+    let run = 16 / x.dtype.size();
+    let vec = |k: usize| {
+        if g.sk % run == 0 && k % run == 0 {
+            "_v"
+        } else {
+            ""
+        }
+    };
     let gpu = x.gpu.clone();
     let (sq, sk, scale, causal) = (g.sq as i32, g.sk as i32, p.scale as f32, p.causal as i32);
     let (function, cfg) = if g.sk <= 32 * 32 {
@@ -136,7 +146,7 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
             .unwrap_or(32);
         let blocks = g.rows.div_ceil(4) as u32;
         (
-            format!("scaled_softmax_warp_{tname}_{k}"),
+            format!("scaled_softmax_warp_{tname}_{k}{}", vec(k)),
             LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (128, 1, 1),
@@ -145,8 +155,8 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
         )
     } else {
         let name = match g.sk {
-            sk if sk <= 256 * 8 => format!("scaled_softmax_block_{tname}_8"),
-            sk if sk <= 256 * 16 => format!("scaled_softmax_block_{tname}_16"),
+            sk if sk <= 256 * 8 => format!("scaled_softmax_block_{tname}_8{}", vec(8)),
+            sk if sk <= 256 * 16 => format!("scaled_softmax_block_{tname}_16{}", vec(16)),
             _ => format!("scaled_softmax_stream_{tname}"),
         };
         (
@@ -227,6 +237,12 @@ mod tests {
         &[2, 3, 113, 203],
         &[1, 2, 203, 113],
         &[1, 1, 5, 5000],
+        // 16-byte paths: f32 runs of 4, 16-bit runs of 8, warp and block kernels.
+        &[3, 128],
+        &[2, 1, 9, 512],
+        &[1, 1, 4, 1024],
+        &[2, 2048],
+        &[2, 4000],
     ];
 
     fn check_backend(backend: Backend, dtypes: &[DType]) {
