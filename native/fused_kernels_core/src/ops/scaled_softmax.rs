@@ -130,7 +130,7 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
     // aligned) and K to hold whole 16-byte runs.
     let run = 16 / x.dtype.size();
     let vec = |k: usize| {
-        if g.sk % run == 0 && k % run == 0 {
+        if g.sk.is_multiple_of(run) && k.is_multiple_of(run) {
             "_v"
         } else {
             ""
