@@ -46,5 +46,35 @@ defmodule FusedKernels do
     entries and fully masked rows are 0), `backend`, `device`, `out: :host | :device`.
     """
     defdelegate scaled_softmax(x, opts \\ []), to: FusedKernels.ScaledSoftmax, as: :run
+
+    @doc """
+    `activation(x · kernel + bias) + residual` in one kernel (the epilogue is fused into the
+    GEMM: one write of the output). x `{..., in}` (leading dims flattened), kernel
+    `{in, units}`, bias `{units}`, residual the output's shape.
+
+    Options: `activation` (`:none`, `:relu`, `:gelu`, `:gelu_tanh`, `:silu`, `:sigmoid`,
+    `:tanh`), `residual`, `backend`, `device`, `out: :host | :device`. `dense(x, kernel, opts)`
+    works too.
+    """
+    defdelegate dense(x, kernel, bias \\ nil, opts \\ []), to: FusedKernels.Dense
+
+    @doc """
+    SwiGLU: `silu(x · w_gate + bias_gate) * (x · w_up + bias_up)` in one kernel; both products
+    share every read of x. Options: `bias_gate`, `bias_up`, `backend`, `device`, `out`.
+    """
+    defdelegate swiglu(x, w_gate, w_up, opts \\ []), to: FusedKernels.Dense
+
+    @doc """
+    `dense(rms_norm(x) * norm_weight, kernel)`: the RMSNorm over x's last axis is applied
+    while the GEMM loads x, so the normalised activations never go to memory. Options: `eps`
+    (1.0e-6), `bias`, `activation`, `residual`, `backend`, `device`, `out`.
+    """
+    defdelegate rms_norm_dense(x, norm_weight, kernel, opts \\ []), to: FusedKernels.Dense
+
+    @doc """
+    `dense(layer_norm(x) * gamma + beta, kernel)`, the LayerNorm applied while the GEMM loads
+    x. Options: `eps` (1.0e-5), `bias`, `activation`, `residual`, `backend`, `device`, `out`.
+    """
+    defdelegate layer_norm_dense(x, gamma, beta, kernel, opts \\ []), to: FusedKernels.Dense
   end
 end

@@ -86,4 +86,6 @@ defmodule FusedKernels.Native do
   def cuda_synchronize(_device), do: not_loaded()
   @doc false
   def scaled_softmax(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def dense(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
 end

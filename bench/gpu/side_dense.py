@@ -1,0 +1,137 @@
+"""PyTorch side by side with `mix bench`'s dense rows (cuda_resident: operands already on the
+GPU, output left there), same shapes and dtypes, same device, same run. PyTorch eager runs the
+unfused sequence a user writes without our op: matmul, then separate bias add, norm,
+activation and residual add (f32 matmuls without TF32). Timed like ours (wall clock around
+the call until the device is idle, median of many after warm-up) and with CUDA events.
+
+Bytes moved: each op's tensors read once and written once (the floor of that op); fused =
+operands read once + output written once; "saved" = 1 - fused / unfused.
+
+Usage: python3 bench/gpu/side_dense.py BENCH_JSON"""
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+torch.backends.cuda.matmul.allow_tf32 = False
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+ACTS = {"none": lambda y: y, "gelu": F.gelu}
+
+
+def wall_ms(fn, warm=10, rep=100):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def event_ms(fn, warm=10, rep=100):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+# name -> (kind, activation, residual?) ; shapes and dtype come from bench.json
+CASES = {
+    "dense 1x288x768 bias+gelu": ("dense", "gelu", False),
+    "dense 60x256x1024 bias+gelu": ("dense", "gelu", False),
+    "dense 60x256x1024 bias+gelu bf16": ("dense", "gelu", False),
+    "dense 3840x256x256 bias+residual": ("dense", "none", True),
+    "dense 3840x256x256 bias+residual bf16": ("dense", "none", True),
+    "swiglu 60x256x1024": ("swiglu", "none", False),
+    "layer_norm_dense 60x256x1024": ("layer_norm_dense", "none", False),
+    "rms_norm_dense 3840x256x256": ("rms_norm_dense", "none", False),
+    "dense 4096^3 bias+gelu+residual bf16": ("dense", "gelu", True),
+    "dense 4096^3 bias+gelu f32": ("dense", "gelu", False),
+    "swiglu 4096^3 bf16": ("swiglu", "none", False),
+    "rms_norm_dense 4096^3 bf16": ("rms_norm_dense", "none", False),
+    "layer_norm_dense 4096^3 bf16": ("layer_norm_dense", "none", False),
+}
+
+
+def build(kind, act, residual, m, k, n, dt):
+    """The unfused PyTorch sequence and the bytes it and our fused kernel move."""
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=dt)
+    x, w, b = r(m, k), r(k, n) / k**0.5, r(n)
+    es = torch.finfo(dt).bits // 8
+    MK, KN, MN = m * k, k * n, m * n
+    res = r(m, n) if residual else None
+    if kind == "dense":
+        def fn():
+            y = x @ w
+            y = y + b
+            y = ACTS[act](y)
+            return y + res if res is not None else y
+        unfused = (MK + KN + MN) + (2 * MN + n) + (2 * MN if act != "none" else 0) + (3 * MN if residual else 0)
+        fused = MK + KN + n + MN + (MN if residual else 0)
+    elif kind == "swiglu":
+        wu, bu = r(k, n) / k**0.5, r(n)
+        def fn():
+            g = x @ w
+            g = g + b
+            u = x @ wu
+            u = u + bu
+            return F.silu(g) * u
+        unfused = 2 * (MK + KN + MN) + 2 * (2 * MN + n) + 2 * MN + 3 * MN
+        fused = MK + 2 * KN + 2 * n + MN
+    else:
+        g = r(k) * 0.5 + 1
+        beta = r(k) * 0.5
+        def fn():
+            if kind == "layer_norm_dense":
+                xn = F.layer_norm(x, (k,), g, beta, 1e-5)
+            else:
+                xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+            y = xn @ w
+            return y + b
+        # layer_norm: one fused op; RMSNorm written out: pow, mean, add+rsqrt, 2 muls.
+        norm = 2 * MK + 2 * k if kind == "layer_norm_dense" else (2 * MK) + (MK + m) + 2 * m + (2 * MK + m) + (2 * MK + k)
+        unfused = norm + (MK + KN + MN) + (2 * MN + n)
+        fused = MK + KN + n + MN + (2 * k if kind == "layer_norm_dense" else k)
+    return fn, unfused * es, fused * es
+
+
+rows = json.load(open(sys.argv[1]))["rows"]
+ours = {(r["case"], r["backend"]): r for r in rows}
+table = []
+for case, (kind, act, residual) in CASES.items():
+    r = ours.get((case, "cuda_resident"))
+    if r is None:
+        continue
+    (m, k, n), dt = r["shape"], DT[r["type"]]
+    fn, b_unfused, b_fused = build(kind, act, residual, m, k, n, dt)
+    t_wall, t_event = wall_ms(fn), event_ms(fn)
+    line = dict(case=case, mkn=[m, k, n], type=r["type"], ours_resident_ms=r["median_ms"],
+                ours_host_ms=ours.get((case, "cuda"), {}).get("median_ms"),
+                torch_wall_ms=t_wall, torch_event_ms=t_event,
+                speedup_vs_torch_wall=t_wall / r["median_ms"],
+                bytes_unfused=b_unfused, bytes_fused=b_fused, traffic_saved=1 - b_fused / b_unfused,
+                ours_tflops=2 * m * k * n * (2 if kind == "swiglu" else 1) / (r["median_ms"] * 1e-3) / 1e12)
+    print(json.dumps(line))
+    table.append(line)
+
+print(f"\n{'case':40} {'type':5} {'ours (resident)':>16} {'torch unfused':>14} {'torch events':>13} {'ratio':>6} "
+      f"{'MB unfused':>10} {'MB fused':>9} {'saved':>6} {'TFLOP/s':>8}")
+for t in table:
+    print(f"{t['case']:40} {t['type']:5} {t['ours_resident_ms']*1e3:13.1f} us {t['torch_wall_ms']*1e3:11.1f} us "
+          f"{t['torch_event_ms']*1e3:10.1f} us {t['speedup_vs_torch_wall']:5.2f}x {t['bytes_unfused']/1e6:10.2f} "
+          f"{t['bytes_fused']/1e6:9.2f} {t['traffic_saved']*100:5.1f}% {t['ours_tflops']:8.1f}")

@@ -1,0 +1,369 @@
+defmodule FusedKernels.Dense do
+  @moduledoc """
+  Fused dense layers: `dense/4` (`act(x · kernel + bias) + residual`), `swiglu/4`
+  (`silu(x · w_gate + bias_gate) * (x · w_up + bias_up)`), `rms_norm_dense/4` and
+  `layer_norm_dense/5` (the norm over x's last axis applied while the GEMM loads x). One
+  kernel each, one write of the output. Leading dimensions of x are flattened.
+
+  Operands are Nx tensors, `FusedKernels.Buffer`s or `{binary, shape, type}` triples, all of
+  x's type. With Nx tensors the result is an Nx tensor; otherwise a triple (or a buffer with
+  `out: :device`). Native side: `native/fused_kernels_core/src/ops/dense.rs`,
+  `kernels/dense.cu`.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  @activations [:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh]
+  @slots [:x, :kernel, :kernel_up, :bias, :bias_up, :gamma, :beta, :residual]
+  @common [backend: nil, device: nil, out: :host]
+
+  @doc "See `FusedKernels.dense/4`."
+  def dense(x, kernel, bias \\ nil, opts \\ [])
+  def dense(x, kernel, opts, []) when is_list(opts), do: dense(x, kernel, nil, opts)
+
+  def dense(x, kernel, bias, opts) do
+    opts = options(opts, [activation: :none, residual: nil] ++ @common)
+    call(:dense, %{x: x, kernel: kernel, bias: bias, residual: opts[:residual]}, opts)
+  end
+
+  @doc "See `FusedKernels.swiglu/4`."
+  def swiglu(x, w_gate, w_up, opts \\ []) do
+    opts = options(opts, [bias_gate: nil, bias_up: nil] ++ @common)
+
+    ops = %{
+      x: x,
+      kernel: w_gate,
+      kernel_up: w_up,
+      bias: opts[:bias_gate],
+      bias_up: opts[:bias_up]
+    }
+
+    call(:swiglu, ops, opts)
+  end
+
+  @doc "See `FusedKernels.rms_norm_dense/4`."
+  def rms_norm_dense(x, norm_weight, kernel, opts \\ []) do
+    opts = options(opts, [eps: 1.0e-6, bias: nil, activation: :none, residual: nil] ++ @common)
+
+    ops = %{
+      x: x,
+      kernel: kernel,
+      gamma: norm_weight,
+      bias: opts[:bias],
+      residual: opts[:residual]
+    }
+
+    call(:rms_norm_dense, ops, opts)
+  end
+
+  @doc "See `FusedKernels.layer_norm_dense/5`."
+  def layer_norm_dense(x, gamma, beta, kernel, opts \\ []) do
+    opts = options(opts, [eps: 1.0e-5, bias: nil, activation: :none, residual: nil] ++ @common)
+    ops = %{x: x, kernel: kernel, gamma: gamma, beta: beta, bias: opts[:bias]}
+    call(:layer_norm_dense, Map.put(ops, :residual, opts[:residual]), opts)
+  end
+
+  defp options(opts, defaults) do
+    unless Keyword.keyword?(opts),
+      do: raise(ArgumentError, "opts must be a keyword list, got: #{inspect(opts)}")
+
+    opts = Keyword.validate!(opts, defaults)
+    act = Keyword.get(opts, :activation, :none)
+    eps = Keyword.get(opts, :eps, 0.0)
+
+    unless act in @activations,
+      do:
+        raise(
+          ArgumentError,
+          "activation must be one of #{inspect(@activations)}, got: #{inspect(act)}"
+        )
+
+    unless is_number(eps) and eps >= 0,
+      do: raise(ArgumentError, "eps must be a number >= 0, got: #{inspect(eps)}")
+
+    unless opts[:out] in [:host, :device],
+      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    # nil backend/device mean "the configured default", which Backend reads when absent.
+    Enum.reject(opts, fn {key, v} -> key in [:backend, :device] and is_nil(v) end)
+  end
+
+  defp call(kind, ops, opts) do
+    nx? = Enum.any?(ops, fn {_, v} -> is_struct(v, Nx.Tensor) end)
+
+    backend =
+      cond do
+        not nx? ->
+          Backend.select_native(opts)
+
+        true ->
+          symbolic? = Enum.any?(ops, fn {_, v} -> Tensor.symbolic?(v) end)
+          Backend.select(opts, symbolic?)
+      end
+
+    if backend == :nx do
+      nx(kind, ops, opts)
+    else
+      result = native(kind, ops, backend, opts)
+      if nx? and opts[:out] == :host, do: apply(Tensor, :to_nx, [result]), else: result
+    end
+  end
+
+  defp native(kind, ops, backend, opts) do
+    operands =
+      @slots
+      |> Enum.map(fn slot ->
+        case Map.get(ops, slot) do
+          nil -> nil
+          t -> Tensor.to_native(t)
+        end
+      end)
+      |> List.to_tuple()
+
+    kind
+    |> Native.dense(
+      operands,
+      Keyword.get(opts, :activation, :none),
+      Keyword.get(opts, :eps, 0.0) * 1.0,
+      backend,
+      Backend.device(opts),
+      opts[:out]
+    )
+    |> Native.unwrap!()
+    |> Buffer.wrap()
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @doc """
+    The pure-Nx implementation (f32 arithmetic, f64 for f64; output in x's type); any Nx
+    backend, and inside `defn`. `ops` holds the operand slots (`:x`, `:kernel`, `:kernel_up`,
+    `:bias`, `:bias_up`, `:gamma`, `:beta`, `:residual`).
+    """
+    def nx(kind, ops, opts) do
+      x = ops.x
+      type = Nx.type(x)
+      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
+      lead = x |> Nx.shape() |> Tuple.delete_at(Nx.rank(x) - 1)
+      k = elem(Nx.shape(x), Nx.rank(x) - 1)
+      check_shapes!(kind, ops, k)
+      n = elem(Nx.shape(ops.kernel), 1)
+      f = fn t -> Nx.as_type(t, compute) end
+      a = x |> f.() |> Nx.reshape({:auto, k})
+
+      a =
+        case kind do
+          :rms_norm_dense ->
+            ms = a |> Nx.multiply(a) |> Nx.mean(axes: [-1], keep_axes: true)
+            a |> Nx.multiply(Nx.rsqrt(Nx.add(ms, opts[:eps]))) |> Nx.multiply(f.(ops.gamma))
+
+          :layer_norm_dense ->
+            c = Nx.subtract(a, Nx.mean(a, axes: [-1], keep_axes: true))
+            var = c |> Nx.multiply(c) |> Nx.mean(axes: [-1], keep_axes: true)
+
+            c
+            |> Nx.multiply(Nx.rsqrt(Nx.add(var, opts[:eps])))
+            |> Nx.multiply(f.(ops.gamma))
+            |> Nx.add(f.(ops.beta))
+
+          _ ->
+            a
+        end
+
+      plus = fn t, slot -> if b = Map.get(ops, slot), do: Nx.add(t, f.(b)), else: t end
+      y = a |> Nx.dot(f.(ops.kernel)) |> plus.(:bias)
+
+      y =
+        if kind == :swiglu do
+          up = a |> Nx.dot(f.(ops.kernel_up)) |> plus.(:bias_up)
+          y |> Nx.multiply(Nx.sigmoid(y)) |> Nx.multiply(up)
+        else
+          activate(y, Keyword.get(opts, :activation, :none))
+        end
+
+      y =
+        case Map.get(ops, :residual) do
+          nil -> y
+          r -> Nx.add(y, r |> f.() |> Nx.reshape({:auto, n}))
+        end
+
+      y |> Nx.as_type(type) |> Nx.reshape(Tuple.append(lead, n))
+    end
+
+    defp activate(y, :none), do: y
+    defp activate(y, :relu), do: Nx.max(y, 0)
+    defp activate(y, :sigmoid), do: Nx.sigmoid(y)
+    defp activate(y, :tanh), do: Nx.tanh(y)
+    defp activate(y, :silu), do: Nx.multiply(y, Nx.sigmoid(y))
+
+    defp activate(y, :gelu),
+      do: y |> Nx.multiply(0.5) |> Nx.multiply(Nx.add(1, Nx.erf(Nx.multiply(y, :math.sqrt(0.5)))))
+
+    defp activate(y, :gelu_tanh) do
+      inner = y |> Nx.pow(3) |> Nx.multiply(0.044715) |> Nx.add(y)
+      u = Nx.multiply(inner, :math.sqrt(2 / :math.pi()))
+      y |> Nx.multiply(0.5) |> Nx.multiply(Nx.add(1, Nx.tanh(u)))
+    end
+
+    # The native layer checks the same rules; here for the pure-Nx path.
+    defp check_shapes!(kind, ops, k) do
+      kernel_name = if kind == :swiglu, do: "w_gate", else: "kernel"
+      gamma_name = if kind == :rms_norm_dense, do: "norm_weight", else: "gamma"
+      bias_name = if kind == :swiglu, do: "bias_gate", else: "bias"
+
+      case Nx.shape(ops.kernel) do
+        {^k, _} ->
+          :ok
+
+        other ->
+          raise ArgumentError,
+                "#{kernel_name}: expected shape {#{k}, units} (rows = x's last dimension #{k}), got #{inspect(other)}"
+      end
+
+      n = elem(Nx.shape(ops.kernel), 1)
+      out = x_out_shape(ops.x, n)
+
+      for {slot, name, want} <- [
+            {:kernel_up, "w_up", {k, n}},
+            {:bias, bias_name, {n}},
+            {:bias_up, "bias_up", {n}},
+            {:gamma, gamma_name, {k}},
+            {:beta, "beta", {k}},
+            {:residual, "residual", out}
+          ],
+          t = Map.get(ops, slot),
+          t != nil,
+          Nx.shape(t) != want do
+        raise ArgumentError,
+              "#{name}: expected shape #{inspect(want)}, got #{inspect(Nx.shape(t))}"
+      end
+
+      :ok
+    end
+
+    defp x_out_shape(x, n), do: x |> Nx.shape() |> put_elem(Nx.rank(x) - 1, n)
+  else
+    def nx(_kind, _ops, _opts), do: raise(ArgumentError, "backend :nx needs Nx")
+  end
+
+  defmodule Bench do
+    @moduledoc false
+    alias FusedKernels.{Bench, Dense}
+
+    # {name, kind, {m, k, n}, type, opts}: ExPhil's shapes (f32 inference, bf16 too) and one
+    # large one. Names are what bench/gpu/side_dense.py matches on.
+    @cases [
+      {"dense 1x288x768 bias+gelu", :dense, {1, 288, 768}, {:f, 32}, [activation: :gelu]},
+      {"dense 60x256x1024 bias+gelu", :dense, {60, 256, 1024}, {:f, 32}, [activation: :gelu]},
+      {"dense 60x256x1024 bias+gelu bf16", :dense, {60, 256, 1024}, {:bf, 16},
+       [activation: :gelu]},
+      {"dense 3840x256x256 bias+residual", :dense, {3840, 256, 256}, {:f, 32}, [residual: true]},
+      {"dense 3840x256x256 bias+residual bf16", :dense, {3840, 256, 256}, {:bf, 16},
+       [residual: true]},
+      {"swiglu 60x256x1024", :swiglu, {60, 256, 1024}, {:f, 32}, []},
+      {"layer_norm_dense 60x256x1024", :layer_norm_dense, {60, 256, 1024}, {:f, 32}, []},
+      {"rms_norm_dense 3840x256x256", :rms_norm_dense, {3840, 256, 256}, {:f, 32}, []},
+      {"dense 4096^3 bias+gelu+residual bf16", :dense, {4096, 4096, 4096}, {:bf, 16},
+       [activation: :gelu, residual: true]},
+      {"dense 4096^3 bias+gelu f32", :dense, {4096, 4096, 4096}, {:f, 32}, [activation: :gelu]},
+      {"swiglu 4096^3 bf16", :swiglu, {4096, 4096, 4096}, {:bf, 16}, []},
+      {"rms_norm_dense 4096^3 bf16", :rms_norm_dense, {4096, 4096, 4096}, {:bf, 16}, []},
+      {"layer_norm_dense 4096^3 bf16", :layer_norm_dense, {4096, 4096, 4096}, {:bf, 16}, []}
+    ]
+
+    def bench_cases do
+      Enum.map(@cases, fn {name, kind, {m, k, n} = mkn, type, opts} ->
+        %{name: name, shape: mkn, type: type, runner: &runner(&1, kind, {m, k, n}, type, opts)}
+      end)
+    end
+
+    # Random values tiled from a 64K-element block: building 16M-element tensors element by
+    # element in Elixir would take longer than the benchmark.
+    defp triple(shape, type) do
+      count = Tuple.product(shape)
+      {block, _, _} = Bench.random_triple({min(count, 65_536)}, type)
+      bin = :binary.copy(block, div(count + 65_535, 65_536))
+      {binary_part(bin, 0, count * div(elem(type, 1), 8)), shape, type}
+    end
+
+    defp operands(kind, {m, k, n}, type, opts) do
+      t = &triple(&1, type)
+      base = %{x: t.({m, k}), kernel: t.({k, n}), bias: t.({n})}
+
+      base =
+        case kind do
+          :swiglu -> Map.merge(base, %{kernel_up: t.({k, n}), bias_up: t.({n})})
+          :rms_norm_dense -> Map.put(base, :gamma, t.({k}))
+          :layer_norm_dense -> Map.merge(base, %{gamma: t.({k}), beta: t.({k})})
+          :dense -> base
+        end
+
+      if opts[:residual], do: Map.put(base, :residual, t.({m, n})), else: base
+    end
+
+    defp invoke(kind, o, opts) do
+      act = Keyword.get(opts, :activation, :none)
+
+      case kind do
+        :dense ->
+          Dense.dense(o.x, o.kernel, o.bias,
+            activation: act,
+            residual: o[:residual],
+            backend: opts[:backend],
+            out: opts[:out]
+          )
+
+        :swiglu ->
+          Dense.swiglu(o.x, o.kernel, o.kernel_up,
+            bias_gate: o.bias,
+            bias_up: o.bias_up,
+            backend: opts[:backend],
+            out: opts[:out]
+          )
+
+        :rms_norm_dense ->
+          Dense.rms_norm_dense(o.x, o.gamma, o.kernel,
+            bias: o.bias,
+            backend: opts[:backend],
+            out: opts[:out]
+          )
+
+        :layer_norm_dense ->
+          Dense.layer_norm_dense(o.x, o.gamma, o.beta, o.kernel,
+            bias: o.bias,
+            backend: opts[:backend],
+            out: opts[:out]
+          )
+      end
+    end
+
+    defp runner(:cuda_resident, kind, mkn, type, opts) do
+      o = kind |> operands(mkn, type, opts) |> Map.new(fn {s, t} -> {s, Buffer.upload(t)} end)
+
+      fn ->
+        invoke(kind, o, opts ++ [backend: :cuda, out: :device])
+        FusedKernels.Native.cuda_synchronize(nil)
+      end
+    end
+
+    defp runner(backend, kind, {m, k, n} = mkn, type, opts) when backend in [:cuda, :cpu] do
+      # Host round trips and CPU GEMMs of the large shape would take minutes of runs.
+      if m * k * n <= 300_000_000 do
+        o = operands(kind, mkn, type, opts)
+        fn -> invoke(kind, o, opts ++ [backend: backend, out: :host]) end
+      end
+    end
+
+    defp runner(:nx, kind, {m, k, n} = mkn, type, opts) do
+      if m * k * n <= 300_000 and Code.ensure_loaded?(Nx) do
+        o =
+          kind
+          |> operands(mkn, type, opts)
+          |> Map.new(fn {s, {bin, shape, t}} ->
+            {s, apply(Nx, :reshape, [apply(Nx, :from_binary, [bin, t]), shape])}
+          end)
+
+        fn -> invoke(kind, o, opts ++ [backend: :nx, out: :host]) end
+      end
+    end
+  end
+end

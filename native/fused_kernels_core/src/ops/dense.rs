@@ -1,0 +1,594 @@
+//! Fused dense layers: `act(norm(x) · W + bias) + residual` and SwiGLU
+//! `silu(x · W_gate + b_gate) ⊙ (x · W_up + b_up)`, in one pass over the output. Leading
+//! dimensions of x are flattened: x `{..., K}`, W `{K, N}`, out `{..., N}`.
+//!
+//! Kinds: `dense` (no norm), `swiglu`, `rms_norm_dense` (`x * rstd * norm_weight`),
+//! `layer_norm_dense` (`(x - mean) * rstd * gamma + beta`); the norm is over K and is applied
+//! while the GEMM loads x (kernels/dense.cu), so normalised activations never go to memory.
+
+use super::Backend;
+use crate::cuda::{self, DeviceTensor};
+use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
+use crate::error::{arg_error, Error, Result};
+use crate::kernels::DENSE;
+use crate::operand::{Operand, Placement, Value};
+use crate::parallel::for_each_row_chunk;
+use crate::tensor::{checked_numel, fmt_shape, HostTensor, OwnedTensor};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    None,
+    Relu,
+    Gelu,
+    GeluTanh,
+    Silu,
+    Sigmoid,
+    Tanh,
+}
+
+impl Activation {
+    pub const ALL: [Activation; 7] = [
+        Activation::None,
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::GeluTanh,
+        Activation::Silu,
+        Activation::Sigmoid,
+        Activation::Tanh,
+    ];
+
+    pub fn parse(name: &str) -> Result<Activation> {
+        Ok(match name {
+            "none" => Activation::None,
+            "relu" => Activation::Relu,
+            "gelu" => Activation::Gelu,
+            "gelu_tanh" => Activation::GeluTanh,
+            "silu" => Activation::Silu,
+            "sigmoid" => Activation::Sigmoid,
+            "tanh" => Activation::Tanh,
+            other => {
+                return Err(arg_error(format!(
+                    "activation must be one of :none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh, got :{other}"
+                )))
+            }
+        })
+    }
+
+    /// The code `fk_dense_act` switches on.
+    fn code(self) -> i32 {
+        Activation::ALL.iter().position(|a| *a == self).unwrap_or(0) as i32
+    }
+
+    /// In f64: the CPU path applies activations in f64 whatever the storage type.
+    pub fn apply(self, v: f64) -> f64 {
+        match self {
+            Activation::None => v,
+            Activation::Relu => {
+                if v > 0.0 || v.is_nan() {
+                    v
+                } else {
+                    0.0
+                }
+            }
+            Activation::Gelu => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
+            Activation::GeluTanh => {
+                let u = (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v);
+                0.5 * v * (1.0 + u.tanh())
+            }
+            Activation::Silu => v / (1.0 + (-v).exp()),
+            Activation::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+            Activation::Tanh => v.tanh(),
+        }
+    }
+}
+
+/// erf to f64 precision: `2/√π · e^(−x²) · Σ x^(2n+1) 2ⁿ / (1·3·…·(2n+1))`, a series of
+/// positive terms (no cancellation); |erf(x)| rounds to 1 for |x| ≥ 6.
+pub fn erf(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let a = x.abs();
+    if a >= 6.0 {
+        return x.signum();
+    }
+    let (mut term, mut sum, mut n) = (a, a, 0.0);
+    while term > sum * 1e-17 {
+        n += 1.0;
+        term *= 2.0 * a * a / (2.0 * n + 1.0);
+        sum += term;
+    }
+    let v = 2.0 / std::f64::consts::PI.sqrt() * (-a * a).exp() * sum;
+    v.min(1.0).copysign(x)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Dense,
+    Swiglu,
+    RmsNormDense,
+    LayerNormDense,
+}
+
+impl Kind {
+    pub fn parse(name: &str) -> Result<Kind> {
+        Ok(match name {
+            "dense" => Kind::Dense,
+            "swiglu" => Kind::Swiglu,
+            "rms_norm_dense" => Kind::RmsNormDense,
+            "layer_norm_dense" => Kind::LayerNormDense,
+            other => return Err(arg_error(format!("kind: unknown dense kind :{other}"))),
+        })
+    }
+
+    /// The prologue code of kernels/dense.cu: 0 none, 1 RMSNorm, 2 LayerNorm.
+    fn norm(self) -> i32 {
+        match self {
+            Kind::RmsNormDense => 1,
+            Kind::LayerNormDense => 2,
+            _ => 0,
+        }
+    }
+
+    /// The users' names of the operands, in `Operands` order.
+    pub fn names(self) -> [&'static str; 8] {
+        let (kernel, bias, gamma) = match self {
+            Kind::Swiglu => ("w_gate", "bias_gate", "gamma"),
+            Kind::RmsNormDense => ("kernel", "bias", "norm_weight"),
+            _ => ("kernel", "bias", "gamma"),
+        };
+        [
+            "x", kernel, "w_up", bias, "bias_up", gamma, "beta", "residual",
+        ]
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Params {
+    pub kind: Kind,
+    pub activation: Activation,
+    pub eps: f64,
+}
+
+impl Params {
+    pub fn new(kind: Kind, activation: Activation, eps: f64) -> Result<Params> {
+        if !eps.is_finite() || eps < 0.0 {
+            return Err(arg_error(format!(
+                "eps must be a finite number >= 0, got {eps}"
+            )));
+        }
+        if kind == Kind::Swiglu && activation != Activation::None {
+            return Err(arg_error(
+                "activation: swiglu's activation is fixed (silu of the gate product); leave it :none",
+            ));
+        }
+        Ok(Params {
+            kind,
+            activation,
+            eps,
+        })
+    }
+}
+
+/// The tensors of one call; which optional ones are present depends on the kind.
+#[derive(Clone, Debug)]
+pub struct Operands<O> {
+    pub x: O,
+    pub kernel: O,
+    pub kernel_up: Option<O>,
+    pub bias: Option<O>,
+    pub bias_up: Option<O>,
+    pub gamma: Option<O>,
+    pub beta: Option<O>,
+    pub residual: Option<O>,
+}
+
+impl<O> Operands<O> {
+    /// Applies `f(name, operand)` to every present operand.
+    pub fn try_map<'s, P>(
+        &'s self,
+        kind: Kind,
+        mut f: impl FnMut(&'static str, &'s O) -> Result<P>,
+    ) -> Result<Operands<P>> {
+        let n = kind.names();
+        let mut opt = |i: usize, o: &'s Option<O>| o.as_ref().map(|o| f(n[i], o)).transpose();
+        let (kernel_up, bias, bias_up) = (
+            opt(2, &self.kernel_up)?,
+            opt(3, &self.bias)?,
+            opt(4, &self.bias_up)?,
+        );
+        let (gamma, beta, residual) = (
+            opt(5, &self.gamma)?,
+            opt(6, &self.beta)?,
+            opt(7, &self.residual)?,
+        );
+        Ok(Operands {
+            x: f(n[0], &self.x)?,
+            kernel: f(n[1], &self.kernel)?,
+            kernel_up,
+            bias,
+            bias_up,
+            gamma,
+            beta,
+            residual,
+        })
+    }
+}
+
+/// x seen as `{m, k}`, the kernel `{k, n}`, the output `out_shape` (x's leading dims + n).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub out_shape: Vec<usize>,
+}
+
+/// Checks every operand's shape and type against x and the kind; errors name the operand.
+pub fn geometry(p: &Params, ops: &Operands<(Vec<usize>, DType)>) -> Result<Geometry> {
+    let names = p.kind.names();
+    let (xs, dt) = (&ops.x.0, ops.x.1);
+    let k = *xs
+        .last()
+        .ok_or_else(|| arg_error("x: needs at least one dimension (features)"))?;
+    let m = xs[..xs.len() - 1].iter().product::<usize>();
+    let ks = &ops.kernel.0;
+    if ks.len() != 2 || ks[0] != k {
+        return Err(arg_error(format!(
+            "{}: expected shape {{{k}, units}} (rows = x's last dimension {k}), got {}",
+            names[1],
+            fmt_shape(ks)
+        )));
+    }
+    let n = ks[1];
+    let mut out_shape = xs[..xs.len() - 1].to_vec();
+    out_shape.push(n);
+    checked_numel("output", &out_shape)?;
+    let check = |i: usize, o: &Option<(Vec<usize>, DType)>, want: &[usize], needed: bool| match o {
+        None if needed => Err(arg_error(format!("{}: is required", names[i]))),
+        None => Ok(()),
+        Some((s, _)) if s != want => Err(arg_error(format!(
+            "{}: expected shape {}, got {}",
+            names[i],
+            fmt_shape(want),
+            fmt_shape(s)
+        ))),
+        Some((_, t)) if *t != dt => Err(arg_error(format!(
+            "{}: type {} differs from x's {}; every operand must have x's type",
+            names[i],
+            t.name(),
+            dt.name()
+        ))),
+        Some(_) => Ok(()),
+    };
+    check(1, &Some(ops.kernel.clone()), &[k, n], true)?;
+    let glu = p.kind == Kind::Swiglu;
+    check(2, &ops.kernel_up, &[k, n], glu)?;
+    check(3, &ops.bias, &[n], false)?;
+    check(4, &ops.bias_up, &[n], false)?;
+    check(5, &ops.gamma, &[k], p.kind.norm() > 0)?;
+    check(6, &ops.beta, &[k], p.kind == Kind::LayerNormDense)?;
+    check(7, &ops.residual, &out_shape, false)?;
+    let unexpected = [
+        (2, ops.kernel_up.is_some() && !glu),
+        (4, ops.bias_up.is_some() && !glu),
+        (5, ops.gamma.is_some() && p.kind.norm() == 0),
+        (6, ops.beta.is_some() && p.kind != Kind::LayerNormDense),
+    ];
+    if let Some((i, _)) = unexpected.iter().find(|(_, bad)| *bad) {
+        return Err(arg_error(format!(
+            "{}: not an operand of {:?}",
+            names[*i], p.kind
+        )));
+    }
+    Ok(Geometry { m, k, n, out_shape })
+}
+
+fn shapes<O>(
+    kind: Kind,
+    ops: &Operands<O>,
+    f: impl Fn(&O) -> (Vec<usize>, DType),
+) -> Operands<(Vec<usize>, DType)> {
+    ops.try_map(kind, |_, o| Ok(f(o)))
+        .unwrap_or_else(|_| unreachable!("shape extraction cannot fail"))
+}
+
+/// One normalised row of x in f64 (the CPU path and the reference share only this formula).
+fn norm_row(xr: &[f64], p: &Params, g: Option<&[f64]>, b: Option<&[f64]>) -> Vec<f64> {
+    let k = xr.len() as f64;
+    let mean = if p.kind == Kind::LayerNormDense {
+        xr.iter().sum::<f64>() / k
+    } else {
+        0.0
+    };
+    let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / k;
+    let rstd = 1.0 / (var + p.eps).sqrt();
+    xr.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let g = g.map_or(1.0, |g| g[i]);
+            (v - mean) * rstd * g + b.map_or(0.0, |b| b[i])
+        })
+        .collect()
+}
+
+fn epilogue(p: &Params, acc: f64, up: f64, bias: f64, bias_up: f64, res: f64) -> f64 {
+    let v = if p.kind == Kind::Swiglu {
+        let g = acc + bias;
+        g / (1.0 + (-g).exp()) * (up + bias_up)
+    } else {
+        p.activation.apply(acc + bias)
+    };
+    v + res
+}
+
+/// The GEMM's element type on the CPU: f32 for f32/f16/bf16, f64 for f64.
+trait Elem: Copy + Send + Sync + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> {
+    const ZERO: Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+impl Elem for f32 {
+    const ZERO: Self = 0.0;
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+impl Elem for f64 {
+    const ZERO: Self = 0.0;
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
+
+fn cpu_typed<T: Elem>(o: &Operands<Vec<T>>, g: &Geometry, p: &Params) -> Vec<T> {
+    let (k, n) = (g.k, g.n);
+    let f64s = |v: &Option<Vec<T>>| {
+        v.as_ref()
+            .map(|v| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>())
+    };
+    let (gamma, beta) = (f64s(&o.gamma), f64s(&o.beta));
+    let (bias, bias_up) = (f64s(&o.bias), f64s(&o.bias_up));
+    let mut out = vec![T::ZERO; g.m * n];
+    for_each_row_chunk(&mut out, n, |first, chunk| {
+        let mut acc = vec![T::ZERO; n];
+        let mut acc_up = vec![T::ZERO; n];
+        for (r, orow) in chunk.chunks_mut(n).enumerate() {
+            let row = first + r;
+            let xr = &o.x[row * k..(row + 1) * k];
+            let a: Vec<T> = if p.kind.norm() > 0 {
+                let xf: Vec<f64> = xr.iter().map(|v| v.to_f64()).collect();
+                norm_row(&xf, p, gamma.as_deref(), beta.as_deref())
+                    .into_iter()
+                    .map(T::from_f64)
+                    .collect()
+            } else {
+                xr.to_vec()
+            };
+            acc.iter_mut().for_each(|v| *v = T::ZERO);
+            acc_up.iter_mut().for_each(|v| *v = T::ZERO);
+            for (kk, &av) in a.iter().enumerate() {
+                let wr = &o.kernel[kk * n..(kk + 1) * n];
+                acc.iter_mut().zip(wr).for_each(|(c, w)| *c = *c + av * *w);
+                if let Some(wu) = &o.kernel_up {
+                    let wr = &wu[kk * n..(kk + 1) * n];
+                    acc_up
+                        .iter_mut()
+                        .zip(wr)
+                        .for_each(|(c, w)| *c = *c + av * *w);
+                }
+            }
+            for (j, y) in orow.iter_mut().enumerate() {
+                let at = |v: &Option<Vec<f64>>| v.as_ref().map_or(0.0, |v| v[j]);
+                let res = o.residual.as_ref().map_or(0.0, |r| r[row * n + j].to_f64());
+                *y = T::from_f64(epilogue(
+                    p,
+                    acc[j].to_f64(),
+                    acc_up[j].to_f64(),
+                    at(&bias),
+                    at(&bias_up),
+                    res,
+                ));
+            }
+        }
+    });
+    out
+}
+
+/// The CPU implementation: f32 arithmetic for f32/f16/bf16 (norm and epilogue in f64), f64
+/// for f64.
+pub fn cpu(ops: &Operands<HostTensor<'_>>, p: Params) -> Result<OwnedTensor> {
+    let g = geometry(&p, &shapes(p.kind, ops, |h| (h.shape.clone(), h.dtype)))?;
+    let dt = ops.x.dtype;
+    let data = if dt == DType::F64 {
+        let o = ops.try_map(p.kind, |_, h| Ok(decode_f64(h.bytes, dt)))?;
+        encode_f64(&cpu_typed(&o, &g, &p), dt)
+    } else {
+        let o = ops.try_map(p.kind, |_, h| Ok(decode_f32(h.bytes, dt)))?;
+        encode_f32(&cpu_typed(&o, &g, &p), dt)
+    };
+    Ok(OwnedTensor {
+        data,
+        shape: g.out_shape,
+        dtype: dt,
+    })
+}
+
+/// The CUDA implementation; `out` must have the output's shape and x's type.
+pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) -> Result<()> {
+    let g = geometry(&p, &shapes(p.kind, ops, |t| (t.shape.clone(), t.dtype)))?;
+    let dt = ops.x.dtype;
+    if out.shape != g.out_shape || out.dtype != dt {
+        return Err(arg_error("out: must have the output's shape and x's type"));
+    }
+    let gpu = ops.x.gpu.clone();
+    let (path, tname) = match dt {
+        DType::F32 => ("ffma", "f32"),
+        DType::F16 | DType::BF16 if !gpu.has_tensor_cores() => {
+            return Err(Error::Unavailable(format!(
+                "x: {} dense kernels use bf16/f16 tensor cores (sm_80 or newer); device is {}; use f32",
+                dt.name(),
+                gpu.arch()
+            )))
+        }
+        DType::F16 => ("mma", "f16"),
+        DType::BF16 => ("mma", "bf16"),
+        DType::F64 => {
+            return Err(arg_error(
+                "x: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
+            ))
+        }
+    };
+    let glu = p.kind == Kind::Swiglu;
+    // Big tiles when they alone fill the device, else small tiles for more blocks.
+    let bn_big = if glu { 64 } else { 128 };
+    let big = g.m.div_ceil(128) * g.n.div_ceil(bn_big) >= gpu.multiprocessors()? as usize;
+    let (bm, bn) = match (big, glu) {
+        (true, _) => (128, bn_big),
+        (false, false) => (64, 64),
+        (false, true) => (64, 32),
+    };
+    let threads = if path == "mma" && !big { 128 } else { 256 };
+    let (gx, gy) = (g.m.div_ceil(bm), g.n.div_ceil(bn));
+    if gy > 65535 || gx > i32::MAX as usize {
+        return Err(arg_error(format!(
+            "kernel: {} output columns is more than one launch covers",
+            g.n
+        )));
+    }
+    let name = format!(
+        "dense_{path}_{tname}_{}_{}",
+        if glu { "glu" } else { "mm" },
+        if big { "big" } else { "small" }
+    );
+    let f = gpu.function(&DENSE, &name)?;
+    let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
+    let (norm, act, eps) = (p.kind.norm(), p.activation.code(), p.eps as f32);
+    let null = 0u64;
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(ops.x.slice()).arg(ops.kernel.slice());
+    for o in [
+        ops.kernel_up,
+        ops.bias,
+        ops.bias_up,
+        ops.gamma,
+        ops.beta,
+        ops.residual,
+    ] {
+        match o {
+            Some(t) => launch.arg(t.slice()),
+            None => launch.arg(&null),
+        };
+    }
+    launch
+        .arg(out.slice_mut())
+        .arg(&m)
+        .arg(&n)
+        .arg(&k)
+        .arg(&norm)
+        .arg(&act)
+        .arg(&eps);
+    let cfg = LaunchConfig {
+        grid_dim: (gx as u32, gy as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Runs on `backend`, returning the result where `placement` says.
+pub fn run(
+    backend: Backend,
+    ops: &Operands<Operand<'_>>,
+    p: Params,
+    placement: Placement,
+) -> Result<Value> {
+    let g = geometry(
+        &p,
+        &shapes(p.kind, ops, |o| (o.shape().to_vec(), o.dtype())),
+    )?;
+    match backend {
+        Backend::Cpu => {
+            if placement == Placement::Device {
+                return Err(arg_error("out: the :cpu backend returns host tensors only"));
+            }
+            let staged = ops.try_map(p.kind, |_, o| o.on_host())?;
+            let views = staged.try_map(p.kind, |_, s| Ok(s.view()))?;
+            Ok(Value::Host(cpu(&views, p)?))
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let staged = ops.try_map(p.kind, |name, o| o.on_gpu(name, &gpu))?;
+            let refs = staged.try_map(p.kind, |_, s| Ok(&**s))?;
+            let mut out = DeviceTensor::uninit(&gpu, g.out_shape, ops.x.dtype())?;
+            cuda(&refs, &mut out, p)?;
+            Value::from_device(out, placement)
+        }
+    }
+}
+
+/// f64 reference for tests: the products `norm(x) · W` (and `· W_up`) of the given rows.
+pub fn reference_products(
+    o: &Operands<Vec<f64>>,
+    g: &Geometry,
+    p: &Params,
+    rows: &[usize],
+) -> (Vec<f64>, Vec<f64>) {
+    let (k, n) = (g.k, g.n);
+    let mut acc = vec![0.0; rows.len() * n];
+    let mut up = vec![0.0; rows.len() * n];
+    for (ri, &row) in rows.iter().enumerate() {
+        let xr = &o.x[row * k..(row + 1) * k];
+        let a = if p.kind.norm() > 0 {
+            norm_row(xr, p, o.gamma.as_deref(), o.beta.as_deref())
+        } else {
+            xr.to_vec()
+        };
+        for j in 0..n {
+            let dot = |w: &[f64]| (0..k).map(|i| a[i] * w[i * n + j]).sum::<f64>();
+            acc[ri * n + j] = dot(&o.kernel);
+            if let Some(wu) = &o.kernel_up {
+                up[ri * n + j] = dot(wu);
+            }
+        }
+    }
+    (acc, up)
+}
+
+/// f64 reference for tests: the outputs of the given rows from their products.
+pub fn reference_epilogue(
+    o: &Operands<Vec<f64>>,
+    g: &Geometry,
+    p: &Params,
+    rows: &[usize],
+    products: &(Vec<f64>, Vec<f64>),
+) -> Vec<f64> {
+    let n = g.n;
+    let mut out = vec![0.0; rows.len() * n];
+    for (ri, &row) in rows.iter().enumerate() {
+        for j in 0..n {
+            let at = |v: &Option<Vec<f64>>, i: usize| v.as_ref().map_or(0.0, |v| v[i]);
+            out[ri * n + j] = epilogue(
+                p,
+                products.0[ri * n + j],
+                products.1[ri * n + j],
+                at(&o.bias, j),
+                at(&o.bias_up, j),
+                at(&o.residual, row * n + j),
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[path = "dense_tests.rs"]
+mod tests;

@@ -1,0 +1,352 @@
+//! Tests of ops::dense: every kind, activation and operand combination against the f64
+//! reference on fresh random inputs, CPU and CUDA (poisoned outputs), at the users' shapes
+//! and at odd ones.
+
+use super::*;
+use crate::cuda::gpu_for_tests;
+use crate::ops::testing::{rel_l2, tolerance, Rng};
+
+const KINDS: [Kind; 4] = [
+    Kind::Dense,
+    Kind::Swiglu,
+    Kind::RmsNormDense,
+    Kind::LayerNormDense,
+];
+
+/// A tensor's bytes and shape.
+type Raw = (Vec<u8>, Vec<usize>);
+
+/// One call's inputs, as bytes of `dt` and as the f64 values those bytes hold.
+struct Case {
+    bytes: Operands<Raw>,
+    vals: Operands<Vec<f64>>,
+    dt: DType,
+}
+
+fn case(rng: &mut Rng, kind: Kind, xshape: &[usize], n: usize, dt: DType, extras: bool) -> Case {
+    let k = *xshape.last().unwrap();
+    let mut out_shape = xshape[..xshape.len() - 1].to_vec();
+    out_shape.push(n);
+    // Weights ~ U(-2, 2)/sqrt(k) so pre-activations stay O(1) and every activation is
+    // exercised away from saturation; x gets a mean offset so LayerNorm's centring matters.
+    let mut t = |shape: Vec<usize>, scale: f64, shift: f64| {
+        let v: Vec<f64> = rng
+            .vec(shape.iter().product())
+            .into_iter()
+            .map(|x| x * scale + shift)
+            .collect();
+        let b = encode_f64(&v, dt);
+        (decode_f64(&b, dt), (b, shape))
+    };
+    let ws = 1.0 / (k as f64).sqrt();
+    let x = t(xshape.to_vec(), 1.0, 0.5);
+    let w = t(vec![k, n], ws, 0.0);
+    let glu = kind == Kind::Swiglu;
+    let w_up = glu.then(|| t(vec![k, n], ws, 0.0));
+    let bias = extras.then(|| t(vec![n], 0.5, 0.0));
+    let bias_up = (extras && glu).then(|| t(vec![n], 0.5, 0.0));
+    let gamma = (kind.norm() > 0).then(|| t(vec![k], 0.5, 1.0));
+    let beta = (kind == Kind::LayerNormDense).then(|| t(vec![k], 0.5, 0.0));
+    let res = (extras && !glu).then(|| t(out_shape.clone(), 1.0, 0.0));
+    let split = |o: Option<(Vec<f64>, Raw)>| match o {
+        Some((v, b)) => (Some(v), Some(b)),
+        None => (None, None),
+    };
+    let (kv, kb) = split(w_up);
+    let (bv, bb) = split(bias);
+    let (buv, bub) = split(bias_up);
+    let (gv, gb) = split(gamma);
+    let (bev, beb) = split(beta);
+    let (rv, rb) = split(res);
+    Case {
+        bytes: Operands {
+            x: x.1,
+            kernel: w.1,
+            kernel_up: kb,
+            bias: bb,
+            bias_up: bub,
+            gamma: gb,
+            beta: beb,
+            residual: rb,
+        },
+        vals: Operands {
+            x: x.0,
+            kernel: w.0,
+            kernel_up: kv,
+            bias: bv,
+            bias_up: buv,
+            gamma: gv,
+            beta: bev,
+            residual: rv,
+        },
+        dt,
+    }
+}
+
+fn hosts<'a>(c: &'a Case, kind: Kind) -> Operands<HostTensor<'a>> {
+    c.bytes
+        .try_map(kind, |name, (b, s)| {
+            HostTensor::new(name, b, s.clone(), c.dt)
+        })
+        .unwrap()
+}
+
+/// Rows to compare: all of them, or a spread sample of big outputs (the reference is O(mkn)).
+fn sample_rows(m: usize, rng: &mut Rng) -> Vec<usize> {
+    if m <= 256 {
+        return (0..m).collect();
+    }
+    let mut rows: Vec<usize> = (0..30)
+        .map(|_| ((rng.next_f64() + 2.0) / 4.0 * m as f64) as usize % m)
+        .collect();
+    rows.extend([0, 1, 63, 64, 127, 128, m / 2, m - 1]);
+    rows
+}
+
+/// Runs `kind` with each activation in `acts`, with and without bias/residual, on `backend`
+/// (CUDA: straight into a poisoned output), and checks each against the reference.
+fn check(
+    backend: Backend,
+    kind: Kind,
+    xshape: &[usize],
+    n: usize,
+    dts: &[DType],
+    acts: &[Activation],
+) {
+    let mut rng = Rng::new(xshape.iter().product::<usize>() as u64 * 31 + n as u64);
+    for &dt in dts {
+        for extras in [false, true] {
+            let c = case(&mut rng, kind, xshape, n, dt, extras);
+            let h = hosts(&c, kind);
+            let p0 = Params::new(kind, Activation::None, 1e-5).unwrap();
+            let g = geometry(&p0, &shapes(kind, &h, |t| (t.shape.clone(), t.dtype))).unwrap();
+            let rows = sample_rows(g.m, &mut rng);
+            let products = reference_products(&c.vals, &g, &p0, &rows);
+            let acts: &[Activation] = if kind == Kind::Swiglu {
+                &[Activation::None]
+            } else {
+                acts
+            };
+            for &act in acts {
+                let p = Params::new(kind, act, 1e-5).unwrap();
+                let got = match backend {
+                    Backend::Cpu => decode_f64(&cpu(&h, p).unwrap().data, dt),
+                    Backend::Cuda(_) => {
+                        let gpu = gpu_for_tests().unwrap();
+                        let d = h
+                            .try_map(kind, |_, t| DeviceTensor::upload(&gpu, t))
+                            .unwrap();
+                        let refs = d.try_map(kind, |_, t| Ok(t)).unwrap();
+                        let mut out = DeviceTensor::uninit(&gpu, g.out_shape.clone(), dt).unwrap();
+                        out.fill_bytes(0xFF).unwrap();
+                        cuda(&refs, &mut out, p).unwrap();
+                        decode_f64(&out.download().unwrap().data, dt)
+                    }
+                };
+                let picked: Vec<f64> = rows
+                    .iter()
+                    .flat_map(|r| got[r * n..(r + 1) * n].iter().copied())
+                    .collect();
+                assert!(
+                    got.iter().all(|v| !v.is_nan()),
+                    "{backend:?} {kind:?} {dt:?} {xshape:?}x{n}: unwritten (NaN) output"
+                );
+                let want = reference_epilogue(&c.vals, &g, &p, &rows, &products);
+                let err = rel_l2(&picked, &want);
+                let tol = if dt == DType::F64 {
+                    1e-12
+                } else {
+                    tolerance(dt)
+                };
+                assert!(
+                    err <= tol,
+                    "{backend:?} {kind:?} {act:?} {dt:?} x{xshape:?} n={n} extras={extras}: rel L2 {err:e}"
+                );
+            }
+        }
+    }
+}
+
+const ODD: &[(&[usize], usize)] = &[
+    (&[1, 288], 768),
+    (&[61, 200], 96),
+    (&[2, 3, 61], 37),
+    (&[7, 40], 80),
+    (&[5], 3),
+];
+
+#[test]
+fn cpu_matches_f64_reference() {
+    let dts = [DType::F32, DType::F16, DType::BF16, DType::F64];
+    for (xs, n) in ODD {
+        for kind in KINDS {
+            check(Backend::Cpu, kind, xs, *n, &dts, &Activation::ALL);
+        }
+    }
+    check(
+        Backend::Cpu,
+        Kind::Dense,
+        &[60, 256],
+        1024,
+        &[DType::F32],
+        &[Activation::Gelu],
+    );
+}
+
+#[test]
+fn cuda_matches_f64_reference_with_poisoned_output() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let dts = [DType::F32, DType::F16, DType::BF16];
+    let shapes: &[(&[usize], usize)] = &[
+        (&[1, 288], 768),
+        (&[1, 60, 256], 1024),
+        (&[64, 60, 256], 256),
+        (&[61, 200], 96),
+        (&[2, 3, 61], 37),
+        (&[1000, 40], 80),
+        (&[16], 24),
+    ];
+    for (xs, n) in shapes {
+        for kind in KINDS {
+            let acts: &[Activation] = if kind == Kind::Dense {
+                &Activation::ALL
+            } else {
+                &[Activation::None, Activation::Gelu]
+            };
+            check(Backend::Cuda(None), kind, xs, *n, &dts, acts);
+        }
+    }
+}
+
+#[test]
+fn cuda_large_4096_cubed() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let all = [DType::F32, DType::F16, DType::BF16];
+    check(
+        Backend::Cuda(None),
+        Kind::Dense,
+        &[4096, 4096],
+        4096,
+        &all,
+        &[Activation::Gelu],
+    );
+    check(
+        Backend::Cuda(None),
+        Kind::Swiglu,
+        &[4096, 4096],
+        4096,
+        &[DType::BF16],
+        &[],
+    );
+    check(
+        Backend::Cuda(None),
+        Kind::RmsNormDense,
+        &[4096, 4096],
+        4096,
+        &[DType::BF16],
+        &[Activation::Silu],
+    );
+    check(
+        Backend::Cuda(None),
+        Kind::LayerNormDense,
+        &[4096, 4096],
+        4096,
+        &[DType::F32],
+        &[Activation::None],
+    );
+}
+
+#[test]
+fn cuda_results_are_deterministic() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    let mut rng = Rng::new(3);
+    for (kind, dt) in [
+        (Kind::LayerNormDense, DType::BF16),
+        (Kind::Swiglu, DType::F32),
+    ] {
+        let c = case(&mut rng, kind, &[3840, 256], 256, dt, true);
+        let h = hosts(&c, kind);
+        let d = h
+            .try_map(kind, |_, t| DeviceTensor::upload(&gpu, t))
+            .unwrap();
+        let refs = d.try_map(kind, |_, t| Ok(t)).unwrap();
+        let p = Params::new(kind, Activation::None, 1e-6).unwrap();
+        let runs: Vec<Vec<u8>> = (0..3)
+            .map(|_| {
+                let mut out = DeviceTensor::uninit(&gpu, vec![3840, 256], dt).unwrap();
+                out.fill_bytes(0xFF).unwrap();
+                cuda(&refs, &mut out, p).unwrap();
+                out.download().unwrap().data
+            })
+            .collect();
+        assert!(
+            runs.iter().all(|r| *r == runs[0]),
+            "{kind:?} {dt:?}: results differ between runs"
+        );
+    }
+}
+
+#[test]
+fn bad_operands_name_themselves() {
+    let mut rng = Rng::new(9);
+    let c = case(&mut rng, Kind::Dense, &[4, 8], 6, DType::F32, true);
+    let h = hosts(&c, Kind::Dense);
+    let p = Params::new(Kind::Dense, Activation::Relu, 1e-5).unwrap();
+    let err = |ops: &Operands<HostTensor<'_>>, p: Params| cpu(ops, p).unwrap_err().to_string();
+    let mut bad = h.clone();
+    bad.kernel.shape = vec![6, 8];
+    bad.kernel.bytes = &c.bytes.kernel.0;
+    assert!(
+        err(&bad, p).starts_with("kernel: expected shape {8, units}"),
+        "{}",
+        err(&bad, p)
+    );
+    let mut bad = h.clone();
+    bad.bias = Some(HostTensor::new("bias", &c.bytes.x.0[..20], vec![5], DType::F32).unwrap());
+    assert!(err(&bad, p).starts_with("bias: expected shape {6}"));
+    let mut bad = h.clone();
+    bad.residual =
+        Some(HostTensor::new("residual", &c.bytes.x.0[..16], vec![2, 2], DType::F32).unwrap());
+    assert!(err(&bad, p).starts_with("residual: expected shape {4, 6}"));
+    let mut bad = h.clone();
+    bad.x = HostTensor::new("x", &c.bytes.x.0[..64], vec![4, 8], DType::F16).unwrap();
+    assert!(
+        err(&bad, p).contains("type f32 differs from x's f16"),
+        "{}",
+        err(&bad, p)
+    );
+    let ln = Params::new(Kind::LayerNormDense, Activation::None, 1e-5).unwrap();
+    assert!(err(&h, ln).starts_with("gamma: is required"));
+    let rms = Params::new(Kind::RmsNormDense, Activation::None, 1e-5).unwrap();
+    assert!(err(&h, rms).starts_with("norm_weight: is required"));
+    let glu = Params::new(Kind::Swiglu, Activation::None, 1e-5).unwrap();
+    assert!(err(&h, glu).starts_with("w_up: is required"));
+    assert!(Params::new(Kind::Swiglu, Activation::Gelu, 1e-5).is_err());
+    assert!(Params::new(Kind::Dense, Activation::None, f64::NAN).is_err());
+    assert!(Activation::parse("swish")
+        .unwrap_err()
+        .to_string()
+        .starts_with("activation must be one of"));
+}
+
+#[test]
+fn erf_matches_known_values() {
+    for (x, want) in [
+        (0.0, 0.0),
+        (0.5, 0.520_499_877_813_046_5),
+        (1.0, 0.842_700_792_949_714_9),
+        (2.0, 0.995_322_265_018_952_7),
+        (-3.0, -0.999_977_909_503_001_4),
+        (7.0, 1.0),
+    ] {
+        assert!(
+            (erf(x) - want).abs() <= 1e-15,
+            "erf({x}) = {} want {want}",
+            erf(x)
+        );
+    }
+}
