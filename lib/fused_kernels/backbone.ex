@@ -1,0 +1,181 @@
+defmodule FusedKernels.Backbone do
+  @moduledoc """
+  ExPhil's backbones for real-time inference, from one params map (names in
+  `FusedKernels.Backbone.Spec`):
+
+    * as an Axon model: `FusedKernels.Backbone.AxonModel.build(spec)` (train it, compare);
+    * `load(spec, params, opts)` → a handle whose weights live where the backend computes
+      (GPU buffers for `:cuda`, host tensors for `:cpu`, Nx tensors for `:nx`), and
+      `predict(handle, window)`: the whole `{batch, window, embed}` forward, layer outputs
+      staying on the device between layers, returning the last position `{batch, hidden}`;
+    * `init_state(handle, batch)` / `step(handle, state, frame)` → `{output, state}`: one
+      `{batch, embed}` frame in, recurrent state kept on the device.
+
+  Native handles need no Nx: windows and frames may be `{binary, shape, type}` triples and
+  results come back as triples (Nx tensors in give Nx tensors out).
+  """
+
+  alias FusedKernels.{Backend, Buffer, Norm, Rnn, Tensor}
+  alias FusedKernels.Backbone.Spec
+
+  @enforce_keys [:spec, :backend, :device, :weights]
+  defstruct [:spec, :backend, :device, :weights]
+
+  @supported [:lstm, :gru]
+
+  @doc "Backbone kinds with a fused `load/3` (the others are Axon models only, for now)."
+  def supported, do: @supported
+
+  @doc """
+  Loads `params` for `spec`. Options: `backend` (`:auto`, `:cuda`, `:cpu`, `:nx`), `device`.
+  Raises `ArgumentError` naming a missing parameter.
+  """
+  def load(%Spec{kind: kind} = spec, params, opts \\ []) when is_map(params) do
+    unless kind in @supported do
+      raise ArgumentError,
+            "load/3 supports #{inspect(@supported)} backbones so far; build #{inspect(kind)} with " <>
+              "FusedKernels.Backbone.AxonModel.build/1"
+    end
+
+    backend = select(opts)
+    device = Backend.device(opts)
+    weights = params |> required(spec) |> place(backend, device)
+    %__MODULE__{spec: spec, backend: backend, device: device, weights: weights}
+  end
+
+  defp select(opts) do
+    case Backend.requested(opts) do
+      :nx -> :nx
+      _ -> Backend.select_native(opts)
+    end
+  end
+
+  # The layers' parameter maps by name, checked before anything is uploaded.
+  defp required(params, %Spec{kind: kind, layers: layers}) when kind in [:lstm, :gru] do
+    names = ["input_norm"] ++ Enum.flat_map(1..layers, &["rnn_#{&1}", "rnn_#{&1}_norm"])
+
+    Map.new(names, fn name ->
+      case Map.fetch(params, name) do
+        {:ok, %{} = p} ->
+          {name, p}
+
+        _ ->
+          raise ArgumentError, "params is missing the layer \"#{name}\" (a map of its parameters)"
+      end
+    end)
+  end
+
+  defp place(params, backend, device) do
+    Map.new(params, fn
+      {k, %{} = v} when not is_struct(v) -> {k, place(v, backend, device)}
+      {k, t} -> {k, place_tensor(t, backend, device)}
+    end)
+  end
+
+  defp place_tensor(t, :cuda, device), do: Buffer.upload(t, device: device)
+  defp place_tensor(t, :cpu, _), do: Tensor.to_native(t)
+  defp place_tensor(t, :nx, _), do: t
+
+  defp call_opts(%__MODULE__{backend: backend, device: device}) do
+    out = if backend == :cuda, do: :device, else: :host
+    [backend: backend, device: device, out: out]
+  end
+
+  @doc "The whole window forward: `{batch, window, embed}` → `{batch, hidden}` (last position)."
+  def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind in [:lstm, :gru] do
+    w = h.weights
+    x = norm(h, window, w["input_norm"])
+
+    x =
+      Enum.reduce(1..h.spec.layers, x, fn l, x ->
+        {seq, _} = rnn(h, x, w["rnn_#{l}"], nil)
+        norm(h, seq, w["rnn_#{l}_norm"])
+      end)
+
+    last_position(x, window)
+  end
+
+  @doc "Zero state for `batch` rows, on the handle's device."
+  def init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
+      when kind in [:lstm, :gru] and is_integer(batch) and batch > 0 do
+    zeros = fn -> zeros({batch, spec.hidden}, h) end
+    for _ <- 1..spec.layers, do: if(kind == :lstm, do: {zeros.(), zeros.()}, else: {zeros.()})
+  end
+
+  @doc "One frame `{batch, embed}` in: `{output {batch, hidden}, new_state}`."
+  def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind in [:lstm, :gru] do
+    w = h.weights
+    x = norm(h, as_sequence(frame), w["input_norm"])
+
+    {x, new_state} =
+      Enum.reduce(Enum.with_index(state, 1), {x, []}, fn {s, l}, {x, acc} ->
+        {seq, s2} = rnn(h, x, w["rnn_#{l}"], s)
+        {norm(h, seq, w["rnn_#{l}_norm"]), [s2 | acc]}
+      end)
+
+    {last_position(x, frame), Enum.reverse(new_state)}
+  end
+
+  defp norm(%__MODULE__{backend: :nx, spec: spec}, x, p),
+    do:
+      apply(FusedKernels, :layer_norm, [
+        x,
+        p["gamma"],
+        p["beta"],
+        [eps: spec.norm_eps, backend: :nx]
+      ])
+
+  defp norm(%__MODULE__{spec: spec} = h, x, p),
+    do: Norm.native(:layer_norm, x, p["gamma"], p["beta"], [eps: spec.norm_eps] ++ call_opts(h))
+
+  # One recurrent layer; `state` nil means zeros. Returns `{sequence, state_tuple}`.
+  defp rnn(%__MODULE__{backend: :nx, spec: spec}, x, p, state) do
+    opts = if state, do: [initial_state: state, backend: :nx], else: [backend: :nx]
+    apply(FusedKernels, spec.kind, [x, p, opts])
+  end
+
+  defp rnn(%__MODULE__{spec: spec} = h, x, p, state) do
+    opts = if state, do: [initial_state: [state]], else: []
+    {seq, [s]} = Rnn.native(spec.kind, x, [p], opts ++ call_opts(h))
+    {seq, s}
+  end
+
+  defp zeros(shape, %__MODULE__{backend: :nx}), do: apply(Nx, :broadcast, [0.0, shape])
+
+  defp zeros(shape, %__MODULE__{backend: backend, device: device}) do
+    triple = {:binary.copy(<<0.0::float-32-native>>, Tuple.product(shape)), shape, {:f, 32}}
+    if backend == :cuda, do: Buffer.upload(triple, device: device), else: triple
+  end
+
+  # A frame {batch, embed} as a one-step sequence {batch, 1, embed}.
+  defp as_sequence({bin, {b, e}, type}), do: {bin, {b, 1, e}, type}
+  defp as_sequence(%Buffer{} = b), do: b |> Buffer.download() |> as_sequence()
+
+  defp as_sequence(t) do
+    {b, e} = apply(Nx, :shape, [t])
+    apply(Nx, :reshape, [t, {b, 1, e}])
+  end
+
+  # The last position of a {batch, seq, hidden} result, in the caller's kind of tensor.
+  defp last_position(%Buffer{} = x, like), do: x |> Buffer.download() |> last_position(like)
+
+  defp last_position({bin, {b, s, hid}, {_, bits} = type}, like) do
+    row = div(bits, 8) * hid
+
+    out = for i <- 0..(b - 1), into: <<>>, do: binary_part(bin, (i * s + s - 1) * row, row)
+
+    back({out, {b, hid}, type}, like)
+  end
+
+  defp last_position(t, _like) do
+    s = elem(apply(Nx, :shape, [t]), 1)
+
+    t
+    |> then(&apply(Nx, :slice_along_axis, [&1, s - 1, 1, [axis: 1]]))
+    |> then(&apply(Nx, :squeeze, [&1, [axes: [1]]]))
+  end
+
+  defp back(triple, {_, _, _}), do: triple
+  defp back(triple, %Buffer{}), do: triple
+  defp back(triple, _nx_tensor), do: apply(Tensor, :to_nx, [triple])
+end
