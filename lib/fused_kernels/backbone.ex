@@ -81,6 +81,49 @@ defmodule FusedKernels.Backbone do
     [backend: backend, device: device, out: out]
   end
 
+  @doc """
+  Random parameters for `spec` as `{binary, shape, {:f, 32}}` triples (no Nx needed), with the
+  names and shapes the Axon model uses: kernels uniform in ±1/sqrt(fan_in), norm gains near 1.
+  """
+  def random_params(%Spec{kind: kind} = spec, seed \\ 1) when kind in [:lstm, :gru] do
+    :rand.seed(:exsss, {seed, 7, 11})
+    {gates, biases} = gate_names(kind)
+    norm = fn n -> %{"gamma" => uniform({n}, 0.1, 1.0), "beta" => uniform({n}, 0.1, 0.0)} end
+
+    rnn = fn input ->
+      %{
+        "input_kernel" =>
+          Map.new(
+            elem(gates, 0),
+            &{&1, uniform({input, spec.hidden}, 1 / :math.sqrt(input), 0.0)}
+          ),
+        "hidden_kernel" =>
+          Map.new(
+            elem(gates, 1),
+            &{&1, uniform({spec.hidden, spec.hidden}, 1 / :math.sqrt(spec.hidden), 0.0)}
+          ),
+        "bias" => Map.new(biases, &{&1, uniform({spec.hidden}, 0.1, 0.0)})
+      }
+    end
+
+    Enum.reduce(1..spec.layers, %{"input_norm" => norm.(spec.embed)}, fn l, acc ->
+      input = if l == 1, do: spec.embed, else: spec.hidden
+      Map.merge(acc, %{"rnn_#{l}" => rnn.(input), "rnn_#{l}_norm" => norm.(spec.hidden)})
+    end)
+  end
+
+  defp gate_names(:lstm), do: {{~w(wii wif wig wio), ~w(whi whf whg who)}, ~w(bi bf bg bo)}
+  defp gate_names(:gru), do: {{~w(wir wiz win), ~w(whr whz whn)}, ~w(br bz bin bhn)}
+
+  defp uniform(shape, scale, center) do
+    bin =
+      for _ <- 1..Tuple.product(shape),
+          into: <<>>,
+          do: <<center + scale * (2 * :rand.uniform() - 1)::float-32-native>>
+
+    {bin, shape, {:f, 32}}
+  end
+
   @doc "The whole window forward: `{batch, window, embed}` → `{batch, hidden}` (last position)."
   def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind in [:lstm, :gru] do
     w = h.weights
