@@ -1,0 +1,35 @@
+if Code.ensure_loaded?(Axon) do
+  defmodule FusedKernels.BackboneAxonTest do
+    # The fused backbones against the Axon model built from the same params.
+    use ExUnit.Case, async: true
+    @moduletag :axon
+
+    alias FusedKernels.Backbone
+    alias FusedKernels.Backbone.Spec
+
+    test "predict equals the Axon model on the same params, on every backend" do
+      for kind <- [:lstm, :gru] do
+        spec = Spec.new(kind, window: 13)
+        params = Backbone.random_params(spec, 9) |> to_nx()
+
+        x =
+          Nx.tensor(for(_ <- 1..(2 * 13 * 288), do: :rand.uniform() * 2 - 1), type: :f32)
+          |> Nx.reshape({2, 13, 288})
+
+        {_init, predict} = Axon.build(Backbone.AxonModel.build(spec))
+        expected = predict.(params, x)
+
+        for backend <-
+              [:nx, :cpu] ++ if(FusedKernels.Backend.cuda_available?(), do: [:cuda], else: []) do
+          got = Backbone.predict(Backbone.load(spec, params, backend: backend), x)
+
+          assert Nx.all_close(got, expected, atol: 1.0e-4, rtol: 1.0e-4) |> Nx.to_number() == 1,
+                 "#{kind} #{backend}"
+        end
+      end
+    end
+
+    defp to_nx(%{} = m), do: Map.new(m, fn {k, v} -> {k, to_nx(v)} end)
+    defp to_nx(triple), do: FusedKernels.Tensor.to_nx(triple)
+  end
+end
