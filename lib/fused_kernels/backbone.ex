@@ -221,4 +221,82 @@ defmodule FusedKernels.Backbone do
   defp back(triple, {_, _, _}), do: triple
   defp back(triple, %Buffer{}), do: triple
   defp back(triple, _nx_tensor), do: apply(Tensor, :to_nx, [triple])
+
+  @doc """
+  Writes `params` (triples) for other programs (the PyTorch side-by-side): `path.bin` holds
+  the f32 data back to back, `path.json` maps "layer/group/name" to `[offset, shape]`.
+  """
+  def export_params(params, path) do
+    {index, chunks, _} =
+      params
+      |> flatten_params("")
+      |> Enum.reduce({[], [], 0}, fn {name, {bin, shape, {:f, 32}}}, {idx, chunks, off} ->
+        entry = ~s("#{name}": [#{off}, [#{Enum.join(Tuple.to_list(shape), ", ")}]])
+        {[entry | idx], [bin | chunks], off + byte_size(bin)}
+      end)
+
+    File.write!(path <> ".bin", Enum.reverse(chunks))
+    File.write!(path <> ".json", "{" <> Enum.join(Enum.reverse(index), ", ") <> "}")
+  end
+
+  defp flatten_params(%{} = m, prefix) when not is_struct(m) do
+    m
+    |> Enum.sort()
+    |> Enum.flat_map(fn {k, v} ->
+      flatten_params(v, if(prefix == "", do: k, else: prefix <> "/" <> k))
+    end)
+  end
+
+  defp flatten_params(triple, name), do: [{name, triple}]
+
+  defmodule Bench do
+    @moduledoc false
+    # Rows for `mix bench`: each supported backbone at ExPhil's configuration, batch 1, the
+    # full 60-frame window and one streamed frame. Timed from Elixir around the whole call
+    # (host window in, host output back; weights and state stay where the backend computes).
+    alias FusedKernels.{Backbone, Bench}
+    alias FusedKernels.Backbone.Spec
+
+    def bench_cases do
+      for kind <- Backbone.supported(), mode <- [:window, :frame] do
+        spec = Spec.new(kind)
+        params = Backbone.random_params(spec, 1)
+        if dir = System.get_env("FUSED_KERNELS_EXPORT_DIR"), do: export(dir, kind, params)
+        shape = if mode == :window, do: {1, spec.window, spec.embed}, else: {1, spec.embed}
+
+        %{
+          name: "backbone #{kind} #{mode}",
+          shape: shape,
+          type: {:f, 32},
+          runner: &runner(&1, spec, params, mode, shape)
+        }
+      end
+    end
+
+    defp export(dir, kind, params) do
+      File.mkdir_p!(dir)
+      Backbone.export_params(params, Path.join(dir, "#{kind}_params"))
+    end
+
+    defp runner(backend, spec, params, mode, shape) when backend in [:cuda, :cpu, :nx] do
+      params = if backend == :nx, do: to_nx(params), else: params
+      handle = Backbone.load(spec, params, backend: backend)
+      x = Bench.random_triple(shape, {:f, 32})
+      x = if backend == :nx, do: to_nx(x), else: x
+
+      case mode do
+        :window ->
+          fn -> Backbone.predict(handle, x) end
+
+        :frame ->
+          state = Backbone.init_state(handle, 1)
+          fn -> Backbone.step(handle, state, x) end
+      end
+    end
+
+    defp runner(_backend, _spec, _params, _mode, _shape), do: nil
+
+    defp to_nx(%{} = m) when not is_struct(m), do: Map.new(m, fn {k, v} -> {k, to_nx(v)} end)
+    defp to_nx(triple), do: apply(FusedKernels.Tensor, :to_nx, [triple])
+  end
 end

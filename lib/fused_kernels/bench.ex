@@ -12,7 +12,11 @@ defmodule FusedKernels.Bench do
   # Each op contributes its cases through `bench_cases/0`, returning maps with `:name`,
   # `:shape` (a tuple, for the table), `:type` and `:runner`: `fn backend -> fun | nil end`,
   # where `fun` runs one call synchronously and nil means "not on this backend".
-  @case_modules [FusedKernels.ScaledSoftmax.Bench, FusedKernels.Dense.Bench]
+  @case_modules [
+    FusedKernels.ScaledSoftmax.Bench,
+    FusedKernels.Dense.Bench,
+    FusedKernels.Backbone.Bench
+  ]
 
   @doc "Every benchmark case of every op."
   def cases, do: Enum.flat_map(@case_modules, & &1.bench_cases())
@@ -69,10 +73,10 @@ defmodule FusedKernels.Bench do
       fun ->
         # Warm-up: kernel compilation/cache load, first allocations.
         first = time_ms(fun)
-        warm = if first > 1000, do: 0, else: 5
-        Enum.each(1..max(warm, 1)//1, fn _ -> fun.() end)
-        # Very slow rows (pure Nx on big shapes) get fewer runs, and say so.
-        n = if first > 200, do: max(3, min(runs, div(10_000, max(round(first), 1)))), else: runs
+        # Very slow rows (pure Nx on big shapes) skip the extra warm-up and get fewer runs
+        # (at least 2), and the table says so.
+        if first <= 1000, do: Enum.each(1..5, fn _ -> fun.() end)
+        n = if first > 200, do: max(2, min(runs, div(10_000, max(round(first), 1)))), else: runs
         times = Enum.map(1..n, fn _ -> time_ms(fun) end) |> Enum.sort()
 
         %{
