@@ -273,9 +273,16 @@ defmodule FusedKernels.Backbone do
       end
     end
 
+    # Params plus one window and our CPU output for it, so the PyTorch side can check that
+    # it computes the same function before timing it.
     defp export(dir, kind, params) do
       File.mkdir_p!(dir)
       Backbone.export_params(params, Path.join(dir, "#{kind}_params"))
+      spec = Spec.new(kind)
+      {bin, _, _} = win = Bench.random_triple({1, spec.window, spec.embed}, {:f, 32})
+      {out, _, _} = Backbone.predict(Backbone.load(spec, params, backend: :cpu), win)
+      File.write!(Path.join(dir, "#{kind}_window.bin"), bin)
+      File.write!(Path.join(dir, "#{kind}_out.bin"), out)
     end
 
     defp runner(backend, spec, params, mode, shape) when backend in [:cuda, :cpu, :nx] do
