@@ -491,7 +491,7 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
         }
     };
     let bh = g.batch * g.heads;
-    if dtype != DType::F32 && tensor_cores && g.d % 8 == 0 {
+    if dtype != DType::F32 && tensor_cores && g.d.is_multiple_of(8) {
         let &(dp, mut mt, mut bk) = MMA_CONFIGS
             .iter()
             .find(|c| c.0 >= g.d)

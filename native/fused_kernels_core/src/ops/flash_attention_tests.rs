@@ -1,6 +1,8 @@
 //! Checks of flash attention against the f64 reference on fresh random inputs. The CPU grid
 //! is small enough for CI; the GPU grid is the full matrix (it skips without a GPU).
 
+#![allow(clippy::type_complexity)]
+
 use super::*;
 use crate::cuda::gpu_for_tests;
 use crate::ops::testing::{rel_l2, tolerance, Rng};
@@ -345,5 +347,105 @@ fn cuda_results_do_not_move_between_runs() {
                 "{dt:?} d{d}: output moved between runs"
             );
         }
+    }
+}
+
+/// Kernel timing for bench/gpu/side_flash_attention.py (run with `--ignored`): CUDA events,
+/// median after warm-up, rotating among input sets. Prints one JSON object per shape and
+/// writes them all to `$FA_BENCH_JSON` when set.
+#[test]
+#[ignore]
+fn bench_kernels() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    use cudarc::driver::sys::CUevent_flags;
+    // (name, b, h, kvh, s, d, dtype, causal)
+    let shapes: &[(&str, usize, usize, usize, usize, usize, DType, bool)] = &[
+        ("a_f32", 1, 4, 4, 60, 64, DType::F32, true),
+        ("a_bf16", 1, 4, 4, 60, 64, DType::BF16, true),
+        ("b_f16", 1, 8, 8, 512, 64, DType::F16, false),
+        ("c_bf16", 4, 16, 16, 4096, 128, DType::BF16, false),
+        ("c_bf16_causal", 4, 16, 16, 4096, 128, DType::BF16, true),
+        ("d_f16", 8, 16, 16, 4096, 64, DType::F16, false),
+    ];
+    let mut lines = Vec::new();
+    let mut rng = Rng::new(17);
+    for &(name, b, h, kvh, s, d, dt, causal) in shapes {
+        let n_q = b * s * h * d;
+        let sets = if n_q > 1 << 22 { 2 } else { 8 };
+        let mut inputs = Vec::new();
+        for _ in 0..sets {
+            let mk = |rng: &mut Rng, shape: Vec<usize>| {
+                let bytes = encode_f64(&rng.vec(shape.iter().product()), dt);
+                let t = HostTensor::new("x", &bytes, shape, dt).unwrap();
+                DeviceTensor::upload(&gpu, &t).unwrap()
+            };
+            inputs.push((
+                mk(&mut rng, vec![b, s, h, d]),
+                mk(&mut rng, vec![b, s, kvh, d]),
+                mk(&mut rng, vec![b, s, kvh, d]),
+            ));
+        }
+        let p = Params::new(Layout::Bshd, None, causal, (-1, -1)).unwrap();
+        let mut out = DeviceTensor::uninit(&gpu, vec![b, s, h, d], dt).unwrap();
+        let mut lse = DeviceTensor::uninit(&gpu, vec![b, h, s], DType::F32).unwrap();
+        let mut call = |i: usize| {
+            let (q, k, v) = &inputs[i % sets];
+            cuda(q, k, v, &mut out, &mut lse, p).unwrap();
+        };
+        let ev = || {
+            gpu.ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap()
+        };
+        let (start, end) = (ev(), ev());
+        for i in 0..20 {
+            call(i);
+        }
+        gpu.synchronize().unwrap();
+        let reps = if n_q > 1 << 22 { 30 } else { 200 };
+        let mut per_call = Vec::new();
+        for i in 0..reps {
+            start.record(&gpu.stream).unwrap();
+            call(i);
+            end.record(&gpu.stream).unwrap();
+            end.synchronize().unwrap();
+            per_call.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
+        }
+        per_call.sort_by(|a, b| a.total_cmp(b));
+        // Back to back: launches queue behind each other, so launch latency is hidden.
+        start.record(&gpu.stream).unwrap();
+        for i in 0..reps {
+            call(i);
+        }
+        end.record(&gpu.stream).unwrap();
+        end.synchronize().unwrap();
+        let b2b = start.elapsed_ms(&end).unwrap() as f64 * 1e3 / reps as f64;
+        let g = geometry(
+            (&[b, s, h, d], dt),
+            (&[b, s, kvh, d], dt),
+            (&[b, s, kvh, d], dt),
+            Layout::Bshd,
+        )
+        .unwrap();
+        let kernel = plan(
+            &g,
+            dt,
+            gpu.has_tensor_cores(),
+            gpu.multiprocessors().unwrap() as usize,
+        )
+        .unwrap()
+        .function;
+        let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
+        let line = format!(
+            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
+            dt.name(),
+            per_call[per_call.len() / 2],
+            flops / (per_call[per_call.len() / 2] * 1e-6) / 1e12
+        );
+        println!("{line}");
+        lines.push(line);
+    }
+    if let Ok(path) = std::env::var("FA_BENCH_JSON") {
+        std::fs::write(path, format!("[{}]\n", lines.join(",\n"))).unwrap();
     }
 }
