@@ -58,7 +58,10 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   const T* kb = k + b * a.k_sb + kvh * a.k_sh;
   const T* vb = v + b * a.k_sb + kvh * a.k_sh;
 
-  for (int e = threadIdx.x; e < BM * DP; e += blockDim.x) {
+  // Unrolled so that each thread has several global loads in flight at once (a rolled loop
+  // waits out the memory latency once per element).
+#pragma unroll 8
+  for (int e = threadIdx.x; e < BM * DP; e += 128) {
     const int r = e / DP, c = e % DP;
     Qs[e] = (q0 + r < a.sq && c < a.d) ? fk_to_f32(qb[(q0 + r) * a.q_ss + c]) * a.scale_log2
                                        : 0.0f;
@@ -79,11 +82,14 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
   for (int kt = (klo / BK) * BK; kt <= khi; kt += BK) {
     __syncthreads();
-    for (int e = threadIdx.x; e < BK * DP; e += blockDim.x) {
+#pragma unroll 8
+    for (int e = threadIdx.x; e < BK * DP; e += 128) {
       const int r = e / DP, c = e % DP;
       const bool in = kt + r < a.sk && c < a.d;
-      if (c < a.d) Ks[r * kp + c] = in ? fk_to_f32(kb[(kt + r) * a.k_ss + c]) : 0.0f;
-      Vs[e] = in ? fk_to_f32(vb[(kt + r) * a.k_ss + c]) : 0.0f;
+      const float kv = in ? fk_to_f32(kb[(kt + r) * a.k_ss + c]) : 0.0f;
+      const float vv = in ? fk_to_f32(vb[(kt + r) * a.k_ss + c]) : 0.0f;
+      if (c < a.d) Ks[r * kp + c] = kv;
+      Vs[e] = vv;
     }
     __syncthreads();
 

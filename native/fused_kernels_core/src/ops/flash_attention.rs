@@ -525,6 +525,29 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
     })
 }
 
+/// The plan for a kernel named like `plan` names them (`fa_mma_bf16_64_1_64`,
+/// `fa_ffma_f32_2_1`): lets the benchmark time alternatives to what `plan` picks.
+pub fn plan_named(g: &Geometry, function: &str) -> Option<Plan> {
+    let parts: Vec<&str> = function.split('_').collect();
+    let num = |i: usize| parts.get(i).and_then(|x| x.parse::<usize>().ok());
+    let (rows, shared_bytes) = match parts.get(1) {
+        Some(&"mma") => {
+            let (dp, mt, bk) = (num(3)?, num(4)?, num(5)?);
+            (64 * mt, (64 * mt + 4 * bk) * (dp + 8) * 2)
+        }
+        Some(&"ffma") => {
+            let (nd, r) = (num(3)?, num(4)?);
+            (4 * r, (4 * r * 32 * nd + 32 * (g.d | 1) + 32 * 32 * nd) * 4)
+        }
+        _ => return None,
+    };
+    Some(Plan {
+        function: function.to_string(),
+        rows,
+        shared_bytes,
+    })
+}
+
 /// The CUDA implementation: `out` has q's shape and type, `lse` is `{batch, heads, seq_q}` f32.
 pub fn cuda(
     q: &DeviceTensor,
@@ -549,6 +572,22 @@ pub fn cuda(
     let gpu = q.gpu.clone();
     let sms = gpu.multiprocessors().unwrap_or(100).max(1) as usize;
     let plan = plan(&g, q.dtype, gpu.has_tensor_cores(), sms)?;
+    launch(&g, q, k, v, out, lse, p, &plan)
+}
+
+/// Launches `plan` (which must suit `g`: the benchmark uses this to compare kernels).
+#[allow(clippy::too_many_arguments)]
+pub fn launch(
+    g: &Geometry,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    out: &mut DeviceTensor,
+    lse: &mut DeviceTensor,
+    p: Params,
+    plan: &Plan,
+) -> Result<()> {
+    let gpu = q.gpu.clone();
     let f = gpu.function(&FLASH_ATTENTION, &plan.function)?;
     if plan.shared_bytes > 48 * 1024 {
         f.set_attribute(

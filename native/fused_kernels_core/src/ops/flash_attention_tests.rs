@@ -388,38 +388,6 @@ fn bench_kernels() {
         let p = Params::new(Layout::Bshd, None, causal, (-1, -1)).unwrap();
         let mut out = DeviceTensor::uninit(&gpu, vec![b, s, h, d], dt).unwrap();
         let mut lse = DeviceTensor::uninit(&gpu, vec![b, h, s], DType::F32).unwrap();
-        let mut call = |i: usize| {
-            let (q, k, v) = &inputs[i % sets];
-            cuda(q, k, v, &mut out, &mut lse, p).unwrap();
-        };
-        let ev = || {
-            gpu.ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap()
-        };
-        let (start, end) = (ev(), ev());
-        for i in 0..20 {
-            call(i);
-        }
-        gpu.synchronize().unwrap();
-        let reps = if n_q > 1 << 22 { 30 } else { 200 };
-        let mut per_call = Vec::new();
-        for i in 0..reps {
-            start.record(&gpu.stream).unwrap();
-            call(i);
-            end.record(&gpu.stream).unwrap();
-            end.synchronize().unwrap();
-            per_call.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
-        }
-        per_call.sort_by(|a, b| a.total_cmp(b));
-        // Back to back: launches queue behind each other, so launch latency is hidden.
-        start.record(&gpu.stream).unwrap();
-        for i in 0..reps {
-            call(i);
-        }
-        end.record(&gpu.stream).unwrap();
-        end.synchronize().unwrap();
-        let b2b = start.elapsed_ms(&end).unwrap() as f64 * 1e3 / reps as f64;
         let g = geometry(
             (&[b, s, h, d], dt),
             (&[b, s, kvh, d], dt),
@@ -427,23 +395,72 @@ fn bench_kernels() {
             Layout::Bshd,
         )
         .unwrap();
-        let kernel = plan(
-            &g,
-            dt,
-            gpu.has_tensor_cores(),
-            gpu.multiprocessors().unwrap() as usize,
-        )
-        .unwrap()
-        .function;
-        let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
-        let line = format!(
+        let sms = gpu.multiprocessors().unwrap() as usize;
+        let chosen = plan(&g, dt, gpu.has_tensor_cores(), sms).unwrap();
+        // What `plan` picks, then the alternatives it passed over for this shape.
+        let alternatives: &[&str] = match name {
+            "a_f32" => &["fa_ffma_f32_2_4"],
+            "a_bf16" => &["fa_ffma_bf16_2_1", "fa_mma_bf16_64_2_64"],
+            "b_f16" => &["fa_mma_f16_64_2_64", "fa_ffma_f16_2_1"],
+            "c_bf16" | "c_bf16_causal" => &["fa_mma_bf16_128_1_64"],
+            "d_f16" => &["fa_mma_f16_64_1_64"],
+            _ => &[],
+        };
+        let mut plans = vec![chosen];
+        plans.extend(alternatives.iter().filter_map(|f| plan_named(&g, f)));
+        for (variant, kplan) in plans.iter().enumerate() {
+            let mut call = |i: usize| {
+                let (q, k, v) = &inputs[i % sets];
+                if variant == 0 {
+                    cuda(q, k, v, &mut out, &mut lse, p).unwrap();
+                } else {
+                    launch(&g, q, k, v, &mut out, &mut lse, p, kplan).unwrap();
+                }
+            };
+            let ev = || {
+                gpu.ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap()
+            };
+            let (start, end) = (ev(), ev());
+            for i in 0..20 {
+                call(i);
+            }
+            gpu.synchronize().unwrap();
+            let reps = if n_q > 1 << 22 { 30 } else { 200 };
+            let mut per_call = Vec::new();
+            for i in 0..reps {
+                start.record(&gpu.stream).unwrap();
+                call(i);
+                end.record(&gpu.stream).unwrap();
+                end.synchronize().unwrap();
+                per_call.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
+            }
+            per_call.sort_by(|a, b| a.total_cmp(b));
+            // Back to back: launches queue behind each other, so launch latency is hidden.
+            start.record(&gpu.stream).unwrap();
+            for i in 0..reps {
+                call(i);
+            }
+            end.record(&gpu.stream).unwrap();
+            end.synchronize().unwrap();
+            let b2b = start.elapsed_ms(&end).unwrap() as f64 * 1e3 / reps as f64;
+            let kernel = &kplan.function;
+            let name = if variant == 0 {
+                name.to_string()
+            } else {
+                format!("{name} (alt)")
+            };
+            let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
+            let line = format!(
             "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
             dt.name(),
             per_call[per_call.len() / 2],
             flops / (per_call[per_call.len() / 2] * 1e-6) / 1e12
         );
-        println!("{line}");
-        lines.push(line);
+            println!("{line}");
+            lines.push(line);
+        }
     }
     if let Ok(path) = std::env::var("FA_BENCH_JSON") {
         std::fs::write(path, format!("[{}]\n", lines.join(",\n"))).unwrap();
