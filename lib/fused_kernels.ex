@@ -76,5 +76,19 @@ defmodule FusedKernels do
     x. Options: `eps` (1.0e-5), `bias`, `activation`, `residual`, `backend`, `device`, `out`.
     """
     defdelegate layer_norm_dense(x, gamma, beta, kernel, opts \\ []), to: FusedKernels.Dense
+
+    @doc """
+    Attention, `softmax(scale * q k^T + mask) v`, with FlashAttention's conventions.
+
+    q is `{batch, seq_q, heads, head_dim}` and k, v `{batch, seq_k, kv_heads, head_dim}`
+    (`layout: :bhsd` takes `{batch, heads, seq, head_dim}`); heads must be a multiple of
+    kv_heads (GQA/MQA); head_dim up to 256; f32, f16 or bf16 (output in q's type, f32
+    accumulation). Options: `causal` (false; aligned bottom-right when seq_q != seq_k),
+    `scale` (1/sqrt(head_dim)), `window: {left, right}` (-1 unbounded), `return_lse`
+    (false; true returns `{out, lse}` with lse `{batch, heads, seq_q}` f32), `layout`,
+    `backend`, `device`, `out: :host | :device`. A query row that sees no key gives zeros
+    (and lse +inf, as in FlashAttention).
+    """
+    defdelegate flash_attention(q, k, v, opts \\ []), to: FusedKernels.FlashAttention, as: :run
   end
 end

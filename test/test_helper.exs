@@ -2,6 +2,8 @@
 #   :nx   - needs Nx (excluded when Nx is not loaded, e.g. on CI without hex)
 #   :cuda - needs a usable GPU (excluded when CUDA is not available)
 nx? = Code.ensure_loaded?(Nx)
+# Nx carried in ERL_LIBS (the GPU harness) is on the code path but not started.
+if nx?, do: Application.ensure_all_started(:nx)
 cuda? = FusedKernels.Backend.cuda_available?()
 
 exclude =

@@ -15,7 +15,8 @@ defmodule FusedKernels.Bench do
   @case_modules [
     FusedKernels.ScaledSoftmax.Bench,
     FusedKernels.Dense.Bench,
-    FusedKernels.Backbone.Bench
+    FusedKernels.Backbone.Bench,
+    FusedKernels.FlashAttention.Bench
   ]
 
   @doc "Every benchmark case of every op."

@@ -88,4 +88,19 @@ defmodule FusedKernels.Native do
   def scaled_softmax(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
   @doc false
   def dense(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def flash_attention(
+        _q,
+        _k,
+        _v,
+        _layout,
+        _scale,
+        _causal,
+        _window,
+        _lse,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
 end

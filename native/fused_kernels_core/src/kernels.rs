@@ -26,5 +26,10 @@ pub const DENSE: Kernel = Kernel {
     body: include_str!("../kernels/dense.cu"),
 };
 
+pub const FLASH_ATTENTION: Kernel = Kernel {
+    name: "flash_attention",
+    body: include_str!("../kernels/flash_attention.cu"),
+};
+
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
-pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &DENSE];
+pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &DENSE, &FLASH_ATTENTION];

@@ -2,6 +2,7 @@
 //! point (`run`) that stages operands on the chosen backend.
 
 pub mod dense;
+pub mod flash_attention;
 pub mod scaled_softmax;
 
 use crate::error::{arg_error, Result};

@@ -1,4 +1,5 @@
 //! One NIF per op, mirroring `fused_kernels_core::ops` and `lib/fused_kernels/<op>.ex`.
 
 mod dense;
+mod flash_attention;
 mod scaled_softmax;

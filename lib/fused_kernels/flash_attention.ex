@@ -1,0 +1,287 @@
+defmodule FusedKernels.FlashAttention do
+  @moduledoc """
+  Attention forward, `softmax(scale * q k^T + mask) v`, with FlashAttention's conventions
+  (layout, GQA/MQA, bottom-right causal, sliding window, lse). Native side:
+  `native/fused_kernels_core/src/ops/flash_attention.rs` and `kernels/flash_attention.cu`.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  @doc false
+  def options(opts) do
+    opts =
+      Keyword.validate!(opts,
+        layout: :bshd,
+        causal: false,
+        scale: nil,
+        window: {-1, -1},
+        return_lse: false,
+        backend: nil,
+        device: nil,
+        out: :host
+      )
+
+    unless opts[:layout] in [:bshd, :bhsd],
+      do: raise(ArgumentError, "layout must be :bshd or :bhsd, got: #{inspect(opts[:layout])}")
+
+    for key <- [:causal, :return_lse], not is_boolean(opts[key]) do
+      raise ArgumentError, "#{key} must be a boolean, got: #{inspect(opts[key])}"
+    end
+
+    scale = opts[:scale]
+
+    unless is_nil(scale) or is_number(scale),
+      do: raise(ArgumentError, "scale must be a number or nil, got: #{inspect(scale)}")
+
+    case opts[:window] do
+      {l, r} when is_integer(l) and is_integer(r) and l >= -1 and r >= -1 ->
+        :ok
+
+      other ->
+        raise ArgumentError,
+              "window must be {left, right} with integers >= -1 (-1: unbounded), got: #{inspect(other)}"
+    end
+
+    unless opts[:out] in [:host, :device],
+      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    Enum.reject(opts, fn {k, v} -> is_nil(v) and k != :scale end)
+  end
+
+  @doc """
+  Runs on a native backend with no Nx involved: q, k, v are `{binary, shape, type}` triples
+  or `FusedKernels.Buffer`s; returns a triple (or a buffer with `out: :device`), or
+  `{out, lse}` with `return_lse: true`.
+  """
+  def native(q, k, v, opts \\ []) do
+    opts = options(opts)
+    call(Enum.map([q, k, v], &Tensor.to_native/1), Backend.select_native(opts), opts)
+  end
+
+  defp call([q, k, v], backend, opts) do
+    scale = if opts[:scale], do: opts[:scale] * 1.0, else: nil
+
+    q
+    |> Native.flash_attention(
+      k,
+      v,
+      opts[:layout],
+      scale,
+      opts[:causal],
+      opts[:window],
+      opts[:return_lse],
+      backend,
+      Backend.device(opts),
+      opts[:out]
+    )
+    |> Native.unwrap!()
+    |> wrap(opts[:return_lse])
+  end
+
+  defp wrap({out, lse}, true), do: {Buffer.wrap(out), Buffer.wrap(lse)}
+  defp wrap(out, false), do: Buffer.wrap(out)
+
+  if Code.ensure_loaded?(Nx) do
+    @doc "See `FusedKernels.flash_attention/4`."
+    def run(q, k, v, opts) do
+      opts = options(opts)
+
+      if Enum.any?([q, k, v], &match?(%Buffer{}, &1)) do
+        native(q, k, v, opts)
+      else
+        [q, k, v] = Enum.map([q, k, v], &Nx.to_tensor/1)
+
+        case Backend.select(opts, Enum.any?([q, k, v], &Tensor.symbolic?/1)) do
+          :nx ->
+            nx(q, k, v, opts)
+
+          backend ->
+            result = call(Enum.map([q, k, v], &Tensor.to_native/1), backend, opts)
+
+            cond do
+              opts[:out] == :device -> result
+              opts[:return_lse] -> {Tensor.to_nx(elem(result, 0)), Tensor.to_nx(elem(result, 1))}
+              true -> Tensor.to_nx(result)
+            end
+        end
+      end
+    end
+
+    @doc """
+    The pure-Nx implementation (f32 arithmetic, f64 for f64 inputs; output in q's type);
+    works on any Nx backend and inside `defn`.
+    """
+    def nx(q, k, v, opts \\ []) do
+      layout = Keyword.get(opts, :layout, :bshd)
+      causal = Keyword.get(opts, :causal, false)
+      {left, right} = Keyword.get(opts, :window, {-1, -1})
+      right = if causal, do: 0, else: right
+      type = Nx.type(q)
+      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
+
+      to_bhsd = fn x ->
+        x = Nx.as_type(x, compute)
+        if layout == :bshd, do: Nx.transpose(x, axes: [0, 2, 1, 3]), else: x
+      end
+
+      check_shapes!(Nx.shape(q), Nx.shape(k), Nx.shape(v), layout, type, Nx.type(k), Nx.type(v))
+      {q, k, v} = {to_bhsd.(q), to_bhsd.(k), to_bhsd.(v)}
+      {b, h, sq, d} = Nx.shape(q)
+      {_, kvh, sk, _} = Nx.shape(k)
+      scale = Keyword.get(opts, :scale) || 1.0 / :math.sqrt(d)
+
+      repeat = fn x ->
+        if kvh == h,
+          do: x,
+          else:
+            x
+            |> Nx.new_axis(2)
+            |> Nx.broadcast({b, kvh, div(h, kvh), sk, d})
+            |> Nx.reshape({b, h, sk, d})
+      end
+
+      {k, v} = {repeat.(k), repeat.(v)}
+      s = q |> Nx.dot([3], [0, 1], k, [3], [0, 1]) |> Nx.multiply(scale)
+
+      # Key j is visible from query i around the bottom-right aligned diagonal i + sk - sq.
+      diag = Nx.add(Nx.iota({sq, sk}, axis: 0), sk - sq)
+      j = Nx.iota({sq, sk}, axis: 1)
+      ok_left = if left < 0, do: 1, else: Nx.greater_equal(j, Nx.subtract(diag, left))
+      ok_right = if right < 0, do: 1, else: Nx.less_equal(j, Nx.add(diag, right))
+      mask = Nx.logical_and(ok_left, ok_right) |> Nx.broadcast({b, h, sq, sk})
+
+      neg_inf = Nx.Constants.neg_infinity(compute)
+      zero = Nx.tensor(0, type: compute)
+      m = Nx.select(mask, s, neg_inf) |> Nx.reduce_max(axes: [3], keep_axes: true)
+      # A fully masked row: max -inf; use 0 so exp stays finite; its sum is 0.
+      empty = Nx.equal(m, neg_inf)
+      m = Nx.select(empty, zero, m)
+      e = Nx.select(mask, Nx.exp(Nx.subtract(s, m)), zero)
+      z = Nx.sum(e, axes: [3], keep_axes: true)
+      p = Nx.divide(e, Nx.select(Nx.equal(z, 0), Nx.tensor(1, type: compute), z))
+      out = Nx.dot(p, [3], [0, 1], v, [2], [0, 1])
+      out = if layout == :bshd, do: Nx.transpose(out, axes: [0, 2, 1, 3]), else: out
+      out = Nx.as_type(out, type)
+
+      if Keyword.get(opts, :return_lse, false) do
+        lse =
+          Nx.select(Nx.equal(z, 0), Nx.Constants.infinity(compute), Nx.add(m, Nx.log(z)))
+          |> Nx.squeeze(axes: [3])
+          |> Nx.as_type({:f, 32})
+
+        {out, lse}
+      else
+        out
+      end
+    end
+
+    defp check_shapes!(qs, ks, vs, layout, qt, kt, vt) do
+      for {name, s} <- [q: qs, k: ks, v: vs], tuple_size(s) != 4 do
+        raise ArgumentError,
+              "#{name}: expected a 4-D tensor (layout #{inspect(layout)}), got shape #{inspect(s)}"
+      end
+
+      unless kt == qt and vt == qt,
+        do:
+          raise(
+            ArgumentError,
+            "k, v: must have q's type #{inspect(qt)}, got #{inspect({kt, vt})}"
+          )
+
+      unless ks == vs,
+        do: raise(ArgumentError, "v: must have k's shape #{inspect(ks)}, got #{inspect(vs)}")
+
+      pick = fn s ->
+        if layout == :bshd,
+          do: {elem(s, 0), elem(s, 2), elem(s, 3)},
+          else: {elem(s, 0), elem(s, 1), elem(s, 3)}
+      end
+
+      {b, h, d} = pick.(qs)
+      {kb, kvh, kd} = pick.(ks)
+      if kb != b, do: raise(ArgumentError, "k: batch #{kb} differs from q's batch #{b}")
+      if kd != d, do: raise(ArgumentError, "k: head_dim #{kd} differs from q's head_dim #{d}")
+
+      if rem(h, kvh) != 0,
+        do:
+          raise(
+            ArgumentError,
+            "k: q's heads (#{h}) must be a multiple of k's heads (#{kvh}) for GQA/MQA"
+          )
+
+      if d > 256,
+        do: raise(ArgumentError, "q: head_dim #{d} is over the supported maximum of 256")
+    end
+  end
+
+  defmodule Bench do
+    @moduledoc false
+    alias FusedKernels.{Bench, FlashAttention}
+
+    # {name, q shape (bshd), kv heads, type, opts}; the issue's and ExPhil's shapes.
+    def shapes do
+      [
+        {"flash_attention exphil B1 H4 S60 D64 causal f32", {1, 60, 4, 64}, 4, {:f, 32},
+         [causal: true]},
+        {"flash_attention exphil B1 H4 S60 D64 causal bf16", {1, 60, 4, 64}, 4, {:bf, 16},
+         [causal: true]},
+        {"flash_attention B1 H8 S512 D64 f16", {1, 512, 8, 64}, 8, {:f, 16}, []},
+        {"flash_attention B4 H16 S4096 D128 bf16", {4, 4096, 16, 128}, 16, {:bf, 16}, []},
+        {"flash_attention B4 H16 S4096 D128 bf16 causal", {4, 4096, 16, 128}, 16, {:bf, 16},
+         [causal: true]},
+        {"flash_attention B8 H16 S4096 D64 f16", {8, 4096, 16, 64}, 16, {:f, 16}, []}
+      ]
+    end
+
+    # The big shapes are timed by the Rust kernel bench (side_flash_attention.py): building
+    # their random inputs in Elixir would take minutes.
+    def bench_cases do
+      shapes()
+      |> Enum.filter(fn {_, shape, _, _, _} -> Tuple.product(shape) <= 1_000_000 end)
+      |> Enum.map(fn {name, shape, kvh, type, opts} ->
+        %{name: name, shape: shape, type: type, runner: &runner(&1, shape, kvh, type, opts)}
+      end)
+    end
+
+    defp inputs(shape, kvh, type) do
+      {b, s, _h, d} = shape
+      [shape, {b, s, kvh, d}, {b, s, kvh, d}] |> Enum.map(&Bench.random_triple(&1, type))
+    end
+
+    defp runner(:cuda_resident, shape, kvh, type, opts) do
+      [q, k, v] = Enum.map(inputs(shape, kvh, type), &FusedKernels.Buffer.upload/1)
+
+      fn ->
+        FlashAttention.native(q, k, v, [backend: :cuda, out: :device] ++ opts)
+        FusedKernels.Native.cuda_synchronize(nil)
+      end
+    end
+
+    defp runner(:cuda, shape, kvh, type, opts) do
+      # Host tensors in and out: only for the small (latency) shapes.
+      if Tuple.product(shape) <= 1_000_000 do
+        [q, k, v] = inputs(shape, kvh, type)
+        fn -> FlashAttention.native(q, k, v, [backend: :cuda] ++ opts) end
+      end
+    end
+
+    defp runner(:cpu, shape, kvh, type, opts) do
+      if Tuple.product(shape) <= 300_000 do
+        [q, k, v] = inputs(shape, kvh, type)
+        fn -> FlashAttention.native(q, k, v, [backend: :cpu] ++ opts) end
+      end
+    end
+
+    defp runner(:nx, shape, kvh, type, opts) do
+      if Tuple.product(shape) <= 20_000 and Code.ensure_loaded?(Nx) do
+        [q, k, v] =
+          inputs(shape, kvh, type)
+          |> Enum.map(fn {bin, s, t} ->
+            apply(Nx, :reshape, [apply(Nx, :from_binary, [bin, t]), s])
+          end)
+
+        fn -> apply(FlashAttention, :nx, [q, k, v, opts]) end
+      end
+    end
+  end
+end

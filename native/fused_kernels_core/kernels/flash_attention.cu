@@ -1,0 +1,446 @@
+// Flash attention forward: out = softmax(scale * q k^T + mask) v, one pass over K/V per block
+// of query rows, with the running max and sum of the online softmax kept in registers; the
+// score matrix never leaves the SM. Semantics are FlashAttention's: GQA by head index
+// h / (heads / kv_heads); key j is visible from query i when, with off = sk - sq,
+// (left < 0 || j >= i + off - left) && (right < 0 || j <= i + off + right) (causal is
+// right = 0, aligned bottom-right). A row that sees no key gives zeros and lse = +inf.
+//
+// Strides address element (b, s, h, d) as b*sb + s*ss + h*sh + d, so one kernel serves the
+// {b, s, h, d} and {b, h, s, d} layouts; o shares q's strides and v shares k's.
+// Work item x = tile * bh + (b * heads + h), with tiles counted from the last one: under a
+// causal mask the longest rows start first.
+//
+// Two kernels:
+//  * fa_ffma_*: any type and any head_dim <= 32 * ND, f32 FFMA arithmetic (meets f32's 1e-5).
+//    Four warps; each owns R query rows; one key per lane for the scores, then each lane
+//    accumulates head_dim / 32 output columns. R = 1 spreads small problems over more blocks.
+//  * fa_mma_*: f16/bf16 with head_dim % 8 == 0 on sm_80+. FlashAttention-2's structure:
+//    4 warps, each owning MT tiles of 16 query rows; K/V tiles of BK keys double-buffered in
+//    shared memory through 16-byte cp.async; S = Q K^T and O += P V on mma.sync m16n8k16 with
+//    ldmatrix fragments; P goes from the S accumulators to A fragments in registers.
+
+#define FA_LOG2E 1.4426950408889634f
+
+struct FaArgs {
+  int heads, group, sq, sk, d;  // group = heads / kv_heads
+  int left, right;              // -1: unbounded
+  int tiles, bh;                // query tiles per head, batch * heads
+  float scale_log2;             // scale * log2(e): scores are kept in base 2
+  long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh;
+};
+
+// First and last visible key (inclusive) of query row i; empty when lo > hi.
+__device__ __forceinline__ int fa_lo(const FaArgs& a, int i) {
+  return a.left < 0 ? 0 : max(0, i + a.sk - a.sq - a.left);
+}
+__device__ __forceinline__ int fa_hi(const FaArgs& a, int i) {
+  return a.right < 0 ? a.sk - 1 : min(a.sk - 1, i + a.sk - a.sq + a.right);
+}
+
+// ---------------------------------------------------------------------------------------
+// FFMA kernel
+
+template <typename T, int ND, int R>
+__device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __restrict__ k,
+                                        const T* __restrict__ v, T* __restrict__ o,
+                                        float* __restrict__ lse, const FaArgs a) {
+  constexpr int BM = 4 * R, BK = 32, DP = ND * 32;
+  extern __shared__ float fa_smem[];
+  const int kp = a.d | 1;  // odd pitch: lane-strided K rows hit distinct banks
+  float* Qs = fa_smem;     // BM x DP
+  float* Ks = Qs + BM * DP;  // BK x kp
+  float* Vs = Ks + BK * kp;  // BK x DP
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int bh = blockIdx.x % a.bh, tile = a.tiles - 1 - blockIdx.x / a.bh;
+  const int b = bh / a.heads, h = bh % a.heads, kvh = h / a.group;
+  const int q0 = tile * BM, qlast = min(q0 + BM, a.sq) - 1;
+  const T* qb = q + b * a.q_sb + h * a.q_sh;
+  const T* kb = k + b * a.k_sb + kvh * a.k_sh;
+  const T* vb = v + b * a.k_sb + kvh * a.k_sh;
+
+  // Unrolled so that each thread has several global loads in flight at once (a rolled loop
+  // waits out the memory latency once per element).
+#pragma unroll 8
+  for (int e = threadIdx.x; e < BM * DP; e += 128) {
+    const int r = e / DP, c = e % DP;
+    Qs[e] = (q0 + r < a.sq && c < a.d) ? fk_to_f32(qb[(q0 + r) * a.q_ss + c]) * a.scale_log2
+                                       : 0.0f;
+  }
+
+  float acc[R][ND], m[R], l[R];
+  int lo[R], hi[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = FK_NEG_INF;
+    l[r] = 0.0f;
+    lo[r] = fa_lo(a, q0 + warp * R + r);
+    hi[r] = fa_hi(a, q0 + warp * R + r);
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[r][i] = 0.0f;
+  }
+
+  const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
+  for (int kt = (klo / BK) * BK; kt <= khi; kt += BK) {
+    __syncthreads();
+#pragma unroll 8
+    for (int e = threadIdx.x; e < BK * DP; e += 128) {
+      const int r = e / DP, c = e % DP;
+      const bool in = kt + r < a.sk && c < a.d;
+      const float kv = in ? fk_to_f32(kb[(kt + r) * a.k_ss + c]) : 0.0f;
+      const float vv = in ? fk_to_f32(vb[(kt + r) * a.k_ss + c]) : 0.0f;
+      if (c < a.d) Ks[r * kp + c] = kv;
+      Vs[e] = vv;
+    }
+    __syncthreads();
+
+    const int j = kt + lane;
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.0f;
+    const float* kr = Ks + lane * kp;
+    const float* qw = Qs + warp * R * DP;
+    for (int c = 0; c < a.d; ++c) {
+      const float kc = kr[c];
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = fmaf(qw[r * DP + c], kc, s[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (j < lo[r] || j > hi[r]) s[r] = FK_NEG_INF;
+      const float mn = fmaxf(m[r], fk_warp_max(s[r]));
+      const float mu = mn == FK_NEG_INF ? 0.0f : mn;  // nothing seen yet: keep p and alpha 0
+      const float alpha = exp2f(m[r] - mu);
+      s[r] = exp2f(s[r] - mu);
+      l[r] = l[r] * alpha + s[r];  // per-lane partial sum, reduced once at the end
+      m[r] = mn;
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[r][i] *= alpha;
+    }
+    const int kn = min(BK, a.sk - kt);
+    for (int jj = 0; jj < kn; ++jj) {
+      const float* vr = Vs + jj * DP + lane;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float p = __shfl_sync(0xffffffffu, s[r], jj);
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[r][i] = fmaf(p, vr[32 * i], acc[r][i]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = q0 + warp * R + r;
+    const float sum = fk_warp_sum(l[r]);
+    if (i >= a.sq) continue;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    T* orow = o + b * a.q_sb + i * a.q_ss + h * a.q_sh;
+#pragma unroll
+    for (int ii = 0; ii < ND; ++ii) {
+      const int c = lane + 32 * ii;
+      if (c < a.d) orow[c] = fk_from_f32<T>(acc[r][ii] * inv);
+    }
+    if (lane == 0)
+      lse[(long long)bh * a.sq + i] =
+          sum > 0.0f ? (m[r] + log2f(sum)) / FA_LOG2E : __int_as_float(0x7f800000);
+  }
+}
+
+#define FA_FFMA(NAME, T, ND, R)                                                               \
+  extern "C" __global__ void __launch_bounds__(128, 1)                                         \
+      fa_ffma_##NAME##_##ND##_##R(const T* q, const T* k, const T* v, T* o, float* lse,       \
+                                  const FaArgs a) {                                           \
+    fa_ffma<T, ND, R>(q, k, v, o, lse, a);                                                    \
+  }
+#define FA_FFMA_R(NAME, T, ND) FA_FFMA(NAME, T, ND, 1) FA_FFMA(NAME, T, ND, 4)
+#define FA_FFMA_ALL(NAME, T)                                                                  \
+  FA_FFMA_R(NAME, T, 1) FA_FFMA_R(NAME, T, 2) FA_FFMA_R(NAME, T, 3) FA_FFMA_R(NAME, T, 4)      \
+  FA_FFMA_R(NAME, T, 6) FA_FFMA_R(NAME, T, 8)
+
+FA_FFMA_ALL(f32, float)
+FA_FFMA_ALL(f16, fk_f16)
+FA_FFMA_ALL(bf16, fk_bf16)
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core kernel (sm_80+)
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ unsigned fa_smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void fa_cp16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void fa_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void fa_ldm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fa_smem_addr(p)));
+}
+__device__ __forceinline__ void fa_ldm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fa_smem_addr(p)));
+}
+
+template <typename T> struct FaMma;
+template <> struct FaMma<fk_bf16> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                             unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // lo goes to the low half (the element with the smaller index).
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+template <> struct FaMma<fk_f16> {
+  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                             unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// Copies `rows` rows of d 16-bit values (d % 8 == 0) starting at row r0 of a strided tensor
+// into shared memory (pitch P halves), zero-filling rows past `limit` and columns past d.
+template <int DP, int P, int ROWS>
+__device__ __forceinline__ void fa_load_tile(unsigned short* dst, const unsigned short* src,
+                                             long long row_stride, int r0, int limit, int d) {
+  constexpr int CHUNKS = DP / 8;
+  for (int e = threadIdx.x; e < ROWS * CHUNKS; e += 128) {
+    const int r = e / CHUNKS, c = (e % CHUNKS) * 8;
+    const bool valid = r0 + r < limit && c < d;
+    const unsigned short* g = valid ? src + (long long)(r0 + r) * row_stride + c : src;
+    fa_cp16(dst + r * P + c, g, valid);
+  }
+}
+
+template <typename T, int DP, int MT, int BK>
+__device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restrict__ k,
+                                       const T* __restrict__ v, T* __restrict__ o,
+                                       float* __restrict__ lse, const FaArgs a) {
+  constexpr int BM = 64 * MT, P = DP + 8, NT = BK / 8, DT = DP / 8;
+  extern __shared__ uint4 fa_smem16[];
+  unsigned short* Qs = reinterpret_cast<unsigned short*>(fa_smem16);
+  unsigned short* Ks = Qs + BM * P;  // two buffers of BK x P
+  unsigned short* Vs = Ks + 2 * BK * P;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int bh = blockIdx.x % a.bh, tile = a.tiles - 1 - blockIdx.x / a.bh;
+  const int b = bh / a.heads, h = bh % a.heads, kvh = h / a.group;
+  const int q0 = tile * BM, qlast = min(q0 + BM, a.sq) - 1;
+  const unsigned short* qb =
+      reinterpret_cast<const unsigned short*>(q) + b * a.q_sb + h * a.q_sh;
+  const unsigned short* kb =
+      reinterpret_cast<const unsigned short*>(k) + b * a.k_sb + kvh * a.k_sh;
+  const unsigned short* vb =
+      reinterpret_cast<const unsigned short*>(v) + b * a.k_sb + kvh * a.k_sh;
+
+  const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
+  const int t0 = klo / BK, t1 = khi < klo ? t0 - 1 : khi / BK;  // tiles t0..t1
+
+  fa_load_tile<DP, P, BM>(Qs, qb, a.q_ss, q0, a.sq, a.d);
+  if (t0 <= t1) {
+    fa_load_tile<DP, P, BK>(Ks, kb, a.k_ss, t0 * BK, a.sk, a.d);
+    fa_load_tile<DP, P, BK>(Vs, vb, a.k_ss, t0 * BK, a.sk, a.d);
+  }
+  fa_cp_commit();
+
+  float acc[MT][DT][4], m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      m[mt][x] = FK_NEG_INF;
+      l[mt][x] = 0.0f;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][dt][e] = 0.0f;
+  }
+  const int wrow = q0 + warp * MT * 16;  // first query row of this warp
+
+  for (int kt = t0; kt <= t1; ++kt) {
+    const int buf = (kt - t0) & 1;
+    if (kt < t1) {  // prefetch the next tile into the other buffer
+      fa_load_tile<DP, P, BK>(Ks + (buf ^ 1) * BK * P, kb, a.k_ss, (kt + 1) * BK, a.sk, a.d);
+      fa_load_tile<DP, P, BK>(Vs + (buf ^ 1) * BK * P, vb, a.k_ss, (kt + 1) * BK, a.sk, a.d);
+      fa_cp_commit();
+      fa_cp_wait<1>();
+    } else {
+      fa_cp_wait<0>();
+    }
+    __syncthreads();
+    const unsigned short* Kt = Ks + buf * BK * P;
+    const unsigned short* Vt = Vs + buf * BK * P;
+
+    // S = Q K^T
+    float s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      unsigned qa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        fa_ldm_x4(qa[mt], Qs + ((warp * MT + mt) * 16 + (lane & 15)) * P + kk * 16 +
+                              (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        unsigned kf[4];
+        fa_ldm_x4(kf, Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 +
+                          ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          FaMma<T>::mma(s[mt][2 * np], qa[mt], kf[0], kf[1]);
+          FaMma<T>::mma(s[mt][2 * np + 1], qa[mt], kf[2], kf[3]);
+        }
+      }
+    }
+
+    // Mask (only on tiles that cross a boundary), then the online softmax in base 2.
+    const int k0 = kt * BK;
+    const bool full = k0 + BK <= a.sk && (a.left < 0 || k0 >= fa_lo(a, qlast)) &&
+                      (a.right < 0 || k0 + BK - 1 <= fa_hi(a, q0));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int i = wrow + mt * 16 + g + 8 * x;
+        const int lo = fa_lo(a, i), hi = fa_hi(a, i);
+        float mx = FK_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& sv = s[mt][nt][2 * x + e];
+            sv *= a.scale_log2;
+            if (!full) {
+              const int j = k0 + nt * 8 + 2 * t + e;
+              if (j < lo || j > hi) sv = FK_NEG_INF;
+            }
+            mx = fmaxf(mx, sv);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[mt][x], mx);
+        const float mu = mn == FK_NEG_INF ? 0.0f : mn;
+        const float alpha = exp2f(m[mt][x] - mu);
+        m[mt][x] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& sv = s[mt][nt][2 * x + e];
+            sv = exp2f(sv - mu);
+            sum += sv;
+          }
+        l[mt][x] = l[mt][x] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc[mt][dt][2 * x] *= alpha;
+          acc[mt][dt][2 * x + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are the A fragment of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      unsigned pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = FaMma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = FaMma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = FaMma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = FaMma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        unsigned vf[4];
+        fa_ldm_x4_t(vf, Vt + (kk * 16 + (lane & 15)) * P + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          FaMma<T>::mma(acc[mt][2 * dp], pa[mt], vf[0], vf[1]);
+          FaMma<T>::mma(acc[mt][2 * dp + 1], pa[mt], vf[2], vf[3]);
+        }
+      }
+    }
+    __syncthreads();  // this buffer is refilled two iterations on
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      float sum = l[mt][x];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int i = wrow + mt * 16 + g + 8 * x;
+      if (i >= a.sq) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      T* orow = o + b * a.q_sb + (long long)i * a.q_ss + h * a.q_sh;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        const int c = dt * 8 + 2 * t;
+        if (c < a.d) {
+          const unsigned pr =
+              FaMma<T>::pack(acc[mt][dt][2 * x] * inv, acc[mt][dt][2 * x + 1] * inv);
+          *reinterpret_cast<unsigned*>(orow + c) = pr;
+        }
+      }
+      if (t == 0)
+        lse[(long long)bh * a.sq + i] =
+            sum > 0.0f ? (m[mt][x] + log2f(sum)) / FA_LOG2E : __int_as_float(0x7f800000);
+    }
+  }
+}
+
+#define FA_MMA(NAME, T, DP, MT, BK)                                                           \
+  extern "C" __global__ void __launch_bounds__(128, 1)                                         \
+      fa_mma_##NAME##_##DP##_##MT##_##BK(const T* q, const T* k, const T* v, T* o,            \
+                                         float* lse, const FaArgs a) {                        \
+    fa_mma<T, DP, MT, BK>(q, k, v, o, lse, a);                                                \
+  }
+// Tile shapes per padded head dim (see `mma_config` in flash_attention.rs).
+#define FA_MMA_ALL(NAME, T)                                                                   \
+  FA_MMA(NAME, T, 32, 2, 64) FA_MMA(NAME, T, 48, 2, 64) FA_MMA(NAME, T, 64, 2, 64)             \
+  FA_MMA(NAME, T, 80, 2, 32) FA_MMA(NAME, T, 96, 2, 32) FA_MMA(NAME, T, 128, 2, 32)            \
+  FA_MMA(NAME, T, 160, 1, 32) FA_MMA(NAME, T, 192, 1, 32) FA_MMA(NAME, T, 256, 1, 32)          \
+  FA_MMA(NAME, T, 64, 1, 64) FA_MMA(NAME, T, 128, 1, 64)
+
+FA_MMA_ALL(f16, fk_f16)
+FA_MMA_ALL(bf16, fk_bf16)
+
+#endif
