@@ -21,5 +21,10 @@ pub const SCALED_SOFTMAX: Kernel = Kernel {
     body: include_str!("../kernels/scaled_softmax.cu"),
 };
 
+pub const RNN: Kernel = Kernel {
+    name: "rnn",
+    body: include_str!("../kernels/rnn.cu"),
+};
+
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
-pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX];
+pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &RNN];

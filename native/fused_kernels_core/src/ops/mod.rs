@@ -1,6 +1,7 @@
 //! The fused ops. Each op has a CPU implementation (`cpu`), a CUDA one (`cuda`) and one entry
 //! point (`run`) that stages operands on the chosen backend.
 
+pub mod rnn;
 pub mod scaled_softmax;
 
 use crate::error::{arg_error, Result};
