@@ -265,6 +265,17 @@ pub struct RefLayer {
     pub initial_state: Vec<Vec<f64>>,
 }
 
+/// `v . w` for `w` `{rows, h}`, accumulated row by row (cache-friendly, still plain loops).
+fn ref_dense(w: &[f64], v: &[f64], h: usize) -> Vec<f64> {
+    let mut out = vec![0.0; h];
+    for (k, vk) in v.iter().enumerate() {
+        for (o, wk) in out.iter_mut().zip(&w[k * h..(k + 1) * h]) {
+            *o += vk * wk;
+        }
+    }
+    out
+}
+
 /// f64 reference, written from the equations with plain loops (no packing, no GEMM):
 /// returns the last layer's sequence and each layer's final state.
 pub fn reference(
@@ -280,9 +291,6 @@ pub fn reference(
     let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
     for layer in layers {
         let h = layer.bias[0].len();
-        let dense = |w: &[f64], v: &[f64], rows: usize, j: usize| -> f64 {
-            (0..rows).map(|k| v[k] * w[k * h + j]).sum()
-        };
         let mut seq = vec![0.0; b * t * h];
         let mut states = vec![Vec::new(); cell.state_names().len()];
         for bi in 0..b {
@@ -297,30 +305,33 @@ pub fn reference(
             for s in 0..t {
                 let ti = if reverse { t - 1 - s } else { s };
                 let xt = &input[(bi * t + ti) * inp..(bi * t + ti + 1) * inp];
-                let wi = &layer.input_kernel;
-                let wh = &layer.hidden_kernel;
+                let px: Vec<Vec<f64>> = layer
+                    .input_kernel
+                    .iter()
+                    .map(|w| ref_dense(w, xt, h))
+                    .collect();
+                let ph: Vec<Vec<f64>> = layer
+                    .hidden_kernel
+                    .iter()
+                    .map(|w| ref_dense(w, &hs, h))
+                    .collect();
                 let bs = &layer.bias;
-                let mut hn = vec![0.0; h];
-                for j in 0..h {
-                    let gate =
-                        |k: usize| dense(&wi[k], xt, inp, j) + bs[k][j] + dense(&wh[k], &hs, h, j);
-                    hn[j] = match cell {
+                let gate = |k: usize, j: usize| px[k][j] + bs[k][j] + ph[k][j];
+                let hn: Vec<f64> = (0..h)
+                    .map(|j| match cell {
                         Cell::Lstm => {
-                            let cc = sig(gate(1)) * c[j] + sig(gate(0)) * gate(2).tanh();
+                            let cc = sig(gate(1, j)) * c[j] + sig(gate(0, j)) * gate(2, j).tanh();
                             c[j] = cc;
-                            sig(gate(3)) * cc.tanh()
+                            sig(gate(3, j)) * cc.tanh()
                         }
                         Cell::Gru => {
-                            let (r, z) = (sig(gate(0)), sig(gate(1)));
-                            let n = (dense(&wi[2], xt, inp, j)
-                                + bs[2][j]
-                                + r * (dense(&wh[2], &hs, h, j) + bs[3][j]))
-                                .tanh();
+                            let (r, z) = (sig(gate(0, j)), sig(gate(1, j)));
+                            let n = (px[2][j] + bs[2][j] + r * (ph[2][j] + bs[3][j])).tanh();
                             (1.0 - z) * n + z * hs[j]
                         }
-                    };
-                    seq[(bi * t + ti) * h + j] = hn[j];
-                }
+                    })
+                    .collect();
+                seq[(bi * t + ti) * h..(bi * t + ti + 1) * h].copy_from_slice(&hn);
                 hs = hn;
             }
             match cell {
