@@ -13,6 +13,6 @@ timeout 200 .gpu/bin/core_tests rnn --test-threads=4 2>&1 | tee "$OUT/rnn_tests.
   grep -E "^ok |test result|panicked|FAILED|Lstm|Gru" | tail -40
 echo "== rnn bench"
 FK_RNN_SWEEP=1 timeout 150 .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
-  2>"$OUT/rnn_bench.err" | grep '^{' | tee "$OUT/rnn_ours.jsonl" | tail -3
+  2>"$OUT/rnn_bench.err" | grep -o '{.*}' | tee "$OUT/rnn_ours.jsonl" | tail -3
 echo "== cuDNN side by side"
 python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -16

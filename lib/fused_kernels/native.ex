@@ -86,4 +86,6 @@ defmodule FusedKernels.Native do
   def cuda_synchronize(_device), do: not_loaded()
   @doc false
   def scaled_softmax(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out), do: not_loaded()
 end

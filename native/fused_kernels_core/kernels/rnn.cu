@@ -51,8 +51,9 @@ __device__ __forceinline__ float4 rnn_ld_cg4(const float* p) {
 __device__ __forceinline__ void rnn_grid_barrier(unsigned* counter, unsigned target) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
+    // Release: this block's h writes (ordered before by __syncthreads) become visible
+    // before the arrival does.
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned seen;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
