@@ -17,6 +17,9 @@ IO.puts(
     if(exclude == [], do: "", else: "; excluding #{inspect(exclude)}")
 )
 
+# Nx is not a dependency of this project: start it (its default backend config) when present.
+if nx?, do: Application.ensure_all_started(:nx)
+
 ExUnit.start(exclude: exclude)
 
 defmodule FusedKernels.TestRef do

@@ -69,6 +69,10 @@ pub fn plan(
     let gates = cell.gates();
     let candidates: Vec<usize> = match units {
         Some(u) => vec![u],
+        // Measured on an H200 (bench/RESULTS.md): 8 units per block is best or within noise
+        // of best up to batch 64; at batch 256 16 units (more batch groups, less h traffic
+        // per block) is 1.4x faster.
+        None if batch >= 128 => vec![16, 8, 4, 2, 1],
         None => vec![8, 4, 2, 1, 16],
     };
     for on_chip in [true, false] {
