@@ -90,5 +90,29 @@ defmodule FusedKernels do
     (and lse +inf, as in FlashAttention).
     """
     defdelegate flash_attention(q, k, v, opts \\ []), to: FusedKernels.FlashAttention, as: :run
+
+    @doc """
+    `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
+    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default), `reverse`
+    (false: process the sequence last to first, outputs at their own positions), `backend`,
+    `device`, `out`. f32/f16/bf16 (f32 accumulation and cell state).
+    """
+    def lstm(x, params, opts \\ []) when is_map(params),
+      do: FusedKernels.Rnn.run(:lstm, x, params, opts)
+
+    @doc "`Axon.gru` with the given params: `{sequence, {h}}`; options as `lstm/3`."
+    def gru(x, params, opts \\ []) when is_map(params),
+      do: FusedKernels.Rnn.run(:gru, x, params, opts)
+
+    @doc """
+    Several LSTM layers in one call (a list of param maps), layer l+1 consuming layer l's
+    sequence on the device: `{sequence, [{c, h} per layer]}`; `initial_state` is a list.
+    """
+    def lstm_stack(x, params_list, opts \\ []),
+      do: FusedKernels.Rnn.run_many(:lstm, x, params_list, opts)
+
+    @doc "Several GRU layers in one call: `{sequence, [{h} per layer]}`."
+    def gru_stack(x, params_list, opts \\ []),
+      do: FusedKernels.Rnn.run_many(:gru, x, params_list, opts)
   end
 end

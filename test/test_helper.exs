@@ -1,7 +1,9 @@
 # Tags:
 #   :nx   - needs Nx (excluded when Nx is not loaded, e.g. on CI without hex)
 #   :cuda - needs a usable GPU (excluded when CUDA is not available)
+#   :axon - needs Axon (parity tests against Axon.lstm/Axon.gru)
 nx? = Code.ensure_loaded?(Nx)
+axon? = Code.ensure_loaded?(Axon)
 # Nx carried in ERL_LIBS (the GPU harness) is on the code path but not started.
 if nx?, do: Application.ensure_all_started(:nx)
 cuda? = FusedKernels.Backend.cuda_available?()
@@ -9,6 +11,7 @@ cuda? = FusedKernels.Backend.cuda_available?()
 exclude =
   [] ++
     if(nx?, do: [], else: [:nx]) ++
+    if(axon?, do: [], else: [:axon]) ++
     if(cuda?, do: [], else: [:cuda])
 
 IO.puts(

@@ -16,7 +16,8 @@ defmodule FusedKernels.Bench do
     FusedKernels.ScaledSoftmax.Bench,
     FusedKernels.Dense.Bench,
     FusedKernels.Backbone.Bench,
-    FusedKernels.FlashAttention.Bench
+    FusedKernels.FlashAttention.Bench,
+    FusedKernels.Rnn.Bench
   ]
 
   @doc "Every benchmark case of every op."

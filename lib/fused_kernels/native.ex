@@ -103,4 +103,7 @@ defmodule FusedKernels.Native do
         _out
       ),
       do: not_loaded()
+
+  @doc false
+  def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out), do: not_loaded()
 end

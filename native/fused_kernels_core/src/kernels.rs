@@ -31,5 +31,10 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
     body: include_str!("../kernels/flash_attention.cu"),
 };
 
+pub const RNN: Kernel = Kernel {
+    name: "rnn",
+    body: include_str!("../kernels/rnn.cu"),
+};
+
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
-pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &DENSE, &FLASH_ATTENTION];
+pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &DENSE, &FLASH_ATTENTION, &RNN];

@@ -3,6 +3,7 @@
 
 pub mod dense;
 pub mod flash_attention;
+pub mod rnn;
 pub mod scaled_softmax;
 
 use crate::error::{arg_error, Result};

@@ -2,4 +2,5 @@
 
 mod dense;
 mod flash_attention;
+mod rnn;
 mod scaled_softmax;

@@ -1,0 +1,69 @@
+"""torch.nn.LSTM / nn.GRU (cuDNN) side by side with our fused RNN, same shapes, dtypes,
+device and run. Ours comes from the Rust bench (`core_tests rnn::tests::bench --ignored`),
+one JSON line per case: wall time until the device is idle around the whole call (input
+projection GEMMs + recurrences), inputs and weights already on the GPU. cuDNN is timed the
+same way (wall until idle) and with CUDA events; median of 200 after warm-up. Weights are
+random with the same shapes (timing does not depend on their values).
+
+Usage: python3 bench/gpu/side_rnn.py OURS_JSONL"""
+import json
+import sys
+import time
+
+import torch
+
+DT = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse(case):
+    # "B1 T60 I288 H256 x2 f32"
+    f = case.split()
+    return int(f[0][1:]), int(f[1][1:]), int(f[2][1:]), int(f[3][1:]), int(f[4][1:]), f[5]
+
+
+def timed(fn, rep):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    wall, ev = [], []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t) * 1e3)
+        ev.append(s.elapsed_time(e))
+    wall.sort()
+    ev.sort()
+    return wall[len(wall) // 2], ev[len(ev) // 2]
+
+
+ours = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+torch.backends.cudnn.benchmark = True
+print(torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version())
+rows = []
+for cell in ["lstm", "gru"]:
+    for case in dict.fromkeys(r["case"] for r in ours if r["cell"] == cell):
+        b, t, i, h, layers, dt = parse(case)
+        mod = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(i, h, layers, batch_first=True)
+        mod = mod.cuda().to(DT[dt]).eval()
+        x = torch.randn(b, t, i, device="cuda", dtype=DT[dt])
+        rep = 30 if t * h > 100_000 else 200
+        with torch.no_grad():
+            tw, te = timed(lambda: mod(x), rep)
+        mine = [r for r in ours if r["cell"] == cell and r["case"] == case]
+        best = min(mine, key=lambda r: r["median_ms"])
+        default = mine[0]
+        row = dict(cell=cell, case=case, cudnn_wall_ms=tw, cudnn_event_ms=te,
+                   ours_ms=default["median_ms"], ours_units=default["units"], ours_blocks=default["blocks"],
+                   best_ms=best["median_ms"], best_units=best["units"],
+                   ratio=tw / default["median_ms"], ratio_best=tw / best["median_ms"])
+        print(json.dumps(row))
+        rows.append(row)
+
+print(f"\n{'cell':5} {'case':30} {'cuDNN wall':>11} {'cuDNN ev':>10} {'ours':>10} {'ratio':>7} {'best U':>7} {'best':>10} {'ratio':>7}")
+for r in rows:
+    print(f"{r['cell']:5} {r['case']:30} {r['cudnn_wall_ms']*1e3:8.1f} us {r['cudnn_event_ms']*1e3:7.1f} us "
+          f"{r['ours_ms']*1e3:7.1f} us {r['ratio']:6.2f}x {r['best_units']:7d} {r['best_ms']*1e3:7.1f} us {r['ratio_best']:6.2f}x")

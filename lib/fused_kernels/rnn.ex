@@ -1,0 +1,369 @@
+defmodule FusedKernels.Rnn do
+  @moduledoc """
+  LSTM and GRU with `Axon.lstm`/`Axon.gru`'s equations and parameter maps, so a trained Axon
+  checkpoint drops in. Native side: `native/fused_kernels_core/src/ops/rnn.rs` (+ `rnn/`) and
+  `kernels/rnn.cu`.
+
+  Params per layer: `%{"input_kernel" => %{gate => {in, units}}, "hidden_kernel" =>
+  %{gate => {units, units}}, "bias" => %{name => {units}}}` with Axon's names (LSTM `wii wif
+  wig wio` / `whi whf whg who` / `bi bf bg bo`; GRU `wir wiz win` / `whr whz whn` /
+  `br bz bin bhn`). Only Axon's default activations (sigmoid gates, tanh) are supported.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  @names %{
+    lstm: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo), 2},
+    gru: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn), 1}
+  }
+
+  @doc false
+  def options(opts) do
+    opts =
+      Keyword.validate!(opts,
+        initial_state: nil,
+        reverse: false,
+        backend: nil,
+        device: nil,
+        out: :host
+      )
+
+    unless is_boolean(opts[:reverse]),
+      do: raise(ArgumentError, "reverse must be a boolean, got: #{inspect(opts[:reverse])}")
+
+    unless opts[:out] in [:host, :device],
+      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    Enum.reject(opts, fn {k, v} -> is_nil(v) and k != :initial_state end)
+  end
+
+  @doc """
+  The layers' tensors in gate order, picked out of Axon's maps by name: a list of
+  `{input_kernels, hidden_kernels, biases, initial_state}` (tensors as given). Raises
+  `ArgumentError` naming a missing or misplaced parameter.
+  """
+  def layer_tensors(cell, params_list, states) do
+    {ins, hids, biases, nstate} = Map.fetch!(@names, cell)
+
+    unless is_list(states) and length(states) == length(params_list) do
+      raise ArgumentError,
+            "initial_state: expected one state per layer (#{length(params_list)}), got: #{inspect(states, limit: 3)}"
+    end
+
+    params_list
+    |> Enum.zip(states)
+    |> Enum.with_index()
+    |> Enum.map(fn {{params, state}, l} ->
+      pre = if length(params_list) > 1, do: "layer #{l}: ", else: ""
+
+      unless is_map(params),
+        do: raise(ArgumentError, "#{pre}params must be a map of Axon's parameters")
+
+      pick = fn group, names ->
+        inner =
+          case Map.get(params, group) do
+            %{} = m when not is_struct(m) ->
+              m
+
+            nil ->
+              raise ArgumentError, "#{pre}params is missing \"#{group}\""
+
+            _ ->
+              raise ArgumentError, "#{pre}params[\"#{group}\"] must be a map of #{inspect(names)}"
+          end
+
+        Enum.map(names, fn n ->
+          case Map.fetch(inner, n) do
+            {:ok, t} -> t
+            :error -> raise ArgumentError, "#{pre}params[\"#{group}\"] is missing \"#{n}\""
+          end
+        end)
+      end
+
+      state =
+        case state do
+          nil ->
+            []
+
+          t when is_tuple(t) and tuple_size(t) == nstate and nstate == 2 ->
+            Tuple.to_list(t)
+
+          {h} when nstate == 1 ->
+            [h]
+
+          other ->
+            raise ArgumentError,
+                  "#{pre}initial_state must be #{if nstate == 2, do: "{c, h}", else: "{h}"}, got: #{inspect(other, limit: 3)}"
+        end
+
+      {pick.("input_kernel", ins), pick.("hidden_kernel", hids), pick.("bias", biases), state}
+    end)
+  end
+
+  @doc """
+  Runs on a native backend with no Nx: tensors are `{binary, shape, type}` triples or
+  `FusedKernels.Buffer`s; returns `{sequence, [state_tuple per layer]}`.
+  """
+  def native(cell, x, params_list, opts \\ []) do
+    opts = options(opts)
+    states = opts[:initial_state] || List.duplicate(nil, length(params_list))
+    layers = layer_tensors(cell, params_list, states)
+    call(cell, Tensor.to_native(x), to_native(layers), Backend.select_native(opts), opts)
+  end
+
+  defp to_native(layers) do
+    Enum.map(layers, fn {a, b, c, d} ->
+      {Enum.map(a, &Tensor.to_native/1), Enum.map(b, &Tensor.to_native/1),
+       Enum.map(c, &Tensor.to_native/1), Enum.map(d, &Tensor.to_native/1)}
+    end)
+  end
+
+  defp call(cell, x, layers, backend, opts) do
+    {seq, states} =
+      cell
+      |> Native.rnn(x, layers, opts[:reverse], backend, Backend.device(opts), opts[:out])
+      |> Native.unwrap!()
+
+    {Buffer.wrap(seq),
+     Enum.map(states, fn s -> s |> Enum.map(&Buffer.wrap/1) |> List.to_tuple() end)}
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @doc "One layer: see `FusedKernels.lstm/3`."
+    def run_one(cell, x, params, opts) when is_map(params), do: run(cell, x, params, opts)
+
+    def run_one(_cell, _x, params, _opts),
+      do:
+        raise(
+          ArgumentError,
+          "params must be a map of Axon's parameters, got: #{inspect(params, limit: 3)}"
+        )
+
+    @doc "A stack: see `FusedKernels.lstm_stack/3`."
+    def run_many(cell, x, params, opts) when is_list(params), do: run(cell, x, params, opts)
+
+    def run_many(_cell, _x, params, _opts),
+      do:
+        raise(
+          ArgumentError,
+          "params must be a list of Axon parameter maps, got: #{inspect(params, limit: 3)}"
+        )
+
+    @doc false
+    def run(cell, x, params, opts) when is_map(params) do
+      opts = Keyword.update(options(opts), :initial_state, nil, &(&1 && [&1]))
+      {seq, [state]} = run_stack(cell, x, [params], opts)
+      {seq, state}
+    end
+
+    def run(cell, x, params_list, opts) when is_list(params_list) and params_list != [] do
+      run_stack(cell, x, params_list, options(opts))
+    end
+
+    def run(_cell, _x, params, _opts),
+      do:
+        raise(
+          ArgumentError,
+          "params must be a map (one layer) or a non-empty list of maps, got: #{inspect(params, limit: 3)}"
+        )
+
+    defp run_stack(cell, %Buffer{} = x, params_list, opts), do: native(cell, x, params_list, opts)
+
+    defp run_stack(cell, x, params_list, opts) do
+      x = Nx.to_tensor(x)
+      states = opts[:initial_state] || List.duplicate(nil, length(params_list))
+      layers = layer_tensors(cell, params_list, states)
+
+      symbolic? =
+        Tensor.symbolic?(x) or
+          Enum.any?(layers, fn {a, b, c, d} ->
+            Enum.any?(a ++ b ++ c ++ d, &Tensor.symbolic?/1)
+          end)
+
+      case Backend.select(opts, symbolic?) do
+        :nx ->
+          nx(cell, x, layers, opts[:reverse])
+
+        backend ->
+          {seq, states} = call(cell, Tensor.to_native(x), to_native(layers), backend, opts)
+
+          if opts[:out] == :device,
+            do: {seq, states},
+            else:
+              {Tensor.to_nx(seq), Enum.map(states, &tuple_map(&1, fn t -> Tensor.to_nx(t) end))}
+      end
+    end
+
+    defp tuple_map(t, f), do: t |> Tuple.to_list() |> Enum.map(f) |> List.to_tuple()
+
+    @doc """
+    The pure-Nx implementation: Axon's cell equations with f32 arithmetic (f64 for f64),
+    outputs in the input type; any Nx backend and inside `defn`. `layers` as returned by
+    `layer_tensors/3`.
+    """
+    def nx(cell, x, layers, reverse) do
+      type = Nx.type(x)
+      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
+      up = &Nx.as_type(Nx.to_tensor(&1), compute)
+
+      {seq, states} =
+        Enum.reduce(layers, {up.(x), []}, fn {wi, wh, bs, state}, {input, acc} ->
+          {b, _t, _} = Nx.shape(input)
+          units = elem(Nx.shape(hd(wh)), 0)
+          zeros = Nx.broadcast(Nx.tensor(0, type: compute), {b, units})
+          input = if reverse, do: Nx.reverse(input, axes: [1]), else: input
+
+          carry =
+            case {cell, Enum.map(state, up)} do
+              {:lstm, [c, h]} -> {c, h}
+              {:lstm, []} -> {zeros, zeros}
+              {:gru, [h]} -> {h}
+              {:gru, []} -> {zeros}
+            end
+
+          xp = Enum.map(wi, fn w -> Nx.dot(input, [2], up.(w), [0]) end)
+
+          args =
+            {List.to_tuple(xp), List.to_tuple(Enum.map(wh, up)), List.to_tuple(Enum.map(bs, up))}
+
+          {seq, carry} = FusedKernels.Rnn.Scan.scan(args, carry, cell: cell)
+          seq = if reverse, do: Nx.reverse(seq, axes: [1]), else: seq
+          {seq, [carry | acc]}
+        end)
+
+      cast = &Nx.as_type(&1, type)
+      {cast.(seq), states |> Enum.reverse() |> Enum.map(&tuple_map(&1, cast))}
+    end
+  end
+
+  defmodule Bench do
+    @moduledoc false
+    alias FusedKernels.{Bench, Rnn}
+
+    def bench_cases do
+      for cell <- [:lstm, :gru],
+          {name, {b, t, i}, h, layers, type} <- [
+            {"exphil B1 T60 I288 H256 x2", {1, 60, 288}, 256, 2, {:f, 32}},
+            {"B64 T60 I288 H256 x2", {64, 60, 288}, 256, 2, {:f, 32}}
+          ] do
+        shape = {b, t, i}
+
+        %{
+          name: "#{cell} #{name}",
+          shape: shape,
+          type: type,
+          runner: &runner(&1, cell, shape, h, layers, type)
+        }
+      end
+    end
+
+    defp params(cell, i, h, layers, type, wrap) do
+      {ins, hids, bs} =
+        if cell == :lstm,
+          do: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)},
+          else: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+
+      for l <- 0..(layers - 1) do
+        inp = if l == 0, do: i, else: h
+        t = fn shape -> wrap.(scaled(shape, type, 0.5 / :math.sqrt(elem(shape, 0)))) end
+
+        %{
+          "input_kernel" => Map.new(ins, &{&1, t.({inp, h})}),
+          "hidden_kernel" => Map.new(hids, &{&1, t.({h, h})}),
+          "bias" => Map.new(bs, &{&1, t.({h})})
+        }
+      end
+    end
+
+    defp scaled(shape, type, scale) do
+      values = for _ <- 1..Tuple.product(shape), do: (:rand.uniform() * 2 - 1) * scale
+      {Bench.encode_values(values, type), shape, type}
+    end
+
+    defp runner(:cuda_resident, cell, shape, h, layers, type) do
+      x = FusedKernels.Buffer.upload(Bench.random_triple(shape, type))
+      ps = params(cell, elem(shape, 2), h, layers, type, &FusedKernels.Buffer.upload/1)
+
+      fn ->
+        Rnn.native(cell, x, ps, backend: :cuda, out: :device)
+        FusedKernels.Native.cuda_synchronize(nil)
+      end
+    end
+
+    defp runner(backend, cell, shape, h, layers, type) when backend in [:cuda, :cpu] do
+      x = Bench.random_triple(shape, type)
+      ps = params(cell, elem(shape, 2), h, layers, type, & &1)
+
+      if backend == :cpu and elem(shape, 0) > 1,
+        do: nil,
+        else: fn -> Rnn.native(cell, x, ps, backend: backend) end
+    end
+
+    defp runner(:nx, _cell, _shape, _h, _layers, _type), do: nil
+  end
+end
+
+if Code.ensure_loaded?(Nx) do
+  defmodule FusedKernels.Rnn.Scan do
+    @moduledoc false
+    # The time loop of the pure-Nx path as a defn `while`, so it works eagerly on any backend
+    # and inside defn without unrolling. Inputs are f32/f64; `xp` holds x . W per gate.
+    import Nx.Defn
+
+    defn scan(args, carry, opts \\ []) do
+      {xp, wh, bs} = args
+      x0 = elem(xp, 0)
+      {b, t, h} = Nx.shape(x0)
+      seq = Nx.broadcast(Nx.tensor(0, type: Nx.type(x0)), {b, t, h})
+
+      {_, seq, carry, _} =
+        while {s = 0, seq, carry, args}, s < t do
+          {new_h, carry} = step(args, carry, s, opts[:cell])
+          {s + 1, Nx.put_slice(seq, [0, s, 0], Nx.new_axis(new_h, 1)), carry, args}
+        end
+
+      _ = {wh, bs}
+      {seq, carry}
+    end
+
+    deftransformp step({xp, wh, bs}, carry, s, cell) do
+      at = fn x -> x |> Nx.slice_along_axis(s, 1, axis: 1) |> Nx.squeeze(axes: [1]) end
+      sig = &Nx.sigmoid/1
+      dense_h = fn h, w -> Nx.dot(h, w) end
+
+      case cell do
+        :lstm ->
+          {c, h} = carry
+
+          pre = fn g ->
+            Nx.add(Nx.add(at.(elem(xp, g)), elem(bs, g)), dense_h.(h, elem(wh, g)))
+          end
+
+          {i, f, g, o} = {sig.(pre.(0)), sig.(pre.(1)), Nx.tanh(pre.(2)), sig.(pre.(3))}
+          new_c = Nx.add(Nx.multiply(f, c), Nx.multiply(i, g))
+          new_h = Nx.multiply(o, Nx.tanh(new_c))
+          {new_h, {new_c, new_h}}
+
+        :gru ->
+          {h} = carry
+
+          pre = fn g ->
+            Nx.add(Nx.add(at.(elem(xp, g)), elem(bs, g)), dense_h.(h, elem(wh, g)))
+          end
+
+          {r, z} = {sig.(pre.(0)), sig.(pre.(1))}
+
+          n =
+            Nx.tanh(
+              Nx.add(
+                Nx.add(at.(elem(xp, 2)), elem(bs, 2)),
+                Nx.multiply(r, Nx.add(dense_h.(h, elem(wh, 2)), elem(bs, 3)))
+              )
+            )
+
+          new_h = Nx.add(Nx.multiply(Nx.subtract(1, z), n), Nx.multiply(z, h))
+          {new_h, {new_h}}
+      end
+    end
+  end
+end

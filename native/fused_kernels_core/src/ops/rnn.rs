@@ -1,0 +1,259 @@
+//! LSTM and GRU with Axon's equations and parameter layout (kernels `{in, units}` applied as
+//! `x . W`, gate order i,f,g,o / r,z,n, GRU's `b_hn` inside the reset product, no forget +1).
+//! One call runs a stack of layers, layer l+1 consuming layer l's sequence on the same backend.
+//! `x` is `{batch, seq, features}`; each layer returns its final state (`[c, h]` or `[h]`).
+
+mod cpu;
+mod cuda;
+
+pub use cpu::reference;
+
+use super::Backend;
+use crate::dtype::DType;
+use crate::error::{arg_error, Result};
+use crate::operand::{Operand, Placement, Value};
+use crate::tensor::fmt_shape;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cell {
+    Lstm,
+    Gru,
+}
+
+impl Cell {
+    pub fn parse(name: &str) -> Result<Cell> {
+        match name {
+            "lstm" => Ok(Cell::Lstm),
+            "gru" => Ok(Cell::Gru),
+            other => Err(arg_error(format!(
+                "cell must be :lstm or :gru, got :{other}"
+            ))),
+        }
+    }
+
+    /// Gates, each with one input kernel and one hidden kernel.
+    pub fn gates(self) -> usize {
+        match self {
+            Cell::Lstm => 4,
+            Cell::Gru => 3,
+        }
+    }
+
+    /// Axon's names, in the order the kernels expect them.
+    pub fn input_names(self) -> &'static [&'static str] {
+        match self {
+            Cell::Lstm => &["wii", "wif", "wig", "wio"],
+            Cell::Gru => &["wir", "wiz", "win"],
+        }
+    }
+    pub fn hidden_names(self) -> &'static [&'static str] {
+        match self {
+            Cell::Lstm => &["whi", "whf", "whg", "who"],
+            Cell::Gru => &["whr", "whz", "whn"],
+        }
+    }
+    pub fn bias_names(self) -> &'static [&'static str] {
+        match self {
+            Cell::Lstm => &["bi", "bf", "bg", "bo"],
+            Cell::Gru => &["br", "bz", "bin", "bhn"],
+        }
+    }
+    /// The state tensors, in the order Axon returns them.
+    pub fn state_names(self) -> &'static [&'static str] {
+        match self {
+            Cell::Lstm => &["c", "h"],
+            Cell::Gru => &["h"],
+        }
+    }
+}
+
+/// One layer's parameters (in `Cell`'s name order) and optional initial state.
+pub struct Layer<'a> {
+    pub input_kernel: Vec<Operand<'a>>,
+    pub hidden_kernel: Vec<Operand<'a>>,
+    pub bias: Vec<Operand<'a>>,
+    /// Empty for zeros, else `[c, h]` (LSTM) or `[h]` (GRU), each `{batch, units}`.
+    pub initial_state: Vec<Operand<'a>>,
+}
+
+/// Sizes of a validated call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub batch: usize,
+    pub seq: usize,
+    pub features: usize,
+    /// Units of each layer.
+    pub hidden: Vec<usize>,
+    pub dtype: DType,
+}
+
+impl Geometry {
+    /// Input features of layer `l`.
+    pub fn input_of(&self, l: usize) -> usize {
+        if l == 0 {
+            self.features
+        } else {
+            self.hidden[l - 1]
+        }
+    }
+}
+
+/// The sequence of the last layer and every layer's final state.
+pub struct Output<V> {
+    pub sequence: V,
+    pub states: Vec<Vec<V>>,
+}
+
+fn layer_prefix(layers: usize, l: usize) -> String {
+    if layers > 1 {
+        format!("layer {l}: ")
+    } else {
+        String::new()
+    }
+}
+
+/// Checks every shape and type against `x`, naming the offending parameter.
+pub fn geometry(
+    cell: Cell,
+    x_shape: &[usize],
+    x_dtype: DType,
+    layers: &[Layer],
+) -> Result<Geometry> {
+    let [batch, seq, features] = *x_shape else {
+        return Err(arg_error(format!(
+            "x: expected a 3-D {{batch, seq, features}} tensor, got shape {}",
+            fmt_shape(x_shape)
+        )));
+    };
+    if layers.is_empty() {
+        return Err(arg_error("params: at least one layer is needed"));
+    }
+    let mut g = Geometry {
+        batch,
+        seq,
+        features,
+        hidden: Vec::new(),
+        dtype: x_dtype,
+    };
+    for (l, layer) in layers.iter().enumerate() {
+        let pre = layer_prefix(layers.len(), l);
+        let count = |what: &str, got: usize, want: usize| {
+            if got == want {
+                Ok(())
+            } else {
+                Err(arg_error(format!(
+                    "{pre}\"{what}\" must hold {want} tensors ({:?}), got {got}",
+                    match what {
+                        "input_kernel" => cell.input_names(),
+                        "hidden_kernel" => cell.hidden_names(),
+                        _ => cell.bias_names(),
+                    }
+                )))
+            }
+        };
+        count("input_kernel", layer.input_kernel.len(), cell.gates())?;
+        count("hidden_kernel", layer.hidden_kernel.len(), cell.gates())?;
+        count("bias", layer.bias.len(), 4)?;
+        let units = match layer.hidden_kernel[0].shape() {
+            [h, _] => *h,
+            s => {
+                return Err(arg_error(format!(
+                    "{pre}\"hidden_kernel\" \"{}\" must be {{units, units}}, got {}",
+                    cell.hidden_names()[0],
+                    fmt_shape(s)
+                )))
+            }
+        };
+        let inp = g.input_of(l);
+        let check = |group: &str, name: &str, t: &Operand, want: &[usize]| {
+            if t.shape() != want {
+                return Err(arg_error(format!(
+                    "{pre}\"{group}\" \"{name}\" must have shape {} (units {units}, input {inp}), got {}",
+                    fmt_shape(want),
+                    fmt_shape(t.shape())
+                )));
+            }
+            if t.dtype() != x_dtype {
+                return Err(arg_error(format!(
+                    "{pre}\"{group}\" \"{name}\" has type {} but x is {}; pass every tensor in one type",
+                    t.dtype().name(),
+                    x_dtype.name()
+                )));
+            }
+            Ok(())
+        };
+        for (t, n) in layer.input_kernel.iter().zip(cell.input_names()) {
+            check("input_kernel", n, t, &[inp, units])?;
+        }
+        for (t, n) in layer.hidden_kernel.iter().zip(cell.hidden_names()) {
+            check("hidden_kernel", n, t, &[units, units])?;
+        }
+        for (t, n) in layer.bias.iter().zip(cell.bias_names()) {
+            check("bias", n, t, &[units])?;
+        }
+        if !layer.initial_state.is_empty() {
+            if layer.initial_state.len() != cell.state_names().len() {
+                return Err(arg_error(format!(
+                    "{pre}initial_state must be {{{}}} for {cell:?}, got {} tensors",
+                    cell.state_names().join(", "),
+                    layer.initial_state.len()
+                )));
+            }
+            for (t, n) in layer.initial_state.iter().zip(cell.state_names()) {
+                check("initial_state", n, t, &[batch, units])?;
+            }
+        }
+        g.hidden.push(units);
+    }
+    Ok(g)
+}
+
+/// Runs the stack on `backend`, returning results where `placement` says.
+pub fn run(
+    backend: Backend,
+    cell: Cell,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+    placement: Placement,
+) -> Result<Output<Value>> {
+    let g = geometry(cell, x.shape(), x.dtype(), layers)?;
+    match backend {
+        Backend::Cpu => {
+            if placement == Placement::Device {
+                return Err(arg_error("out: the :cpu backend returns host tensors only"));
+            }
+            let out = cpu::run(cell, &g, x, layers, reverse)?;
+            Ok(Output {
+                sequence: Value::Host(out.sequence),
+                states: out
+                    .states
+                    .into_iter()
+                    .map(|s| s.into_iter().map(Value::Host).collect())
+                    .collect(),
+            })
+        }
+        Backend::Cuda(device) => {
+            let gpu = crate::cuda::gpu(device)?;
+            let out = cuda::run(&gpu, cell, &g, x, layers, reverse)?;
+            let states = out
+                .states
+                .into_iter()
+                .map(|s| {
+                    s.into_iter()
+                        .map(|t| Value::from_device(t, placement))
+                        .collect()
+                })
+                .collect::<Result<Vec<Vec<Value>>>>()?;
+            Ok(Output {
+                sequence: Value::from_device(out.sequence, placement)?,
+                states,
+            })
+        }
+    }
+}
+
+pub use cuda::{plan as cuda_plan, Plan};
+
+#[cfg(test)]
+mod tests;

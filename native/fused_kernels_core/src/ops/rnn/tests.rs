@@ -1,0 +1,471 @@
+use super::cpu::RefLayer;
+use super::cuda::plan;
+use super::*;
+use crate::cuda::{gpu_for_tests, DeviceTensor};
+use crate::dtype::{decode_f64, encode_f64};
+use crate::ops::testing::{rel_l2, tolerance, Rng};
+use crate::HostTensor;
+
+/// Bytes of one random layer, owned so operands can borrow them.
+struct LayerBytes {
+    input_kernel: Vec<Vec<u8>>,
+    hidden_kernel: Vec<Vec<u8>>,
+    bias: Vec<Vec<u8>>,
+    initial_state: Vec<Vec<u8>>,
+    inp: usize,
+    h: usize,
+}
+
+struct Case {
+    cell: Cell,
+    batch: usize,
+    seq: usize,
+    features: usize,
+    hidden: Vec<usize>,
+    reverse: bool,
+    with_state: bool,
+    dtype: DType,
+}
+
+fn random_bytes(rng: &mut Rng, n: usize, scale: f64, dt: DType) -> Vec<u8> {
+    let v: Vec<f64> = rng.vec(n).into_iter().map(|x| x * scale).collect();
+    encode_f64(&v, dt)
+}
+
+fn make_layers(rng: &mut Rng, c: &Case) -> Vec<LayerBytes> {
+    let mut inp = c.features;
+    c.hidden
+        .iter()
+        .map(|&h| {
+            let (si, sh) = (0.6 / (inp as f64).sqrt(), 0.6 / (h as f64).sqrt());
+            let g = c.cell.gates();
+            let l = LayerBytes {
+                input_kernel: (0..g)
+                    .map(|_| random_bytes(rng, inp * h, si, c.dtype))
+                    .collect(),
+                hidden_kernel: (0..g)
+                    .map(|_| random_bytes(rng, h * h, sh, c.dtype))
+                    .collect(),
+                bias: (0..4)
+                    .map(|_| random_bytes(rng, h, 0.25, c.dtype))
+                    .collect(),
+                initial_state: if c.with_state {
+                    (0..c.cell.state_names().len())
+                        .map(|_| random_bytes(rng, c.batch * h, 0.5, c.dtype))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+                inp,
+                h,
+            };
+            inp = h;
+            l
+        })
+        .collect()
+}
+
+fn operands<'a>(l: &'a LayerBytes, batch: usize, dt: DType) -> Layer<'a> {
+    let t = |b: &'a Vec<u8>, shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("p", b, shape, dt).unwrap())
+    };
+    Layer {
+        input_kernel: l
+            .input_kernel
+            .iter()
+            .map(|b| t(b, vec![l.inp, l.h]))
+            .collect(),
+        hidden_kernel: l
+            .hidden_kernel
+            .iter()
+            .map(|b| t(b, vec![l.h, l.h]))
+            .collect(),
+        bias: l.bias.iter().map(|b| t(b, vec![l.h])).collect(),
+        initial_state: l
+            .initial_state
+            .iter()
+            .map(|b| t(b, vec![batch, l.h]))
+            .collect(),
+    }
+}
+
+fn ref_layer(l: &LayerBytes, dt: DType) -> RefLayer {
+    let d = |v: &Vec<Vec<u8>>| v.iter().map(|b| decode_f64(b, dt)).collect();
+    RefLayer {
+        input_kernel: d(&l.input_kernel),
+        hidden_kernel: d(&l.hidden_kernel),
+        bias: d(&l.bias),
+        initial_state: d(&l.initial_state),
+    }
+}
+
+fn host_f64(v: &Value) -> Vec<f64> {
+    match v {
+        Value::Host(t) => decode_f64(&t.data, t.dtype),
+        Value::Device(d) => {
+            let t = d.download().unwrap();
+            decode_f64(&t.data, t.dtype)
+        }
+    }
+}
+
+/// Runs `c` on `backend` and checks the sequence and every final state against the f64
+/// reference; returns the sequence for determinism checks.
+fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
+    let mut rng = Rng::new(seed);
+    let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
+    let layers = make_layers(&mut rng, c);
+    let shape = vec![c.batch, c.seq, c.features];
+    let x = Operand::Host(HostTensor::new("x", &xb, shape, c.dtype).unwrap());
+    let ops: Vec<Layer> = layers
+        .iter()
+        .map(|l| operands(l, c.batch, c.dtype))
+        .collect();
+    if let Backend::Cuda(_) = backend {
+        poison_device_pool(c);
+    }
+    let out = run(backend, c.cell, &x, &ops, c.reverse, Placement::Host).unwrap();
+    let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
+    let (seq, states) = reference(
+        c.cell,
+        &decode_f64(&xb, c.dtype),
+        [c.batch, c.seq, c.features],
+        &refs,
+        c.reverse,
+    );
+    let tol = tolerance(c.dtype).max(if c.dtype == DType::F64 { 1e-10 } else { 0.0 });
+    let got = host_f64(&out.sequence);
+    let err = rel_l2(&got, &seq);
+    let what = format!(
+        "{backend:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
+        c.cell, c.dtype, c.batch, c.seq, c.features, c.hidden, c.reverse, c.with_state
+    );
+    assert!(err <= tol, "{what}: sequence rel L2 {err:e}");
+    for (l, (gs, rs)) in out.states.iter().zip(&states).enumerate() {
+        for (i, (gv, rv)) in gs.iter().zip(rs).enumerate() {
+            let err = rel_l2(&host_f64(gv), rv);
+            assert!(err <= tol, "{what}: layer {l} state {i} rel L2 {err:e}");
+        }
+    }
+    eprintln!("ok {what}: rel L2 {err:.2e}");
+    got
+}
+
+/// Fills recently freed device memory with 0xFF (NaN in every type), so outputs that the
+/// stream-ordered allocator hands out next start poisoned.
+fn poison_device_pool(c: &Case) {
+    let Some(gpu) = gpu_for_tests() else { return };
+    let h = c.hidden.iter().max().copied().unwrap_or(1);
+    let n = 4 * c.batch * c.seq * (h + 4 * h) + (1 << 20);
+    let mut t = DeviceTensor::uninit(&gpu, vec![n], DType::F32).unwrap();
+    t.fill_bytes(0xFF).unwrap();
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case(
+    cell: Cell,
+    batch: usize,
+    seq: usize,
+    features: usize,
+    hidden: &[usize],
+    reverse: bool,
+    with_state: bool,
+    dtype: DType,
+) -> Case {
+    Case {
+        cell,
+        batch,
+        seq,
+        features,
+        hidden: hidden.to_vec(),
+        reverse,
+        with_state,
+        dtype,
+    }
+}
+
+#[test]
+fn cpu_matches_f64_reference() {
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            check(
+                Backend::Cpu,
+                &case(cell, 1, 1, 5, &[6], false, false, dt),
+                1,
+            );
+            check(
+                Backend::Cpu,
+                &case(cell, 3, 13, 7, &[9, 5], true, true, dt),
+                2,
+            );
+        }
+        check(
+            Backend::Cpu,
+            &case(cell, 2, 61, 24, &[20, 16, 12], false, true, DType::F32),
+            3,
+        );
+        check(
+            Backend::Cpu,
+            &case(cell, 1, 60, 32, &[200], true, false, DType::F32),
+            4,
+        );
+    }
+}
+
+/// The GPU matrix: every seq {1, 60, 61, 512}, hidden {200, 256, 512, 1024}, batch
+/// {1, 3, 64, 256}, reverse, stacks of 1-3, f32 and bf16 appear (not the full product: the
+/// f64 reference of the largest combination would take hours).
+fn gpu_cases() -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 1, 1, 288, &[256], false, true, F32));
+        v.push(case(cell, 3, 61, 200, &[200, 200, 200], true, true, F32));
+        v.push(case(cell, 1, 60, 288, &[512, 512], false, true, F32));
+        v.push(case(cell, 64, 60, 288, &[256, 256], true, false, F32));
+        v.push(case(cell, 256, 60, 64, &[256], false, true, F32));
+        v.push(case(cell, 1, 512, 64, &[1024], false, true, F32));
+        v.push(case(cell, 3, 61, 100, &[1024], true, false, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, true, BF16));
+        v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
+        v.push(case(cell, 3, 60, 96, &[256], false, true, F16));
+        v.push(case(cell, 256, 1, 64, &[1024], false, true, BF16));
+        v.push(case(cell, 5, 60, 40, &[2048], false, true, F32));
+    }
+    v
+}
+
+#[test]
+fn cuda_matches_f64_reference_with_poisoned_output() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for (i, c) in gpu_cases().iter().enumerate() {
+        check(Backend::Cuda(None), c, 100 + i as u64);
+    }
+}
+
+#[test]
+fn cuda_is_deterministic() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for c in [
+        case(Cell::Lstm, 64, 60, 288, &[256], false, true, DType::F32),
+        case(Cell::Gru, 3, 60, 100, &[1024], false, true, DType::F32),
+    ] {
+        let a = check(Backend::Cuda(None), &c, 9);
+        for _ in 0..3 {
+            assert_eq!(
+                a,
+                check(Backend::Cuda(None), &c, 9),
+                "result moved between runs: a race"
+            );
+        }
+    }
+}
+
+#[test]
+fn plans_fit_an_h100() {
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for h in [1, 7, 200, 256, 512, 1024, 1056] {
+            for b in [1, 3, 64, 256] {
+                let p = plan(cell, b, h, 132, 227 * 1024, None).unwrap();
+                assert!(
+                    p.blocks() <= 132 && p.weights_on_chip,
+                    "{cell:?} H{h} B{b}: {p:?}"
+                );
+                assert!(p.units * p.unit_blocks >= h && p.batch_per_block * p.batch_blocks >= b);
+                assert!(p.chunk * p.units <= THREADS_FOR_TESTS);
+            }
+        }
+        let big = plan(cell, 4, 2048, 132, 227 * 1024, None).unwrap();
+        assert!(!big.weights_on_chip);
+        assert!(plan(cell, 1, 5000, 132, 227 * 1024, None).is_err());
+    }
+}
+const THREADS_FOR_TESTS: usize = 256;
+
+#[test]
+fn rejects_bad_params_naming_them() {
+    let mut rng = Rng::new(5);
+    let c = case(Cell::Lstm, 2, 3, 4, &[5], false, true, DType::F32);
+    let layers = make_layers(&mut rng, &c);
+    let xb = random_bytes(&mut rng, 24, 1.0, DType::F32);
+    let x = Operand::Host(HostTensor::new("x", &xb, vec![2, 3, 4], DType::F32).unwrap());
+    let err = |ops: &[Layer]| {
+        run(Backend::Cpu, Cell::Lstm, &x, ops, false, Placement::Host)
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    let good = operands(&layers[0], 2, DType::F32);
+    assert!(run(
+        Backend::Cpu,
+        Cell::Lstm,
+        &x,
+        std::slice::from_ref(&good),
+        false,
+        Placement::Host
+    )
+    .is_ok());
+
+    let mut bad = operands(&layers[0], 2, DType::F32);
+    bad.input_kernel[1] = Operand::Host(
+        HostTensor::new(
+            "p",
+            &layers[0].input_kernel[1][..80],
+            vec![4, 5],
+            DType::F32,
+        )
+        .unwrap(),
+    );
+    bad.input_kernel[1] = Operand::Host(
+        HostTensor::new("p", &layers[0].hidden_kernel[1], vec![5, 5], DType::F32).unwrap(),
+    );
+    assert!(err(&[bad]).contains("\"input_kernel\" \"wif\""));
+
+    let mut bad = operands(&layers[0], 2, DType::F32);
+    bad.bias.pop();
+    assert!(err(&[bad]).contains("\"bias\""));
+
+    let mut bad = operands(&layers[0], 2, DType::F32);
+    bad.initial_state[0] =
+        Operand::Host(HostTensor::new("p", &layers[0].bias[0], vec![1, 5], DType::F32).unwrap());
+    assert!(err(&[bad]).contains("\"initial_state\" \"c\""));
+
+    let b16 = encode_f64(&[0.5; 25], DType::BF16);
+    let mut bad = operands(&layers[0], 2, DType::F32);
+    bad.hidden_kernel[3] =
+        Operand::Host(HostTensor::new("p", &b16, vec![5, 5], DType::BF16).unwrap());
+    assert!(err(&[bad]).contains("\"hidden_kernel\" \"who\" has type bf16"));
+
+    let x2 = Operand::Host(HostTensor::new("x", &xb, vec![6, 4], DType::F32).unwrap());
+    let e = run(
+        Backend::Cpu,
+        Cell::Lstm,
+        &x2,
+        &[operands(&layers[0], 2, DType::F32)],
+        false,
+        Placement::Host,
+    )
+    .err()
+    .unwrap();
+    assert!(e.to_string().starts_with("x:"));
+    assert!(run(
+        Backend::Cpu,
+        Cell::Gru,
+        &x,
+        &[operands(&layers[0], 2, DType::F32)],
+        false,
+        Placement::Host
+    )
+    .is_err());
+}
+
+/// `FK_RNN_BENCH=1 core_tests rnn::tests::bench --ignored --nocapture`: wall time until the
+/// device is idle around the whole call (GEMMs + recurrences), inputs and weights already
+/// on the device, median of 200 after warm-up. One JSON line per case.
+#[test]
+#[ignore]
+fn bench() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    use DType::{BF16, F32};
+    let cases = [
+        ("B1 T60 I288 H256 x2 f32", 1, 60, 288, 256, 2, F32),
+        ("B1 T60 I288 H512 x2 f32", 1, 60, 288, 512, 2, F32),
+        ("B64 T60 I288 H256 x2 f32", 64, 60, 288, 256, 2, F32),
+        ("B256 T60 I288 H256 x2 f32", 256, 60, 288, 256, 2, F32),
+        ("B1 T60 I288 H256 x2 bf16", 1, 60, 288, 256, 2, BF16),
+        ("B64 T512 I1024 H1024 x1 bf16", 64, 512, 1024, 1024, 1, BF16),
+    ];
+    let units_sweep: Vec<Option<usize>> = match std::env::var("FK_RNN_SWEEP") {
+        Ok(_) => vec![None, Some(2), Some(4), Some(16)],
+        Err(_) => vec![None],
+    };
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for &(name, b, t, i, h, layers, dt) in &cases {
+            for units in &units_sweep {
+                match units {
+                    Some(u) => std::env::set_var("FUSED_KERNELS_RNN_UNITS", u.to_string()),
+                    None => std::env::remove_var("FUSED_KERNELS_RNN_UNITS"),
+                }
+                let sms = gpu.multiprocessors().unwrap() as usize;
+                let Ok(p) = plan(cell, b, h, sms, 227 * 1024, *units) else {
+                    continue;
+                };
+                let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
+                let mut rng = Rng::new(77);
+                let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
+                let lbytes = make_layers(&mut rng, &c);
+                let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
+                    DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
+                        .unwrap()
+                };
+                let x = up(&xb, vec![b, t, i]);
+                let dev: Vec<(Vec<DeviceTensor>, Vec<DeviceTensor>, Vec<DeviceTensor>)> = lbytes
+                    .iter()
+                    .map(|l| {
+                        (
+                            l.input_kernel
+                                .iter()
+                                .map(|w| up(w, vec![l.inp, l.h]))
+                                .collect(),
+                            l.hidden_kernel
+                                .iter()
+                                .map(|w| up(w, vec![l.h, l.h]))
+                                .collect(),
+                            l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
+                        )
+                    })
+                    .collect();
+                let ops: Vec<Layer> = dev
+                    .iter()
+                    .map(|(a, bb, cc)| Layer {
+                        input_kernel: a.iter().map(Operand::Device).collect(),
+                        hidden_kernel: bb.iter().map(Operand::Device).collect(),
+                        bias: cc.iter().map(Operand::Device).collect(),
+                        initial_state: Vec::new(),
+                    })
+                    .collect();
+                let xo = Operand::Device(&x);
+                let once = || {
+                    let out = run(
+                        Backend::Cuda(None),
+                        cell,
+                        &xo,
+                        &ops,
+                        false,
+                        Placement::Device,
+                    )
+                    .unwrap();
+                    gpu.synchronize().unwrap();
+                    out
+                };
+                for _ in 0..10 {
+                    once();
+                }
+                let reps = if t * h > 100_000 { 30 } else { 200 };
+                let mut ts: Vec<f64> = (0..reps)
+                    .map(|_| {
+                        let t0 = std::time::Instant::now();
+                        once();
+                        t0.elapsed().as_secs_f64() * 1e3
+                    })
+                    .collect();
+                ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                println!(
+                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"units\":{},\"blocks\":{},\"chunk\":{},\"median_ms\":{:.4},\"p10_ms\":{:.4}}}",
+                    if cell == Cell::Lstm { "lstm" } else { "gru" },
+                    p.units,
+                    p.blocks(),
+                    p.chunk,
+                    ts[ts.len() / 2],
+                    ts[ts.len() / 10]
+                );
+            }
+        }
+    }
+    std::env::remove_var("FUSED_KERNELS_RNN_UNITS");
+}

@@ -1,0 +1,168 @@
+defmodule FusedKernels.RnnTest do
+  # LSTM/GRU: native backends against the pure-Nx path (Axon's equations), pure Nx against
+  # Axon itself (:axon), and argument errors. The f64 reference matrix is in the Rust tests
+  # (native/fused_kernels_core/src/ops/rnn/tests.rs), the full one on the GPU.
+  use ExUnit.Case, async: true
+
+  alias FusedKernels.{Rnn, TestRef}
+
+  @names %{
+    lstm: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)},
+    gru: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+  }
+
+  defp triple(shape, type, scale) do
+    values = for v <- TestRef.random_list(Tuple.product(shape)), do: v * scale
+    {TestRef.encode(values, type), shape, type}
+  end
+
+  def params(cell, inp, h, type) do
+    {ins, hids, bs} = @names[cell]
+
+    %{
+      "input_kernel" => Map.new(ins, &{&1, triple({inp, h}, type, 0.3 / :math.sqrt(inp))}),
+      "hidden_kernel" => Map.new(hids, &{&1, triple({h, h}, type, 0.3 / :math.sqrt(h))}),
+      "bias" => Map.new(bs, &{&1, triple({h}, type, 0.2)})
+    }
+  end
+
+  test "argument errors name the parameter (no Nx needed)" do
+    p = params(:lstm, 4, 5, {:f, 32})
+    x = triple({2, 3, 4}, {:f, 32}, 1.0)
+    assert {_seq, [{_c, _h}]} = Rnn.native(:lstm, x, [p], backend: :cpu)
+
+    assert_raise ArgumentError, ~r/params\["input_kernel"\] is missing "wif"/, fn ->
+      Rnn.native(:lstm, x, [update_in(p, ["input_kernel"], &Map.delete(&1, "wif"))], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/params is missing "bias"/, fn ->
+      Rnn.native(:lstm, x, [Map.delete(p, "bias")], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/"hidden_kernel" "whg" must have shape \{5, 5\}/, fn ->
+      bad = put_in(p, ["hidden_kernel", "whg"], triple({4, 5}, {:f, 32}, 1.0))
+      Rnn.native(:lstm, x, [bad], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/"bias" "bo" has type bf16/, fn ->
+      bad = put_in(p, ["bias", "bo"], triple({5}, {:bf, 16}, 1.0))
+      Rnn.native(:lstm, x, [bad], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/"initial_state" "h" must have shape \{2, 5\}/, fn ->
+      st = {triple({2, 5}, {:f, 32}, 1.0), triple({3, 5}, {:f, 32}, 1.0)}
+      Rnn.native(:lstm, x, [p], backend: :cpu, initial_state: [st])
+    end
+
+    assert_raise ArgumentError, ~r/initial_state must be \{h\}/, fn ->
+      Rnn.native(:gru, x, [params(:gru, 4, 5, {:f, 32})], backend: :cpu, initial_state: [{1, 2}])
+    end
+
+    assert_raise ArgumentError, ~r/^x: expected a 3-D/, fn ->
+      Rnn.native(:lstm, triple({6, 4}, {:f, 32}, 1.0), [p], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/reverse must be a boolean/, fn ->
+      Rnn.native(:lstm, x, [p], backend: :cpu, reverse: 1)
+    end
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    defp to_nx_params(p),
+      do:
+        Map.new(p, fn {k, m} ->
+          {k, Map.new(m, fn {n, t} -> {n, FusedKernels.Tensor.to_nx(t)} end)}
+        end)
+
+    defp rel(a, b) do
+      a = Nx.as_type(a, {:f, 64})
+      b = Nx.as_type(b, {:f, 64})
+
+      Nx.to_number(
+        Nx.divide(Nx.sqrt(Nx.sum(Nx.pow(Nx.subtract(a, b), 2))), Nx.sqrt(Nx.sum(Nx.pow(b, 2))))
+      )
+    end
+
+    defp states_of(:lstm, b, h, type), do: {rand_t({b, h}, type), rand_t({b, h}, type)}
+    defp states_of(:gru, b, h, type), do: {rand_t({b, h}, type)}
+    defp rand_t(shape, type), do: triple(shape, type, 0.5) |> FusedKernels.Tensor.to_nx()
+
+    @tag :nx
+    test "native backends agree with the pure-Nx path (stacks, reverse, initial state)" do
+      backends = if FusedKernels.Backend.cuda_available?(), do: [:cpu, :cuda], else: [:cpu]
+
+      for cell <- [:lstm, :gru],
+          type <- [{:f, 32}, {:bf, 16}],
+          reverse <- [false, true],
+          backend <- backends do
+        {b, t, i, hs} = {3, 7, 6, [5, 4]}
+        x = rand_t({b, t, i}, type)
+
+        ps =
+          Enum.zip([i | hs], hs)
+          |> Enum.map(fn {inp, h} -> to_nx_params(params(cell, inp, h, type)) end)
+
+        st = Enum.map(hs, &states_of(cell, b, &1, type))
+        fun = if cell == :lstm, do: &FusedKernels.lstm_stack/3, else: &FusedKernels.gru_stack/3
+        {ref_seq, ref_states} = fun.(x, ps, backend: :nx, reverse: reverse, initial_state: st)
+        {seq, states} = fun.(x, ps, backend: backend, reverse: reverse, initial_state: st)
+        tol = TestRef.tolerance(type)
+        assert rel(seq, ref_seq) <= tol, "#{cell} #{inspect(type)} #{backend} reverse=#{reverse}"
+
+        for {s, r} <- Enum.zip(states, ref_states),
+            {a, e} <- Enum.zip(Tuple.to_list(s), Tuple.to_list(r)),
+            do: assert(rel(a, e) <= tol)
+      end
+    end
+
+    @tag :nx
+    test "lstm/3 and gru/3 return Axon's shapes and work inside defn" do
+      x = rand_t({2, 4, 3}, {:f, 32})
+      p = to_nx_params(params(:gru, 3, 5, {:f, 32}))
+      assert {seq, {h}} = FusedKernels.gru(x, p)
+      assert Nx.shape(seq) == {2, 4, 5} and Nx.shape(h) == {2, 5}
+      f = Nx.Defn.jit(fn x, p -> FusedKernels.gru(x, p) end)
+      {seq2, {h2}} = f.(x, p)
+      assert rel(seq2, seq) <= 1.0e-5 and rel(h2, h) <= 1.0e-5
+    end
+
+    if Code.ensure_loaded?(Axon) do
+      @tag :axon
+      test "pure Nx and the native CPU path match Axon.lstm / Axon.gru given the same params and state" do
+        for cell <- [:lstm, :gru] do
+          {b, t, i, h} = {2, 6, 5, 7}
+          x = rand_t({b, t, i}, {:f, 32})
+          st = states_of(cell, b, h, {:f, 32})
+          p = to_nx_params(params(cell, i, h, {:f, 32}))
+          input = Axon.input("x", shape: {nil, t, i})
+
+          {model, state_inputs} =
+            case cell do
+              :lstm ->
+                c0 = Axon.input("c", shape: {nil, h})
+                h0 = Axon.input("h", shape: {nil, h})
+
+                {Axon.lstm(input, {c0, h0}, h, name: "rnn"),
+                 %{"c" => elem(st, 0), "h" => elem(st, 1)}}
+
+              :gru ->
+                h0 = Axon.input("h", shape: {nil, h})
+                {Axon.gru(input, {h0}, h, name: "rnn"), %{"h" => elem(st, 0)}}
+            end
+
+          {_init, predict} = Axon.build(Axon.container(model))
+          {a_seq, a_state} = predict.(%{"rnn" => p}, Map.put(state_inputs, "x", x))
+          fun = if cell == :lstm, do: &FusedKernels.lstm/3, else: &FusedKernels.gru/3
+
+          for backend <- [:nx, :cpu] do
+            {seq, state} = fun.(x, p, backend: backend, initial_state: st)
+            assert rel(seq, a_seq) <= 1.0e-5, "#{cell} #{backend}"
+
+            for {a, e} <- Enum.zip(Tuple.to_list(state), Tuple.to_list(a_state)),
+                do: assert(rel(a, e) <= 1.0e-5, "#{cell} #{backend} state")
+          end
+        end
+      end
+    end
+  end
+end
