@@ -21,5 +21,20 @@ pub const SCALED_SOFTMAX: Kernel = Kernel {
     body: include_str!("../kernels/scaled_softmax.cu"),
 };
 
+pub const SELECTIVE_SCAN: Kernel = Kernel {
+    name: "selective_scan",
+    body: include_str!("../kernels/selective_scan.cu"),
+};
+
+pub const NORM: Kernel = Kernel {
+    name: "norm",
+    body: include_str!("../kernels/norm.cu"),
+};
+
+pub const MAMBA_BLOCK: Kernel = Kernel {
+    name: "mamba_block",
+    body: include_str!("../kernels/mamba_block.cu"),
+};
+
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
-pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX];
+pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &SELECTIVE_SCAN, &NORM, &MAMBA_BLOCK];

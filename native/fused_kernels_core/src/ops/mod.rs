@@ -2,6 +2,7 @@
 //! point (`run`) that stages operands on the chosen backend.
 
 pub mod scaled_softmax;
+pub mod selective_scan;
 
 use crate::error::{arg_error, Result};
 
