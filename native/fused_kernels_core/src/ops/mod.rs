@@ -1,6 +1,8 @@
 //! The fused ops. Each op has a CPU implementation (`cpu`), a CUDA one (`cuda`) and one entry
 //! point (`run`) that stages operands on the chosen backend.
 
+pub mod mamba_block;
+pub mod norm;
 pub mod scaled_softmax;
 pub mod selective_scan;
 

@@ -57,9 +57,7 @@ impl Params {
             finite_option("delta_clip min", lo)?;
             finite_option("delta_clip max", hi)?;
             if lo > hi {
-                return Err(arg_error(format!(
-                    "delta_clip: min {lo} is above max {hi}"
-                )));
+                return Err(arg_error(format!("delta_clip: min {lo} is above max {hi}")));
             }
         }
         Ok(Params {
@@ -543,7 +541,9 @@ pub fn cuda_into(
         .as_ref()
         .is_some_and(|l| l.shape != [g.batch, g.dim, g.state] || l.dtype != DType::F32)
     {
-        return Err(arg_error("last_state: must be f32 {batch, channels, state}"));
+        return Err(arg_error(
+            "last_state: must be f32 {batch, channels, state}",
+        ));
     }
     let u = x.u.on_gpu("u", gpu)?;
     let delta = x.delta.on_gpu("delta", gpu)?;

@@ -116,7 +116,10 @@ fn make_case(rng: &mut Rng, g: Geometry, dt: DType, o: Opts) -> Case {
             .into_iter()
             .map(|v| if o.softplus { v } else { 0.02 + v.abs() * 0.1 })
             .collect(),
-        rng.vec(nd * nn).into_iter().map(|v| -0.3 - v.abs()).collect(),
+        rng.vec(nd * nn)
+            .into_iter()
+            .map(|v| -0.3 - v.abs())
+            .collect(),
         rng.vec(bc_len),
         rng.vec(bc_len),
         rng.vec(nd),
@@ -240,10 +243,7 @@ fn check(backend: Backend, c: &Case) -> (f64, f64) {
                 t
             });
             cuda_into(&gpu, &x, p, &mut out, last.as_mut()).unwrap();
-            (
-                out.download().unwrap(),
-                last.map(|t| t.download().unwrap()),
-            )
+            (out.download().unwrap(), last.map(|t| t.download().unwrap()))
         }
     };
     let (want_out, want_last) = expected(c);
@@ -271,7 +271,13 @@ fn geometry_of(batch: usize, seq: usize, dim: usize, state: usize, o: Opts) -> G
     }
 }
 
-fn run_matrix(backend: Backend, dtypes: &[DType], seqs: &[usize], dims: &[usize], states: &[usize]) {
+fn run_matrix(
+    backend: Backend,
+    dtypes: &[DType],
+    seqs: &[usize],
+    dims: &[usize],
+    states: &[usize],
+) {
     let mut rng = Rng::new(5);
     let mut worst = 0.0f64;
     // Every size with the default options; every option set on the smaller sizes.
@@ -333,7 +339,13 @@ fn cuda_matches_f64_reference_full_matrix() {
         &[16, 64],
     );
     // The largest state sizes, split over 16 lanes per channel.
-    run_matrix(Backend::Cuda(None), &[DType::F32], &[61], &[37, 512], &[100, 256]);
+    run_matrix(
+        Backend::Cuda(None),
+        &[DType::F32],
+        &[61],
+        &[37, 512],
+        &[100, 256],
+    );
 }
 
 #[test]
@@ -343,11 +355,19 @@ fn cuda_and_cpu_agree_on_both_discretizations() {
     }
     let mut rng = Rng::new(11);
     for mean_dt in [false, true] {
-        let o = Opts { mean_dt, d: true, z: true, ..BASE };
+        let o = Opts {
+            mean_dt,
+            d: true,
+            z: true,
+            ..BASE
+        };
         let c = make_case(&mut rng, geometry_of(1, 60, 512, 16, o), DType::F32, o);
         let (gpu, _) = check(Backend::Cuda(None), &c);
         let (cpu, _) = check(Backend::Cpu, &c);
-        assert!(gpu <= 1e-5 && cpu <= 1e-5, "mean_dt={mean_dt}: {gpu:e} {cpu:e}");
+        assert!(
+            gpu <= 1e-5 && cpu <= 1e-5,
+            "mean_dt={mean_dt}: {gpu:e} {cpu:e}"
+        );
     }
 }
 
@@ -371,7 +391,10 @@ fn refuses_bad_shapes_and_state_over_256() {
     let c = make_case(&mut rng, geometry_of(1, 3, 4, 257, BASE), DType::F32, BASE);
     let ops = operands(&c);
     let err = geometry(&inputs(&ops)).unwrap_err().to_string();
-    assert!(err.contains("a: state size 257 is over the supported 256"), "{err}");
+    assert!(
+        err.contains("a: state size 257 is over the supported 256"),
+        "{err}"
+    );
 
     let c = make_case(&mut rng, geometry_of(1, 3, 4, 8, BASE), DType::F32, BASE);
     let mut ops = operands(&c);
@@ -388,7 +411,10 @@ fn refuses_bad_shapes_and_state_over_256() {
         HostTensor::new("b", &bad, vec![1, 3, 3, 8], DType::F32).unwrap(),
     ));
     let err = geometry(&inputs(&ops)).unwrap_err().to_string();
-    assert!(err.contains("b: 3 groups do not divide the 4 channels"), "{err}");
+    assert!(
+        err.contains("b: 3 groups do not divide the 4 channels"),
+        "{err}"
+    );
     assert!(Params::new(true, Some((0.1, 0.001)), Discretization::PerChannel, false).is_err());
     assert!(Discretization::parse("mean").is_err());
 }
