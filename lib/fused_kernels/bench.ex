@@ -12,7 +12,11 @@ defmodule FusedKernels.Bench do
   # Each op contributes its cases through `bench_cases/0`, returning maps with `:name`,
   # `:shape` (a tuple, for the table), `:type` and `:runner`: `fn backend -> fun | nil end`,
   # where `fun` runs one call synchronously and nil means "not on this backend".
-  @case_modules [FusedKernels.ScaledSoftmax.Bench]
+  @case_modules [
+    FusedKernels.ScaledSoftmax.Bench,
+    FusedKernels.SelectiveScan.Bench,
+    FusedKernels.MambaBlock.Bench
+  ]
 
   @doc "Every benchmark case of every op."
   def cases, do: Enum.flat_map(@case_modules, & &1.bench_cases())

@@ -1,6 +1,6 @@
-//! One Mamba block as Edifice builds it, fused: LayerNorm -> in_proj -> causal depthwise conv
-//! + SiLU -> bc_proj (B then C) and dt_rank -> dt_proj -> softplus -> clip -> selective scan
-//! -> * SiLU(z) -> out_proj -> + residual. x is `{batch, seq, hidden}`; the output has x's
+//! One Mamba block as Edifice builds it, fused: LayerNorm, in_proj, causal depthwise conv and
+//! SiLU, bc_proj (B then C) and dt_rank, dt_proj, softplus, clip, selective scan, times
+//! SiLU(z), out_proj, plus the residual. x is `{batch, seq, hidden}`; the output has x's
 //! shape and type. The CPU path computes in f64 (it is also the Rust tests' reference); the
 //! CUDA path runs f32 inside: the projections through cuBLAS, the element-wise stages fused
 //! into the kernels around them (`kernels/mamba_block.cu`, the scan's input/output stages).
@@ -137,10 +137,12 @@ pub fn geometry(x: &Operand<'_>, w: &Weights<'_>) -> Result<Geometry> {
     let (conv, conv_channels_first) = match *w.conv_kernel.shape() {
         [k, 1, i] if i == inner => (k, false),
         [i, 1, k] if i == inner => (k, true),
-        _ => return Err(arg_error(format!(
+        _ => {
+            return Err(arg_error(format!(
             "conv_dw_conv kernel: expected {{k, 1, {inner}}} (Axon) or {{{inner}, 1, k}}, got {}",
             fmt_shape(w.conv_kernel.shape())
-        ))),
+        )))
+        }
     };
     want_opt("conv_dw_conv bias", w.conv_bias, &[inner])?;
     let state = match *w.bc_kernel.shape() {

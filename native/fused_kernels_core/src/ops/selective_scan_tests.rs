@@ -258,7 +258,10 @@ fn check(backend: Backend, c: &Case) -> (f64, f64) {
 fn geometry_of(batch: usize, seq: usize, dim: usize, state: usize, o: Opts) -> Geometry {
     // Grouped cases use as many groups as divide the channels, up to 4.
     let groups = if o.groups > 0 {
-        [4, 2, 1].into_iter().find(|g| dim % g == 0).unwrap()
+        [4, 2, 1]
+            .into_iter()
+            .find(|g| dim.is_multiple_of(*g))
+            .unwrap()
     } else {
         1
     };
