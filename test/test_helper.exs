@@ -3,6 +3,8 @@
 #   :cuda - needs a usable GPU (excluded when CUDA is not available)
 nx? = Code.ensure_loaded?(Nx)
 cuda? = FusedKernels.Backend.cuda_available?()
+# Nx carried through ERL_LIBS (the GPU harness) is loadable but not started: start it.
+if nx?, do: {:ok, _} = Application.ensure_all_started(:nx)
 
 exclude =
   [] ++

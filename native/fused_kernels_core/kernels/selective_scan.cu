@@ -77,6 +77,8 @@ __device__ __forceinline__ void fk_scan_stage_x(const FkScanArgs& p, int bi, int
   const T* z = reinterpret_cast<const T*>(p.z);
   const float* bias = reinterpret_cast<const float*>(p.delta_bias);
   const int vecs = nc / V;
+  // Unrolled so several iterations' loads are in flight before the first shared store.
+#pragma unroll 4
   for (int k = threadIdx.x; k < len * vecs; k += blockDim.x) {
     const int i = k / vecs, c = (k % vecs) * V;
     const long long idx = ((long long)bi * p.seq + t0 + i) * p.dim + c0 + c;
@@ -144,6 +146,7 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     } else {
       fk_scan_stage_x<T, 1>(p, bi, t0, len, c0, nc, s_u, s_dt, s_z);
     }
+#pragma unroll 4
     for (int k = threadIdx.x; k < len * NP; k += blockDim.x) {
       const int i = k / NP, n = k % NP;
       const long long idx = ((long long)bi * p.seq + t0 + i) * p.bc_row + g * N + n;
