@@ -191,7 +191,7 @@ defmodule FusedKernels.MambaTest do
 
     params =
       Map.new(params, fn {k, v} ->
-        {k, Map.new(v, fn {p, t} -> {p, FusedKernels.Tensor.to_nx(t)} end)}
+        {k, Map.new(v, fn {p, t} -> {p, apply(FusedKernels.Tensor, :to_nx, [t])} end)}
       end)
 
     x = rand({2, 13, 32})
