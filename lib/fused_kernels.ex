@@ -114,5 +114,35 @@ defmodule FusedKernels do
     @doc "Several GRU layers in one call: `{sequence, [{h} per layer]}`."
     def gru_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:gru, x, params_list, opts)
+
+    @doc """
+    Selective scan with mamba_ssm's semantics: u, delta `{batch, seq, channels}`; a
+    `{channels, state}` (state <= 256); b, c `{batch, seq, state}` or `{batch, seq, groups, state}`.
+    Options: `d`, `z` (output * silu(z)), `delta_bias`, `delta_softplus` (false),
+    `initial_state` / `return_last_state` (`{batch, channels, state}` f32),
+    `b_discretization` (`:per_channel` | `:mean_dt`), `backend`, `device`, `out`.
+    Returns the output, or `{output, last_state}`.
+    """
+    defdelegate selective_scan(u, delta, a, b, c, opts \\ []),
+      to: FusedKernels.SelectiveScan,
+      as: :run
+
+    @doc """
+    One Edifice Mamba block, fused: LayerNorm -> in_proj -> causal depthwise conv + SiLU ->
+    B/C and dt projections (softplus, clip [dt_min, dt_max]) -> scan -> * SiLU(z) -> out_proj
+    -> + residual. `params` by Edifice's layer names for block `name:` ("mamba_block").
+    Options: `name`, `eps` (1e-5), `dt_min`/`dt_max` (0.001/0.1), `b_discretization`
+    (`:per_channel` default, or `:mean_dt` for Edifice's pure-Nx checkpoints), `residual`
+    (true), `backend`, `device`, `out`.
+    """
+    defdelegate mamba_block(x, params, opts \\ []), to: FusedKernels.MambaBlock, as: :run
+
+    @doc "LayerNorm over the last axis (`eps`, `residual: r` -> `{normed, x + r}`)."
+    def layer_norm(x, gamma, beta, opts \\ []),
+      do: FusedKernels.Norm.run(:layer_norm, x, gamma, beta, opts)
+
+    @doc "RMSNorm over the last axis (`eps`, `residual: r` -> `{normed, x + r}`)."
+    def rms_norm(x, weight, opts \\ []),
+      do: FusedKernels.Norm.run(:rms_norm, x, weight, nil, opts)
   end
 end

@@ -17,7 +17,9 @@ defmodule FusedKernels.Bench do
     FusedKernels.Dense.Bench,
     FusedKernels.Backbone.Bench,
     FusedKernels.FlashAttention.Bench,
-    FusedKernels.Rnn.Bench
+    FusedKernels.Rnn.Bench,
+    FusedKernels.SelectiveScan.Bench,
+    FusedKernels.MambaBlock.Bench
   ]
 
   @doc "Every benchmark case of every op."
@@ -45,6 +47,8 @@ defmodule FusedKernels.Bench do
     runs = Keyword.get(opts, :runs, if(opts[:quick], do: 20, else: 100))
     backends = Keyword.get(opts, :backend, available_backends())
     only = Keyword.get(opts, :only)
+    # Nx carried through ERL_LIBS (the GPU harness) is loadable but not started.
+    if Code.ensure_loaded?(Nx), do: Application.ensure_all_started(:nx)
 
     IO.puts("fused_kernels bench: #{machine()}\n")
 

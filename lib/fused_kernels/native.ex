@@ -106,4 +106,40 @@ defmodule FusedKernels.Native do
 
   @doc false
   def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def selective_scan(
+        _u,
+        _delta,
+        _a,
+        _b,
+        _c,
+        _d,
+        _z,
+        _bias,
+        _h0,
+        _sp,
+        _disc,
+        _last,
+        _be,
+        _dev,
+        _out
+      ),
+      do: not_loaded()
+
+  @doc false
+  def norm(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def mamba_block(
+        _x,
+        _weights,
+        _eps,
+        _dt_min,
+        _dt_max,
+        _disc,
+        _residual,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
 end

@@ -15,8 +15,6 @@ defmodule Mix.Tasks.Bench do
     {opts, _rest, invalid} = OptionParser.parse(argv, strict: @switches)
     if invalid != [], do: Mix.raise("unknown options: #{inspect(invalid)}; see `mix help bench`")
     Mix.Task.run("app.start")
-    # Nx taken from the code path (ERL_LIBS) rather than a dependency is loadable but not started.
-    if Code.ensure_loaded?(Nx), do: Application.ensure_all_started(:nx)
 
     backends =
       case Keyword.get_values(opts, :backend) do

@@ -36,5 +36,28 @@ pub const RNN: Kernel = Kernel {
     body: include_str!("../kernels/rnn.cu"),
 };
 
+pub const SELECTIVE_SCAN: Kernel = Kernel {
+    name: "selective_scan",
+    body: include_str!("../kernels/selective_scan.cu"),
+};
+
+pub const NORM: Kernel = Kernel {
+    name: "norm",
+    body: include_str!("../kernels/norm.cu"),
+};
+
+pub const MAMBA_BLOCK: Kernel = Kernel {
+    name: "mamba_block",
+    body: include_str!("../kernels/mamba_block.cu"),
+};
+
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
-pub const ALL: &[&Kernel] = &[&SCALED_SOFTMAX, &DENSE, &FLASH_ATTENTION, &RNN];
+pub const ALL: &[&Kernel] = &[
+    &SCALED_SOFTMAX,
+    &DENSE,
+    &FLASH_ATTENTION,
+    &RNN,
+    &SELECTIVE_SCAN,
+    &NORM,
+    &MAMBA_BLOCK,
+];

@@ -7,6 +7,7 @@
 
 pub mod buffer;
 pub mod cache;
+pub mod gemm;
 pub mod nvrtc;
 
 use crate::error::{Error, Result};

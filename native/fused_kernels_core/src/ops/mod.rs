@@ -3,8 +3,11 @@
 
 pub mod dense;
 pub mod flash_attention;
+pub mod mamba_block;
+pub mod norm;
 pub mod rnn;
 pub mod scaled_softmax;
+pub mod selective_scan;
 
 use crate::error::{arg_error, Result};
 

@@ -2,5 +2,6 @@
 
 mod dense;
 mod flash_attention;
+mod mamba;
 mod rnn;
 mod scaled_softmax;

@@ -1,0 +1,305 @@
+defmodule FusedKernels.MambaBlock do
+  @moduledoc """
+  One whole Mamba block as Edifice builds it, fused (see `FusedKernels.mamba_block/3`).
+  Native side: `ops/mamba_block.rs`, `kernels/mamba_block.cu` and the selective scan.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  # {layer suffix, parameter, required?} in the order the NIF takes them.
+  @layout [
+    {"norm", "gamma", true},
+    {"norm", "beta", true},
+    {"in_proj", "kernel", true},
+    {"in_proj", "bias", false},
+    {"conv_dw_conv", "kernel", true},
+    {"conv_dw_conv", "bias", false},
+    {"ssm_bc_proj", "kernel", true},
+    {"ssm_bc_proj", "bias", false},
+    {"ssm_dt_rank", "kernel", true},
+    {"ssm_dt_rank", "bias", false},
+    {"ssm_dt_proj", "kernel", true},
+    {"ssm_dt_proj", "bias", false},
+    {"ssm", "a", false},
+    {"ssm", "d", false},
+    {"out_proj", "kernel", true},
+    {"out_proj", "bias", false}
+  ]
+
+  @doc false
+  def options(opts) do
+    opts =
+      Keyword.validate!(opts,
+        name: "mamba_block",
+        eps: 1.0e-5,
+        dt_min: 0.001,
+        dt_max: 0.1,
+        b_discretization: :per_channel,
+        residual: true,
+        backend: nil,
+        device: nil,
+        out: :host
+      )
+
+    unless opts[:b_discretization] in [:per_channel, :mean_dt],
+      do:
+        raise(
+          ArgumentError,
+          "b_discretization must be :per_channel or :mean_dt, got: #{inspect(opts[:b_discretization])}"
+        )
+
+    for k <- [:eps, :dt_min, :dt_max],
+        not is_number(opts[k]),
+        do: raise(ArgumentError, "#{k} must be a number, got: #{inspect(opts[k])}")
+
+    unless is_boolean(opts[:residual]),
+      do: raise(ArgumentError, "residual must be a boolean, got: #{inspect(opts[:residual])}")
+
+    unless is_binary(opts[:name]),
+      do: raise(ArgumentError, "name must be a string such as \"mamba_block_1\"")
+
+    opts
+  end
+
+  @doc """
+  The block's parameters in the NIF's order, looked up by Edifice's layer names
+  (`"\#{name}_in_proj" => %{"kernel" => ..., "bias" => ...}` and so on). Accepts a plain map
+  or a struct with a `:data` map (Axon's ModelState).
+  """
+  def weights(params, name) do
+    params = if is_struct(params) and Map.has_key?(params, :data), do: params.data, else: params
+
+    unless is_map(params),
+      do: raise(ArgumentError, "params must be a map of layer name => parameters")
+
+    for {layer, key, required} <- @layout do
+      case params |> Map.get("#{name}_#{layer}", %{}) |> Map.get(key) do
+        nil when required ->
+          raise ArgumentError,
+                "params: missing #{inspect("#{name}_#{layer}")} => #{inspect(key)} (block name #{inspect(name)}; pass name: to match your model)"
+
+        value ->
+          value
+      end
+    end
+  end
+
+  @doc "Natively, with weights as triples or buffers (f32 buffers; no Nx needed)."
+  def native(x, params, opts \\ []) do
+    opts = options(opts)
+    call(x, weights(params, opts[:name]), Backend.select_native(opts), opts)
+  end
+
+  defp call(x, weights, backend, opts) do
+    nat = fn
+      nil -> nil
+      t -> Tensor.to_native(t)
+    end
+
+    x
+    |> nat.()
+    |> Native.mamba_block(
+      Enum.map(weights, nat),
+      opts[:eps] * 1.0,
+      opts[:dt_min] * 1.0,
+      opts[:dt_max] * 1.0,
+      opts[:b_discretization],
+      opts[:residual],
+      backend,
+      Backend.device(opts),
+      opts[:out]
+    )
+    |> Native.unwrap!()
+    |> Buffer.wrap()
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @doc "See `FusedKernels.mamba_block/3`."
+    def run(%Buffer{} = x, params, opts), do: native(x, params, opts)
+
+    def run(x, params, opts) do
+      opts = options(opts)
+      x = Nx.to_tensor(x)
+      w = weights(params, opts[:name])
+
+      case Backend.select(opts, Enum.any?([x | w], &Tensor.symbolic?/1)) do
+        :nx ->
+          nx(x, params, opts)
+
+        backend ->
+          result = call(x, w, backend, opts)
+          if opts[:out] == :device, do: result, else: Tensor.to_nx(result)
+      end
+    end
+
+    @doc "Pure Nx, as a composition of plain Nx ops (f32 inside; works inside `defn`)."
+    def nx(x, params, opts \\ []) do
+      opts =
+        Keyword.merge(
+          [
+            name: "mamba_block",
+            eps: 1.0e-5,
+            dt_min: 0.001,
+            dt_max: 0.1,
+            b_discretization: :per_channel,
+            residual: true
+          ],
+          opts
+        )
+
+      [
+        gamma,
+        beta,
+        w_in,
+        b_in,
+        conv,
+        b_conv,
+        w_bc,
+        b_bc,
+        w_dtr,
+        b_dtr,
+        w_dtp,
+        b_dtp,
+        a,
+        d,
+        w_out,
+        b_out
+      ] =
+        params
+        |> weights(opts[:name])
+        |> Enum.map(fn
+          nil -> nil
+          t -> Nx.as_type(t, {:f, 32})
+        end)
+
+      type = Nx.type(x)
+      {batch, seq, _hidden} = Nx.shape(x)
+      x32 = Nx.as_type(x, {:f, 32})
+      dense = fn t, w, b -> if b, do: Nx.add(Nx.dot(t, w), b), else: Nx.dot(t, w) end
+
+      xn = FusedKernels.Norm.nx(:layer_norm, x32, gamma, beta, eps: opts[:eps])
+      xz = dense.(xn, w_in, b_in)
+      inner = div(elem(Nx.shape(xz), 2), 2)
+      xs = xz[[.., .., 0..(inner - 1)]]
+      z = xz[[.., .., inner..(2 * inner - 1)]]
+
+      # Depthwise causal conv: tap j multiplies step t - (k-1) + j.
+      taps =
+        case Nx.shape(conv) do
+          {k, 1, ^inner} -> Nx.reshape(conv, {k, inner})
+          {^inner, 1, k} -> conv |> Nx.reshape({inner, k}) |> Nx.transpose()
+        end
+
+      k = elem(Nx.shape(taps), 0)
+      padded = Nx.pad(xs, 0.0, [{0, 0, 0}, {k - 1, 0, 0}, {0, 0, 0}])
+
+      conv_out =
+        Enum.reduce(0..(k - 1), if(b_conv, do: b_conv, else: 0.0), fn j, acc ->
+          Nx.add(acc, Nx.multiply(padded[[.., j..(j + seq - 1)]], taps[j]))
+        end)
+
+      xc = Nx.multiply(conv_out, Nx.sigmoid(conv_out))
+      bc = dense.(xc, w_bc, b_bc)
+      n = div(elem(Nx.shape(bc), 2), 2)
+      dt = xc |> dense.(w_dtr, b_dtr) |> Nx.dot(w_dtp)
+      a = a || Nx.negate(Nx.add(Nx.iota({inner, n}, axis: 1, type: {:f, 32}), 1))
+
+      y =
+        FusedKernels.SelectiveScan.nx(
+          xc,
+          dt,
+          a,
+          bc[[.., .., 0..(n - 1)]],
+          bc[[.., .., n..(2 * n - 1)]],
+          d: d,
+          z: z,
+          delta_bias: b_dtp,
+          delta_softplus: true,
+          delta_clip: {opts[:dt_min], opts[:dt_max]},
+          b_discretization: opts[:b_discretization]
+        )
+
+      out = dense.(y, w_out, b_out)
+      out = if opts[:residual], do: Nx.add(out, x32), else: out
+      _ = batch
+      Nx.as_type(out, type)
+    end
+  end
+
+  defmodule Bench do
+    @moduledoc false
+    alias FusedKernels.{Bench, MambaBlock}
+
+    @doc "ExPhil's Mamba: hidden 256, state 16, expand 2, conv 4, dt_rank 16, B1 L60."
+    def exphil_params(name \\ "mamba_block", h \\ 256, inner \\ 512, n \\ 16, r \\ 16, k \\ 4) do
+      t = {:f, 32}
+
+      rnd = fn shape, scale ->
+        {Bench.encode_values(
+           for(_ <- 1..Tuple.product(shape), do: (:rand.uniform() * 2 - 1) * scale),
+           t
+         ), shape, t}
+      end
+
+      %{
+        "#{name}_norm" => %{"gamma" => rnd.({h}, 1.0), "beta" => rnd.({h}, 0.1)},
+        "#{name}_in_proj" => %{
+          "kernel" => rnd.({h, 2 * inner}, 0.1),
+          "bias" => rnd.({2 * inner}, 0.1)
+        },
+        "#{name}_conv_dw_conv" => %{
+          "kernel" => rnd.({k, 1, inner}, 0.5),
+          "bias" => rnd.({inner}, 0.1)
+        },
+        "#{name}_ssm_bc_proj" => %{
+          "kernel" => rnd.({inner, 2 * n}, 0.1),
+          "bias" => rnd.({2 * n}, 0.1)
+        },
+        "#{name}_ssm_dt_rank" => %{"kernel" => rnd.({inner, r}, 0.1), "bias" => rnd.({r}, 0.1)},
+        "#{name}_ssm_dt_proj" => %{
+          "kernel" => rnd.({r, inner}, 0.3),
+          "bias" => rnd.({inner}, 1.0)
+        },
+        "#{name}_out_proj" => %{"kernel" => rnd.({inner, h}, 0.1), "bias" => rnd.({h}, 0.1)}
+      }
+    end
+
+    def bench_cases do
+      [
+        %{
+          name: "mamba_block exphil B1 L60 H256 (x2 layers)",
+          shape: {1, 60, 256},
+          type: {:f, 32},
+          runner: &runner/1
+        }
+      ]
+    end
+
+    defp runner(:cuda_resident) do
+      up = fn m ->
+        Map.new(m, fn {k, v} ->
+          {k, Map.new(v, fn {p, t} -> {p, FusedKernels.Buffer.upload(t)} end)}
+        end)
+      end
+
+      layers = for _ <- 1..2, do: up.(exphil_params())
+      x = FusedKernels.Buffer.upload(Bench.random_triple({1, 60, 256}, {:f, 32}))
+
+      fn ->
+        Enum.reduce(layers, x, fn p, h ->
+          MambaBlock.native(h, p, backend: :cuda, out: :device)
+        end)
+
+        FusedKernels.Native.cuda_synchronize(nil)
+      end
+    end
+
+    defp runner(backend) when backend in [:cuda, :cpu] do
+      layers = for _ <- 1..2, do: exphil_params()
+      x = Bench.random_triple({1, 60, 256}, {:f, 32})
+      fn -> Enum.reduce(layers, x, fn p, h -> MambaBlock.native(h, p, backend: backend) end) end
+    end
+
+    defp runner(_), do: nil
+  end
+end

@@ -1,0 +1,114 @@
+defmodule FusedKernels.Norm do
+  @moduledoc """
+  LayerNorm and RMSNorm over the last axis with an optional fused residual add
+  (`residual: r` returns `{normed, x + r}`). Native side: `ops/norm.rs`, `kernels/norm.cu`.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  @doc false
+  def options(opts) do
+    opts =
+      Keyword.validate!(opts, eps: 1.0e-5, residual: nil, backend: nil, device: nil, out: :host)
+
+    unless is_number(opts[:eps]) and opts[:eps] >= 0,
+      do: raise(ArgumentError, "eps must be a non-negative number, got: #{inspect(opts[:eps])}")
+
+    unless opts[:out] in [:host, :device],
+      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    opts
+  end
+
+  @doc "Natively, with triples or buffers: `kind` is `:layer_norm` or `:rms_norm`."
+  def native(kind, x, weight, bias, opts \\ []) do
+    opts = options(opts)
+    call(kind, [x, weight, bias], Backend.select_native(opts), opts, & &1)
+  end
+
+  defp call(kind, [x, weight, bias], backend, opts, finish) do
+    nat = fn
+      nil -> nil
+      t -> Tensor.to_native(t)
+    end
+
+    kind
+    |> Native.norm(
+      nat.(x),
+      nat.(weight),
+      nat.(bias),
+      nat.(opts[:residual]),
+      opts[:eps] * 1.0,
+      backend,
+      Backend.device(opts),
+      opts[:out]
+    )
+    |> Native.unwrap!()
+    |> case do
+      {y, s} -> {finish.(Buffer.wrap(y)), finish.(Buffer.wrap(s))}
+      y -> finish.(Buffer.wrap(y))
+    end
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @doc false
+    def run(kind, x, weight, bias, opts) do
+      opts = options(opts)
+
+      if match?(%Buffer{}, x) do
+        native(kind, x, weight, bias, opts)
+      else
+        tensors =
+          Enum.map([x, weight, bias], fn
+            nil -> nil
+            t -> Nx.to_tensor(t)
+          end)
+
+        symbolic? = Enum.any?(tensors ++ [opts[:residual]], &Tensor.symbolic?/1)
+
+        case Backend.select(opts, symbolic?) do
+          :nx ->
+            apply(__MODULE__, :nx, [kind | tensors] ++ [opts])
+
+          backend ->
+            finish = if opts[:out] == :device, do: & &1, else: &Tensor.to_nx/1
+            call(kind, tensors, backend, opts, finish)
+        end
+      end
+    end
+
+    @doc "Pure Nx (f32 statistics; works inside `defn`)."
+    def nx(kind, x, weight, bias, opts \\ []) do
+      type = Nx.type(x)
+      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
+      cols = elem(Nx.shape(x), Nx.rank(x) - 1)
+
+      unless Nx.shape(weight) == {cols},
+        do:
+          raise(
+            ArgumentError,
+            "#{if kind == :layer_norm, do: "gamma", else: "weight"}: expected shape {#{cols}} (x's last axis), got #{inspect(Nx.shape(weight))}"
+          )
+
+      s = Nx.as_type(x, compute)
+      s = if r = opts[:residual], do: Nx.add(s, Nx.as_type(r, compute)), else: s
+      eps = Keyword.get(opts, :eps, 1.0e-5)
+
+      centred =
+        if kind == :layer_norm,
+          do: Nx.subtract(s, Nx.mean(s, axes: [-1], keep_axes: true)),
+          else: s
+
+      var = Nx.mean(Nx.multiply(centred, centred), axes: [-1], keep_axes: true)
+
+      y =
+        centred
+        |> Nx.multiply(Nx.rsqrt(Nx.add(var, eps)))
+        |> Nx.multiply(Nx.as_type(weight, compute))
+
+      y = if bias, do: Nx.add(y, Nx.as_type(bias, compute)), else: y
+      y = Nx.as_type(y, type)
+      if opts[:residual], do: {y, Nx.as_type(s, type)}, else: y
+    end
+  end
+end

@@ -1,0 +1,273 @@
+defmodule FusedKernels.SelectiveScan do
+  @moduledoc """
+  Selective scan with mamba_ssm's semantics. Native side:
+  `native/fused_kernels_core/src/ops/selective_scan.rs` and `kernels/selective_scan.cu`.
+  """
+
+  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+
+  @doc false
+  def options(opts) do
+    opts =
+      Keyword.validate!(opts,
+        d: nil,
+        z: nil,
+        delta_bias: nil,
+        delta_softplus: false,
+        initial_state: nil,
+        return_last_state: false,
+        b_discretization: :per_channel,
+        backend: nil,
+        device: nil,
+        out: :host
+      )
+
+    for key <- [:delta_softplus, :return_last_state], not is_boolean(opts[key]) do
+      raise ArgumentError, "#{key} must be a boolean, got: #{inspect(opts[key])}"
+    end
+
+    unless opts[:b_discretization] in [:per_channel, :mean_dt],
+      do:
+        raise(
+          ArgumentError,
+          "b_discretization must be :per_channel or :mean_dt, got: #{inspect(opts[:b_discretization])}"
+        )
+
+    unless opts[:out] in [:host, :device],
+      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    opts
+  end
+
+  @doc """
+  Runs natively with triples or `FusedKernels.Buffer`s (no Nx needed). Returns the output, or
+  `{output, last_state}` with `return_last_state: true`.
+  """
+  def native(u, delta, a, b, c, opts \\ []) do
+    opts = options(opts)
+    call([u, delta, a, b, c], Backend.select_native(opts), opts, & &1)
+  end
+
+  defp call(tensors, backend, opts, finish) do
+    [u, delta, a, b, c] = Enum.map(tensors, &Tensor.to_native/1)
+    opt = fn key -> if t = opts[key], do: Tensor.to_native(t), else: nil end
+
+    u
+    |> Native.selective_scan(
+      delta,
+      a,
+      b,
+      c,
+      opt.(:d),
+      opt.(:z),
+      opt.(:delta_bias),
+      opt.(:initial_state),
+      opts[:delta_softplus],
+      opts[:b_discretization],
+      opts[:return_last_state],
+      backend,
+      Backend.device(opts),
+      opts[:out]
+    )
+    |> Native.unwrap!()
+    |> case do
+      {y, last} when not is_binary(y) -> {finish.(Buffer.wrap(y)), finish.(Buffer.wrap(last))}
+      y -> finish.(Buffer.wrap(y))
+    end
+  end
+
+  if Code.ensure_loaded?(Nx) do
+    @max_state 256
+
+    @doc "See `FusedKernels.selective_scan/6`."
+    def run(u, delta, a, b, c, opts \\ []) do
+      opts = options(opts)
+      tensors = [u, delta, a, b, c]
+
+      if Enum.all?(tensors, &match?(%Buffer{}, &1)) do
+        native(u, delta, a, b, c, opts)
+      else
+        tensors = Enum.map(tensors, &to_tensor/1)
+        optional = Enum.map([:d, :z, :delta_bias, :initial_state], &opts[&1])
+        symbolic? = Enum.any?(tensors ++ optional, &Tensor.symbolic?/1)
+
+        case Backend.select(opts, symbolic?) do
+          :nx ->
+            apply(&nx/6, tensors ++ [opts])
+
+          backend ->
+            finish = if opts[:out] == :device, do: & &1, else: &Tensor.to_nx/1
+            call(tensors, backend, opts, finish)
+        end
+      end
+    end
+
+    defp to_tensor(%Buffer{} = b), do: b
+    defp to_tensor(t), do: Nx.to_tensor(t)
+
+    @doc """
+    The pure-Nx implementation (f32 arithmetic; works on any Nx backend and inside `defn`).
+    The recurrence runs as a log-depth associative scan over the sequence.
+    """
+    def nx(u, delta, a, b, c, opts \\ []) do
+      type = Nx.type(u)
+      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
+      {batch, seq, dim} = shape3!(u)
+      n = state_size!(a, dim)
+      cast = &Nx.as_type(&1, compute)
+
+      dt = cast.(delta)
+      dt = if bias = opts[:delta_bias], do: Nx.add(dt, cast.(bias)), else: dt
+
+      dt =
+        if opts[:delta_softplus],
+          do: Nx.select(Nx.less_equal(dt, 20), Nx.log1p(Nx.exp(dt)), dt),
+          else: dt
+
+      dt = if clip = opts[:delta_clip], do: Nx.clip(dt, elem(clip, 0), elem(clip, 1)), else: dt
+      uu = cast.(u)
+
+      {bx, cx} =
+        {per_channel(cast.(b), batch, seq, dim, n), per_channel(cast.(c), batch, seq, dim, n)}
+
+      w =
+        case opts[:b_discretization] || :per_channel do
+          :per_channel -> dt
+          :mean_dt -> Nx.broadcast(Nx.mean(dt, axes: [2], keep_axes: true), {batch, seq, dim})
+        end
+
+      decay = Nx.exp(Nx.multiply(Nx.new_axis(dt, 3), cast.(a)))
+      input = Nx.multiply(Nx.new_axis(Nx.multiply(w, uu), 3), bx)
+
+      input =
+        if h0 = opts[:initial_state] do
+          first = Nx.multiply(decay[[.., 0..0]], Nx.new_axis(cast.(h0), 1))
+          Nx.put_slice(input, [0, 0, 0, 0], Nx.add(input[[.., 0..0]], first))
+        else
+          input
+        end
+
+      states = associative_scan(decay, input, seq)
+      y = Nx.sum(Nx.multiply(states, cx), axes: [3])
+      y = if d = opts[:d], do: Nx.add(y, Nx.multiply(cast.(d), uu)), else: y
+
+      y =
+        if z = opts[:z] do
+          z = cast.(z)
+          Nx.multiply(y, Nx.multiply(z, Nx.sigmoid(z)))
+        else
+          y
+        end
+
+      y = Nx.as_type(y, type)
+
+      if opts[:return_last_state],
+        do: {y, states[[.., seq - 1]] |> Nx.as_type({:f, 32})},
+        else: y
+    end
+
+    # x_t = a_t * x_{t-1} + b_t as pairs combined over doubling offsets (Hillis-Steele):
+    # (a, b) after (a', b') is (a * a', a * b' + b); shifted-in pairs are the identity (1, 0).
+    defp associative_scan(a, b, seq, offset \\ 1)
+    defp associative_scan(_a, b, seq, offset) when offset >= seq, do: b
+
+    defp associative_scan(a, b, seq, offset) do
+      shift = fn t, fill ->
+        Nx.pad(t, fill, [{0, 0, 0}, {offset, -offset, 0}, {0, 0, 0}, {0, 0, 0}])
+      end
+
+      b = Nx.add(Nx.multiply(a, shift.(b, 0.0)), b)
+      a = Nx.multiply(a, shift.(a, 1.0))
+      associative_scan(a, b, seq, offset * 2)
+    end
+
+    defp per_channel(t, batch, seq, dim, n) do
+      case Nx.shape(t) do
+        {^batch, ^seq, ^n} ->
+          t |> Nx.new_axis(2) |> Nx.broadcast({batch, seq, dim, n})
+
+        {^batch, ^seq, g, ^n} when rem(dim, g) == 0 ->
+          Nx.take(t, Nx.quotient(Nx.iota({dim}), div(dim, g)), axis: 2)
+
+        other ->
+          raise ArgumentError,
+                "b: expected {#{batch}, #{seq}, #{n}} or {#{batch}, #{seq}, groups, #{n}}, got #{inspect(other)}"
+      end
+    end
+
+    defp shape3!(u) do
+      case Nx.shape(u) do
+        {_, _, _} = s -> s
+        s -> raise ArgumentError, "u: expected {batch, seq, channels}, got shape #{inspect(s)}"
+      end
+    end
+
+    defp state_size!(a, dim) do
+      case Nx.shape(a) do
+        {^dim, n} when n <= @max_state ->
+          n
+
+        {^dim, n} ->
+          raise ArgumentError,
+                "a: state size #{n} is over the supported #{@max_state}; the scan never truncates state"
+
+        s ->
+          raise ArgumentError, "a: expected {#{dim}, state}, got #{inspect(s)}"
+      end
+    end
+  end
+
+  defmodule Bench do
+    @moduledoc false
+    alias FusedKernels.{Bench, SelectiveScan}
+
+    def bench_cases do
+      [
+        {"selective_scan B32 D512 L60 N16", {32, 60, 512}, 16},
+        {"selective_scan B8 D2048 L4096 N16", {8, 4096, 2048}, 16}
+      ]
+      |> Enum.map(fn {name, shape, n} ->
+        %{name: name, shape: shape, type: {:f, 32}, runner: &runner(&1, shape, n)}
+      end)
+    end
+
+    defp inputs({b, l, d}, n) do
+      t = {:f, 32}
+
+      delta =
+        {Bench.encode_values(for(_ <- 1..(b * l * d), do: :rand.uniform() * 0.1), t), {b, l, d},
+         t}
+
+      a = {Bench.encode_values(for(_ <- 1..(d * n), do: -:rand.uniform() - 0.1), t), {d, n}, t}
+
+      [
+        Bench.random_triple({b, l, d}, t),
+        delta,
+        a,
+        Bench.random_triple({b, l, n}, t),
+        Bench.random_triple({b, l, n}, t)
+      ]
+    end
+
+    defp runner(:cuda_resident, shape, n) do
+      [u, delta, a, b, c] = Enum.map(inputs(shape, n), &FusedKernels.Buffer.upload/1)
+
+      fn ->
+        SelectiveScan.native(u, delta, a, b, c, backend: :cuda, out: :device)
+        FusedKernels.Native.cuda_synchronize(nil)
+      end
+    end
+
+    defp runner(:cuda, {_, l, _} = shape, n) when l <= 60 do
+      [u, delta, a, b, c] = inputs(shape, n)
+      fn -> SelectiveScan.native(u, delta, a, b, c, backend: :cuda) end
+    end
+
+    defp runner(:cpu, {_, l, _} = shape, n) when l <= 60 do
+      [u, delta, a, b, c] = inputs(shape, n)
+      fn -> SelectiveScan.native(u, delta, a, b, c, backend: :cpu) end
+    end
+
+    defp runner(_, _, _), do: nil
+  end
+end

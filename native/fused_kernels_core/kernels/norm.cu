@@ -1,0 +1,64 @@
+// LayerNorm and RMSNorm over the last axis, with an optional fused residual add (the
+// pre-norm block's add-and-norm): s = x + r is written out and normalised. Statistics in f32,
+// two passes (mean, then centred variance) so large means do not cancel. One warp per row;
+// the re-reads of a row hit L1. gamma/beta/weight are f32 {cols}.
+//   layer_norm: y = (s - mean) / sqrt(var + eps) * gamma + beta
+//   rms_norm:   y = s / sqrt(mean(s^2) + eps) * weight
+
+template <typename T>
+__device__ __forceinline__ float fk_norm_in(const T* x, const T* r, int j) {
+  return r ? fk_to_f32(x[j]) + fk_to_f32(r[j]) : fk_to_f32(x[j]);
+}
+
+template <typename T, typename O, bool RMS>
+__device__ __forceinline__ void fk_norm(const T* __restrict__ x, const T* __restrict__ r,
+                                        const float* __restrict__ gamma,
+                                        const float* __restrict__ beta, O* __restrict__ y,
+                                        T* __restrict__ sum, long long rows, int cols,
+                                        float eps) {
+  const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const T* xr = x + row * cols;
+  const T* rr = r ? r + row * cols : nullptr;
+  float mean = 0.0f;
+  if (!RMS) {
+    float s = 0.0f;
+    for (int j = lane; j < cols; j += 32) s += fk_norm_in(xr, rr, j);
+    mean = fk_warp_sum(s) / cols;
+  }
+  float q = 0.0f;
+  for (int j = lane; j < cols; j += 32) {
+    const float v = fk_norm_in(xr, rr, j) - mean;
+    q += v * v;
+  }
+  const float inv = rsqrtf(fk_warp_sum(q) / cols + eps);
+  for (int j = lane; j < cols; j += 32) {
+    const float v = fk_norm_in(xr, rr, j);
+    const float o = (v - mean) * inv * gamma[j] + (RMS ? 0.0f : beta[j]);
+    y[row * cols + j] = fk_from_f32<O>(o);
+    if (sum) sum[row * cols + j] = fk_from_f32<T>(v);
+  }
+}
+
+#define FK_NORM(NAME, T)                                                                      \
+  extern "C" __global__ void __launch_bounds__(128)                                           \
+      layer_norm_##NAME(const T* x, const T* r, const float* gamma, const float* beta, T* y,  \
+                        T* sum, long long rows, int cols, float eps) {                        \
+    fk_norm<T, T, false>(x, r, gamma, beta, y, sum, rows, cols, eps);                             \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(128)                                           \
+      rms_norm_##NAME(const T* x, const T* r, const float* w, T* y, T* sum, long long rows,    \
+                      int cols, float eps) {                                                  \
+    fk_norm<T, T, true>(x, r, w, nullptr, y, sum, rows, cols, eps);                               \
+  }                                                                                           \
+  /* The Mamba block's input norm: f32 out for the f32 GEMM that follows. */                  \
+  extern "C" __global__ void __launch_bounds__(128)                                           \
+      layer_norm_f32out_##NAME(const T* x, const float* gamma, const float* beta, float* y,   \
+                               long long rows, int cols, float eps) {                         \
+    fk_norm<T, float, false>(x, nullptr, gamma, beta, y, nullptr, rows, cols, eps);            \
+  }
+
+FK_NORM(f32, float)
+FK_NORM(f16, fk_f16)
+FK_NORM(bf16, fk_bf16)

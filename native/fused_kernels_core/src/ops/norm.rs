@@ -1,0 +1,400 @@
+//! LayerNorm and RMSNorm over the last axis, with an optional fused residual add: given
+//! `residual`, `s = x + residual` is normalised and returned too (the pre-norm block's
+//! add-and-norm). Statistics in f32 (f64 for f64 inputs); weights are taken as f32.
+
+use super::selective_scan::{kernel_type, stage_f32};
+use super::Backend;
+use crate::cuda::gemm::{ptr, ptr_opt};
+use crate::cuda::{self, DeviceTensor, Gpu};
+use crate::dtype::{decode_f64, encode_f64, DType};
+use crate::error::{arg_error, Result};
+use crate::kernels::NORM;
+use crate::operand::{Operand, Placement, Value};
+use crate::parallel::for_each_row_chunk;
+use crate::tensor::{finite_option, fmt_shape};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Layer,
+    Rms,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Params {
+    pub kind: Kind,
+    pub eps: f64,
+}
+
+impl Params {
+    pub fn new(kind: Kind, eps: f64) -> Result<Params> {
+        let eps = finite_option("eps", eps)?;
+        if eps < 0.0 {
+            return Err(arg_error(format!("eps must be non-negative, got {eps}")));
+        }
+        Ok(Params { kind, eps })
+    }
+}
+
+pub struct Inputs<'a> {
+    pub x: &'a Operand<'a>,
+    /// gamma (LayerNorm) or weight (RMSNorm), `{cols}`.
+    pub weight: &'a Operand<'a>,
+    /// beta, `{cols}` (LayerNorm only; zeros when absent).
+    pub bias: Option<&'a Operand<'a>>,
+    pub residual: Option<&'a Operand<'a>>,
+}
+
+/// (rows, cols) after validating every operand.
+pub fn geometry(x: &Inputs<'_>, p: Params) -> Result<(usize, usize)> {
+    let shape = x.x.shape();
+    let cols = *shape
+        .last()
+        .ok_or_else(|| arg_error("x: needs at least one axis"))?;
+    let rows = shape.iter().product::<usize>() / cols.max(1);
+    let wname = if p.kind == Kind::Layer {
+        "gamma"
+    } else {
+        "weight"
+    };
+    if x.weight.shape() != [cols] {
+        return Err(arg_error(format!(
+            "{wname}: expected shape {{{cols}}} (x's last axis), got {}",
+            fmt_shape(x.weight.shape())
+        )));
+    }
+    if let Some(b) = x.bias {
+        if b.shape() != [cols] {
+            return Err(arg_error(format!(
+                "beta: expected shape {{{cols}}} (x's last axis), got {}",
+                fmt_shape(b.shape())
+            )));
+        }
+    }
+    if let Some(r) = x.residual {
+        if r.shape() != shape || r.dtype() != x.x.dtype() {
+            return Err(arg_error(format!(
+                "residual: expected x's shape {} and type {}, got {} {}",
+                fmt_shape(shape),
+                x.x.dtype().name(),
+                fmt_shape(r.shape()),
+                r.dtype().name()
+            )));
+        }
+    }
+    Ok((rows, cols))
+}
+
+fn values(op: &Operand<'_>) -> Result<Vec<f64>> {
+    let h = op.on_host()?;
+    let v = h.view();
+    Ok(decode_f64(v.bytes, v.dtype))
+}
+
+/// One row, in f32 unless `wide` (f64 inputs).
+fn norm_row(s: &[f64], w: &[f64], b: Option<&[f64]>, p: Params, wide: bool, out: &mut [f64]) {
+    let r = |v: f64| if wide { v } else { v as f32 as f64 };
+    let n = s.len() as f64;
+    let mean = if p.kind == Kind::Layer {
+        r(s.iter().fold(0.0, |a, v| r(a + v)) / n)
+    } else {
+        0.0
+    };
+    let q = s.iter().fold(0.0, |a, v| r(a + r((v - mean) * (v - mean))));
+    let inv = r(1.0 / (q / n + p.eps).sqrt());
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = r(r((s[j] - mean) * inv) * w[j] + b.map_or(0.0, |b| b[j]));
+    }
+}
+
+/// The CPU implementation: rows in parallel. Returns (normed, sum when residual given).
+pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+    let (_, cols) = geometry(x, p)?;
+    let wide = x.x.dtype() == DType::F64;
+    let mut s = values(x.x)?;
+    let residual = x.residual.map(values).transpose()?;
+    if let Some(r) = &residual {
+        for (a, b) in s.iter_mut().zip(r) {
+            *a = if wide {
+                *a + b
+            } else {
+                (*a as f32 + *b as f32) as f64
+            };
+        }
+    }
+    let w = values(x.weight)?;
+    let b = x.bias.map(values).transpose()?;
+    let mut out = vec![0.0; s.len()];
+    for_each_row_chunk(&mut out, cols, |first, chunk| {
+        for (i, o) in chunk.chunks_mut(cols).enumerate() {
+            let row = first + i;
+            norm_row(
+                &s[row * cols..(row + 1) * cols],
+                &w,
+                b.as_deref(),
+                p,
+                wide,
+                o,
+            );
+        }
+    });
+    Ok((out, residual.map(|_| s)))
+}
+
+/// Launches the norm on raw addresses (the Mamba block uses the f32-output variant).
+#[allow(clippy::too_many_arguments)]
+pub fn launch(
+    gpu: &Arc<Gpu>,
+    name: &str,
+    args: (u64, u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<()> {
+    let f = gpu.function(&NORM, name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(4) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows, cols) = (rows as i64, cols as i32);
+    let (x, r, w, b, y, s) = args;
+    let mut l = gpu.stream.launch_builder(&f);
+    if name.starts_with("layer_norm_f32out") {
+        l.arg(&x).arg(&w).arg(&b).arg(&y);
+    } else if name.starts_with("layer_norm") {
+        l.arg(&x).arg(&r).arg(&w).arg(&b).arg(&y).arg(&s);
+    } else {
+        l.arg(&x).arg(&r).arg(&w).arg(&y).arg(&s);
+    }
+    l.arg(&rows).arg(&cols).arg(&eps);
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+/// The CUDA implementation into caller-given outputs (`sum` only with a residual).
+pub fn cuda_into(
+    gpu: &Arc<Gpu>,
+    x: &Inputs<'_>,
+    p: Params,
+    out: &mut DeviceTensor,
+    sum: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let (rows, cols) = geometry(x, p)?;
+    let tname = kernel_type(x.x.dtype(), "x")?;
+    if out.shape != x.x.shape() || out.dtype != x.x.dtype() || sum.is_some() != x.residual.is_some()
+    {
+        return Err(arg_error("out: must have x's shape and type"));
+    }
+    let xs = x.x.on_gpu("x", gpu)?;
+    let r = x.residual.map(|r| r.on_gpu("residual", gpu)).transpose()?;
+    let w = stage_f32("weight", x.weight, gpu)?;
+    let b = x.bias.map(|b| stage_f32("beta", b, gpu)).transpose()?;
+    let name = match p.kind {
+        Kind::Layer => format!("layer_norm_{tname}"),
+        Kind::Rms => format!("rms_norm_{tname}"),
+    };
+    // LayerNorm without beta adds zeros.
+    let zeros;
+    let bptr = match (&b, p.kind) {
+        (Some(b), _) => ptr(b),
+        (None, Kind::Layer) => {
+            zeros = DeviceTensor::upload(
+                gpu,
+                &crate::HostTensor::new("beta", &vec![0u8; 4 * cols], vec![cols], DType::F32)?,
+            )?;
+            ptr(&zeros)
+        }
+        (None, Kind::Rms) => 0,
+    };
+    let sptr = ptr_opt(sum.as_deref());
+    launch(
+        gpu,
+        &name,
+        (
+            ptr(&xs),
+            ptr_opt(r.as_deref()),
+            ptr(&w),
+            bptr,
+            ptr(out),
+            sptr,
+        ),
+        rows,
+        cols,
+        p.eps as f32,
+    )
+}
+
+/// Runs on `backend`: (normed, x + residual when a residual was given).
+pub fn run(
+    backend: Backend,
+    x: &Inputs<'_>,
+    p: Params,
+    placement: Placement,
+) -> Result<(Value, Option<Value>)> {
+    geometry(x, p)?;
+    let shape = x.x.shape().to_vec();
+    let dtype = x.x.dtype();
+    match backend {
+        Backend::Cpu => {
+            if placement == Placement::Device {
+                return Err(arg_error("out: the :cpu backend returns host tensors only"));
+            }
+            let (y, s) = cpu(x, p)?;
+            let wrap = |v: Vec<f64>| {
+                Value::Host(crate::OwnedTensor {
+                    data: encode_f64(&v, dtype),
+                    shape: shape.clone(),
+                    dtype,
+                })
+            };
+            Ok((wrap(y), s.map(wrap)))
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let mut out = DeviceTensor::uninit(&gpu, shape.clone(), dtype)?;
+            let mut sum = x
+                .residual
+                .map(|_| DeviceTensor::uninit(&gpu, shape.clone(), dtype))
+                .transpose()?;
+            cuda_into(&gpu, x, p, &mut out, sum.as_mut())?;
+            Ok((
+                Value::from_device(out, placement)?,
+                sum.map(|s| Value::from_device(s, placement)).transpose()?,
+            ))
+        }
+    }
+}
+
+/// f64 reference (tests): plain two-pass statistics per row.
+pub fn reference(s: &[f64], cols: usize, w: &[f64], b: Option<&[f64]>, p: Params) -> Vec<f64> {
+    let mut out = Vec::with_capacity(s.len());
+    for row in s.chunks(cols) {
+        let n = cols as f64;
+        let mean = if p.kind == Kind::Layer {
+            row.iter().sum::<f64>() / n
+        } else {
+            0.0
+        };
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+        for (j, v) in row.iter().enumerate() {
+            out.push((v - mean) / (var + p.eps).sqrt() * w[j] + b.map_or(0.0, |b| b[j]));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::gpu_for_tests;
+    use crate::ops::testing::{rel_l2, tolerance, Rng};
+    use crate::HostTensor;
+
+    fn check(backend: Backend, dtypes: &[DType]) {
+        let mut rng = Rng::new(21);
+        for shape in [
+            &[1usize][..],
+            &[7, 200],
+            &[60, 256],
+            &[2, 3, 1000],
+            &[3, 4097],
+        ] {
+            for &dt in dtypes {
+                for kind in [Kind::Layer, Kind::Rms] {
+                    for with_residual in [false, true] {
+                        let cols = *shape.last().unwrap();
+                        let n: usize = shape.iter().product();
+                        // An offset mean so the centred variance matters.
+                        let xb =
+                            encode_f64(&rng.vec(n).iter().map(|v| v + 3.0).collect::<Vec<_>>(), dt);
+                        let rb = encode_f64(&rng.vec(n), dt);
+                        let wb = encode_f64(&rng.vec(cols), DType::F32);
+                        let bb = encode_f64(&rng.vec(cols), DType::F32);
+                        let host = |name, b: &'static [u8], s: Vec<usize>, t| {
+                            Operand::Host(HostTensor::new(name, b, s, t).unwrap())
+                        };
+                        let (xb, rb, wb, bb): (
+                            &'static [u8],
+                            &'static [u8],
+                            &'static [u8],
+                            &'static [u8],
+                        ) = (xb.leak(), rb.leak(), wb.leak(), bb.leak());
+                        let xo = host("x", xb, shape.to_vec(), dt);
+                        let ro = host("residual", rb, shape.to_vec(), dt);
+                        let wo = host("weight", wb, vec![cols], DType::F32);
+                        let bo = host("beta", bb, vec![cols], DType::F32);
+                        let inputs = Inputs {
+                            x: &xo,
+                            weight: &wo,
+                            bias: (kind == Kind::Layer).then_some(&bo),
+                            residual: with_residual.then_some(&ro),
+                        };
+                        let p = Params::new(kind, 1e-5).unwrap();
+                        let (y, s) = run(backend, &inputs, p, Placement::Host).unwrap();
+                        let Value::Host(y) = y else { unreachable!() };
+                        let mut sv = decode_f64(xb, dt);
+                        if with_residual {
+                            let rv = decode_f64(rb, dt);
+                            sv.iter_mut().zip(&rv).for_each(|(a, b)| *a += b);
+                            let Some(Value::Host(s)) = s else {
+                                panic!("no sum")
+                            };
+                            let err = rel_l2(&decode_f64(&s.data, dt), &sv);
+                            assert!(err <= tolerance(dt), "sum {dt:?} {shape:?}: {err:e}");
+                        }
+                        let want = reference(
+                            &sv,
+                            cols,
+                            &decode_f64(wb, DType::F32),
+                            (kind == Kind::Layer)
+                                .then(|| decode_f64(bb, DType::F32))
+                                .as_deref(),
+                            p,
+                        );
+                        let err = rel_l2(&decode_f64(&y.data, dt), &want);
+                        assert!(
+                            err <= tolerance(dt),
+                            "{backend:?} {kind:?} {dt:?} {shape:?} residual={with_residual}: {err:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cpu_matches_f64_reference() {
+        check(
+            Backend::Cpu,
+            &[DType::F32, DType::BF16, DType::F16, DType::F64],
+        );
+    }
+
+    #[test]
+    fn cuda_matches_f64_reference() {
+        if gpu_for_tests().is_none() {
+            return;
+        }
+        check(Backend::Cuda(None), &[DType::F32, DType::BF16, DType::F16]);
+    }
+
+    #[test]
+    fn refuses_mismatched_weights() {
+        let xb = vec![0u8; 4 * 6];
+        let wb = vec![0u8; 4 * 2];
+        let x = Operand::Host(HostTensor::new("x", &xb, vec![2, 3], DType::F32).unwrap());
+        let w = Operand::Host(HostTensor::new("weight", &wb, vec![2], DType::F32).unwrap());
+        let inputs = Inputs {
+            x: &x,
+            weight: &w,
+            bias: None,
+            residual: None,
+        };
+        let p = Params::new(Kind::Rms, 1e-6).unwrap();
+        let err = geometry(&inputs, p).unwrap_err().to_string();
+        assert!(err.starts_with("weight: expected shape {3}"), "{err}");
+        assert!(Params::new(Kind::Layer, f64::NAN).is_err());
+    }
+}

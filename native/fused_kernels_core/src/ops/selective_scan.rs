@@ -1,0 +1,686 @@
+//! Selective scan with mamba_ssm's semantics (see `kernels/selective_scan.cu` for the maths).
+//! u, delta, z and the output are `{batch, seq, dim}`; A `{dim, state}`; B, C `{batch, seq,
+//! state}` or grouped `{batch, seq, groups, state}`; D and delta_bias `{dim}`; initial and
+//! last state `{batch, dim, state}` in f32. State sizes up to 256; larger ones are refused.
+
+use super::Backend;
+use crate::cuda::gemm::{ptr, ptr_opt};
+use crate::cuda::{self, DeviceTensor, Gpu};
+use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
+use crate::error::{arg_error, Result};
+use crate::kernels::SELECTIVE_SCAN;
+use crate::operand::{Operand, Placement, Staged, Value};
+use crate::parallel::for_each_row_chunk;
+use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+pub const MAX_STATE: usize = 256;
+
+/// How B is discretised: `dt * B` per channel (mamba_ssm, every CUDA kernel) or
+/// `mean_over_channels(dt) * B` (Edifice's pure-Nx Mamba, for its checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discretization {
+    PerChannel,
+    MeanDt,
+}
+
+impl Discretization {
+    pub fn parse(name: &str) -> Result<Discretization> {
+        match name {
+            "per_channel" => Ok(Discretization::PerChannel),
+            "mean_dt" => Ok(Discretization::MeanDt),
+            other => Err(arg_error(format!(
+                "b_discretization must be :per_channel or :mean_dt, got :{other}"
+            ))),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Params {
+    pub delta_softplus: bool,
+    /// Clamp dt to [min, max] after softplus (the Mamba block's [0.001, 0.1]).
+    pub clip: Option<(f64, f64)>,
+    pub discretization: Discretization,
+    pub return_last_state: bool,
+}
+
+impl Params {
+    pub fn new(
+        delta_softplus: bool,
+        clip: Option<(f64, f64)>,
+        discretization: Discretization,
+        return_last_state: bool,
+    ) -> Result<Params> {
+        if let Some((lo, hi)) = clip {
+            finite_option("delta_clip min", lo)?;
+            finite_option("delta_clip max", hi)?;
+            if lo > hi {
+                return Err(arg_error(format!("delta_clip: min {lo} is above max {hi}")));
+            }
+        }
+        Ok(Params {
+            delta_softplus,
+            clip,
+            discretization,
+            return_last_state,
+        })
+    }
+
+    fn dt(&self, raw: f64) -> f64 {
+        let mut dt = raw;
+        if self.delta_softplus {
+            dt = if dt <= 20.0 { dt.exp().ln_1p() } else { dt };
+        }
+        if let Some((lo, hi)) = self.clip {
+            dt = dt.clamp(lo, hi);
+        }
+        dt
+    }
+}
+
+/// The operands of one scan; the optional ones are `None` when not given.
+pub struct Inputs<'a> {
+    pub u: &'a Operand<'a>,
+    pub delta: &'a Operand<'a>,
+    pub a: &'a Operand<'a>,
+    pub b: &'a Operand<'a>,
+    pub c: &'a Operand<'a>,
+    pub d: Option<&'a Operand<'a>>,
+    pub z: Option<&'a Operand<'a>>,
+    pub delta_bias: Option<&'a Operand<'a>>,
+    pub initial_state: Option<&'a Operand<'a>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub batch: usize,
+    pub seq: usize,
+    pub dim: usize,
+    pub state: usize,
+    pub groups: usize,
+}
+
+fn expect_shape(name: &str, got: &[usize], want: &[usize], what: &str) -> Result<()> {
+    if got != want {
+        return Err(arg_error(format!(
+            "{name}: expected shape {} ({what}), got {}",
+            fmt_shape(want),
+            fmt_shape(got)
+        )));
+    }
+    Ok(())
+}
+
+/// Validates every shape and type; the errors name the argument and the expected shape.
+pub fn geometry(x: &Inputs<'_>) -> Result<Geometry> {
+    let (batch, seq, dim) = match *x.u.shape() {
+        [b, l, d] => (b, l, d),
+        _ => {
+            return Err(arg_error(format!(
+                "u: expected {{batch, seq, channels}}, got shape {}",
+                fmt_shape(x.u.shape())
+            )))
+        }
+    };
+    let ut = x.u.dtype();
+    expect_shape("delta", x.delta.shape(), x.u.shape(), "u's shape")?;
+    let state = match *x.a.shape() {
+        [d, n] if d == dim => n,
+        _ => {
+            return Err(arg_error(format!(
+                "a: expected {{{dim}, state}} (channels, state), got {}",
+                fmt_shape(x.a.shape())
+            )))
+        }
+    };
+    if state > MAX_STATE {
+        return Err(arg_error(format!(
+            "a: state size {state} is over the supported {MAX_STATE}; the scan never truncates state"
+        )));
+    }
+    let groups = match *x.b.shape() {
+        [b, l, n] if b == batch && l == seq && n == state => 1,
+        [b, l, g, n] if b == batch && l == seq && n == state && g >= 1 => g,
+        _ => {
+            return Err(arg_error(format!(
+                "b: expected {{{batch}, {seq}, {state}}} or {{{batch}, {seq}, groups, {state}}}, got {}",
+                fmt_shape(x.b.shape())
+            )))
+        }
+    };
+    if dim % groups != 0 {
+        return Err(arg_error(format!(
+            "b: {groups} groups do not divide the {dim} channels"
+        )));
+    }
+    expect_shape("c", x.c.shape(), x.b.shape(), "b's shape")?;
+    for (name, op) in [("delta", x.delta), ("b", x.b), ("c", x.c)]
+        .into_iter()
+        .chain(x.z.map(|z| ("z", z)))
+    {
+        if op.dtype() != ut {
+            return Err(arg_error(format!(
+                "{name}: type {} differs from u's {}; pass both in one type",
+                op.dtype().name(),
+                ut.name()
+            )));
+        }
+    }
+    if let Some(z) = x.z {
+        expect_shape("z", z.shape(), x.u.shape(), "u's shape")?;
+    }
+    if let Some(d) = x.d {
+        expect_shape("d", d.shape(), &[dim], "one value per channel")?;
+    }
+    if let Some(bias) = x.delta_bias {
+        expect_shape("delta_bias", bias.shape(), &[dim], "one value per channel")?;
+    }
+    if let Some(h) = x.initial_state {
+        expect_shape(
+            "initial_state",
+            h.shape(),
+            &[batch, dim, state],
+            "batch, channels, state",
+        )?;
+    }
+    Ok(Geometry {
+        batch,
+        seq,
+        dim,
+        state,
+        groups,
+    })
+}
+
+/// What a scan returns: the output and, when asked, the last state.
+pub struct Outputs<T> {
+    pub out: T,
+    pub last_state: Option<T>,
+}
+
+// ---------------------------------------------------------------- CPU
+
+struct HostInputs {
+    u: Vec<f64>,
+    delta: Vec<f64>,
+    a: Vec<f64>,
+    b: Vec<f64>,
+    c: Vec<f64>,
+    d: Option<Vec<f64>>,
+    z: Option<Vec<f64>>,
+    bias: Option<Vec<f64>>,
+    h0: Option<Vec<f64>>,
+}
+
+fn host_values(op: &Operand<'_>) -> Result<Vec<f64>> {
+    let h = op.on_host()?;
+    let v = h.view();
+    Ok(decode_f64(v.bytes, v.dtype))
+}
+
+fn opt_values(op: Option<&Operand<'_>>) -> Result<Option<Vec<f64>>> {
+    op.map(host_values).transpose()
+}
+
+fn host_inputs(x: &Inputs<'_>) -> Result<HostInputs> {
+    Ok(HostInputs {
+        u: host_values(x.u)?,
+        delta: host_values(x.delta)?,
+        a: host_values(x.a)?,
+        b: host_values(x.b)?,
+        c: host_values(x.c)?,
+        d: opt_values(x.d)?,
+        z: opt_values(x.z)?,
+        bias: opt_values(x.delta_bias)?,
+        h0: opt_values(x.initial_state)?,
+    })
+}
+
+/// Mean over channels of the transformed dt, `{batch * seq}`.
+fn mean_dt(h: &HostInputs, g: Geometry, p: Params) -> Vec<f64> {
+    (0..g.batch * g.seq)
+        .map(|row| {
+            let s: f64 = (0..g.dim)
+                .map(|d| {
+                    p.dt(h.delta[row * g.dim + d] + h.bias.as_ref().map_or(0.0, |bias| bias[d]))
+                })
+                .sum();
+            s / g.dim as f64
+        })
+        .collect()
+}
+
+/// One channel of one batch row: writes `y[seq]` then the last state `x[state]` into `row`.
+/// f32 arithmetic when `F` is f32 (as the GPU does), f64 for f64 inputs.
+fn scan_channel<F: ScanFloat>(
+    h: &HostInputs,
+    mdt: Option<&[f64]>,
+    g: Geometry,
+    p: Params,
+    bd: usize,
+    row: &mut [f64],
+) {
+    let (bi, d) = (bd / g.dim, bd % g.dim);
+    let n_st = g.state;
+    let grp = d / (g.dim / g.groups);
+    let a: Vec<F> = (0..n_st).map(|n| F::of(h.a[d * n_st + n])).collect();
+    let mut x: Vec<F> = (0..n_st)
+        .map(|n| F::of(h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n])))
+        .collect();
+    let bias = h.bias.as_ref().map_or(0.0, |b| b[d]);
+    let dskip = F::of(h.d.as_ref().map_or(0.0, |dd| dd[d]));
+    for t in 0..g.seq {
+        let idx = (bi * g.seq + t) * g.dim + d;
+        let dt = F::of(p.dt(F::of(h.delta[idx] + bias).f()));
+        let uu = F::of(h.u[idx]);
+        let w = mdt.map_or(dt, |m| F::of(m[bi * g.seq + t])) * uu;
+        let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+        let mut y = F::of(0.0);
+        for n in 0..n_st {
+            x[n] = (dt * a[n]).exp() * x[n] + w * F::of(h.b[bc + n]);
+            y = y + x[n] * F::of(h.c[bc + n]);
+        }
+        let mut r = y + dskip * uu;
+        if let Some(z) = &h.z {
+            let zz = F::of(z[idx]);
+            r = r * zz / (F::of(1.0) + (F::of(0.0) - zz).exp());
+        }
+        row[t] = r.f();
+    }
+    for n in 0..n_st {
+        row[g.seq + n] = x[n].f();
+    }
+}
+
+/// Arithmetic the CPU scan needs, for f32 and f64.
+trait ScanFloat:
+    Copy
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    fn of(v: f64) -> Self;
+    fn f(self) -> f64;
+    fn exp(self) -> Self;
+}
+impl ScanFloat for f32 {
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+    fn f(self) -> f64 {
+        self as f64
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+}
+impl ScanFloat for f64 {
+    fn of(v: f64) -> Self {
+        v
+    }
+    fn f(self) -> f64 {
+        self
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+}
+
+/// The CPU implementation: channels in parallel, f32 arithmetic (f64 for f64 inputs).
+pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
+    let g = geometry(x)?;
+    let h = host_inputs(x)?;
+    let mdt = (p.discretization == Discretization::MeanDt).then(|| mean_dt(&h, g, p));
+    let width = g.seq + g.state;
+    let mut rows = vec![0.0f64; g.batch * g.dim * width];
+    let f64_mode = x.u.dtype() == DType::F64;
+    for_each_row_chunk(&mut rows, width, |first, chunk| {
+        for (i, row) in chunk.chunks_mut(width).enumerate() {
+            if f64_mode {
+                scan_channel::<f64>(&h, mdt.as_deref(), g, p, first + i, row);
+            } else {
+                scan_channel::<f32>(&h, mdt.as_deref(), g, p, first + i, row);
+            }
+        }
+    });
+    let mut out = vec![0.0f64; g.batch * g.seq * g.dim];
+    let mut last = vec![0.0f64; g.batch * g.dim * g.state];
+    for (bd, row) in rows.chunks(width).enumerate() {
+        let (bi, d) = (bd / g.dim, bd % g.dim);
+        for t in 0..g.seq {
+            out[(bi * g.seq + t) * g.dim + d] = row[t];
+        }
+        last[bd * g.state..(bd + 1) * g.state].copy_from_slice(&row[g.seq..]);
+    }
+    let dt = x.u.dtype();
+    Ok(Outputs {
+        out: OwnedTensor {
+            data: encode_f64(&out, dt),
+            shape: vec![g.batch, g.seq, g.dim],
+            dtype: dt,
+        },
+        last_state: p.return_last_state.then(|| OwnedTensor {
+            data: encode_f64(&last, DType::F32),
+            shape: vec![g.batch, g.dim, g.state],
+            dtype: DType::F32,
+        }),
+    })
+}
+
+// ---------------------------------------------------------------- CUDA
+
+/// The kernel's argument block (`FkScanArgs` in `kernels/selective_scan.cu`, same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScanArgs {
+    pub u: u64,
+    pub delta: u64,
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub d: u64,
+    pub z: u64,
+    pub delta_bias: u64,
+    pub h0: u64,
+    pub mean_dt: u64,
+    pub out: u64,
+    pub h_last: u64,
+    pub batch: i32,
+    pub seq: i32,
+    pub dim: i32,
+    pub state: i32,
+    pub groups: i32,
+    pub softplus: i32,
+    pub clip: i32,
+    pub mean_mode: i32,
+    pub dt_min: f32,
+    pub dt_max: f32,
+    pub chunk: i32,
+    pub tpc: i32,
+    pub cpb: i32,
+    pub npad: i32,
+    pub bc_row: i32,
+}
+
+unsafe impl DeviceRepr for ScanArgs {}
+
+pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        DType::F64 => Err(arg_error(format!(
+            "{name}: f64 is CPU-only; use f32, f16 or bf16 on CUDA"
+        ))),
+    }
+}
+
+/// States per thread and threads per channel: all states in one thread up to 16, split over
+/// up to 16 lanes beyond; small problems split further so enough threads run.
+/// `FUSED_KERNELS_SCAN_NPT` overrides the states per thread (for benchmarking variants).
+fn split(g: Geometry) -> (usize, usize) {
+    let mut npt = g.state.next_power_of_two().min(16);
+    if let Some(v) = std::env::var("FUSED_KERNELS_SCAN_NPT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|v| [1, 2, 4, 8, 16].contains(v))
+    {
+        npt = v.min(npt);
+    }
+    let mut tpc = g.state.div_ceil(npt).next_power_of_two();
+    while npt > 4 && tpc < 16 && g.batch * g.dim * tpc < 65536 {
+        npt /= 2;
+        tpc *= 2;
+    }
+    (npt, tpc.max(g.state.div_ceil(npt).next_power_of_two()))
+}
+
+const THREADS: usize = 128;
+const SMEM_LIMIT: usize = 48 * 1024;
+
+/// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
+/// `args` carries the pointers and flags; geometry, split and chunking are filled in here.
+pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> Result<()> {
+    let tname = kernel_type(dtype, "u")?;
+    let (npt, tpc) = split(g);
+    let cpb = THREADS / tpc;
+    let npad = npt * tpc;
+    let per_step = 4 * (cpb * (2 + usize::from(args.z != 0)) + 2 * npad + 1);
+    let chunk = [64usize, 32, 16, 8]
+        .into_iter()
+        .find(|c| c * per_step <= SMEM_LIMIT)
+        .unwrap_or(8)
+        .min(g.seq.max(1));
+    args.batch = g.batch as i32;
+    args.seq = g.seq as i32;
+    args.dim = g.dim as i32;
+    args.state = g.state as i32;
+    args.groups = g.groups as i32;
+    if args.bc_row == 0 {
+        args.bc_row = (g.groups * g.state) as i32;
+    }
+    args.chunk = chunk as i32;
+    args.tpc = tpc as i32;
+    args.cpb = cpb as i32;
+    args.npad = npad as i32;
+    if args.mean_mode != 0 {
+        let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_mean_dt_{tname}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: ((g.batch * g.seq) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = gpu.stream.launch_builder(&f);
+        l.arg(&args);
+        unsafe { l.launch(cfg) }?;
+    }
+    let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_{tname}_{npt}"))?;
+    let dg = g.dim / g.groups;
+    let cfg = LaunchConfig {
+        grid_dim: ((g.groups * dg.div_ceil(cpb)) as u32, g.batch as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: (chunk * per_step) as u32,
+    };
+    let mut l = gpu.stream.launch_builder(&f);
+    l.arg(&args);
+    unsafe { l.launch(cfg) }?;
+    Ok(())
+}
+
+/// A small parameter (A, D, delta_bias, initial state) as f32 on the device: host values of
+/// any float type are converted; device buffers must already be f32.
+pub fn stage_f32<'a>(name: &str, op: &Operand<'a>, gpu: &Arc<Gpu>) -> Result<Staged<'a>> {
+    match op {
+        Operand::Host(h) if h.dtype != DType::F32 => {
+            let bytes = encode_f32(&h.to_f32(), DType::F32);
+            let host = HostTensor::new(name, &bytes, h.shape.clone(), DType::F32)?;
+            Ok(Staged::Owned(DeviceTensor::upload(gpu, &host)?))
+        }
+        Operand::Device(d) if d.dtype != DType::F32 => Err(arg_error(format!(
+            "{name}: device buffers for this parameter must be f32, got {}",
+            d.dtype.name()
+        ))),
+        other => other.on_gpu(name, gpu),
+    }
+}
+
+/// The CUDA implementation; results stay on the device.
+pub fn cuda(gpu: &Arc<Gpu>, x: &Inputs<'_>, p: Params) -> Result<Outputs<DeviceTensor>> {
+    let g = geometry(x)?;
+    let dtype = x.u.dtype();
+    kernel_type(dtype, "u")?;
+    let mut out = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, g.dim], dtype)?;
+    let mut last = p
+        .return_last_state
+        .then(|| DeviceTensor::uninit(gpu, vec![g.batch, g.dim, g.state], DType::F32))
+        .transpose()?;
+    cuda_into(gpu, x, p, &mut out, last.as_mut())?;
+    Ok(Outputs {
+        out,
+        last_state: last,
+    })
+}
+
+/// The CUDA implementation into caller-given outputs (tests poison them first).
+pub fn cuda_into(
+    gpu: &Arc<Gpu>,
+    x: &Inputs<'_>,
+    p: Params,
+    out: &mut DeviceTensor,
+    last: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let g = geometry(x)?;
+    let dtype = x.u.dtype();
+    if out.shape != [g.batch, g.seq, g.dim] || out.dtype != dtype {
+        return Err(arg_error("out: must have u's shape and type"));
+    }
+    if last
+        .as_ref()
+        .is_some_and(|l| l.shape != [g.batch, g.dim, g.state] || l.dtype != DType::F32)
+    {
+        return Err(arg_error(
+            "last_state: must be f32 {batch, channels, state}",
+        ));
+    }
+    let u = x.u.on_gpu("u", gpu)?;
+    let delta = x.delta.on_gpu("delta", gpu)?;
+    let b = x.b.on_gpu("b", gpu)?;
+    let c = x.c.on_gpu("c", gpu)?;
+    let z = x.z.map(|z| z.on_gpu("z", gpu)).transpose()?;
+    let a = stage_f32("a", x.a, gpu)?;
+    let d = x.d.map(|d| stage_f32("d", d, gpu)).transpose()?;
+    let bias = x
+        .delta_bias
+        .map(|v| stage_f32("delta_bias", v, gpu))
+        .transpose()?;
+    let h0 = x
+        .initial_state
+        .map(|v| stage_f32("initial_state", v, gpu))
+        .transpose()?;
+    let mdt = (p.discretization == Discretization::MeanDt)
+        .then(|| DeviceTensor::uninit(gpu, vec![g.batch * g.seq], DType::F32))
+        .transpose()?;
+    let (lo, hi) = p.clip.unwrap_or((0.0, 0.0));
+    let args = ScanArgs {
+        u: ptr(&u),
+        delta: ptr(&delta),
+        a: ptr(&a),
+        b: ptr(&b),
+        c: ptr(&c),
+        d: ptr_opt(d.as_deref()),
+        z: ptr_opt(z.as_deref()),
+        delta_bias: ptr_opt(bias.as_deref()),
+        h0: ptr_opt(h0.as_deref()),
+        mean_dt: ptr_opt(mdt.as_ref()),
+        out: ptr(out),
+        h_last: ptr_opt(last.as_deref()),
+        softplus: p.delta_softplus as i32,
+        clip: p.clip.is_some() as i32,
+        mean_mode: mdt.is_some() as i32,
+        dt_min: lo as f32,
+        dt_max: hi as f32,
+        ..ScanArgs::default()
+    };
+    // The staged inputs are freed when they drop; the stream orders that after the kernel.
+    launch(gpu, dtype, g, args)
+}
+
+/// Runs on `backend`, returning results where `placement` says.
+pub fn run(
+    backend: Backend,
+    x: &Inputs<'_>,
+    p: Params,
+    placement: Placement,
+) -> Result<Outputs<Value>> {
+    geometry(x)?;
+    match backend {
+        Backend::Cpu => {
+            if placement == Placement::Device {
+                return Err(arg_error("out: the :cpu backend returns host tensors only"));
+            }
+            let o = cpu(x, p)?;
+            Ok(Outputs {
+                out: Value::Host(o.out),
+                last_state: o.last_state.map(Value::Host),
+            })
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let o = cuda(&gpu, x, p)?;
+            Ok(Outputs {
+                out: Value::from_device(o.out, placement)?,
+                last_state: o
+                    .last_state
+                    .map(|t| Value::from_device(t, placement))
+                    .transpose()?,
+            })
+        }
+    }
+}
+
+// ---------------------------------------------------------------- reference
+
+/// f64 reference values of one scan (tests): plain loops over the definition.
+pub struct RefInputs<'a> {
+    pub g: Geometry,
+    pub u: &'a [f64],
+    pub delta: &'a [f64],
+    pub a: &'a [f64],
+    pub b: &'a [f64],
+    pub c: &'a [f64],
+    pub d: Option<&'a [f64]>,
+    pub z: Option<&'a [f64]>,
+    pub delta_bias: Option<&'a [f64]>,
+    pub h0: Option<&'a [f64]>,
+}
+
+/// Returns (out {batch, seq, dim}, last state {batch, dim, state}).
+pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
+    let g = r.g;
+    let (nb, nl, nd, nn) = (g.batch, g.seq, g.dim, g.state);
+    let dt_at = |bi: usize, t: usize, d: usize| {
+        p.dt(r.delta[(bi * nl + t) * nd + d] + r.delta_bias.map_or(0.0, |v| v[d]))
+    };
+    let mean: Vec<f64> = (0..nb * nl)
+        .map(|row| (0..nd).map(|k| dt_at(row / nl, row % nl, k)).sum::<f64>() / nd as f64)
+        .collect();
+    let mut out = vec![0.0; nb * nl * nd];
+    let mut last = vec![0.0; nb * nd * nn];
+    for bi in 0..nb {
+        for d in 0..nd {
+            let grp = d / (nd / g.groups);
+            let mut x: Vec<f64> = (0..nn)
+                .map(|n| r.h0.map_or(0.0, |h| h[(bi * nd + d) * nn + n]))
+                .collect();
+            for t in 0..nl {
+                let dt = dt_at(bi, t, d);
+                let wdt = match p.discretization {
+                    Discretization::PerChannel => dt,
+                    Discretization::MeanDt => mean[bi * nl + t],
+                };
+                let u = r.u[(bi * nl + t) * nd + d];
+                let mut y = 0.0;
+                for (n, xn) in x.iter_mut().enumerate() {
+                    let bc = ((bi * nl + t) * g.groups + grp) * nn + n;
+                    *xn = (dt * r.a[d * nn + n]).exp() * *xn + wdt * r.b[bc] * u;
+                    y += *xn * r.c[bc];
+                }
+                let mut o = y + r.d.map_or(0.0, |v| v[d]) * u;
+                if let Some(z) = r.z {
+                    let zz = z[(bi * nl + t) * nd + d];
+                    o *= zz / (1.0 + (-zz).exp());
+                }
+                out[(bi * nl + t) * nd + d] = o;
+            }
+            last[(bi * nd + d) * nn..(bi * nd + d + 1) * nn].copy_from_slice(&x);
+        }
+    }
+    (out, last)
+}
+
+#[cfg(test)]
+#[path = "selective_scan_tests.rs"]
+mod tests;
