@@ -7,8 +7,6 @@ axon? = Code.ensure_loaded?(Axon)
 # Nx carried in ERL_LIBS (the GPU harness) is on the code path but not started.
 if nx?, do: Application.ensure_all_started(:nx)
 cuda? = FusedKernels.Backend.cuda_available?()
-# Nx carried through ERL_LIBS (the GPU harness) is loadable but not started: start it.
-if nx?, do: {:ok, _} = Application.ensure_all_started(:nx)
 
 exclude =
   [] ++
