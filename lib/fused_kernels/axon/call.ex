@@ -44,19 +44,31 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp fused_with_pure_grad(op, inputs, opts) do
+      # Concrete tensors closed over by the caller become graph constants, so every input of
+      # the runtime_call node is part of the expression tree.
+      inputs = Nx.Defn.Composite.traverse(inputs, &to_expr/1)
       template = op.output_template(inputs, opts)
       leaves = flatten(template)
       call_opts = [op: op, op_opts: opts]
 
-      # apply/3: Nx < 0.11 has no runtime_call (this branch only runs on newer Nx).
+      # runtime_call takes a flat tuple of output templates; the op's container is rebuilt
+      # after the call. apply/3: Nx < 0.11 has no runtime_call (this branch runs on newer Nx).
       out =
-        apply(Nx, :runtime_call, [template, inputs, call_opts, &__MODULE__.callback/2])
-        |> flatten()
+        apply(Nx, :runtime_call, [
+          List.to_tuple(leaves),
+          inputs,
+          call_opts,
+          &__MODULE__.callback/2
+        ])
+        |> Tuple.to_list()
         |> Enum.map(&Nx.reshape(&1, {Nx.size(&1)}))
         |> Nx.concatenate()
 
-      # Inputs may hold parameter maps (Axon's kernels): gradients are per leaf tensor.
-      input_list = flatten(inputs)
+      # Inputs may hold parameter maps (Axon's kernels): gradients are per leaf tensor, and only
+      # for symbolic leaves (a concrete tensor closed over by the caller has none).
+      leaves_in = flatten(inputs)
+      symbolic = for {t, i} <- Enum.with_index(leaves_in), FusedKernels.Tensor.symbolic?(t), do: i
+      input_list = Enum.map(symbolic, &Enum.at(leaves_in, &1))
 
       # One flat tensor carries the custom gradient; its backward is the vector-Jacobian
       # product of the pure-Nx implementation.
@@ -74,14 +86,18 @@ if Code.ensure_loaded?(Nx) do
               |> Nx.dot(g)
             end)
 
-          flatten(grads)
+          all = flatten(grads)
+          Enum.map(symbolic, &Enum.at(all, &1))
         end)
 
       unflatten(flat, template, leaves)
     end
 
     @doc false
-    def callback(inputs, opts), do: opts[:op].fused_call(inputs, opts[:op_opts])
+    def callback(inputs, opts),
+      do: inputs |> opts[:op].fused_call(opts[:op_opts]) |> flatten() |> List.to_tuple()
+
+    defp to_expr(t), do: if(FusedKernels.Tensor.symbolic?(t), do: t, else: Nx.Defn.Expr.tensor(t))
 
     defp flatten(container), do: Nx.Defn.Composite.flatten_list([container])
 

@@ -63,7 +63,7 @@ if Code.ensure_loaded?(Axon) do
       end
 
       def nx_call({x, c, h, ik, hk, bias}, _opts),
-        do: Axon.Layers.lstm(x, {c, h}, Nx.tensor(0), ik, hk, bias, unroll: :static)
+        do: Axon.Layers.lstm(x, {c, h}, 0, ik, hk, bias, unroll: :static)
 
       def output_template({x, c, h, ik, _hk, _bias}, _opts) do
         {b, t, _} = Nx.shape(x)
@@ -86,7 +86,7 @@ if Code.ensure_loaded?(Axon) do
       end
 
       def nx_call({x, h, ik, hk, bias}, _opts),
-        do: Axon.Layers.gru(x, {h}, Nx.tensor(0), ik, hk, bias, unroll: :static)
+        do: Axon.Layers.gru(x, {h}, 0, ik, hk, bias, unroll: :static)
 
       def output_template({x, h, ik, _hk, _bias}, _opts) do
         {b, t, _} = Nx.shape(x)
