@@ -9,45 +9,18 @@ operands read once + output written once; "saved" = 1 - fused / unfused.
 
 Usage: python3 bench/gpu/side_dense.py BENCH_JSON"""
 import json
+import os
 import sys
-import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import event_ms, wall_ms  # noqa: E402
 import torch.nn.functional as F
 
 torch.backends.cuda.matmul.allow_tf32 = False
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 ACTS = {"none": lambda y: y, "gelu": F.gelu}
-
-
-def wall_ms(fn, warm=10, rep=100):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def event_ms(fn, warm=10, rep=100):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 # name -> (kind, activation, residual?) ; shapes and dtype come from bench.json

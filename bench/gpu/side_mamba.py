@@ -6,25 +6,14 @@ reports our achieved bandwidth against the minimal bytes of each scan.
 
 Usage: python3 bench/gpu/side_mamba.py BENCH_JSON"""
 import json
+import os
 import sys
-import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import event_ms, wall_ms  # noqa: E402
 import torch.nn.functional as F
-
-
-def wall_ms(fn, warm=3, rep=50):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def copy_gbps():

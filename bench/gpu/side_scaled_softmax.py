@@ -5,42 +5,15 @@ warm-up), and with CUDA events for the kernel-only view. Prints a table with our
 
 Usage: python3 bench/gpu/side_scaled_softmax.py BENCH_JSON"""
 import json
+import os
 import sys
-import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import event_ms, wall_ms  # noqa: E402
+
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-
-
-def wall_ms(fn, warm=10, rep=200):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def event_ms(fn, warm=10, rep=200):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 CASES = {
