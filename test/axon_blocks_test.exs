@@ -117,7 +117,11 @@ if Code.ensure_loaded?(Axon) do
       fn s ->
         rows = Nx.iota({s, s}, axis: 0)
         cols = Nx.iota({s, s}, axis: 1)
-        Nx.logical_and(Nx.greater_equal(rows, cols), Nx.greater_equal(cols, Nx.subtract(rows, w - 1)))
+
+        Nx.logical_and(
+          Nx.greater_equal(rows, cols),
+          Nx.greater_equal(cols, Nx.subtract(rows, w - 1))
+        )
       end
     end
 
@@ -176,7 +180,11 @@ if Code.ensure_loaded?(Axon) do
       policy = Axon.MixedPrecision.create_policy(compute: {:bf, 16}, output: {:bf, 16})
       [plain, fused] = Enum.map([plain, fused], &Axon.MixedPrecision.apply_policy(&1, policy))
       params = plain |> init() |> randomize()
-      assert Enum.all?(data(init(fused)), fn {_, ps} -> Enum.all?(ps, &(Nx.type(elem(&1, 1)) == {:f, 32})) end)
+
+      assert Enum.all?(data(init(fused)), fn {_, ps} ->
+               Enum.all?(ps, &(Nx.type(elem(&1, 1)) == {:f, 32}))
+             end)
+
       xs = random({@b, @s, @e})
       out = predict(fused, params, xs)
       assert Nx.type(out) == {:bf, 16}
@@ -223,9 +231,15 @@ if Code.ensure_loaded?(Axon) do
 
       {ys, _} =
         Enum.map_reduce(0..(s - 1), Nx.broadcast(0.0, {b, c, n}), fn t, h ->
-          at = fn tensor -> tensor |> Nx.slice_along_axis(t, 1, axis: 1) |> Nx.squeeze(axes: [1]) end
+          at = fn tensor ->
+            tensor |> Nx.slice_along_axis(t, 1, axis: 1) |> Nx.squeeze(axes: [1])
+          end
+
           {xt, dtt, bct} = {at.(x), at.(dt), at.(bc)}
-          {bt, ct} = {Nx.slice_along_axis(bct, 0, n, axis: 1), Nx.slice_along_axis(bct, n, n, axis: 1)}
+
+          {bt, ct} =
+            {Nx.slice_along_axis(bct, 0, n, axis: 1), Nx.slice_along_axis(bct, n, n, axis: 1)}
+
           decay = Nx.exp(Nx.multiply(Nx.new_axis(dtt, 2), a))
           drive = Nx.multiply(Nx.new_axis(Nx.multiply(dtt, xt), 2), Nx.new_axis(bt, 1))
           h = Nx.add(Nx.multiply(decay, h), drive)

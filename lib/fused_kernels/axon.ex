@@ -26,11 +26,14 @@ if Code.ensure_loaded?(Axon) do
     reach the fused op cast to its compute type, like any Axon layer's; the output is cast to
     the policy's output type. The kernels compute in f32 inside for bf16/f16 operands.
 
-    Axon's `:layer_norm` before Axon 0.7 (0.6.x) replaces `rsqrt(var + eps)` by `rsqrt(eps)`
-    when `var < eps`; ours (and Axon ≥ 0.7's) is `rsqrt(var + eps)` always. `fuse/2` probes
-    the installed Axon once and leaves its layer norms alone (reason
-    `:axon_layer_norm_differs`) where the two differ; Axon's `channel_index` other than -1 is
-    left too (our kernels normalize the last axis).
+    Axon's `:layer_norm` before 0.9 (0.6.1 and 0.8.x; Axon 0.9.0's changelog: "normalize logic
+    error when calculating the scale") replaces `rsqrt(var + eps)` by `rsqrt(eps)` when
+    `var < eps`; ours (and Axon 0.9's) is `rsqrt(var + eps)` always. `fuse/2` probes the
+    installed Axon once and leaves its layer norms alone (reason `:axon_layer_norm_differs`)
+    where the two differ; an Axon `channel_index` other than -1 is left too
+    (`:not_last_axis`: our kernels normalize the last axis). An Axon `:dense` node is swapped
+    as `x · kernel + bias`; its `activation:` is a separate Axon node and stays Axon's (use
+    `dense/3` for the fused epilogue).
     """
 
     require Logger
@@ -100,7 +103,8 @@ if Code.ensure_loaded?(Axon) do
       {fused, %{swapped: Enum.reverse(result.swapped), left: Enum.reverse(result.left)}}
     end
 
-    defp entry(node), do: %{name: node_name(node), op: Map.get(@own_ops, node.op_name, node.op_name)}
+    defp entry(node),
+      do: %{name: node_name(node), op: Map.get(@own_ops, node.op_name, node.op_name)}
 
     defp decide(%Axon.Node{op_name: op_name} = node, opts) when op_name in @own_op_names do
       cond do
@@ -165,7 +169,6 @@ if Code.ensure_loaded?(Axon) do
           same
       end
     end
-
 
     # Axon names nodes lazily (a function of the op and a counter); the given name when set.
     defp node_name(%Axon.Node{name: name}) when is_binary(name), do: name

@@ -153,7 +153,10 @@ if Code.ensure_loaded?(Axon) do
             ]
 
           :packed ->
-            [{"qkv", dense_param_node(x, "#{name}_qkv", :input, (heads + 2 * kv_heads) * d, bias?)}]
+            [
+              {"qkv",
+               dense_param_node(x, "#{name}_qkv", :input, (heads + 2 * kv_heads) * d, bias?)}
+            ]
 
           other ->
             raise ArgumentError, "qkv must be :separate or :packed, got: #{inspect(other)}"

@@ -57,7 +57,11 @@ if Code.ensure_loaded?(Nx) do
         do: FusedKernels.Dense.nx(:dense, ops, activation: activation(opts))
 
       def output_template({%{x: x, kernel: k}}, _opts),
-        do: Nx.template(x |> Nx.shape() |> put_elem(Nx.rank(x) - 1, elem(Nx.shape(k), 1)), Nx.type(x))
+        do:
+          Nx.template(
+            x |> Nx.shape() |> put_elem(Nx.rank(x) - 1, elem(Nx.shape(k), 1)),
+            Nx.type(x)
+          )
 
       defp activation(opts), do: Keyword.get(opts, :activation, :none) || :none
     end
