@@ -6,7 +6,7 @@ defmodule FusedKernels.BackboneTest do
   alias FusedKernels.{Backbone, TestRef}
   alias FusedKernels.Backbone.Spec
 
-  defp window({bin, {b, t, e}, type}, i),
+  defp window({bin, {b, _t, e}, type}, i),
     do: {binary_part(bin, i * e * 4, e * 4 * b), {b, e}, type}
 
   defp stream(handle, {_, {b, t, _}, _} = win) do
