@@ -95,6 +95,26 @@ pub fn decode_operand<'a>(name: &str, term: Term<'a>) -> Result<Operand<'a>> {
     decode_host(name, term).map(Operand::Host)
 }
 
+pub fn is_nil(term: Term<'_>) -> bool {
+    term.decode::<rustler::Atom>()
+        .is_ok_and(|a| a == atoms::nil())
+}
+
+/// An operand that may be absent (`nil`).
+pub fn decode_optional_operand<'a>(name: &str, term: Term<'a>) -> Result<Option<Operand<'a>>> {
+    if is_nil(term) {
+        Ok(None)
+    } else {
+        decode_operand(name, term).map(Some)
+    }
+}
+
+/// An atom option as a string, named in the error.
+pub fn decode_atom(name: &str, term: Term<'_>) -> Result<String> {
+    term.atom_to_string()
+        .map_err(|_| arg_error(format!("{name} must be an atom")))
+}
+
 pub fn decode_device(term: Term<'_>) -> Result<Option<usize>> {
     if term
         .decode::<rustler::Atom>()

@@ -2,7 +2,8 @@
 //! `mamba_block`. Optional tensors arrive as `nil`.
 
 use crate::terms::{
-    decode_backend, decode_bool, decode_f64, decode_operand, decode_placement, encode_value, reply,
+    decode_atom, decode_backend, decode_bool, decode_f64, decode_operand, decode_optional_operand,
+    decode_placement, encode_value, reply,
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::Operand;
@@ -10,24 +11,6 @@ use fused_kernels_core::ops::mamba_block::{self, Weights};
 use fused_kernels_core::ops::norm::{self, Kind};
 use fused_kernels_core::ops::selective_scan::{self, Discretization, Inputs};
 use rustler::{Encoder, Env, Term};
-
-fn is_nil(term: Term<'_>) -> bool {
-    term.decode::<rustler::Atom>()
-        .is_ok_and(|a| a == crate::atoms::nil())
-}
-
-fn decode_opt<'a>(name: &str, term: Term<'a>) -> Result<Option<Operand<'a>>> {
-    if is_nil(term) {
-        Ok(None)
-    } else {
-        decode_operand(name, term).map(Some)
-    }
-}
-
-fn decode_atom(name: &str, term: Term<'_>) -> Result<String> {
-    term.atom_to_string()
-        .map_err(|_| arg_error(format!("{name} must be an atom")))
-}
 
 /// `selective_scan(u, delta, a, b, c, d, z, delta_bias, initial_state, delta_softplus,
 /// b_discretization, return_last_state, backend, device, out)` -> out | {out, last_state}.
@@ -58,9 +41,12 @@ fn selective_scan<'a>(
             decode_operand("b", b)?,
             decode_operand("c", c)?,
         );
-        let (d, z) = (decode_opt("d", d)?, decode_opt("z", z)?);
-        let bias = decode_opt("delta_bias", delta_bias)?;
-        let h0 = decode_opt("initial_state", initial_state)?;
+        let (d, z) = (
+            decode_optional_operand("d", d)?,
+            decode_optional_operand("z", z)?,
+        );
+        let bias = decode_optional_operand("delta_bias", delta_bias)?;
+        let h0 = decode_optional_operand("initial_state", initial_state)?;
         let last = decode_bool("return_last_state", return_last_state)?;
         let p = selective_scan::Params::new(
             decode_bool("delta_softplus", softplus)?,
@@ -126,8 +112,8 @@ fn norm<'a>(
         };
         let x = decode_operand("x", x)?;
         let w = decode_operand(wname, weight)?;
-        let b = decode_opt("beta", bias)?;
-        let r = decode_opt("residual", residual)?;
+        let b = decode_optional_operand("beta", bias)?;
+        let r = decode_optional_operand("residual", residual)?;
         let p = norm::Params::new(kind, decode_f64("eps", eps)?)?;
         let inputs = norm::Inputs {
             x: &x,
@@ -198,7 +184,7 @@ fn mamba_block<'a>(
         let ops: Vec<Option<Operand<'a>>> = terms
             .iter()
             .zip(WEIGHT_NAMES)
-            .map(|(t, n)| decode_opt(n, *t))
+            .map(|(t, n)| decode_optional_operand(n, *t))
             .collect::<Result<_>>()?;
         for i in REQUIRED {
             if ops[i].is_none() {
