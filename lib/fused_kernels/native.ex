@@ -142,6 +142,7 @@ defmodule FusedKernels.Native do
         _out
       ),
       do: not_loaded()
+
   @doc false
   def stream_shift_append(_cache, _row, _backend, _device, _out), do: not_loaded()
   @doc false
