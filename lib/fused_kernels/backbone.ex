@@ -239,7 +239,7 @@ defmodule FusedKernels.Backbone do
       do: apply(FusedKernels.Backbone.NxPath, :predict, [h.spec, h.weights, window]) |> nx_last()
 
   def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind not in @rnn,
-    do: h |> Fused.predict(window) |> last_position(window)
+    do: h |> Fused.predict(native_in(window)) |> last_position(window)
 
   def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind in [:lstm, :gru] do
     w = h.weights
@@ -274,7 +274,7 @@ defmodule FusedKernels.Backbone do
       do: apply(FusedKernels.Backbone.NxPath, :step, [h.spec, h.weights, state, frame])
 
   def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind not in @rnn do
-    {x, state} = Fused.step(h, state, as_sequence(frame))
+    {x, state} = Fused.step(h, state, frame |> as_sequence() |> native_in())
     {last_position(x, frame), state}
   end
 
@@ -349,6 +349,9 @@ defmodule FusedKernels.Backbone do
     |> then(&apply(Nx, :slice_along_axis, [&1, s - 1, 1, [axis: 1]]))
     |> then(&apply(Nx, :squeeze, [&1, [axes: [1]]]))
   end
+
+  defp native_in(%Buffer{} = b), do: b
+  defp native_in(t), do: Tensor.to_native(t)
 
   defp nx_last(t), do: last_position(t, nil)
 
