@@ -17,7 +17,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 /// `batch * width` elements whose first axis is batch (e.g. `{batch, 1, width}`).
 pub fn shift_geometry(cache: &Operand<'_>, row: &Operand<'_>) -> Result<(usize, usize, usize)> {
     let cs = cache.shape();
-    if cs.len() < 2 || cs.iter().any(|&d| d == 0) {
+    if cs.len() < 2 || cs.contains(&0) {
         return Err(arg_error(format!(
             "cache: expected {{batch, window, ...}} with no zero dimension, got {}",
             fmt_shape(cs)
