@@ -21,7 +21,7 @@ defmodule FusedKernels.BackboneTest do
     assert err <= tol, "rel L2 #{err}"
   end
 
-  for kind <- [:lstm, :gru], backend <- [:cpu, :cuda] do
+  for kind <- Spec.kinds(), backend <- [:cpu, :cuda] do
     if backend == :cuda, do: @tag(:cuda)
 
     test "#{kind} on #{backend}: streaming 60 frames equals predict on the window" do
@@ -31,6 +31,17 @@ defmodule FusedKernels.BackboneTest do
       full = Backbone.predict(handle, win)
       assert {_, {1, 256}, {:f, 32}} = full
       assert_close(stream(handle, win), full, 1.0e-5)
+    end
+  end
+
+  test "streaming past the window keeps the KV caches and Mamba states consistent" do
+    # After 60 frames the caches slide: frames 61.. must still run and stay finite.
+    for kind <- [:attention, :jamba, :mamba] do
+      spec = Spec.new(kind, window: 5)
+      handle = Backbone.load(spec, Backbone.random_params(spec, 4), backend: :cpu)
+      win = FusedKernels.Bench.random_triple({2, 9, spec.embed}, {:f, 32})
+      {bin, {2, 256}, _} = stream(handle, win)
+      assert Enum.all?(TestRef.decode(bin, {:f, 32}), &is_float/1)
     end
   end
 
@@ -45,7 +56,7 @@ defmodule FusedKernels.BackboneTest do
 
   @tag :cuda
   test "cuda and cpu backbones agree" do
-    for kind <- [:lstm, :gru] do
+    for kind <- Spec.kinds() do
       spec = Spec.new(kind)
       params = Backbone.random_params(spec, 5)
       win = FusedKernels.Bench.random_triple({3, 61, spec.embed}, {:f, 32})

@@ -1,5 +1,6 @@
-"""PyTorch eager side by side with `mix bench`'s backbone rows: the same LSTM/GRU backbones
-(LayerNorm → cuDNN LSTM/GRU → LayerNorm per layer, last position) with the same weights
+"""PyTorch eager side by side with `mix bench`'s backbone rows: the same backbones (LSTM/GRU:
+LayerNorm → cuDNN LSTM/GRU → LayerNorm per layer; attention with SDPA; Mamba / Jamba with the
+scan as an eager loop; last position) with the same weights
 (exported by `mix bench` under FUSED_KERNELS_EXPORT_DIR), checked against our output on an
 exported window, then timed like ours: wall clock around the call until the device is idle,
 input from and output to the host, median of many after warm-up.
@@ -86,13 +87,101 @@ def wall_us(fn, warm=20, rep=300):
     return ts[len(ts) // 2]
 
 
+F = torch.nn.functional
+
+
+class Seq:
+    """Attention / Mamba / Jamba backbones in eager PyTorch (SDPA for attention, the selective
+    scan as a plain loop over time), a window forward and a one-frame step with KV caches of the
+    last 60 frames and Mamba (conv, SSM) state, the same maths as FusedKernels.Backbone."""
+
+    def __init__(self, kind, p, window=60, heads=4, hidden=256):
+        self.kind, self.p, self.window, self.heads, self.hidden = kind, {k: v.cuda() for k, v in p.items()}, window, heads, hidden
+        if kind == "attention":
+            self.plan = [("attn", str(l)) for l in (1, 2)]
+        elif kind == "mamba":
+            self.plan = [("mamba", f"mamba_{l}") for l in (1, 2)]
+        else:
+            self.plan = [("pre" if l % 3 == 0 else "mamba", f"jamba_{l}") for l in range(1, 7)]
+
+    def d(self, x, n, act=None):
+        y = x @ self.p[f"{n}/kernel"] + self.p[f"{n}/bias"]
+        return F.gelu(y) if act else y
+
+    def ln(self, x, n, eps=1e-6):
+        return F.layer_norm(x, (x.shape[-1],), self.p[f"{n}/gamma"], self.p[f"{n}/beta"], eps)
+
+    def attn(self, x, pre, qk, cache, count):
+        b, t, _ = x.shape
+        sp = lambda y: y.view(b, t, self.heads, -1)
+        q, k, v = sp(self.d(x, f"{pre}_q")), sp(self.d(x, f"{pre}_k")), sp(self.d(x, f"{pre}_v"))
+        if qk:
+            q, k = F.layer_norm(q, (q.shape[-1],), eps=1e-6), F.layer_norm(k, (k.shape[-1],), eps=1e-6)
+        if cache is None:
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            new = None
+        else:
+            kc, vc = torch.cat([cache[0][:, 1:], k], 1), torch.cat([cache[1][:, 1:], v], 1)
+            n = min(count, self.window)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, -n:].transpose(1, 2), vc[:, -n:].transpose(1, 2))
+            new = (kc, vc)
+        return a.transpose(1, 2).reshape(b, t, self.hidden), new
+
+    def mamba(self, x, n, state):
+        p = self.p
+        xz = self.d(self.ln(x, f"{n}_norm", 1e-5), f"{n}_in_proj")
+        inner = xz.shape[-1] // 2
+        xs, z = xz[..., :inner], xz[..., inner:]
+        w = p[f"{n}_conv_dw_conv/kernel"]  # {k, 1, inner}
+        k = w.shape[0]
+        prev = torch.zeros(x.shape[0], k - 1, inner, device=x.device) if state is None else state[0]
+        allx = torch.cat([prev, xs], 1)
+        xc = F.conv1d(allx.transpose(1, 2), w.permute(2, 1, 0), p[f"{n}_conv_dw_conv/bias"], groups=inner).transpose(1, 2)
+        xc = F.silu(xc)
+        bc = self.d(xc, f"{n}_ssm_bc_proj")
+        ns = bc.shape[-1] // 2
+        dt = self.d(self.d(xc, f"{n}_ssm_dt_rank"), f"{n}_ssm_dt_proj")
+        dt = F.softplus(dt).clamp(0.001, 0.1)
+        A = -torch.arange(1, ns + 1, device=x.device, dtype=torch.float32).expand(inner, ns)
+        h = torch.zeros(x.shape[0], inner, ns, device=x.device) if state is None else state[1]
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * xc[:, t])[:, :, None] * bc[:, t, None, :ns]
+            ys.append((h * bc[:, t, None, ns:]).sum(-1))
+        y = torch.stack(ys, 1) * F.silu(z)
+        return x + self.d(y, f"{n}_out_proj"), (allx[:, -(k - 1):], h)
+
+    def __call__(self, x, state=None):
+        count = None if state is None else state[0] + 1
+        x = self.d(x, "input_proj")
+        new = []
+        for i, (kind, n) in enumerate(self.plan):
+            st = None if state is None else state[1][i]
+            if kind == "attn":
+                a, s = self.attn(x, f"attn_{n}", False, st, count)
+                x1 = self.ln(x + self.d(a, f"attn_{n}_out"), f"attn_{n}_norm")
+                x = self.ln(x1 + self.d(self.d(x1, f"ffn_{n}_up", True), f"ffn_{n}_down"), f"ffn_{n}_norm")
+            elif kind == "pre":
+                a, s = self.attn(self.ln(x, f"{n}_attn_norm"), n, True, st, count)
+                x = x + self.d(a, f"{n}_out")
+            else:
+                x, s = self.mamba(x, n, st)
+            new.append(s)
+        return x[:, -1], (count, new)
+
+    def init_state(self, b=1):
+        z = lambda *s: torch.zeros(*s, device="cuda")
+        return (0, [(z(b, self.window, self.heads, 64), z(b, self.window, self.heads, 64)) if k != "mamba"
+                    else (z(b, 3, 512), z(b, 512, 16)) for k, _ in self.plan])
+
+
 rows = json.load(open(sys.argv[1]))["rows"]
 ours = {(r["case"], r["backend"]): r for r in rows}
 print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'ratio':>7}   max|ours-torch|")
-for kind in ["lstm", "gru"]:
+for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:
     if not os.path.exists(f"{DIR}/{kind}_params.json"):
         continue
-    m = Backbone(kind, load(kind)).cuda().eval()
+    m = Backbone(kind, load(kind)).cuda().eval() if kind in GATES else Seq(kind, load(kind))
     win = np.fromfile(f"{DIR}/{kind}_window.bin", dtype="<f4").reshape(1, 60, 288)
     ref = np.fromfile(f"{DIR}/{kind}_out.bin", dtype="<f4")
     host_win = torch.from_numpy(win)
@@ -100,7 +189,7 @@ for kind in ["lstm", "gru"]:
     with torch.no_grad():
         got = m(host_win.cuda())[0].cpu().numpy().ravel()
         diff = float(np.abs(got - ref).max())
-        _, state = m(host_frame.cuda())
+        _, state = m(host_frame.cuda()) if kind in GATES else m(host_frame.cuda(), m.init_state())
         for mode, fn in [("window", lambda: m(host_win.cuda())[0].cpu()),
                          ("frame", lambda: m(host_frame.cuda(), state)[0].cpu())]:
             t = wall_us(fn)

@@ -16,14 +16,15 @@ defmodule FusedKernels.Backbone do
   """
 
   alias FusedKernels.{Backend, Buffer, Norm, Rnn, Tensor}
-  alias FusedKernels.Backbone.Spec
+  alias FusedKernels.Backbone.{Fused, Spec}
 
   @enforce_keys [:spec, :backend, :device, :weights]
   defstruct [:spec, :backend, :device, :weights]
 
-  @supported [:lstm, :gru]
+  @supported [:attention, :lstm, :gru, :mamba, :jamba]
+  @rnn [:lstm, :gru]
 
-  @doc "Backbone kinds with a fused `load/3` (the others are Axon models only, for now)."
+  @doc "Backbone kinds with a fused `load/3`."
   def supported, do: @supported
 
   @doc """
@@ -39,7 +40,7 @@ defmodule FusedKernels.Backbone do
 
     backend = select(opts)
     device = Backend.device(opts)
-    weights = params |> required(spec) |> place(backend, device)
+    weights = params |> required(spec) |> with_constants(spec) |> place(backend, device)
     %__MODULE__{spec: spec, backend: backend, device: device, weights: weights}
   end
 
@@ -51,10 +52,8 @@ defmodule FusedKernels.Backbone do
   end
 
   # The layers' parameter maps by name, checked before anything is uploaded.
-  defp required(params, %Spec{kind: kind, layers: layers}) when kind in [:lstm, :gru] do
-    names = ["input_norm"] ++ Enum.flat_map(1..layers, &["rnn_#{&1}", "rnn_#{&1}_norm"])
-
-    Map.new(names, fn name ->
+  defp required(params, %Spec{} = spec) do
+    Map.new(layer_names(spec), fn name ->
       case Map.fetch(params, name) do
         {:ok, %{} = p} ->
           {name, p}
@@ -65,16 +64,63 @@ defmodule FusedKernels.Backbone do
     end)
   end
 
-  defp place(params, backend, device) do
+  @mamba_layers ~w(norm in_proj conv_dw_conv ssm_bc_proj ssm_dt_rank ssm_dt_proj out_proj)
+
+  @doc "The names of the layers `spec`'s params map must hold (optional Mamba `ssm` aside)."
+  def layer_names(%Spec{kind: kind, layers: layers}) when kind in @rnn,
+    do: ["input_norm"] ++ Enum.flat_map(1..layers, &["rnn_#{&1}", "rnn_#{&1}_norm"])
+
+  def layer_names(%Spec{kind: :attention, layers: layers}) do
+    ["input_proj"] ++
+      Enum.flat_map(1..layers, fn l ->
+        ~w(q k v out norm)
+        |> Enum.map(&"attn_#{l}_#{&1}")
+        |> Kernel.++(Enum.map(~w(up down norm), &"ffn_#{l}_#{&1}"))
+      end)
+  end
+
+  def layer_names(%Spec{kind: :mamba, layers: layers}),
+    do: ["input_proj"] ++ Enum.flat_map(1..layers, &mamba_names("mamba_#{&1}"))
+
+  def layer_names(%Spec{kind: :jamba, layers: layers} = spec) do
+    ["input_proj"] ++
+      Enum.flat_map(1..layers, fn l ->
+        if Spec.jamba_attention?(spec, l),
+          do: Enum.map(~w(attn_norm q k v out), &"jamba_#{l}_#{&1}"),
+          else: mamba_names("jamba_#{l}")
+      end)
+  end
+
+  defp mamba_names(prefix), do: Enum.map(@mamba_layers, &"#{prefix}_#{&1}")
+
+  # Jamba's QK LayerNorm has no parameters: unit gain and zero shift, placed once with the rest.
+  defp with_constants(w, %Spec{kind: :jamba, head_dim: d}) do
+    Map.put(w, "qk_norm", %{
+      "gamma" => {:binary.copy(<<1.0::float-32-native>>, d), {d}, {:f, 32}},
+      "beta" => {:binary.copy(<<0.0::float-32-native>>, d), {d}, {:f, 32}}
+    })
+  end
+
+  defp with_constants(w, _spec), do: w
+
+  defp place(params, :nx, _device), do: to_nx_tree(params)
+  defp place(params, backend, device), do: place_native(params, backend, device)
+
+  defp to_nx_tree(%{} = m) when not is_struct(m),
+    do: Map.new(m, fn {k, v} -> {k, to_nx_tree(v)} end)
+
+  defp to_nx_tree({_, _, _} = triple), do: apply(Tensor, :to_nx, [triple])
+  defp to_nx_tree(t), do: t
+
+  defp place_native(params, backend, device) do
     Map.new(params, fn
-      {k, %{} = v} when not is_struct(v) -> {k, place(v, backend, device)}
+      {k, %{} = v} when not is_struct(v) -> {k, place_native(v, backend, device)}
       {k, t} -> {k, place_tensor(t, backend, device)}
     end)
   end
 
   defp place_tensor(t, :cuda, device), do: Buffer.upload(t, device: device)
   defp place_tensor(t, :cpu, _), do: Tensor.to_native(t)
-  defp place_tensor(t, :nx, _), do: t
 
   defp call_opts(%__MODULE__{backend: backend, device: device}) do
     out = if backend == :cuda, do: :device, else: :host
@@ -85,7 +131,70 @@ defmodule FusedKernels.Backbone do
   Random parameters for `spec` as `{binary, shape, {:f, 32}}` triples (no Nx needed), with the
   names and shapes the Axon model uses: kernels uniform in ±1/sqrt(fan_in), norm gains near 1.
   """
-  def random_params(%Spec{kind: kind} = spec, seed \\ 1) when kind in [:lstm, :gru] do
+  def random_params(spec, seed \\ 1)
+
+  def random_params(%Spec{kind: kind} = spec, seed) when kind in [:attention, :mamba, :jamba] do
+    :rand.seed(:exsss, {seed, 7, 11})
+    hid = spec.hidden
+    norm = fn n -> %{"gamma" => uniform({n}, 0.1, 1.0), "beta" => uniform({n}, 0.1, 0.0)} end
+
+    dense = fn i, o, bias_scale ->
+      %{
+        "kernel" => uniform({i, o}, 1 / :math.sqrt(i), 0.0),
+        "bias" => uniform({o}, bias_scale, 0.0)
+      }
+    end
+
+    attn = fn prefix ->
+      Map.new(~w(q k v out), &{"#{prefix}_#{&1}", dense.(hid, hid, 0.1)})
+    end
+
+    mamba = fn prefix ->
+      inner = spec.expand * hid
+
+      %{
+        "#{prefix}_norm" => norm.(hid),
+        "#{prefix}_in_proj" => dense.(hid, 2 * inner, 0.1),
+        "#{prefix}_conv_dw_conv" => %{
+          "kernel" => uniform({spec.conv, 1, inner}, 0.5, 0.0),
+          "bias" => uniform({inner}, 0.1, 0.0)
+        },
+        "#{prefix}_ssm_bc_proj" => dense.(inner, 2 * spec.state, 0.1),
+        "#{prefix}_ssm_dt_rank" => dense.(inner, spec.dt_rank, 0.1),
+        # dt bias around -3 puts softplus(dt) inside the clip range [0.001, 0.1] mostly.
+        "#{prefix}_ssm_dt_proj" => %{
+          "kernel" => uniform({spec.dt_rank, inner}, 1 / :math.sqrt(spec.dt_rank), 0.0),
+          "bias" => uniform({inner}, 1.0, -3.0)
+        },
+        "#{prefix}_out_proj" => dense.(inner, hid, 0.1)
+      }
+    end
+
+    Enum.reduce(1..spec.layers, %{"input_proj" => dense.(spec.embed, hid, 0.1)}, fn l, acc ->
+      layer =
+        case spec.kind do
+          :attention ->
+            Map.merge(attn.("attn_#{l}"), %{
+              "attn_#{l}_norm" => norm.(hid),
+              "ffn_#{l}_up" => dense.(hid, spec.ffn, 0.1),
+              "ffn_#{l}_down" => dense.(spec.ffn, hid, 0.1),
+              "ffn_#{l}_norm" => norm.(hid)
+            })
+
+          :mamba ->
+            mamba.("mamba_#{l}")
+
+          :jamba ->
+            if Spec.jamba_attention?(spec, l),
+              do: Map.put(attn.("jamba_#{l}"), "jamba_#{l}_attn_norm", norm.(hid)),
+              else: mamba.("jamba_#{l}")
+        end
+
+      Map.merge(acc, layer)
+    end)
+  end
+
+  def random_params(%Spec{kind: kind} = spec, seed) when kind in [:lstm, :gru] do
     :rand.seed(:exsss, {seed, 7, 11})
     {gates, biases} = gate_names(kind)
     norm = fn n -> %{"gamma" => uniform({n}, 0.1, 1.0), "beta" => uniform({n}, 0.1, 0.0)} end
@@ -125,6 +234,13 @@ defmodule FusedKernels.Backbone do
   end
 
   @doc "The whole window forward: `{batch, window, embed}` → `{batch, hidden}` (last position)."
+  def predict(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, window)
+      when kind not in @rnn,
+      do: apply(FusedKernels.Backbone.NxPath, :predict, [h.spec, h.weights, window]) |> nx_last()
+
+  def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind not in @rnn,
+    do: h |> Fused.predict(native_in(window)) |> last_position(window)
+
   def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind in [:lstm, :gru] do
     w = h.weights
     x = norm(h, window, w["input_norm"])
@@ -140,12 +256,28 @@ defmodule FusedKernels.Backbone do
 
   @doc "Zero state for `batch` rows, on the handle's device."
   def init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
+      when kind not in @rnn and is_integer(batch) and batch > 0 do
+    if h.backend == :nx,
+      do: apply(FusedKernels.Backbone.NxPath, :init_state, [spec, batch]),
+      else: Fused.init_state(h, batch)
+  end
+
+  def init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
       when kind in [:lstm, :gru] and is_integer(batch) and batch > 0 do
     zeros = fn -> zeros({batch, spec.hidden}, h) end
     for _ <- 1..spec.layers, do: if(kind == :lstm, do: {zeros.(), zeros.()}, else: {zeros.()})
   end
 
   @doc "One frame `{batch, embed}` in: `{output {batch, hidden}, new_state}`."
+  def step(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, state, frame)
+      when kind not in @rnn,
+      do: apply(FusedKernels.Backbone.NxPath, :step, [h.spec, h.weights, state, frame])
+
+  def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind not in @rnn do
+    {x, state} = Fused.step(h, state, frame |> as_sequence() |> native_in())
+    {last_position(x, frame), state}
+  end
+
   def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind in [:lstm, :gru] do
     w = h.weights
     x = norm(h, as_sequence(frame), w["input_norm"])
@@ -217,6 +349,11 @@ defmodule FusedKernels.Backbone do
     |> then(&apply(Nx, :slice_along_axis, [&1, s - 1, 1, [axis: 1]]))
     |> then(&apply(Nx, :squeeze, [&1, [axes: [1]]]))
   end
+
+  defp native_in(%Buffer{} = b), do: b
+  defp native_in(t), do: Tensor.to_native(t)
+
+  defp nx_last(t), do: last_position(t, nil)
 
   defp back(triple, {_, _, _}), do: triple
   defp back(triple, %Buffer{}), do: triple

@@ -90,6 +90,40 @@ defmodule FusedKernels.MambaBlock do
     call(x, weights(params, opts[:name]), Backend.select_native(opts), opts)
   end
 
+  @doc """
+  One chunk of a stream (e.g. one frame `{batch, 1, hidden}`) from a carried state, natively:
+  `conv_state` `{batch, k - 1, inner}` and `ssm_state` `{batch, inner, state}` (f32; zeros at
+  the start). Returns `{out, conv_state, ssm_state}`, buffers with `out: :device`.
+  """
+  def native_state(x, params, conv_state, ssm_state, opts \\ []) do
+    opts = options(opts)
+
+    nat = fn
+      nil -> nil
+      t -> Tensor.to_native(t)
+    end
+
+    {y, c, s} =
+      x
+      |> nat.()
+      |> Native.mamba_block_state(
+        Enum.map(weights(params, opts[:name]), nat),
+        nat.(conv_state),
+        nat.(ssm_state),
+        opts[:eps] * 1.0,
+        opts[:dt_min] * 1.0,
+        opts[:dt_max] * 1.0,
+        opts[:b_discretization],
+        opts[:residual],
+        Backend.select_native(opts),
+        Backend.device(opts),
+        opts[:out]
+      )
+      |> Native.unwrap!()
+
+    {Buffer.wrap(y), Buffer.wrap(c), Buffer.wrap(s)}
+  end
+
   defp call(x, weights, backend, opts) do
     nat = fn
       nil -> nil

@@ -142,4 +142,25 @@ defmodule FusedKernels.Native do
         _out
       ),
       do: not_loaded()
+
+  @doc false
+  def stream_shift_append(_cache, _row, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def stream_reshape(_x, _shape, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def mamba_block_state(
+        _x,
+        _weights,
+        _conv_state,
+        _ssm_state,
+        _eps,
+        _dt_min,
+        _dt_max,
+        _disc,
+        _residual,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
 end

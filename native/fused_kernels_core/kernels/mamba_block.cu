@@ -12,10 +12,12 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // xz {batch*seq, 2*inner} (in_proj output without bias); w {k, inner} (tap j multiplies step
-// t - (k-1) + j, Axon's cross-correlation with left padding k-1); writes xc and z {batch*seq, inner}.
+// t - (k-1) + j, Axon's cross-correlation with left padding k-1); prev {batch, k-1, inner}
+// (or null: zeros) holds the conv input (bias added) of the k-1 steps before the chunk, so a
+// stream can run a frame at a time; writes xc and z {batch*seq, inner}.
 extern "C" __global__ void __launch_bounds__(256)
     mamba_conv_silu(const float* xz, const float* in_bias, const float* w, const float* conv_bias,
-                    float* xc, float* z, int batch, int seq, int inner, int k) {
+                    const float* prev, float* xc, float* z, int batch, int seq, int inner, int k) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)batch * seq * inner) return;
   const int c = (int)(i % inner);
@@ -27,10 +29,33 @@ extern "C" __global__ void __launch_bounds__(256)
   const float ib = in_bias ? in_bias[c] : 0.0f;
   for (int j = 0; j < k; ++j) {
     const int s = t - (k - 1) + j;
-    if (s >= 0) acc += w[j * inner + c] * (xz[(row0 + s) * width + c] + ib);
+    if (s >= 0)
+      acc += w[j * inner + c] * (xz[(row0 + s) * width + c] + ib);
+    else if (prev)
+      acc += w[j * inner + c] * prev[((row0 / seq) * (k - 1) + (k - 1) + s) * inner + c];
   }
   xc[i] = acc / (1.0f + expf(-acc));
   z[i] = xz[bt * width + inner + c] + (in_bias ? in_bias[inner + c] : 0.0f);
+}
+
+// The conv input of the chunk's last k-1 steps (reaching into prev when the chunk is
+// shorter): next {batch, k-1, inner}, the state for the following chunk.
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_conv_state(const float* xz, const float* in_bias, const float* prev, float* next,
+                     int batch, int seq, int inner, int k) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)batch * (k - 1) * inner) return;
+  const int c = (int)(i % inner);
+  const long long bj = i / inner;
+  const int j = (int)(bj % (k - 1));
+  const long long b = bj / (k - 1);
+  const int t = seq - (k - 1) + j;
+  float v = 0.0f;
+  if (t >= 0)
+    v = xz[(b * seq + t) * 2 * inner + c] + (in_bias ? in_bias[c] : 0.0f);
+  else if (prev)
+    v = prev[(b * (k - 1) + (k - 1) + t) * inner + c];
+  next[i] = v;
 }
 
 // out[m, n] = y[m, n] + bias[n] + residual[m, n] (residual may be null), in the block's type.

@@ -52,6 +52,11 @@ pub const MAMBA_BLOCK: Kernel = Kernel {
 };
 
 /// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
+pub const STREAM_STATE: Kernel = Kernel {
+    name: "stream_state",
+    body: include_str!("../kernels/stream_state.cu"),
+};
+
 pub const ALL: &[&Kernel] = &[
     &SCALED_SOFTMAX,
     &DENSE,
@@ -60,4 +65,5 @@ pub const ALL: &[&Kernel] = &[
     &SELECTIVE_SCAN,
     &NORM,
     &MAMBA_BLOCK,
+    &STREAM_STATE,
 ];

@@ -87,6 +87,42 @@ impl Params {
     }
 }
 
+/// State carried between chunks of a stream (both f32): `conv` `{batch, k - 1, inner}`, the
+/// conv's input (in_proj's x half, bias added) at the k - 1 steps before the chunk; `ssm`
+/// `{batch, inner, state}`, the scan's state after them. Zeros are the start of a sequence.
+pub struct State<'a> {
+    pub conv: &'a Operand<'a>,
+    pub ssm: &'a Operand<'a>,
+}
+
+/// The state shapes of a block of geometry `g`.
+pub fn state_shapes(g: Geometry) -> (Vec<usize>, Vec<usize>) {
+    (
+        vec![g.batch, g.conv - 1, g.inner],
+        vec![g.batch, g.inner, g.state],
+    )
+}
+
+pub fn check_state(g: Geometry, s: &State<'_>) -> Result<()> {
+    if g.conv < 2 {
+        return Err(arg_error(
+            "conv_dw_conv kernel: streaming needs a conv kernel of size >= 2",
+        ));
+    }
+    let (cs, ss) = state_shapes(g);
+    want("conv_state", s.conv, &cs)?;
+    want("ssm_state", s.ssm, &ss)?;
+    for (name, op) in [("conv_state", s.conv), ("ssm_state", s.ssm)] {
+        if op.dtype() != DType::F32 {
+            return Err(arg_error(format!(
+                "{name}: must be f32, got {:?}",
+                op.dtype()
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     pub batch: usize,
@@ -242,7 +278,34 @@ fn silu(v: f64) -> f64 {
 
 /// The CPU implementation, in f64 throughout (the output is rounded to x's type).
 pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
+    cpu_stateful(x, w, p, None).map(|(out, _)| out)
+}
+
+/// `cpu` from a carried state; also returns the state after the chunk (conv, ssm; f32).
+pub fn cpu_stateful(
+    x: &Operand<'_>,
+    w: &Weights<'_>,
+    p: Params,
+    state: Option<&State<'_>>,
+) -> Result<(OwnedTensor, (OwnedTensor, OwnedTensor))> {
     let g = geometry(x, w)?;
+    if let Some(s) = state {
+        check_state(g, s)?;
+    }
+    let prev = state.map(|s| vals(s.conv)).transpose()?;
+    let h0 = state.map(|s| vals(s.ssm)).transpose()?;
+    let km1 = g.conv.saturating_sub(1);
+    let in_bias = vals_opt(w.in_bias)?;
+    // The conv's input at step t of batch row b (t < 0 reads the carried state, else zero).
+    let conv_in = |xz: &[f64], b: usize, t: isize, c: usize| -> f64 {
+        if t >= 0 {
+            xz[(b * g.seq + t as usize) * 2 * g.inner + c]
+        } else {
+            prev.as_ref().map_or(0.0, |pv| {
+                pv[(b * km1 + (km1 as isize + t) as usize) * g.inner + c]
+            })
+        }
+    };
     let (m, h, inner, n) = (g.batch * g.seq, g.hidden, g.inner, g.state);
     let xs = vals(x)?;
     let ln = norm::Params::new(Kind::Layer, p.eps)?;
@@ -252,7 +315,7 @@ pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     let xz = matmul(
         &xn,
         &vals(w.in_kernel)?,
-        vals_opt(w.in_bias)?.as_deref(),
+        in_bias.as_deref(),
         m,
         h,
         2 * inner,
@@ -262,17 +325,22 @@ pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     let mut xc = vec![0.0; m * inner];
     let mut z = vec![0.0; m * inner];
     for row in 0..m {
-        let t = row % g.seq;
+        let (b, t) = (row / g.seq, (row % g.seq) as isize);
         for c in 0..inner {
             let mut acc = conv_bias.as_ref().map_or(0.0, |b| b[c]);
             for j in 0..g.conv {
-                if t + j + 1 >= g.conv {
-                    let s = row + j + 1 - g.conv;
-                    acc += taps[j * inner + c] * xz[s * 2 * inner + c];
-                }
+                let s = t + j as isize + 1 - g.conv as isize;
+                acc += taps[j * inner + c] * conv_in(&xz, b, s, c);
             }
             xc[row * inner + c] = silu(acc);
             z[row * inner + c] = xz[row * 2 * inner + inner + c];
+        }
+    }
+    let mut conv_state = Vec::with_capacity(g.batch * km1 * inner);
+    for b in 0..g.batch {
+        for j in 0..km1 {
+            let t = g.seq as isize - km1 as isize + j as isize;
+            conv_state.extend((0..inner).map(|c| conv_in(&xz, b, t, c)));
         }
     }
     let bc = matmul(
@@ -297,7 +365,7 @@ pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     );
     let dt = matmul(&r, &vals(w.dt_proj_kernel)?, None, m, g.dt_rank, inner);
     let a = vals_opt(w.a)?.unwrap_or_else(|| fixed_a(g));
-    let (y, _) = selective_scan::reference(
+    let (y, last) = selective_scan::reference(
         &RefInputs {
             g: ScanGeometry {
                 batch: g.batch,
@@ -314,7 +382,7 @@ pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
             d: vals_opt(w.d)?.as_deref(),
             z: Some(&z),
             delta_bias: vals_opt(w.dt_proj_bias)?.as_deref(),
-            h0: None,
+            h0: h0.as_deref(),
         },
         p.scan(),
     );
@@ -329,11 +397,20 @@ pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     if p.residual {
         out.iter_mut().zip(&xs).for_each(|(o, v)| *o += v);
     }
-    Ok(OwnedTensor {
-        data: encode_f64(&out, x.dtype()),
-        shape: x.shape().to_vec(),
-        dtype: x.dtype(),
-    })
+    let (cs, ss) = state_shapes(g);
+    let f32_tensor = |v: &[f64], shape: Vec<usize>| OwnedTensor {
+        data: encode_f64(v, DType::F32),
+        shape,
+        dtype: DType::F32,
+    };
+    Ok((
+        OwnedTensor {
+            data: encode_f64(&out, x.dtype()),
+            shape: x.shape().to_vec(),
+            dtype: x.dtype(),
+        },
+        (f32_tensor(&conv_state, cs), f32_tensor(&last, ss)),
+    ))
 }
 
 fn elementwise(n: usize) -> LaunchConfig {
@@ -364,7 +441,28 @@ pub fn cuda_into(
     p: Params,
     out: &mut DeviceTensor,
 ) -> Result<()> {
+    cuda_stateful(gpu, x, w, p, None, out, None)
+}
+
+/// `cuda_into` from a carried state (`None`: zeros), writing the state after the chunk into
+/// `next` (conv, ssm) when given.
+pub fn cuda_stateful(
+    gpu: &Arc<Gpu>,
+    x: &Operand<'_>,
+    w: &Weights<'_>,
+    p: Params,
+    state: Option<&State<'_>>,
+    out: &mut DeviceTensor,
+    next: Option<(&DeviceTensor, &DeviceTensor)>,
+) -> Result<()> {
     let g = geometry(x, w)?;
+    if let Some(s) = state {
+        check_state(g, s)?;
+    }
+    let prev = state
+        .map(|s| s.conv.on_gpu("conv_state", gpu))
+        .transpose()?;
+    let h0 = state.map(|s| s.ssm.on_gpu("ssm_state", gpu)).transpose()?;
     let dtype = x.dtype();
     let tname = kernel_type(dtype, "x")?;
     if out.shape != x.shape() || out.dtype != dtype {
@@ -426,11 +524,12 @@ pub fn cuda_into(
     {
         let f = gpu.function(&MAMBA_BLOCK, "mamba_conv_silu")?;
         let (bi, sq, inn, k) = (g.batch as i32, g.seq as i32, inner as i32, g.conv as i32);
-        let (pxz, pbin, pconv, pbconv, pxc, pz) = (
+        let (pxz, pbin, pconv, pbconv, pprev, pxc, pz) = (
             ptr(&xz),
             ptr_opt(b_in.as_deref()),
             ptr(&conv),
             ptr_opt(b_conv.as_deref()),
+            ptr_opt(prev.as_deref()),
             ptr(&xc),
             ptr(&z),
         );
@@ -439,10 +538,19 @@ pub fn cuda_into(
             .arg(&pbin)
             .arg(&pconv)
             .arg(&pbconv)
+            .arg(&pprev)
             .arg(&pxc)
             .arg(&pz);
         l.arg(&bi).arg(&sq).arg(&inn).arg(&k);
         unsafe { l.launch(elementwise(m * inner)) }?;
+        if let Some((next_conv, _)) = next {
+            let f = gpu.function(&MAMBA_BLOCK, "mamba_conv_state")?;
+            let pnext = ptr(next_conv);
+            let mut l = gpu.stream.launch_builder(&f);
+            l.arg(&pxz).arg(&pbin).arg(&pprev).arg(&pnext);
+            l.arg(&bi).arg(&sq).arg(&inn).arg(&k);
+            unsafe { l.launch(elementwise(g.batch * (g.conv - 1) * inner)) }?;
+        }
     }
     let add_bias = |y: &DeviceTensor, bias: Option<&DeviceTensor>, cols: usize| -> Result<()> {
         let Some(bias) = bias else { return Ok(()) };
@@ -484,6 +592,8 @@ pub fn cuda_into(
         delta_bias: ptr_opt(b_dtp.as_deref()),
         mean_dt: ptr_opt(mdt.as_ref()),
         out: ptr(&y),
+        h0: ptr_opt(h0.as_deref()),
+        h_last: next.map_or(0, |(_, ssm)| ptr(ssm)),
         softplus: 1,
         clip: 1,
         mean_mode: mdt.is_some() as i32,
@@ -535,6 +645,43 @@ pub fn run(
             let mut out = DeviceTensor::uninit(&gpu, x.shape().to_vec(), x.dtype())?;
             cuda_into(&gpu, x, w, p, &mut out)?;
             Value::from_device(out, placement)
+        }
+    }
+}
+
+/// `run` from a carried state: `(out, (conv_state, ssm_state))` after the chunk.
+pub fn run_stateful(
+    backend: Backend,
+    x: &Operand<'_>,
+    w: &Weights<'_>,
+    p: Params,
+    state: &State<'_>,
+    placement: Placement,
+) -> Result<(Value, (Value, Value))> {
+    let g = geometry(x, w)?;
+    check_state(g, state)?;
+    match backend {
+        Backend::Cpu => {
+            if placement == Placement::Device {
+                return Err(arg_error("out: the :cpu backend returns host tensors only"));
+            }
+            let (out, (c, s)) = cpu_stateful(x, w, p, Some(state))?;
+            Ok((Value::Host(out), (Value::Host(c), Value::Host(s))))
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let mut out = DeviceTensor::uninit(&gpu, x.shape().to_vec(), x.dtype())?;
+            let (cs, ss) = state_shapes(g);
+            let conv = DeviceTensor::uninit(&gpu, cs, DType::F32)?;
+            let ssm = DeviceTensor::uninit(&gpu, ss, DType::F32)?;
+            cuda_stateful(&gpu, x, w, p, Some(state), &mut out, Some((&conv, &ssm)))?;
+            Ok((
+                Value::from_device(out, placement)?,
+                (
+                    Value::from_device(conv, placement)?,
+                    Value::from_device(ssm, placement)?,
+                ),
+            ))
         }
     }
 }
@@ -620,6 +767,78 @@ mod tests {
                     let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
                     assert!(err <= tol, "{dt:?} {disc:?} b{b} l{l} h{h} n{n}: {err:e}");
                 }
+            }
+        }
+    }
+
+    /// Runs x {b, l, h} through the block in chunks of `chunk` steps, carrying the state.
+    fn streamed(
+        backend: Backend,
+        x: &[f64],
+        w: &Weights<'_>,
+        dims: (usize, usize, usize),
+        chunk: usize,
+    ) -> Vec<f64> {
+        let (b, l, h) = dims;
+        let p = Params::new(1e-5, 0.001, 0.1, Discretization::PerChannel, true).unwrap();
+        let g0 = geometry(
+            &Operand::Host(
+                HostTensor::new("x", &encode_f64(x, DType::F32), vec![b, l, h], DType::F32)
+                    .unwrap(),
+            ),
+            w,
+        )
+        .unwrap();
+        let (cs, ss) = state_shapes(g0);
+        let mut conv = encode_f64(&vec![0.0; cs.iter().product()], DType::F32);
+        let mut ssm = encode_f64(&vec![0.0; ss.iter().product()], DType::F32);
+        let mut outs = vec![Vec::new(); b];
+        for t0 in (0..l).step_by(chunk) {
+            let n = chunk.min(l - t0);
+            let part: Vec<f64> = (0..b)
+                .flat_map(|bi| x[(bi * l + t0) * h..(bi * l + t0 + n) * h].to_vec())
+                .collect();
+            let pb = encode_f64(&part, DType::F32);
+            let xo = Operand::Host(HostTensor::new("x", &pb, vec![b, n, h], DType::F32).unwrap());
+            let co = Operand::Host(HostTensor::new("c", &conv, cs.clone(), DType::F32).unwrap());
+            let so = Operand::Host(HostTensor::new("s", &ssm, ss.clone(), DType::F32).unwrap());
+            let st = State {
+                conv: &co,
+                ssm: &so,
+            };
+            let (Value::Host(o), (Value::Host(c), Value::Host(sn))) =
+                run_stateful(backend, &xo, w, p, &st, Placement::Host).unwrap()
+            else {
+                panic!("host values expected")
+            };
+            let ov = decode_f64(&o.data, DType::F32);
+            for (bi, out) in outs.iter_mut().enumerate() {
+                out.extend_from_slice(&ov[bi * n * h..(bi + 1) * n * h]);
+            }
+            (conv, ssm) = (c.data, sn.data);
+        }
+        outs.concat()
+    }
+
+    #[test]
+    fn streaming_in_chunks_equals_the_whole_sequence() {
+        let mut rng = Rng::new(23);
+        let (b, l, h) = (2, 9, 16);
+        let w = weights(&mut rng, h, 32, 4, 3, 4, false);
+        let xv = rng.vec(b * l * h);
+        let xb = encode_f64(&xv, DType::F32);
+        let x = Operand::Host(HostTensor::new("x", &xb, vec![b, l, h], DType::F32).unwrap());
+        let p = Params::new(1e-5, 0.001, 0.1, Discretization::PerChannel, true).unwrap();
+        let want = decode_f64(&cpu(&x, &w, p).unwrap().data, DType::F32);
+        let mut backends = vec![Backend::Cpu];
+        if gpu_for_tests().is_some() {
+            backends.push(Backend::Cuda(None));
+        }
+        for backend in backends {
+            for chunk in [1, 2, 9] {
+                let got = streamed(backend, &xv, &w, (b, l, h), chunk);
+                let err = rel_l2(&got, &want);
+                assert!(err <= 1e-5, "{backend:?} chunk {chunk}: {err:e}");
             }
         }
     }

@@ -8,6 +8,7 @@ pub mod norm;
 pub mod rnn;
 pub mod scaled_softmax;
 pub mod selective_scan;
+pub mod stream_state;
 
 use crate::error::{arg_error, Result};
 

@@ -156,6 +156,69 @@ const WEIGHT_NAMES: [&str; 16] = [
 ];
 const REQUIRED: [usize; 8] = [0, 1, 2, 4, 6, 8, 10, 14];
 
+/// The 16 weight terms (tensors or nils, `WEIGHT_NAMES` order), decoded.
+pub(crate) fn decode_weights<'a>(weights: Term<'a>) -> Result<Vec<Option<Operand<'a>>>> {
+    let terms: Vec<Term<'a>> = weights
+        .decode()
+        .map_err(|_| arg_error("params: expected a list of 16 tensors or nils"))?;
+    if terms.len() != WEIGHT_NAMES.len() {
+        return Err(arg_error("params: expected a list of 16 tensors or nils"));
+    }
+    let ops: Vec<Option<Operand<'a>>> = terms
+        .iter()
+        .zip(WEIGHT_NAMES)
+        .map(|(t, n)| decode_optional_operand(n, *t))
+        .collect::<Result<_>>()?;
+    for i in REQUIRED {
+        if ops[i].is_none() {
+            return Err(arg_error(format!("params: {} is missing", WEIGHT_NAMES[i])));
+        }
+    }
+    Ok(ops)
+}
+
+pub(crate) fn block_weights<'b>(ops: &'b [Option<Operand<'b>>]) -> Result<Weights<'b>> {
+    let req = |i: usize| {
+        ops[i]
+            .as_ref()
+            .ok_or_else(|| arg_error("params: missing weight"))
+    };
+    Ok(Weights {
+        norm_gamma: req(0)?,
+        norm_beta: req(1)?,
+        in_kernel: req(2)?,
+        in_bias: ops[3].as_ref(),
+        conv_kernel: req(4)?,
+        conv_bias: ops[5].as_ref(),
+        bc_kernel: req(6)?,
+        bc_bias: ops[7].as_ref(),
+        dt_rank_kernel: req(8)?,
+        dt_rank_bias: ops[9].as_ref(),
+        dt_proj_kernel: req(10)?,
+        dt_proj_bias: ops[11].as_ref(),
+        a: ops[12].as_ref(),
+        d: ops[13].as_ref(),
+        out_kernel: req(14)?,
+        out_bias: ops[15].as_ref(),
+    })
+}
+
+pub(crate) fn block_params(
+    eps: Term<'_>,
+    dt_min: Term<'_>,
+    dt_max: Term<'_>,
+    discretization: Term<'_>,
+    residual: Term<'_>,
+) -> Result<mamba_block::Params> {
+    mamba_block::Params::new(
+        decode_f64("eps", eps)?,
+        decode_f64("dt_min", dt_min)?,
+        decode_f64("dt_max", dt_max)?,
+        Discretization::parse(&decode_atom("b_discretization", discretization)?)?,
+        decode_bool("residual", residual)?,
+    )
+}
+
 /// `mamba_block(x, weights, eps, dt_min, dt_max, b_discretization, residual, backend, device,
 /// out)`; `weights` is a list of 16 tensors or nils in `WEIGHT_NAMES` order.
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -175,52 +238,9 @@ fn mamba_block<'a>(
 ) -> Term<'a> {
     let result = (|| {
         let x = decode_operand("x", x)?;
-        let terms: Vec<Term<'a>> = weights
-            .decode()
-            .map_err(|_| arg_error("params: expected a list of 16 tensors or nils"))?;
-        if terms.len() != WEIGHT_NAMES.len() {
-            return Err(arg_error("params: expected a list of 16 tensors or nils"));
-        }
-        let ops: Vec<Option<Operand<'a>>> = terms
-            .iter()
-            .zip(WEIGHT_NAMES)
-            .map(|(t, n)| decode_optional_operand(n, *t))
-            .collect::<Result<_>>()?;
-        for i in REQUIRED {
-            if ops[i].is_none() {
-                return Err(arg_error(format!("params: {} is missing", WEIGHT_NAMES[i])));
-            }
-        }
-        let req = |i: usize| {
-            ops[i]
-                .as_ref()
-                .ok_or_else(|| arg_error("params: missing weight"))
-        };
-        let w = Weights {
-            norm_gamma: req(0)?,
-            norm_beta: req(1)?,
-            in_kernel: req(2)?,
-            in_bias: ops[3].as_ref(),
-            conv_kernel: req(4)?,
-            conv_bias: ops[5].as_ref(),
-            bc_kernel: req(6)?,
-            bc_bias: ops[7].as_ref(),
-            dt_rank_kernel: req(8)?,
-            dt_rank_bias: ops[9].as_ref(),
-            dt_proj_kernel: req(10)?,
-            dt_proj_bias: ops[11].as_ref(),
-            a: ops[12].as_ref(),
-            d: ops[13].as_ref(),
-            out_kernel: req(14)?,
-            out_bias: ops[15].as_ref(),
-        };
-        let p = mamba_block::Params::new(
-            decode_f64("eps", eps)?,
-            decode_f64("dt_min", dt_min)?,
-            decode_f64("dt_max", dt_max)?,
-            Discretization::parse(&decode_atom("b_discretization", discretization)?)?,
-            decode_bool("residual", residual)?,
-        )?;
+        let ops = decode_weights(weights)?;
+        let w = block_weights(&ops)?;
+        let p = block_params(eps, dt_min, dt_max, discretization, residual)?;
         let v = mamba_block::run(
             decode_backend(backend, device)?,
             &x,

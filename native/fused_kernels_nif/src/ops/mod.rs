@@ -5,3 +5,4 @@ mod flash_attention;
 mod mamba;
 mod rnn;
 mod scaled_softmax;
+mod stream_state;

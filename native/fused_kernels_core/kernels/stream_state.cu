@@ -1,0 +1,28 @@
+// Streaming state on the device: a window of the last W rows per batch element.
+// stream_shift_append: out[b, t] = cache[b, t + 1] for t < W - 1, out[b, W - 1] = row[b]
+// (a row is `width` elements); the oldest row drops out, the newest comes in. Elements are
+// moved as raw 4- or 2-byte words, so one kernel serves every type of that size.
+template <typename W>
+__device__ __forceinline__ void fk_shift_append(const W* cache, const W* row, W* out, int batch,
+                                                int window, int width) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long per = (long long)window * width;
+  if (i >= batch * per) return;
+  const long long b = i / per;
+  const long long r = i - b * per;
+  const int t = (int)(r / width);
+  const int c = (int)(r - (long long)t * width);
+  out[i] = t + 1 < window ? cache[i + width] : row[b * width + c];
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    stream_shift_append_w4(const unsigned int* cache, const unsigned int* row, unsigned int* out,
+                           int batch, int window, int width) {
+  fk_shift_append<unsigned int>(cache, row, out, batch, window, width);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    stream_shift_append_w2(const unsigned short* cache, const unsigned short* row,
+                           unsigned short* out, int batch, int window, int width) {
+  fk_shift_append<unsigned short>(cache, row, out, batch, window, width);
+}

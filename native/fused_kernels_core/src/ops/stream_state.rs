@@ -1,0 +1,244 @@
+//! Small device-side helpers for streaming inference, so a backbone's state never leaves the
+//! device between frames: `shift_append` (a sliding window of the last W rows, e.g. an
+//! attention KV cache) and `reshape` (a copy under a new shape of the same size, e.g.
+//! `{batch, seq, heads * head_dim}` to `{batch, seq, heads, head_dim}`).
+
+use super::Backend;
+use crate::cuda::gemm::ptr;
+use crate::cuda::{self, DeviceTensor};
+use crate::dtype::DType;
+use crate::error::{arg_error, Result};
+use crate::kernels::STREAM_STATE;
+use crate::operand::{Operand, Placement, Value};
+use crate::tensor::{fmt_shape, OwnedTensor};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// `(batch, window, width)` of a shift-append: cache `{batch, window, ...}`, row with
+/// `batch * width` elements whose first axis is batch (e.g. `{batch, 1, width}`).
+pub fn shift_geometry(cache: &Operand<'_>, row: &Operand<'_>) -> Result<(usize, usize, usize)> {
+    let cs = cache.shape();
+    if cs.len() < 2 || cs.contains(&0) {
+        return Err(arg_error(format!(
+            "cache: expected {{batch, window, ...}} with no zero dimension, got {}",
+            fmt_shape(cs)
+        )));
+    }
+    let (batch, window) = (cs[0], cs[1]);
+    let width: usize = cs[2..].iter().product();
+    let rs = row.shape();
+    if rs.first() != Some(&batch) || rs.iter().product::<usize>() != batch * width {
+        return Err(arg_error(format!(
+            "row: expected {batch} rows of {width} elements (cache {}), got {}",
+            fmt_shape(cs),
+            fmt_shape(rs)
+        )));
+    }
+    if row.dtype() != cache.dtype() {
+        return Err(arg_error(format!(
+            "row: expected the cache's type {:?}, got {:?}",
+            cache.dtype(),
+            row.dtype()
+        )));
+    }
+    Ok((batch, window, width))
+}
+
+/// On the host: the same bytes moved as the kernel moves them.
+pub fn shift_append_cpu(cache: &Operand<'_>, row: &Operand<'_>) -> Result<OwnedTensor> {
+    let (batch, window, width) = shift_geometry(cache, row)?;
+    let size = cache.dtype().size();
+    let (c, r) = (cache.on_host()?, row.on_host()?);
+    let (c, r) = (c.view(), r.view());
+    let (rowb, per) = (width * size, window * width * size);
+    let mut data = Vec::with_capacity(batch * per);
+    for b in 0..batch {
+        data.extend_from_slice(&c.bytes[b * per + rowb..(b + 1) * per]);
+        data.extend_from_slice(&r.bytes[b * rowb..(b + 1) * rowb]);
+    }
+    Ok(OwnedTensor {
+        data,
+        shape: cache.shape().to_vec(),
+        dtype: cache.dtype(),
+    })
+}
+
+pub fn shift_append(
+    backend: Backend,
+    cache: &Operand<'_>,
+    row: &Operand<'_>,
+    placement: Placement,
+) -> Result<Value> {
+    let (batch, window, width) = shift_geometry(cache, row)?;
+    match backend {
+        Backend::Cpu => {
+            host_only(placement)?;
+            Ok(Value::Host(shift_append_cpu(cache, row)?))
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let (c, r) = (cache.on_gpu("cache", &gpu)?, row.on_gpu("row", &gpu)?);
+            let out = DeviceTensor::uninit(&gpu, cache.shape().to_vec(), cache.dtype())?;
+            let name = match cache.dtype() {
+                DType::F32 => "stream_shift_append_w4",
+                DType::F16 | DType::BF16 => "stream_shift_append_w2",
+                DType::F64 => return Err(arg_error("cache: f64 is CPU-only")),
+            };
+            let f = gpu.function(&STREAM_STATE, name)?;
+            let n = batch * window * width;
+            let (pc, pr, po) = (ptr(&c), ptr(&r), ptr(&out));
+            let (b, w, wd) = (batch as i32, window as i32, width as i32);
+            let mut l = gpu.stream.launch_builder(&f);
+            l.arg(&pc).arg(&pr).arg(&po).arg(&b).arg(&w).arg(&wd);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe { l.launch(cfg) }?;
+            Value::from_device(out, placement)
+        }
+    }
+}
+
+fn host_only(placement: Placement) -> Result<()> {
+    if placement == Placement::Device {
+        return Err(arg_error("out: the :cpu backend returns host tensors only"));
+    }
+    Ok(())
+}
+
+/// A copy of `x` under `shape` (same number of elements).
+pub fn reshape(
+    backend: Backend,
+    x: &Operand<'_>,
+    shape: Vec<usize>,
+    placement: Placement,
+) -> Result<Value> {
+    if shape.iter().product::<usize>() != x.shape().iter().product::<usize>() {
+        return Err(arg_error(format!(
+            "shape: {} does not hold the {} elements of {}",
+            fmt_shape(&shape),
+            x.shape().iter().product::<usize>(),
+            fmt_shape(x.shape())
+        )));
+    }
+    match backend {
+        Backend::Cpu => {
+            host_only(placement)?;
+            let h = x.on_host()?;
+            Ok(Value::Host(OwnedTensor {
+                data: h.view().bytes.to_vec(),
+                shape,
+                dtype: x.dtype(),
+            }))
+        }
+        Backend::Cuda(device) => {
+            let gpu = cuda::gpu(device)?;
+            let src = x.on_gpu("x", &gpu)?;
+            let mut out = DeviceTensor::uninit(&gpu, shape, x.dtype())?;
+            gpu.stream.memcpy_dtod(src.slice(), out.slice_mut())?;
+            Value::from_device(out, placement)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::gpu_for_tests;
+    use crate::dtype::{decode_f64, encode_f64};
+    use crate::ops::testing::Rng;
+    use crate::HostTensor;
+
+    fn host(bytes: &[u8], shape: Vec<usize>, dt: DType) -> Operand<'_> {
+        Operand::Host(HostTensor::new("t", bytes, shape, dt).unwrap())
+    }
+
+    /// out[b, t] = cache[b, t + 1], out[b, W - 1] = row[b], in f64 by index.
+    fn expected(c: &[f64], r: &[f64], b: usize, w: usize, wd: usize) -> Vec<f64> {
+        let mut out = Vec::new();
+        for bi in 0..b {
+            for t in 0..w {
+                for i in 0..wd {
+                    out.push(if t + 1 < w {
+                        c[(bi * w + t + 1) * wd + i]
+                    } else {
+                        r[bi * wd + i]
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn shift_append_drops_the_oldest_row_on_every_backend() {
+        let mut rng = Rng::new(5);
+        for &(b, w, h, d) in &[(1, 60, 4, 64), (3, 1, 1, 7), (2, 61, 3, 40)] {
+            let cv = rng.vec(b * w * h * d);
+            let rv = rng.vec(b * h * d);
+            let want = expected(&cv, &rv, b, w, h * d);
+            for dt in [DType::F32, DType::BF16] {
+                let (cb, rb) = (encode_f64(&cv, dt), encode_f64(&rv, dt));
+                let cache = host(&cb, vec![b, w, h, d], dt);
+                let row = host(&rb, vec![b, 1, h * d], dt);
+                let want = decode_f64(&encode_f64(&want, dt), dt);
+                let got = shift_append_cpu(&cache, &row).unwrap();
+                assert_eq!(decode_f64(&got.data, dt), want);
+                if let Some(gpu) = gpu_for_tests() {
+                    let c = DeviceTensor::upload(
+                        &gpu,
+                        &HostTensor::new("c", &cb, vec![b, w, h, d], dt).unwrap(),
+                    )
+                    .unwrap();
+                    let Value::Device(out) = shift_append(
+                        Backend::Cuda(None),
+                        &Operand::Device(&c),
+                        &row,
+                        Placement::Device,
+                    )
+                    .unwrap() else {
+                        panic!()
+                    };
+                    assert_eq!(decode_f64(&out.download().unwrap().data, dt), want);
+                }
+            }
+        }
+        let cb = vec![0u8; 2 * 3 * 4 * 4];
+        let rb = vec![0u8; 3 * 4 * 4];
+        let err = shift_geometry(
+            &host(&cb, vec![2, 3, 4], DType::F32),
+            &host(&rb, vec![3, 4], DType::F32),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("row: expected 2 rows of 4 elements"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn reshape_keeps_the_bytes() {
+        let mut rng = Rng::new(6);
+        let v = encode_f64(&rng.vec(2 * 3 * 8), DType::F32);
+        let x = host(&v, vec![2, 3, 8], DType::F32);
+        let Value::Host(h) = reshape(Backend::Cpu, &x, vec![2, 3, 2, 4], Placement::Host).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (h.data.clone(), h.shape.clone()),
+            (v.clone(), vec![2, 3, 2, 4])
+        );
+        assert!(reshape(Backend::Cpu, &x, vec![5], Placement::Host).is_err());
+        if gpu_for_tests().is_some() {
+            let Value::Host(h) =
+                reshape(Backend::Cuda(None), &x, vec![6, 8], Placement::Host).unwrap()
+            else {
+                panic!()
+            };
+            assert_eq!(h.data, v);
+        }
+    }
+}
