@@ -1,9 +1,10 @@
-//! CUDA backend: per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
+//! CUDA backend, two paths chosen per layer by `Path::choose`. Small batch (persistent): per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
 //! gate, f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
 //! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`). Layers run back
-//! to back on the device's stream; nothing returns to the host in between.
+//! to back on the device's stream; nothing returns to the host in between. Large batch:
+//! `batched.rs` (cuBLAS GEMMs for every product, one fused elementwise kernel per step).
 
-use super::{Cell, Geometry, Layer};
+use super::{batched, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -15,6 +16,30 @@ use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const THREADS: usize = 256;
+
+/// Which implementation runs a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// One cooperative persistent kernel (weights on chip, FP32 FMA mat-vec): fastest while
+    /// the step is latency-bound (small batch).
+    Persistent,
+    /// Per step one cuBLAS GEMM over all gates + one fused elementwise kernel: fastest once
+    /// the recurrent product is compute-bound (large batch).
+    Batched,
+}
+
+impl Path {
+    /// The batch from which `Batched` is used (the crossover measured in bench/RESULTS.md).
+    pub const CROSSOVER_BATCH: usize = 32;
+
+    pub fn choose(batch: usize) -> Path {
+        if batch >= Self::CROSSOVER_BATCH {
+            Path::Batched
+        } else {
+            Path::Persistent
+        }
+    }
+}
 
 /// How one layer's recurrence is spread over the grid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,7 +172,7 @@ fn ptr(t: &DeviceTensor) -> CUdeviceptr {
     p
 }
 
-fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
+pub(super) fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
     match dtype {
         DType::F32 => Ok(("f32", cudaDataType::CUDA_R_32F)),
         DType::F16 => Ok(("f16", cudaDataType::CUDA_R_16F)),
@@ -313,7 +338,9 @@ pub(super) fn run(
     x: &Operand<'_>,
     layers: &[Layer<'_>],
     reverse: bool,
+    path: Option<Path>,
 ) -> Result<DeviceOutput> {
+    let path = path.unwrap_or(Path::choose(g.batch));
     type_name(g.dtype)?;
     let x0 = x.on_gpu("x", gpu)?;
     let mut prev: Option<DeviceTensor> = None;
@@ -325,9 +352,14 @@ pub(super) fn run(
         let wh = stage(&layer.hidden_kernel, "hidden_kernel", gpu)?;
         let bias = stage(&layer.bias, "bias", gpu)?;
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
-        let mut xp = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;
-        input_projection(gpu, input, g.batch * g.seq, g.input_of(l), h, &win, &mut xp)?;
-        let (seq, st) = recurrence(gpu, cell, g, h, &xp, &wh, &bias, &init, reverse)?;
+        let (seq, st) = if path == Path::Batched {
+            batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
+        } else {
+            let mut xp =
+                DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;
+            input_projection(gpu, input, g.batch * g.seq, g.input_of(l), h, &win, &mut xp)?;
+            recurrence(gpu, cell, g, h, &xp, &wh, &bias, &init, reverse)?
+        };
         states.push(st);
         prev = Some(seq);
     }
