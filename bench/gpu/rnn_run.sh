@@ -16,8 +16,8 @@ timeout 70 .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-th
 echo "== cuDNN side by side"
 timeout 60 python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -28
 echo "== rnn GPU tests"
-timeout 75 .gpu/bin/core_tests rnn --test-threads=4 2>&1 | tee "$OUT/rnn_tests.log" |
-  grep -E "^ok |test result|panicked|FAILED|Lstm|Gru" | tail -40
+timeout 75 .gpu/bin/core_tests rnn --test-threads=4 --nocapture 2>&1 | tee "$OUT/rnn_tests.log" |
+  grep -E "test result|panicked|FAILED|Batched" | tail -40
 fi
 echo "== ExUnit rnn tests (with :cuda) and mix bench rows"
 root=/tmp/erlroot && rm -rf $root && mkdir -p $root

@@ -1,4 +1,5 @@
-//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured batch size).
+//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured per-step work,
+//! and for hidden sizes whose persistent grid does not fit the GPU).
 //! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here every
 //! matrix product goes to cuBLAS: the per-gate kernels are packed once per call into one
 //! `{in, G*H}` and one `{H, G*H}` matrix (in the call's type), the input projection of all

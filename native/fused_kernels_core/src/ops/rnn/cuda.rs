@@ -29,11 +29,21 @@ pub enum Path {
 }
 
 impl Path {
-    /// The batch from which `Batched` is used (the crossover measured in bench/RESULTS.md).
-    pub const CROSSOVER_BATCH: usize = 32;
+    /// Per-step work `batch * units^2` from which `Batched` wins: the crossover measured on an
+    /// H200 (bench/RESULTS.md, "rnn large batch"). With tensor cores (bf16/f16) it lies between
+    /// B64 and B256 at H256 and between B4 and B16 at H1024, i.e. near 2^23 for both; f32
+    /// (true FP32 in both paths) needs twice the work, B128 to B256 at H256.
+    pub fn crossover_work(dtype: DType) -> usize {
+        match dtype {
+            DType::F32 | DType::F64 => 1 << 24,
+            DType::BF16 | DType::F16 => 1 << 23,
+        }
+    }
 
-    pub fn choose(batch: usize) -> Path {
-        if batch >= Self::CROSSOVER_BATCH {
+    /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
+    /// kernel's grid fits this GPU (else the batched path serves any size).
+    pub fn choose(batch: usize, units: usize, dtype: DType, persistent_fits: bool) -> Path {
+        if !persistent_fits || batch.saturating_mul(units * units) >= Self::crossover_work(dtype) {
             Path::Batched
         } else {
             Path::Persistent
@@ -228,6 +238,16 @@ fn input_projection(
     })
 }
 
+/// Whether the persistent kernel's grid for `batch` x `h` fits this GPU.
+fn persistent_fits(gpu: &Gpu, cell: Cell, batch: usize, h: usize) -> Result<bool> {
+    let sms = gpu.multiprocessors()? as usize;
+    let smem_limit = gpu
+        .ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize;
+    Ok(plan(cell, batch, h, sms, smem_limit, units_override()).is_ok())
+}
+
 fn units_override() -> Option<usize> {
     std::env::var("FUSED_KERNELS_RNN_UNITS")
         .ok()
@@ -340,7 +360,6 @@ pub(super) fn run(
     reverse: bool,
     path: Option<Path>,
 ) -> Result<DeviceOutput> {
-    let path = path.unwrap_or(Path::choose(g.batch));
     type_name(g.dtype)?;
     let x0 = x.on_gpu("x", gpu)?;
     let mut prev: Option<DeviceTensor> = None;
@@ -352,6 +371,10 @@ pub(super) fn run(
         let wh = stage(&layer.hidden_kernel, "hidden_kernel", gpu)?;
         let bias = stage(&layer.bias, "bias", gpu)?;
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
+        let path = match path {
+            Some(p) => p,
+            None => Path::choose(g.batch, h, g.dtype, persistent_fits(gpu, cell, g.batch, h)?),
+        };
         let (seq, st) = if path == Path::Batched {
             batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
         } else {

@@ -284,6 +284,11 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     for (i, c) in batched_cases().iter().enumerate() {
         check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
     }
+    // The default choice: hidden sizes whose persistent grid does not fit go batched.
+    for cell in [Cell::Lstm, Cell::Gru] {
+        let c = case(cell, 2, 5, 16, &[3000], true, true, DType::F32);
+        check(Backend::Cuda(None), &c, 400);
+    }
 }
 
 #[test]
@@ -304,10 +309,23 @@ fn cuda_batched_is_deterministic() {
 
 #[test]
 fn path_is_chosen_by_batch() {
-    assert_eq!(Path::choose(1), Path::Persistent);
-    assert_eq!(Path::choose(Path::CROSSOVER_BATCH - 1), Path::Persistent);
-    assert_eq!(Path::choose(Path::CROSSOVER_BATCH), Path::Batched);
-    assert_eq!(Path::choose(256), Path::Batched);
+    use DType::{BF16, F16, F32};
+    use Path::{Batched, Persistent};
+    // Batch 1 stays on the persistent kernel at every size it fits.
+    for dt in [F32, BF16, F16] {
+        for h in [200, 256, 512, 1024, 2048] {
+            assert_eq!(Path::choose(1, h, dt, true), Persistent, "{dt:?} H{h}");
+        }
+    }
+    // The measured crossovers (bench/RESULTS.md).
+    assert_eq!(Path::choose(64, 256, BF16, true), Persistent);
+    assert_eq!(Path::choose(256, 256, BF16, true), Batched);
+    assert_eq!(Path::choose(4, 1024, BF16, true), Persistent);
+    assert_eq!(Path::choose(16, 1024, BF16, true), Batched);
+    assert_eq!(Path::choose(128, 256, F32, true), Persistent);
+    assert_eq!(Path::choose(256, 256, F32, true), Batched);
+    // Sizes whose persistent grid does not fit go to the batched path.
+    assert_eq!(Path::choose(1, 5000, F32, false), Batched);
 }
 
 #[test]
@@ -450,10 +468,10 @@ fn bench() {
         for b in [8, 16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, F32));
         }
-        for b in [16, 64, 256] {
+        for b in [16, 64, 128, 256] {
             cases.push((b, 60, 288, 256, 2, BF16));
         }
-        for b in [4, 16, 32] {
+        for b in [4, 8, 16, 32] {
             cases.push((b, 512, 1024, 1024, 1, BF16));
         }
     }
@@ -495,7 +513,16 @@ fn bench() {
                 })
                 .collect();
             let xo = Operand::Device(&x);
-            let default = Path::choose(b);
+            let fits = plan(
+                cell,
+                b,
+                h,
+                gpu.multiprocessors().unwrap() as usize,
+                227 * 1024,
+                None,
+            )
+            .is_ok();
+            let default = Path::choose(b, h, dt, fits);
             let other = match default {
                 Path::Batched => Path::Persistent,
                 Path::Persistent => Path::Batched,
