@@ -1,5 +1,5 @@
-//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured per-step work,
-//! and for hidden sizes whose persistent grid does not fit the GPU).
+//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured crossover in
+//! batch x gates x units^2.5, and for hidden sizes whose persistent grid does not fit the GPU).
 //! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here every
 //! matrix product goes to cuBLAS: the per-gate kernels are packed once per call into one
 //! `{in, G*H}` and one `{H, G*H}` matrix (in the call's type), the input projection of all

@@ -29,21 +29,28 @@ pub enum Path {
 }
 
 impl Path {
-    /// Per-step work `batch * units^2` from which `Batched` wins: the crossover measured on an
-    /// H200 (bench/RESULTS.md, "rnn large batch"). With tensor cores (bf16/f16) it lies between
-    /// B64 and B256 at H256 and between B4 and B16 at H1024, i.e. near 2^23 for both; f32
-    /// (true FP32 in both paths) needs twice the work, B128 to B256 at H256.
-    pub fn crossover_work(dtype: DType) -> usize {
+    /// `batch * gates * units^2.5` from which `Batched` wins, fitted to the crossovers measured
+    /// on an H200 (bench/RESULTS.md, "rnn large batch"): bf16 LSTM/GRU switch between B128 and
+    /// B256 at H256 and between B4 and B8 at H1024 (the crossover batch falls as H^-2.5);
+    /// f32 (true FP32 on both paths) at B256 H256 between GRU (persistent) and LSTM (batched).
+    pub fn crossover_work(dtype: DType) -> f64 {
         match dtype {
-            DType::F32 | DType::F64 => 1 << 24,
-            DType::BF16 | DType::F16 => 1 << 23,
+            DType::F32 | DType::F64 => (1u64 << 30) as f64,
+            DType::BF16 | DType::F16 => 1.25 * (1u64 << 29) as f64,
         }
     }
 
     /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
     /// kernel's grid fits this GPU (else the batched path serves any size).
-    pub fn choose(batch: usize, units: usize, dtype: DType, persistent_fits: bool) -> Path {
-        if !persistent_fits || batch.saturating_mul(units * units) >= Self::crossover_work(dtype) {
+    pub fn choose(
+        cell: Cell,
+        batch: usize,
+        units: usize,
+        dtype: DType,
+        persistent_fits: bool,
+    ) -> Path {
+        let work = (batch * cell.gates()) as f64 * (units as f64).powf(2.5);
+        if !persistent_fits || work >= Self::crossover_work(dtype) {
             Path::Batched
         } else {
             Path::Persistent
@@ -373,7 +380,13 @@ pub(super) fn run(
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
         let path = match path {
             Some(p) => p,
-            None => Path::choose(g.batch, h, g.dtype, persistent_fits(gpu, cell, g.batch, h)?),
+            None => Path::choose(
+                cell,
+                g.batch,
+                h,
+                g.dtype,
+                persistent_fits(gpu, cell, g.batch, h)?,
+            ),
         };
         let (seq, st) = if path == Path::Batched {
             batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?

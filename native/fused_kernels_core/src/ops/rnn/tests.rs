@@ -309,23 +309,31 @@ fn cuda_batched_is_deterministic() {
 
 #[test]
 fn path_is_chosen_by_batch() {
+    use Cell::{Gru, Lstm};
     use DType::{BF16, F16, F32};
     use Path::{Batched, Persistent};
-    // Batch 1 stays on the persistent kernel at every size it fits.
-    for dt in [F32, BF16, F16] {
-        for h in [200, 256, 512, 1024, 2048] {
-            assert_eq!(Path::choose(1, h, dt, true), Persistent, "{dt:?} H{h}");
+    // Batch 1 stays on the persistent kernel at the sizes it was measured at.
+    for cell in [Lstm, Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [200, 256, 512, 1024] {
+                assert_eq!(
+                    Path::choose(cell, 1, h, dt, true),
+                    Persistent,
+                    "{dt:?} H{h}"
+                );
+            }
         }
+        // The measured crossovers (bench/RESULTS.md), the same for both cells in bf16.
+        assert_eq!(Path::choose(cell, 128, 256, BF16, true), Persistent);
+        assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
+        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
     }
-    // The measured crossovers (bench/RESULTS.md).
-    assert_eq!(Path::choose(64, 256, BF16, true), Persistent);
-    assert_eq!(Path::choose(256, 256, BF16, true), Batched);
-    assert_eq!(Path::choose(4, 1024, BF16, true), Persistent);
-    assert_eq!(Path::choose(16, 1024, BF16, true), Batched);
-    assert_eq!(Path::choose(128, 256, F32, true), Persistent);
-    assert_eq!(Path::choose(256, 256, F32, true), Batched);
+    assert_eq!(Path::choose(Lstm, 256, 256, F32, true), Batched);
+    assert_eq!(Path::choose(Gru, 256, 256, F32, true), Persistent);
     // Sizes whose persistent grid does not fit go to the batched path.
-    assert_eq!(Path::choose(1, 5000, F32, false), Batched);
+    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), Batched);
 }
 
 #[test]
@@ -522,7 +530,7 @@ fn bench() {
                 None,
             )
             .is_ok();
-            let default = Path::choose(b, h, dt, fits);
+            let default = Path::choose(cell, b, h, dt, fits);
             let other = match default {
                 Path::Batched => Path::Persistent,
                 Path::Persistent => Path::Batched,
