@@ -36,6 +36,11 @@ pub const RNN: Kernel = Kernel {
     body: include_str!("../kernels/rnn.cu"),
 };
 
+pub const RNN_BATCHED: Kernel = Kernel {
+    name: "rnn_batched",
+    body: include_str!("../kernels/rnn_batched.cu"),
+};
+
 pub const SELECTIVE_SCAN: Kernel = Kernel {
     name: "selective_scan",
     body: include_str!("../kernels/selective_scan.cu"),
@@ -62,6 +67,7 @@ pub const ALL: &[&Kernel] = &[
     &DENSE,
     &FLASH_ATTENTION,
     &RNN,
+    &RNN_BATCHED,
     &SELECTIVE_SCAN,
     &NORM,
     &MAMBA_BLOCK,

@@ -3,6 +3,7 @@
 //! One call runs a stack of layers, layer l+1 consuming layer l's sequence on the same backend.
 //! `x` is `{batch, seq, features}`; each layer returns its final state (`[c, h]` or `[h]`).
 
+mod batched;
 mod cpu;
 mod cuda;
 
@@ -217,6 +218,19 @@ pub fn run(
     reverse: bool,
     placement: Placement,
 ) -> Result<Output<Value>> {
+    run_on(backend, cell, x, layers, reverse, placement, None)
+}
+
+/// `run` with the CUDA path forced (`None`: chosen by batch size); tests and benchmarks.
+pub fn run_on(
+    backend: Backend,
+    cell: Cell,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+    placement: Placement,
+    path: Option<Path>,
+) -> Result<Output<Value>> {
     let g = geometry(cell, x.shape(), x.dtype(), layers)?;
     match backend {
         Backend::Cpu => {
@@ -235,7 +249,7 @@ pub fn run(
         }
         Backend::Cuda(device) => {
             let gpu = crate::cuda::gpu(device)?;
-            let out = cuda::run(&gpu, cell, &g, x, layers, reverse)?;
+            let out = cuda::run(&gpu, cell, &g, x, layers, reverse, path)?;
             let states = out
                 .states
                 .into_iter()
@@ -253,7 +267,7 @@ pub fn run(
     }
 }
 
-pub use cuda::{plan as cuda_plan, Plan};
+pub use cuda::{plan as cuda_plan, Path, Plan};
 
 #[cfg(test)]
 mod tests;

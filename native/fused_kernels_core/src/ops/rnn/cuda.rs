@@ -1,9 +1,10 @@
-//! CUDA backend: per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
+//! CUDA backend, two paths chosen per layer by `Path::choose`. Small batch (persistent): per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
 //! gate, f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
 //! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`). Layers run back
-//! to back on the device's stream; nothing returns to the host in between.
+//! to back on the device's stream; nothing returns to the host in between. Large batch:
+//! `batched.rs` (cuBLAS GEMMs for every product, one fused elementwise kernel per step).
 
-use super::{Cell, Geometry, Layer};
+use super::{batched, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -15,6 +16,47 @@ use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const THREADS: usize = 256;
+
+/// Which implementation runs a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// One cooperative persistent kernel (weights on chip, FP32 FMA mat-vec): fastest while
+    /// the step is latency-bound (small batch).
+    Persistent,
+    /// Per step one cuBLAS GEMM over all gates + one fused elementwise kernel: fastest once
+    /// the recurrent product is compute-bound (large batch).
+    Batched,
+}
+
+impl Path {
+    /// `batch * gates * units^2.5` from which `Batched` wins, fitted to the crossovers measured
+    /// on an H200 (bench/RESULTS.md, "rnn large batch"): bf16 LSTM/GRU switch between B128 and
+    /// B256 at H256 and between B4 and B8 at H1024 (the crossover batch falls as H^-2.5);
+    /// f32 (true FP32 on both paths) at B256 H256 between GRU (persistent) and LSTM (batched).
+    pub fn crossover_work(dtype: DType) -> f64 {
+        match dtype {
+            DType::F32 | DType::F64 => (1u64 << 30) as f64,
+            DType::BF16 | DType::F16 => 1.25 * (1u64 << 29) as f64,
+        }
+    }
+
+    /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
+    /// kernel's grid fits this GPU (else the batched path serves any size).
+    pub fn choose(
+        cell: Cell,
+        batch: usize,
+        units: usize,
+        dtype: DType,
+        persistent_fits: bool,
+    ) -> Path {
+        let work = (batch * cell.gates()) as f64 * (units as f64).powf(2.5);
+        if !persistent_fits || work >= Self::crossover_work(dtype) {
+            Path::Batched
+        } else {
+            Path::Persistent
+        }
+    }
+}
 
 /// How one layer's recurrence is spread over the grid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,7 +189,7 @@ fn ptr(t: &DeviceTensor) -> CUdeviceptr {
     p
 }
 
-fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
+pub(super) fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
     match dtype {
         DType::F32 => Ok(("f32", cudaDataType::CUDA_R_32F)),
         DType::F16 => Ok(("f16", cudaDataType::CUDA_R_16F)),
@@ -201,6 +243,16 @@ fn input_projection(
         }
         Ok(())
     })
+}
+
+/// Whether the persistent kernel's grid for `batch` x `h` fits this GPU.
+fn persistent_fits(gpu: &Gpu, cell: Cell, batch: usize, h: usize) -> Result<bool> {
+    let sms = gpu.multiprocessors()? as usize;
+    let smem_limit = gpu
+        .ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize;
+    Ok(plan(cell, batch, h, sms, smem_limit, units_override()).is_ok())
 }
 
 fn units_override() -> Option<usize> {
@@ -313,6 +365,7 @@ pub(super) fn run(
     x: &Operand<'_>,
     layers: &[Layer<'_>],
     reverse: bool,
+    path: Option<Path>,
 ) -> Result<DeviceOutput> {
     type_name(g.dtype)?;
     let x0 = x.on_gpu("x", gpu)?;
@@ -325,9 +378,24 @@ pub(super) fn run(
         let wh = stage(&layer.hidden_kernel, "hidden_kernel", gpu)?;
         let bias = stage(&layer.bias, "bias", gpu)?;
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
-        let mut xp = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;
-        input_projection(gpu, input, g.batch * g.seq, g.input_of(l), h, &win, &mut xp)?;
-        let (seq, st) = recurrence(gpu, cell, g, h, &xp, &wh, &bias, &init, reverse)?;
+        let path = match path {
+            Some(p) => p,
+            None => Path::choose(
+                cell,
+                g.batch,
+                h,
+                g.dtype,
+                persistent_fits(gpu, cell, g.batch, h)?,
+            ),
+        };
+        let (seq, st) = if path == Path::Batched {
+            batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
+        } else {
+            let mut xp =
+                DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;
+            input_projection(gpu, input, g.batch * g.seq, g.input_of(l), h, &win, &mut xp)?;
+            recurrence(gpu, cell, g, h, &xp, &wh, &bias, &init, reverse)?
+        };
         states.push(st);
         prev = Some(seq);
     }

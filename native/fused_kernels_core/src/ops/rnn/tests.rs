@@ -112,6 +112,11 @@ fn host_f64(v: &Value) -> Vec<f64> {
 /// Runs `c` on `backend` and checks the sequence and every final state against the f64
 /// reference; returns the sequence for determinism checks.
 fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
+    check_on(backend, c, seed, None)
+}
+
+/// `check` with the CUDA path forced (`None`: the default choice by batch size).
+fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f64> {
     let mut rng = Rng::new(seed);
     let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
     let layers = make_layers(&mut rng, c);
@@ -124,7 +129,7 @@ fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
     if let Backend::Cuda(_) = backend {
         poison_device_pool(c);
     }
-    let out = run(backend, c.cell, &x, &ops, c.reverse, Placement::Host).unwrap();
+    let out = run_on(backend, c.cell, &x, &ops, c.reverse, Placement::Host, path).unwrap();
     let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
     let (seq, states) = reference(
         c.cell,
@@ -137,7 +142,7 @@ fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
     let got = host_f64(&out.sequence);
     let err = rel_l2(&got, &seq);
     let what = format!(
-        "{backend:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
+        "{backend:?} {path:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
         c.cell, c.dtype, c.batch, c.seq, c.features, c.hidden, c.reverse, c.with_state
     );
     assert!(err <= tol, "{what}: sequence rel L2 {err:e}");
@@ -241,9 +246,94 @@ fn cuda_matches_f64_reference_with_poisoned_output() {
     if gpu_for_tests().is_none() {
         return;
     }
+    // The persistent kernel forced at every batch (the default would hand large batches to
+    // the batched path, which has its own test below).
     for (i, c) in gpu_cases().iter().enumerate() {
-        check(Backend::Cuda(None), c, 100 + i as u64);
+        check_on(
+            Backend::Cuda(None),
+            c,
+            100 + i as u64,
+            Some(Path::Persistent),
+        );
     }
+}
+
+/// The large-batch path forced, including batches below its crossover and odd sizes.
+fn batched_cases() -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 64, 60, 288, &[256, 256], true, false, F32));
+        v.push(case(cell, 256, 60, 64, &[256], false, true, F32));
+        v.push(case(cell, 64, 512, 32, &[128], false, true, F32));
+        v.push(case(cell, 3, 61, 200, &[200, 200, 200], true, true, F32));
+        v.push(case(cell, 65, 13, 7, &[7], true, true, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, true, F32));
+        v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
+        v.push(case(cell, 70, 1, 64, &[1024], false, true, BF16));
+        v.push(case(cell, 64, 60, 96, &[256], false, true, F16));
+    }
+    v
+}
+
+#[test]
+fn cuda_batched_matches_f64_reference_with_poisoned_output() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for (i, c) in batched_cases().iter().enumerate() {
+        check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+    }
+    // The default choice: hidden sizes whose persistent grid does not fit go batched.
+    for cell in [Cell::Lstm, Cell::Gru] {
+        let c = case(cell, 2, 5, 16, &[3000], true, true, DType::F32);
+        check(Backend::Cuda(None), &c, 400);
+    }
+}
+
+#[test]
+fn cuda_batched_is_deterministic() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let c = case(Cell::Lstm, 64, 60, 288, &[256], false, true, DType::F32);
+    let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Batched));
+    for _ in 0..3 {
+        assert_eq!(
+            a,
+            check_on(Backend::Cuda(None), &c, 9, Some(Path::Batched)),
+            "result moved between runs: a race"
+        );
+    }
+}
+
+#[test]
+fn path_is_chosen_by_batch() {
+    use Cell::{Gru, Lstm};
+    use DType::{BF16, F16, F32};
+    use Path::{Batched, Persistent};
+    // Batch 1 stays on the persistent kernel at the sizes it was measured at.
+    for cell in [Lstm, Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [200, 256, 512, 1024] {
+                assert_eq!(
+                    Path::choose(cell, 1, h, dt, true),
+                    Persistent,
+                    "{dt:?} H{h}"
+                );
+            }
+        }
+        // The measured crossovers (bench/RESULTS.md), the same for both cells in bf16.
+        assert_eq!(Path::choose(cell, 128, 256, BF16, true), Persistent);
+        assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
+        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
+    }
+    assert_eq!(Path::choose(Lstm, 256, 256, F32, true), Batched);
+    assert_eq!(Path::choose(Gru, 256, 256, F32, true), Persistent);
+    // Sizes whose persistent grid does not fit go to the batched path.
+    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), Batched);
 }
 
 #[test]
@@ -255,11 +345,11 @@ fn cuda_is_deterministic() {
         case(Cell::Lstm, 64, 60, 288, &[256], false, true, DType::F32),
         case(Cell::Gru, 3, 60, 100, &[1024], false, true, DType::F32),
     ] {
-        let a = check(Backend::Cuda(None), &c, 9);
+        let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Persistent));
         for _ in 0..3 {
             assert_eq!(
                 a,
-                check(Backend::Cuda(None), &c, 9),
+                check_on(Backend::Cuda(None), &c, 9, Some(Path::Persistent)),
                 "result moved between runs: a race"
             );
         }
@@ -364,80 +454,97 @@ fn rejects_bad_params_naming_them() {
     .is_err());
 }
 
-/// `FK_RNN_BENCH=1 core_tests rnn::tests::bench --ignored --nocapture`: wall time until the
-/// device is idle around the whole call (GEMMs + recurrences), inputs and weights already
-/// on the device, median of 200 after warm-up. One JSON line per case.
+/// `core_tests rnn::tests::bench --ignored --nocapture`: wall time until the device is idle
+/// around the whole call (GEMMs + recurrences), inputs and weights already on the device,
+/// median of 200 (30 for long sequences) after warm-up. Every case runs on both CUDA paths,
+/// the default choice first; one JSON line each. The six shapes come first, then a
+/// batch sweep for the crossover (`FK_RNN_CROSSOVER=0` leaves it out).
 #[test]
 #[ignore]
 fn bench() {
     let Some(gpu) = gpu_for_tests() else { return };
     use DType::{BF16, F32};
-    let cases = [
-        ("B1 T60 I288 H256 x2 f32", 1, 60, 288, 256, 2, F32),
-        ("B1 T60 I288 H512 x2 f32", 1, 60, 288, 512, 2, F32),
-        ("B64 T60 I288 H256 x2 f32", 64, 60, 288, 256, 2, F32),
-        ("B256 T60 I288 H256 x2 f32", 256, 60, 288, 256, 2, F32),
-        ("B1 T60 I288 H256 x2 bf16", 1, 60, 288, 256, 2, BF16),
-        ("B64 T512 I1024 H1024 x1 bf16", 64, 512, 1024, 1024, 1, BF16),
+    let mut cases: Vec<(usize, usize, usize, usize, usize, DType)> = vec![
+        (1, 60, 288, 256, 2, F32),
+        (1, 60, 288, 512, 2, F32),
+        (64, 60, 288, 256, 2, F32),
+        (256, 60, 288, 256, 2, F32),
+        (1, 60, 288, 256, 2, BF16),
+        (64, 512, 1024, 1024, 1, BF16),
     ];
-    let units_sweep: Vec<Option<usize>> = match std::env::var("FK_RNN_SWEEP") {
-        Ok(_) => vec![None, Some(2), Some(4), Some(16)],
-        Err(_) => vec![None],
-    };
+    if std::env::var("FK_RNN_CROSSOVER").as_deref() != Ok("0") {
+        for b in [8, 16, 32, 128] {
+            cases.push((b, 60, 288, 256, 2, F32));
+        }
+        for b in [16, 64, 128, 256] {
+            cases.push((b, 60, 288, 256, 2, BF16));
+        }
+        for b in [4, 8, 16, 32] {
+            cases.push((b, 512, 1024, 1024, 1, BF16));
+        }
+    }
     for cell in [Cell::Lstm, Cell::Gru] {
-        for &(name, b, t, i, h, layers, dt) in &cases {
-            for units in &units_sweep {
-                match units {
-                    Some(u) => std::env::set_var("FUSED_KERNELS_RNN_UNITS", u.to_string()),
-                    None => std::env::remove_var("FUSED_KERNELS_RNN_UNITS"),
-                }
-                let sms = gpu.multiprocessors().unwrap() as usize;
-                let Ok(p) = plan(cell, b, h, sms, 227 * 1024, *units) else {
-                    continue;
-                };
-                let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
-                let mut rng = Rng::new(77);
-                let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
-                let lbytes = make_layers(&mut rng, &c);
-                let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
-                    DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
-                        .unwrap()
-                };
-                let x = up(&xb, vec![b, t, i]);
-                let dev: Vec<(Vec<DeviceTensor>, Vec<DeviceTensor>, Vec<DeviceTensor>)> = lbytes
-                    .iter()
-                    .map(|l| {
-                        (
-                            l.input_kernel
-                                .iter()
-                                .map(|w| up(w, vec![l.inp, l.h]))
-                                .collect(),
-                            l.hidden_kernel
-                                .iter()
-                                .map(|w| up(w, vec![l.h, l.h]))
-                                .collect(),
-                            l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
-                        )
-                    })
-                    .collect();
-                let ops: Vec<Layer> = dev
-                    .iter()
-                    .map(|(a, bb, cc)| Layer {
-                        input_kernel: a.iter().map(Operand::Device).collect(),
-                        hidden_kernel: bb.iter().map(Operand::Device).collect(),
-                        bias: cc.iter().map(Operand::Device).collect(),
-                        initial_state: Vec::new(),
-                    })
-                    .collect();
-                let xo = Operand::Device(&x);
+        for &(b, t, i, h, layers, dt) in &cases {
+            let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
+            let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
+            let mut rng = Rng::new(77);
+            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
+            let lbytes = make_layers(&mut rng, &c);
+            let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
+                DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
+                    .unwrap()
+            };
+            let x = up(&xb, vec![b, t, i]);
+            let dev: Vec<(Vec<DeviceTensor>, Vec<DeviceTensor>, Vec<DeviceTensor>)> = lbytes
+                .iter()
+                .map(|l| {
+                    (
+                        l.input_kernel
+                            .iter()
+                            .map(|w| up(w, vec![l.inp, l.h]))
+                            .collect(),
+                        l.hidden_kernel
+                            .iter()
+                            .map(|w| up(w, vec![l.h, l.h]))
+                            .collect(),
+                        l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
+                    )
+                })
+                .collect();
+            let ops: Vec<Layer> = dev
+                .iter()
+                .map(|(a, bb, cc)| Layer {
+                    input_kernel: a.iter().map(Operand::Device).collect(),
+                    hidden_kernel: bb.iter().map(Operand::Device).collect(),
+                    bias: cc.iter().map(Operand::Device).collect(),
+                    initial_state: Vec::new(),
+                })
+                .collect();
+            let xo = Operand::Device(&x);
+            let fits = plan(
+                cell,
+                b,
+                h,
+                gpu.multiprocessors().unwrap() as usize,
+                227 * 1024,
+                None,
+            )
+            .is_ok();
+            let default = Path::choose(cell, b, h, dt, fits);
+            let other = match default {
+                Path::Batched => Path::Persistent,
+                Path::Persistent => Path::Batched,
+            };
+            for path in [default, other] {
                 let once = || {
-                    let out = run(
+                    let out = run_on(
                         Backend::Cuda(None),
                         cell,
                         &xo,
                         &ops,
                         false,
                         Placement::Device,
+                        Some(path),
                     )
                     .unwrap();
                     gpu.synchronize().unwrap();
@@ -456,16 +563,14 @@ fn bench() {
                     .collect();
                 ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 println!(
-                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"units\":{},\"blocks\":{},\"chunk\":{},\"median_ms\":{:.4},\"p10_ms\":{:.4}}}",
+                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_ms\":{:.4},\"p10_ms\":{:.4}}}",
                     if cell == Cell::Lstm { "lstm" } else { "gru" },
-                    p.units,
-                    p.blocks(),
-                    p.chunk,
+                    if path == Path::Batched { "batched" } else { "persistent" },
+                    path == default,
                     ts[ts.len() / 2],
                     ts[ts.len() / 10]
                 );
             }
         }
     }
-    std::env::remove_var("FUSED_KERNELS_RNN_UNITS");
 }

@@ -1,0 +1,101 @@
+// The large-batch LSTM / GRU path (ops/rnn/batched.rs). There, the recurrent product of each
+// timestep is one cuBLAS GEMM over all gates, h_{t-1} {B, H} . Wh {H, G*H} -> hr {B, G*H} f32,
+// on tensor cores for bf16/f16; this file holds what runs around it: packing the per-gate
+// kernels once per call into one {rows, G*cols} matrix, and one fused elementwise kernel per
+// step for the gates, the f32 cell update and the output/state writes (Axon's equations).
+
+#define RNN_STEP_THREADS 256
+
+// dst[r][g*cols + c] = src[g][r][c]: the per-gate {rows, cols} kernels side by side, so a
+// single GEMM serves every gate. Elements are moved as raw bits of `E`'s size.
+struct RnnPackArgs {
+  const void* src[4];
+  void* dst;
+  int gates, rows, cols;
+};
+
+template <typename E> __device__ __forceinline__ void rnn_pack(const RnnPackArgs& a) {
+  const size_t gc = (size_t)a.gates * a.cols, n = (size_t)a.rows * gc;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / gc, rem = i % gc;
+    const int g = (int)(rem / a.cols), c = (int)(rem % a.cols);
+    const void* s = g == 0 ? a.src[0] : g == 1 ? a.src[1] : g == 2 ? a.src[2] : a.src[3];
+    reinterpret_cast<E*>(a.dst)[i] = reinterpret_cast<const E*>(s)[r * a.cols + c];
+  }
+}
+
+extern "C" __global__ void rnn_pack_b2(const RnnPackArgs a) { rnn_pack<unsigned short>(a); }
+extern "C" __global__ void rnn_pack_b4(const RnnPackArgs a) { rnn_pack<unsigned>(a); }
+
+struct RnnStepArgs {
+  const float* xp;      // {B, T, G*H} f32 input projection (no bias)
+  const float* hr;      // {B, G*H} f32 recurrent product h_{t-1} . Wh, or null when h_{t-1} = 0
+  const void* bias[4];  // {H} each: bi,bf,bg,bo / br,bz,bin,bhn
+  const void* hprev;    // h_{t-1}, rows of H with stride hprev_ld (GRU only), or null (zeros)
+  const void* c0;       // {B, H} initial cell state for the first step (LSTM), or null (zeros)
+  float* c;             // {B, H} f32 cell state carried between steps (LSTM)
+  void* seq;            // {B, T, H}
+  void* h_out;          // {B, H}, written on the last step only (else null)
+  void* c_out;          // {B, H}, written on the last step only (LSTM, else null)
+  long long hprev_ld;
+  int B, T, H, t, first;
+};
+
+__device__ __forceinline__ float rnn_b_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+template <typename T>
+__device__ __forceinline__ float rnn_b_ld(const void* p, size_t i) {
+  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
+}
+
+template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const RnnStepArgs& a) {
+  constexpr int G = LSTM ? 4 : 3;
+  const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (i >= (size_t)a.B * a.H) return;
+  const int H = a.H, j = (int)(i % H);
+  const size_t b = i / H;
+  const float* xr = a.xp + (b * a.T + a.t) * G * H + j;
+  const float* hrr = a.hr ? a.hr + b * G * H + j : nullptr;
+  float pre[G], rec[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const void* bp = g == 0 ? a.bias[0] : g == 1 ? a.bias[1] : g == 2 ? a.bias[2] : a.bias[3];
+    pre[g] = xr[(size_t)g * H] + rnn_b_ld<T>(bp, j);
+    rec[g] = hrr ? hrr[(size_t)g * H] : 0.0f;
+  }
+  float h, cell = 0.0f;
+  if (LSTM) {
+    const float c_prev =
+        a.first ? (a.c0 ? rnn_b_ld<T>(a.c0, i) : 0.0f) : a.c[i];
+    const float ig = rnn_b_sigmoid(pre[0] + rec[0]);
+    const float fg = rnn_b_sigmoid(pre[1] + rec[1]);
+    const float gg = tanhf(pre[2] + rec[2]);
+    const float og = rnn_b_sigmoid(pre[LSTM ? 3 : 0] + rec[LSTM ? 3 : 0]);
+    cell = fg * c_prev + ig * gg;
+    a.c[i] = cell;
+    h = og * tanhf(cell);
+  } else {
+    const float hp = a.hprev ? rnn_b_ld<T>(a.hprev, b * a.hprev_ld + j) : 0.0f;
+    const float r = rnn_b_sigmoid(pre[0] + rec[0]);
+    const float z = rnn_b_sigmoid(pre[1] + rec[1]);
+    // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
+    const float n = tanhf(pre[2] + r * (rec[2] + rnn_b_ld<T>(a.bias[3], j)));
+    h = (1.0f - z) * n + z * hp;
+  }
+  const T hv = fk_from_f32<T>(h);
+  reinterpret_cast<T*>(a.seq)[(b * a.T + a.t) * H + j] = hv;
+  if (a.h_out) reinterpret_cast<T*>(a.h_out)[i] = hv;
+  if (LSTM && a.c_out) reinterpret_cast<T*>(a.c_out)[i] = fk_from_f32<T>(cell);
+}
+
+#define RNN_STEP_KERNEL(T, TN, LSTM, CN)                                     \
+  extern "C" __global__ void __launch_bounds__(RNN_STEP_THREADS)             \
+      rnn_step_##CN##_##TN(const RnnStepArgs a) {                            \
+    rnn_step<T, LSTM>(a);                                                    \
+  }
+#define RNN_STEP_KERNELS(T, TN) RNN_STEP_KERNEL(T, TN, true, lstm) RNN_STEP_KERNEL(T, TN, false, gru)
+
+RNN_STEP_KERNELS(float, f32)
+RNN_STEP_KERNELS(fk_f16, f16)
+RNN_STEP_KERNELS(fk_bf16, bf16)
