@@ -9,10 +9,12 @@ Usage: FUSED_KERNELS_EXPORT_DIR=DIR python3 bench/gpu/side_backbone.py BENCH_JSO
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import wall_ms  # noqa: E402
 
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -71,20 +73,6 @@ class Backbone(torch.nn.Module):
             new.append(s)
             x = self.norms[l + 1](x)
         return x[:, -1], new
-
-
-def wall_us(fn, warm=20, rep=300):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e6)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 F = torch.nn.functional
@@ -192,7 +180,7 @@ for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:
         _, state = m(host_frame.cuda()) if kind in GATES else m(host_frame.cuda(), m.init_state())
         for mode, fn in [("window", lambda: m(host_win.cuda())[0].cpu()),
                          ("frame", lambda: m(host_frame.cuda(), state)[0].cpu())]:
-            t = wall_us(fn)
+            t = wall_ms(fn, warm=20, rep=300) * 1e3
             r = ours.get((f"backbone {kind} {mode}", "cuda"))
             mine = r["median_ms"] * 1e3 if r else float("nan")
             print(json.dumps(dict(case=f"backbone {kind} {mode}", ours_us=mine, torch_us=t, ratio=t / mine, max_abs_diff=diff)))
