@@ -168,6 +168,16 @@ defmodule FusedKernels.MambaBlock do
 
     @doc "Pure Nx, as a composition of plain Nx ops (f32 inside; works inside `defn`)."
     def nx(x, params, opts \\ []) do
+      {out, nil} = nx_with_state(x, params, nil, opts)
+      out
+    end
+
+    @doc """
+    `nx/3` continuing from a carried state `{conv_state, ssm_state}` (`{batch, k - 1, inner}`
+    earlier conv inputs, `{batch, inner, state}`), for streaming: returns `{out, next_state}`.
+    With `nil` the conv sees zero padding and the scan starts from zeros (`{out, nil}`).
+    """
+    def nx_with_state(x, params, state, opts \\ []) do
       opts =
         Keyword.merge(
           [
@@ -207,7 +217,7 @@ defmodule FusedKernels.MambaBlock do
         end)
 
       type = Nx.type(x)
-      {batch, seq, _hidden} = Nx.shape(x)
+      seq = elem(Nx.shape(x), 1)
       x32 = Nx.as_type(x, {:f, 32})
       dense = fn t, w, b -> if b, do: Nx.add(Nx.dot(t, w), b), else: Nx.dot(t, w) end
 
@@ -217,7 +227,8 @@ defmodule FusedKernels.MambaBlock do
       xs = xz[[.., .., 0..(inner - 1)]]
       z = xz[[.., .., inner..(2 * inner - 1)]]
 
-      # Depthwise causal conv: tap j multiplies step t - (k-1) + j.
+      # Depthwise causal conv: tap j multiplies step t - (k-1) + j; the steps before the
+      # chunk are the carried conv inputs, or zeros.
       taps =
         case Nx.shape(conv) do
           {k, 1, ^inner} -> Nx.reshape(conv, {k, inner})
@@ -225,11 +236,16 @@ defmodule FusedKernels.MambaBlock do
         end
 
       k = elem(Nx.shape(taps), 0)
-      padded = Nx.pad(xs, 0.0, [{0, 0, 0}, {k - 1, 0, 0}, {0, 0, 0}])
+
+      inputs =
+        case state do
+          nil -> Nx.pad(xs, 0.0, [{0, 0, 0}, {k - 1, 0, 0}, {0, 0, 0}])
+          {conv_state, _} -> Nx.concatenate([conv_state, xs], axis: 1)
+        end
 
       conv_out =
         Enum.reduce(0..(k - 1), if(b_conv, do: b_conv, else: 0.0), fn j, acc ->
-          Nx.add(acc, Nx.multiply(padded[[.., j..(j + seq - 1)]], taps[j]))
+          Nx.add(acc, Nx.multiply(inputs[[.., j..(j + seq - 1)]], taps[j]))
         end)
 
       xc = Nx.multiply(conv_out, Nx.sigmoid(conv_out))
@@ -238,25 +254,38 @@ defmodule FusedKernels.MambaBlock do
       dt = xc |> dense.(w_dtr, b_dtr) |> Nx.dot(w_dtp)
       a = a || Nx.negate(Nx.add(Nx.iota({inner, n}, axis: 1, type: {:f, 32}), 1))
 
-      y =
-        FusedKernels.SelectiveScan.nx(
+      scan_opts = [
+        d: d,
+        z: z,
+        delta_bias: b_dtp,
+        delta_softplus: true,
+        delta_clip: {opts[:dt_min], opts[:dt_max]},
+        b_discretization: opts[:b_discretization]
+      ]
+
+      scan =
+        &FusedKernels.SelectiveScan.nx(
           xc,
           dt,
           a,
           bc[[.., .., 0..(n - 1)]],
           bc[[.., .., n..(2 * n - 1)]],
-          d: d,
-          z: z,
-          delta_bias: b_dtp,
-          delta_softplus: true,
-          delta_clip: {opts[:dt_min], opts[:dt_max]},
-          b_discretization: opts[:b_discretization]
+          &1
         )
+
+      {y, next} =
+        case state do
+          nil ->
+            {scan.(scan_opts), nil}
+
+          {_, ssm_state} ->
+            {y, last} = scan.(scan_opts ++ [initial_state: ssm_state, return_last_state: true])
+            {y, {inputs[[.., seq..-1//1]], last}}
+        end
 
       out = dense.(y, w_out, b_out)
       out = if opts[:residual], do: Nx.add(out, x32), else: out
-      _ = batch
-      Nx.as_type(out, type)
+      {Nx.as_type(out, type), next}
     end
   end
 

@@ -5,8 +5,8 @@ if Code.ensure_loaded?(Nx) do
     # `FusedKernels.Backbone`), and the attention function the Axon model wraps in
     # `Axon.layer`. Same layer plan and state layout as `FusedKernels.Backbone.Fused`.
 
-    alias FusedKernels.{FlashAttention, MambaBlock, Norm, SelectiveScan}
-    alias FusedKernels.Backbone.{Fused, Spec}
+    alias FusedKernels.{FlashAttention, MambaBlock, Norm}
+    alias FusedKernels.Backbone.Fused
 
     def predict(spec, w, window) do
       x = dense(window, w["input_proj"])
@@ -50,8 +50,12 @@ if Code.ensure_loaded?(Nx) do
       opts = [name: name, eps: spec.mamba_norm_eps, residual: true]
 
       case stream do
-        nil -> {MambaBlock.nx(x, w, opts), nil}
-        {_, {:mamba, conv, ssm}} -> mamba_step(x, w, conv, ssm, opts)
+        nil ->
+          {MambaBlock.nx(x, w, opts), nil}
+
+        {_, {:mamba, conv, ssm}} ->
+          {y, {conv, ssm}} = MambaBlock.nx_with_state(x, w, {conv, ssm}, opts)
+          {y, {:mamba, conv, ssm}}
       end
     end
 
@@ -109,64 +113,6 @@ if Code.ensure_loaded?(Nx) do
     defp qk(x) do
       d = elem(Nx.shape(x), 3)
       Norm.nx(:layer_norm, x, Nx.broadcast(1.0, {d}), Nx.broadcast(0.0, {d}), eps: 1.0e-6)
-    end
-
-    # One chunk of a Mamba block from a carried (conv, ssm) state; the same maths as
-    # `MambaBlock.nx`, with the conv reading the carried inputs instead of zero padding.
-    defp mamba_step(x, params, conv_state, ssm_state, opts) do
-      [
-        gamma,
-        beta,
-        w_in,
-        b_in,
-        conv,
-        b_conv,
-        w_bc,
-        b_bc,
-        w_dtr,
-        b_dtr,
-        w_dtp,
-        b_dtp,
-        a,
-        d,
-        w_out,
-        b_out
-      ] = MambaBlock.weights(params, opts[:name])
-
-      x32 = Nx.as_type(x, {:f, 32})
-      aff = fn t, w, b -> if b, do: Nx.add(Nx.dot(t, w), b), else: Nx.dot(t, w) end
-      xz = aff.(Norm.nx(:layer_norm, x32, gamma, beta, eps: opts[:eps]), w_in, b_in)
-      {_, seq, two_inner} = Nx.shape(xz)
-      inner = div(two_inner, 2)
-      {xs, z} = {xz[[.., .., 0..(inner - 1)]], xz[[.., .., inner..-1//1]]}
-      km1 = elem(Nx.shape(conv_state), 1)
-      all = Nx.concatenate([conv_state, xs], axis: 1)
-      taps = Nx.reshape(conv, {km1 + 1, inner})
-
-      conv_out =
-        Enum.reduce(0..km1, if(b_conv, do: b_conv, else: 0.0), fn j, acc ->
-          Nx.add(acc, Nx.multiply(all[[.., j..(j + seq - 1)]], taps[j]))
-        end)
-
-      xc = Nx.multiply(conv_out, Nx.sigmoid(conv_out))
-      bc = aff.(xc, w_bc, b_bc)
-      n = div(elem(Nx.shape(bc), 2), 2)
-      dt = xc |> aff.(w_dtr, b_dtr) |> Nx.dot(w_dtp)
-      a = a || Nx.negate(Nx.add(Nx.iota({inner, n}, axis: 1, type: {:f, 32}), 1))
-
-      {y, last} =
-        SelectiveScan.nx(xc, dt, a, bc[[.., .., 0..(n - 1)]], bc[[.., .., n..-1//1]],
-          d: d,
-          z: z,
-          delta_bias: b_dtp,
-          delta_softplus: true,
-          delta_clip: {0.001, 0.1},
-          initial_state: ssm_state,
-          return_last_state: true
-        )
-
-      out = Nx.add(aff.(y, w_out, b_out), x32)
-      {out, {:mamba, all[[.., seq..-1//1]], last}}
     end
 
     defp dense(x, p), do: Nx.add(Nx.dot(x, p["kernel"]), p["bias"])
