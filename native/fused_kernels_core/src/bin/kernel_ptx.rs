@@ -4,6 +4,7 @@
 //! shared-memory and spill report. Needs libnvrtc.so.13 (no GPU).
 //!
 //! Usage: kernel_ptx OUT_DIR [sm_XY ...]
+//! `FK_KERNELS=name,name` limits the run to those kernel files (for a quick look while tuning).
 
 use fused_kernels_core::cuda::nvrtc::{compile, version, Target};
 use fused_kernels_core::kernels::ALL;
@@ -30,7 +31,16 @@ fn main() -> ExitCode {
     let (major, minor) = version().unwrap_or((0, 0));
     println!("NVRTC {major}.{minor}");
     let mut failed = false;
+    let only: Option<Vec<String>> = std::env::var("FK_KERNELS")
+        .ok()
+        .map(|v| v.split(',').map(str::to_string).collect());
     for kernel in ALL {
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.iter().any(|n| n == kernel.name))
+        {
+            continue;
+        }
         for arch in &archs {
             let started = std::time::Instant::now();
             // Both outputs: the cubin proves the real-architecture build the runtime does.

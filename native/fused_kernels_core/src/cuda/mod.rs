@@ -9,6 +9,7 @@ pub mod buffer;
 pub mod cache;
 pub mod gemm;
 pub mod nvrtc;
+pub mod timing;
 
 use crate::error::{Error, Result};
 use crate::kernels::Kernel;
