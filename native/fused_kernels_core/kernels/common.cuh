@@ -68,3 +68,36 @@ __device__ __forceinline__ float fk_block_sum(float v, float* scratch) {
   v = lane < warps ? scratch[lane] : 0.0f;
   return fk_warp_sum(v);
 }
+
+// Asynchronous global -> shared copies (cp.async, sm_80+). Before sm_80 the same calls copy
+// synchronously, so a kernel written as a cp.async pipeline stays correct there (its barriers
+// already order the copies before their use).
+__device__ __forceinline__ unsigned fk_smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// 16 bytes, zero-filled when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fk_smem_addr(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+// 4 bytes (for rows that are not 16-byte aligned).
+__device__ __forceinline__ void fk_cp4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(fk_smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void fk_cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void fk_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+#else
+__device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ void fk_cp4(void* dst, const void* src) {
+  *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
+}
+__device__ __forceinline__ void fk_cp_commit() {}
+template <int N> __device__ __forceinline__ void fk_cp_wait() {}
+#endif

@@ -166,31 +166,15 @@ FA_FFMA_ALL(bf16, fk_bf16)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ unsigned fa_smem_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16 bytes global -> shared, zero-filled when !valid (src-size 0 reads nothing).
-__device__ __forceinline__ void fa_cp16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fa_smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void fa_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
 __device__ __forceinline__ void fa_ldm_x4(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fa_smem_addr(p)));
+               : "r"(fk_smem_addr(p)));
 }
 __device__ __forceinline__ void fa_ldm_x4_t(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fa_smem_addr(p)));
+               : "r"(fk_smem_addr(p)));
 }
 
 template <typename T> struct FaMma;
@@ -236,7 +220,7 @@ __device__ __forceinline__ void fa_load_tile(unsigned short* dst, const unsigned
     const int r = e / CHUNKS, c = (e % CHUNKS) * 8;
     const bool valid = r0 + r < limit && c < d;
     const unsigned short* g = valid ? src + (long long)(r0 + r) * row_stride + c : src;
-    fa_cp16(dst + r * P + c, g, valid);
+    fk_cp16(dst + r * P + c, g, valid);
   }
 }
 
@@ -269,7 +253,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
     fa_load_tile<DP, P, BK>(Ks, kb, a.k_ss, t0 * BK, a.sk, a.d);
     fa_load_tile<DP, P, BK>(Vs, vb, a.k_ss, t0 * BK, a.sk, a.d);
   }
-  fa_cp_commit();
+  fk_cp_commit();
 
   float acc[MT][DT][4], m[MT][2], l[MT][2];
 #pragma unroll
@@ -291,10 +275,10 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
     if (kt < t1) {  // prefetch the next tile into the other buffer
       fa_load_tile<DP, P, BK>(Ks + (buf ^ 1) * BK * P, kb, a.k_ss, (kt + 1) * BK, a.sk, a.d);
       fa_load_tile<DP, P, BK>(Vs + (buf ^ 1) * BK * P, vb, a.k_ss, (kt + 1) * BK, a.sk, a.d);
-      fa_cp_commit();
-      fa_cp_wait<1>();
+      fk_cp_commit();
+      fk_cp_wait<1>();
     } else {
-      fa_cp_wait<0>();
+      fk_cp_wait<0>();
     }
     __syncthreads();
     const unsigned short* Kt = Ks + buf * BK * P;

@@ -6,12 +6,13 @@
 //                                                              or mean over channels of dt
 //   y_t = sum_n x_t * C_t[n] + D[d] * u_t;   out_t = y_t * silu(z_t) when z is given.
 //
-// Work split: a block owns one batch row and up to `cpb` channels of one B/C group; each
-// channel's states live in the registers of `tpc` neighbouring threads (NPT states each), so
-// the time loop touches no global memory. The sequence is walked in chunks of `chunk` steps:
-// the block stages that chunk's u, dt (bias/softplus/clip done once here), silu(z), B and C in
-// shared memory with 16-byte loads where the layout allows, then every thread runs the chunk
-// from shared memory. Output goes straight to global memory (coalesced across channels).
+// Work split: a block owns one batch row and `cpb` channels of one B/C group; each channel's
+// states live in the registers of `tpc` neighbouring lanes (NPT states each), so the time loop
+// touches no global memory. The sequence is walked in chunks of `chunk` steps through a
+// two-stage cp.async pipeline: while the block computes chunk k from shared memory, chunk k+1's
+// u, delta, z, B and C are already on their way (16-byte copies where the layout allows). The
+// recurrence writes y to shared memory; a separate pass over the chunk adds D·u, applies
+// silu(z) once per element (not once per lane) and stores the chunk with vector stores.
 
 struct FkScanArgs {
   unsigned long long u, delta, a, b, c, d, z, delta_bias, h0, mean_dt, out, h_last;
@@ -20,6 +21,7 @@ struct FkScanArgs {
   float dt_min, dt_max;
   int chunk, tpc, cpb, npad;  // npad = tpc * NPT, the padded state row in shared memory
   int bc_row;                 // elements between B (and C) rows of consecutive steps
+  int vec_x, vec_bc;          // 1 when u/delta/z (resp. B/C) rows allow 16-byte copies
 };
 
 #define FK_LOG2E 1.4426950408889634f
@@ -31,77 +33,167 @@ __device__ __forceinline__ float fk_dt_transform(float dt, const FkScanArgs& p) 
   return dt;
 }
 
-// 16 bytes of T as floats (4 f32 or 8 f16/bf16) in one vector load, unpacked in registers.
-__device__ __forceinline__ void fk_load16(const float* src, float* dst) {
-  const float4 v = *reinterpret_cast<const float4*>(src);
-  dst[0] = v.x;
-  dst[1] = v.y;
-  dst[2] = v.z;
-  dst[3] = v.w;
-}
-template <typename T>
-__device__ __forceinline__ T fk_bits16(unsigned v) {
-  T r;
-  r.bits = (unsigned short)(v & 0xffffu);
+__device__ __forceinline__ float fk_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+
+__device__ __forceinline__ unsigned fk_align16(unsigned bytes) { return (bytes + 15u) & ~15u; }
+
+// Byte offsets of one chunk's inputs inside a pipeline stage (raw element type; `m`, the
+// mean dt, only in mean-dt mode). Offsets, not pointers, so that picking the stage is one
+// add and no array of pointers lands in local memory.
+struct FkScanLayout {
+  unsigned dt, z, b, c, m, bytes;
+};
+
 template <typename T>
-__device__ __forceinline__ void fk_load16(const T* src, float* dst) {
-  const uint4 v = *reinterpret_cast<const uint4*>(src);
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    dst[2 * k] = fk_to_f32(fk_bits16<T>(w[k]));
-    dst[2 * k + 1] = fk_to_f32(fk_bits16<T>(w[k] >> 16));
+__device__ __forceinline__ FkScanLayout fk_scan_layout(const FkScanArgs& p) {
+  const unsigned xs = fk_align16(sizeof(T) * p.chunk * p.cpb);
+  const unsigned bs = fk_align16(sizeof(T) * p.chunk * p.npad);
+  FkScanLayout l;
+  l.dt = xs;
+  l.z = 2 * xs;
+  l.b = 2 * xs + (p.z ? xs : 0);
+  l.c = l.b + bs;
+  l.m = l.c + bs;
+  l.bytes = l.m + (p.mean_mode ? fk_align16(sizeof(float) * p.chunk) : 0);
+  return l;
+}
+
+template <typename T>
+struct FkScanStage {
+  T *u, *dt, *z, *b, *c;
+  float* m;
+  __device__ __forceinline__ FkScanStage(char* base, const FkScanLayout& l)
+      : u(reinterpret_cast<T*>(base)),
+        dt(reinterpret_cast<T*>(base + l.dt)),
+        z(reinterpret_cast<T*>(base + l.z)),
+        b(reinterpret_cast<T*>(base + l.b)),
+        c(reinterpret_cast<T*>(base + l.c)),
+        m(reinterpret_cast<float*>(base + l.m)) {}
+};
+
+// Copies `len` rows of `n` elements (global row stride `stride`, shared row stride `sstride`).
+// 16-byte copies when `vec`, 4-byte copies for f32 otherwise, plain loads for unaligned
+// 16-bit rows (then the copy is synchronous, still ordered by the barrier before use).
+template <typename T>
+__device__ __forceinline__ void fk_copy_rows(T* dst, int sstride, const T* src, long long stride,
+                                             int len, int n, bool vec) {
+  if (vec) {
+    constexpr int V = 16 / sizeof(T);
+    const int vecs = n / V;
+    for (int k = threadIdx.x; k < len * vecs; k += blockDim.x) {
+      const int i = k / vecs, e = (k % vecs) * V;
+      fk_cp16(dst + i * sstride + e, src + i * stride + e, true);
+    }
+  } else {
+    for (int k = threadIdx.x; k < len * n; k += blockDim.x) {
+      const int i = k / n, e = k % n;
+      if (sizeof(T) == 4) {
+        fk_cp4(dst + i * sstride + e, src + i * stride + e);
+      } else {
+        dst[i * sstride + e] = src[i * stride + e];
+      }
+    }
   }
 }
 
-// V consecutive elements of T as floats: one 16-byte load when V * sizeof(T) == 16.
-template <typename T, int V>
-__device__ __forceinline__ void fk_load_v(const T* __restrict__ src, float* dst) {
-  if (V * sizeof(T) == 16) {
-    fk_load16(src, dst);
+template <typename T>
+__device__ __forceinline__ void fk_scan_issue(const FkScanArgs& p, FkScanStage<T> s, int bi,
+                                              int t0, int len, int c0, int nc, int g) {
+  const long long row = (long long)bi * p.seq + t0;
+  const T* u = reinterpret_cast<const T*>(p.u) + row * p.dim + c0;
+  const T* dt = reinterpret_cast<const T*>(p.delta) + row * p.dim + c0;
+  fk_copy_rows(s.u, p.cpb, u, p.dim, len, nc, p.vec_x);
+  fk_copy_rows(s.dt, p.cpb, dt, p.dim, len, nc, p.vec_x);
+  if (p.z) {
+    const T* z = reinterpret_cast<const T*>(p.z) + row * p.dim + c0;
+    fk_copy_rows(s.z, p.cpb, z, p.dim, len, nc, p.vec_x);
+  }
+  const long long bc = row * p.bc_row + (long long)g * p.state;
+  fk_copy_rows(s.b, p.npad, reinterpret_cast<const T*>(p.b) + bc, p.bc_row, len, p.state, p.vec_bc);
+  fk_copy_rows(s.c, p.npad, reinterpret_cast<const T*>(p.c) + bc, p.bc_row, len, p.state, p.vec_bc);
+  if (p.mean_mode) {
+    const float* m = reinterpret_cast<const float*>(p.mean_dt) + row;
+    for (int k = threadIdx.x; k < len; k += blockDim.x) fk_cp4(s.m + k, m + k);
+  }
+}
+
+// NPT consecutive elements of a shared row as floats (vector loads for f32).
+template <typename T, int NPT>
+__device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
+  if (sizeof(T) == 4 && NPT % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < NPT; j += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(src) + j);
+      dst[j] = v.x;
+      dst[j + 1] = v.y;
+      dst[j + 2] = v.z;
+      dst[j + 3] = v.w;
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < V; ++k) dst[k] = fk_to_f32(src[k]);
+    for (int j = 0; j < NPT; ++j) dst[j] = fk_to_f32(src[j]);
   }
 }
 
-// Stages u, dt and silu(z) of `len` steps x `nc` channels (row stride cpb) into shared memory.
-template <typename T, int V>
-__device__ __forceinline__ void fk_scan_stage_x(const FkScanArgs& p, int bi, int t0, int len,
-                                                int c0, int nc, float* s_u, float* s_dt,
-                                                float* s_z) {
-  const T* u = reinterpret_cast<const T*>(p.u);
-  const T* delta = reinterpret_cast<const T*>(p.delta);
-  const T* z = reinterpret_cast<const T*>(p.z);
-  const float* bias = reinterpret_cast<const float*>(p.delta_bias);
-  const int vecs = nc / V;
-  // Unrolled so several iterations' loads are in flight before the first shared store.
-#pragma unroll 4
-  for (int k = threadIdx.x; k < len * vecs; k += blockDim.x) {
-    const int i = k / vecs, c = (k % vecs) * V;
-    const long long idx = ((long long)bi * p.seq + t0 + i) * p.dim + c0 + c;
-    float uu[V], dd[V];
-    fk_load_v<T, V>(u + idx, uu);
-    fk_load_v<T, V>(delta + idx, dd);
+// 16 bytes of T from floats in one vector store (4 f32 or 8 f16/bf16).
+__device__ __forceinline__ void fk_store16(float* dst, const float* v) {
+  *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <typename T>
+__device__ __forceinline__ void fk_store16(T* dst, const float* v) {
+  unsigned w[4];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      s_u[i * p.cpb + c + e] = uu[e];
-      s_dt[i * p.cpb + c + e] = fk_dt_transform(dd[e] + (bias ? bias[c0 + c + e] : 0.0f), p);
-    }
-    if (z) {
-      float zz[V];
-      fk_load_v<T, V>(z + idx, zz);
+  for (int k = 0; k < 4; ++k)
+    w[k] = fk_from_f32<T>(v[2 * k]).bits | ((unsigned)fk_from_f32<T>(v[2 * k + 1]).bits << 16);
+  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Steps i0 .. i0+U-1 of the chunk for this lane's NPT states; the channel's y (summed over its
+// tpc lanes) goes to s_y.
+template <typename T, int NPT, int U>
+__device__ __forceinline__ void fk_scan_steps(int i0, const FkScanStage<T>& s, const float* dtp,
+                                              float* s_y, float (&x)[NPT], const float (&a2)[NPT],
+                                              int cpb, int NP, int lc, int part, int tpc,
+                                              int mean_mode) {
+  float dt[U], w[U], y[U], bt[U][NPT], ct[U][NPT];
 #pragma unroll
-      for (int e = 0; e < V; ++e) s_z[i * p.cpb + c + e] = zz[e] / (1.0f + expf(-zz[e]));
+  for (int k = 0; k < U; ++k) {
+    const int i = i0 + k;
+    dt[k] = dtp[i * cpb + lc];
+    w[k] = (mean_mode ? s.m[i] : dt[k]) * fk_to_f32(s.u[i * cpb + lc]);
+    fk_load_row<T, NPT>(s.b + i * NP + part * NPT, bt[k]);
+    fk_load_row<T, NPT>(s.c + i * NP + part * NPT, ct[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    y[k] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+      x[j] = fk_ex2(dt[k] * a2[j]) * x[j] + w[k] * bt[k][j];
+      y[k] += x[j] * ct[k][j];
     }
+  }
+  // Sum each step's partial dot products over the channel's tpc lanes (aligned lane groups).
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) {
+    if (o < tpc) {
+#pragma unroll
+      for (int k = 0; k < U; ++k) y[k] += __shfl_xor_sync(0xffffffffu, y[k], o);
+    }
+  }
+  if (part == 0) {
+#pragma unroll
+    for (int k = 0; k < U; ++k) s_y[(i0 + k) * cpb + lc] = y[k];
   }
 }
 
 template <typename T, int NPT>
 __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
-  extern __shared__ float fk_smem[];
+  extern __shared__ __align__(16) char fk_smem[];
   const int tpc = p.tpc, cpb = p.cpb, N = p.state, NP = p.npad, CH = p.chunk;
   const int dg = p.dim / p.groups;
   const int blocks_per_group = (dg + cpb - 1) / cpb;
@@ -110,18 +202,32 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   const int nc = min(cpb, g * dg + dg - c0);
   const int bi = blockIdx.y;
 
-  float* s_u = fk_smem;
-  float* s_dt = s_u + CH * cpb;
-  float* s_z = s_dt + CH * cpb;
-  float* s_b = s_z + (p.z ? CH * cpb : 0);
-  float* s_c = s_b + CH * NP;
-  float* s_m = s_c + CH * NP;
+  // Two stages, then the transformed dt and the recurrence's y of the chunk being computed.
+  const FkScanLayout lay = fk_scan_layout<T>(p);
+  const unsigned stage_bytes = lay.bytes;
+  float* s_dtf = reinterpret_cast<float*>(fk_smem + 2 * stage_bytes);
+  float* s_y = s_dtf + CH * cpb;
+  // The dt pass is skipped when raw f32 deltas are already what the recurrence needs.
+  const bool xform = sizeof(T) != 4 || p.softplus || p.clip || p.delta_bias;
+
+  // Padded state columns (n >= N) must read as zero in B and C; copies never write them.
+  if (NP > N) {
+    for (int k = threadIdx.x; k < 2 * CH * (NP - N); k += blockDim.x) {
+      const int s = k / (CH * (NP - N)), r = k % (CH * (NP - N));
+      const int i = r / (NP - N), n = N + r % (NP - N);
+      const FkScanStage<T> z(fk_smem + s * stage_bytes, lay);
+      z.b[i * NP + n] = fk_from_f32<T>(0.0f);
+      z.c[i * NP + n] = fk_from_f32<T>(0.0f);
+    }
+  }
 
   const int lc = threadIdx.x / tpc, part = threadIdx.x % tpc;
   const int d = c0 + lc;
   const bool active = lc < nc;
   const float* A = reinterpret_cast<const float*>(p.a);
   const float* h0 = reinterpret_cast<const float*>(p.h0);
+  const float* dskip = reinterpret_cast<const float*>(p.d);
+  const float* bias = reinterpret_cast<const float*>(p.delta_bias);
   float a2[NPT], x[NPT];
 #pragma unroll
   for (int j = 0; j < NPT; ++j) {
@@ -130,53 +236,66 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     a2[j] = live ? A[(long long)d * N + n] * FK_LOG2E : 0.0f;
     x[j] = live && h0 ? h0[((long long)bi * p.dim + d) * N + n] : 0.0f;
   }
-  const float dskip = (active && p.d) ? reinterpret_cast<const float*>(p.d)[d] : 0.0f;
-  const T* Bg = reinterpret_cast<const T*>(p.b);
-  const T* Cg = reinterpret_cast<const T*>(p.c);
   T* out = reinterpret_cast<T*>(p.out);
-  // 16-byte loads of u/delta/z when this block's channel run is whole vectors.
-  const int V = 16 / sizeof(T);
-  const bool vec = (p.dim % V == 0) && (c0 % V == 0) && (nc % V == 0);
+  const T* zg = reinterpret_cast<const T*>(p.z);
+  constexpr int V = 16 / sizeof(T);
+  const int chunks = (p.seq + CH - 1) / CH;
 
-  for (int t0 = 0; t0 < p.seq; t0 += CH) {
-    const int len = min(CH, p.seq - t0);
-    __syncthreads();  // the previous chunk is fully consumed
-    if (vec) {
-      fk_scan_stage_x<T, 16 / sizeof(T)>(p, bi, t0, len, c0, nc, s_u, s_dt, s_z);
-    } else {
-      fk_scan_stage_x<T, 1>(p, bi, t0, len, c0, nc, s_u, s_dt, s_z);
-    }
-#pragma unroll 4
-    for (int k = threadIdx.x; k < len * NP; k += blockDim.x) {
-      const int i = k / NP, n = k % NP;
-      const long long idx = ((long long)bi * p.seq + t0 + i) * p.bc_row + g * N + n;
-      s_b[k] = n < N ? fk_to_f32(Bg[idx]) : 0.0f;
-      s_c[k] = n < N ? fk_to_f32(Cg[idx]) : 0.0f;
-    }
-    if (p.mean_mode) {
-      const float* m = reinterpret_cast<const float*>(p.mean_dt);
-      for (int k = threadIdx.x; k < len; k += blockDim.x) s_m[k] = m[(long long)bi * p.seq + t0 + k];
-    }
-    __syncthreads();
-    // Inactive lanes run the loop too (their reads stay inside shared memory, they store
-    // nothing), so every lane of a warp reaches the shuffles.
-    for (int i = 0; i < len; ++i) {
-      const float dt = s_dt[i * cpb + lc], uu = s_u[i * cpb + lc];
-      const float w = (p.mean_mode ? s_m[i] : dt) * uu;
-      const float* bt = s_b + i * NP + part * NPT;
-      const float* ct = s_c + i * NP + part * NPT;
-      float y = 0.0f;
-#pragma unroll
-      for (int j = 0; j < NPT; ++j) {
-        x[j] = exp2f(dt * a2[j]) * x[j] + w * bt[j];
-        y += x[j] * ct[j];
+  fk_scan_issue<T>(p, FkScanStage<T>(fk_smem, lay), bi, 0, min(CH, p.seq), c0, nc, g);
+  fk_cp_commit();
+  for (int k = 0; k < chunks; ++k) {
+    const int t0 = k * CH, len = min(CH, p.seq - t0);
+    const FkScanStage<T> s = FkScanStage<T>(fk_smem + (k & 1) * stage_bytes, lay);
+    fk_cp_wait<0>();
+    __syncthreads();  // chunk k visible to all; chunk k-1 (its stage, s_dtf, s_y) consumed
+    if (k + 1 < chunks)
+      fk_scan_issue<T>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
+                       t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
+    fk_cp_commit();
+    const float* dtp = reinterpret_cast<const float*>(s.dt);
+    if (xform) {
+      for (int e = threadIdx.x; e < len * cpb; e += blockDim.x) {
+        const int c = e % cpb;
+        s_dtf[e] = c < nc ? fk_dt_transform(fk_to_f32(s.dt[e]) + (bias ? bias[c0 + c] : 0.0f), p)
+                          : 0.0f;
       }
-      // Sum the channel's partial dot products over its tpc lanes (aligned groups in a warp).
-      for (int o = 1; o < tpc; o <<= 1) y += __shfl_xor_sync(0xffffffffu, y, o, tpc);
-      if (active && part == 0) {
-        float r = y + dskip * uu;
-        if (p.z) r *= s_z[i * cpb + lc];
-        out[((long long)bi * p.seq + t0 + i) * p.dim + d] = fk_from_f32<T>(r);
+      __syncthreads();
+      dtp = s_dtf;
+    }
+    // U steps at a time: their loads, exponentials and lane reductions are independent, so
+    // they overlap; only the x update is a chain. Inactive lanes run the loop too (their reads
+    // stay inside shared memory, they store nothing), so every lane reaches the shuffles.
+    constexpr int U = NPT >= 16 ? 2 : NPT >= 8 ? 4 : 8;
+    int i = 0;
+    for (; i + U <= len; i += U)
+      fk_scan_steps<T, NPT, U>(i, s, dtp, s_y, x, a2, cpb, NP, lc, part, tpc, p.mean_mode);
+    for (; i < len; ++i)
+      fk_scan_steps<T, NPT, 1>(i, s, dtp, s_y, x, a2, cpb, NP, lc, part, tpc, p.mean_mode);
+    __syncthreads();
+    // Output pass: y + D·u, gated by silu(z), V channels per thread with one vector store.
+    const long long row = (long long)bi * p.seq + t0;
+    const int vn = p.vec_x ? V : 1;
+    for (int e = threadIdx.x * vn; e < len * nc; e += blockDim.x * vn) {
+      const int i = e / nc, c = e % nc;
+      float r[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        r[v] = 0.0f;
+        if (v < vn) {
+          float o = s_y[i * cpb + c + v];
+          if (dskip) o += dskip[c0 + c + v] * fk_to_f32(s.u[i * cpb + c + v]);
+          if (zg) {
+            const float zz = fk_to_f32(s.z[i * cpb + c + v]);
+            o *= zz / (1.0f + __expf(-zz));
+          }
+          r[v] = o;
+        }
+      }
+      T* dst = out + (row + i) * p.dim + c0 + c;
+      if (p.vec_x) {
+        fk_store16(dst, r);
+      } else {
+        *dst = fk_from_f32<T>(r[0]);
       }
     }
   }
@@ -206,8 +325,8 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
 }
 
 #define FK_SCAN(NAME, T, NPT)                                                                 \
-  extern "C" __global__ void __launch_bounds__(128, 1)                                         \
-      selective_scan_##NAME##_##NPT(const FkScanArgs p) {                                     \
+  extern "C" __global__ void __launch_bounds__(128, 1) selective_scan_##NAME##_##NPT(          \
+      const FkScanArgs p) {                                                                   \
     fk_scan<T, NPT>(p);                                                                        \
   }
 #define FK_SCAN_ALL(NAME, T)                                                                  \

@@ -403,6 +403,8 @@ pub struct ScanArgs {
     pub cpb: i32,
     pub npad: i32,
     pub bc_row: i32,
+    pub vec_x: i32,
+    pub vec_bc: i32,
 }
 
 unsafe impl DeviceRepr for ScanArgs {}
@@ -419,40 +421,67 @@ pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
 }
 
 /// States per thread and threads per channel: all states in one thread up to 16, split over
-/// up to 16 lanes beyond; small problems split further so enough threads run.
-/// `FUSED_KERNELS_SCAN_NPT` overrides the states per thread (for benchmarking variants).
+/// up to 16 lanes beyond; problems with few channels split further so enough threads run.
+/// `FUSED_KERNELS_SCAN_NPT` sets the states per thread (for benchmarking variants; raised
+/// where needed so that a channel spans at most 16 lanes).
 fn split(g: Geometry) -> (usize, usize) {
-    let mut npt = g.state.next_power_of_two().min(16);
-    if let Some(v) = std::env::var("FUSED_KERNELS_SCAN_NPT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|v| [1, 2, 4, 8, 16].contains(v))
-    {
-        npt = v.min(npt);
+    let fewest = g.state.div_ceil(16).next_power_of_two();
+    let lanes = |npt: usize| g.state.div_ceil(npt).next_power_of_two();
+    if let Some(v) = env_choice("FUSED_KERNELS_SCAN_NPT", &[1, 2, 4, 8, 16]) {
+        let npt = v.max(fewest).min(g.state.next_power_of_two().max(1));
+        return (npt, lanes(npt));
     }
-    let mut tpc = g.state.div_ceil(npt).next_power_of_two();
-    while npt > 4 && tpc < 16 && g.batch * g.dim * tpc < 65536 {
+    let mut npt = g.state.next_power_of_two().min(16);
+    let mut tpc = lanes(npt);
+    // Measured on an H200 (bench/RESULTS.md): 4 states per lane once 16K channels are in
+    // flight; 2 per lane for a few hundred channels (the Mamba block at batch 1).
+    let lanes_wanted = |npt: usize| if npt > 4 { 65536 } else { 8192 };
+    while npt > 2 && tpc < 16 && g.batch * g.dim * tpc < lanes_wanted(npt) {
         npt /= 2;
         tpc *= 2;
     }
-    (npt, tpc.max(g.state.div_ceil(npt).next_power_of_two()))
+    (npt, tpc)
+}
+
+/// A benchmarking override: the variable's value when it is one of `allowed`.
+fn env_choice(name: &str, allowed: &[usize]) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|v| allowed.contains(v))
 }
 
 const THREADS: usize = 128;
+/// Dynamic shared memory a block may take without raising the function's limit.
 const SMEM_LIMIT: usize = 48 * 1024;
+
+fn align16(bytes: usize) -> usize {
+    bytes.div_ceil(16) * 16
+}
+
+/// Shared memory of one block: two pipeline stages of raw inputs, then f32 dt and y rows
+/// (mirrors `fk_scan_stage_bytes` and the layout in selective_scan.cu).
+fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
+    let stage = align16(elem * chunk * cpb) * if z { 3 } else { 2 }
+        + 2 * align16(elem * chunk * npad)
+        + if mean { align16(4 * chunk) } else { 0 };
+    2 * stage + 2 * 4 * chunk * cpb
+}
 
 /// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
 /// `args` carries the pointers and flags; geometry, split and chunking are filled in here.
 pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> Result<()> {
     let tname = kernel_type(dtype, "u")?;
+    let elem = dtype.size();
     let (npt, tpc) = split(g);
     let cpb = THREADS / tpc;
     let npad = npt * tpc;
-    let per_step = 4 * (cpb * (2 + usize::from(args.z != 0)) + 2 * npad + 1);
-    let chunk = [64usize, 32, 16, 8]
-        .into_iter()
-        .find(|c| c * per_step <= SMEM_LIMIT)
-        .unwrap_or(8)
+    let (z, mean) = (args.z != 0, args.mean_mode != 0);
+    let fits = |c: usize| scan_smem(elem, c, cpb, npad, z, mean) <= SMEM_LIMIT;
+    let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 64])
+        .filter(|&c| fits(c))
+        .or_else(|| [32usize, 16, 8, 4].into_iter().find(|&c| fits(c)))
+        .unwrap_or(4)
         .min(g.seq.max(1));
     args.batch = g.batch as i32;
     args.seq = g.seq as i32;
@@ -466,7 +495,19 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     args.tpc = tpc as i32;
     args.cpb = cpb as i32;
     args.npad = npad as i32;
-    if args.mean_mode != 0 {
+    // 16-byte copies need every row start aligned: element counts in whole vectors and
+    // 16-byte-aligned base addresses (a 0 address is an absent operand).
+    let v = 16 / elem;
+    let aligned = |ptrs: &[u64]| ptrs.iter().all(|&p| p % 16 == 0);
+    let dg = g.dim / g.groups;
+    args.vec_x = (g.dim.is_multiple_of(v)
+        && dg.is_multiple_of(v)
+        && cpb.is_multiple_of(v)
+        && aligned(&[args.u, args.delta, args.z, args.out])) as i32;
+    args.vec_bc = (g.state.is_multiple_of(v)
+        && (args.bc_row as usize).is_multiple_of(v)
+        && aligned(&[args.b, args.c])) as i32;
+    if mean {
         let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_mean_dt_{tname}"))?;
         let cfg = LaunchConfig {
             grid_dim: ((g.batch * g.seq) as u32, 1, 1),
@@ -478,11 +519,10 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         unsafe { l.launch(cfg) }?;
     }
     let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_{tname}_{npt}"))?;
-    let dg = g.dim / g.groups;
     let cfg = LaunchConfig {
         grid_dim: ((g.groups * dg.div_ceil(cpb)) as u32, g.batch as u32, 1),
         block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: (chunk * per_step) as u32,
+        shared_mem_bytes: scan_smem(elem, chunk, cpb, npad, z, mean) as u32,
     };
     let mut l = gpu.stream.launch_builder(&f);
     l.arg(&args);
