@@ -121,10 +121,17 @@ __device__ __forceinline__ void fk_scan_issue(const FkScanArgs& p, FkScanStage<T
   }
 }
 
+template <typename T>
+__device__ __forceinline__ T fk_bits16(unsigned v) {
+  T r;
+  r.bits = (unsigned short)(v & 0xffffu);
+  return r;
+}
+
 // NPT consecutive elements of a shared row as floats (vector loads for f32).
 template <typename T, int NPT>
 __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
-  if (sizeof(T) == 4 && NPT % 4 == 0) {
+  if constexpr (sizeof(T) == 4 && NPT % 4 == 0) {
 #pragma unroll
     for (int j = 0; j < NPT; j += 4) {
       const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(src) + j);
@@ -132,6 +139,16 @@ __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
       dst[j + 1] = v.y;
       dst[j + 2] = v.z;
       dst[j + 3] = v.w;
+    }
+  } else if constexpr (sizeof(T) == 2 && NPT % 4 == 0) {
+    // 16-bit rows: 8 bytes (4 elements) per shared load, split in registers.
+#pragma unroll
+    for (int j = 0; j < NPT; j += 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(src + j);
+      dst[j] = fk_to_f32(fk_bits16<T>(v.x));
+      dst[j + 1] = fk_to_f32(fk_bits16<T>(v.x >> 16));
+      dst[j + 2] = fk_to_f32(fk_bits16<T>(v.y));
+      dst[j + 3] = fk_to_f32(fk_bits16<T>(v.y >> 16));
     }
   } else {
 #pragma unroll
