@@ -1,5 +1,5 @@
 """The PyTorch anchor for the selective-scan rows of the Rust bench (`core_tests
-selective_scan_tests::bench --ignored`), same shapes, same device, same run: the sequential
+selective_scan::tests::bench --ignored`), same shapes, same device, same run: the sequential
 loop a user writes without a fused kernel (the anchor in ../shared/exphil.md), timed with CUDA
 events, median after warm-up. Prints each of our rows with the ratio.
 
@@ -12,17 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import event_ms  # noqa: E402
-
-
-def scan_loop(u, delta, A, B, C):
-    b, l, d = u.shape
-    x = torch.zeros(b, d, A.shape[1], device=u.device)
-    ys = []
-    for t in range(l):
-        dA = torch.exp(delta[:, t, :, None] * A)
-        x = dA * x + (delta[:, t, :, None] * u[:, t, :, None]) * B[:, t, None, :]
-        ys.append((x * C[:, t, None, :]).sum(-1))
-    return torch.stack(ys, 1)
+from scan_ref import scan_loop  # noqa: E402
 
 
 anchor = {}
