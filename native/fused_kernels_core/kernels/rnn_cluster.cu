@@ -159,6 +159,11 @@ __device__ __forceinline__ unsigned rc_remote(const void* p, int rank) {
 __device__ __forceinline__ void rc_st_cluster(unsigned addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
+__device__ __forceinline__ void rc_st_cluster4(unsigned addr, float4 v) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
 // Every thread of every CTA of the cluster; release/acquire orders the shared-memory writes
 // (local and remote) before the barrier with the reads after it.
 __device__ __forceinline__ void rc_cluster_arrive() {
@@ -203,11 +208,11 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     }
   }
 
-  // The first layer's epilogue items are this thread's first item (host: u*ranks <= threads);
-  // their input projection is fetched one step ahead, while the cluster barrier is pending.
+  // Thread u < L0.u computes the first layer's unit u (see the epilogue); its input
+  // projection is fetched one step ahead, while the cluster barrier is pending.
   const RcLayer& L0 = a.l[0];
-  const int x_unit = rank * L0.u + tid / N;
-  const bool x_item = tid < L0.u * N && x_unit < L0.h;
+  const int x_unit = rank * L0.u + tid;
+  const bool x_item = tid < L0.u && x_unit < L0.h;
   const int GH0 = G * L0.h;
   float xq[G];
 #pragma unroll
@@ -246,70 +251,98 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     }
     __syncthreads();
 
-    // Epilogue items (layer, unit, destination rank), ranks fastest: the gate math of a unit
-    // is repeated by one thread per destination, so each thread does one remote store.
-    int base = 0;
-#pragma unroll 1
-    for (int j = 0; j < RC_MAX_LAYERS; ++j) {
-      if (j >= NL) break;
-      const RcLayer& L = a.l[j];
-      const int U = L.u, C = G * U, S = L.s, Hp = N * U, items = U * N;
+    // Epilogue: one thread per (layer, unit) of this CTA (sum of u <= 3 * 128 < threads). It
+    // writes h into this CTA's own copy of the hidden vector and keeps the global writes for
+    // after the barrier arrival, so the barrier's release does not wait for them.
+    float out_h = 0.0f, out_c = 0.0f;
+    void* out_seq = nullptr;
+    const RcLayer* out_l = nullptr;
+    size_t out_at = 0;
+    int out_k = 0;
+    {
+      int j = 0, i = tid;
+      while (j < NL && i >= a.l[j].u) i -= a.l[j++].u;
       const int tau = s - j;
-      if (tau >= 0 && tau < len) {
+      if (j < NL && tau >= 0 && tau < len) {
+        const RcLayer& L = a.l[j];
+        const int U = L.u, C = G * U, S = L.s, Hp = N * U, u = i, k = rank * U + u;
         const int t = a.reverse ? len - 1 - tau : tau;
         const float* part = reinterpret_cast<const float*>(rc_smem + L.part_off);
         const float* bs = reinterpret_cast<const float*>(rc_smem + L.bias_off);
         float* hb = reinterpret_cast<float*>(rc_smem + L.hb_off);
         float* cs = reinterpret_cast<float*>(rc_smem + L.cst_off);
-        int i = tid - base;
-        if (i < 0) i += ((-i + RC_THREADS - 1) / RC_THREADS) * RC_THREADS;
-        for (; i < items; i += RC_THREADS) {
-          const int u = i / N, r = i % N, k = rank * U + u;
-          float h = 0.0f, cell = 0.0f;
-          if (k < L.h) {
-            float xg[G], rg[G];
+        float h = 0.0f, cell = 0.0f;
+        if (k < L.h) {
+          float xg[G], rg[G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-              float sx = 0.0f, sh = 0.0f;
-              for (int q = 0; q < S; ++q) {
-                sh += part[(S + q) * C + g * U + u];
-                if (j > 0) sx += part[q * C + g * U + u];
-              }
-              xg[g] = (j == 0 ? xq[g] : sx) + bs[g * U + u];
-              rg[g] = sh;
+          for (int g = 0; g < G; ++g) {
+            float sx = 0.0f, sh = 0.0f;
+            for (int q = 0; q < S; ++q) {
+              sh += part[(S + q) * C + g * U + u];
+              if (j > 0) sx += part[q * C + g * U + u];
             }
-            if (LSTM) {
-              const float ig = rc_sigmoid(xg[0] + rg[0]);
-              const float fg = rc_sigmoid(xg[1] + rg[1]);
-              const float gg = tanhf(xg[2] + rg[2]);
-              const float og = rc_sigmoid(xg[LSTM ? 3 : 0] + rg[LSTM ? 3 : 0]);
-              cell = fg * cs[p * U + u] + ig * gg;
-              h = og * tanhf(cell);
-            } else {
-              const float hp = hb[p * Hp + k];
-              const float rr = rc_sigmoid(xg[0] + rg[0]);
-              const float z = rc_sigmoid(xg[1] + rg[1]);
-              const float n = tanhf(xg[2] + rr * (rg[2] + bs[3 * U + u]));
-              h = (1.0f - z) * n + z * hp;
-            }
+            xg[g] = (j == 0 ? xq[g] : sx) + bs[g * U + u];
+            rg[g] = sh;
           }
-          rc_st_cluster(rc_remote(hb + (p ^ 1) * Hp + k, r), h);
-          if (r == 0) {  // one replica keeps the state and writes the outputs
-            if (LSTM) cs[(p ^ 1) * U + u] = cell;
-            if (k < L.h) {
-              rc_st<T>(L.seq, (size_t)t * L.h + k, h);
-              if (tau == len - 1) {
-                rc_st<T>(L.h_out, k, h);
-                if (LSTM) rc_st<T>(L.c_out, k, cell);
-              }
+          if (LSTM) {
+            const float ig = rc_sigmoid(xg[0] + rg[0]);
+            const float fg = rc_sigmoid(xg[1] + rg[1]);
+            const float gg = tanhf(xg[2] + rg[2]);
+            const float og = rc_sigmoid(xg[LSTM ? 3 : 0] + rg[LSTM ? 3 : 0]);
+            cell = fg * cs[p * U + u] + ig * gg;
+            h = og * tanhf(cell);
+          } else {
+            const float hp = hb[p * Hp + k];
+            const float rr = rc_sigmoid(xg[0] + rg[0]);
+            const float z = rc_sigmoid(xg[1] + rg[1]);
+            const float n = tanhf(xg[2] + rr * (rg[2] + bs[3 * U + u]));
+            h = (1.0f - z) * n + z * hp;
+          }
+          out_seq = L.seq;
+          out_l = (tau == len - 1) ? &L : nullptr;
+          out_at = (size_t)t * L.h + k;
+          out_k = k;
+          out_h = h;
+          out_c = cell;
+        }
+        hb[(p ^ 1) * Hp + k] = h;  // padding units stay 0
+        if (LSTM) cs[(p ^ 1) * U + u] = cell;
+      }
+    }
+    __syncthreads();
+    // Push this CTA's new slice of each active layer's h to every other CTA, 16 bytes a store.
+    {
+      int base = 0;
+#pragma unroll 1
+      for (int j = 0; j < RC_MAX_LAYERS; ++j) {
+        if (j >= NL) break;
+        const RcLayer& L = a.l[j];
+        const int q4 = L.u >> 2, items = N * q4, tau = s - j;
+        if (tau >= 0 && tau < len) {
+          const float* src = reinterpret_cast<const float*>(rc_smem + L.hb_off) +
+                             (p ^ 1) * N * L.u + rank * L.u;
+          int i = tid - base;
+          if (i < 0) i += ((-i + RC_THREADS - 1) / RC_THREADS) * RC_THREADS;
+          for (; i < items; i += RC_THREADS) {
+            const int r = i / q4, q = i % q4;
+            if (r != rank) {
+              const float4 v = reinterpret_cast<const float4*>(src)[q];
+              rc_st_cluster4(rc_remote(src + 4 * q, r), v);
             }
           }
         }
+        base += items;
       }
-      base += items;
     }
 
     rc_cluster_arrive();
+    if (out_seq) {
+      rc_st<T>(out_seq, out_at, out_h);
+      if (out_l) {
+        rc_st<T>(out_l->h_out, out_k, out_h);
+        if (LSTM) rc_st<T>(out_l->c_out, out_k, out_c);
+      }
+    }
     if (x_item && s + 1 < len) {
       const int t = a.reverse ? len - 2 - s : s + 1;
 #pragma unroll
