@@ -138,6 +138,16 @@ pub fn group(
     })
 }
 
+/// Units up to which the default choice takes the cluster path. Measured on an H200
+/// (bench/RESULTS.md, "rnn cluster"): at H256 it beats the persistent kernel (1.2-1.6x for
+/// stacks), at H512 (32 units per CTA, one layer per launch) it is 5-20% slower.
+pub const DEFAULT_MAX_UNITS: usize = 256;
+
+/// Whether `path: None` runs `grp` on the cluster path.
+pub fn default_takes(grp: &Group) -> bool {
+    grp.layers.iter().all(|l| l.units <= DEFAULT_MAX_UNITS)
+}
+
 fn kernel_name(cell: Cell, dtype: DType) -> Result<String> {
     let (tname, _) = type_name(dtype)?;
     let cname = match cell {

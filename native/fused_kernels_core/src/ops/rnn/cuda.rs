@@ -28,8 +28,8 @@ pub enum Path {
     Batched,
     /// Batch 1 on a Hopper thread-block cluster (`cluster.rs`): weights in the cluster's
     /// shared memory, h exchanged through distributed shared memory, layers as a wavefront.
-    /// Chosen by default at batch 1 on sm_90+ for every group of layers that fits; forcing it
-    /// where it cannot run is an error.
+    /// Chosen by default at batch 1 on sm_90+ for every group of layers that fits with at most
+    /// `cluster::DEFAULT_MAX_UNITS` units per layer; forcing it where it cannot run is an error.
     Cluster,
 }
 
@@ -381,7 +381,9 @@ pub(super) fn run(
     let mut l = 0;
     while l < layers.len() {
         let input: &DeviceTensor = prev.as_ref().unwrap_or(&x0);
-        let grp = ctas.and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit));
+        let grp = ctas
+            .and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+            .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
         if let Some(grp) = grp {
             let n = grp.layers.len();
             let params = layers[l..l + n]

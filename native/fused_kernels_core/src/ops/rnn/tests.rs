@@ -343,8 +343,8 @@ fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     for (i, c) in cluster_cases().iter().enumerate() {
         check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
     }
-    // The default at batch 1: cluster groups where the weights fit, the persistent kernel
-    // for the rest (f32 H512 LSTM does not fit one cluster).
+    // The default at batch 1: cluster groups where the weights fit and H <= 256, the
+    // persistent kernel for the rest (H512: slower on clusters, and f32 LSTM does not fit).
     for cell in [Cell::Lstm, Cell::Gru] {
         let c = case(cell, 1, 60, 288, &[512, 512], true, true, DType::F32);
         check(Backend::Cuda(None), &c, 600);
@@ -658,7 +658,10 @@ fn bench() {
             let hidden = vec![h; layers];
             let smem = super::cluster::smem_limit(&gpu).unwrap();
             let cluster_default = b == 1
-                && ctas.is_some_and(|c| cluster_group(cell, dt, &hidden, 0, c, smem).is_some());
+                && ctas.is_some_and(|c| {
+                    cluster_group(cell, dt, &hidden, 0, c, smem)
+                        .is_some_and(|g| super::cluster::default_takes(&g))
+                });
             let mut paths = vec![per_layer];
             if cluster_default {
                 paths.insert(0, Path::Cluster);
