@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The RNN op on the GPU machine in one call: Rust GPU tests (f64 references, poisoned pool,
-# determinism; both CUDA paths), the Rust bench (both paths, crossover batch sweep), and cuDNN
-# side by side. `RNN_MIXBENCH=1` adds the Elixir `mix bench` rows.
+# determinism; every CUDA path, the batch-1 cluster path first), the Rust bench (CUDA events,
+# every path that can take each case), and cuDNN side by side (CUDA events).
+# `RNN_MIXBENCH=1` adds the Elixir `mix bench` rows; `RNN_EXUNIT=0` skips ExUnit;
+# `FK_RNN_CROSSOVER=0` drops the batch sweep from the bench.
 # Build here first: `bash bench/gpu/harness build`; then run this from the bundle root.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,15 +12,19 @@ mkdir -p "$OUT"
 export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${RNN_ONLY_EXUNIT:-}" ]; then
+echo "== rnn cluster GPU tests"
+timeout ${RNN_T_CLUSTER:-90} .gpu/bin/core_tests rnn::tests::cuda_cluster --test-threads=2 --nocapture 2>&1 |
+  tee "$OUT/rnn_cluster_tests.log" | grep -E "test result|panicked|FAILED|error" | tail -20
 echo "== rnn bench"
-timeout 70 .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
+timeout ${RNN_T_BENCH:-80} .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
   2>"$OUT/rnn_bench.err" | grep -o '{.*}' | tee "$OUT/rnn_ours.jsonl" | tail -3
 echo "== cuDNN side by side"
-timeout 60 python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -28
-echo "== rnn GPU tests"
-timeout 75 .gpu/bin/core_tests rnn --test-threads=4 --nocapture 2>&1 | tee "$OUT/rnn_tests.log" |
-  grep -E "test result|panicked|FAILED|Batched" | tail -40
+timeout ${RNN_T_SIDE:-60} python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -30
+echo "== rnn GPU tests (all paths)"
+timeout ${RNN_T_TESTS:-75} .gpu/bin/core_tests rnn --test-threads=4 --skip cuda_cluster --nocapture 2>&1 |
+  tee "$OUT/rnn_tests.log" | grep -E "test result|panicked|FAILED" | tail -20
 fi
+[ "${RNN_EXUNIT:-1}" = 0 ] && exit 0
 echo "== ExUnit rnn tests (with :cuda) and mix bench rows"
 root=/tmp/erlroot && rm -rf $root && mkdir -p $root
 for d in .gpu/debs/*.deb; do dpkg -x "$d" $root; done

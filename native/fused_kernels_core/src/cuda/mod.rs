@@ -7,6 +7,7 @@
 
 pub mod buffer;
 pub mod cache;
+pub mod cluster;
 pub mod gemm;
 pub mod nvrtc;
 pub mod timing;

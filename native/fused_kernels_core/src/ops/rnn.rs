@@ -4,6 +4,7 @@
 //! `x` is `{batch, seq, features}`; each layer returns its final state (`[c, h]` or `[h]`).
 
 mod batched;
+mod cluster;
 mod cpu;
 mod cuda;
 
@@ -267,6 +268,7 @@ pub fn run_on(
     }
 }
 
+pub use cluster::{group as cluster_group, Group as ClusterGroup};
 pub use cuda::{plan as cuda_plan, Path, Plan};
 
 #[cfg(test)]

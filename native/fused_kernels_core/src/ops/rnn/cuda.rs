@@ -4,7 +4,7 @@
 //! to back on the device's stream; nothing returns to the host in between. Large batch:
 //! `batched.rs` (cuBLAS GEMMs for every product, one fused elementwise kernel per step).
 
-use super::{batched, Cell, Geometry, Layer};
+use super::{batched, cluster, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -26,6 +26,11 @@ pub enum Path {
     /// Per step one cuBLAS GEMM over all gates + one fused elementwise kernel: fastest once
     /// the recurrent product is compute-bound (large batch).
     Batched,
+    /// Batch 1 on a Hopper thread-block cluster (`cluster.rs`): weights in the cluster's
+    /// shared memory, h exchanged through distributed shared memory, layers as a wavefront.
+    /// Chosen by default at batch 1 on sm_90+ for every group of layers that fits with at most
+    /// `cluster::DEFAULT_MAX_UNITS` units per layer; forcing it where it cannot run is an error.
+    Cluster,
 }
 
 impl Path {
@@ -183,7 +188,7 @@ pub(super) struct DeviceOutput {
     pub states: Vec<Vec<DeviceTensor>>,
 }
 
-fn ptr(t: &DeviceTensor) -> CUdeviceptr {
+pub(super) fn ptr(t: &DeviceTensor) -> CUdeviceptr {
     // The device's single stream orders every use, so the sync guard is not needed.
     let (p, _sync) = t.slice().device_ptr(&t.gpu.stream);
     p
@@ -371,9 +376,45 @@ pub(super) fn run(
     let x0 = x.on_gpu("x", gpu)?;
     let mut prev: Option<DeviceTensor> = None;
     let mut states = Vec::with_capacity(layers.len());
-    for (l, layer) in layers.iter().enumerate() {
-        let h = g.hidden[l];
+    let ctas = cluster_ctas_for(gpu, cell, g, path)?;
+    let smem_limit = cluster::smem_limit(gpu)?;
+    let mut l = 0;
+    while l < layers.len() {
         let input: &DeviceTensor = prev.as_ref().unwrap_or(&x0);
+        let grp = ctas
+            .and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+            .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
+        if let Some(grp) = grp {
+            let n = grp.layers.len();
+            let params = layers[l..l + n]
+                .iter()
+                .map(|layer| {
+                    Ok(cluster::LayerParams {
+                        wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
+                        wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
+                        bias: stage(&layer.bias, "bias", gpu)?,
+                        init: stage(&layer.initial_state, "initial_state", gpu)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let h = g.hidden[l];
+            let mut xp = DeviceTensor::uninit(gpu, vec![1, g.seq, cell.gates() * h], DType::F32)?;
+            input_projection(gpu, input, g.seq, g.input_of(l), h, &params[0].wi, &mut xp)?;
+            let outs = cluster::run_group(gpu, cell, g.dtype, g.seq, &grp, &xp, &params, reverse)?;
+            for (seq, st) in outs {
+                states.push(st);
+                prev = Some(seq);
+            }
+            l += n;
+            continue;
+        }
+        if path == Some(Path::Cluster) {
+            return Err(arg_error(format!(
+                "hidden_kernel: layer {l} cannot run on the cluster path here (needs batch 1, an sm_90+ GPU and its weights within one cluster's shared memory)"
+            )));
+        }
+        let layer = &layers[l];
+        let h = g.hidden[l];
         let win = stage(&layer.input_kernel, "input_kernel", gpu)?;
         let wh = stage(&layer.hidden_kernel, "hidden_kernel", gpu)?;
         let bias = stage(&layer.bias, "bias", gpu)?;
@@ -398,7 +439,28 @@ pub(super) fn run(
         };
         states.push(st);
         prev = Some(seq);
+        l += 1;
     }
     let sequence = prev.ok_or_else(|| arg_error("params: at least one layer is needed"))?;
     Ok(DeviceOutput { sequence, states })
+}
+
+/// The cluster size to run batch-1 groups at, or None when this call does not use clusters
+/// (another path forced, batch > 1, no sequence, no sm_90, or `FUSED_KERNELS_RNN_CLUSTER=0`
+/// without the path forced).
+fn cluster_ctas_for(
+    gpu: &Gpu,
+    cell: Cell,
+    g: &Geometry,
+    path: Option<Path>,
+) -> Result<Option<usize>> {
+    let allowed = match path {
+        Some(Path::Cluster) => true,
+        None => std::env::var("FUSED_KERNELS_RNN_CLUSTER").as_deref() != Ok("0"),
+        Some(_) => false,
+    };
+    if !allowed || g.batch != 1 || g.seq == 0 {
+        return Ok(None);
+    }
+    cluster::cluster_ctas(gpu, cell, g.dtype)
 }

@@ -1,6 +1,7 @@
 use super::cpu::RefLayer;
 use super::cuda::plan;
 use super::*;
+use crate::cuda::timing::time_calls;
 use crate::cuda::{gpu_for_tests, DeviceTensor};
 use crate::dtype::{decode_f64, encode_f64};
 use crate::ops::testing::{rel_l2, tolerance, Rng};
@@ -307,6 +308,118 @@ fn cuda_batched_is_deterministic() {
     }
 }
 
+/// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
+/// tiny sizes that leave CTAs idle), reverse, stacks of 1-3 (wavefront groups of 1, 2 and 3
+/// layers), f32/bf16/f16, with and without initial state.
+fn cluster_cases() -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 1, 1, 288, &[256], false, true, F32));
+        v.push(case(cell, 1, 61, 200, &[200, 200, 200], true, true, F32));
+        v.push(case(cell, 1, 512, 64, &[256], false, true, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], true, true, F32));
+        v.push(case(cell, 1, 61, 40, &[64, 48, 32], false, true, F32));
+        v.push(case(cell, 1, 13, 5, &[7, 13], true, true, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, true, BF16));
+        v.push(case(cell, 1, 61, 128, &[512, 200], true, true, BF16));
+        v.push(case(cell, 1, 60, 96, &[256], false, true, F16));
+        v.push(case(cell, 1, 2, 96, &[200, 256], true, false, BF16));
+    }
+    v.push(case(Cell::Gru, 1, 60, 288, &[512, 512], false, true, F32));
+    v
+}
+
+fn has_clusters() -> bool {
+    gpu_for_tests().is_some_and(|g| g.compute_capability >= (9, 0))
+}
+
+#[test]
+fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
+    if !has_clusters() {
+        return;
+    }
+    for (i, c) in cluster_cases().iter().enumerate() {
+        check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
+    }
+    // The default at batch 1: cluster groups where the weights fit and H <= 256, the
+    // persistent kernel for the rest (H512: slower on clusters, and f32 LSTM does not fit).
+    for cell in [Cell::Lstm, Cell::Gru] {
+        let c = case(cell, 1, 60, 288, &[512, 512], true, true, DType::F32);
+        check(Backend::Cuda(None), &c, 600);
+        let c = case(cell, 1, 60, 288, &[256, 512, 256], false, true, DType::F32);
+        check(Backend::Cuda(None), &c, 601);
+    }
+}
+
+#[test]
+fn cuda_cluster_is_deterministic() {
+    if !has_clusters() {
+        return;
+    }
+    for c in [
+        case(Cell::Lstm, 1, 60, 288, &[256, 256], false, true, DType::F32),
+        case(
+            Cell::Gru,
+            1,
+            61,
+            200,
+            &[200, 200, 200],
+            true,
+            true,
+            DType::BF16,
+        ),
+    ] {
+        let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster));
+        for _ in 0..3 {
+            assert_eq!(
+                a,
+                check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster)),
+                "result moved between runs: a race"
+            );
+        }
+    }
+}
+
+#[test]
+fn cluster_groups_fit_a_hopper_cta() {
+    use DType::{BF16, F32};
+    let smem = 227 * 1024;
+    let g = |cell, dt, hidden: &[usize], first, ctas| {
+        cluster_group(cell, dt, hidden, first, ctas, smem).map(|g| g.layers.len())
+    };
+    // ExPhil's two layers: one launch (wavefront) on 16 CTAs, one layer per launch on 8.
+    for cell in [Cell::Lstm, Cell::Gru] {
+        assert_eq!(g(cell, F32, &[256, 256], 0, 16), Some(2));
+        assert_eq!(g(cell, BF16, &[256, 256, 256], 0, 16), Some(3));
+        assert_eq!(g(cell, BF16, &[512, 512], 0, 16), Some(1));
+    }
+    assert_eq!(g(Cell::Lstm, F32, &[256, 256], 0, 8), Some(1));
+    // H200 f32, three layers: LSTM 2 + 1 launches, GRU all three in one.
+    assert_eq!(g(Cell::Lstm, F32, &[200, 200, 200], 0, 16), Some(2));
+    assert_eq!(g(Cell::Gru, F32, &[200, 200, 200], 0, 16), Some(3));
+    // f32 H512: an LSTM's recurrent weights (4 MB) exceed 16 x 227 KB; a GRU's (3 MB) fit.
+    assert_eq!(g(Cell::Lstm, F32, &[512, 512], 0, 16), None);
+    assert_eq!(g(Cell::Gru, F32, &[512, 512], 0, 16), Some(1));
+    assert_eq!(g(Cell::Gru, F32, &[512, 512], 1, 16), Some(1));
+    // Over 512 units the kernel's epilogue has too few threads.
+    assert_eq!(g(Cell::Gru, BF16, &[640], 0, 16), None);
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for h in [1, 7, 64, 200, 256, 300, 512] {
+            for ctas in [8, 16] {
+                if let Some(grp) = cluster_group(cell, BF16, &[h, h, h], 0, ctas, smem) {
+                    assert!(grp.smem_bytes <= smem);
+                    for l in &grp.layers {
+                        assert!(l.per_cta * ctas >= h && l.per_cta % 4 == 0);
+                        assert!(l.slices * cell.gates() * l.per_cta <= 512);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn path_is_chosen_by_batch() {
     use Cell::{Gru, Lstm};
@@ -454,11 +567,13 @@ fn rejects_bad_params_naming_them() {
     .is_err());
 }
 
-/// `core_tests rnn::tests::bench --ignored --nocapture`: wall time until the device is idle
-/// around the whole call (GEMMs + recurrences), inputs and weights already on the device,
-/// median of 200 (30 for long sequences) after warm-up. Every case runs on both CUDA paths,
-/// the default choice first; one JSON line each. The six shapes come first, then a
-/// batch sweep for the crossover (`FK_RNN_CROSSOVER=0` leaves it out).
+/// `core_tests rnn::tests::bench --ignored --nocapture`: the whole call (input-projection
+/// GEMMs + recurrences, allocations and launches included), inputs and weights already on the
+/// device, timed with CUDA events (`cuda::timing::time_calls`: median, p10/p90 of 200 calls
+/// (30 for long sequences) after warm-up, plus the back-to-back mean). Every case runs on each
+/// CUDA path that can take it, the default choice first (at batch 1 on sm_90+: the cluster
+/// path); one JSON line each. The six shapes come first, then a batch sweep for the
+/// crossover (`FK_RNN_CROSSOVER=0` leaves it out).
 #[test]
 #[ignore]
 fn bench() {
@@ -472,6 +587,12 @@ fn bench() {
         (1, 60, 288, 256, 2, BF16),
         (64, 512, 1024, 1024, 1, BF16),
     ];
+    if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
+        cases.push((1, 60, 288, 512, 2, BF16));
+        cases.push((1, 60, 288, 256, 1, F32));
+        cases.push((1, 60, 288, 256, 3, F32));
+        cases.push((1, 512, 288, 256, 2, F32));
+    }
     if std::env::var("FK_RNN_CROSSOVER").as_deref() != Ok("0") {
         for b in [8, 16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, F32));
@@ -530,14 +651,31 @@ fn bench() {
                 None,
             )
             .is_ok();
-            let default = Path::choose(cell, b, h, dt, fits);
-            let other = match default {
-                Path::Batched => Path::Persistent,
-                Path::Persistent => Path::Batched,
-            };
-            for path in [default, other] {
-                let once = || {
-                    let out = run_on(
+            let per_layer = Path::choose(cell, b, h, dt, fits);
+            // What `path: None` runs: the cluster path when the first layer's group fits.
+            let ctas = super::cluster::cluster_ctas(&gpu, cell, dt).unwrap();
+            eprintln!("{cell:?} {dt:?}: cluster size {ctas:?}");
+            let hidden = vec![h; layers];
+            let smem = super::cluster::smem_limit(&gpu).unwrap();
+            let cluster_default = b == 1
+                && ctas.is_some_and(|c| {
+                    cluster_group(cell, dt, &hidden, 0, c, smem)
+                        .is_some_and(|g| super::cluster::default_takes(&g))
+                });
+            let mut paths = vec![per_layer];
+            if cluster_default {
+                paths.insert(0, Path::Cluster);
+            } else if b == 1 && ctas.is_some() {
+                paths.push(Path::Cluster);
+            }
+            for p in [Path::Persistent, Path::Batched] {
+                if !paths.contains(&p) {
+                    paths.push(p);
+                }
+            }
+            for (n, &path) in paths.iter().enumerate() {
+                let call = |_: usize| {
+                    run_on(
                         Backend::Cuda(None),
                         cell,
                         &xo,
@@ -546,30 +684,34 @@ fn bench() {
                         Placement::Device,
                         Some(path),
                     )
-                    .unwrap();
-                    gpu.synchronize().unwrap();
-                    out
+                    .map(|_| ())
                 };
-                for _ in 0..10 {
-                    once();
-                }
                 let reps = if t * h > 100_000 { 30 } else { 200 };
-                let mut ts: Vec<f64> = (0..reps)
-                    .map(|_| {
-                        let t0 = std::time::Instant::now();
-                        once();
-                        t0.elapsed().as_secs_f64() * 1e3
-                    })
-                    .collect();
-                ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                println!(
-                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_ms\":{:.4},\"p10_ms\":{:.4}}}",
-                    if cell == Cell::Lstm { "lstm" } else { "gru" },
-                    if path == Path::Batched { "batched" } else { "persistent" },
-                    path == default,
-                    ts[ts.len() / 2],
-                    ts[ts.len() / 10]
-                );
+                let timing = call(0).and_then(|_| time_calls(&gpu, 10, reps, call));
+                let name_of = |p: Path| match p {
+                    Path::Batched => "batched",
+                    Path::Persistent => "persistent",
+                    Path::Cluster => "cluster",
+                };
+                let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+                match timing {
+                    Ok(tm) => println!(
+                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_ms\":{:.4},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
+                        name_of(path),
+                        n == 0,
+                        tm.median_us / 1e3,
+                        tm.median_us,
+                        tm.p10_us,
+                        tm.p90_us,
+                        tm.back_to_back_us
+                    ),
+                    Err(e) => println!(
+                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"error\":{:?}}}",
+                        name_of(path),
+                        n == 0,
+                        e.to_string()
+                    ),
+                }
             }
         }
     }
