@@ -1,0 +1,452 @@
+// FK_ARCH_SPECIFIC: compiled for sm_90a on compute capability 9.0 (wgmma, setmaxnreg); on
+// any other architecture the kernels below are empty stubs that the host never launches.
+//
+// Hopper dense GEMM with the fused epilogues of ops/dense.rs, for f16/bf16 (f32 accumulation):
+//   out = act(norm(x) · W + bias) + residual          (dense, rms_norm_dense, layer_norm_dense)
+//   out = silu(x · Wg + bg) ⊙ (x · Wu + bu) + residual (swiglu: both products share each A tile)
+// x {M, K} and W {K, N} row-major; K % 8 == 0 and N % 8 == 0 (TMA needs 16-byte row strides).
+//
+// One CTA computes a 128-row output tile: 256 columns of x·W, or 128 columns of both x·Wg and
+// x·Wu. Three warpgroups:
+//   warpgroup 0 (producer): one thread issues TMA loads (cp.async.bulk.tensor, 128-byte
+//     swizzle, zero fill past the matrix edges) of the A tile (128×64) and four B chunks
+//     (64 K-rows × 64 columns each) into a 4-stage ring, completing on an mbarrier per stage.
+//     With a norm, all 128 threads then normalise the A tile in shared memory, in place
+//     ((x - mean) * rstd * gamma + beta, rounded to T), before the consumers may read it:
+//     the normalised activations never go to global memory.
+//   warpgroups 1, 2 (consumers): 64 rows each; per 16-wide K step two wgmma m64n128k16 (the
+//     two 128-column halves, or gate and up), accumulators in registers; one wgmma group in
+//     flight, each stage released when its group has completed. The epilogue (bias,
+//     activation, GLU, residual) is applied to the registers and stored straight to `out`.
+// Per-row mean/rstd for the norms come from dense_sm90_row_stats (a pass over x writing 2·M
+// floats).
+
+#define FK90_BM 128
+#define FK90_BK 64
+#define FK90_STAGES 4
+#define FK90_A_BYTES (FK90_BM * FK90_BK * 2)          // 16 KB
+#define FK90_B_BYTES (4 * 64 * FK90_BK * 2)           // 32 KB: four 64-column chunks
+#define FK90_STAGE_BYTES (FK90_A_BYTES + FK90_B_BYTES)
+#define FK90_CHUNK_BYTES (64 * FK90_BK * 2)           // 8 KB
+// Dynamic shared memory the host must request: the ring, 1 KB to align it, the barriers.
+#define FK90_SMEM_BYTES (FK90_STAGES * FK90_STAGE_BYTES + 1024 + 128)
+
+// A CUtensorMap as the kernel receives it (by value, 64-byte aligned, opaque).
+struct __align__(64) Fk90TensorMap {
+  unsigned long long opaque[16];
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned fk90_smem(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void fk90_bar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fk90_bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void fk90_bar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void fk90_bar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// One TMA box (c0 = column, c1 = row of the tensor map) into shared memory at `dst`.
+__device__ __forceinline__ void fk90_tma_2d(unsigned dst, const Fk90TensorMap* map, int c0, int c1,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start address, leading byte offset
+// (K-major A: unused; MN-major B: stride between 64-column chunks), stride byte offset
+// (between groups of 8 rows: 8 × 128 B).
+__device__ __forceinline__ unsigned long long fk90_desc(unsigned addr, unsigned lbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fk90_wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void fk90_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fk90_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+#define FK90_D8(i)                                                                        \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FK90_D64                                                                          \
+  FK90_D8(0), FK90_D8(8), FK90_D8(16), FK90_D8(24), FK90_D8(32), FK90_D8(40), FK90_D8(48), \
+      FK90_D8(56)
+#define FK90_WGMMA(TY)                                                                    \
+  asm volatile(                                                                           \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                     \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"            \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"   \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"   \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+      "%64, %65, p, 1, 1, 0, 1;\n}\n"                                                   \
+      : FK90_D64                                                                          \
+      : "l"(da), "l"(db), "r"(scale_d))
+
+// d = A(64×16, K-major) · B(16×128, N-major: "transposed" B) + (scale_d ? d : 0).
+template <typename T> struct Fk90Mma;
+template <> struct Fk90Mma<fk_bf16> {
+  static __device__ __forceinline__ void run(float* d, unsigned long long da,
+                                             unsigned long long db, unsigned scale_d) {
+    FK90_WGMMA("bf16");
+  }
+};
+template <> struct Fk90Mma<fk_f16> {
+  static __device__ __forceinline__ void run(float* d, unsigned long long da,
+                                             unsigned long long db, unsigned scale_d) {
+    FK90_WGMMA("f16");
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ unsigned fk90_pack(float a, float b) {
+  return (unsigned)fk_from_f32<T>(a).bits | ((unsigned)fk_from_f32<T>(b).bits << 16);
+}
+template <typename T>
+__device__ __forceinline__ float2 fk90_unpack(unsigned u) {
+  T lo, hi;
+  lo.bits = (unsigned short)(u & 0xffffu);
+  hi.bits = (unsigned short)(u >> 16);
+  return make_float2(fk_to_f32(lo), fk_to_f32(hi));
+}
+// 8 consecutive elements (16-byte aligned: column % 8 == 0, N % 8 == 0) as floats; 0 when
+// absent.
+template <typename T>
+__device__ __forceinline__ void fk90_load8_at(const T* p, long long i, float* o) {
+  if (!p) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) o[q] = 0.0f;
+    return;
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(p + i);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = fk90_unpack<T>(w[q]);
+    o[2 * q] = f.x;
+    o[2 * q + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ float fk90_act(float v, int act) {
+  switch (act) {
+    case 1: return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
+    case 2: return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    case 3: return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case 4: return v / (1.0f + __expf(-v));
+    case 5: return 1.0f / (1.0f + __expf(-v));
+    case 6: return tanhf(v);
+    default: return v;
+  }
+}
+
+// Row stride (floats) of a consumer's staged accumulator tile: 256 columns + 8 of padding,
+// so the fragment stores of a warp's 8 rows spread over the banks.
+#define FK90_EPI_STRIDE 264
+
+// The consumer warpgroup's accumulators (wgmma m64nN fragment: thread (warp w, lane l) holds
+// rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1): d[4j + 2i + c]) into its 64 × 256 staging
+// tile: columns 0..127 from acc0, 128..255 from acc1.
+__device__ __forceinline__ void fk90_stage_acc(float* tile, const float* acc0, const float* acc1) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float* r0 = tile + (16 * warp + (lane >> 2)) * FK90_EPI_STRIDE + 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float* p = r0 + 8 * i * FK90_EPI_STRIDE + 8 * j;
+      *reinterpret_cast<float2*>(p) = make_float2(acc0[4 * j + 2 * i], acc0[4 * j + 2 * i + 1]);
+      *reinterpret_cast<float2*>(p + 128) =
+          make_float2(acc1[4 * j + 2 * i], acc1[4 * j + 2 * i + 1]);
+    }
+  }
+}
+
+// The epilogue of one consumer's 64 rows from its staging tile, 8 output columns (16 bytes)
+// per thread and step, a warp covering a row's contiguous run: dense, columns c of the tile;
+// GLU, gate at c and up at 128 + c.
+template <typename T>
+__device__ __forceinline__ void fk90_epilogue(const float* tile, bool glu, long long row0,
+                                              int col0, int M, int N, const T* bias,
+                                              const T* bias_up, const T* res, T* out, int act) {
+  const int t = threadIdx.x & 127;
+  const int cols = glu ? 128 : 256, chunks = cols / 8;
+#pragma unroll 1
+  for (int id = t; id < 64 * chunks; id += 128) {
+    const int r = id / chunks, c = (id % chunks) * 8;
+    const long long row = row0 + r;
+    const int col = col0 + c;
+    if (row >= M || col >= N) continue;
+    const float* a = tile + r * FK90_EPI_STRIDE + c;
+    float b[8], rs[8], v[8];
+    fk90_load8_at(bias, col, b);
+    fk90_load8_at(res, row * N + col, rs);
+    if (glu) {
+      float bu[8];
+      fk90_load8_at(bias_up, col, bu);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float g = a[q] + b[q];
+        v[q] = g / (1.0f + __expf(-g)) * (a[128 + q] + bu[q]) + rs[q];
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) v[q] = fk90_act(a[q] + b[q], act) + rs[q];
+    }
+    uint4 o;
+    o.x = fk90_pack<T>(v[0], v[1]);
+    o.y = fk90_pack<T>(v[2], v[3]);
+    o.z = fk90_pack<T>(v[4], v[5]);
+    o.w = fk90_pack<T>(v[6], v[7]);
+    *reinterpret_cast<uint4*>(out + row * N + col) = o;
+  }
+}
+
+// Normalises, in place, the 8 elements of one 16-byte chunk of the staged A tile.
+template <typename T>
+__device__ __forceinline__ void fk90_norm_chunk(unsigned addr, float mean, float rstd,
+                                                const float* g, const float* b) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = fk90_unpack<T>(w[q]);
+    w[q] = fk90_pack<T>((f.x - mean) * rstd * g[2 * q] + b[2 * q],
+                        (f.y - mean) * rstd * g[2 * q + 1] + b[2 * q + 1]);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(w[0]), "r"(w[1]),
+               "r"(w[2]), "r"(w[3])
+               : "memory");
+}
+
+// Loads 8 consecutive gamma/beta values (0 past K, where the staged A is zero and stays 0).
+template <typename T>
+__device__ __forceinline__ void fk90_load8(const T* p, int k, int K, float fallback, float* o) {
+  if (!p || k >= K) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) o[q] = k < K ? fallback : 0.0f;
+    return;
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(p + k);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = fk90_unpack<T>(w[q]);
+    o[2 * q] = f.x;
+    o[2 * q + 1] = f.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90TensorMap* tb,
+                                          const Fk90TensorMap* tb_up, const float* stats,
+                                          const T* gamma, const T* beta, const T* bias,
+                                          const T* bias_up, const T* res, T* out, int M, int N,
+                                          int K, int glu, int act) {
+  extern __shared__ unsigned char fk90_raw[];
+  const unsigned base = (fk90_smem(fk90_raw) + 1023u) & ~1023u;
+  const unsigned bars = base + FK90_STAGES * FK90_STAGE_BYTES;
+  // Per stage: TMA landed (1 arrival + bytes), A normalised (128 arrivals), consumed (8 warps).
+  auto tma_bar = [&](int s) { return bars + 8u * s; };
+  auto ready_bar = [&](int s) { return bars + 8u * (FK90_STAGES + s); };
+  auto free_bar = [&](int s) { return bars + 8u * (2 * FK90_STAGES + s); };
+  const bool norm = stats != nullptr;
+  const int wg = threadIdx.x >> 7;
+  const int m0 = blockIdx.x * FK90_BM;
+  const int n0 = blockIdx.y * (glu ? 128 : 256);
+  const int kt_count = (K + FK90_BK - 1) / FK90_BK;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < FK90_STAGES; ++s) {
+      fk90_bar_init(tma_bar(s), 1);
+      fk90_bar_init(ready_bar(s), 128);
+      fk90_bar_init(free_bar(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Loads K tile `kt` into its stage (after that stage's previous tile has been consumed).
+  auto issue = [&](int kt) {
+    const int s = kt % FK90_STAGES;
+    if (kt >= FK90_STAGES) fk90_bar_wait(free_bar(s), ((kt / FK90_STAGES) - 1) & 1);
+    const unsigned a = base + s * FK90_STAGE_BYTES, b = a + FK90_A_BYTES;
+    const int k0 = kt * FK90_BK;
+    fk90_bar_expect_tx(tma_bar(s), FK90_STAGE_BYTES);
+    fk90_tma_2d(a, ta, k0, m0, tma_bar(s));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const Fk90TensorMap* map = (glu && q >= 2) ? tb_up : tb;
+      const int col = n0 + 64 * (glu ? (q & 1) : q);
+      fk90_tma_2d(b + q * FK90_CHUNK_BYTES, map, col, k0, tma_bar(s));
+    }
+  };
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if (!norm) {
+      if (threadIdx.x == 0)
+        for (int kt = 0; kt < kt_count; ++kt) issue(kt);
+      return;
+    }
+    // Norm producer. Thread t owns the 16-byte chunks t + 128i (i < 8) of each A stage:
+    // rows t/8 + 16i, physical chunk t%8, which the 128-byte swizzle maps to the logical
+    // K chunk (t%8) ^ ((t/8)%8), the same for all its rows.
+    const int t = threadIdx.x;
+    const int chunk = (t & 7) ^ ((t >> 3) & 7);
+    float mean[8], rstd[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int row = m0 + (t >> 3) + 16 * i;
+      mean[i] = row < M ? stats[row] : 0.0f;
+      rstd[i] = row < M ? stats[M + row] : 0.0f;
+    }
+    if (t == 0)
+      for (int kt = 0; kt < FK90_STAGES - 1 && kt < kt_count; ++kt) issue(kt);
+    for (int kt = 0; kt < kt_count; ++kt) {
+      const int s = kt % FK90_STAGES;
+      const int k = kt * FK90_BK + chunk * 8;
+      float g[8], b[8];
+      fk90_load8(gamma, k, K, 1.0f, g);
+      fk90_load8(beta, k, K, 0.0f, b);
+      fk90_bar_wait(tma_bar(s), (kt / FK90_STAGES) & 1);
+      const unsigned a = base + s * FK90_STAGE_BYTES + 16u * t;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) fk90_norm_chunk<T>(a + 2048u * i, mean[i], rstd[i], g, b);
+      // Generic-proxy stores that wgmma (async proxy) reads next.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      fk90_bar_arrive(ready_bar(s));
+      if (t == 0 && kt + FK90_STAGES - 1 < kt_count) issue(kt + FK90_STAGES - 1);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  const int cw = wg - 1;  // consumer: rows 64cw .. 64cw+63 of the tile
+  // No instruction but wgmma may write the accumulators while the pipeline runs (ptxas
+  // would serialise the wgmmas): the first K step overwrites them instead (scale-d = 0).
+  float acc0[64], acc1[64];
+  for (int kt = 0; kt < kt_count; ++kt) {
+    const int s = kt % FK90_STAGES;
+    fk90_bar_wait(norm ? ready_bar(s) : tma_bar(s), (kt / FK90_STAGES) & 1);
+    const unsigned a = base + s * FK90_STAGE_BYTES + cw * 8192u, b = base + s * FK90_STAGE_BYTES + FK90_A_BYTES;
+    const unsigned long long da = fk90_desc(a, 16);
+    const unsigned long long db0 = fk90_desc(b, FK90_CHUNK_BYTES);
+    const unsigned long long db1 = fk90_desc(b + 2 * FK90_CHUNK_BYTES, FK90_CHUNK_BYTES);
+    fk90_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < FK90_BK / 16; ++kk) {
+      // K step kk: 32 bytes along A's swizzled rows, 16 rows (2 KB) down B's chunks.
+      const unsigned scale_d = (kt > 0 || kk > 0) ? 1u : 0u;
+      Fk90Mma<T>::run(acc0, da + 2 * kk, db0 + 128 * kk, scale_d);
+      Fk90Mma<T>::run(acc1, da + 2 * kk, db1 + 128 * kk, scale_d);
+    }
+    fk90_wgmma_commit();
+    fk90_wgmma_wait<1>();
+    if (kt > 0 && (threadIdx.x & 31) == 0) fk90_bar_arrive(free_bar((kt - 1) % FK90_STAGES));
+  }
+  fk90_wgmma_wait<0>();
+
+  // Stage the accumulators through the (now idle) ring: wait until both consumers' wgmmas
+  // are done reading it, then each writes and reads back only its own 64 rows.
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  float* tile = reinterpret_cast<float*>(fk90_raw + (base - fk90_smem(fk90_raw))) +
+                cw * 64 * FK90_EPI_STRIDE;
+  fk90_stage_acc(tile, acc0, acc1);
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
+  fk90_epilogue<T>(tile, glu, (long long)m0 + 64 * cw, n0, M, N, bias, bias_up, res, out, act);
+}
+
+// Per-row statistics for the norms, one warp per row, two passes over the row (the second
+// from cache) so a large mean does not cancel the variance: stats[r] = mean (0 for RMSNorm),
+// stats[M + r] = 1 / sqrt(var + eps) with var = mean of (x - mean)².
+template <typename T>
+__device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, int K, int norm,
+                                               float eps) {
+  const int lane = threadIdx.x & 31;
+  const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= M) return;
+  const T* xr = x + row * K;
+  auto sum = [&](float mean, bool square) {
+    float s = 0.0f;
+    for (int k = lane * 8; k < K; k += 256) {
+      const uint4 u = *reinterpret_cast<const uint4*>(xr + k);
+      const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = fk90_unpack<T>(w[q]);
+        const float a = f.x - mean, b = f.y - mean;
+        s += square ? a * a + b * b : a + b;
+      }
+    }
+    return fk_warp_sum(s);
+  };
+  const float mean = norm == 2 ? sum(0.0f, false) / (float)K : 0.0f;
+  const float rstd = rsqrtf(sum(mean, true) / (float)K + eps);
+  if (lane == 0) {
+    stats[row] = mean;
+    stats[M + row] = rstd;
+  }
+}
+
+#define FK90_BODY(T)                                                                      \
+  fk90_gemm<T>(&ta, &tb, &tb_up, stats, (const T*)gamma, (const T*)beta, (const T*)bias,  \
+               (const T*)bias_up, (const T*)res, (T*)out, M, N, K, glu, act)
+#define FK90_STATS(T) fk90_row_stats<T>((const T*)x, stats, M, K, norm, eps)
+#else
+#define FK90_BODY(T)
+#define FK90_STATS(T)
+#endif
+
+#define FK90_GEMM_PARAMS                                                                  \
+  const __grid_constant__ Fk90TensorMap ta, const __grid_constant__ Fk90TensorMap tb,     \
+      const __grid_constant__ Fk90TensorMap tb_up, const float* stats, const void* gamma, \
+      const void* beta, const void* bias, const void* bias_up, const void* res, void* out,  \
+      int M, int N, int K, int glu, int act
+
+extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_bf16(FK90_GEMM_PARAMS) {
+  FK90_BODY(fk_bf16);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_f16(FK90_GEMM_PARAMS) {
+  FK90_BODY(fk_f16);
+}
+extern "C" __global__ void dense_sm90_row_stats_bf16(const void* x, float* stats, int M, int K,
+                                                     int norm, float eps) {
+  FK90_STATS(fk_bf16);
+}
+extern "C" __global__ void dense_sm90_row_stats_f16(const void* x, float* stats, int M, int K,
+                                                    int norm, float eps) {
+  FK90_STATS(fk_f16);
+}
