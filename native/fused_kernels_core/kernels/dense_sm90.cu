@@ -97,22 +97,28 @@ __device__ __forceinline__ void fk90_wgmma_wait() {
 #define FK90_D8(i)                                                                        \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FK90_D64                                                                          \
-  FK90_D8(0), FK90_D8(8), FK90_D8(16), FK90_D8(24), FK90_D8(32), FK90_D8(40), FK90_D8(48), \
-      FK90_D8(56)
+#define FK90_D64(i)                                                                       \
+  FK90_D8(i), FK90_D8(i + 8), FK90_D8(i + 16), FK90_D8(i + 24), FK90_D8(i + 32),          \
+      FK90_D8(i + 40), FK90_D8(i + 48), FK90_D8(i + 56)
 #define FK90_WGMMA(TY)                                                                    \
   asm volatile(                                                                           \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                     \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                        \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"            \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"   \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"   \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "%64, %65, p, 1, 1, 0, 1;\n}\n"                                                   \
-      : FK90_D64                                                                          \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                    \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"        \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"\
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"\
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"\
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"\
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"\
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "\
+      "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                 \
+      : FK90_D64(0), FK90_D64(64)                                                         \
       : "l"(da), "l"(db), "r"(scale_d))
 
-// d = A(64×16, K-major) · B(16×128, N-major: "transposed" B) + (scale_d ? d : 0).
+// d = A(64×16, K-major) · B(16×256, N-major: "transposed" B) + (scale_d ? d : 0). B's 256
+// columns are the stage's four 64-column chunks (LBO apart): for SwiGLU, 128 columns of W_gate
+// then the same 128 columns of W_up, so one instruction computes both products.
 template <typename T> struct Fk90Mma;
 template <> struct Fk90Mma<fk_bf16> {
   static __device__ __forceinline__ void run(float* d, unsigned long long da,
@@ -127,9 +133,17 @@ template <> struct Fk90Mma<fk_f16> {
   }
 };
 
-template <typename T>
-__device__ __forceinline__ unsigned fk90_pack(float a, float b) {
-  return (unsigned)fk_from_f32<T>(a).bits | ((unsigned)fk_from_f32<T>(b).bits << 16);
+// Two floats to a packed pair (lo, hi), rounded to nearest even by one cvt (NaN stays NaN).
+template <typename T> __device__ __forceinline__ unsigned fk90_pack(float lo, float hi);
+template <> __device__ __forceinline__ unsigned fk90_pack<fk_bf16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned fk90_pack<fk_f16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 template <typename T>
 __device__ __forceinline__ float2 fk90_unpack(unsigned u) {
@@ -138,16 +152,9 @@ __device__ __forceinline__ float2 fk90_unpack(unsigned u) {
   hi.bits = (unsigned short)(u >> 16);
   return make_float2(fk_to_f32(lo), fk_to_f32(hi));
 }
-// 8 consecutive elements (16-byte aligned: column % 8 == 0, N % 8 == 0) as floats; 0 when
-// absent.
+// 8 packed elements as floats.
 template <typename T>
-__device__ __forceinline__ void fk90_load8_at(const T* p, long long i, float* o) {
-  if (!p) {
-#pragma unroll
-    for (int q = 0; q < 8; ++q) o[q] = 0.0f;
-    return;
-  }
-  const uint4 u = *reinterpret_cast<const uint4*>(p + i);
+__device__ __forceinline__ void fk90_floats(uint4 u, float* o) {
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -156,116 +163,94 @@ __device__ __forceinline__ void fk90_load8_at(const T* p, long long i, float* o)
     o[2 * q + 1] = f.y;
   }
 }
+// 8 consecutive elements at p + i (16-byte aligned: i % 8 == 0); zeros when p is null.
+template <typename T>
+__device__ __forceinline__ uint4 fk90_load16(const T* p, long long i) {
+  return p ? *reinterpret_cast<const uint4*>(p + i) : make_uint4(0, 0, 0, 0);
+}
 
-__device__ __forceinline__ float fk90_act(float v, int act) {
-  switch (act) {
-    case 1: return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
-    case 2: return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
-    case 3: return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    case 4: return v / (1.0f + __expf(-v));
-    case 5: return 1.0f / (1.0f + __expf(-v));
-    case 6: return tanhf(v);
-    default: return v;
-  }
+template <int ACT>
+__device__ __forceinline__ float fk90_act(float v) {
+  if (ACT == 1) return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
+  if (ACT == 2) return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+  if (ACT == 3) return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  if (ACT == 4) return v / (1.0f + __expf(-v));
+  if (ACT == 5) return 1.0f / (1.0f + __expf(-v));
+  if (ACT == 6) return tanhf(v);
+  return v;
 }
 
 // Row stride (floats) of a consumer's staged accumulator tile: 256 columns + 8 of padding,
 // so the fragment stores of a warp's 8 rows spread over the banks.
 #define FK90_EPI_STRIDE 264
 
-// The consumer warpgroup's accumulators (wgmma m64nN fragment: thread (warp w, lane l) holds
-// rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1): d[4j + 2i + c]) into its 64 × 256 staging
-// tile: columns 0..127 from acc0, 128..255 from acc1.
-__device__ __forceinline__ void fk90_stage_acc(float* tile, const float* acc0, const float* acc1) {
+// The consumer warpgroup's accumulators into its 64 × 256 staging tile. wgmma m64n256
+// fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8), columns 8j + 2(l%4) (+1):
+// d[4j + 2i + c] = (row + 8i, column 8j + 2(l%4) + c), j < 32.
+__device__ __forceinline__ void fk90_stage_acc(float* tile, const float* d) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   float* r0 = tile + (16 * warp + (lane >> 2)) * FK90_EPI_STRIDE + 2 * (lane & 3);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < 32; ++j) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float* p = r0 + 8 * i * FK90_EPI_STRIDE + 8 * j;
-      *reinterpret_cast<float2*>(p) = make_float2(acc0[4 * j + 2 * i], acc0[4 * j + 2 * i + 1]);
-      *reinterpret_cast<float2*>(p + 128) =
-          make_float2(acc1[4 * j + 2 * i], acc1[4 * j + 2 * i + 1]);
+      *reinterpret_cast<float2*>(r0 + 8 * i * FK90_EPI_STRIDE + 8 * j) =
+          make_float2(d[4 * j + 2 * i], d[4 * j + 2 * i + 1]);
     }
   }
 }
 
-// The epilogue of one consumer's 64 rows from its staging tile, 8 output columns (16 bytes)
-// per thread and step, a warp covering a row's contiguous run: dense, columns c of the tile;
-// GLU, gate at c and up at 128 + c.
-template <typename T>
-__device__ __forceinline__ void fk90_epilogue(const float* tile, bool glu, long long row0,
-                                              int col0, int M, int N, const T* bias,
-                                              const T* bias_up, const T* res, T* out, int act) {
+// The epilogue of one consumer's 64 rows from its staging tile: 8 output columns (16 bytes)
+// per thread and step, a warp covering a contiguous run of one row. Dense: tile column c is
+// output column col0 + c; GLU: gate at c, up at 128 + c. A thread's column is the same at
+// every step (so its bias is loaded once); residuals are loaded 4 steps at a time so their
+// latencies overlap.
+template <typename T, int ACT, bool GLU>
+__device__ __forceinline__ void fk90_epilogue(const float* tile, long long row0, int col0, int M,
+                                              int N, const T* bias, const T* bias_up,
+                                              const T* res, T* out) {
+  constexpr int CHUNKS = GLU ? 16 : 32;          // 8-column chunks per row
+  constexpr int ROWS_PER_STEP = 128 / CHUNKS;    // rows the warpgroup covers per step
+  constexpr int STEPS = 64 / ROWS_PER_STEP;
   const int t = threadIdx.x & 127;
-  const int cols = glu ? 128 : 256, chunks = cols / 8;
+  const int c = (t % CHUNKS) * 8, r0 = t / CHUNKS;
+  const int col = col0 + c;
+  if (col >= N) return;
+  float b[8], bu[8];
+  fk90_floats<T>(fk90_load16(bias, col), b);
+  fk90_floats<T>(fk90_load16(GLU ? bias_up : (const T*)nullptr, col), bu);
 #pragma unroll 1
-  for (int id = t; id < 64 * chunks; id += 128) {
-    const int r = id / chunks, c = (id % chunks) * 8;
-    const long long row = row0 + r;
-    const int col = col0 + c;
-    if (row >= M || col >= N) continue;
-    const float* a = tile + r * FK90_EPI_STRIDE + c;
-    float b[8], rs[8], v[8];
-    fk90_load8_at(bias, col, b);
-    fk90_load8_at(res, row * N + col, rs);
-    if (glu) {
-      float bu[8];
-      fk90_load8_at(bias_up, col, bu);
+  for (int s0 = 0; s0 < STEPS; s0 += 4) {
+    uint4 rs[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const long long row = row0 + r0 + ROWS_PER_STEP * (s0 + u);
+      rs[u] = row < M ? fk90_load16(res, row * N + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int r = r0 + ROWS_PER_STEP * (s0 + u);
+      const long long row = row0 + r;
+      if (row >= M) break;
+      const float* a = tile + r * FK90_EPI_STRIDE + c;
+      float v[8], rf[8];
+      fk90_floats<T>(rs[u], rf);
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const float g = a[q] + b[q];
-        v[q] = g / (1.0f + __expf(-g)) * (a[128 + q] + bu[q]) + rs[q];
+        if (GLU) {
+          const float g = a[q] + b[q];
+          v[q] = g / (1.0f + __expf(-g)) * (a[128 + q] + bu[q]) + rf[q];
+        } else {
+          v[q] = fk90_act<ACT>(a[q] + b[q]) + rf[q];
+        }
       }
-    } else {
-#pragma unroll
-      for (int q = 0; q < 8; ++q) v[q] = fk90_act(a[q] + b[q], act) + rs[q];
+      uint4 o;
+      o.x = fk90_pack<T>(v[0], v[1]);
+      o.y = fk90_pack<T>(v[2], v[3]);
+      o.z = fk90_pack<T>(v[4], v[5]);
+      o.w = fk90_pack<T>(v[6], v[7]);
+      *reinterpret_cast<uint4*>(out + row * N + col) = o;
     }
-    uint4 o;
-    o.x = fk90_pack<T>(v[0], v[1]);
-    o.y = fk90_pack<T>(v[2], v[3]);
-    o.z = fk90_pack<T>(v[4], v[5]);
-    o.w = fk90_pack<T>(v[6], v[7]);
-    *reinterpret_cast<uint4*>(out + row * N + col) = o;
-  }
-}
-
-// Normalises, in place, the 8 elements of one 16-byte chunk of the staged A tile.
-template <typename T>
-__device__ __forceinline__ void fk90_norm_chunk(unsigned addr, float mean, float rstd,
-                                                const float* g, const float* b) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = fk90_unpack<T>(w[q]);
-    w[q] = fk90_pack<T>((f.x - mean) * rstd * g[2 * q] + b[2 * q],
-                        (f.y - mean) * rstd * g[2 * q + 1] + b[2 * q + 1]);
-  }
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(w[0]), "r"(w[1]),
-               "r"(w[2]), "r"(w[3])
-               : "memory");
-}
-
-// Loads 8 consecutive gamma/beta values (0 past K, where the staged A is zero and stays 0).
-template <typename T>
-__device__ __forceinline__ void fk90_load8(const T* p, int k, int K, float fallback, float* o) {
-  if (!p || k >= K) {
-#pragma unroll
-    for (int q = 0; q < 8; ++q) o[q] = k < K ? fallback : 0.0f;
-    return;
-  }
-  const uint4 u = *reinterpret_cast<const uint4*>(p + k);
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = fk90_unpack<T>(w[q]);
-    o[2 * q] = f.x;
-    o[2 * q + 1] = f.y;
   }
 }
 
@@ -323,7 +308,8 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
     }
     // Norm producer. Thread t owns the 16-byte chunks t + 128i (i < 8) of each A stage:
     // rows t/8 + 16i, physical chunk t%8, which the 128-byte swizzle maps to the logical
-    // K chunk (t%8) ^ ((t/8)%8), the same for all its rows.
+    // K chunk (t%8) ^ ((t/8)%8), the same for all its rows. Its gamma/beta chunk for the
+    // next K tile is loaded while it normalises the current one.
     const int t = threadIdx.x;
     const int chunk = (t & 7) ^ ((t >> 3) & 7);
     float mean[8], rstd[8];
@@ -333,18 +319,40 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
       mean[i] = row < M ? stats[row] : 0.0f;
       rstd[i] = row < M ? stats[M + row] : 0.0f;
     }
+    // gamma/beta of K columns k .. k+7 (past K: 0, so the zero-filled A stays 0).
+    auto gb = [&](int kt, uint4& g, uint4& b) {
+      const int k = kt * FK90_BK + chunk * 8;
+      const bool in = kt < kt_count && k < K;
+      g = in ? fk90_load16(gamma, k) : make_uint4(0, 0, 0, 0);
+      b = in ? fk90_load16(beta, k) : make_uint4(0, 0, 0, 0);
+    };
     if (t == 0)
       for (int kt = 0; kt < FK90_STAGES - 1 && kt < kt_count; ++kt) issue(kt);
+    uint4 g_next, b_next;
+    gb(0, g_next, b_next);
     for (int kt = 0; kt < kt_count; ++kt) {
       const int s = kt % FK90_STAGES;
-      const int k = kt * FK90_BK + chunk * 8;
       float g[8], b[8];
-      fk90_load8(gamma, k, K, 1.0f, g);
-      fk90_load8(beta, k, K, 0.0f, b);
+      fk90_floats<T>(g_next, g);
+      fk90_floats<T>(b_next, b);
+      gb(kt + 1, g_next, b_next);
       fk90_bar_wait(tma_bar(s), (kt / FK90_STAGES) & 1);
       const unsigned a = base + s * FK90_STAGE_BYTES + 16u * t;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) fk90_norm_chunk<T>(a + 2048u * i, mean[i], rstd[i], g, b);
+      for (int i = 0; i < 8; ++i) {
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(a + 2048u * i));
+        float x[8];
+        fk90_floats<T>(v, x);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) x[q] = fmaf((x[q] - mean[i]) * rstd[i], g[q], b[q]);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + 2048u * i),
+                     "r"(fk90_pack<T>(x[0], x[1])), "r"(fk90_pack<T>(x[2], x[3])),
+                     "r"(fk90_pack<T>(x[4], x[5])), "r"(fk90_pack<T>(x[6], x[7]))
+                     : "memory");
+      }
       // Generic-proxy stores that wgmma (async proxy) reads next.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       fk90_bar_arrive(ready_bar(s));
@@ -357,21 +365,18 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
   const int cw = wg - 1;  // consumer: rows 64cw .. 64cw+63 of the tile
   // No instruction but wgmma may write the accumulators while the pipeline runs (ptxas
   // would serialise the wgmmas): the first K step overwrites them instead (scale-d = 0).
-  float acc0[64], acc1[64];
+  float acc[128];
   for (int kt = 0; kt < kt_count; ++kt) {
     const int s = kt % FK90_STAGES;
     fk90_bar_wait(norm ? ready_bar(s) : tma_bar(s), (kt / FK90_STAGES) & 1);
-    const unsigned a = base + s * FK90_STAGE_BYTES + cw * 8192u, b = base + s * FK90_STAGE_BYTES + FK90_A_BYTES;
-    const unsigned long long da = fk90_desc(a, 16);
-    const unsigned long long db0 = fk90_desc(b, FK90_CHUNK_BYTES);
-    const unsigned long long db1 = fk90_desc(b + 2 * FK90_CHUNK_BYTES, FK90_CHUNK_BYTES);
+    const unsigned a = base + s * FK90_STAGE_BYTES;
+    const unsigned long long da = fk90_desc(a + cw * 8192u, 16);
+    const unsigned long long db = fk90_desc(a + FK90_A_BYTES, FK90_CHUNK_BYTES);
     fk90_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < FK90_BK / 16; ++kk) {
       // K step kk: 32 bytes along A's swizzled rows, 16 rows (2 KB) down B's chunks.
-      const unsigned scale_d = (kt > 0 || kk > 0) ? 1u : 0u;
-      Fk90Mma<T>::run(acc0, da + 2 * kk, db0 + 128 * kk, scale_d);
-      Fk90Mma<T>::run(acc1, da + 2 * kk, db1 + 128 * kk, scale_d);
+      Fk90Mma<T>::run(acc, da + 2 * kk, db + 128 * kk, (kt > 0 || kk > 0) ? 1u : 0u);
     }
     fk90_wgmma_commit();
     fk90_wgmma_wait<1>();
@@ -384,14 +389,28 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
   asm volatile("bar.sync 1, 256;" ::: "memory");
   float* tile = reinterpret_cast<float*>(fk90_raw + (base - fk90_smem(fk90_raw))) +
                 cw * 64 * FK90_EPI_STRIDE;
-  fk90_stage_acc(tile, acc0, acc1);
+  fk90_stage_acc(tile, acc);
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
-  fk90_epilogue<T>(tile, glu, (long long)m0 + 64 * cw, n0, M, N, bias, bias_up, res, out, act);
+  const long long row0 = (long long)m0 + 64 * cw;
+  if (glu) {
+    fk90_epilogue<T, 0, true>(tile, row0, n0, M, N, bias, bias_up, res, out);
+    return;
+  }
+  switch (act) {
+#define FK90_CASE(A)                                                                 \
+  case A:                                                                            \
+    fk90_epilogue<T, A, false>(tile, row0, n0, M, N, bias, bias_up, res, out); \
+    break;
+    FK90_CASE(1) FK90_CASE(2) FK90_CASE(3) FK90_CASE(4) FK90_CASE(5) FK90_CASE(6)
+#undef FK90_CASE
+    default: fk90_epilogue<T, 0, false>(tile, row0, n0, M, N, bias, bias_up, res, out);
+  }
 }
 
 // Per-row statistics for the norms, one warp per row, two passes over the row (the second
 // from cache) so a large mean does not cancel the variance: stats[r] = mean (0 for RMSNorm),
-// stats[M + r] = 1 / sqrt(var + eps) with var = mean of (x - mean)².
+// stats[M + r] = 1 / sqrt(var + eps) with var = mean of (x - mean)². Each lane keeps four
+// 16-byte loads in flight.
 template <typename T>
 __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, int K, int norm,
                                                float eps) {
@@ -401,14 +420,21 @@ __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, 
   const T* xr = x + row * K;
   auto sum = [&](float mean, bool square) {
     float s = 0.0f;
-    for (int k = lane * 8; k < K; k += 256) {
-      const uint4 u = *reinterpret_cast<const uint4*>(xr + k);
-      const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    for (int k0 = lane * 8; k0 < K; k0 += 4 * 256) {
+      uint4 u[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = fk90_unpack<T>(w[q]);
-        const float a = f.x - mean, b = f.y - mean;
-        s += square ? a * a + b * b : a + b;
+      for (int j = 0; j < 4; ++j)
+        u[j] = k0 + 256 * j < K ? fk90_load16(xr, k0 + 256 * j) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (k0 + 256 * j >= K) break;
+        float f[8];
+        fk90_floats<T>(u[j], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float d = f[q] - mean;
+          s += square ? d * d : d;
+        }
       }
     }
     return fk_warp_sum(s);
