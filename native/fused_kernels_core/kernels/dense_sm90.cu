@@ -263,11 +263,9 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
   extern __shared__ unsigned char fk90_raw[];
   const unsigned base = (fk90_smem(fk90_raw) + 1023u) & ~1023u;
   const unsigned bars = base + FK90_STAGES * FK90_STAGE_BYTES;
-  // Per stage: TMA landed (1 arrival + bytes), A normalised (128 arrivals), consumed (8 warps).
+  // Per stage: TMA landed (1 arrival + bytes); consumed (one arrival per consumer warp).
   auto tma_bar = [&](int s) { return bars + 8u * s; };
-  auto ready_bar = [&](int s) { return bars + 8u * (FK90_STAGES + s); };
-  auto free_bar = [&](int s) { return bars + 8u * (2 * FK90_STAGES + s); };
-  const bool norm = stats != nullptr;
+  auto free_bar = [&](int s) { return bars + 8u * (FK90_STAGES + s); };
   const int wg = threadIdx.x >> 7;
   const int m0 = blockIdx.x * FK90_BM;
   const int n0 = blockIdx.y * (glu ? 128 : 256);
@@ -276,99 +274,98 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
   if (threadIdx.x == 0) {
     for (int s = 0; s < FK90_STAGES; ++s) {
       fk90_bar_init(tma_bar(s), 1);
-      fk90_bar_init(ready_bar(s), 128);
       fk90_bar_init(free_bar(s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  // Loads K tile `kt` into its stage (after that stage's previous tile has been consumed).
-  auto issue = [&](int kt) {
-    const int s = kt % FK90_STAGES;
-    if (kt >= FK90_STAGES) fk90_bar_wait(free_bar(s), ((kt / FK90_STAGES) - 1) & 1);
-    const unsigned a = base + s * FK90_STAGE_BYTES, b = a + FK90_A_BYTES;
-    const int k0 = kt * FK90_BK;
-    fk90_bar_expect_tx(tma_bar(s), FK90_STAGE_BYTES);
-    fk90_tma_2d(a, ta, k0, m0, tma_bar(s));
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const Fk90TensorMap* map = (glu && q >= 2) ? tb_up : tb;
-      const int col = n0 + 64 * (glu ? (q & 1) : q);
-      fk90_tma_2d(b + q * FK90_CHUNK_BYTES, map, col, k0, tma_bar(s));
-    }
-  };
-
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    if (!norm) {
-      if (threadIdx.x == 0)
-        for (int kt = 0; kt < kt_count; ++kt) issue(kt);
-      return;
-    }
-    // Norm producer. Thread t owns the 16-byte chunks t + 128i (i < 8) of each A stage:
-    // rows t/8 + 16i, physical chunk t%8, which the 128-byte swizzle maps to the logical
-    // K chunk (t%8) ^ ((t/8)%8), the same for all its rows. Its gamma/beta chunk for the
-    // next K tile is loaded while it normalises the current one.
-    const int t = threadIdx.x;
-    const int chunk = (t & 7) ^ ((t >> 3) & 7);
-    float mean[8], rstd[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int row = m0 + (t >> 3) + 16 * i;
-      mean[i] = row < M ? stats[row] : 0.0f;
-      rstd[i] = row < M ? stats[M + row] : 0.0f;
-    }
-    // gamma/beta of K columns k .. k+7 (past K: 0, so the zero-filled A stays 0).
-    auto gb = [&](int kt, uint4& g, uint4& b) {
-      const int k = kt * FK90_BK + chunk * 8;
-      const bool in = kt < kt_count && k < K;
-      g = in ? fk90_load16(gamma, k) : make_uint4(0, 0, 0, 0);
-      b = in ? fk90_load16(beta, k) : make_uint4(0, 0, 0, 0);
-    };
-    if (t == 0)
-      for (int kt = 0; kt < FK90_STAGES - 1 && kt < kt_count; ++kt) issue(kt);
-    uint4 g_next, b_next;
-    gb(0, g_next, b_next);
+    // Producer: one thread loads K tile kt into stage kt % STAGES once the tile that used
+    // the stage before has been consumed.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
     for (int kt = 0; kt < kt_count; ++kt) {
       const int s = kt % FK90_STAGES;
-      float g[8], b[8];
-      fk90_floats<T>(g_next, g);
-      fk90_floats<T>(b_next, b);
-      gb(kt + 1, g_next, b_next);
-      fk90_bar_wait(tma_bar(s), (kt / FK90_STAGES) & 1);
-      const unsigned a = base + s * FK90_STAGE_BYTES + 16u * t;
+      if (kt >= FK90_STAGES) fk90_bar_wait(free_bar(s), ((kt / FK90_STAGES) - 1) & 1);
+      const unsigned a = base + s * FK90_STAGE_BYTES, b = a + FK90_A_BYTES;
+      const int k0 = kt * FK90_BK;
+      fk90_bar_expect_tx(tma_bar(s), FK90_STAGE_BYTES);
+      fk90_tma_2d(a, ta, k0, m0, tma_bar(s));
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(a + 2048u * i));
-        float x[8];
-        fk90_floats<T>(v, x);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) x[q] = fmaf((x[q] - mean[i]) * rstd[i], g[q], b[q]);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + 2048u * i),
-                     "r"(fk90_pack<T>(x[0], x[1])), "r"(fk90_pack<T>(x[2], x[3])),
-                     "r"(fk90_pack<T>(x[4], x[5])), "r"(fk90_pack<T>(x[6], x[7]))
-                     : "memory");
+      for (int q = 0; q < 4; ++q) {
+        const Fk90TensorMap* map = (glu && q >= 2) ? tb_up : tb;
+        const int col = n0 + 64 * (glu ? (q & 1) : q);
+        fk90_tma_2d(b + q * FK90_CHUNK_BYTES, map, col, k0, tma_bar(s));
       }
-      // Generic-proxy stores that wgmma (async proxy) reads next.
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      fk90_bar_arrive(ready_bar(s));
-      if (t == 0 && kt + FK90_STAGES - 1 < kt_count) issue(kt + FK90_STAGES - 1);
     }
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int cw = wg - 1;  // consumer: rows 64cw .. 64cw+63 of the tile
+  const bool norm = stats != nullptr;
+  // With a norm, each consumer normalises its own 64 rows of a stage's A tile in place
+  // (CUDA cores) while its tensor cores multiply the previous stage. Thread t owns the
+  // 16-byte chunks t + 128i (i < 4) of those rows: rows t/8 + 16i, physical chunk t%8, which
+  // the 128-byte swizzle maps to the logical K chunk (t%8) ^ ((t/8)%8), fixed per thread.
+  const int t = threadIdx.x & 127;
+  const int chunk = (t & 7) ^ ((t >> 3) & 7);
+  float mean[4], rstd[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = m0 + 64 * cw + (t >> 3) + 16 * i;
+    mean[i] = norm && row < M ? stats[row] : 0.0f;
+    rstd[i] = norm && row < M ? stats[M + row] : 0.0f;
+  }
+  uint4 g_next = make_uint4(0, 0, 0, 0), b_next = make_uint4(0, 0, 0, 0);
+  // gamma/beta of the thread's 8 K columns of tile kt (0 past K: the zero-filled A stays 0).
+  auto load_gb = [&](int kt) {
+    const int k = kt * FK90_BK + chunk * 8;
+    const bool in = kt < kt_count && k < K;
+    g_next = in ? fk90_load16(gamma, k) : make_uint4(0, 0, 0, 0);
+    b_next = in ? fk90_load16(beta, k) : make_uint4(0, 0, 0, 0);
+  };
+  // Waits for tile kt, normalises this consumer's rows of it, and makes the stores visible
+  // to the warpgroup's wgmma (async proxy) — the caller syncs the warpgroup after.
+  auto normalise = [&](int kt) {
+    float g[8], b[8];
+    fk90_floats<T>(g_next, g);
+    fk90_floats<T>(b_next, b);
+    load_gb(kt + 1);
+    const int s = kt % FK90_STAGES;
+    fk90_bar_wait(tma_bar(s), (kt / FK90_STAGES) & 1);
+    const unsigned a = base + s * FK90_STAGE_BYTES + cw * 8192u + 16u * t;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(a + 2048u * i));
+      float x[8];
+      fk90_floats<T>(v, x);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) x[q] = fmaf((x[q] - mean[i]) * rstd[i], g[q], b[q]);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + 2048u * i),
+                   "r"(fk90_pack<T>(x[0], x[1])), "r"(fk90_pack<T>(x[2], x[3])),
+                   "r"(fk90_pack<T>(x[4], x[5])), "r"(fk90_pack<T>(x[6], x[7]))
+                   : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  };
+  auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory"); };
+  if (norm) {
+    load_gb(0);
+    normalise(0);
+    sync_warpgroup();
+  }
+
   // No instruction but wgmma may write the accumulators while the pipeline runs (ptxas
   // would serialise the wgmmas): the first K step overwrites them instead (scale-d = 0).
   float acc[128];
   for (int kt = 0; kt < kt_count; ++kt) {
     const int s = kt % FK90_STAGES;
-    fk90_bar_wait(norm ? ready_bar(s) : tma_bar(s), (kt / FK90_STAGES) & 1);
+    if (!norm) fk90_bar_wait(tma_bar(s), (kt / FK90_STAGES) & 1);
     const unsigned a = base + s * FK90_STAGE_BYTES;
     const unsigned long long da = fk90_desc(a + cw * 8192u, 16);
     const unsigned long long db = fk90_desc(a + FK90_A_BYTES, FK90_CHUNK_BYTES);
@@ -379,8 +376,11 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
       Fk90Mma<T>::run(acc, da + 2 * kk, db + 128 * kk, (kt > 0 || kk > 0) ? 1u : 0u);
     }
     fk90_wgmma_commit();
+    // Tile kt + 1 is normalised while the tensor cores work on tile kt.
+    if (norm && kt + 1 < kt_count) normalise(kt + 1);
     fk90_wgmma_wait<1>();
     if (kt > 0 && (threadIdx.x & 31) == 0) fk90_bar_arrive(free_bar((kt - 1) % FK90_STAGES));
+    if (norm) sync_warpgroup();
   }
   fk90_wgmma_wait<0>();
 
