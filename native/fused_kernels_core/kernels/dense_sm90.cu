@@ -298,6 +298,16 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
         const int col = n0 + 64 * (glu ? (q & 1) : q);
         fk90_tma_2d(b + q * FK90_CHUNK_BYTES, map, col, k0, tma_bar(s));
       }
+      // A few K tiles before the epilogue, pull this tile's residual rows into L2 so the
+      // epilogue's loads of them do not wait on DRAM.
+      if (res && kt == (kt_count > 6 ? kt_count - 6 : 0)) {
+        const int cols = min(glu ? 128 : 256, N - n0);
+        for (int r = 0; r < FK90_BM && m0 + r < M; ++r)
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                           res + (long long)(m0 + r) * N + n0),
+                       "r"(cols * 2)
+                       : "memory");
+      }
     }
     return;
   }
