@@ -11,13 +11,14 @@
 //   warpgroup 0 (producer): one thread issues TMA loads (cp.async.bulk.tensor, 128-byte
 //     swizzle, zero fill past the matrix edges) of the A tile (128×64) and four B chunks
 //     (64 K-rows × 64 columns each) into a 4-stage ring, completing on an mbarrier per stage.
-//     With a norm, all 128 threads then normalise the A tile in shared memory, in place
-//     ((x - mean) * rstd * gamma + beta, rounded to T), before the consumers may read it:
-//     the normalised activations never go to global memory.
-//   warpgroups 1, 2 (consumers): 64 rows each; per 16-wide K step two wgmma m64n128k16 (the
-//     two 128-column halves, or gate and up), accumulators in registers; one wgmma group in
-//     flight, each stage released when its group has completed. The epilogue (bias,
-//     activation, GLU, residual) is applied to the registers and stored straight to `out`.
+//   warpgroups 1, 2 (consumers): 64 rows each; per 16-wide K step one wgmma m64n256k16 over
+//     the four B chunks (SwiGLU: gate and up side by side), accumulators in registers; one
+//     wgmma group in flight, each stage released when its group has completed. With a norm,
+//     each consumer normalises its own rows of the next stage's A tile in shared memory
+//     ((x - mean) * rstd * gamma + beta, rounded to T) while its wgmmas run on the current
+//     one: the normalised activations never go to global memory. The epilogue (bias,
+//     activation, GLU, residual) reads the accumulators back through the idle ring and
+//     writes 16-byte coalesced rows of `out`.
 // Per-row mean/rstd for the norms come from dense_sm90_row_stats (a pass over x writing 2·M
 // floats).
 
@@ -104,14 +105,22 @@ __device__ __forceinline__ void fk90_wgmma_wait() {
   asm volatile(                                                                           \
       "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"                                    \
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                        \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"        \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"\
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"\
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"\
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"\
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"\
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "\
+      "{%0, %1, %2, %3, %4, %5, %6, %7, "                                                 \
+      "%8, %9, %10, %11, %12, %13, %14, %15, "                                            \
+      "%16, %17, %18, %19, %20, %21, %22, %23, "                                          \
+      "%24, %25, %26, %27, %28, %29, %30, %31, "                                          \
+      "%32, %33, %34, %35, %36, %37, %38, %39, "                                          \
+      "%40, %41, %42, %43, %44, %45, %46, %47, "                                          \
+      "%48, %49, %50, %51, %52, %53, %54, %55, "                                          \
+      "%56, %57, %58, %59, %60, %61, %62, %63, "                                          \
+      "%64, %65, %66, %67, %68, %69, %70, %71, "                                          \
+      "%72, %73, %74, %75, %76, %77, %78, %79, "                                          \
+      "%80, %81, %82, %83, %84, %85, %86, %87, "                                          \
+      "%88, %89, %90, %91, %92, %93, %94, %95, "                                          \
+      "%96, %97, %98, %99, %100, %101, %102, %103, "                                      \
+      "%104, %105, %106, %107, %108, %109, %110, %111, "                                  \
+      "%112, %113, %114, %115, %116, %117, %118, %119, "                                  \
+      "%120, %121, %122, %123, %124, %125, %126, %127}, "                                 \
       "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                 \
       : FK90_D64(0), FK90_D64(64)                                                         \
       : "l"(da), "l"(db), "r"(scale_d))
