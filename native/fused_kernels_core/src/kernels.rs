@@ -14,6 +14,17 @@ impl Kernel {
     pub fn source(&self) -> String {
         format!("{COMMON}\n// ---- {}.cu ----\n{}", self.name, self.body)
     }
+
+    /// The architecture NVRTC compiles this kernel for on a device of `arch` (`sm_90` style).
+    /// A kernel whose source says `FK_ARCH_SPECIFIC` gets Hopper's arch-specific target
+    /// (`sm_90a`: wgmma, setmaxnreg) on 9.0; everywhere else the device's own architecture.
+    pub fn target_arch(&self, arch: &str) -> String {
+        if arch == "sm_90" && self.body.contains("FK_ARCH_SPECIFIC") {
+            "sm_90a".to_string()
+        } else {
+            arch.to_string()
+        }
+    }
 }
 
 pub const SCALED_SOFTMAX: Kernel = Kernel {
@@ -67,6 +78,11 @@ pub const STREAM_STATE: Kernel = Kernel {
     body: include_str!("../kernels/stream_state.cu"),
 };
 
+pub const DENSE_SM90: Kernel = Kernel {
+    name: "dense_sm90",
+    body: include_str!("../kernels/dense_sm90.cu"),
+};
+
 pub const ALL: &[&Kernel] = &[
     &SCALED_SOFTMAX,
     &DENSE,
@@ -78,4 +94,5 @@ pub const ALL: &[&Kernel] = &[
     &NORM,
     &MAMBA_BLOCK,
     &STREAM_STATE,
+    &DENSE_SM90,
 ];

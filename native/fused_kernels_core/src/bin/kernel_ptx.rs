@@ -41,7 +41,8 @@ fn main() -> ExitCode {
         {
             continue;
         }
-        for arch in &archs {
+        for device_arch in &archs {
+            let arch = &kernel.target_arch(device_arch);
             let started = std::time::Instant::now();
             // Both outputs: the cubin proves the real-architecture build the runtime does.
             let result = compile(kernel.name, &kernel.source(), arch, Target::Cubin)

@@ -191,7 +191,7 @@ impl Gpu {
             cache::STATS.record_memory_hit();
             return Ok(m.clone());
         }
-        let arch = self.arch();
+        let arch = kernel.target_arch(&self.arch());
         let source = kernel.source();
         let nvrtc_version = probe()?.nvrtc_version;
         let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version);

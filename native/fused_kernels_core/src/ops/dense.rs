@@ -429,6 +429,10 @@ pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) ->
         return Err(arg_error("out: must have the output's shape and x's type"));
     }
     let gpu = ops.x.gpu.clone();
+    // Hopper (9.0) f16/bf16 problems that fill the device: wgmma kernel (ops/dense_sm90.rs).
+    if super::dense_sm90::takes(&gpu, dt, &g, p.kind) {
+        return super::dense_sm90::cuda(ops, out, p, &g);
+    }
     let (path, tname) = match dt {
         DType::F32 => ("ffma", "f32"),
         DType::F16 | DType::BF16 if !gpu.has_tensor_cores() => {
