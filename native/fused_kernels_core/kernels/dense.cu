@@ -606,6 +606,7 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
 // Instantiations. The prologue (norm 0/1/2) and the activation are run-time arguments.
 //   dense_stats_{t}                       : the norm pre-pass (8 rows per 256-thread block)
 //   dense_tc_{t}_{mm|glu}_{big|small|tiny}: 16-byte-aligned rows; tile chosen by grid size
+//     (big2: the big tile held to 128 registers, two blocks per SM; timed against big)
 //   dense_tc_{t}_{mm|glu}_any             : any row length (tiny tile)
 //   dense_gemv_{t}_{mm|glu}               : M <= 4
 //   dense_ffma_f32_{mm|glu}_{big|small}   : sm_75
@@ -617,16 +618,20 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
 #define FK_DENSE_PASS x, w, w_up, bias, bias_up, g, b, res, stats, out, M, N, K, norm, act
 
 #define FK_DENSE_TC(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC)                                 \
-  extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)                   \
+  FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, 1)
+#define FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, MINB)                         \
+  extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)             \
       dense_tc_##TN_##_##GN##_##SN(FK_DENSE_ARGS(T)) {                                       \
     fk_dense_tc<T, GLU, BM, BN, WM, WN, VEC>(FK_DENSE_PASS);                                 \
   }
 #define FK_DENSE_TC_ALL(TN_, T)                                                               \
   FK_DENSE_TC(TN_, T, mm, false, big, 128, 128, 64, 32, true)                                 \
+  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, 2)                           \
   FK_DENSE_TC(TN_, T, mm, false, small, 64, 64, 32, 32, true)                                 \
   FK_DENSE_TC(TN_, T, mm, false, tiny, 32, 32, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, mm, false, any, 32, 32, 16, 16, false)                                  \
   FK_DENSE_TC(TN_, T, glu, true, big, 128, 64, 64, 16, true)                                  \
+  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, 2)                            \
   FK_DENSE_TC(TN_, T, glu, true, small, 64, 32, 32, 16, true)                                 \
   FK_DENSE_TC(TN_, T, glu, true, tiny, 32, 16, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)                                  \

@@ -505,8 +505,8 @@ pub fn reference_epilogue(
 }
 
 #[path = "dense_cuda.rs"]
-mod launch;
-pub use launch::{cuda, plan, Plan};
+mod cuda_path;
+pub use cuda_path::{cuda, launch, plan, Plan};
 
 #[cfg(test)]
 #[path = "dense_tests.rs"]

@@ -159,9 +159,23 @@ pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) ->
         ops.beta,
         ops.residual,
     ];
-    let aligned = present.iter().flatten().all(|t| ptr(t).is_multiple_of(16)) && ptr(out).is_multiple_of(16);
+    let aligned =
+        present.iter().flatten().all(|t| ptr(t).is_multiple_of(16)) && ptr(out).is_multiple_of(16);
     let sms = gpu.multiprocessors()? as usize;
     let plan = plan(&g, &p, dt, gpu.compute_capability, sms, aligned)?;
+    launch(ops, out, &g, p, &plan)
+}
+
+/// Runs `plan` (from `plan` for this call's geometry; the bench also times variants of it).
+pub fn launch(
+    ops: &Operands<&DeviceTensor>,
+    out: &mut DeviceTensor,
+    g: &Geometry,
+    p: Params,
+    plan: &Plan,
+) -> Result<()> {
+    let gpu = ops.x.gpu.clone();
+    let dt = ops.x.dtype;
     let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
     let (norm, act, eps) = (p.kind.norm(), p.activation.code(), p.eps as f32);
     let null = 0u64;
