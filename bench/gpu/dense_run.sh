@@ -18,7 +18,7 @@ timeout 60 python3 bench/gpu/side_dense.py "$OUT/dense_kernels.json" "$OUT/dense
   >"$OUT/side_dense.log" 2>&1
 tail -26 "$OUT/side_dense.log"
 echo "== dense GPU tests"
-timeout 110 .gpu/bin/core_tests ops::dense --test-threads=4 2>&1 | tee "$OUT/dense_tests.log" |
+timeout 120 .gpu/bin/core_tests ops::dense --test-threads=4 --nocapture 2>&1 | tee "$OUT/dense_tests.log" |
   grep -E "test result|panicked|FAILED|rel L2" | tail -20
 echo "== ExUnit dense tests (with :cuda)"
 root=/tmp/erlroot && rm -rf $root && mkdir -p $root

@@ -132,111 +132,148 @@ __device__ __forceinline__ void fk_copy_chunk(T* dst, const T* row, int c, int v
   }
 }
 
-// The per-type inner step: KS of K per mma, and one warp's update of its MT x NTL tile of
-// m16n8 accumulators from shared A (row-major, stride AS) and B (k-major, stride BS).
-// `nrm(row, k, v)` applies the prologue to an A value.
+// The per-type mainloop body: one warp's update of its MT x NTL tile of m16n8 accumulators
+// from one shared stage, A {BM, BK} row-major (stride AS), B {BK, BN} k-major (stride BS).
+// `col(ni, j)` is the output column (within the warp tile) of accumulator tile ni's column j.
 template <typename T> struct FkTc;
 
+// 3xTF32. The split hi = v rounded to tf32 (add half an ulp of tf32, clear the low 13 bits),
+// lo = v - hi (exact; the tensor core ignores its low 13 bits). Tensor cores accumulate with
+// truncation, which over K = 4096 costs ~3e-5 relative error; so each stage's products go
+// into a fresh partial sum (the stage's first mma starts from 0) and the partial is added
+// to the accumulator with a rounded FADD. All mma of one term are issued back to back over
+// the whole warp tile, so no mma waits on the previous one.
+// Fragments (m16n8k8 tf32): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4) — exactly
+// what ldmatrix.x4 gives on 32-bit rows; b0 (k=t, n=g), b1 (k=t+4, n=g). Column j of tile ni
+// is warp column j * NTL + ni, so a thread's NTL B values of one k are adjacent (one
+// 8- or 16-byte shared load).
 template <> struct FkTc<float> {
   static constexpr int BK = 16, KS = 8;
+  template <int NTL>
+  static __device__ __forceinline__ int col(int ni, int j) { return j * NTL + ni; }
   static __device__ __forceinline__ void split(float v, unsigned& hi, unsigned& lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(v));
-    const float r = v - __uint_as_float(hi);
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
+    hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi));
   }
-  static __device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  static __device__ __forceinline__ void mma(float* d, const unsigned* a, const unsigned* b,
+                                             const float* c) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
+          "f"(c[1]), "f"(c[2]), "f"(c[3]));
   }
-  // A fragment (m16n8k8 tf32): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4);
-  // B fragment: b0 (k=t, n=g), b1 (k=t+4, n=g); g = lane/4, t = lane%4.
-  template <int MT, int NTL, int NB, int AS, int BS, typename Nrm>
-  static __device__ __forceinline__ void step(float (*acc)[MT][NTL][4], const float* sA,
-                                              const float* const* sB, int ks, int wm0, int wn0,
-                                              Nrm nrm) {
+  template <int MT, int NTL, int NB, int AS, int BS>
+  static __device__ __forceinline__ void stage(float (*acc)[MT][NTL][4], const float* sA,
+                                               const float* const* sB, int wm0, int wn0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    unsigned ahi[MT][4], alo[MT][4];
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float part[NB][MT][NTL][4];
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+    for (int ks = 0; ks < BK; ks += KS) {
+      unsigned ahi[MT][4], alo[MT][4], bhi[NB][NTL][2], blo[NB][NTL][2];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = wm0 + mi * 16 + g + (q & 1) * 8, k = ks + t + (q >> 1) * 4;
-        split(nrm(mi * 2 + (q & 1), k, sA[r * AS + k]), ahi[mi][q], alo[mi][q]);
+      for (int mi = 0; mi < MT; ++mi) {
+        unsigned r[4];
+        fk_ldmatrix_x4(r, sA + (wm0 + mi * 16 + (lane & 15)) * AS + ks + (lane >> 4) * 4);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) split(__uint_as_float(r[q]), ahi[mi][q], alo[mi][q]);
       }
 #pragma unroll
-    for (int q = 0; q < NB; ++q)
+      for (int q = 0; q < NB; ++q)
 #pragma unroll
-      for (int ni = 0; ni < NTL; ++ni) {
-        const float* bp = sB[q] + (ks + t) * BS + wn0 + ni * 8 + g;
-        unsigned bhi[2], blo[2];
-        split(bp[0], bhi[0], blo[0]);
-        split(bp[4 * BS], bhi[1], blo[1]);
+        for (int h = 0; h < 2; ++h) {
+          const float* bp = sB[q] + (ks + t + 4 * h) * BS + wn0 + g * NTL;
+          float v[NTL];
+          if constexpr (NTL == 4) {
+            const float4 u = *reinterpret_cast<const float4*>(bp);
+            v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+          } else if constexpr (NTL == 2) {
+            const float2 u = *reinterpret_cast<const float2*>(bp);
+            v[0] = u.x, v[1] = u.y;
+          } else {
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          mma(acc[q][mi][ni], alo[mi], bhi);
-          mma(acc[q][mi][ni], ahi[mi], blo);
-          mma(acc[q][mi][ni], ahi[mi], bhi);
+            for (int ni = 0; ni < NTL; ++ni) v[ni] = bp[ni];
+          }
+#pragma unroll
+          for (int ni = 0; ni < NTL; ++ni) split(v[ni], bhi[q][ni][h], blo[q][ni][h]);
         }
-      }
-  }
-};
-
-template <typename T> struct FkTc16 {
-  static constexpr int BK = 32, KS = 16;
-  static __device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b);
-  // ldmatrix.x4 gives the m16n8k16 A fragment (a0 rows g / k 2t..2t+1, a1 rows g+8, a2 k+8,
-  // a3 both); .trans on the k-major B tile gives two n8 B fragments.
-  template <int MT, int NTL, int NB, int AS, int BS, typename Nrm>
-  static __device__ __forceinline__ void step(float (*acc)[MT][NTL][4], const T* sA,
-                                              const T* const* sB, int ks, int wm0, int wn0,
-                                              Nrm nrm, bool norm) {
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    unsigned fa[MT][4];
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-      fk_ldmatrix_x4(fa[mi], sA + (wm0 + mi * 16 + (lane & 15)) * AS + ks + (lane >> 4) * 8);
-      if (norm) {
+      for (int q = 0; q < NB; ++q)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int k = ks + 2 * t + (q >> 1) * 8;
-          T lo, hi;
-          lo.bits = (unsigned short)(fa[mi][q] & 0xffffu);
-          hi.bits = (unsigned short)(fa[mi][q] >> 16);
-          lo = fk_from_f32<T>(nrm(mi * 2 + (q & 1), k, fk_to_f32(lo)));
-          hi = fk_from_f32<T>(nrm(mi * 2 + (q & 1), k + 1, fk_to_f32(hi)));
-          fa[mi][q] = (unsigned)lo.bits | ((unsigned)hi.bits << 16);
-        }
-      }
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NTL; ++ni)
+            mma(part[q][mi][ni], alo[mi], bhi[q][ni], ks == 0 ? zero : part[q][mi][ni]);
+#pragma unroll
+      for (int q = 0; q < NB; ++q)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NTL; ++ni)
+            mma(part[q][mi][ni], ahi[mi], blo[q][ni], part[q][mi][ni]);
+#pragma unroll
+      for (int q = 0; q < NB; ++q)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NTL; ++ni)
+            mma(part[q][mi][ni], ahi[mi], bhi[q][ni], part[q][mi][ni]);
     }
 #pragma unroll
     for (int q = 0; q < NB; ++q)
 #pragma unroll
-      for (int nj = 0; nj < NTL / 2; ++nj) {
-        unsigned fb[4];
-        fk_ldmatrix_x4_trans(fb, sB[q] + (ks + (lane & 15)) * BS + wn0 + nj * 16 + (lane >> 4) * 8);
+      for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          mma(acc[q][mi][2 * nj], fa[mi], fb);
-          mma(acc[q][mi][2 * nj + 1], fa[mi], fb + 2);
+        for (int ni = 0; ni < NTL; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[q][mi][ni][e] += part[q][mi][ni][e];
+  }
+};
+
+// f16/bf16 on m16n8k16: ldmatrix.x4 gives the A fragment (a0 rows g / k 2t..2t+1, a1 rows
+// g+8, a2 k+8, a3 both); .trans on the k-major B tile gives two n8 B fragments. bf16/f16
+// products are exact in f32, and K/16 accumulations stay within the 1e-2 tolerance.
+template <typename T> struct FkTc16 {
+  static constexpr int BK = 32, KS = 16;
+  template <int NTL>
+  static __device__ __forceinline__ int col(int ni, int j) { return ni * 8 + j; }
+  static __device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b);
+  template <int MT, int NTL, int NB, int AS, int BS>
+  static __device__ __forceinline__ void stage(float (*acc)[MT][NTL][4], const T* sA,
+                                               const T* const* sB, int wm0, int wn0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += KS) {
+      unsigned fa[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+        fk_ldmatrix_x4(fa[mi], sA + (wm0 + mi * 16 + (lane & 15)) * AS + ks + (lane >> 4) * 8);
+#pragma unroll
+      for (int q = 0; q < NB; ++q)
+#pragma unroll
+        for (int nj = 0; nj < NTL / 2; ++nj) {
+          unsigned fb[4];
+          fk_ldmatrix_x4_trans(fb, sB[q] + (ks + (lane & 15)) * BS + wn0 + nj * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            mma(acc[q][mi][2 * nj], fa[mi], fb);
+            mma(acc[q][mi][2 * nj + 1], fa[mi], fb + 2);
+          }
         }
-      }
+    }
   }
 };
 template <> __device__ __forceinline__ void FkTc16<fk_bf16>::mma(float* c, const unsigned* a,
                                                                 const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 template <> __device__ __forceinline__ void FkTc16<fk_f16>::mma(float* c, const unsigned* a,
                                                                const unsigned* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -244,19 +281,30 @@ template <> __device__ __forceinline__ void FkTc16<fk_f16>::mma(float* c, const 
 template <> struct FkTc<fk_bf16> : FkTc16<fk_bf16> {};
 template <> struct FkTc<fk_f16> : FkTc16<fk_f16> {};
 
-template <typename T, int MT, int NTL, int NB, int AS, int BS, typename Nrm>
-__device__ __forceinline__ void fk_tc_step(float (*acc)[MT][NTL][4], const T* sA,
-                                           const T* const* sB, int ks, int wm0, int wn0, Nrm nrm,
-                                           bool norm) {
-  if constexpr (sizeof(T) == 4) {
-    if (norm) {
-      FkTc<T>::template step<MT, NTL, NB, AS, BS>(acc, sA, sB, ks, wm0, wn0, nrm);
-    } else {
-      FkTc<T>::template step<MT, NTL, NB, AS, BS>(acc, sA, sB, ks, wm0, wn0,
-                                                  [](int, int, float v) { return v; });
+// The norm prologue on one landed stage, in place: A[r][k] = (A * rstd + (-mean * rstd)) * g + b
+// (rows past M and columns past K end up harmless: their B rows are zero or their outputs
+// are never written). Each element once per block, in 16-byte vectors.
+template <typename T, int BM, int BK, int AS, int NT>
+__device__ __forceinline__ void fk_norm_stage(T* sA, const T* sG, const float2* s_st) {
+  constexpr int CH = 16 / sizeof(T), CHUNKS = BM * BK / CH;
+#pragma unroll
+  for (int j = 0; j < (CHUNKS + NT - 1) / NT; ++j) {
+    const int i = threadIdx.x + j * NT;
+    if (CHUNKS % NT == 0 || i < CHUNKS) {
+      const int r = i / (BK / CH), c = (i % (BK / CH)) * CH;
+      union {
+        uint4 v;
+        T e[CH];
+      } u;
+      u.v = *reinterpret_cast<const uint4*>(sA + r * AS + c);
+      const float2 st = s_st[r];
+#pragma unroll
+      for (int e = 0; e < CH; ++e) {
+        const float v = fmaf(fk_to_f32(u.e[e]), st.x, st.y);
+        u.e[e] = fk_from_f32<T>(fmaf(v, fk_to_f32(sG[c + e]), fk_to_f32(sG[BK + c + e])));
+      }
+      *reinterpret_cast<uint4*>(sA + r * AS + c) = u.v;
     }
-  } else {
-    FkTc<T>::template step<MT, NTL, NB, AS, BS>(acc, sA, sB, ks, wm0, wn0, nrm, norm);
   }
 }
 
@@ -293,16 +341,35 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
   const int gid = lane >> 2, tig = lane & 3;
 
   auto stage_ptr = [&](int s) { return smem + s * L::STAGE_ELEMS; };
+  // Each thread copies the same chunks of every stage: their sources and bounds are fixed
+  // once here, and a stage only offsets them by k0 (keeps 64-bit address math out of the loop).
+  constexpr int AJ = (A_CH + NT - 1) / NT, BJ = (B_CH + NT - 1) / NT;
+  const T* x_blk = x + m0 * K;
+  int a_off[AJ], a_lim[AJ];  // offset from x_blk; columns left at k0 = 0 (< 0: row past M)
+#pragma unroll
+  for (int j = 0; j < AJ; ++j) {
+    const int i = tid + j * NT, r = i / (BK / CH), c = (i % (BK / CH)) * CH;
+    const bool in = m0 + r < M && (A_CH % NT == 0 || i < A_CH);
+    a_off[j] = r * K + c;
+    a_lim[j] = in ? K - c : -(1 << 30);
+  }
+  // Offset of this chunk in W at k0 = 0: below (BK + 1) * N, and N < 65536 * BN, so an int.
+  int b_off[BJ], b_lim[BJ];
+#pragma unroll
+  for (int j = 0; j < BJ; ++j) {
+    const int i = tid + j * NT, r = i / (BN / CH), c = (i % (BN / CH)) * CH;
+    b_off[j] = r * N + n0 + c;
+    b_lim[j] = (B_CH % NT == 0 || i < B_CH) ? N - (n0 + c) : 0;
+  }
   auto load_stage = [&](int s, int k0) {
     T* sA = stage_ptr(s);
 #pragma unroll
-    for (int j = 0; j < (A_CH + NT - 1) / NT; ++j) {
+    for (int j = 0; j < AJ; ++j) {
       const int i = tid + j * NT;
       if (A_CH % NT == 0 || i < A_CH) {
         const int r = i / (BK / CH), c = (i % (BK / CH)) * CH;
-        const bool in = m0 + r < M;
-        fk_copy_chunk<T, VEC>(sA + r * AS + c, x + (in ? (m0 + r) * K : 0), k0 + c,
-                              in ? K - (k0 + c) : 0);
+        const int valid = a_lim[j] - k0;
+        fk_copy_chunk<T, VEC>(sA + r * AS + c, valid > 0 ? x_blk + a_off[j] + k0 : x, 0, valid);
       }
     }
 #pragma unroll
@@ -310,13 +377,13 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
       T* sB = sA + L::A_ELEMS + q * L::B_ELEMS;
       const T* src = q ? w_up : w;
 #pragma unroll
-      for (int j = 0; j < (B_CH + NT - 1) / NT; ++j) {
+      for (int j = 0; j < BJ; ++j) {
         const int i = tid + j * NT;
         if (B_CH % NT == 0 || i < B_CH) {
           const int r = i / (BN / CH), c = (i % (BN / CH)) * CH;
-          const bool in = k0 + r < K;
-          fk_copy_chunk<T, VEC>(sB + r * BS + c, src + (in ? (long long)(k0 + r) * N : 0),
-                                n0 + c, in ? N - (n0 + c) : 0);
+          const bool in = k0 + r < K && b_lim[j] > 0;
+          fk_copy_chunk<T, VEC>(sB + r * BS + c, in ? src + b_off[j] + (long long)k0 * N : src,
+                                0, in ? b_lim[j] : 0);
         }
       }
     }
@@ -329,16 +396,15 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
     }
   };
 
-  // This thread's rows' statistics, folded so that the prologue is two FMAs:
+  // The block's rows' statistics, folded so that the prologue is two FMAs:
   // norm(v) = (v * rstd + (-mean * rstd)) * g + b.
-  float rs[2 * MT], sh[2 * MT];
-#pragma unroll
-  for (int i = 0; i < 2 * MT; ++i) {
-    const long long r = m0 + wm0 + (i >> 1) * 16 + gid + (i & 1) * 8;
-    const float2 st = norm && r < M ? stats[r] : make_float2(0.0f, 0.0f);
-    rs[i] = st.y;
-    sh[i] = -st.x * st.y;
-  }
+  __shared__ float2 s_st[BM];
+  if (norm) {
+    for (int r = tid; r < BM; r += NT) {
+      const float2 st = m0 + r < M ? stats[m0 + r] : make_float2(0.0f, 0.0f);
+      s_st[r] = make_float2(st.y, -st.x * st.y);
+    }
+  }  // visible after the mainloop's first barrier
 
   float acc[NB][MT][NTL][4];
 #pragma unroll
@@ -361,21 +427,20 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
     __syncthreads();  // tile kt landed for all threads; stage (kt - 1) % ST is free
     if (kt + ST - 1 < kt_count) load_stage((kt + ST - 1) % ST, (kt + ST - 1) * BK);
     fk_cp_async_commit();
-    const T* sA = stage_ptr(kt % ST);
+    T* sA = stage_ptr(kt % ST);
     const T* sB[NB];
 #pragma unroll
     for (int q = 0; q < NB; ++q) sB[q] = sA + L::A_ELEMS + q * L::B_ELEMS;
-    const T* sG = sA + L::A_ELEMS + NB * L::B_ELEMS;
-    auto nrm = [&](int i, int k, float v) {
-      return fmaf(fmaf(v, rs[i], sh[i]), fk_to_f32(sG[k]), fk_to_f32(sG[BK + k]));
-    };
-#pragma unroll
-    for (int ks = 0; ks < BK; ks += FkTc<T>::KS)
-      fk_tc_step<T, MT, NTL, NB, AS, BS>(acc, sA, sB, ks, wm0, wn0, nrm, norm != 0);
+    if (norm) {
+      fk_norm_stage<T, BM, BK, AS, NT>(sA, sA + L::A_ELEMS + NB * L::B_ELEMS, s_st);
+      __syncthreads();
+    }
+    FkTc<T>::template stage<MT, NTL, NB, AS, BS>(acc, sA, sB, wm0, wn0);
   }
   fk_cp_async_wait<0>();
 
-  // Accumulator layout of m16n8: c0,c1 at (row gid, cols 2*tig, +1); c2,c3 at row gid + 8.
+  // Accumulator layout of m16n8: c0,c1 at (row gid, cols 2*tig, +1); c2,c3 at row gid + 8
+  // (columns as FkTc<T>::col maps them).
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -383,14 +448,14 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const long long row = m0 + wm0 + mi * 16 + gid + h * 8;
-        const int col = n0 + wn0 + ni * 8 + tig * 2;
         if (row >= M) continue;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (col + e >= N) continue;
+          const int col = n0 + wn0 + FkTc<T>::template col<NTL>(ni, tig * 2 + e);
+          if (col >= N) continue;
           const float up = GLU ? acc[NB - 1][mi][ni][2 * h + e] : 0.0f;
-          out[row * N + col + e] = fk_from_f32<T>(fk_dense_epilogue<T, GLU>(
-              acc[0][mi][ni][2 * h + e], up, row, col + e, N, bias, bias_up, res, act));
+          out[row * N + col] = fk_from_f32<T>(fk_dense_epilogue<T, GLU>(
+              acc[0][mi][ni][2 * h + e], up, row, col, N, bias, bias_up, res, act));
         }
       }
 #else
@@ -606,7 +671,7 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
 // Instantiations. The prologue (norm 0/1/2) and the activation are run-time arguments.
 //   dense_stats_{t}                       : the norm pre-pass (8 rows per 256-thread block)
 //   dense_tc_{t}_{mm|glu}_{big|small|tiny}: 16-byte-aligned rows; tile chosen by grid size
-//     (big2: the big tile held to 128 registers, two blocks per SM; timed against big)
+//     (16-bit big2: the big tile held to 128 registers, two blocks per SM)
 //   dense_tc_{t}_{mm|glu}_any             : any row length (tiny tile)
 //   dense_gemv_{t}_{mm|glu}               : M <= 4
 //   dense_ffma_f32_{mm|glu}_{big|small}   : sm_75
@@ -626,12 +691,10 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
   }
 #define FK_DENSE_TC_ALL(TN_, T)                                                               \
   FK_DENSE_TC(TN_, T, mm, false, big, 128, 128, 64, 32, true)                                 \
-  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, 2)                           \
   FK_DENSE_TC(TN_, T, mm, false, small, 64, 64, 32, 32, true)                                 \
   FK_DENSE_TC(TN_, T, mm, false, tiny, 32, 32, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, mm, false, any, 32, 32, 16, 16, false)                                  \
   FK_DENSE_TC(TN_, T, glu, true, big, 128, 64, 64, 16, true)                                  \
-  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, 2)                            \
   FK_DENSE_TC(TN_, T, glu, true, small, 64, 32, 32, 16, true)                                 \
   FK_DENSE_TC(TN_, T, glu, true, tiny, 32, 16, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)                                  \
@@ -646,9 +709,17 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
     fk_dense_gemv<T, true>(x, w, w_up, bias, bias_up, g, b, res, out, M, N, K, norm, act, eps); \
   }
 
+// The 16-bit big tile also held to 128 registers for two blocks per SM (f32's 3xTF32 partial
+// sums need ~200 registers, so it runs one block per SM with more ILP per warp).
+#define FK_DENSE_TC_BIG2(TN_, T)                                                              \
+  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, 2)                           \
+  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, 2)
+
 FK_DENSE_TC_ALL(f32, float)
 FK_DENSE_TC_ALL(bf16, fk_bf16)
 FK_DENSE_TC_ALL(f16, fk_f16)
+FK_DENSE_TC_BIG2(bf16, fk_bf16)
+FK_DENSE_TC_BIG2(f16, fk_f16)
 
 #define FK_DENSE_FFMA(GN, GLU, SN, BM, BN, TM, TNN)                                           \
   extern "C" __global__ void __launch_bounds__((BM / TM) * (BN / TNN))                       \

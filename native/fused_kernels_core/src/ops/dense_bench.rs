@@ -146,18 +146,8 @@ fn dense_kernel_timings() {
         let big = g.m * g.k * g.n > 1 << 30;
         let (warm, reps) = if big { (5, 30) } else { (50, 300) };
         let flops = 2.0 * (g.m * g.k * g.n) as f64 * if kind == Kind::Swiglu { 2.0 } else { 1.0 };
-        // The big tile also as `big2` (128 registers, two blocks per SM): the faster one ships.
-        let mut variants = vec![plan.clone()];
-        if plan.function.ends_with("_big") {
-            variants.push(Plan {
-                function: format!("{}2", plan.function),
-                ..plan.clone()
-            });
-        }
-        for plan in variants {
-            let t =
-                time_calls(&gpu, warm, reps, |_| launch(&refs, &mut out, &g, p, &plan)).unwrap();
-            let row = format!(
+        let t = time_calls(&gpu, warm, reps, |_| launch(&refs, &mut out, &g, p, &plan)).unwrap();
+        let row = format!(
             "{{\"case\":\"{name}\",\"kind\":\"{kind:?}\",\"activation\":\"{act:?}\",\"residual\":{residual},\
              \"mkn\":[{},{},{}],\"type\":\"{}\",\"function\":\"{}\",\"stats_prepass\":{},\
              \"median_us\":{:.2},\"p10_us\":{:.2},\"p90_us\":{:.2},\"back_to_back_us\":{:.2},\"tflops\":{:.2}}}",
@@ -173,9 +163,8 @@ fn dense_kernel_timings() {
             t.back_to_back_us,
             flops / (t.median_us * 1e-6) / 1e12
         );
-            println!("{row}");
-            rows.push(row);
-        }
+        println!("{row}");
+        rows.push(row);
     }
     if let Ok(path) = std::env::var("FK_DENSE_BENCH_JSON") {
         let json = format!(

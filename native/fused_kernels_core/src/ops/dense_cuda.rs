@@ -71,6 +71,13 @@ pub fn plan(
     let es = dt.size();
     let ch = 16 / es; // elements per 16-byte copy
     let norm = p.kind.norm() > 0;
+    if g.k >= 1 << 24 {
+        // dense.cu keeps a chunk's offset within a 128-row block, 128 * K, in an int.
+        return Err(arg_error(format!(
+            "x: {} features is more than the kernels take (at most 16777215)",
+            g.k
+        )));
+    }
     if g.m <= GEMV_MAX_M && g.m * g.k <= GEMV_MAX_X && g.n.is_multiple_of(ch) && aligned {
         return Ok(Plan {
             function: format!("dense_gemv_{tname}_{gn}"),
@@ -97,6 +104,13 @@ pub fn plan(
         let nb = if glu { 2 } else { 1 };
         let stage = bm * (bk + ch) + nb * bk * (bn + 8) + 2 * bk;
         let shared = STAGES * stage * es;
+        // 16-bit big tiles run as `big2` (128 registers, two blocks per SM: faster in the
+        // 2026-11-21 H200 run); f32's 3xTF32 big tile needs ~200 registers.
+        let size = if size == "big" && dt != DType::F32 {
+            "big2"
+        } else {
+            size
+        };
         (
             format!("dense_tc_{tname}_{gn}_{size}"),
             bm,
