@@ -16,16 +16,21 @@ for ptx in sorted(ptx_dir.glob("*.ptx")):
         print(f"FAILED ptxas {ptx}:\n{r.stderr}")
         failed = True
         continue
-    func = None
+    func = props = None
     info = {}
     for line in r.stderr.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             func = m.group(1)
             info[func] = {}
+        # "Function properties for F" names the function the next stack/spill line is about
+        # (noinline device functions get their own, which must not overwrite the kernel's).
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            props = m.group(1)
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and func:
-            info[func].update(stack=int(m[1]), spill_st=int(m[2]), spill_ld=int(m[3]))
+        if m and props in info:
+            info[props].update(stack=int(m[1]), spill_st=int(m[2]), spill_ld=int(m[3]))
         m = re.search(r"Used (\d+) registers", line)
         if m and func:
             smem = re.search(r"(\d+) bytes smem", line)

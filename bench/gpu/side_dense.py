@@ -7,7 +7,12 @@ the call until the device is idle, median of many after warm-up) and with CUDA e
 Bytes moved: each op's tensors read once and written once (the floor of that op); fused =
 operands read once + output written once; "saved" = 1 - fused / unfused.
 
-Usage: python3 bench/gpu/side_dense.py BENCH_JSON"""
+Usage: python3 bench/gpu/side_dense.py BENCH_JSON   (mix bench rows: wall clock, as above)
+       python3 bench/gpu/side_dense.py KERNELS_JSON [OUT_JSON]
+  KERNELS_JSON comes from `core_tests dense_kernel_timings --ignored` (FK_DENSE_BENCH_JSON):
+  our kernels timed with CUDA events (cuda::timing::time_calls), operands on the GPU. PyTorch's
+  unfused sequence is timed with events too (timing.event_ms): kernel against kernel, no
+  Elixir call overhead on either side. Speedup = torch events median / ours events median."""
 import json
 import os
 import sys
@@ -83,7 +88,44 @@ def build(kind, act, residual, m, k, n, dt):
     return fn, unfused * es, fused * es
 
 
-rows = json.load(open(sys.argv[1]))["rows"]
+KINDS = {"Dense": "dense", "Swiglu": "swiglu", "RmsNormDense": "rms_norm_dense",
+         "LayerNormDense": "layer_norm_dense"}
+
+
+def kernel_table(doc, out_path):
+    """Kernel-vs-kernel: our event timings from the Rust bench against torch's, same run."""
+    table, torch_ms = [], {}
+    for r in doc["kernels"]:
+        (m, k, n), dt = r["mkn"], DT[r["type"]]
+        kind, act = KINDS[r["kind"]], r["activation"].lower()
+        fn, b_unfused, b_fused = build(kind, act, r["residual"], m, k, n, dt)
+        key = (r["case"], r["type"])  # variants of one case share torch's timing
+        if key not in torch_ms:
+            big = m * k * n > 1 << 30
+            torch_ms[key] = event_ms(fn, warm=5 if big else 20, rep=30 if big else 200)
+        t_event = torch_ms[key]
+        ours_ms = r["median_us"] * 1e-3
+        if r["stats_prepass"]:  # our norm pre-pass reads x once more and writes M (mean, rstd)
+            b_fused += m * k * torch.finfo(dt).bits // 8 + 8 * m
+        line = dict(r, torch_event_ms=t_event, ours_event_ms=ours_ms, speedup=t_event / ours_ms,
+                    bytes_unfused=b_unfused, bytes_fused=b_fused, traffic_saved=1 - b_fused / b_unfused)
+        print(json.dumps(line), flush=True)
+        table.append(line)
+    if out_path:
+        json.dump(dict(device=doc.get("device"), torch=torch.__version__, rows=table), open(out_path, "w"), indent=1)
+    print(f"\n{'case':36} {'type':5} {'kernel':26} {'ours':>10} {'torch':>10} {'ratio':>6} "
+          f"{'MB unf.':>8} {'MB fused':>8} {'saved':>6} {'TFLOP/s':>8}")
+    for t in table:
+        print(f"{t['case']:36} {t['type']:5} {t['function']:26} {t['ours_event_ms']*1e3:7.1f} us "
+              f"{t['torch_event_ms']*1e3:7.1f} us {t['speedup']:5.2f}x {t['bytes_unfused']/1e6:8.2f} "
+              f"{t['bytes_fused']/1e6:8.2f} {t['traffic_saved']*100:5.1f}% {t['tflops']:8.1f}")
+
+
+doc = json.load(open(sys.argv[1]))
+if "kernels" in doc:
+    kernel_table(doc, sys.argv[2] if len(sys.argv) > 2 else None)
+    sys.exit(0)
+rows = doc["rows"]
 ours = {(r["case"], r["backend"]): r for r in rows}
 table = []
 for case, (kind, act, residual) in CASES.items():

@@ -9,12 +9,10 @@
 use super::Backend;
 use crate::cuda::{self, DeviceTensor};
 use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
-use crate::error::{arg_error, Error, Result};
-use crate::kernels::DENSE;
+use crate::error::{arg_error, Result};
 use crate::operand::{Operand, Placement, Value};
 use crate::parallel::for_each_row_chunk;
 use crate::tensor::{checked_numel, fmt_shape, HostTensor, OwnedTensor};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
@@ -56,7 +54,7 @@ impl Activation {
     }
 
     /// The code `fk_dense_act` switches on.
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         Activation::ALL.iter().position(|a| *a == self).unwrap_or(0) as i32
     }
 
@@ -123,7 +121,7 @@ impl Kind {
     }
 
     /// The prologue code of kernels/dense.cu: 0 none, 1 RMSNorm, 2 LayerNorm.
-    fn norm(self) -> i32 {
+    pub(crate) fn norm(self) -> i32 {
         match self {
             Kind::RmsNormDense => 1,
             Kind::LayerNormDense => 2,
@@ -285,7 +283,7 @@ pub fn geometry(p: &Params, ops: &Operands<(Vec<usize>, DType)>) -> Result<Geome
     Ok(Geometry { m, k, n, out_shape })
 }
 
-fn shapes<O>(
+pub(crate) fn shapes<O>(
     kind: Kind,
     ops: &Operands<O>,
     f: impl Fn(&O) -> (Vec<usize>, DType),
@@ -421,93 +419,6 @@ pub fn cpu(ops: &Operands<HostTensor<'_>>, p: Params) -> Result<OwnedTensor> {
     })
 }
 
-/// The CUDA implementation; `out` must have the output's shape and x's type.
-pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) -> Result<()> {
-    let g = geometry(&p, &shapes(p.kind, ops, |t| (t.shape.clone(), t.dtype)))?;
-    let dt = ops.x.dtype;
-    if out.shape != g.out_shape || out.dtype != dt {
-        return Err(arg_error("out: must have the output's shape and x's type"));
-    }
-    let gpu = ops.x.gpu.clone();
-    // Hopper (9.0) f16/bf16 problems that fill the device: wgmma kernel (ops/dense_sm90.rs).
-    if super::dense_sm90::takes(&gpu, dt, &g, p.kind) {
-        return super::dense_sm90::cuda(ops, out, p, &g);
-    }
-    let (path, tname) = match dt {
-        DType::F32 => ("ffma", "f32"),
-        DType::F16 | DType::BF16 if !gpu.has_tensor_cores() => {
-            return Err(Error::Unavailable(format!(
-                "x: {} dense kernels use bf16/f16 tensor cores (sm_80 or newer); device is {}; use f32",
-                dt.name(),
-                gpu.arch()
-            )))
-        }
-        DType::F16 => ("mma", "f16"),
-        DType::BF16 => ("mma", "bf16"),
-        DType::F64 => {
-            return Err(arg_error(
-                "x: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-            ))
-        }
-    };
-    let glu = p.kind == Kind::Swiglu;
-    // Big tiles when they alone fill the device, else small tiles for more blocks.
-    let bn_big = if glu { 64 } else { 128 };
-    let big = g.m.div_ceil(128) * g.n.div_ceil(bn_big) >= gpu.multiprocessors()? as usize;
-    let (bm, bn) = match (big, glu) {
-        (true, _) => (128, bn_big),
-        (false, false) => (64, 64),
-        (false, true) => (64, 32),
-    };
-    let threads = if path == "mma" && !big { 128 } else { 256 };
-    let (gx, gy) = (g.m.div_ceil(bm), g.n.div_ceil(bn));
-    if gy > 65535 || gx > i32::MAX as usize {
-        return Err(arg_error(format!(
-            "kernel: {} output columns is more than one launch covers",
-            g.n
-        )));
-    }
-    let name = format!(
-        "dense_{path}_{tname}_{}_{}",
-        if glu { "glu" } else { "mm" },
-        if big { "big" } else { "small" }
-    );
-    let f = gpu.function(&DENSE, &name)?;
-    let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
-    let (norm, act, eps) = (p.kind.norm(), p.activation.code(), p.eps as f32);
-    let null = 0u64;
-    let mut launch = gpu.stream.launch_builder(&f);
-    launch.arg(ops.x.slice()).arg(ops.kernel.slice());
-    for o in [
-        ops.kernel_up,
-        ops.bias,
-        ops.bias_up,
-        ops.gamma,
-        ops.beta,
-        ops.residual,
-    ] {
-        match o {
-            Some(t) => launch.arg(t.slice()),
-            None => launch.arg(&null),
-        };
-    }
-    launch
-        .arg(out.slice_mut())
-        .arg(&m)
-        .arg(&n)
-        .arg(&k)
-        .arg(&norm)
-        .arg(&act)
-        .arg(&eps);
-    let cfg = LaunchConfig {
-        grid_dim: (gx as u32, gy as u32, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
-}
-
 /// Runs on `backend`, returning the result where `placement` says.
 pub fn run(
     backend: Backend,
@@ -592,6 +503,10 @@ pub fn reference_epilogue(
     }
     out
 }
+
+#[path = "dense_cuda.rs"]
+mod cuda_path;
+pub use cuda_path::{cuda, launch, plan, Plan};
 
 #[cfg(test)]
 #[path = "dense_tests.rs"]

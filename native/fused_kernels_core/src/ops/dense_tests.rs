@@ -153,6 +153,12 @@ fn check(
                 );
                 let want = reference_epilogue(&c.vals, &g, &p, &rows, &products);
                 let err = rel_l2(&picked, &want);
+                if g.m * g.k * g.n >= 1 << 30 {
+                    // The large shape's margin, for the run log (--nocapture).
+                    eprintln!(
+                        "{kind:?} {act:?} {dt:?} {xshape:?}x{n} extras={extras}: rel L2 {err:.2e}"
+                    );
+                }
                 let tol = if dt == DType::F64 {
                     1e-12
                 } else {
@@ -207,6 +213,13 @@ fn cuda_matches_f64_reference_with_poisoned_output() {
         (&[2, 3, 61], 37),
         (&[1000, 40], 80),
         (&[16], 24),
+        // GEMV path: M = 2..4, odd K; 16-byte rows but M = 5 goes to the tiny tile.
+        (&[3, 288], 768),
+        (&[4, 61], 64),
+        (&[5, 64], 64),
+        // Small and big tiles with ragged edges (M, N not multiples of the tile).
+        (&[1100, 72], 200),
+        (&[2, 150, 128], 264),
     ];
     for (xs, n) in shapes {
         for kind in KINDS {
@@ -258,6 +271,76 @@ fn cuda_large_4096_cubed() {
         &[DType::F32],
         &[Activation::None],
     );
+    // The 3xTF32 mainloop's other f32 users at the large shape.
+    check(
+        Backend::Cuda(None),
+        Kind::Swiglu,
+        &[4096, 4096],
+        4096,
+        &[DType::F32],
+        &[],
+    );
+    check(
+        Backend::Cuda(None),
+        Kind::RmsNormDense,
+        &[4096, 4096],
+        4096,
+        &[DType::F32],
+        &[Activation::Silu],
+    );
+}
+
+/// Which kernel each of the users' shapes gets (132 SMs, as on an H100/H200).
+#[test]
+fn plans_fit_the_shapes() {
+    let dense = Params::new(Kind::Dense, Activation::Gelu, 1e-5).unwrap();
+    let glu = Params::new(Kind::Swiglu, Activation::None, 1e-5).unwrap();
+    let ln = Params::new(Kind::LayerNormDense, Activation::None, 1e-5).unwrap();
+    let geo = |m: usize, k: usize, n: usize| Geometry {
+        m,
+        k,
+        n,
+        out_shape: vec![m, n],
+    };
+    let f = |g: Geometry, p: &Params, dt: DType, aligned: bool| {
+        plan(&g, p, dt, (9, 0), 132, aligned).unwrap()
+    };
+    let p = f(geo(1, 288, 768), &dense, DType::F32, true);
+    assert_eq!(
+        (p.function.as_str(), p.grid, p.stats),
+        ("dense_gemv_f32_mm", (24, 1), false)
+    );
+    let p = f(geo(1, 288, 768), &ln, DType::BF16, true);
+    assert_eq!(
+        (p.function.as_str(), p.stats),
+        ("dense_gemv_bf16_mm", false)
+    );
+    let p = f(geo(60, 256, 1024), &dense, DType::F32, true);
+    assert_eq!(
+        (p.function.as_str(), p.grid),
+        ("dense_tc_f32_mm_tiny", (2, 32))
+    );
+    let p = f(geo(60, 256, 1024), &ln, DType::F32, true);
+    assert_eq!(
+        (p.function.as_str(), p.stats),
+        ("dense_tc_f32_mm_tiny", true)
+    );
+    let p = f(geo(3840, 256, 256), &glu, DType::BF16, true);
+    assert_eq!(p.function, "dense_tc_bf16_glu_small");
+    let p = f(geo(4096, 4096, 4096), &glu, DType::BF16, true);
+    assert_eq!(p.function, "dense_tc_bf16_glu_big2");
+    let p = f(geo(4096, 4096, 4096), &dense, DType::F32, true);
+    assert_eq!(
+        (p.function.as_str(), p.shared_bytes),
+        ("dense_tc_f32_mm_big", 76288)
+    );
+    let p = f(geo(4096, 4096, 4096), &dense, DType::F32, false);
+    assert_eq!(p.function, "dense_tc_f32_mm_any");
+    let p = f(geo(6, 61, 37), &dense, DType::BF16, true);
+    assert_eq!(p.function, "dense_tc_bf16_mm_any");
+    let p = plan(&geo(4096, 4096, 4096), &dense, DType::F32, (7, 5), 40, true).unwrap();
+    assert_eq!(p.function, "dense_ffma_f32_mm_big");
+    assert!(plan(&geo(8, 8, 8), &dense, DType::BF16, (7, 5), 40, true).is_err());
 }
 
 #[test]
@@ -350,3 +433,6 @@ fn erf_matches_known_values() {
         );
     }
 }
+
+#[path = "dense_bench.rs"]
+mod bench;
