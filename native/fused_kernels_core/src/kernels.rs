@@ -41,6 +41,11 @@ pub const RNN_BATCHED: Kernel = Kernel {
     body: include_str!("../kernels/rnn_batched.cu"),
 };
 
+pub const RNN_MMA: Kernel = Kernel {
+    name: "rnn_mma",
+    body: include_str!("../kernels/rnn_mma.cu"),
+};
+
 pub const SELECTIVE_SCAN: Kernel = Kernel {
     name: "selective_scan",
     body: include_str!("../kernels/selective_scan.cu"),
@@ -68,6 +73,7 @@ pub const ALL: &[&Kernel] = &[
     &FLASH_ATTENTION,
     &RNN,
     &RNN_BATCHED,
+    &RNN_MMA,
     &SELECTIVE_SCAN,
     &NORM,
     &MAMBA_BLOCK,

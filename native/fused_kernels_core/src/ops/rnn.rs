@@ -6,6 +6,7 @@
 mod batched;
 mod cpu;
 mod cuda;
+mod mma;
 
 pub use cpu::reference;
 

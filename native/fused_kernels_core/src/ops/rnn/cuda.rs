@@ -23,9 +23,13 @@ pub enum Path {
     /// One cooperative persistent kernel (weights on chip, FP32 FMA mat-vec): fastest while
     /// the step is latency-bound (small batch).
     Persistent,
-    /// Per step one cuBLAS GEMM over all gates + one fused elementwise kernel: fastest once
-    /// the recurrent product is compute-bound (large batch).
+    /// Per step ONE tensor-core launch (recurrent product of a batch tile x 8 units with all
+    /// their gates, gate epilogue fused; f32 as 3xTF32): fastest once the recurrent product
+    /// is compute-bound (large batch). Before sm_80 it runs as `BatchedCublas`.
     Batched,
+    /// The batched path with each step as one cuBLAS GEMM + one fused elementwise kernel
+    /// (the fallback before sm_80; forced for comparisons).
+    BatchedCublas,
 }
 
 impl Path {
@@ -388,8 +392,21 @@ pub(super) fn run(
                 persistent_fits(gpu, cell, g.batch, h)?,
             ),
         };
-        let (seq, st) = if path == Path::Batched {
-            batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
+        let (seq, st) = if path != Path::Persistent {
+            let cublas_steps = path == Path::BatchedCublas || !gpu.has_tensor_cores();
+            batched::layer(
+                gpu,
+                cell,
+                g,
+                h,
+                input,
+                &win,
+                &wh,
+                &bias,
+                &init,
+                reverse,
+                cublas_steps,
+            )?
         } else {
             let mut xp =
                 DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;

@@ -272,6 +272,13 @@ fn batched_cases() -> Vec<Case> {
         v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
         v.push(case(cell, 70, 1, 64, &[1024], false, true, BF16));
         v.push(case(cell, 64, 60, 96, &[256], false, true, F16));
+        // Tensor-core step: f32 weights too large to stay in shared memory (streamed),
+        // a batch tile of 64 and 32 rows, H not a multiple of 8 (scalar h loads), bf16 B256.
+        v.push(case(cell, 64, 7, 40, &[1024], true, true, F32));
+        v.push(case(cell, 130, 9, 33, &[200], false, true, F32));
+        v.push(case(cell, 32, 11, 20, &[1020], false, false, BF16));
+        v.push(case(cell, 17, 5, 9, &[13], true, true, F16));
+        v.push(case(cell, 256, 60, 288, &[256, 256], false, false, BF16));
     }
     v
 }
@@ -283,6 +290,15 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     }
     for (i, c) in batched_cases().iter().enumerate() {
         check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+    }
+    // The cuBLAS-step variant (the fallback before sm_80) on a few of the same cases.
+    for (i, c) in batched_cases().iter().enumerate().step_by(4) {
+        check_on(
+            Backend::Cuda(None),
+            c,
+            300 + i as u64,
+            Some(Path::BatchedCublas),
+        );
     }
     // The default choice: hidden sizes whose persistent grid does not fit go batched.
     for cell in [Cell::Lstm, Cell::Gru] {
@@ -454,11 +470,13 @@ fn rejects_bad_params_naming_them() {
     .is_err());
 }
 
-/// `core_tests rnn::tests::bench --ignored --nocapture`: wall time until the device is idle
-/// around the whole call (GEMMs + recurrences), inputs and weights already on the device,
-/// median of 200 (30 for long sequences) after warm-up. Every case runs on both CUDA paths,
-/// the default choice first; one JSON line each. The six shapes come first, then a
-/// batch sweep for the crossover (`FK_RNN_CROSSOVER=0` leaves it out).
+/// `core_tests rnn::tests::bench --ignored --nocapture`: CUDA events around the whole call
+/// (input projection GEMMs + recurrences; `cuda::timing::time_calls`: median, p10/p90 and
+/// the back-to-back mean), inputs and weights already on the device, median of 100 (30 for
+/// long sequences) after warm-up. Every case runs on every CUDA path (persistent where its
+/// grid fits, batched tensor-core steps, batched cuBLAS steps), one JSON line each, `default`
+/// marking `Path::choose`'s pick. The shapes come first, then a batch sweep for the
+/// crossover (`FK_RNN_CROSSOVER=0` leaves it out).
 #[test]
 #[ignore]
 fn bench() {
@@ -470,19 +488,26 @@ fn bench() {
         (64, 60, 288, 256, 2, F32),
         (256, 60, 288, 256, 2, F32),
         (1, 60, 288, 256, 2, BF16),
+        (64, 60, 288, 256, 2, BF16),
+        (256, 60, 288, 256, 2, BF16),
         (64, 512, 1024, 1024, 1, BF16),
     ];
     if std::env::var("FK_RNN_CROSSOVER").as_deref() != Ok("0") {
         for b in [8, 16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, F32));
         }
-        for b in [16, 64, 128, 256] {
+        for b in [16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, BF16));
+        }
+        for b in [16, 64] {
+            cases.push((b, 60, 288, 512, 2, F32));
+            cases.push((b, 60, 288, 512, 2, BF16));
         }
         for b in [4, 8, 16, 32] {
             cases.push((b, 512, 1024, 1024, 1, BF16));
         }
     }
+    let sms = gpu.multiprocessors().unwrap() as usize;
     for cell in [Cell::Lstm, Cell::Gru] {
         for &(b, t, i, h, layers, dt) in &cases {
             let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
@@ -521,23 +546,16 @@ fn bench() {
                 })
                 .collect();
             let xo = Operand::Device(&x);
-            let fits = plan(
-                cell,
-                b,
-                h,
-                gpu.multiprocessors().unwrap() as usize,
-                227 * 1024,
-                None,
-            )
-            .is_ok();
+            let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
             let default = Path::choose(cell, b, h, dt, fits);
-            let other = match default {
-                Path::Batched => Path::Persistent,
-                Path::Persistent => Path::Batched,
-            };
-            for path in [default, other] {
-                let once = || {
-                    let out = run_on(
+            let mut paths = vec![Path::Batched, Path::BatchedCublas];
+            if fits {
+                paths.insert(0, Path::Persistent);
+            }
+            for path in paths {
+                let reps = if t * h > 100_000 { 30 } else { 100 };
+                let tm = crate::cuda::timing::time_calls(&gpu, 5, reps, |_| {
+                    run_on(
                         Backend::Cuda(None),
                         cell,
                         &xo,
@@ -546,29 +564,22 @@ fn bench() {
                         Placement::Device,
                         Some(path),
                     )
-                    .unwrap();
-                    gpu.synchronize().unwrap();
-                    out
-                };
-                for _ in 0..10 {
-                    once();
-                }
-                let reps = if t * h > 100_000 { 30 } else { 200 };
-                let mut ts: Vec<f64> = (0..reps)
-                    .map(|_| {
-                        let t0 = std::time::Instant::now();
-                        once();
-                        t0.elapsed().as_secs_f64() * 1e3
-                    })
-                    .collect();
-                ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                    .map(|_| ())
+                })
+                .unwrap();
                 println!(
-                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_ms\":{:.4},\"p10_ms\":{:.4}}}",
+                    "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
                     if cell == Cell::Lstm { "lstm" } else { "gru" },
-                    if path == Path::Batched { "batched" } else { "persistent" },
+                    match path {
+                        Path::Persistent => "persistent",
+                        Path::Batched => "batched",
+                        Path::BatchedCublas => "batched_cublas",
+                    },
                     path == default,
-                    ts[ts.len() / 2],
-                    ts[ts.len() / 10]
+                    tm.median_us,
+                    tm.p10_us,
+                    tm.p90_us,
+                    tm.back_to_back_us
                 );
             }
         }
