@@ -50,7 +50,8 @@ for cell in ["lstm", "gru"]:
         mine = {r["path"]: r for r in ours if r["cell"] == cell and r["case"] == case}
         default = next(r for r in mine.values() if r["default"])
         us = {p: mine.get(p, {}).get("median_us", nan) for p in ["persistent", "batched", "batched_cublas"]}
-        row = dict(cell=cell, case=case, cudnn_us=te, cudnn_fp32_us=te32, ours_us=default["median_us"],
+        variants = {p: r["median_us"] for p, r in mine.items() if ":" in p}
+        row = dict(cell=cell, case=case, variants_us=variants, cudnn_us=te, cudnn_fp32_us=te32, ours_us=default["median_us"],
                    ours_path=default["path"], **{p + "_us": v for p, v in us.items()},
                    ratio=te / default["median_us"], ratio_fp32=te32 / default["median_us"],
                    **{"ratio_" + p: te / v for p, v in us.items()})
@@ -63,3 +64,9 @@ for r in rows:
           f"{r['persistent_us']:8.1f} {r['batched_us']:8.1f} {r['batched_cublas_us']:8.1f} | "
           f"{r['ratio_persistent']:5.2f} {r['ratio_batched']:5.2f} {r['ratio_batched_cublas']:5.2f} | "
           f"{r['cudnn_fp32_us']:8.1f} {r['ratio_fp32']:5.2f}")
+
+print("\ntensor-core step tilings (batched:full = one block per SM, all of K in flight; :mtN = N m-tiles)")
+for r in rows:
+    if r["variants_us"]:
+        v = "  ".join(f"{k.split(':')[1]} {u:8.1f} ({r['cudnn_us'] / u:4.2f}x)" for k, u in r["variants_us"].items())
+        print(f"{r['cell']:5} {r['case']:28} default {r['batched_us']:8.1f} ({r['ratio_batched']:4.2f}x)  {v}")

@@ -14,12 +14,13 @@
 //   so every byte of the chunk is read from shared memory once; the 4 partial tiles are
 //   summed (fixed order: deterministic) through shared memory before the epilogue.
 // - The block's Wh tile is loaded before `griddepcontrol.wait` (resident in shared memory
-//   for the whole K when it fits, else its first chunks), so with programmatic dependent
-//   launch step t+1 fetches its weights while step t still runs; everything that step t
-//   writes (h_{t-1}, the cell state) is read only after the wait.
+//   for the whole K when it fits, else its first chunks), and so are the step's input
+//   projection and biases (into registers), so with programmatic dependent launch step t+1
+//   fetches them while step t still runs; everything that step t writes (h_{t-1}, the cell
+//   state) is read only after the wait. h_{t-1} then streams through a ring of `stages`
+//   K-chunks, up to all of K in flight at once: one round trip to L2, not one per chunk.
 
 #define RNN_MMA_THREADS 128
-#define RNN_MMA_STAGES 3
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
@@ -36,6 +37,18 @@ __device__ __forceinline__ void rm_cp16(void* dst, const void* src, bool valid) 
 __device__ __forceinline__ void rm_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void rm_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+// Waits until at most n (run-time) groups are pending; waiting for more than needed is safe,
+// so n is rounded down to one of a few immediates.
+__device__ __forceinline__ void rm_wait_upto(int n) {
+  if (n >= 14) rm_wait<14>();
+  else if (n >= 10) rm_wait<10>();
+  else if (n >= 7) rm_wait<7>();
+  else if (n >= 5) rm_wait<5>();
+  else if (n >= 3) rm_wait<3>();
+  else if (n == 2) rm_wait<2>();
+  else if (n == 1) rm_wait<1>();
+  else rm_wait<0>();
 }
 // Programmatic dependent launch (sm_90+; without the launch attribute both are no-ops).
 __device__ __forceinline__ void rm_grid_wait() {
@@ -144,6 +157,7 @@ struct RnnMmaArgs {
   int B, T, H, kp, t, first;
   int w_resident;       // the whole K of the block's Wh tile fits shared memory
   int vec;              // H * sizeof(T) % 16 == 0: h rows load as 16-byte pieces
+  int stages;           // K-chunk slots of the h ring (>= 2; stages - 1 chunks in flight)
 };
 
 __device__ __forceinline__ float rm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -169,7 +183,8 @@ template <typename T, bool LSTM, int MT, int NU>
 __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
   using Tl = RmTile<T, LSTM, MT, NU>;
   constexpr int G = Tl::G, BM = Tl::BM, UN = Tl::UN, BN = Tl::BN, KC = Tl::KC;
-  constexpr int PITCH = Tl::PITCH, S = RNN_MMA_STAGES;
+  constexpr int PITCH = Tl::PITCH;
+  const int S = a.stages;
   extern __shared__ __align__(16) unsigned char rm_sm[];
   unsigned char* sA = rm_sm;                          // S stages of {BM, KC}
   unsigned char* sW = rm_sm + S * Tl::A_STAGE;        // chunks of {planes, BN, KC}
@@ -213,6 +228,26 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     }
   };
 
+  // This thread's epilogue elements: e = tid + i*128 (BM*UN = 128*MT), i.e. row r, unit u.
+  const int H = a.H;
+  float pre[MT][G];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int e = tid + i * RNN_MMA_THREADS, r = e / UN, u = e % UN;
+    const int b = m0 + r, j = tile * UN + u;
+#pragma unroll
+    for (int g = 0; g < G; ++g) pre[i][g] = 0.0f;
+    if (b < a.B && j < H) {
+      const float* xr = a.xp + ((size_t)b * a.T + a.t) * G * H + j;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const void* bp =
+            g == 0 ? a.bias[0] : g == 1 ? a.bias[1] : g == 2 ? a.bias[2] : a.bias[3];
+        pre[i][g] = xr[(size_t)g * H] + rm_ld<T>(bp, j);
+      }
+    }
+  }
+
   const bool has_h = a.hprev != nullptr;
   if (has_h) {
     // The weights never change: fetch them before waiting on the previous step.
@@ -225,6 +260,23 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
   }
   rm_launch_dependents();
   rm_grid_wait();
+
+  // What the previous step wrote: the cell state (LSTM) or h_{t-1} (GRU) of each element.
+  float keep[MT];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int e = tid + i * RNN_MMA_THREADS, r = e / UN, u = e % UN;
+    const int b = m0 + r, j = tile * UN + u;
+    keep[i] = 0.0f;
+    if (b < a.B && j < H) {
+      const size_t bj = (size_t)b * H + j;
+      if (LSTM) {
+        keep[i] = a.first ? (a.c0 ? rm_ld<T>(a.c0, bj) : 0.0f) : a.c[bj];
+      } else if (has_h) {
+        keep[i] = rm_ld<T>(a.hprev, (size_t)b * a.hprev_ld + j);
+      }
+    }
+  }
 
   float acc[MT][G * NU][4];
 #pragma unroll
@@ -242,7 +294,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     }
     const int g8 = lane >> 2, t4 = lane & 3;
     for (int kc = 0; kc < nk; ++kc) {
-      rm_wait<S - 2>();
+      rm_wait_upto(S - 2);
       __syncthreads();
       const unsigned char* A = sA + (kc % S) * Tl::A_STAGE;
       const unsigned char* W = sW + (size_t)(resident ? kc : kc % S) * Tl::W_CHUNK;
@@ -323,9 +375,10 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     __syncthreads();
   }
 
-  const int H = a.H;
-  for (int e = tid; e < BM * UN; e += RNN_MMA_THREADS) {
-    const int r = e / UN, u = e % UN, b = m0 + r, j = tile * UN + u;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int e = tid + i * RNN_MMA_THREADS, r = e / UN, u = e % UN;
+    const int b = m0 + r, j = tile * UN + u;
     if (b >= a.B || j >= H) continue;
     float rec[G];
 #pragma unroll
@@ -338,30 +391,21 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
       rec[g] = s;
     }
     const size_t bj = (size_t)b * H + j;
-    const float* xr = a.xp + ((size_t)b * a.T + a.t) * G * H + j;
-    float pre[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const void* bp = g == 0 ? a.bias[0] : g == 1 ? a.bias[1] : g == 2 ? a.bias[2] : a.bias[3];
-      pre[g] = xr[(size_t)g * H] + rm_ld<T>(bp, j);
-    }
     float h, cell = 0.0f;
     if constexpr (LSTM) {
-      const float c_prev = a.first ? (a.c0 ? rm_ld<T>(a.c0, bj) : 0.0f) : a.c[bj];
-      const float ig = rm_sigmoid(pre[0] + rec[0]);
-      const float fg = rm_sigmoid(pre[1] + rec[1]);
-      const float gg = tanhf(pre[2] + rec[2]);
-      const float og = rm_sigmoid(pre[G - 1] + rec[G - 1]);
-      cell = fg * c_prev + ig * gg;
+      const float ig = rm_sigmoid(pre[i][0] + rec[0]);
+      const float fg = rm_sigmoid(pre[i][1] + rec[1]);
+      const float gg = tanhf(pre[i][2] + rec[2]);
+      const float og = rm_sigmoid(pre[i][G - 1] + rec[G - 1]);
+      cell = fg * keep[i] + ig * gg;
       a.c[bj] = cell;
       h = og * tanhf(cell);
     } else {
-      const float hp = has_h ? rm_ld<T>(a.hprev, (size_t)b * a.hprev_ld + j) : 0.0f;
-      const float r_ = rm_sigmoid(pre[0] + rec[0]);
-      const float z = rm_sigmoid(pre[1] + rec[1]);
+      const float r_ = rm_sigmoid(pre[i][0] + rec[0]);
+      const float z = rm_sigmoid(pre[i][1] + rec[1]);
       // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-      const float n = tanhf(pre[2] + r_ * (rec[2] + rm_ld<T>(a.bias[3], j)));
-      h = (1.0f - z) * n + z * hp;
+      const float n = tanhf(pre[i][2] + r_ * (rec[2] + rm_ld<T>(a.bias[3], j)));
+      h = (1.0f - z) * n + z * keep[i];
     }
     const T hv = fk_from_f32<T>(h);
     reinterpret_cast<T*>(a.seq)[((size_t)b * a.T + a.t) * H + j] = hv;

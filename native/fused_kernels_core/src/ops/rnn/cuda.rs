@@ -33,28 +33,29 @@ pub enum Path {
 }
 
 impl Path {
-    /// `batch * gates * units^2.5` from which `Batched` wins, fitted to the crossovers measured
-    /// on an H200 (bench/RESULTS.md, "rnn large batch"): bf16 LSTM/GRU switch between B128 and
-    /// B256 at H256 and between B4 and B8 at H1024 (the crossover batch falls as H^-2.5);
-    /// f32 (true FP32 on both paths) at B256 H256 between GRU (persistent) and LSTM (batched).
-    pub fn crossover_work(dtype: DType) -> f64 {
+    /// The smallest batch from which `Batched` (tensor-core steps) beats the persistent
+    /// kernel for a layer of `units`, measured on an H200 (bench/RESULTS.md, "rnn large
+    /// batch: tensor-core step"). PROVISIONAL until that run.
+    pub fn crossover_batch(units: usize, dtype: DType) -> usize {
         match dtype {
-            DType::F32 | DType::F64 => (1u64 << 30) as f64,
-            DType::BF16 | DType::F16 => 1.25 * (1u64 << 29) as f64,
+            DType::BF16 | DType::F16 if units <= 512 => 16,
+            DType::BF16 | DType::F16 => 8,
+            _ if units <= 256 => 128,
+            _ if units <= 512 => 64,
+            _ => 16,
         }
     }
 
     /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
     /// kernel's grid fits this GPU (else the batched path serves any size).
     pub fn choose(
-        cell: Cell,
+        _cell: Cell,
         batch: usize,
         units: usize,
         dtype: DType,
         persistent_fits: bool,
     ) -> Path {
-        let work = (batch * cell.gates()) as f64 * (units as f64).powf(2.5);
-        if !persistent_fits || work >= Self::crossover_work(dtype) {
+        if !persistent_fits || batch >= Self::crossover_batch(units, dtype) {
             Path::Batched
         } else {
             Path::Persistent

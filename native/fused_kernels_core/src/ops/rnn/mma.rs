@@ -17,10 +17,27 @@ use cudarc::driver::sys::{
     CUlaunchConfig,
 };
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const THREADS: usize = 128;
-const STAGES: usize = 3;
+/// Shared memory per block that leaves room for two blocks per multiprocessor (228 KB per
+/// SM on sm_90, 1 KB of it reserved per block), so step t+1's blocks can be resident and
+/// load their weights while step t's run.
+const TWO_PER_SM: usize = 113 * 1024;
+
+/// Benchmark overrides of the tiling (0: the default): the shared-memory budget in bytes
+/// and the m-tiles per block.
+static BUDGET_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
+static MT_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
+
+/// Overrides the tiling for this process (benchmarks; `None` restores the default). The
+/// result does not depend on it: each element's sums run in the same order on every tiling.
+#[cfg(test)]
+pub fn set_tiling_override(smem_budget: Option<usize>, mt: Option<usize>) {
+    BUDGET_OVERRIDE.store(smem_budget.unwrap_or(0), Ordering::Relaxed);
+    MT_OVERRIDE.store(mt.unwrap_or(0), Ordering::Relaxed);
+}
 /// Bytes of one K-chunk row in shared memory (128 bytes of data + 16 of padding).
 const PITCH: usize = 144;
 
@@ -61,6 +78,7 @@ pub(super) struct StepArgs {
     pub first: i32,
     pub w_resident: i32,
     pub vec: i32,
+    pub stages: i32,
 }
 
 // Safety: plain old data laid out exactly like the CUDA structs.
@@ -77,12 +95,15 @@ pub struct Tile {
     pub batch_blocks: usize,
     /// The whole K of the block's weight tile stays in shared memory.
     pub w_resident: bool,
+    /// K-chunk slots of the h_{t-1} ring (stages - 1 chunks in flight).
+    pub stages: usize,
     pub smem_bytes: usize,
 }
 
-/// The largest m-tile count whose batch tile does not exceed the batch and that still
-/// gives ~one block per multiprocessor (fewer, larger tiles re-read the weights less);
-/// else one m-tile (the most blocks).
+/// The tiling of one step. m-tiles: the largest count whose batch tile does not exceed the
+/// batch and that still gives ~one block per multiprocessor (fewer, larger tiles re-read
+/// the weights less), else one (the most blocks). Weights stay resident when they fit next
+/// to two h chunks; h gets as many chunk slots as the budget leaves (all of K when it fits).
 pub fn tile(
     cell: Cell,
     batch: usize,
@@ -92,27 +113,41 @@ pub fn tile(
     smem_limit: usize,
 ) -> Tile {
     let unit_blocks = h.div_ceil(8);
-    let mt = [4, 2]
-        .into_iter()
-        .find(|&mt| 16 * mt <= batch && batch.div_ceil(16 * mt) * unit_blocks * 10 >= sms * 9)
-        .unwrap_or(1);
+    let mt = match MT_OVERRIDE.load(Ordering::Relaxed) {
+        m @ (1 | 2 | 4) => m,
+        _ => [4, 2]
+            .into_iter()
+            .find(|&mt| 16 * mt <= batch && batch.div_ceil(16 * mt) * unit_blocks * 10 >= sms * 9)
+            .unwrap_or(1),
+    };
+    let budget = match BUDGET_OVERRIDE.load(Ordering::Relaxed) {
+        0 => TWO_PER_SM,
+        b => b,
+    }
+    .min(smem_limit);
     let bm = 16 * mt;
     let bn = cell.gates() * 8;
-    let es = dtype.size();
-    let kc = 128 / es;
+    let kc = 128 / dtype.size();
     let nk = h.div_ceil(kc);
     let planes = if dtype == DType::F32 { 2 } else { 1 };
-    let a = STAGES * bm * PITCH;
+    let a_stage = bm * PITCH;
     let w_chunk = bn * PITCH * planes;
     let red = (THREADS / 32) * bm * (bn + 4) * 4;
-    let resident = a + nk * w_chunk <= smem_limit;
-    let w = if resident { nk } else { STAGES } * w_chunk;
+    let resident = 2 * a_stage + nk * w_chunk <= smem_limit;
+    let (stages, w) = if resident {
+        let s = (budget.saturating_sub(nk * w_chunk) / a_stage).clamp(2, nk + 1);
+        (s, nk * w_chunk)
+    } else {
+        let s = (budget / (a_stage + w_chunk)).clamp(2, nk + 1);
+        (s, s * w_chunk)
+    };
     Tile {
         mt,
         unit_blocks,
         batch_blocks: batch.div_ceil(bm),
         w_resident: resident,
-        smem_bytes: (a + w).max(red),
+        stages,
+        smem_bytes: (stages * a_stage + w).max(red),
     }
 }
 
@@ -260,6 +295,7 @@ pub(super) fn steps(
         h: dim(h)?,
         kp: dim(packed.kp)?,
         w_resident: tl.w_resident as i32,
+        stages: dim(tl.stages)?,
         vec: (h * es).is_multiple_of(16) as i32,
         ..Default::default()
     };

@@ -291,6 +291,19 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     for (i, c) in batched_cases().iter().enumerate() {
         check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
     }
+    // Other tilings of the tensor-core step (one block per SM with everything in flight;
+    // streamed weights with two chunk slots; forced m-tiles), on every 3rd case.
+    for (budget, mt) in [
+        (Some(227 * 1024), Some(1)),
+        (Some(24 * 1024), Some(4)),
+        (None, Some(2)),
+    ] {
+        mma::set_tiling_override(budget, mt);
+        for (i, c) in batched_cases().iter().enumerate().skip(1).step_by(3) {
+            check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+        }
+    }
+    mma::set_tiling_override(None, None);
     // The cuBLAS-step variant (the fallback before sm_80) on a few of the same cases.
     for (i, c) in batched_cases().iter().enumerate().step_by(4) {
         check_on(
@@ -324,12 +337,37 @@ fn cuda_batched_is_deterministic() {
 }
 
 #[test]
+fn mma_tiles_fit_shared_memory() {
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            for h in [7, 13, 200, 256, 512, 1020, 1024, 2048, 3000, 8192] {
+                for b in [1, 16, 17, 64, 130, 256, 1024] {
+                    let t = mma::tile(cell, b, h, dt, 132, 227 * 1024);
+                    assert!(
+                        t.smem_bytes <= 227 * 1024,
+                        "{cell:?} {dt:?} H{h} B{b}: {t:?}"
+                    );
+                    assert!(t.stages >= 2 && t.unit_blocks * 8 >= h);
+                    assert!(t.batch_blocks * 16 * t.mt >= b);
+                    assert!(16 * t.mt <= b.max(16), "{t:?}");
+                }
+            }
+        }
+    }
+    // The large-batch shapes keep their weights on chip and fill the GPU.
+    let t = mma::tile(Cell::Lstm, 64, 1024, DType::BF16, 132, 227 * 1024);
+    assert!(t.w_resident && t.unit_blocks * t.batch_blocks == 128 && t.mt == 4);
+    let t = mma::tile(Cell::Lstm, 256, 256, DType::F32, 132, 227 * 1024);
+    assert!(t.w_resident && t.unit_blocks * t.batch_blocks == 128 && t.mt == 4);
+}
+
+#[test]
 fn path_is_chosen_by_batch() {
     use Cell::{Gru, Lstm};
     use DType::{BF16, F16, F32};
     use Path::{Batched, Persistent};
-    // Batch 1 stays on the persistent kernel at the sizes it was measured at.
     for cell in [Lstm, Gru] {
+        // Batch 1 stays on the persistent kernel at the sizes it was measured at.
         for dt in [F32, BF16, F16] {
             for h in [200, 256, 512, 1024] {
                 assert_eq!(
@@ -339,15 +377,21 @@ fn path_is_chosen_by_batch() {
                 );
             }
         }
-        // The measured crossovers (bench/RESULTS.md), the same for both cells in bf16.
-        assert_eq!(Path::choose(cell, 128, 256, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
+        // The large batches go to the tensor-core steps.
+        for dt in [F32, BF16] {
+            assert_eq!(Path::choose(cell, 256, 256, dt, true), Batched, "{dt:?}");
+        }
+        assert_eq!(Path::choose(cell, 64, 1024, BF16, true), Batched);
+        // The crossover is monotonic in the batch.
+        for dt in [F32, BF16] {
+            for h in [256, 512, 1024] {
+                let b0 = Path::crossover_batch(h, dt);
+                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true), Persistent);
+                assert_eq!(Path::choose(cell, b0, h, dt, true), Batched);
+                assert_eq!(Path::choose(cell, 4 * b0, h, dt, true), Batched);
+            }
+        }
     }
-    assert_eq!(Path::choose(Lstm, 256, 256, F32, true), Batched);
-    assert_eq!(Path::choose(Gru, 256, 256, F32, true), Persistent);
     // Sizes whose persistent grid does not fit go to the batched path.
     assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), Batched);
 }
@@ -548,11 +592,30 @@ fn bench() {
             let xo = Operand::Device(&x);
             let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
             let default = Path::choose(cell, b, h, dt, fits);
-            let mut paths = vec![Path::Batched, Path::BatchedCublas];
+            // (path, tiling override of the tensor-core step, label)
+            let mut paths = vec![
+                (Path::Batched, None, None, "batched".to_string()),
+                (
+                    Path::BatchedCublas,
+                    None,
+                    None,
+                    "batched_cublas".to_string(),
+                ),
+            ];
             if fits {
-                paths.insert(0, Path::Persistent);
+                paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
             }
-            for path in paths {
+            if b >= 64 || h >= 1024 {
+                let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
+                paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
+                for mt in [1, 2, 4] {
+                    if mt != mt0 && 16 * mt <= b {
+                        paths.push((Path::Batched, None, Some(mt), format!("batched:mt{mt}")));
+                    }
+                }
+            }
+            for (path, budget, mt, label) in paths {
+                mma::set_tiling_override(budget, mt);
                 let reps = if t * h > 100_000 { 30 } else { 100 };
                 let tm = crate::cuda::timing::time_calls(&gpu, 5, reps, |_| {
                     run_on(
@@ -567,15 +630,12 @@ fn bench() {
                     .map(|_| ())
                 })
                 .unwrap();
+                mma::set_tiling_override(None, None);
                 println!(
                     "\n{{\"cell\":\"{}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
                     if cell == Cell::Lstm { "lstm" } else { "gru" },
-                    match path {
-                        Path::Persistent => "persistent",
-                        Path::Batched => "batched",
-                        Path::BatchedCublas => "batched_cublas",
-                    },
-                    path == default,
+                    label,
+                    path == default && budget.is_none() && mt.is_none(),
                     tm.median_us,
                     tm.p10_us,
                     tm.p90_us,
