@@ -33,21 +33,28 @@ pub enum Path {
 }
 
 impl Path {
-    /// The smallest batch from which `Batched` (tensor-core steps) beats the persistent
-    /// kernel for a layer of `units`, measured on an H200 (bench/RESULTS.md, "rnn large
-    /// batch: tensor-core step"). PROVISIONAL until that run.
+    /// The smallest batch from which a batched path beats the persistent kernel for a layer
+    /// of `units`, from the brackets measured on an H200 (bench/RESULTS.md, "rnn large batch:
+    /// one tensor-core launch per step"): bf16 between B16 and B32 at H256, between B1 and
+    /// B16 at H512, between B4 and B8 at H1024; f32 between B128 and B256 at H256. f32 at
+    /// H512 stays persistent through B64 (the largest measured; all paths within 5% there),
+    /// so its switch is put at B128; f32 above H512 keeps the earlier fit (B8 at H1024).
     pub fn crossover_batch(units: usize, dtype: DType) -> usize {
         match dtype {
+            DType::BF16 | DType::F16 if units <= 256 => 32,
             DType::BF16 | DType::F16 if units <= 512 => 16,
             DType::BF16 | DType::F16 => 8,
-            _ if units <= 256 => 128,
-            _ if units <= 512 => 64,
-            _ => 16,
+            _ if units <= 256 => 256,
+            _ if units <= 512 => 128,
+            _ => 8,
         }
     }
 
     /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
-    /// kernel's grid fits this GPU (else the batched path serves any size).
+    /// kernel's grid fits this GPU (else a batched path serves any size). Among the batched
+    /// paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster than
+    /// cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64 bf16:
+    /// 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
     pub fn choose(
         _cell: Cell,
         batch: usize,
@@ -55,10 +62,12 @@ impl Path {
         dtype: DType,
         persistent_fits: bool,
     ) -> Path {
-        if !persistent_fits || batch >= Self::crossover_batch(units, dtype) {
+        if persistent_fits && batch < Self::crossover_batch(units, dtype) {
+            Path::Persistent
+        } else if units <= 512 {
             Path::Batched
         } else {
-            Path::Persistent
+            Path::BatchedCublas
         }
     }
 }

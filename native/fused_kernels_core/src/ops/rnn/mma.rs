@@ -100,10 +100,11 @@ pub struct Tile {
     pub smem_bytes: usize,
 }
 
-/// The tiling of one step. m-tiles: the largest count whose batch tile does not exceed the
-/// batch and that still gives ~one block per multiprocessor (fewer, larger tiles re-read
-/// the weights less), else one (the most blocks). Weights stay resident when they fit next
-/// to two h chunks; h gets as many chunk slots as the budget leaves (all of K when it fits).
+/// The tiling of one step. m-tiles: 2 (32 batch rows per block) from B128, or from B32 when
+/// single m-tiles would need more than two blocks per multiprocessor, else 1 (measured on an H200,
+/// bench/RESULTS.md: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best; 4 stays
+/// as an override). Weights stay resident when they fit next to two h chunks; h gets as many
+/// chunk slots as the budget leaves (all of K when it fits).
 pub fn tile(
     cell: Cell,
     batch: usize,
@@ -115,10 +116,8 @@ pub fn tile(
     let unit_blocks = h.div_ceil(8);
     let mt = match MT_OVERRIDE.load(Ordering::Relaxed) {
         m @ (1 | 2 | 4) => m,
-        _ => [4, 2]
-            .into_iter()
-            .find(|&mt| 16 * mt <= batch && batch.div_ceil(16 * mt) * unit_blocks * 10 >= sms * 9)
-            .unwrap_or(1),
+        _ if batch >= 32 && (batch >= 128 || batch.div_ceil(16) * unit_blocks > 2 * sms) => 2,
+        _ => 1,
     };
     let budget = match BUDGET_OVERRIDE.load(Ordering::Relaxed) {
         0 => TWO_PER_SM,
