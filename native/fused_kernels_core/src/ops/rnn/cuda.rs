@@ -1,8 +1,10 @@
-//! CUDA backend, two paths chosen per layer by `Path::choose`. Small batch (persistent): per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
-//! gate, f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
-//! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`). Layers run back
-//! to back on the device's stream; nothing returns to the host in between. Large batch:
-//! `batched.rs` (cuBLAS GEMMs for every product, one fused elementwise kernel per step).
+//! CUDA backend, three paths chosen per layer by `Path::choose`. Small batch (persistent): per
+//! layer, the input projection of all timesteps as cuBLAS GEMMs (one per gate, f32
+//! accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one cooperative
+//! persistent kernel for the whole recurrence (`kernels/rnn.cu`). Large batch: `batched.rs`
+//! (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one cuBLAS GEMM +
+//! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
+//! returns to the host in between.
 
 use super::{batched, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
