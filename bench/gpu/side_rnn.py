@@ -1,11 +1,11 @@
 """torch.nn.LSTM / nn.GRU (cuDNN) side by side with our fused RNN, same shapes, dtypes,
 device and run. Ours comes from the Rust bench (`core_tests rnn::tests::bench --ignored`),
-one JSON line per case and CUDA path (cluster (batch 1, sm_90+) / persistent kernel /
-batched cuBLAS steps, the default choice first): the whole call (input projection GEMMs +
-recurrences), inputs and weights already on the GPU, CUDA events around each call
-(`cuda::timing::time_calls`, median). cuDNN is timed with CUDA events too (`timing.event_ms`,
-median of 200 after warm-up), plus wall-until-idle for reference. Weights are random with the
-same shapes (timing does not depend on their values).
+one JSON line per case and CUDA path (batch-1 cluster / persistent kernel / batched tensor-core steps /
+batched cuBLAS steps; `default` marks the path `Path::choose` picks): CUDA events around
+the whole call (input projection GEMMs + recurrences), inputs and weights already on the
+GPU. cuDNN is timed the same way (CUDA events, `timing.event_ms`), median of 100 (30 for
+long sequences) after warm-up. Weights are random with the same shapes (timing does not
+depend on their values).
 
 Usage: python3 bench/gpu/side_rnn.py OURS_JSONL"""
 import json
@@ -15,10 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import event_ms, wall_ms  # noqa: E402
+from timing import event_ms  # noqa: E402
 
 DT = {"f32": torch.float32, "bf16": torch.bfloat16}
-PATHS = ["cluster", "persistent", "batched"]
 
 
 def parse(case):
@@ -38,34 +37,36 @@ for cell in ["lstm", "gru"]:
         mod = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(i, h, layers, batch_first=True)
         mod = mod.cuda().to(DT[dt]).eval()
         x = torch.randn(b, t, i, device="cuda", dtype=DT[dt])
-        rep = 30 if t * h > 100_000 else 200
+        rep = 30 if t * h > 100_000 else 100
         with torch.no_grad():
-            ev = event_ms(lambda: mod(x), rep=rep)
-            wall = wall_ms(lambda: mod(x), rep=rep)
-            # PyTorch lets cuDNN use TF32 for f32 by default; ours is true FP32 (1e-5), so
-            # f32 rows are also timed with TF32 off.
-            ev32 = ev
+            te = event_ms(lambda: mod(x), rep=rep) * 1e3
+            # PyTorch lets cuDNN use TF32 for f32 by default; ours is true FP32 accuracy
+            # (1e-5), so f32 rows are also timed with TF32 off.
+            te32 = te
             if dt == "f32":
                 torch.backends.cudnn.allow_tf32 = False
-                ev32 = event_ms(lambda: mod(x), rep=rep)
+                te32 = event_ms(lambda: mod(x), rep=rep) * 1e3
                 torch.backends.cudnn.allow_tf32 = True
         mine = {r["path"]: r for r in ours if r["cell"] == cell and r["case"] == case}
         default = next(r for r in mine.values() if r["default"])
-        ms = {p: mine.get(p, {}).get("median_ms", nan) for p in PATHS}
-        row = dict(cell=cell, case=case, cudnn_event_ms=ev, cudnn_wall_ms=wall, cudnn_fp32_event_ms=ev32,
-                   ours_path=default["path"], ours_ms=default.get("median_ms", nan),
-                   **{f"{p}_ms": ms[p] for p in PATHS},
-                   **{f"ratio_{p}": ev / ms[p] for p in PATHS},
-                   ratio=ev / default.get("median_ms", nan),
-                   ratio_fp32=ev32 / default.get("median_ms", nan))
-        print(json.dumps(row))
+        us = {p: mine.get(p, {}).get("median_us", nan) for p in ["cluster", "persistent", "batched", "batched_cublas"]}
+        variants = {p: r.get("median_us", nan) for p, r in mine.items() if ":" in p}
+        row = dict(cell=cell, case=case, variants_us=variants, cudnn_us=te, cudnn_fp32_us=te32, ours_us=default.get("median_us", nan),
+                   ours_path=default["path"], **{p + "_us": v for p, v in us.items()},
+                   ratio=te / default.get("median_us", nan), ratio_fp32=te32 / default.get("median_us", nan),
+                   **{"ratio_" + p: te / v for p, v in us.items()})
+        print(json.dumps(row), flush=True)
         rows.append(row)
 
-print("\nratio = cuDNN event median / ours event median (higher is better for us)")
-print(f"{'cell':5} {'case':26} {'cuDNN ev':>9} {'ours':>9} {'ratio':>6} {'path':>10} "
-      + " ".join(f"{p:>10} {'ratio':>6}" for p in PATHS) + f" {'cuDNN32':>9} {'ratio':>6}")
+print(f"\n{'cell':5} {'case':28} {'cuDNN':>8} {'ours':>8} {'ratio':>6} {'path':>10} | {'pers':>8} {'mma':>8} {'cublas':>8} | {'clus':>5} {'pers':>5} {'mma':>5} {'cublas':>5} | {'FP32':>8} {'ratio':>5}")
 for r in rows:
-    print(f"{r['cell']:5} {r['case']:26} {r['cudnn_event_ms']*1e3:6.1f} us {r['ours_ms']*1e3:6.1f} us {r['ratio']:5.2f}x "
-          f"{r['ours_path']:>10} "
-          + " ".join(f"{r[p + '_ms']*1e3:7.1f} us {r['ratio_' + p]:5.2f}x" for p in PATHS)
-          + f" {r['cudnn_fp32_event_ms']*1e3:6.1f} us {r['ratio_fp32']:5.2f}x")
+    print(f"{r['cell']:5} {r['case']:28} {r['cudnn_us']:8.1f} {r['ours_us']:8.1f} {r['ratio']:5.2f}x {r['ours_path']:>10} | "
+          f"{r['cluster_us']:8.1f} {r['persistent_us']:8.1f} {r['batched_us']:8.1f} {r['batched_cublas_us']:8.1f} | "
+          f"{r['ratio_cluster']:5.2f} {r['ratio_persistent']:5.2f} {r['ratio_batched']:5.2f} {r['ratio_batched_cublas']:5.2f} | "
+          f"{r['cudnn_fp32_us']:8.1f} {r['ratio_fp32']:5.2f}")
+
+print("\ntensor-core step tilings (batched:full = one block per SM, all of K in flight; :mtN = N m-tiles)")
+for r in rows:
+    if r["variants_us"]:
+        v = "  ".join(f"{k.split(':')[1]} {u:8.1f} ({r['cudnn_us'] / u:4.2f}x)" for k, u in r["variants_us"].items())
+        print(f"{r['cell']:5} {r['case']:28} default {r['batched_us']:8.1f} ({r['ratio_batched']:4.2f}x)  {v}")

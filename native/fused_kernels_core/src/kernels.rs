@@ -57,6 +57,11 @@ pub const RNN_CLUSTER: Kernel = Kernel {
     body: include_str!("../kernels/rnn_cluster.cu"),
 };
 
+pub const RNN_MMA: Kernel = Kernel {
+    name: "rnn_mma",
+    body: include_str!("../kernels/rnn_mma.cu"),
+};
+
 pub const SELECTIVE_SCAN: Kernel = Kernel {
     name: "selective_scan",
     body: include_str!("../kernels/selective_scan.cu"),
@@ -72,7 +77,6 @@ pub const MAMBA_BLOCK: Kernel = Kernel {
     body: include_str!("../kernels/mamba_block.cu"),
 };
 
-/// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
 pub const STREAM_STATE: Kernel = Kernel {
     name: "stream_state",
     body: include_str!("../kernels/stream_state.cu"),
@@ -83,6 +87,7 @@ pub const DENSE_SM90: Kernel = Kernel {
     body: include_str!("../kernels/dense_sm90.cu"),
 };
 
+/// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
 pub const ALL: &[&Kernel] = &[
     &SCALED_SOFTMAX,
     &DENSE,
@@ -90,6 +95,7 @@ pub const ALL: &[&Kernel] = &[
     &RNN,
     &RNN_BATCHED,
     &RNN_CLUSTER,
+    &RNN_MMA,
     &SELECTIVE_SCAN,
     &NORM,
     &MAMBA_BLOCK,

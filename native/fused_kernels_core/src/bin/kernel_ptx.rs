@@ -5,7 +5,10 @@
 //!
 //! Usage: kernel_ptx OUT_DIR [sm_XY ...]
 //! `FK_KERNELS=name,name` limits the run to those kernel files (for a quick look while tuning).
+//! `FK_CACHE_OUT=DIR` also stores each cubin as the runtime's cache entry in DIR (same NVRTC
+//! version needed), so a fresh GPU machine given that cache directory compiles nothing.
 
+use fused_kernels_core::cuda::cache;
 use fused_kernels_core::cuda::nvrtc::{compile, version, Target};
 use fused_kernels_core::kernels::ALL;
 use std::process::ExitCode;
@@ -45,8 +48,19 @@ fn main() -> ExitCode {
             let arch = &kernel.target_arch(device_arch);
             let started = std::time::Instant::now();
             // Both outputs: the cubin proves the real-architecture build the runtime does.
-            let result = compile(kernel.name, &kernel.source(), arch, Target::Cubin)
-                .and_then(|_| compile(kernel.name, &kernel.source(), arch, Target::Ptx));
+            let result =
+                compile(kernel.name, &kernel.source(), arch, Target::Cubin).and_then(|cubin| {
+                    if let Ok(dir) = std::env::var("FK_CACHE_OUT") {
+                        cache::set_dir(dir.into());
+                        let path =
+                            cache::entry_path(kernel.name, &kernel.source(), arch, (major, minor));
+                        let _ = std::fs::create_dir_all(cache::dir());
+                        if let Err(e) = std::fs::write(&path, &cubin) {
+                            eprintln!("cannot write {}: {e}", path.display());
+                        }
+                    }
+                    compile(kernel.name, &kernel.source(), arch, Target::Ptx)
+                });
             match result {
                 Ok(ptx) => {
                     let path = format!("{out_dir}/{}.{arch}.ptx", kernel.name);

@@ -7,6 +7,7 @@ mod batched;
 mod cluster;
 mod cpu;
 mod cuda;
+mod mma;
 
 pub use cpu::reference;
 

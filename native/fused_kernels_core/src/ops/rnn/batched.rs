@@ -1,16 +1,18 @@
 //! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured crossover in
 //! batch x gates x units^2.5, and for hidden sizes whose persistent grid does not fit the GPU).
-//! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here every
-//! matrix product goes to cuBLAS: the per-gate kernels are packed once per call into one
-//! `{in, G*H}` and one `{H, G*H}` matrix (in the call's type), the input projection of all
-//! timesteps is one GEMM, and each timestep is one GEMM `h_{t-1} . Wh` over all gates
-//! (bf16/f16 on tensor cores with f32 accumulation; f32 as true FP32, never TF32) followed by
-//! one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read straight from the
-//! previous timestep of the output sequence, so it is rounded to the call's type like Axon's.
-//! Everything is queued on the device's one stream; the host never waits inside a sequence.
+//! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here the
+//! per-gate input kernels are packed once per call into one `{in, G*H}` matrix (in the call's
+//! type) and the input projection of all timesteps is one cuBLAS GEMM; then each timestep is
+//! ONE tensor-core launch (`mma.rs`, sm_80+) computing `h_{t-1} . Wh` with the gate epilogue
+//! fused. `cublas_steps` (forced for comparisons, and the fallback before sm_80) runs each
+//! step as one cuBLAS GEMM over all gates (bf16/f16 on tensor cores; f32 as true FP32, never
+//! TF32) followed by one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read
+//! straight from the previous timestep of the output sequence, so it is rounded to the call's
+//! type like Axon's. Everything is queued on the device's one stream; the host never waits
+//! inside a sequence.
 
 use super::cuda::type_name;
-use super::{Cell, Geometry};
+use super::{mma, Cell, Geometry};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
@@ -153,25 +155,45 @@ pub(super) fn layer(
     bias: &[Staged<'_>],
     init: &[Staged<'_>],
     reverse: bool,
+    cublas_steps: bool,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
     let (b, t_len, inp) = (g.batch, g.seq, input.shape[2]);
     let gh = cell.gates() * h;
     let (tname, cdt) = type_name(g.dtype)?;
     let es = g.dtype.size() as u64;
     let win_p = pack(gpu, win, inp, h)?;
-    let wh_p = pack(gpu, wh, h, h)?;
     let xp = DeviceTensor::uninit(gpu, vec![b, t_len, gh], DType::F32)?;
-    let hr = DeviceTensor::uninit(gpu, vec![b, gh], DType::F32)?;
-    let cstate = match cell {
-        Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
-        Cell::Gru => None,
-    };
     let seq = DeviceTensor::uninit(gpu, vec![b, t_len, h], g.dtype)?;
     let states: Vec<DeviceTensor> = cell
         .state_names()
         .iter()
         .map(|_| DeviceTensor::uninit(gpu, vec![b, h], g.dtype))
         .collect::<Result<_>>()?;
+    if !cublas_steps {
+        let xp_p = ptr(&xp);
+        gpu.with_blas(|blas| {
+            gemm(
+                blas,
+                cdt,
+                ptr(input),
+                inp,
+                ptr(&win_p),
+                xp_p,
+                b * t_len,
+                inp,
+                gh,
+            )
+        })?;
+        mma::steps(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        drop((win_p, xp));
+        return Ok((seq, states));
+    }
+    let wh_p = pack(gpu, wh, h, h)?;
+    let hr = DeviceTensor::uninit(gpu, vec![b, gh], DType::F32)?;
+    let cstate = match cell {
+        Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
+        Cell::Gru => None,
+    };
     let cname = match cell {
         Cell::Lstm => "lstm",
         Cell::Gru => "gru",

@@ -1,8 +1,11 @@
-//! CUDA backend, two paths chosen per layer by `Path::choose`. Small batch (persistent): per layer, the input projection of all timesteps as cuBLAS GEMMs (one per
-//! gate, f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
-//! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`). Layers run back
-//! to back on the device's stream; nothing returns to the host in between. Large batch:
-//! `batched.rs` (cuBLAS GEMMs for every product, one fused elementwise kernel per step).
+//! CUDA backend. Batch 1 on sm_90+: groups of layers on one thread-block cluster (`cluster.rs`)
+//! where they fit; otherwise three paths chosen per layer by `Path::choose`. Small batch (persistent): per
+//! layer, the input projection of all timesteps as cuBLAS GEMMs (one per gate, f32
+//! accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one cooperative
+//! persistent kernel for the whole recurrence (`kernels/rnn.cu`). Large batch: `batched.rs`
+//! (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one cuBLAS GEMM +
+//! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
+//! returns to the host in between.
 
 use super::{batched, cluster, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
@@ -23,42 +26,56 @@ pub enum Path {
     /// One cooperative persistent kernel (weights on chip, FP32 FMA mat-vec): fastest while
     /// the step is latency-bound (small batch).
     Persistent,
-    /// Per step one cuBLAS GEMM over all gates + one fused elementwise kernel: fastest once
-    /// the recurrent product is compute-bound (large batch).
+    /// Per step ONE tensor-core launch (recurrent product of a batch tile x 8 units with all
+    /// their gates, gate epilogue fused; f32 as 3xTF32): fastest once the recurrent product
+    /// is compute-bound (large batch). Before sm_80 it runs as `BatchedCublas`.
     Batched,
     /// Batch 1 on a Hopper thread-block cluster (`cluster.rs`): weights in the cluster's
     /// shared memory, h exchanged through distributed shared memory, layers as a wavefront.
     /// Chosen by default at batch 1 on sm_90+ for every group of layers that fits with at most
     /// `cluster::DEFAULT_MAX_UNITS` units per layer; forcing it where it cannot run is an error.
     Cluster,
+    /// The batched path with each step as one cuBLAS GEMM + one fused elementwise kernel
+    /// (the fallback before sm_80; forced for comparisons).
+    BatchedCublas,
 }
 
 impl Path {
-    /// `batch * gates * units^2.5` from which `Batched` wins, fitted to the crossovers measured
-    /// on an H200 (bench/RESULTS.md, "rnn large batch"): bf16 LSTM/GRU switch between B128 and
-    /// B256 at H256 and between B4 and B8 at H1024 (the crossover batch falls as H^-2.5);
-    /// f32 (true FP32 on both paths) at B256 H256 between GRU (persistent) and LSTM (batched).
-    pub fn crossover_work(dtype: DType) -> f64 {
+    /// The smallest batch from which a batched path beats the persistent kernel for a layer
+    /// of `units`, from the brackets measured on an H200 (bench/RESULTS.md, "rnn large batch:
+    /// one tensor-core launch per step"): bf16 between B16 and B32 at H256, between B1 and
+    /// B16 at H512, between B4 and B8 at H1024; f32 between B128 and B256 at H256. f32 at
+    /// H512 stays persistent through B64 (the largest measured; all paths within 5% there),
+    /// so its switch is put at B128; f32 above H512 keeps the earlier fit (B8 at H1024).
+    pub fn crossover_batch(units: usize, dtype: DType) -> usize {
         match dtype {
-            DType::F32 | DType::F64 => (1u64 << 30) as f64,
-            DType::BF16 | DType::F16 => 1.25 * (1u64 << 29) as f64,
+            DType::BF16 | DType::F16 if units <= 256 => 32,
+            DType::BF16 | DType::F16 if units <= 512 => 16,
+            DType::BF16 | DType::F16 => 8,
+            _ if units <= 256 => 256,
+            _ if units <= 512 => 128,
+            _ => 8,
         }
     }
 
     /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
-    /// kernel's grid fits this GPU (else the batched path serves any size).
+    /// kernel's grid fits this GPU (else a batched path serves any size). Among the batched
+    /// paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster than
+    /// cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64 bf16:
+    /// 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
     pub fn choose(
-        cell: Cell,
+        _cell: Cell,
         batch: usize,
         units: usize,
         dtype: DType,
         persistent_fits: bool,
     ) -> Path {
-        let work = (batch * cell.gates()) as f64 * (units as f64).powf(2.5);
-        if !persistent_fits || work >= Self::crossover_work(dtype) {
+        if persistent_fits && batch < Self::crossover_batch(units, dtype) {
+            Path::Persistent
+        } else if units <= 512 {
             Path::Batched
         } else {
-            Path::Persistent
+            Path::BatchedCublas
         }
     }
 }
@@ -429,8 +446,21 @@ pub(super) fn run(
                 persistent_fits(gpu, cell, g.batch, h)?,
             ),
         };
-        let (seq, st) = if path == Path::Batched {
-            batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
+        let (seq, st) = if path != Path::Persistent {
+            let cublas_steps = path == Path::BatchedCublas || !gpu.has_tensor_cores();
+            batched::layer(
+                gpu,
+                cell,
+                g,
+                h,
+                input,
+                &win,
+                &wh,
+                &bias,
+                &init,
+                reverse,
+                cublas_steps,
+            )?
         } else {
             let mut xp =
                 DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;

@@ -273,6 +273,13 @@ fn batched_cases() -> Vec<Case> {
         v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
         v.push(case(cell, 70, 1, 64, &[1024], false, true, BF16));
         v.push(case(cell, 64, 60, 96, &[256], false, true, F16));
+        // Tensor-core step: f32 weights too large to stay in shared memory (streamed),
+        // a batch tile of 64 and 32 rows, H not a multiple of 8 (scalar h loads), bf16 B256.
+        v.push(case(cell, 64, 7, 40, &[1024], true, true, F32));
+        v.push(case(cell, 130, 9, 33, &[200], false, true, F32));
+        v.push(case(cell, 32, 11, 20, &[1020], false, false, BF16));
+        v.push(case(cell, 17, 5, 9, &[13], true, true, F16));
+        v.push(case(cell, 256, 60, 288, &[256, 256], false, false, BF16));
     }
     v
 }
@@ -284,6 +291,28 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     }
     for (i, c) in batched_cases().iter().enumerate() {
         check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+    }
+    // Other tilings of the tensor-core step (one block per SM with everything in flight;
+    // streamed weights with two chunk slots; forced m-tiles), on every 3rd case.
+    for (budget, mt) in [
+        (Some(227 * 1024), Some(1)),
+        (Some(24 * 1024), Some(4)),
+        (None, Some(2)),
+    ] {
+        mma::set_tiling_override(budget, mt);
+        for (i, c) in batched_cases().iter().enumerate().skip(1).step_by(3) {
+            check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+        }
+    }
+    mma::set_tiling_override(None, None);
+    // The cuBLAS-step variant (the fallback before sm_80) on a few of the same cases.
+    for (i, c) in batched_cases().iter().enumerate().step_by(4) {
+        check_on(
+            Backend::Cuda(None),
+            c,
+            300 + i as u64,
+            Some(Path::BatchedCublas),
+        );
     }
     // The default choice: hidden sizes whose persistent grid does not fit go batched.
     for cell in [Cell::Lstm, Cell::Gru] {
@@ -421,12 +450,45 @@ fn cluster_groups_fit_a_hopper_cta() {
 }
 
 #[test]
+fn mma_tiles_fit_shared_memory() {
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            for h in [7, 13, 200, 256, 512, 1020, 1024, 2048, 3000, 8192] {
+                for b in [1, 16, 17, 64, 130, 256, 1024] {
+                    let t = mma::tile(cell, b, h, dt, 132, 227 * 1024);
+                    assert!(
+                        t.smem_bytes <= 227 * 1024,
+                        "{cell:?} {dt:?} H{h} B{b}: {t:?}"
+                    );
+                    assert!(t.stages >= 2 && t.unit_blocks * 8 >= h);
+                    assert!(t.batch_blocks * 16 * t.mt >= b);
+                    assert!(16 * t.mt <= b.max(16), "{t:?}");
+                }
+            }
+        }
+    }
+    // The measured best tilings (bench/RESULTS.md) keep the weights on chip.
+    for (b, h, dt, mt) in [
+        (256, 256, DType::F32, 2),
+        (256, 256, DType::BF16, 2),
+        (128, 256, DType::BF16, 2),
+        (64, 256, DType::F32, 1),
+        (64, 512, DType::BF16, 1),
+        (32, 1024, DType::BF16, 1),
+        (64, 1024, DType::BF16, 2),
+    ] {
+        let t = mma::tile(Cell::Lstm, b, h, dt, 132, 227 * 1024);
+        assert!(t.w_resident && t.mt == mt, "B{b} H{h} {dt:?}: {t:?}");
+    }
+}
+
+#[test]
 fn path_is_chosen_by_batch() {
     use Cell::{Gru, Lstm};
     use DType::{BF16, F16, F32};
-    use Path::{Batched, Persistent};
-    // Batch 1 stays on the persistent kernel at the sizes it was measured at.
+    use Path::{Batched, BatchedCublas, Persistent};
     for cell in [Lstm, Gru] {
+        // Batch 1 stays on the persistent kernel at the sizes it was measured at.
         for dt in [F32, BF16, F16] {
             for h in [200, 256, 512, 1024] {
                 assert_eq!(
@@ -436,17 +498,31 @@ fn path_is_chosen_by_batch() {
                 );
             }
         }
-        // The measured crossovers (bench/RESULTS.md), the same for both cells in bf16.
-        assert_eq!(Path::choose(cell, 128, 256, BF16, true), Persistent);
+        // The measured brackets (bench/RESULTS.md): the tensor-core step up to H512, the
+        // cuBLAS step from H1024.
+        assert_eq!(Path::choose(cell, 16, 256, BF16, true), Persistent);
+        assert_eq!(Path::choose(cell, 32, 256, BF16, true), Batched);
         assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 16, 512, BF16, true), Batched);
         assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), Batched);
+        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), BatchedCublas);
+        assert_eq!(Path::choose(cell, 64, 1024, BF16, true), BatchedCublas);
         assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
+        assert_eq!(Path::choose(cell, 256, 256, F32, true), Batched);
+        assert_eq!(Path::choose(cell, 64, 512, F32, true), Persistent);
+        // The crossover is monotonic in the batch.
+        for dt in [F32, BF16] {
+            for h in [200, 256, 512, 1024] {
+                let b0 = Path::crossover_batch(h, dt);
+                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true), Persistent);
+                assert_ne!(Path::choose(cell, b0, h, dt, true), Persistent);
+                assert_ne!(Path::choose(cell, 4 * b0, h, dt, true), Persistent);
+            }
+        }
     }
-    assert_eq!(Path::choose(Lstm, 256, 256, F32, true), Batched);
-    assert_eq!(Path::choose(Gru, 256, 256, F32, true), Persistent);
-    // Sizes whose persistent grid does not fit go to the batched path.
-    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), Batched);
+    // Sizes whose persistent grid does not fit go to a batched path.
+    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), BatchedCublas);
+    assert_eq!(Path::choose(Gru, 1, 400, F32, false), Batched);
 }
 
 #[test]
@@ -567,12 +643,12 @@ fn rejects_bad_params_naming_them() {
     .is_err());
 }
 
-/// `core_tests rnn::tests::bench --ignored --nocapture`: the whole call (input-projection
-/// GEMMs + recurrences, allocations and launches included), inputs and weights already on the
-/// device, timed with CUDA events (`cuda::timing::time_calls`: median, p10/p90 of 200 calls
-/// (30 for long sequences) after warm-up, plus the back-to-back mean). Every case runs on each
-/// CUDA path that can take it, the default choice first (at batch 1 on sm_90+: the cluster
-/// path); one JSON line each. The six shapes come first, then a batch sweep for the
+/// `core_tests rnn::tests::bench --ignored --nocapture`: CUDA events around the whole call
+/// (input projection GEMMs + recurrences; `cuda::timing::time_calls`: median, p10/p90 and
+/// the back-to-back mean), inputs and weights already on the device, median of 100 (30 for
+/// long sequences) after warm-up. Every case runs on every CUDA path that can take it (the
+/// batch-1 cluster path on sm_90+, persistent where its grid fits, batched tensor-core steps,
+/// batched cuBLAS steps), one JSON line each, `default` marking what `path: None` runs. The shapes come first, then a batch sweep for the
 /// crossover (`FK_RNN_CROSSOVER=0` leaves it out).
 #[test]
 #[ignore]
@@ -585,6 +661,8 @@ fn bench() {
         (64, 60, 288, 256, 2, F32),
         (256, 60, 288, 256, 2, F32),
         (1, 60, 288, 256, 2, BF16),
+        (64, 60, 288, 256, 2, BF16),
+        (256, 60, 288, 256, 2, BF16),
         (64, 512, 1024, 1024, 1, BF16),
     ];
     if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
@@ -597,13 +675,18 @@ fn bench() {
         for b in [8, 16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, F32));
         }
-        for b in [16, 64, 128, 256] {
+        for b in [16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, BF16));
+        }
+        for b in [16, 64] {
+            cases.push((b, 60, 288, 512, 2, F32));
+            cases.push((b, 60, 288, 512, 2, BF16));
         }
         for b in [4, 8, 16, 32] {
             cases.push((b, 512, 1024, 1024, 1, BF16));
         }
     }
+    let sms = gpu.multiprocessors().unwrap() as usize;
     for cell in [Cell::Lstm, Cell::Gru] {
         for &(b, t, i, h, layers, dt) in &cases {
             let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
@@ -642,38 +725,50 @@ fn bench() {
                 })
                 .collect();
             let xo = Operand::Device(&x);
-            let fits = plan(
-                cell,
-                b,
-                h,
-                gpu.multiprocessors().unwrap() as usize,
-                227 * 1024,
-                None,
-            )
-            .is_ok();
-            let per_layer = Path::choose(cell, b, h, dt, fits);
-            // What `path: None` runs: the cluster path when the first layer's group fits.
+            let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
+            // What `path: None` runs: the cluster path at batch 1 when the first layer's group
+            // fits and the default takes it, else `Path::choose` per layer.
             let ctas = super::cluster::cluster_ctas(&gpu, cell, dt).unwrap();
-            eprintln!("{cell:?} {dt:?}: cluster size {ctas:?}");
-            let hidden = vec![h; layers];
             let smem = super::cluster::smem_limit(&gpu).unwrap();
             let cluster_default = b == 1
                 && ctas.is_some_and(|c| {
-                    cluster_group(cell, dt, &hidden, 0, c, smem)
+                    cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
                         .is_some_and(|g| super::cluster::default_takes(&g))
                 });
-            let mut paths = vec![per_layer];
-            if cluster_default {
-                paths.insert(0, Path::Cluster);
-            } else if b == 1 && ctas.is_some() {
-                paths.push(Path::Cluster);
+            let default = if cluster_default {
+                Path::Cluster
+            } else {
+                Path::choose(cell, b, h, dt, fits)
+            };
+            // (path, tiling override of the tensor-core step, label)
+            let mut paths = vec![
+                (Path::Batched, None, None, "batched".to_string()),
+                (
+                    Path::BatchedCublas,
+                    None,
+                    None,
+                    "batched_cublas".to_string(),
+                ),
+            ];
+            if fits {
+                paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
             }
-            for p in [Path::Persistent, Path::Batched] {
-                if !paths.contains(&p) {
-                    paths.push(p);
+            if b == 1 && ctas.is_some() {
+                paths.insert(0, (Path::Cluster, None, None, "cluster".to_string()));
+            }
+            if b >= 64 || h >= 1024 {
+                let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
+                paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
+                for mt in [1, 2, 4] {
+                    if mt != mt0 && 16 * mt <= b {
+                        paths.push((Path::Batched, None, Some(mt), format!("batched:mt{mt}")));
+                    }
                 }
             }
-            for (n, &path) in paths.iter().enumerate() {
+            let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+            for (path, budget, mt, label) in paths {
+                mma::set_tiling_override(budget, mt);
+                let reps = if t * h > 100_000 { 30 } else { 100 };
                 let call = |_: usize| {
                     run_on(
                         Backend::Cuda(None),
@@ -686,29 +781,21 @@ fn bench() {
                     )
                     .map(|_| ())
                 };
-                let reps = if t * h > 100_000 { 30 } else { 200 };
-                let timing = call(0).and_then(|_| time_calls(&gpu, 10, reps, call));
-                let name_of = |p: Path| match p {
-                    Path::Batched => "batched",
-                    Path::Persistent => "persistent",
-                    Path::Cluster => "cluster",
-                };
-                let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+                // A path that cannot take the case (a cluster the driver cannot place) reports
+                // its error instead of a time.
+                let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
+                mma::set_tiling_override(None, None);
+                let default = path == default && budget.is_none() && mt.is_none();
                 match timing {
                     Ok(tm) => println!(
-                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"median_ms\":{:.4},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
-                        name_of(path),
-                        n == 0,
-                        tm.median_us / 1e3,
+                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
                         tm.median_us,
                         tm.p10_us,
                         tm.p90_us,
                         tm.back_to_back_us
                     ),
                     Err(e) => println!(
-                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{}\",\"default\":{},\"error\":{:?}}}",
-                        name_of(path),
-                        n == 0,
+                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"error\":{:?}}}",
                         e.to_string()
                     ),
                 }

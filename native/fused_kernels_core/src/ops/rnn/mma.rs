@@ -1,0 +1,327 @@
+//! The large-batch recurrence on tensor cores (`kernels/rnn_mma.cu`, sm_80+): ONE launch per
+//! timestep computes `h_{t-1} . Wh` for a tile of batch rows x 8 units with all gates of
+//! those units and applies the gate epilogue in place. f32 runs as 3xTF32 (tf32 hi/lo split,
+//! f32 accumulation: ~1e-6 relative error, inside f32's 1e-5), bf16/f16 as bf16/f16 mma with
+//! f32 accumulation. On sm_90+ each step is launched with programmatic dependent launch, so
+//! step t+1's blocks load their weight tile while step t finishes.
+
+use super::{Cell, Geometry};
+use crate::cuda::gemm::ptr;
+use crate::cuda::{DeviceTensor, Gpu};
+use crate::dtype::DType;
+use crate::error::{arg_error, Result};
+use crate::kernels::RNN_MMA;
+use crate::operand::Staged;
+use cudarc::driver::sys::{
+    self, CUdevice_attribute, CUfunction_attribute, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchConfig,
+};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+const THREADS: usize = 128;
+/// Shared memory per block that leaves room for two blocks per multiprocessor (228 KB per
+/// SM on sm_90, 1 KB of it reserved per block), so step t+1's blocks can be resident and
+/// load their weights while step t's run.
+const TWO_PER_SM: usize = 113 * 1024;
+
+/// Benchmark overrides of the tiling (0: the default): the shared-memory budget in bytes
+/// and the m-tiles per block.
+static BUDGET_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
+static MT_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
+
+/// Overrides the tiling for this process (benchmarks; `None` restores the default). The
+/// result does not depend on it: each element's sums run in the same order on every tiling.
+#[cfg(test)]
+pub fn set_tiling_override(smem_budget: Option<usize>, mt: Option<usize>) {
+    BUDGET_OVERRIDE.store(smem_budget.unwrap_or(0), Ordering::Relaxed);
+    MT_OVERRIDE.store(mt.unwrap_or(0), Ordering::Relaxed);
+}
+/// Bytes of one K-chunk row in shared memory (128 bytes of data + 16 of padding).
+const PITCH: usize = 144;
+
+/// `RnnMmaPackArgs` in rnn_mma.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PackArgs {
+    src: [u64; 4],
+    hi: u64,
+    lo: u64,
+    gates: i32,
+    h: i32,
+    un: i32,
+    kp: i32,
+    tiles: i32,
+}
+
+/// `RnnMmaArgs` in rnn_mma.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct StepArgs {
+    pub w: u64,
+    pub wlo: u64,
+    pub xp: u64,
+    pub bias: [u64; 4],
+    pub hprev: u64,
+    pub c0: u64,
+    pub c: u64,
+    pub seq: u64,
+    pub h_out: u64,
+    pub c_out: u64,
+    pub hprev_ld: i64,
+    pub b: i32,
+    pub t_len: i32,
+    pub h: i32,
+    pub kp: i32,
+    pub t: i32,
+    pub first: i32,
+    pub w_resident: i32,
+    pub vec: i32,
+    pub stages: i32,
+}
+
+// Safety: plain old data laid out exactly like the CUDA structs.
+unsafe impl DeviceRepr for PackArgs {}
+unsafe impl DeviceRepr for StepArgs {}
+
+/// How one layer's step is tiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    /// 16-row m-tiles per block (batch rows per block = 16 * mt); 8 units per block.
+    pub mt: usize,
+    /// Blocks along the units and along the batch.
+    pub unit_blocks: usize,
+    pub batch_blocks: usize,
+    /// The whole K of the block's weight tile stays in shared memory.
+    pub w_resident: bool,
+    /// K-chunk slots of the h_{t-1} ring (stages - 1 chunks in flight).
+    pub stages: usize,
+    pub smem_bytes: usize,
+}
+
+/// The tiling of one step. m-tiles: 2 (32 batch rows per block) from B128, or from B32 when
+/// single m-tiles would need more than two blocks per multiprocessor, else 1 (measured on an H200,
+/// bench/RESULTS.md: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best; 4 stays
+/// as an override). Weights stay resident when they fit next to two h chunks; h gets as many
+/// chunk slots as the budget leaves (all of K when it fits).
+pub fn tile(
+    cell: Cell,
+    batch: usize,
+    h: usize,
+    dtype: DType,
+    sms: usize,
+    smem_limit: usize,
+) -> Tile {
+    let unit_blocks = h.div_ceil(8);
+    let mt = match MT_OVERRIDE.load(Ordering::Relaxed) {
+        m @ (1 | 2 | 4) => m,
+        _ if batch >= 32 && (batch >= 128 || batch.div_ceil(16) * unit_blocks > 2 * sms) => 2,
+        _ => 1,
+    };
+    let budget = match BUDGET_OVERRIDE.load(Ordering::Relaxed) {
+        0 => TWO_PER_SM,
+        b => b,
+    }
+    .min(smem_limit);
+    let bm = 16 * mt;
+    let bn = cell.gates() * 8;
+    let kc = 128 / dtype.size();
+    let nk = h.div_ceil(kc);
+    let planes = if dtype == DType::F32 { 2 } else { 1 };
+    let a_stage = bm * PITCH;
+    let w_chunk = bn * PITCH * planes;
+    let red = (THREADS / 32) * bm * (bn + 4) * 4;
+    let resident = 2 * a_stage + nk * w_chunk <= smem_limit;
+    let (stages, w) = if resident {
+        let s = (budget.saturating_sub(nk * w_chunk) / a_stage).clamp(2, nk + 1);
+        (s, nk * w_chunk)
+    } else {
+        let s = (budget / (a_stage + w_chunk)).clamp(2, nk + 1);
+        (s, s * w_chunk)
+    };
+    Tile {
+        mt,
+        unit_blocks,
+        batch_blocks: batch.div_ceil(bm),
+        w_resident: resident,
+        stages,
+        smem_bytes: (stages * a_stage + w).max(red),
+    }
+}
+
+fn dim(d: usize) -> Result<i32> {
+    i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
+}
+
+/// Packed recurrent weights: {tiles, G*8, Kp} per plane (f32: tf32 hi and lo planes).
+pub(super) struct Packed {
+    hi: DeviceTensor,
+    lo: Option<DeviceTensor>,
+    kp: usize,
+}
+
+fn pack(gpu: &Arc<Gpu>, wh: &[Staged<'_>], h: usize, dtype: DType) -> Result<Packed> {
+    let kc = 128 / dtype.size();
+    let kp = h.div_ceil(kc) * kc;
+    let tiles = h.div_ceil(8);
+    let n = tiles * wh.len() * 8 * kp;
+    let hi = DeviceTensor::uninit(gpu, vec![n], dtype)?;
+    let lo = match dtype {
+        DType::F32 => Some(DeviceTensor::uninit(gpu, vec![n], dtype)?),
+        _ => None,
+    };
+    let mut a = PackArgs {
+        hi: ptr(&hi),
+        lo: lo.as_ref().map(ptr).unwrap_or(0),
+        gates: wh.len() as i32,
+        h: dim(h)?,
+        un: 8,
+        kp: dim(kp)?,
+        tiles: dim(tiles)?,
+        ..Default::default()
+    };
+    for (s, w) in a.src.iter_mut().zip(wh) {
+        *s = ptr(w);
+    }
+    let name = if dtype == DType::F32 {
+        "rnn_mma_pack_f32"
+    } else {
+        "rnn_mma_pack_b2"
+    };
+    let f = gpu.function(&RNN_MMA, name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(&a);
+    unsafe { launch.launch(cfg) }?;
+    Ok(Packed { hi, lo, kp })
+}
+
+/// Launches one step; `dependent`: with programmatic stream serialization (sm_90+), so the
+/// kernel may start before the previous one ends (it waits in `griddepcontrol.wait`).
+fn launch(gpu: &Gpu, f: &CudaFunction, t: &Tile, args: &StepArgs, dependent: bool) -> Result<()> {
+    let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = CUlaunchConfig {
+        gridDimX: t.unit_blocks as u32,
+        gridDimY: t.batch_blocks as u32,
+        gridDimZ: 1,
+        blockDimX: THREADS as u32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: t.smem_bytes as u32,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: dependent as u32,
+    };
+    let mut params = [args as *const StepArgs as *mut std::ffi::c_void];
+    // Safety: `params` points at one argument laid out like the kernel's by-value struct,
+    // alive for the call (the driver copies kernel arguments at launch).
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()?
+    };
+    Ok(())
+}
+
+/// The recurrence of one layer: `xp` {B, T, G*H} f32 (input projection, no bias) to `seq`
+/// and the final states, one launch per timestep.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn steps(
+    gpu: &Arc<Gpu>,
+    cell: Cell,
+    g: &Geometry,
+    h: usize,
+    xp: &DeviceTensor,
+    wh: &[Staged<'_>],
+    bias: &[Staged<'_>],
+    init: &[Staged<'_>],
+    reverse: bool,
+    seq: &DeviceTensor,
+    states: &[DeviceTensor],
+) -> Result<()> {
+    let (b, t_len) = (g.batch, g.seq);
+    let sms = gpu.multiprocessors()? as usize;
+    let smem_limit = gpu
+        .ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize;
+    let tl = tile(cell, b, h, g.dtype, sms, smem_limit);
+    let (tname, _) = super::cuda::type_name(g.dtype)?;
+    let cname = match cell {
+        Cell::Lstm => "lstm",
+        Cell::Gru => "gru",
+    };
+    let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        tl.smem_bytes as i32,
+    )?;
+    let packed = pack(gpu, wh, h, g.dtype)?;
+    let cstate = match cell {
+        Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
+        Cell::Gru => None,
+    };
+    let (h0, c0) = match (cell, init) {
+        (Cell::Lstm, [c0, h0]) => (ptr(h0), ptr(c0)),
+        (Cell::Gru, [h0]) => (ptr(h0), 0),
+        _ => (0, 0),
+    };
+    let (h_out, c_out) = match cell {
+        Cell::Lstm => (ptr(&states[1]), ptr(&states[0])),
+        Cell::Gru => (ptr(&states[0]), 0),
+    };
+    let es = g.dtype.size();
+    let mut a = StepArgs {
+        w: ptr(&packed.hi),
+        wlo: packed.lo.as_ref().map(ptr).unwrap_or(0),
+        xp: ptr(xp),
+        c0,
+        c: cstate.as_ref().map(ptr).unwrap_or(0),
+        seq: ptr(seq),
+        b: dim(b)?,
+        t_len: dim(t_len)?,
+        h: dim(h)?,
+        kp: dim(packed.kp)?,
+        w_resident: tl.w_resident as i32,
+        stages: dim(tl.stages)?,
+        vec: (h * es).is_multiple_of(16) as i32,
+        ..Default::default()
+    };
+    for (p, bb) in a.bias.iter_mut().zip(bias) {
+        *p = ptr(bb);
+    }
+    let pdl = gpu.compute_capability >= (9, 0) && std::env::var_os("FK_RNN_NO_PDL").is_none();
+    let seq_p = ptr(seq);
+    let mut prev: Option<usize> = None;
+    for s in 0..t_len {
+        let t = if reverse { t_len - 1 - s } else { s };
+        // h_{t-1}: the previous timestep of `seq` (rows T*H apart), else the initial state.
+        let (hp, ld) = match prev {
+            Some(tp) => (seq_p + (tp * h * es) as u64, t_len * h),
+            None => (h0, h),
+        };
+        a.hprev = hp;
+        a.hprev_ld = ld as i64;
+        a.t = t as i32;
+        a.first = (s == 0) as i32;
+        let last = s + 1 == t_len;
+        a.h_out = if last { h_out } else { 0 };
+        a.c_out = if last { c_out } else { 0 };
+        launch(gpu, &f, &tl, &a, pdl && s > 0)?;
+        prev = Some(t);
+    }
+    // The scratch buffers are freed stream-ordered, after the last step.
+    drop((packed, cstate));
+    Ok(())
+}
