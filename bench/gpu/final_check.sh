@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 mkdir -p "$OUT"
 FK_BENCH_ARGS=${FK_BENCH_ARGS:-"--only backbone --backend cuda --runs 30"} FK_SIDE=${FK_SIDE:-side_backbone} \
-  OUT=$OUT timeout ${FINAL_T_HARNESS:-420} bash bench/gpu/harness run 2>&1 | tee "$OUT/harness.log" |
+  OUT=$OUT timeout ${FINAL_T_HARNESS:-420} bash bench/gpu/harness run 2>&1 |
   grep -E "test result|panicked|FAILED|tests, |backbone|ratio|==" | tail -40
 echo "== selective scan bench"
 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache timeout 60 .gpu/bin/core_tests selective_scan::tests::bench \
