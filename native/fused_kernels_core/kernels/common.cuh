@@ -78,10 +78,14 @@ __device__ __forceinline__ unsigned fk_smem_addr(const void* p) {
   return r;
 }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// 16 bytes, zero-filled when !valid (src-size 0 reads nothing).
-__device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
+// 16 bytes of which the first `bytes` are read and the rest zero-filled (0: no read).
+__device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fk_smem_addr(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
+               "l"(src), "r"(bytes));
+}
+// 16 bytes, zero-filled when !valid.
+__device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
+  fk_cp16_bytes(dst, src, valid ? 16 : 0);
 }
 // 4 bytes (for rows that are not 16-byte aligned).
 __device__ __forceinline__ void fk_cp4(void* dst, const void* src) {
@@ -91,7 +95,23 @@ __device__ __forceinline__ void fk_cp_commit() { asm volatile("cp.async.commit_g
 template <int N> __device__ __forceinline__ void fk_cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+// Four 8x8 b16 matrices from shared memory into mma.sync fragments (plain and transposed).
+__device__ __forceinline__ void fk_ldmatrix_x4(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fk_smem_addr(p)));
+}
+__device__ __forceinline__ void fk_ldmatrix_x4_trans(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(fk_smem_addr(p)));
+}
 #else
+__device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {
+  unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+  for (int i = 0; i < 16; ++i) d[i] = i < bytes ? s[i] : 0;
+}
 __device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
   *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
 }

@@ -89,34 +89,6 @@ __device__ __forceinline__ void fk_dense_stats(const T* __restrict__ x, float2* 
 // ---------------------------------------------------------------------------------------
 // Tensor-core path.
 
-__device__ __forceinline__ unsigned fk_smem_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16 bytes global -> shared without registers; bytes < 16 zero-fills the rest (0: no read).
-__device__ __forceinline__ void fk_cp_async16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fk_smem_addr(dst)),
-               "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void fk_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void fk_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-__device__ __forceinline__ void fk_ldmatrix_x4(unsigned* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fk_smem_addr(p)));
-}
-__device__ __forceinline__ void fk_ldmatrix_x4_trans(unsigned* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fk_smem_addr(p)));
-}
-
 // Copies CH = 16 / sizeof(T) elements of a row (from column c, `valid` of them in range;
 // valid <= 0 or !in_row: zeros): one cp.async when VEC (16-byte aligned rows), else
 // element by element through registers (visible after the pipeline's next barrier).
@@ -125,7 +97,7 @@ __device__ __forceinline__ void fk_copy_chunk(T* dst, const T* row, int c, int v
   constexpr int CH = 16 / sizeof(T);
   valid = valid < 0 ? 0 : (valid > CH ? CH : valid);
   if (VEC) {
-    fk_cp_async16(dst, valid ? row + c : row, valid * (int)sizeof(T));
+    fk_cp16_bytes(dst, valid ? row + c : row, valid * (int)sizeof(T));
   } else {
 #pragma unroll
     for (int e = 0; e < CH; ++e) dst[e] = e < valid ? row[c + e] : fk_from_f32<T>(0.0f);
@@ -420,13 +392,13 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < kt_count) load_stage(s, s * BK);
-    fk_cp_async_commit();  // empty groups keep the wait count uniform
+    fk_cp_commit();  // empty groups keep the wait count uniform
   }
   for (int kt = 0; kt < kt_count; ++kt) {
-    fk_cp_async_wait<ST - 2>();
+    fk_cp_wait<ST - 2>();
     __syncthreads();  // tile kt landed for all threads; stage (kt - 1) % ST is free
     if (kt + ST - 1 < kt_count) load_stage((kt + ST - 1) % ST, (kt + ST - 1) * BK);
-    fk_cp_async_commit();
+    fk_cp_commit();
     T* sA = stage_ptr(kt % ST);
     const T* sB[NB];
 #pragma unroll
@@ -437,7 +409,7 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
     }
     FkTc<T>::template stage<MT, NTL, NB, AS, BS>(acc, sA, sB, wm0, wn0);
   }
-  fk_cp_async_wait<0>();
+  fk_cp_wait<0>();
 
   // Accumulator layout of m16n8: c0,c1 at (row gid, cols 2*tig, +1); c2,c3 at row gid + 8
   // (columns as FkTc<T>::col maps them).

@@ -166,16 +166,6 @@ FA_FFMA_ALL(bf16, fk_bf16)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ void fa_ldm_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fk_smem_addr(p)));
-}
-__device__ __forceinline__ void fa_ldm_x4_t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fk_smem_addr(p)));
-}
 
 template <typename T> struct FaMma;
 template <> struct FaMma<fk_bf16> {
@@ -297,12 +287,12 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
       unsigned qa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        fa_ldm_x4(qa[mt], Qs + ((warp * MT + mt) * 16 + (lane & 15)) * P + kk * 16 +
+        fk_ldmatrix_x4(qa[mt], Qs + ((warp * MT + mt) * 16 + (lane & 15)) * P + kk * 16 +
                               (lane >> 4) * 8);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         unsigned kf[4];
-        fa_ldm_x4(kf, Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 +
+        fk_ldmatrix_x4(kf, Kt + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 +
                           ((lane >> 3) & 1) * 8);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -373,7 +363,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
         unsigned vf[4];
-        fa_ldm_x4_t(vf, Vt + (kk * 16 + (lane & 15)) * P + dp * 16 + (lane >> 4) * 8);
+        fk_ldmatrix_x4_trans(vf, Vt + (kk * 16 + (lane & 15)) * P + dp * 16 + (lane >> 4) * 8);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           FaMma<T>::mma(acc[mt][2 * dp], pa[mt], vf[0], vf[1]);

@@ -24,31 +24,17 @@
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ unsigned rm_smem(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-// 16 bytes global -> shared; zero-filled when !valid (src-size 0 reads nothing).
-__device__ __forceinline__ void rm_cp16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rm_smem(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void rm_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void rm_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 // Waits until at most n (run-time) groups are pending; waiting for more than needed is safe,
 // so n is rounded down to one of a few immediates.
 __device__ __forceinline__ void rm_wait_upto(int n) {
-  if (n >= 14) rm_wait<14>();
-  else if (n >= 10) rm_wait<10>();
-  else if (n >= 7) rm_wait<7>();
-  else if (n >= 5) rm_wait<5>();
-  else if (n >= 3) rm_wait<3>();
-  else if (n == 2) rm_wait<2>();
-  else if (n == 1) rm_wait<1>();
-  else rm_wait<0>();
+  if (n >= 14) fk_cp_wait<14>();
+  else if (n >= 10) fk_cp_wait<10>();
+  else if (n >= 7) fk_cp_wait<7>();
+  else if (n >= 5) fk_cp_wait<5>();
+  else if (n >= 3) fk_cp_wait<3>();
+  else if (n == 2) fk_cp_wait<2>();
+  else if (n == 1) fk_cp_wait<1>();
+  else fk_cp_wait<0>();
 }
 // Programmatic dependent launch (sm_90+; without the launch attribute both are no-ops).
 __device__ __forceinline__ void rm_grid_wait() {
@@ -96,11 +82,6 @@ __device__ __forceinline__ void rm_mma_tf32(float (&c)[4], const unsigned (&a)[4
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void rm_ldm_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(rm_smem(p)));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -203,7 +184,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
           reinterpret_cast<const unsigned char*>(p == 0 ? a.w : a.wlo) + tile_off;
       for (int i = tid; i < BN * 8; i += RNN_MMA_THREADS) {
         const int n = i >> 3, q = i & 7;
-        rm_cp16(dst + (p * BN + n) * PITCH + q * 16,
+        fk_cp16(dst + (p * BN + n) * PITCH + q * 16,
                 src + ((size_t)n * a.kp + (size_t)kc * KC) * sizeof(T) + q * 16, true);
       }
     }
@@ -217,7 +198,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
       for (int i = tid; i < BM * 8; i += RNN_MMA_THREADS) {
         const int r = i >> 3, q = i & 7, b = m0 + r, k = kc * KC + q * PER;
         const bool ok = b < a.B && k < a.H;
-        rm_cp16(dst + r * PITCH + q * 16, ok ? hp + (size_t)b * a.hprev_ld + k : hp, ok);
+        fk_cp16(dst + r * PITCH + q * 16, ok ? hp + (size_t)b * a.hprev_ld + k : hp, ok);
       }
     } else {
       for (int i = tid; i < BM * KC; i += RNN_MMA_THREADS) {
@@ -256,7 +237,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     } else {
       for (int kc = 0; kc < S - 1 && kc < nk; ++kc) load_w(kc);
     }
-    rm_commit();
+    fk_cp_commit();
   }
   rm_launch_dependents();
   rm_grid_wait();
@@ -290,7 +271,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
       if (s < nk) load_a(s);
-      rm_commit();
+      fk_cp_commit();
     }
     const int g8 = lane >> 2, t4 = lane & 3;
     for (int kc = 0; kc < nk; ++kc) {
@@ -334,7 +315,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
         unsigned af[MT][4];
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
-          rm_ldm_x4(af[mi], A + (mi * 16 + (lane & 15)) * PITCH + kb + (lane >> 4) * 16);
+          fk_ldmatrix_x4(af[mi], A + (mi * 16 + (lane & 15)) * PITCH + kb + (lane >> 4) * 16);
         }
 #pragma unroll
         for (int nt = 0; nt < G * NU; ++nt) {
@@ -350,9 +331,9 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
         load_a(nxt);
         if (!resident) load_w(nxt);
       }
-      rm_commit();
+      fk_cp_commit();
     }
-    rm_wait<0>();
+    fk_cp_wait<0>();
     __syncthreads();  // every warp is done with the staging buffers: reuse them below
   }
 

@@ -113,13 +113,31 @@ pub fn tile(
     sms: usize,
     smem_limit: usize,
 ) -> Tile {
+    let overrides = (
+        MT_OVERRIDE.load(Ordering::Relaxed),
+        BUDGET_OVERRIDE.load(Ordering::Relaxed),
+    );
+    tile_with(cell, batch, h, dtype, sms, smem_limit, overrides)
+}
+
+/// `tile` with the benchmark's overrides given explicitly (m-tiles, shared-memory budget;
+/// 0 = none), so tests of the default rule do not see another test's override.
+pub fn tile_with(
+    cell: Cell,
+    batch: usize,
+    h: usize,
+    dtype: DType,
+    sms: usize,
+    smem_limit: usize,
+    (mt_override, budget_override): (usize, usize),
+) -> Tile {
     let unit_blocks = h.div_ceil(8);
-    let mt = match MT_OVERRIDE.load(Ordering::Relaxed) {
+    let mt = match mt_override {
         m @ (1 | 2 | 4) => m,
         _ if batch >= 32 && (batch >= 128 || batch.div_ceil(16) * unit_blocks > 2 * sms) => 2,
         _ => 1,
     };
-    let budget = match BUDGET_OVERRIDE.load(Ordering::Relaxed) {
+    let budget = match budget_override {
         0 => TWO_PER_SM,
         b => b,
     }

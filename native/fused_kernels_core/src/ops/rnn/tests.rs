@@ -455,7 +455,7 @@ fn mma_tiles_fit_shared_memory() {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048, 3000, 8192] {
                 for b in [1, 16, 17, 64, 130, 256, 1024] {
-                    let t = mma::tile(cell, b, h, dt, 132, 227 * 1024);
+                    let t = mma::tile_with(cell, b, h, dt, 132, 227 * 1024, (0, 0));
                     assert!(
                         t.smem_bytes <= 227 * 1024,
                         "{cell:?} {dt:?} H{h} B{b}: {t:?}"
@@ -477,7 +477,7 @@ fn mma_tiles_fit_shared_memory() {
         (32, 1024, DType::BF16, 1),
         (64, 1024, DType::BF16, 2),
     ] {
-        let t = mma::tile(Cell::Lstm, b, h, dt, 132, 227 * 1024);
+        let t = mma::tile_with(Cell::Lstm, b, h, dt, 132, 227 * 1024, (0, 0));
         assert!(t.w_resident && t.mt == mt, "B{b} H{h} {dt:?}: {t:?}");
     }
 }
