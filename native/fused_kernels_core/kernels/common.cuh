@@ -95,6 +95,27 @@ __device__ __forceinline__ void fk_cp_commit() { asm volatile("cp.async.commit_g
 template <int N> __device__ __forceinline__ void fk_cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+// c += a·b on one m16n8k16 tile: bf16 or f16 operands (a: 4 registers, b: 2), f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void fk_mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void fk_mma16816<fk_bf16>(float* c, const unsigned* a, unsigned b0,
+                                                     unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void fk_mma16816<fk_f16>(float* c, const unsigned* a, unsigned b0,
+                                                    unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 // Four 8x8 b16 matrices from shared memory into mma.sync fragments (plain and transposed).
 __device__ __forceinline__ void fk_ldmatrix_x4(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"

@@ -238,17 +238,11 @@ template <typename T> struct FkTc16 {
 };
 template <> __device__ __forceinline__ void FkTc16<fk_bf16>::mma(float* c, const unsigned* a,
                                                                 const unsigned* b) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  fk_mma16816<fk_bf16>(c, a, b[0], b[1]);
 }
 template <> __device__ __forceinline__ void FkTc16<fk_f16>::mma(float* c, const unsigned* a,
                                                                const unsigned* b) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  fk_mma16816<fk_f16>(c, a, b[0], b[1]);
 }
 template <> struct FkTc<fk_bf16> : FkTc16<fk_bf16> {};
 template <> struct FkTc<fk_f16> : FkTc16<fk_f16> {};

@@ -166,17 +166,9 @@ FA_FFMA_ALL(bf16, fk_bf16)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
-
+// Packs two floats into one register of T pairs (for the P operand of O += P V).
 template <typename T> struct FaMma;
 template <> struct FaMma<fk_bf16> {
-  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                             unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   // lo goes to the low half (the element with the smaller index).
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
     unsigned r;
@@ -185,14 +177,6 @@ template <> struct FaMma<fk_bf16> {
   }
 };
 template <> struct FaMma<fk_f16> {
-  static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                             unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -296,8 +280,8 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
                           ((lane >> 3) & 1) * 8);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          FaMma<T>::mma(s[mt][2 * np], qa[mt], kf[0], kf[1]);
-          FaMma<T>::mma(s[mt][2 * np + 1], qa[mt], kf[2], kf[3]);
+          fk_mma16816<T>(s[mt][2 * np], qa[mt], kf[0], kf[1]);
+          fk_mma16816<T>(s[mt][2 * np + 1], qa[mt], kf[2], kf[3]);
         }
       }
     }
@@ -366,8 +350,8 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
         fk_ldmatrix_x4_trans(vf, Vt + (kk * 16 + (lane & 15)) * P + dp * 16 + (lane >> 4) * 8);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          FaMma<T>::mma(acc[mt][2 * dp], pa[mt], vf[0], vf[1]);
-          FaMma<T>::mma(acc[mt][2 * dp + 1], pa[mt], vf[2], vf[3]);
+          fk_mma16816<T>(acc[mt][2 * dp], pa[mt], vf[0], vf[1]);
+          fk_mma16816<T>(acc[mt][2 * dp + 1], pa[mt], vf[2], vf[3]);
         }
       }
     }

@@ -54,27 +54,6 @@ __device__ __forceinline__ unsigned rm_tf32(float x) {
   return r;
 }
 
-template <typename T> struct RmMma;
-template <> struct RmMma<fk_bf16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                             unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <> struct RmMma<fk_f16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                             unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 __device__ __forceinline__ void rm_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                             unsigned b1) {
   asm volatile(
@@ -323,7 +302,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
           const unsigned b0 = *reinterpret_cast<const unsigned*>(wr);
           const unsigned b1 = *reinterpret_cast<const unsigned*>(wr + 16);
 #pragma unroll
-          for (int mi = 0; mi < MT; ++mi) RmMma<T>::run(acc[mi][nt], af[mi], b0, b1);
+          for (int mi = 0; mi < MT; ++mi) fk_mma16816<T>(acc[mi][nt], af[mi], b0, b1);
         }
       }
       const int nxt = kc + S - 1;
