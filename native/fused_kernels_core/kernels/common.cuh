@@ -37,6 +37,19 @@ template <> __device__ __forceinline__ fk_bf16 fk_from_f32<fk_bf16>(float f) {
   return r;
 }
 
+// Element i of a T array as float, and a float stored into one.
+template <typename T> __device__ __forceinline__ float fk_ld(const void* p, size_t i) {
+  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
+}
+template <typename T> __device__ __forceinline__ void fk_st(void* p, size_t i, float v) {
+  reinterpret_cast<T*>(p)[i] = fk_from_f32<T>(v);
+}
+// A run-time index into a kernel-parameter array may go through local memory; select instead.
+__device__ __forceinline__ const void* fk_pick(const void* const* p, int g) {
+  return g == 0 ? p[0] : g == 1 ? p[1] : g == 2 ? p[2] : p[3];
+}
+__device__ __forceinline__ float fk_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
 __device__ __forceinline__ float fk_warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -22,19 +22,8 @@ struct RnnArgs {
   int B, T, H, U, NU, BPB, reverse;
 };
 
-template <typename T> __device__ __forceinline__ float rnn_ld(const void* p, size_t i) {
-  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
-}
-template <typename T> __device__ __forceinline__ void rnn_st(void* p, size_t i, float v) {
-  reinterpret_cast<T*>(p)[i] = fk_from_f32<T>(v);
-}
 
-// A run-time index into a kernel-parameter array may go through local memory; select instead.
-__device__ __forceinline__ const void* rnn_pick(const void* const* p, int g) {
-  return g == 0 ? p[0] : g == 1 ? p[1] : g == 2 ? p[2] : p[3];
-}
 
-__device__ __forceinline__ float rnn_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Hidden states written by other blocks: bypass L1, which may hold a stale line.
 __device__ __forceinline__ float4 rnn_ld_cg4(const float* p) {
@@ -84,25 +73,25 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
   if (WSMEM) {
     for (int idx = tid; idx < H4 * C; idx += RNN_THREADS) {
       const int k4 = idx / C, c = idx % C, g = c / U, j = j0 + c % U;
-      const void* w = rnn_pick(a.wh, g);
+      const void* w = fk_pick(a.wh, g);
       float v[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int k = 4 * k4 + q;
-        v[q] = (k < H && j < H) ? rnn_ld<T>(w, (size_t)k * H + j) : 0.0f;
+        v[q] = (k < H && j < H) ? fk_ld<T>(w, (size_t)k * H + j) : 0.0f;
       }
       ws4[idx] = make_float4(v[0], v[1], v[2], v[3]);
     }
   }
   for (int idx = tid; idx < 4 * U; idx += RNN_THREADS) {
     const int g = idx / U, j = j0 + idx % U;
-    bs[idx] = (g < G + (LSTM ? 0 : 1) && j < H) ? rnn_ld<T>(rnn_pick(a.bias, g), j) : 0.0f;
+    bs[idx] = (g < G + (LSTM ? 0 : 1) && j < H) ? fk_ld<T>(fk_pick(a.bias, g), j) : 0.0f;
   }
   for (int idx = tid; idx < (b_hi - b_lo) * U; idx += RNN_THREADS) {
     const int b = b_lo + idx / U, j = j0 + idx % U;
     if (j < H) {
-      a.hbuf[(size_t)b * Hp + j] = a.h0 ? rnn_ld<T>(a.h0, (size_t)b * H + j) : 0.0f;
-      if (LSTM) cst[idx] = a.c0 ? rnn_ld<T>(a.c0, (size_t)b * H + j) : 0.0f;
+      a.hbuf[(size_t)b * Hp + j] = a.h0 ? fk_ld<T>(a.h0, (size_t)b * H + j) : 0.0f;
+      if (LSTM) cst[idx] = a.c0 ? fk_ld<T>(a.c0, (size_t)b * H + j) : 0.0f;
     }
   }
   unsigned episode = 1;
@@ -136,7 +125,7 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
 #pragma unroll
         for (int bb = 0; bb < BC; ++bb) acc[bb] = 0.0f;
         const int g = c / U, j = j0 + c % U;
-        const void* wg = rnn_pick(a.wh, g);
+        const void* wg = fk_pick(a.wh, g);
         for (int k4 = sl; k4 < H4; k4 += S) {
           float4 w;
           if (WSMEM) {
@@ -146,7 +135,7 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
               const int k = 4 * k4 + q;
-              v[q] = (k < H && j < H) ? rnn_ld<T>(wg, (size_t)k * H + j) : 0.0f;
+              v[q] = (k < H && j < H) ? fk_ld<T>(wg, (size_t)k * H + j) : 0.0f;
             }
             w = make_float4(v[0], v[1], v[2], v[3]);
           }
@@ -171,26 +160,26 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
         const size_t b = b0 + eb;
         float h, cell = 0.0f;
         if (LSTM) {
-          const float i = rnn_sigmoid(xg[0] + r[0]);
-          const float f = rnn_sigmoid(xg[1] + r[1]);
+          const float i = fk_sigmoid(xg[0] + r[0]);
+          const float f = fk_sigmoid(xg[1] + r[1]);
           const float gg = tanhf(xg[2] + r[2]);
-          const float o = rnn_sigmoid(xg[LSTM ? 3 : 0] + r[LSTM ? 3 : 0]);
+          const float o = fk_sigmoid(xg[LSTM ? 3 : 0] + r[LSTM ? 3 : 0]);
           float& cs = cst[(b - b_lo) * U + eu];
           cell = f * cs + i * gg;
           cs = cell;
           h = o * tanhf(cell);
         } else {
           const float hp = reinterpret_cast<const float*>(hs4)[eb * Hp + ej];
-          const float rg = rnn_sigmoid(xg[0] + r[0]);
-          const float z = rnn_sigmoid(xg[1] + r[1]);
+          const float rg = fk_sigmoid(xg[0] + r[0]);
+          const float z = fk_sigmoid(xg[1] + r[1]);
           const float n = tanhf(xg[2] + rg * (r[2] + bs[3 * U + eu]));
           h = (1.0f - z) * n + z * hp;
         }
-        rnn_st<T>(a.seq, (b * a.T + t) * H + ej, h);
+        fk_st<T>(a.seq, (b * a.T + t) * H + ej, h);
         hnext[b * Hp + ej] = h;
         if (s == a.T - 1) {
-          rnn_st<T>(a.h_out, b * H + ej, h);
-          if (LSTM) rnn_st<T>(a.c_out, b * H + ej, cell);
+          fk_st<T>(a.h_out, b * H + ej, h);
+          if (LSTM) fk_st<T>(a.c_out, b * H + ej, cell);
         }
       }
       __syncthreads();  // hs4 and part are reused by the next chunk

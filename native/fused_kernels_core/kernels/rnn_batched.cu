@@ -42,12 +42,7 @@ struct RnnStepArgs {
   int B, T, H, t, first;
 };
 
-__device__ __forceinline__ float rnn_b_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-template <typename T>
-__device__ __forceinline__ float rnn_b_ld(const void* p, size_t i) {
-  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
-}
 
 template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const RnnStepArgs& a) {
   constexpr int G = LSTM ? 4 : 3;
@@ -61,26 +56,26 @@ template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const 
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const void* bp = g == 0 ? a.bias[0] : g == 1 ? a.bias[1] : g == 2 ? a.bias[2] : a.bias[3];
-    pre[g] = xr[(size_t)g * H] + rnn_b_ld<T>(bp, j);
+    pre[g] = xr[(size_t)g * H] + fk_ld<T>(bp, j);
     rec[g] = hrr ? hrr[(size_t)g * H] : 0.0f;
   }
   float h, cell = 0.0f;
   if (LSTM) {
     const float c_prev =
-        a.first ? (a.c0 ? rnn_b_ld<T>(a.c0, i) : 0.0f) : a.c[i];
-    const float ig = rnn_b_sigmoid(pre[0] + rec[0]);
-    const float fg = rnn_b_sigmoid(pre[1] + rec[1]);
+        a.first ? (a.c0 ? fk_ld<T>(a.c0, i) : 0.0f) : a.c[i];
+    const float ig = fk_sigmoid(pre[0] + rec[0]);
+    const float fg = fk_sigmoid(pre[1] + rec[1]);
     const float gg = tanhf(pre[2] + rec[2]);
-    const float og = rnn_b_sigmoid(pre[LSTM ? 3 : 0] + rec[LSTM ? 3 : 0]);
+    const float og = fk_sigmoid(pre[LSTM ? 3 : 0] + rec[LSTM ? 3 : 0]);
     cell = fg * c_prev + ig * gg;
     a.c[i] = cell;
     h = og * tanhf(cell);
   } else {
-    const float hp = a.hprev ? rnn_b_ld<T>(a.hprev, b * a.hprev_ld + j) : 0.0f;
-    const float r = rnn_b_sigmoid(pre[0] + rec[0]);
-    const float z = rnn_b_sigmoid(pre[1] + rec[1]);
+    const float hp = a.hprev ? fk_ld<T>(a.hprev, b * a.hprev_ld + j) : 0.0f;
+    const float r = fk_sigmoid(pre[0] + rec[0]);
+    const float z = fk_sigmoid(pre[1] + rec[1]);
     // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-    const float n = tanhf(pre[2] + r * (rec[2] + rnn_b_ld<T>(a.bias[3], j)));
+    const float n = tanhf(pre[2] + r * (rec[2] + fk_ld<T>(a.bias[3], j)));
     h = (1.0f - z) * n + z * hp;
   }
   const T hv = fk_from_f32<T>(h);

@@ -49,20 +49,10 @@ struct RcArgs {
 template <typename T> struct RcRaw { typedef unsigned short type; };
 template <> struct RcRaw<float> { typedef float type; };
 
-template <typename T> __device__ __forceinline__ float rc_ld(const void* p, size_t i) {
-  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
-}
-template <typename T> __device__ __forceinline__ void rc_st(void* p, size_t i, float v) {
-  reinterpret_cast<T*>(p)[i] = fk_from_f32<T>(v);
-}
 // The value the next layer would read back from this layer's output sequence.
 template <typename T> __device__ __forceinline__ float rc_round(float v) {
   return fk_to_f32(fk_from_f32<T>(v));
 }
-__device__ __forceinline__ const void* rc_pick(const void* const* p, int g) {
-  return g == 0 ? p[0] : g == 1 ? p[1] : g == 2 ? p[2] : p[3];
-}
-__device__ __forceinline__ float rc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Four consecutive-k weights of one column.
 template <typename T> __device__ __forceinline__ float4 rc_w4(const unsigned char* w, int i);
@@ -127,7 +117,7 @@ __device__ __forceinline__ void rc_load_weights(const void* const* src, int K, i
       if (idx < total) {
         const int k = idx / C, c = idx % C, g = c / U, j = j0 + c % U;
         d[i] = ((k >> 2) * C + c) * 4 + (k & 3);
-        if (k < K && j < H) v[i] = reinterpret_cast<const R*>(rc_pick(src, g))[(size_t)k * H + j];
+        if (k < K && j < H) v[i] = reinterpret_cast<const R*>(fk_pick(src, g))[(size_t)k * H + j];
       }
     }
 #pragma unroll
@@ -191,19 +181,19 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     float* bs = reinterpret_cast<float*>(rc_smem + L.bias_off);
     for (int i = tid; i < 4 * U; i += RC_THREADS) {
       const int g = i / U, k = j0 + i % U;
-      bs[i] = k < L.h ? rc_ld<T>(rc_pick(L.bias, g), k) : 0.0f;
+      bs[i] = k < L.h ? fk_ld<T>(fk_pick(L.bias, g), k) : 0.0f;
     }
     // Layer j's first step is super-step j: its initial state goes to parity j & 1.
     float* hb = reinterpret_cast<float*>(rc_smem + L.hb_off);
     for (int i = tid; i < 2 * Hp; i += RC_THREADS) {
       const int p = i / Hp, k = i % Hp;
-      hb[i] = (p == (j & 1) && k < L.h && L.h0) ? rc_ld<T>(L.h0, k) : 0.0f;
+      hb[i] = (p == (j & 1) && k < L.h && L.h0) ? fk_ld<T>(L.h0, k) : 0.0f;
     }
     if (LSTM) {
       float* cs = reinterpret_cast<float*>(rc_smem + L.cst_off);
       for (int i = tid; i < 2 * U; i += RC_THREADS) {
         const int p = i / U, k = j0 + i % U;
-        cs[i] = (p == (j & 1) && k < L.h && L.c0) ? rc_ld<T>(L.c0, k) : 0.0f;
+        cs[i] = (p == (j & 1) && k < L.h && L.c0) ? fk_ld<T>(L.c0, k) : 0.0f;
       }
     }
   }
@@ -285,16 +275,16 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
             rg[g] = sh;
           }
           if (LSTM) {
-            const float ig = rc_sigmoid(xg[0] + rg[0]);
-            const float fg = rc_sigmoid(xg[1] + rg[1]);
+            const float ig = fk_sigmoid(xg[0] + rg[0]);
+            const float fg = fk_sigmoid(xg[1] + rg[1]);
             const float gg = tanhf(xg[2] + rg[2]);
-            const float og = rc_sigmoid(xg[LSTM ? 3 : 0] + rg[LSTM ? 3 : 0]);
+            const float og = fk_sigmoid(xg[LSTM ? 3 : 0] + rg[LSTM ? 3 : 0]);
             cell = fg * cs[p * U + u] + ig * gg;
             h = og * tanhf(cell);
           } else {
             const float hp = hb[p * Hp + k];
-            const float rr = rc_sigmoid(xg[0] + rg[0]);
-            const float z = rc_sigmoid(xg[1] + rg[1]);
+            const float rr = fk_sigmoid(xg[0] + rg[0]);
+            const float z = fk_sigmoid(xg[1] + rg[1]);
             const float n = tanhf(xg[2] + rr * (rg[2] + bs[3 * U + u]));
             h = (1.0f - z) * n + z * hp;
           }
@@ -337,10 +327,10 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
 
     rc_cluster_arrive();
     if (out_seq) {
-      rc_st<T>(out_seq, out_at, out_h);
+      fk_st<T>(out_seq, out_at, out_h);
       if (out_l) {
-        rc_st<T>(out_l->h_out, out_k, out_h);
-        if (LSTM) rc_st<T>(out_l->c_out, out_k, out_c);
+        fk_st<T>(out_l->h_out, out_k, out_h);
+        if (LSTM) fk_st<T>(out_l->c_out, out_k, out_c);
       }
     }
     if (x_item && s + 1 < len) {

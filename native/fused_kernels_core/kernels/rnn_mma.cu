@@ -120,12 +120,7 @@ struct RnnMmaArgs {
   int stages;           // K-chunk slots of the h ring (>= 2; stages - 1 chunks in flight)
 };
 
-__device__ __forceinline__ float rm_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-template <typename T>
-__device__ __forceinline__ float rm_ld(const void* p, size_t i) {
-  return fk_to_f32(reinterpret_cast<const T*>(p)[i]);
-}
 
 // MT: 16-row m-tiles per block (BM = 16*MT batch rows); NU: 8-unit n-tiles per gate
 // (UN = 8*NU units). One K-chunk row is 128 bytes (KC = 64 halves or 32 floats), stored with
@@ -203,7 +198,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
       for (int g = 0; g < G; ++g) {
         const void* bp =
             g == 0 ? a.bias[0] : g == 1 ? a.bias[1] : g == 2 ? a.bias[2] : a.bias[3];
-        pre[i][g] = xr[(size_t)g * H] + rm_ld<T>(bp, j);
+        pre[i][g] = xr[(size_t)g * H] + fk_ld<T>(bp, j);
       }
     }
   }
@@ -231,9 +226,9 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     if (b < a.B && j < H) {
       const size_t bj = (size_t)b * H + j;
       if (LSTM) {
-        keep[i] = a.first ? (a.c0 ? rm_ld<T>(a.c0, bj) : 0.0f) : a.c[bj];
+        keep[i] = a.first ? (a.c0 ? fk_ld<T>(a.c0, bj) : 0.0f) : a.c[bj];
       } else if (has_h) {
-        keep[i] = rm_ld<T>(a.hprev, (size_t)b * a.hprev_ld + j);
+        keep[i] = fk_ld<T>(a.hprev, (size_t)b * a.hprev_ld + j);
       }
     }
   }
@@ -353,18 +348,18 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     const size_t bj = (size_t)b * H + j;
     float h, cell = 0.0f;
     if constexpr (LSTM) {
-      const float ig = rm_sigmoid(pre[i][0] + rec[0]);
-      const float fg = rm_sigmoid(pre[i][1] + rec[1]);
+      const float ig = fk_sigmoid(pre[i][0] + rec[0]);
+      const float fg = fk_sigmoid(pre[i][1] + rec[1]);
       const float gg = tanhf(pre[i][2] + rec[2]);
-      const float og = rm_sigmoid(pre[i][G - 1] + rec[G - 1]);
+      const float og = fk_sigmoid(pre[i][G - 1] + rec[G - 1]);
       cell = fg * keep[i] + ig * gg;
       a.c[bj] = cell;
       h = og * tanhf(cell);
     } else {
-      const float r_ = rm_sigmoid(pre[i][0] + rec[0]);
-      const float z = rm_sigmoid(pre[i][1] + rec[1]);
+      const float r_ = fk_sigmoid(pre[i][0] + rec[0]);
+      const float z = fk_sigmoid(pre[i][1] + rec[1]);
       // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-      const float n = tanhf(pre[i][2] + r_ * (rec[2] + rm_ld<T>(a.bias[3], j)));
+      const float n = tanhf(pre[i][2] + r_ * (rec[2] + fk_ld<T>(a.bias[3], j)));
       h = (1.0f - z) * n + z * keep[i];
     }
     const T hv = fk_from_f32<T>(h);
