@@ -55,10 +55,7 @@ fn cluster_attr(cluster: u32) -> CUlaunchAttribute {
 /// Sets what a launch of `f` with `smem` dynamic shared memory bytes in clusters of `cluster`
 /// needs (the dynamic shared-memory limit; the opt-in for clusters over 8 CTAs).
 pub fn prepare(f: &CudaFunction, smem: u32, cluster: u32) -> Result<()> {
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )?;
+    crate::cuda::smem::allow_dynamic_smem(f, smem as usize)?;
     if cluster > PORTABLE_CLUSTER {
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,

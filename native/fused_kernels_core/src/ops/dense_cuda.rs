@@ -11,7 +11,6 @@ use crate::cuda::DeviceTensor;
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
 use crate::kernels::DENSE;
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Must match FK_DENSE_STAGES and FK_GEMV_MR in kernels/dense.cu.
@@ -215,10 +214,7 @@ pub fn launch(
     };
     let f = gpu.function(&DENSE, &plan.function)?;
     if plan.shared_bytes > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.shared_bytes as i32,
-        )?;
+        crate::cuda::smem::allow_dynamic_smem(&f, plan.shared_bytes as usize)?;
     }
     let mut launch = gpu.stream.launch_builder(&f);
     launch.arg(ops.x.slice()).arg(ops.kernel.slice());

@@ -155,10 +155,7 @@ pub fn cuda(
         _ => tb,
     };
     let f = gpu.function(&DENSE_SM90, &format!("dense_sm90_{tname}"))?;
-    f.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        SMEM_BYTES as i32,
-    )?;
+    crate::cuda::smem::allow_dynamic_smem(&f, SMEM_BYTES)?;
     let stats_ptr = ptr_opt(stats.as_ref());
     let (gamma, beta) = (ptr_opt(ops.gamma), ptr_opt(ops.beta));
     let (bias, bias_up) = (ptr_opt(ops.bias), ptr_opt(ops.bias_up.filter(|_| glu)));

@@ -12,7 +12,6 @@ use crate::kernels::FLASH_ATTENTION;
 use crate::operand::{Operand, Placement, Value};
 use crate::parallel::CPU_THREADS;
 use crate::tensor::{fmt_shape, HostTensor, OwnedTensor};
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::Backend;
@@ -590,10 +589,7 @@ pub fn launch(
     let gpu = q.gpu.clone();
     let f = gpu.function(&FLASH_ATTENTION, &plan.function)?;
     if plan.shared_bytes > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.shared_bytes as i32,
-        )?;
+        crate::cuda::smem::allow_dynamic_smem(&f, plan.shared_bytes)?;
     }
     let (qs, ks) = (g.q_strides(), g.k_strides());
     let (left, right) = p.bounds();

@@ -472,6 +472,12 @@ fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: 
 /// `args` carries the pointers and flags; geometry, split and chunking are filled in here.
 pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> Result<()> {
     let tname = kernel_type(dtype, "u")?;
+    if g.batch > 65535 {
+        return Err(arg_error(format!(
+            "u: batch {} is more than one launch covers (65535); split the batch",
+            g.batch
+        )));
+    }
     let elem = dtype.size();
     let (npt, tpc) = split(g);
     let cpb = THREADS / tpc;

@@ -14,7 +14,7 @@ use crate::error::{arg_error, Error, Result};
 use crate::kernels::RNN;
 use crate::operand::{Operand, Staged};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUfunction_attribute};
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
 use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -309,10 +309,7 @@ fn recurrence(
     };
     let wname = if p.weights_on_chip { "smem" } else { "gmem" };
     let f = gpu.function(&RNN, &format!("rnn_{cname}_{tname}_b{}_{wname}", p.chunk))?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        p.smem_bytes as i32,
-    )?;
+    crate::cuda::smem::allow_dynamic_smem(&f, p.smem_bytes)?;
     let resident =
         f.occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, p.smem_bytes, None)?
             as usize
@@ -447,7 +444,10 @@ pub(super) fn run(
             ),
         };
         let (seq, st) = if path != Path::Persistent {
-            let cublas_steps = path == Path::BatchedCublas || !gpu.has_tensor_cores();
+            // The tensor-core step's grid has one row of blocks per 16 batch rows (grid.y ≤ 65535).
+            let cublas_steps = path == Path::BatchedCublas
+                || !gpu.has_tensor_cores()
+                || g.batch.div_ceil(16) > 65535;
             batched::layer(
                 gpu,
                 cell,
@@ -492,5 +492,10 @@ fn cluster_ctas_for(
     if !allowed || g.batch != 1 || g.seq == 0 {
         return Ok(None);
     }
-    cluster::cluster_ctas(gpu, cell, g.dtype)
+    // Unforced, a cluster path that cannot be prepared here (compile, opt-in) is skipped and
+    // the other paths serve the call; forced, its error is the answer.
+    match cluster::cluster_ctas(gpu, cell, g.dtype) {
+        Err(_) if path.is_none() => Ok(None),
+        other => other,
+    }
 }

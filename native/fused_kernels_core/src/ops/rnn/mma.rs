@@ -13,8 +13,7 @@ use crate::error::{arg_error, Result};
 use crate::kernels::RNN_MMA;
 use crate::operand::Staged;
 use cudarc::driver::sys::{
-    self, CUdevice_attribute, CUfunction_attribute, CUlaunchAttribute, CUlaunchAttributeID,
-    CUlaunchConfig,
+    self, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig,
 };
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -281,10 +280,7 @@ pub(super) fn steps(
         Cell::Gru => "gru",
     };
     let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        tl.smem_bytes as i32,
-    )?;
+    crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
     let packed = pack(gpu, wh, h, g.dtype)?;
     let cstate = match cell {
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
