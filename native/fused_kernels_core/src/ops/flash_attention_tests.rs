@@ -357,7 +357,6 @@ fn cuda_results_do_not_move_between_runs() {
 #[ignore]
 fn bench_kernels() {
     let Some(gpu) = gpu_for_tests() else { return };
-    use cudarc::driver::sys::CUevent_flags;
     // (name, b, h, kvh, s, d, dtype, causal)
     let shapes: &[(&str, usize, usize, usize, usize, usize, DType, bool)] = &[
         ("a_f32", 1, 4, 4, 60, 64, DType::F32, true),
@@ -409,42 +408,19 @@ fn bench_kernels() {
         let mut plans = vec![chosen];
         plans.extend(alternatives.iter().filter_map(|f| plan_named(&g, f)));
         for (variant, kplan) in plans.iter().enumerate() {
-            let mut call = |i: usize| {
+            let call = |i: usize| {
                 let (q, k, v) = &inputs[i % sets];
                 if variant == 0 {
-                    cuda(q, k, v, &mut out, &mut lse, p).unwrap();
+                    cuda(q, k, v, &mut out, &mut lse, p)
                 } else {
-                    launch(&g, q, k, v, &mut out, &mut lse, p, kplan).unwrap();
+                    launch(&g, q, k, v, &mut out, &mut lse, p, kplan)
                 }
             };
-            let ev = || {
-                gpu.ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .unwrap()
-            };
-            let (start, end) = (ev(), ev());
-            for i in 0..20 {
-                call(i);
-            }
-            gpu.synchronize().unwrap();
             let reps = if n_q > 1 << 22 { 30 } else { 200 };
-            let mut per_call = Vec::new();
-            for i in 0..reps {
-                start.record(&gpu.stream).unwrap();
-                call(i);
-                end.record(&gpu.stream).unwrap();
-                end.synchronize().unwrap();
-                per_call.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
-            }
-            per_call.sort_by(|a, b| a.total_cmp(b));
-            // Back to back: launches queue behind each other, so launch latency is hidden.
-            start.record(&gpu.stream).unwrap();
-            for i in 0..reps {
-                call(i);
-            }
-            end.record(&gpu.stream).unwrap();
-            end.synchronize().unwrap();
-            let b2b = start.elapsed_ms(&end).unwrap() as f64 * 1e3 / reps as f64;
+            // Back to back (in `Timing`): launches queue behind each other, so launch latency
+            // is hidden.
+            let t = crate::cuda::timing::time_calls(&gpu, 20, reps, call).unwrap();
+            let (median, b2b) = (t.median_us, t.back_to_back_us);
             let kernel = &kplan.function;
             let name = if variant == 0 {
                 name.to_string()
@@ -455,8 +431,8 @@ fn bench_kernels() {
             let line = format!(
             "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
             dt.name(),
-            per_call[per_call.len() / 2],
-            flops / (per_call[per_call.len() / 2] * 1e-6) / 1e12
+            median,
+            flops / (median * 1e-6) / 1e12
         );
             println!("{line}");
             lines.push(line);

@@ -460,7 +460,7 @@ fn align16(bytes: usize) -> usize {
 }
 
 /// Shared memory of one block: two pipeline stages of raw inputs, then f32 dt and y rows
-/// (mirrors `fk_scan_stage_bytes` and the layout in selective_scan.cu).
+/// (mirrors `fk_scan_layout` and the layout in selective_scan.cu).
 fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
     let stage = align16(elem * chunk * cpb) * if z { 3 } else { 2 }
         + 2 * align16(elem * chunk * npad)
@@ -489,6 +489,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         .or_else(|| [32usize, 16, 8, 4].into_iter().find(|&c| fits(c)))
         .unwrap_or(4)
         .min(g.seq.max(1));
+    let smem = scan_smem(elem, chunk, cpb, npad, z, mean);
     args.batch = g.batch as i32;
     args.seq = g.seq as i32;
     args.dim = g.dim as i32;
@@ -528,7 +529,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     let cfg = LaunchConfig {
         grid_dim: ((g.groups * dg.div_ceil(cpb)) as u32, g.batch as u32, 1),
         block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: scan_smem(elem, chunk, cpb, npad, z, mean) as u32,
+        shared_mem_bytes: smem as u32,
     };
     let mut l = gpu.stream.launch_builder(&f);
     l.arg(&args);
