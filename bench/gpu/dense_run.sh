@@ -21,12 +21,6 @@ echo "== dense GPU tests"
 timeout 120 .gpu/bin/core_tests ops::dense --test-threads=4 --nocapture 2>&1 | tee "$OUT/dense_tests.log" |
   grep -E "test result|panicked|FAILED|rel L2" | tail -20
 echo "== ExUnit dense tests (with :cuda)"
-root=/tmp/erlroot && rm -rf $root && mkdir -p $root
-for d in .gpu/debs/*.deb; do dpkg -x "$d" $root; done
-er=$root/usr/lib/erlang
-for f in $er/bin/erl $er/erts-*/bin/erl $er/bin/start $er/erts-*/bin/start; do
-  [ -f "$f" ] && sed -i "s|ROOTDIR=/usr/lib/erlang|ROOTDIR=$er|g" "$f"
-done
-export PATH=$er/bin:$root/usr/lib/elixir/bin:$PATH ERL_LIBS=$PWD/.gpu/erl_libs
+source bench/gpu/erlang.sh && erlang_here
 export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test FUSED_KERNELS_EXPORT_DIR=/tmp/fk-export
 timeout 40 mix test --include cuda test/dense_test.exs 2>&1 | tee "$OUT/exunit_dense.log" | tail -5

@@ -34,13 +34,7 @@ timeout 60 python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/
 fi
 [ -n "${RNN_SKIP_EXUNIT:-}" ] && exit 0
 echo "== ExUnit rnn tests (with :cuda) and mix bench rows"
-root=/tmp/erlroot && rm -rf $root && mkdir -p $root
-for d in .gpu/debs/*.deb; do dpkg -x "$d" $root; done
-er=$root/usr/lib/erlang
-for f in $er/bin/erl $er/erts-*/bin/erl $er/bin/start $er/erts-*/bin/start; do
-  [ -f "$f" ] && sed -i "s|ROOTDIR=/usr/lib/erlang|ROOTDIR=$er|g" "$f"
-done
-export PATH=$er/bin:$root/usr/lib/elixir/bin:$PATH ERL_LIBS=$PWD/.gpu/erl_libs
+source bench/gpu/erlang.sh && erlang_here
 export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null 2>&1; fi
 timeout 40 mix test --include cuda test/rnn_test.exs 2>&1 | tee "$OUT/exunit_rnn.log" | tail -6
