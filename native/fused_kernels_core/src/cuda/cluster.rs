@@ -24,7 +24,7 @@ fn config(
     grid: u32,
     block: u32,
     smem: u32,
-    attr: &mut CUlaunchAttribute,
+    attrs: &mut [CUlaunchAttribute],
 ) -> CUlaunchConfig {
     CUlaunchConfig {
         gridDimX: grid,
@@ -35,8 +35,8 @@ fn config(
         blockDimZ: 1,
         sharedMemBytes: smem,
         hStream: gpu.stream.cu_stream(),
-        attrs: attr,
-        numAttrs: 1,
+        numAttrs: attrs.len() as u32,
+        attrs: attrs.as_mut_ptr(),
     }
 }
 
@@ -57,13 +57,21 @@ fn cluster_attr(cluster: u32) -> CUlaunchAttribute {
 pub fn prepare(f: &CudaFunction, smem: u32, cluster: u32) -> Result<()> {
     crate::cuda::smem::allow_dynamic_smem(f, smem as usize)?;
     if cluster > PORTABLE_CLUSTER {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-            1,
-        )?;
+        // Once per function handle: this sits on the batch-1 RNN's per-call path.
+        let mut opted = NON_PORTABLE.lock().unwrap_or_else(|e| e.into_inner());
+        if opted.insert(f.cu_function() as usize) {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )?;
+        }
     }
     Ok(())
 }
+
+/// Function handles (addresses) opted in to clusters over `PORTABLE_CLUSTER` CTAs.
+static NON_PORTABLE: once_cell::sync::Lazy<std::sync::Mutex<std::collections::HashSet<usize>>> =
+    once_cell::sync::Lazy::new(Default::default);
 
 /// How many clusters of `cluster` blocks (`block` threads, `smem` bytes each) fit the device at
 /// once; 0 when none does (too few multiprocessors in one GPC, or the size is refused).
@@ -76,7 +84,7 @@ pub fn max_active_clusters(
     cluster: u32,
 ) -> Result<u32> {
     gpu.bind()?;
-    let mut attr = cluster_attr(cluster);
+    let mut attr = [cluster_attr(cluster)];
     let cfg = config(gpu, cluster, block, smem, &mut attr);
     let mut n: std::ffi::c_int = 0;
     // A refused size is an error from the driver; it means "none fits".
@@ -87,7 +95,9 @@ pub fn max_active_clusters(
 }
 
 /// Launches `f(args)` (one by-value struct argument) on the device's stream as `grid` blocks
-/// in clusters of `cluster` along x.
+/// in clusters of `cluster` along x. `dependent`: with programmatic stream serialization, so
+/// the kernel may start while the previous launch runs (it must `griddepcontrol.wait` before
+/// reading that launch's output).
 ///
 /// # Safety
 /// `A` must match the kernel's single parameter exactly, and every device address in it must
@@ -100,10 +110,16 @@ pub unsafe fn launch<A>(
     smem: u32,
     cluster: u32,
     args: &mut A,
+    dependent: bool,
 ) -> Result<()> {
     gpu.bind()?;
-    let mut attr = cluster_attr(cluster);
-    let cfg = config(gpu, grid, block, smem, &mut attr);
+    // Safety: a plain C struct/union; all-zero is a valid value of every field.
+    let mut pdl: CUlaunchAttribute = std::mem::zeroed();
+    pdl.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    pdl.value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs = [cluster_attr(cluster), pdl];
+    let n = if dependent { 2 } else { 1 };
+    let cfg = config(gpu, grid, block, smem, &mut attrs[..n]);
     let mut params = [args as *mut A as *mut c_void];
     cuLaunchKernelEx(
         &cfg,

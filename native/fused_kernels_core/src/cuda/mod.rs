@@ -129,6 +129,10 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
         return Ok(g.clone());
     }
     let ctx = CudaContext::new(ordinal)?;
+    // Everything runs on the device's one stream (cuBLAS included), so cudarc's cross-stream
+    // tracking would only cost two event creations per buffer and records per use.
+    // Safety: no second stream exists, so there is no cross-stream hazard to track.
+    unsafe { ctx.disable_event_tracking() };
     let compute_capability = ctx.compute_capability()?;
     if compute_capability < MIN_COMPUTE_CAPABILITY {
         return Err(Error::Unavailable(format!(

@@ -5,6 +5,7 @@
 
 mod batched;
 mod cluster;
+mod cluster2;
 mod cpu;
 mod cuda;
 mod mma;

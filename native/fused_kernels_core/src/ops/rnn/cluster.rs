@@ -315,6 +315,6 @@ pub(super) fn run_group(
     cl::prepare(&f, smem, ctas)?;
     // Safety: `a` mirrors RcArgs; every address in it belongs to a tensor that outlives the
     // kernel in stream order (outputs returned, inputs borrowed by the caller).
-    unsafe { cl::launch(gpu, &f, ctas, THREADS as u32, smem, ctas, &mut a) }?;
+    unsafe { cl::launch(gpu, &f, ctas, THREADS as u32, smem, ctas, &mut a, false) }?;
     Ok(outs)
 }

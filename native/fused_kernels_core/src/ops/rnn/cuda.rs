@@ -7,7 +7,7 @@
 //! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
 //! returns to the host in between.
 
-use super::{batched, cluster, Cell, Geometry, Layer};
+use super::{batched, cluster, cluster2, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -395,32 +395,81 @@ pub(super) fn run(
     let mut l = 0;
     while l < layers.len() {
         let input: &DeviceTensor = prev.as_ref().unwrap_or(&x0);
-        let grp = ctas
-            .and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
-            .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
-        if let Some(grp) = grp {
-            let n = grp.layers.len();
-            let params = layers[l..l + n]
-                .iter()
-                .map(|layer| {
-                    Ok(cluster::LayerParams {
-                        wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
-                        wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
-                        bias: stage(&layer.bias, "bias", gpu)?,
-                        init: stage(&layer.initial_state, "initial_state", gpu)?,
-                    })
+        if cluster_v2() {
+            // Layers side by side on their own clusters where the device runs them together,
+            // else the one-cluster wavefront.
+            let split = ctas
+                .filter(|_| std::env::var("FUSED_KERNELS_RNN_CLUSTER_SPLIT").as_deref() != Ok("0"))
+                .and_then(|c| cluster2::split_group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+                .filter(|grp| cluster2::split_fits(gpu, cell, g.dtype, grp).unwrap_or(false));
+            let grp = split
+                .or_else(|| {
+                    ctas.and_then(|c| cluster2::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
                 })
-                .collect::<Result<Vec<_>>>()?;
-            let h = g.hidden[l];
-            let mut xp = DeviceTensor::uninit(gpu, vec![1, g.seq, cell.gates() * h], DType::F32)?;
-            input_projection(gpu, input, g.seq, g.input_of(l), h, &params[0].wi, &mut xp)?;
-            let outs = cluster::run_group(gpu, cell, g.dtype, g.seq, &grp, &xp, &params, reverse)?;
-            for (seq, st) in outs {
-                states.push(st);
-                prev = Some(seq);
+                .filter(|grp| path == Some(Path::Cluster) || cluster2::default_takes(grp));
+            if let Some(grp) = grp {
+                let n = grp.layers.len();
+                let params = layers[l..l + n]
+                    .iter()
+                    .map(|layer| {
+                        Ok(cluster2::LayerParams {
+                            wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
+                            wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
+                            bias: stage(&layer.bias, "bias", gpu)?,
+                            init: stage(&layer.initial_state, "initial_state", gpu)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let prof = CLUSTER_PROFILE.load(std::sync::atomic::Ordering::Relaxed);
+                let outs = cluster2::run_group(
+                    gpu,
+                    cell,
+                    g.dtype,
+                    g.seq,
+                    &grp,
+                    input,
+                    g.input_of(l),
+                    &params,
+                    reverse,
+                    prof,
+                )?;
+                for (seq, st) in outs {
+                    states.push(st);
+                    prev = Some(seq);
+                }
+                l += n;
+                continue;
             }
-            l += n;
-            continue;
+        } else {
+            let grp = ctas
+                .and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+                .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
+            if let Some(grp) = grp {
+                let n = grp.layers.len();
+                let params = layers[l..l + n]
+                    .iter()
+                    .map(|layer| {
+                        Ok(cluster::LayerParams {
+                            wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
+                            wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
+                            bias: stage(&layer.bias, "bias", gpu)?,
+                            init: stage(&layer.initial_state, "initial_state", gpu)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let h = g.hidden[l];
+                let mut xp =
+                    DeviceTensor::uninit(gpu, vec![1, g.seq, cell.gates() * h], DType::F32)?;
+                input_projection(gpu, input, g.seq, g.input_of(l), h, &params[0].wi, &mut xp)?;
+                let outs =
+                    cluster::run_group(gpu, cell, g.dtype, g.seq, &grp, &xp, &params, reverse)?;
+                for (seq, st) in outs {
+                    states.push(st);
+                    prev = Some(seq);
+                }
+                l += n;
+                continue;
+            }
         }
         if path == Some(Path::Cluster) {
             return Err(arg_error(format!(
@@ -494,8 +543,23 @@ fn cluster_ctas_for(
     }
     // Unforced, a cluster path that cannot be prepared here (compile, opt-in) is skipped and
     // the other paths serve the call; forced, its error is the answer.
-    match cluster::cluster_ctas(gpu, cell, g.dtype) {
+    let ctas = if cluster_v2() {
+        cluster2::cluster_ctas(gpu, cell, g.dtype)
+    } else {
+        cluster::cluster_ctas(gpu, cell, g.dtype)
+    };
+    match ctas {
         Err(_) if path.is_none() => Ok(None),
         other => other,
     }
 }
+
+/// Temporary A/B switch: `FUSED_KERNELS_RNN_CLUSTER_V=1` runs the first cluster kernel.
+pub(super) fn cluster_v2() -> bool {
+    std::env::var("FUSED_KERNELS_RNN_CLUSTER_V").as_deref() != Ok("1")
+}
+
+/// Where the cluster kernel writes its phase counters (`RcArgs::prof`; 0: nowhere). Tests
+/// set it to a buffer they own and keep alive.
+pub(super) static CLUSTER_PROFILE: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);

@@ -7,6 +7,8 @@ use crate::dtype::{decode_f64, encode_f64};
 use crate::ops::testing::{rel_l2, tolerance, Rng};
 use crate::HostTensor;
 
+mod cluster_profile;
+
 /// Bytes of one random layer, owned so operands can borrow them.
 struct LayerBytes {
     input_kernel: Vec<Vec<u8>>,

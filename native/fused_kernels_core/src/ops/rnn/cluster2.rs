@@ -1,0 +1,561 @@
+//! Batch-1 path on one Hopper thread-block cluster (`kernels/rnn_cluster.cu`, sm_90+). The
+//! cluster's CTAs split the units of each layer and keep its recurrent weights (and, for all
+//! but the first layer of a group, its input weights) in shared memory; h_t is exchanged
+//! through distributed shared memory with one cluster barrier per step. Consecutive layers
+//! whose weights fit together form a group that runs as a wavefront in one launch (T + L - 1
+//! steps). The first layer of a group gets its input projection from cuBLAS. Layers that do
+//! not fit (f32 H512 LSTM, say) use the persistent or batched path instead.
+
+use super::cuda::{ptr, type_name};
+use super::Cell;
+use crate::cuda::cluster as cl;
+use crate::cuda::{DeviceTensor, Gpu};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kernels::RNN_CLUSTER2 as RNN_CLUSTER;
+use crate::operand::Staged;
+use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::PushKernelArg;
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Layers per launch (`RC_MAX_LAYERS`) in rnn_cluster2.cu.
+pub const MAX_LAYERS: usize = 3;
+
+/// Threads per CTA (`RC_THREADS` in rnn_cluster2.cu).
+pub const THREADS: usize = 512;
+
+/// Lanes per gate (`SL`): 2 (four units per warp) or 4 (two units per warp);
+/// `FUSED_KERNELS_RNN_CLUSTER_SL` picks one for measurements.
+pub fn slices() -> usize {
+    match std::env::var("FUSED_KERNELS_RNN_CLUSTER_SL").as_deref() {
+        Ok("4") => 4,
+        _ => 2,
+    }
+}
+/// Cluster sizes tried, largest first (16 needs the non-portable opt-in).
+const CLUSTER_SIZES: [u32; 2] = [16, 8];
+
+/// One layer's share of each CTA and where its buffers sit in shared memory (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerLayout {
+    /// Features of the on-chip input kernel (0: the group's first layer, projected by cuBLAS).
+    pub input: usize,
+    pub units: usize,
+    /// Units per CTA.
+    pub per_cta: usize,
+    /// 4-vectors per lane of the input and recurrent dot products.
+    pub ni_in: usize,
+    pub ni_h: usize,
+    pub wi_off: usize,
+    pub wh_off: usize,
+    pub hb_off: usize,
+    /// f32 entries per parity of the hidden-vector buffer.
+    pub hb_len: usize,
+    pub cst_off: usize,
+    pub bias_off: usize,
+}
+
+/// Consecutive layers run by one launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Group {
+    pub first: usize,
+    pub ctas: usize,
+    pub layers: Vec<LayerLayout>,
+    /// Offset of the two mbarriers (8 bytes each) after the layers' buffers.
+    pub bar_off: usize,
+    /// Offset of the partner warps' sums, and whether every unit group has a partner warp.
+    pub pp_off: usize,
+    pub partners: bool,
+    /// One layer per cluster, the clusters side by side (`split_group`); the partner warps'
+    /// input vectors (`xin_len` f32 each) at `xin_off`.
+    pub split: bool,
+    pub xin_off: usize,
+    pub xin_len: usize,
+    pub smem_bytes: usize,
+}
+
+/// After the layers' buffers: two mbarriers and the split mode's ticket word (32 bytes), then
+/// the partner sums, 32 floats per unit group for at most half the warps.
+const BARS: usize = 32;
+const PARTNER_SUMS: usize = (THREADS / 64) * 32 * 4;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// 4-vectors per lane of a dot product over `k` features.
+fn lane_vectors(k: usize) -> usize {
+    k.div_ceil(4).div_ceil(slices())
+}
+
+/// Appends one layer's buffers at `*at`; None when its share does not suit the kernel.
+fn layout(
+    cell: Cell,
+    dtype: DType,
+    input: usize,
+    units: usize,
+    ctas: usize,
+    at: &mut usize,
+) -> Option<LayerLayout> {
+    // Units per CTA come in groups of 4 (one warp's units, a 16-byte send).
+    let per_cta = units.div_ceil(ctas).div_ceil(4) * 4;
+    let group = 8 / slices();
+    // The first layer's input projection is prefetched in two slots per warp.
+    if units == 0 || per_cta > 2 * (THREADS / 32) * group {
+        return None;
+    }
+    let elem = match dtype {
+        DType::F32 => 4,
+        DType::BF16 | DType::F16 => 2,
+        DType::F64 => return None,
+    };
+    let (ni_in, ni_h) = (lane_vectors(input), lane_vectors(units));
+    let weights = |ni: usize| per_cta * ni * cell.gates() * slices() * 4 * elem;
+    let hb_len = (ctas * per_cta).max(4 * slices() * ni_h).div_ceil(4) * 4;
+    let mut take = |bytes: usize| {
+        let off = *at;
+        *at += align16(bytes);
+        off
+    };
+    let wi_off = take(if input > 0 { weights(ni_in) } else { 0 });
+    let wh_off = take(weights(ni_h));
+    let hb_off = take(2 * hb_len * 4);
+    let cst_off = take(per_cta * 4);
+    let bias_off = take(4 * per_cta * 4);
+    Some(LayerLayout {
+        input,
+        units,
+        per_cta,
+        ni_in,
+        ni_h,
+        wi_off,
+        wh_off,
+        hb_off,
+        hb_len,
+        cst_off,
+        bias_off,
+    })
+}
+
+/// The group starting at layer `first` on clusters of `ctas` CTAs with `smem_limit` bytes of
+/// shared memory each: as many following layers as fit (at most `MAX_LAYERS`); None when
+/// layer `first` alone does not fit.
+pub fn group(
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    first: usize,
+    ctas: usize,
+    smem_limit: usize,
+) -> Option<Group> {
+    const BARS: usize = self::BARS + PARTNER_SUMS;
+    let mut at = 0;
+    let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, &mut at)?;
+    if at + BARS > smem_limit {
+        return None;
+    }
+    let mut layers = vec![l0];
+    for l in first + 1..hidden.len().min(first + MAX_LAYERS) {
+        let mut next = at;
+        match layout(cell, dtype, hidden[l - 1], hidden[l], ctas, &mut next) {
+            Some(lay) if next + BARS <= smem_limit => {
+                layers.push(lay);
+                at = next;
+            }
+            _ => break,
+        }
+    }
+    let groups: usize = layers.iter().map(|l| l.per_cta / (8 / slices())).sum();
+    Some(Group {
+        first,
+        ctas,
+        layers,
+        bar_off: at,
+        pp_off: at + self::BARS,
+        partners: 2 * groups <= THREADS / 32,
+        split: false,
+        xin_off: 0,
+        xin_len: 0,
+        smem_bytes: at + BARS,
+    })
+}
+
+/// The split group starting at layer `first`: consecutive layers (2 to `MAX_LAYERS`), each on
+/// its own cluster of `ctas` CTAs holding only that layer, every layer with a partner warp per
+/// unit group and, after the first, at most 256 inputs (the partner warps keep the next input
+/// vector in 8 registers per lane). None when fewer than two layers qualify.
+pub fn split_group(
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    first: usize,
+    ctas: usize,
+    smem_limit: usize,
+) -> Option<Group> {
+    let group = 8 / slices();
+    let mut layers = Vec::new();
+    let (mut end, mut xin_len) = (0, 0);
+    for l in first..hidden.len().min(first + MAX_LAYERS) {
+        let input = if l == first { 0 } else { hidden[l - 1] };
+        let mut at = 0;
+        let Some(lay) = layout(cell, dtype, input, hidden[l], ctas, &mut at) else {
+            break;
+        };
+        let x_len = 4 * slices() * lay.ni_in;
+        if input > 256 || 2 * (lay.per_cta / group) > THREADS / 32 {
+            break;
+        }
+        let inputs = (THREADS / 64) * x_len.max(xin_len) * 4;
+        if at.max(end) + BARS + PARTNER_SUMS + inputs > smem_limit {
+            break;
+        }
+        end = end.max(at);
+        xin_len = xin_len.max(x_len);
+        layers.push(lay);
+    }
+    if layers.len() < 2 {
+        return None;
+    }
+    let xin_off = end + BARS + PARTNER_SUMS;
+    Some(Group {
+        first,
+        ctas,
+        bar_off: end,
+        pp_off: end + BARS,
+        partners: true,
+        split: true,
+        xin_off,
+        xin_len,
+        smem_bytes: xin_off + (THREADS / 64) * xin_len * 4,
+        layers,
+    })
+}
+
+/// Units up to which the default choice takes the cluster path. Measured on an H200
+/// (bench/RESULTS.md, "rnn cluster"): at H256 it beats the persistent kernel (1.2-1.6x for
+/// stacks), at H512 (32 units per CTA, one layer per launch) it is 5-20% slower.
+pub const DEFAULT_MAX_UNITS: usize = 256;
+
+/// Whether this device runs the clusters of split group `grp` side by side (needed for the
+/// split to pay: its layers wait on each other). Asked once per kernel and shape.
+pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bool> {
+    type Key = (usize, String, usize, usize, usize);
+    static FITS: Lazy<Mutex<HashMap<Key, bool>>> = Lazy::new(Default::default);
+    let name = kernel_name(cell, dtype)?;
+    let key = (
+        gpu.ordinal,
+        name.clone(),
+        grp.smem_bytes,
+        grp.ctas,
+        grp.layers.len(),
+    );
+    if let Some(&v) = FITS.lock().ok().as_ref().and_then(|m| m.get(&key)) {
+        return Ok(v);
+    }
+    let f = gpu.function(&RNN_CLUSTER, &name)?;
+    let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
+    cl::prepare(&f, smem, ctas)?;
+    let fits =
+        cl::max_active_clusters(gpu, &f, THREADS as u32, smem, ctas)? as usize >= grp.layers.len();
+    if let Ok(mut m) = FITS.lock() {
+        m.insert(key, fits);
+    }
+    Ok(fits)
+}
+
+/// Whether `path: None` runs `grp` on the cluster path.
+pub fn default_takes(grp: &Group) -> bool {
+    grp.layers.iter().all(|l| l.units <= DEFAULT_MAX_UNITS)
+}
+
+fn kernel_name(cell: Cell, dtype: DType) -> Result<String> {
+    let (tname, _) = type_name(dtype)?;
+    let cname = match cell {
+        Cell::Lstm => "lstm",
+        Cell::Gru => "gru",
+    };
+    Ok(format!("rnn_cluster2_{cname}_{tname}_s{}", slices()))
+}
+
+pub(super) fn smem_limit(gpu: &Gpu) -> Result<usize> {
+    Ok(gpu
+        .ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+        as usize)
+}
+
+/// The chosen cluster size by (device ordinal, kernel name).
+type CtasCache = Mutex<HashMap<(usize, String), Option<usize>>>;
+static CLUSTER_CTAS: Lazy<CtasCache> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The cluster size this device runs the kernel for `cell`/`dtype` at (None: no clusters).
+/// `FUSED_KERNELS_RNN_CTAS` forces a size (8 or 16) where the device allows it.
+pub fn cluster_ctas(gpu: &Gpu, cell: Cell, dtype: DType) -> Result<Option<usize>> {
+    if !cl::supported(gpu) {
+        return Ok(None);
+    }
+    let name = kernel_name(cell, dtype)?;
+    let key = (gpu.ordinal, name.clone());
+    if let Some(v) = CLUSTER_CTAS.lock().ok().and_then(|m| m.get(&key).copied()) {
+        return Ok(v);
+    }
+    let f = gpu.function(&RNN_CLUSTER, &name)?;
+    let smem = smem_limit(gpu)? as u32;
+    let forced: Option<u32> = std::env::var("FUSED_KERNELS_RNN_CTAS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let mut found = None;
+    for c in CLUSTER_SIZES {
+        if forced.is_some_and(|f| f != c) {
+            continue;
+        }
+        cl::prepare(&f, smem, c)?;
+        if cl::max_active_clusters(gpu, &f, THREADS as u32, smem, c)? >= 1 {
+            found = Some(c as usize);
+            break;
+        }
+    }
+    if let Ok(mut m) = CLUSTER_CTAS.lock() {
+        m.insert(key, found);
+    }
+    Ok(found)
+}
+
+/// `RcLayer` in rnn_cluster.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RcLayer {
+    wi: [CUdeviceptr; 4],
+    wh: [CUdeviceptr; 4],
+    bias: [CUdeviceptr; 4],
+    h0: CUdeviceptr,
+    c0: CUdeviceptr,
+    seq: CUdeviceptr,
+    h_out: CUdeviceptr,
+    c_out: CUdeviceptr,
+    input: i32,
+    h: i32,
+    u: i32,
+    ni_in: i32,
+    ni_h: i32,
+    vec: i32,
+    wi_off: i32,
+    wh_off: i32,
+    hb_off: i32,
+    hb_len: i32,
+    cst_off: i32,
+    bias_off: i32,
+}
+
+/// `RcArgs` in rnn_cluster.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RcArgs {
+    xp: CUdeviceptr,
+    l: [RcLayer; MAX_LAYERS],
+    layers: i32,
+    t: i32,
+    reverse: i32,
+    bar_off: i32,
+    pp_off: i32,
+    partners: i32,
+    split: i32,
+    xin_off: i32,
+    xin_len: i32,
+    sync: CUdeviceptr,
+    prof: CUdeviceptr,
+}
+
+const _: () = assert!(std::mem::size_of::<RcLayer>() == 184);
+const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16);
+
+/// `RcProj` in rnn_cluster2.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RcProj {
+    x: CUdeviceptr,
+    w: [CUdeviceptr; 4],
+    xp: CUdeviceptr,
+    t: i32,
+    k: i32,
+    h: i32,
+    g: i32,
+}
+// Safety: plain old data laid out exactly like the CUDA struct.
+unsafe impl cudarc::driver::DeviceRepr for RcProj {}
+
+/// Tile of `rnn_cluster2_project` (`RC_PM` x `RC_PN`, `RC_PT` threads).
+const PROJ_TILE: usize = 32;
+const PROJ_THREADS: u32 = 128;
+
+/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added).
+fn project(
+    gpu: &Gpu,
+    dtype: DType,
+    x: &DeviceTensor,
+    wi: &[Staged<'_>],
+    seq: usize,
+    k: usize,
+    h: usize,
+    xp: &DeviceTensor,
+) -> Result<()> {
+    let (tname, _) = type_name(dtype)?;
+    let f = gpu.function(&RNN_CLUSTER, &format!("rnn_cluster2_project_{tname}"))?;
+    let mut a = RcProj {
+        x: ptr(x),
+        xp: ptr(&xp),
+        t: seq as i32,
+        k: k as i32,
+        h: h as i32,
+        g: wi.len() as i32,
+        ..Default::default()
+    };
+    for (d, w) in a.w.iter_mut().zip(wi) {
+        *d = ptr(w);
+    }
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (
+            seq.div_ceil(PROJ_TILE) as u32,
+            (wi.len() * h).div_ceil(PROJ_TILE) as u32,
+            1,
+        ),
+        block_dim: (PROJ_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(&a);
+    // Safety: `a` mirrors RcProj; its addresses belong to tensors alive in stream order.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// One layer's staged parameters.
+pub(super) struct LayerParams<'a> {
+    pub wi: Vec<Staged<'a>>,
+    pub wh: Vec<Staged<'a>>,
+    pub bias: Vec<Staged<'a>>,
+    pub init: Vec<Staged<'a>>,
+}
+
+/// Runs `grp` (batch 1, `seq` steps) given the first layer's input projection `xp`
+/// ({1, T, G*H} f32); returns each layer's sequence and final states.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_group(
+    gpu: &Arc<Gpu>,
+    cell: Cell,
+    dtype: DType,
+    seq: usize,
+    grp: &Group,
+    x: &DeviceTensor,
+    features: usize,
+    params: &[LayerParams<'_>],
+    reverse: bool,
+    prof: CUdeviceptr,
+) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
+    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
+    let h0 = grp.layers[0].units;
+    let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
+    let mut a = RcArgs {
+        xp: ptr(&xp),
+        layers: grp.layers.len() as i32,
+        t: seq as i32,
+        reverse: reverse as i32,
+        bar_off: grp.bar_off as i32,
+        pp_off: grp.pp_off as i32,
+        partners: (grp.partners
+            && (grp.split
+                || std::env::var("FUSED_KERNELS_RNN_CLUSTER_PARTNERS").as_deref() != Ok("0")))
+            as i32,
+        split: grp.split as i32,
+        xin_off: grp.xin_off as i32,
+        xin_len: grp.xin_len as i32,
+        prof,
+        ..Default::default()
+    };
+    let mut outs = Vec::with_capacity(grp.layers.len());
+    for (j, (lay, p)) in grp.layers.iter().zip(params).enumerate() {
+        let h = lay.units;
+        let sq = DeviceTensor::uninit(gpu, vec![1, seq, h], dtype)?;
+        let states: Vec<DeviceTensor> = cell
+            .state_names()
+            .iter()
+            .map(|_| DeviceTensor::uninit(gpu, vec![1, h], dtype))
+            .collect::<Result<_>>()?;
+        let r = &mut a.l[j];
+        if lay.input > 0 {
+            for (d, w) in r.wi.iter_mut().zip(&p.wi) {
+                *d = ptr(w);
+            }
+        }
+        for (d, w) in r.wh.iter_mut().zip(&p.wh) {
+            *d = ptr(w);
+        }
+        for (d, b) in r.bias.iter_mut().zip(&p.bias) {
+            *d = ptr(b);
+        }
+        match (cell, p.init.as_slice()) {
+            (Cell::Lstm, [c0, h0]) => (r.c0, r.h0) = (ptr(c0), ptr(h0)),
+            (Cell::Gru, [h0]) => r.h0 = ptr(h0),
+            _ => {}
+        }
+        match cell {
+            Cell::Lstm => (r.c_out, r.h_out) = (ptr(&states[0]), ptr(&states[1])),
+            Cell::Gru => r.h_out = ptr(&states[0]),
+        }
+        r.seq = ptr(&sq);
+        r.input = lay.input as i32;
+        r.h = h as i32;
+        r.u = lay.per_cta as i32;
+        r.ni_in = lay.ni_in as i32;
+        r.ni_h = lay.ni_h as i32;
+        // 4-unit vector loads: whole vectors per CTA, and every weight aligned for them.
+        let align = 4 * dtype.size() as u64;
+        let aligned = |ws: &[Staged<'_>]| ws.iter().all(|w| ptr(w) % align == 0);
+        r.vec = (h % 4 == 0 && aligned(&p.wh) && (lay.input == 0 || aligned(&p.wi))) as i32;
+        r.wi_off = lay.wi_off as i32;
+        r.wh_off = lay.wh_off as i32;
+        r.hb_off = lay.hb_off as i32;
+        r.hb_len = lay.hb_len as i32;
+        r.cst_off = lay.cst_off as i32;
+        r.bias_off = lay.bias_off as i32;
+        outs.push((sq, states));
+    }
+    // Split: the ticket and the per-layer progress counters start at zero every call.
+    let sync = if grp.split {
+        let mut t = DeviceTensor::uninit(gpu, vec![4], DType::F32)?;
+        t.fill_bytes(0)?;
+        a.sync = ptr(&t);
+        Some(t)
+    } else {
+        None
+    };
+    let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
+    let clusters = if grp.split {
+        grp.layers.len() as u32
+    } else {
+        1
+    };
+    cl::prepare(&f, smem, ctas)?;
+    // The two launches back to back, after every allocation: the device idles until the
+    // recurrence is queued.
+    project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp)?;
+    // Safety: `a` mirrors RcArgs; every address in it belongs to a tensor that outlives the
+    // kernel in stream order (outputs returned, inputs borrowed by the caller).
+    // The kernel waits for the projection (griddepcontrol.wait) only after loading weights.
+    unsafe {
+        cl::launch(
+            gpu,
+            &f,
+            clusters * ctas,
+            THREADS as u32,
+            smem,
+            ctas,
+            &mut a,
+            true,
+        )
+    }?;
+    drop(sync); // freed in stream order, after the kernel
+    Ok(outs)
+}

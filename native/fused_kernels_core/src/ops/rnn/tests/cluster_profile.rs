@@ -1,0 +1,140 @@
+//! `core_tests rnn::tests::cluster_profile --ignored --nocapture --test-threads 1`: where the
+//! batch-1 cluster call spends its time. For each case, the whole call (CUDA events, median)
+//! on both cluster kernels, and the second kernel's own counters (`RcArgs::prof`: cycles of
+//! set-up, recurrence and thread 0's waits; nanoseconds from CTA 0's start to its end).
+
+use super::*;
+use crate::cuda::DeviceTensor;
+use std::sync::atomic::Ordering;
+
+#[test]
+#[ignore]
+fn cluster_profile() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    if gpu.compute_capability < (9, 0) {
+        return;
+    }
+    use DType::{BF16, F32};
+    let cases = [
+        (1, 288, 256, 1, F32),
+        (60, 288, 256, 1, F32),
+        (1, 288, 256, 2, F32),
+        (2, 288, 256, 2, F32),
+        (60, 288, 256, 2, F32),
+        (512, 288, 256, 2, F32),
+        (60, 288, 256, 2, BF16),
+        (60, 288, 256, 3, BF16),
+    ];
+    let prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for &(t, i, h, layers, dt) in &cases {
+            let c = case(cell, 1, t, i, &vec![h; layers], false, true, dt);
+            let mut rng = Rng::new(5);
+            let xb = random_bytes(&mut rng, t * i, 1.0, dt);
+            let lbytes = make_layers(&mut rng, &c);
+            let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
+                DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
+                    .unwrap()
+            };
+            let x = up(&xb, vec![1, t, i]);
+            type Dev = Vec<DeviceTensor>;
+            let dev: Vec<(Dev, Dev, Dev, Dev)> = lbytes
+                .iter()
+                .map(|l| {
+                    (
+                        l.input_kernel
+                            .iter()
+                            .map(|w| up(w, vec![l.inp, l.h]))
+                            .collect(),
+                        l.hidden_kernel
+                            .iter()
+                            .map(|w| up(w, vec![l.h, l.h]))
+                            .collect(),
+                        l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
+                        l.initial_state
+                            .iter()
+                            .map(|w| up(w, vec![1, l.h]))
+                            .collect(),
+                    )
+                })
+                .collect();
+            let ops: Vec<Layer> = dev
+                .iter()
+                .map(|(a, b, cc, s)| Layer {
+                    input_kernel: a.iter().map(Operand::Device).collect(),
+                    hidden_kernel: b.iter().map(Operand::Device).collect(),
+                    bias: cc.iter().map(Operand::Device).collect(),
+                    initial_state: s.iter().map(Operand::Device).collect(),
+                })
+                .collect();
+            let xo = Operand::Device(&x);
+            let call = |_: usize| {
+                run_on(
+                    Backend::Cuda(None),
+                    cell,
+                    &xo,
+                    &ops,
+                    false,
+                    Placement::Device,
+                    Some(Path::Cluster),
+                )
+                .map(|_| ())
+            };
+            let reps = if t > 100 { 30 } else { 200 };
+            let head = format!(
+                "\"cell\":\"{}\",\"case\":\"B1 T{t} I{i} H{h} x{layers} {}\"",
+                if cell == Cell::Lstm { "lstm" } else { "gru" },
+                dt.name()
+            );
+            // (kernel, split, path label); the default comes last.
+            for (v, split, label) in [
+                ("1", "0", "cluster:v1"),
+                ("2", "0", "cluster:wavefront"),
+                ("2", "1", "cluster"),
+            ] {
+                std::env::set_var("FUSED_KERNELS_RNN_CLUSTER_V", v);
+                std::env::set_var("FUSED_KERNELS_RNN_CLUSTER_SPLIT", split);
+                let mut line = format!(
+                    "{{{head},\"path\":\"{label}\",\"default\":{}",
+                    label == "cluster"
+                );
+                match call(0).and_then(|_| time_calls(&gpu, 5, reps, call)) {
+                    Ok(tm) => line += &format!(",\"median_us\":{:.1}", tm.median_us),
+                    Err(e) => line += &format!(",\"error\":{:?}", e.to_string()),
+                }
+                if label == "cluster" {
+                    // Host time to queue one call (no synchronisation inside it).
+                    let mut host: Vec<f64> = (0..50)
+                        .map(|_| {
+                            let t0 = std::time::Instant::now();
+                            let _ = call(0);
+                            t0.elapsed().as_secs_f64() * 1e6
+                        })
+                        .collect();
+                    let _ = gpu.stream.synchronize();
+                    host.sort_by(f64::total_cmp);
+                    line += &format!(",\"host_queue_us\":{:.1}", host[host.len() / 2]);
+                    // The kernel's own counters (one call; download synchronises the stream).
+                    let cp = &super::super::cuda::CLUSTER_PROFILE;
+                    cp.store(super::super::cuda::ptr(&prof), Ordering::Relaxed);
+                    let counted = call(0).and_then(|_| prof.download());
+                    cp.store(0, Ordering::Relaxed);
+                    if let Ok(p) = counted {
+                        let n: Vec<u64> = p
+                            .data
+                            .chunks_exact(8)
+                            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+                            .collect();
+                        line += &format!(
+                            ",\"setup_cycles\":{},\"load_cycles\":{},\"loop_cycles\":{},\"wait_cycles\":{},\"kernel_ns\":{},\"steps\":{}",
+                            n[0], n[5], n[1], n[2], n[3], n[4]
+                        );
+                    }
+                }
+                println!("\n{line}}}");
+            }
+        }
+    }
+    std::env::remove_var("FUSED_KERNELS_RNN_CLUSTER_V");
+    std::env::remove_var("FUSED_KERNELS_RNN_CLUSTER_SPLIT");
+}
