@@ -57,11 +57,6 @@ pub const RNN_CLUSTER: Kernel = Kernel {
     body: include_str!("../kernels/rnn_cluster.cu"),
 };
 
-pub const RNN_CLUSTER2: Kernel = Kernel {
-    name: "rnn_cluster2",
-    body: include_str!("../kernels/rnn_cluster2.cu"),
-};
-
 pub const RNN_MMA: Kernel = Kernel {
     name: "rnn_mma",
     body: include_str!("../kernels/rnn_mma.cu"),
@@ -100,7 +95,6 @@ pub const ALL: &[&Kernel] = &[
     &RNN,
     &RNN_BATCHED,
     &RNN_CLUSTER,
-    &RNN_CLUSTER2,
     &RNN_MMA,
     &SELECTIVE_SCAN,
     &NORM,

@@ -94,32 +94,32 @@ pub fn max_active_clusters(
     }
 }
 
-/// Launches `f(args)` (one by-value struct argument) on the device's stream as `grid` blocks
-/// in clusters of `cluster` along x. `dependent`: with programmatic stream serialization, so
-/// the kernel may start while the previous launch runs (it must `griddepcontrol.wait` before
-/// reading that launch's output).
+/// The shape of a cluster launch: `grid` blocks of `block` threads with `smem` dynamic shared
+/// memory bytes, in clusters of `cluster` along x. `dependent`: with programmatic stream
+/// serialization, so the kernel may start while the previous launch runs (it must
+/// `griddepcontrol.wait` before reading that launch's output).
+pub struct Launch {
+    pub grid: u32,
+    pub block: u32,
+    pub smem: u32,
+    pub cluster: u32,
+    pub dependent: bool,
+}
+
+/// Launches `f(args)` (one by-value struct argument) on the device's stream.
 ///
 /// # Safety
 /// `A` must match the kernel's single parameter exactly, and every device address in it must
 /// stay valid until the kernel has finished (stream order).
-pub unsafe fn launch<A>(
-    gpu: &Gpu,
-    f: &CudaFunction,
-    grid: u32,
-    block: u32,
-    smem: u32,
-    cluster: u32,
-    args: &mut A,
-    dependent: bool,
-) -> Result<()> {
+pub unsafe fn launch<A>(gpu: &Gpu, f: &CudaFunction, shape: &Launch, args: &mut A) -> Result<()> {
     gpu.bind()?;
     // Safety: a plain C struct/union; all-zero is a valid value of every field.
     let mut pdl: CUlaunchAttribute = std::mem::zeroed();
     pdl.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     pdl.value.programmaticStreamSerializationAllowed = 1;
-    let mut attrs = [cluster_attr(cluster), pdl];
-    let n = if dependent { 2 } else { 1 };
-    let cfg = config(gpu, grid, block, smem, &mut attrs[..n]);
+    let mut attrs = [cluster_attr(shape.cluster), pdl];
+    let n = if shape.dependent { 2 } else { 1 };
+    let cfg = config(gpu, shape.grid, shape.block, shape.smem, &mut attrs[..n]);
     let mut params = [args as *mut A as *mut c_void];
     cuLaunchKernelEx(
         &cfg,

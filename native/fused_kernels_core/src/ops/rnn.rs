@@ -5,7 +5,6 @@
 
 mod batched;
 mod cluster;
-mod cluster2;
 mod cpu;
 mod cuda;
 mod mma;

@@ -1,10 +1,11 @@
-//! Batch-1 path on one Hopper thread-block cluster (`kernels/rnn_cluster.cu`, sm_90+). The
+//! Batch-1 path on Hopper thread-block clusters (`kernels/rnn_cluster.cu`, sm_90+). The
 //! cluster's CTAs split the units of each layer and keep its recurrent weights (and, for all
 //! but the first layer of a group, its input weights) in shared memory; h_t is exchanged
-//! through distributed shared memory with one cluster barrier per step. Consecutive layers
-//! whose weights fit together form a group that runs as a wavefront in one launch (T + L - 1
-//! steps). The first layer of a group gets its input projection from cuBLAS. Layers that do
-//! not fit (f32 H512 LSTM, say) use the persistent or batched path instead.
+//! through distributed shared memory (`st.async` counted on mbarriers). Consecutive layers
+//! form a group run by one launch: one cluster per layer side by side where the device holds
+//! them together (split), else a wavefront on one cluster (T + L - 1 steps). The first layer's
+//! input projection is this module's own kernel, launched just before. Layers that do not fit
+//! (f32 H512 LSTM, say) use the other paths.
 
 use super::cuda::{ptr, type_name};
 use super::Cell;
@@ -15,30 +16,54 @@ use crate::error::Result;
 use crate::kernels::RNN_CLUSTER;
 use crate::operand::Staged;
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::PushKernelArg;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Threads per CTA (`RC_THREADS`) and layers per launch (`RC_MAX_LAYERS`) in rnn_cluster.cu.
-pub const THREADS: usize = 512;
+/// Layers per launch (`RC_MAX_LAYERS`), threads per CTA (`RC_THREADS`) and lanes per gate
+/// (the kernels' `SL`) in rnn_cluster.cu; a warp computes `GROUP` units at once.
 pub const MAX_LAYERS: usize = 3;
+pub const THREADS: usize = 512;
+const SLICES: usize = 2;
+const GROUP: usize = 8 / SLICES;
+
+thread_local! {
+    /// Tests and benches force split (`Some(true)`) or wavefront (`Some(false)`) groups on
+    /// their own thread; `None`: split wherever the device runs the clusters together.
+    static SPLIT: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sets this thread's split override (see `SPLIT`).
+#[cfg(test)]
+pub fn force_split(split: Option<bool>) {
+    SPLIT.with(|s| s.set(split));
+}
+
+/// Whether calls on this thread may use split groups, and whether they must.
+pub fn split_override() -> Option<bool> {
+    SPLIT.with(|s| s.get())
+}
 /// Cluster sizes tried, largest first (16 needs the non-portable opt-in).
 const CLUSTER_SIZES: [u32; 2] = [16, 8];
 
 /// One layer's share of each CTA and where its buffers sit in shared memory (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerLayout {
-    /// Features of the on-chip input kernel (0: the group's first layer, projected by cuBLAS).
+    /// Features of the on-chip input kernel (0: the group's first layer, projected beforehand).
     pub input: usize,
     pub units: usize,
-    /// Units per CTA (a multiple of 4) and k-slices of the mat-vec.
+    /// Units per CTA.
     pub per_cta: usize,
-    pub slices: usize,
+    /// 4-vectors per lane of the input and recurrent dot products.
+    pub ni_in: usize,
+    pub ni_h: usize,
     pub wi_off: usize,
     pub wh_off: usize,
     pub hb_off: usize,
+    /// f32 entries per parity of the hidden-vector buffer.
+    pub hb_len: usize,
     pub cst_off: usize,
-    pub part_off: usize,
     pub bias_off: usize,
 }
 
@@ -48,11 +73,31 @@ pub struct Group {
     pub first: usize,
     pub ctas: usize,
     pub layers: Vec<LayerLayout>,
+    /// Offset of the two mbarriers (8 bytes each) after the layers' buffers.
+    pub bar_off: usize,
+    /// Offset of the partner warps' sums, and whether every unit group has a partner warp.
+    pub pp_off: usize,
+    pub partners: bool,
+    /// One layer per cluster, the clusters side by side (`split_group`); the partner warps'
+    /// input vectors (`xin_len` f32 each) at `xin_off`.
+    pub split: bool,
+    pub xin_off: usize,
+    pub xin_len: usize,
     pub smem_bytes: usize,
 }
 
+/// After the layers' buffers: two mbarriers and the split mode's ticket word (32 bytes), then
+/// the partner sums, 32 floats per unit group for at most half the warps.
+const BARS: usize = 32;
+const PARTNER_SUMS: usize = (THREADS / 64) * 32 * 4;
+
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
+}
+
+/// 4-vectors per lane of a dot product over `k` features.
+fn lane_vectors(k: usize) -> usize {
+    k.div_ceil(4).div_ceil(SLICES)
 }
 
 /// Appends one layer's buffers at `*at`; None when its share does not suit the kernel.
@@ -64,41 +109,41 @@ fn layout(
     ctas: usize,
     at: &mut usize,
 ) -> Option<LayerLayout> {
-    let g = cell.gates();
+    // Units per CTA come in groups of 4 (one warp's units, a 16-byte send).
     let per_cta = units.div_ceil(ctas).div_ceil(4) * 4;
-    let cols = g * per_cta;
-    // The kernel's epilogue gives each (unit, destination CTA) pair its own thread.
-    if units == 0 || cols > THREADS || per_cta * ctas > THREADS {
+    // The first layer's input projection is prefetched in two slots per warp.
+    if units == 0 || per_cta > 2 * (THREADS / 32) * GROUP {
         return None;
     }
-    let slices = THREADS / cols;
     let elem = match dtype {
         DType::F32 => 4,
         DType::BF16 | DType::F16 => 2,
         DType::F64 => return None,
     };
-    let weights = |k: usize| k.div_ceil(4) * cols * 4 * elem;
+    let (ni_in, ni_h) = (lane_vectors(input), lane_vectors(units));
+    let weights = |ni: usize| per_cta * ni * cell.gates() * SLICES * 4 * elem;
+    let hb_len = (ctas * per_cta).max(4 * SLICES * ni_h).div_ceil(4) * 4;
     let mut take = |bytes: usize| {
         let off = *at;
         *at += align16(bytes);
         off
     };
-    let wi_off = take(if input > 0 { weights(input) } else { 0 });
-    let wh_off = take(weights(units));
-    let hb_off = take(2 * ctas * per_cta * 4);
-    let cst_off = take(2 * per_cta * 4);
-    let part_off = take(2 * slices * cols * 4);
+    let wi_off = take(if input > 0 { weights(ni_in) } else { 0 });
+    let wh_off = take(weights(ni_h));
+    let hb_off = take(2 * hb_len * 4);
+    let cst_off = take(per_cta * 4);
     let bias_off = take(4 * per_cta * 4);
     Some(LayerLayout {
         input,
         units,
         per_cta,
-        slices,
+        ni_in,
+        ni_h,
         wi_off,
         wh_off,
         hb_off,
+        hb_len,
         cst_off,
-        part_off,
         bias_off,
     })
 }
@@ -114,27 +159,85 @@ pub fn group(
     ctas: usize,
     smem_limit: usize,
 ) -> Option<Group> {
+    const BARS: usize = self::BARS + PARTNER_SUMS;
     let mut at = 0;
     let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, &mut at)?;
-    if at > smem_limit {
+    if at + BARS > smem_limit {
         return None;
     }
     let mut layers = vec![l0];
     for l in first + 1..hidden.len().min(first + MAX_LAYERS) {
         let mut next = at;
         match layout(cell, dtype, hidden[l - 1], hidden[l], ctas, &mut next) {
-            Some(lay) if next <= smem_limit => {
+            Some(lay) if next + BARS <= smem_limit => {
                 layers.push(lay);
                 at = next;
             }
             _ => break,
         }
     }
+    let groups: usize = layers.iter().map(|l| l.per_cta / GROUP).sum();
     Some(Group {
         first,
         ctas,
         layers,
-        smem_bytes: at,
+        bar_off: at,
+        pp_off: at + self::BARS,
+        partners: 2 * groups <= THREADS / 32,
+        split: false,
+        xin_off: 0,
+        xin_len: 0,
+        smem_bytes: at + BARS,
+    })
+}
+
+/// The split group starting at layer `first`: consecutive layers (2 to `MAX_LAYERS`), each on
+/// its own cluster of `ctas` CTAs holding only that layer, every layer with a partner warp per
+/// unit group and, after the first, at most 256 inputs (the partner warps keep the next input
+/// vector in 8 registers per lane). None when fewer than two layers qualify.
+pub fn split_group(
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    first: usize,
+    ctas: usize,
+    smem_limit: usize,
+) -> Option<Group> {
+    let mut layers = Vec::new();
+    let (mut end, mut xin_len) = (0, 0);
+    for l in first..hidden.len().min(first + MAX_LAYERS) {
+        let input = if l == first { 0 } else { hidden[l - 1] };
+        let mut at = 0;
+        let Some(lay) = layout(cell, dtype, input, hidden[l], ctas, &mut at) else {
+            break;
+        };
+        let x_len = 4 * SLICES * lay.ni_in;
+        if input > 256 || 2 * (lay.per_cta / GROUP) > THREADS / 32 {
+            break;
+        }
+        let inputs = (THREADS / 64) * x_len.max(xin_len) * 4;
+        if at.max(end) + BARS + PARTNER_SUMS + inputs > smem_limit {
+            break;
+        }
+        end = end.max(at);
+        xin_len = xin_len.max(x_len);
+        layers.push(lay);
+    }
+    if layers.len() < 2 {
+        return None;
+    }
+    let xin_off = end + BARS + PARTNER_SUMS;
+    Some(Group {
+        first,
+        ctas,
+        bar_off: end,
+        pp_off: end + BARS,
+        partners: true,
+        split: true,
+        xin_off,
+        xin_len,
+        smem_bytes: xin_off + (THREADS / 64) * xin_len * 4,
+        layers,
     })
 }
 
@@ -142,6 +245,33 @@ pub fn group(
 /// (bench/RESULTS.md, "rnn cluster"): at H256 it beats the persistent kernel (1.2-1.6x for
 /// stacks), at H512 (32 units per CTA, one layer per launch) it is 5-20% slower.
 pub const DEFAULT_MAX_UNITS: usize = 256;
+
+/// Whether this device runs the clusters of split group `grp` side by side (needed for the
+/// split to pay: its layers wait on each other). Asked once per kernel and shape.
+pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bool> {
+    type Key = (usize, String, usize, usize, usize);
+    static FITS: Lazy<Mutex<HashMap<Key, bool>>> = Lazy::new(Default::default);
+    let name = kernel_name(cell, dtype)?;
+    let key = (
+        gpu.ordinal,
+        name.clone(),
+        grp.smem_bytes,
+        grp.ctas,
+        grp.layers.len(),
+    );
+    if let Some(&v) = FITS.lock().ok().as_ref().and_then(|m| m.get(&key)) {
+        return Ok(v);
+    }
+    let f = gpu.function(&RNN_CLUSTER, &name)?;
+    let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
+    cl::prepare(&f, smem, ctas)?;
+    let fits =
+        cl::max_active_clusters(gpu, &f, THREADS as u32, smem, ctas)? as usize >= grp.layers.len();
+    if let Ok(mut m) = FITS.lock() {
+        m.insert(key, fits);
+    }
+    Ok(fits)
+}
 
 /// Whether `path: None` runs `grp` on the cluster path.
 pub fn default_takes(grp: &Group) -> bool {
@@ -216,12 +346,14 @@ struct RcLayer {
     input: i32,
     h: i32,
     u: i32,
-    s: i32,
+    ni_in: i32,
+    ni_h: i32,
+    vec: i32,
     wi_off: i32,
     wh_off: i32,
     hb_off: i32,
+    hb_len: i32,
     cst_off: i32,
-    part_off: i32,
     bias_off: i32,
 }
 
@@ -234,10 +366,79 @@ struct RcArgs {
     layers: i32,
     t: i32,
     reverse: i32,
+    bar_off: i32,
+    pp_off: i32,
+    partners: i32,
+    split: i32,
+    xin_off: i32,
+    xin_len: i32,
+    sync: CUdeviceptr,
+    prof: CUdeviceptr,
 }
 
-const _: () = assert!(std::mem::size_of::<RcLayer>() == 176);
-const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 176 + 16);
+const _: () = assert!(std::mem::size_of::<RcLayer>() == 184);
+const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16);
+
+/// `RcProj` in rnn_cluster.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RcProj {
+    x: CUdeviceptr,
+    w: [CUdeviceptr; 4],
+    xp: CUdeviceptr,
+    t: i32,
+    k: i32,
+    h: i32,
+    g: i32,
+}
+// Safety: plain old data laid out exactly like the CUDA struct.
+unsafe impl cudarc::driver::DeviceRepr for RcProj {}
+
+/// Tile of `rnn_cluster_project` (`RC_PM` x `RC_PN`, `RC_PT` threads).
+const PROJ_TILE: usize = 32;
+const PROJ_THREADS: u32 = 128;
+
+/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added).
+#[allow(clippy::too_many_arguments)]
+fn project(
+    gpu: &Gpu,
+    dtype: DType,
+    x: &DeviceTensor,
+    wi: &[Staged<'_>],
+    seq: usize,
+    k: usize,
+    h: usize,
+    xp: &DeviceTensor,
+) -> Result<()> {
+    let (tname, _) = type_name(dtype)?;
+    let f = gpu.function(&RNN_CLUSTER, &format!("rnn_cluster_project_{tname}"))?;
+    let mut a = RcProj {
+        x: ptr(x),
+        xp: ptr(xp),
+        t: seq as i32,
+        k: k as i32,
+        h: h as i32,
+        g: wi.len() as i32,
+        ..Default::default()
+    };
+    for (d, w) in a.w.iter_mut().zip(wi) {
+        *d = ptr(w);
+    }
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (
+            seq.div_ceil(PROJ_TILE) as u32,
+            (wi.len() * h).div_ceil(PROJ_TILE) as u32,
+            1,
+        ),
+        block_dim: (PROJ_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream.launch_builder(&f);
+    launch.arg(&a);
+    // Safety: `a` mirrors RcProj; its addresses belong to tensors alive in stream order.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
 
 /// One layer's staged parameters.
 pub(super) struct LayerParams<'a> {
@@ -247,8 +448,8 @@ pub(super) struct LayerParams<'a> {
     pub init: Vec<Staged<'a>>,
 }
 
-/// Runs `grp` (batch 1, `seq` steps) given the first layer's input projection `xp`
-/// ({1, T, G*H} f32); returns each layer's sequence and final states.
+/// Runs `grp` (batch 1, `seq` steps) on the first layer's input `x` ({1, T, features}):
+/// the projection launch, then the recurrence; returns each layer's sequence and final states.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_group(
     gpu: &Arc<Gpu>,
@@ -256,16 +457,27 @@ pub(super) fn run_group(
     dtype: DType,
     seq: usize,
     grp: &Group,
-    xp: &DeviceTensor,
+    x: &DeviceTensor,
+    features: usize,
     params: &[LayerParams<'_>],
     reverse: bool,
+    prof: CUdeviceptr,
 ) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
     let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
+    let h0 = grp.layers[0].units;
+    let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
     let mut a = RcArgs {
-        xp: ptr(xp),
+        xp: ptr(&xp),
         layers: grp.layers.len() as i32,
         t: seq as i32,
         reverse: reverse as i32,
+        bar_off: grp.bar_off as i32,
+        pp_off: grp.pp_off as i32,
+        partners: grp.partners as i32,
+        split: grp.split as i32,
+        xin_off: grp.xin_off as i32,
+        xin_len: grp.xin_len as i32,
+        prof,
         ..Default::default()
     };
     let mut outs = Vec::with_capacity(grp.layers.len());
@@ -302,19 +514,51 @@ pub(super) fn run_group(
         r.input = lay.input as i32;
         r.h = h as i32;
         r.u = lay.per_cta as i32;
-        r.s = lay.slices as i32;
+        r.ni_in = lay.ni_in as i32;
+        r.ni_h = lay.ni_h as i32;
+        // 4-unit vector loads: whole vectors per CTA, and every weight aligned for them.
+        let align = 4 * dtype.size() as u64;
+        let aligned = |ws: &[Staged<'_>]| ws.iter().all(|w| ptr(w).is_multiple_of(align));
+        r.vec = (h % 4 == 0 && aligned(&p.wh) && (lay.input == 0 || aligned(&p.wi))) as i32;
         r.wi_off = lay.wi_off as i32;
         r.wh_off = lay.wh_off as i32;
         r.hb_off = lay.hb_off as i32;
+        r.hb_len = lay.hb_len as i32;
         r.cst_off = lay.cst_off as i32;
-        r.part_off = lay.part_off as i32;
         r.bias_off = lay.bias_off as i32;
         outs.push((sq, states));
     }
+    // Split: the ticket and the per-layer progress counters start at zero every call.
+    let sync = if grp.split {
+        let mut t = DeviceTensor::uninit(gpu, vec![4], DType::F32)?;
+        t.fill_bytes(0)?;
+        a.sync = ptr(&t);
+        Some(t)
+    } else {
+        None
+    };
     let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
+    let clusters = if grp.split {
+        grp.layers.len() as u32
+    } else {
+        1
+    };
     cl::prepare(&f, smem, ctas)?;
+    // The two launches back to back, after every allocation: the device idles until the
+    // recurrence is queued.
+    project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp)?;
+    // Dependent: the kernel waits for the projection (griddepcontrol.wait) only after loading
+    // its weights.
+    let shape = cl::Launch {
+        grid: clusters * ctas,
+        block: THREADS as u32,
+        smem,
+        cluster: ctas,
+        dependent: true,
+    };
     // Safety: `a` mirrors RcArgs; every address in it belongs to a tensor that outlives the
     // kernel in stream order (outputs returned, inputs borrowed by the caller).
-    unsafe { cl::launch(gpu, &f, ctas, THREADS as u32, smem, ctas, &mut a, false) }?;
+    unsafe { cl::launch(gpu, &f, &shape, &mut a) }?;
+    drop(sync); // freed in stream order, after the kernel
     Ok(outs)
 }

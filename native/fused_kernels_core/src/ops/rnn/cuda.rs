@@ -1,4 +1,4 @@
-//! CUDA backend. Batch 1 on sm_90+: groups of layers on one thread-block cluster (`cluster.rs`)
+//! CUDA backend. Batch 1 on sm_90+: groups of layers on thread-block clusters (`cluster.rs`)
 //! where they fit; otherwise three paths chosen per layer by `Path::choose`. Small batch (persistent): per
 //! layer, the input projection of all timesteps as cuBLAS GEMMs (one per gate, f32
 //! accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one cooperative
@@ -7,7 +7,7 @@
 //! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
 //! returns to the host in between.
 
-use super::{batched, cluster, cluster2, Cell, Geometry, Layer};
+use super::{batched, cluster, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -30,8 +30,9 @@ pub enum Path {
     /// their gates, gate epilogue fused; f32 as 3xTF32): fastest once the recurrent product
     /// is compute-bound (large batch). Before sm_80 it runs as `BatchedCublas`.
     Batched,
-    /// Batch 1 on a Hopper thread-block cluster (`cluster.rs`): weights in the cluster's
-    /// shared memory, h exchanged through distributed shared memory, layers as a wavefront.
+    /// Batch 1 on Hopper thread-block clusters (`cluster.rs`): weights in the clusters' shared
+    /// memory, h exchanged through distributed shared memory, a cluster per layer (or the
+    /// layers as a wavefront on one).
     /// Chosen by default at batch 1 on sm_90+ for every group of layers that fits with at most
     /// `cluster::DEFAULT_MAX_UNITS` units per layer; forcing it where it cannot run is an error.
     Cluster,
@@ -395,81 +396,52 @@ pub(super) fn run(
     let mut l = 0;
     while l < layers.len() {
         let input: &DeviceTensor = prev.as_ref().unwrap_or(&x0);
-        if cluster_v2() {
-            // Layers side by side on their own clusters where the device runs them together,
-            // else the one-cluster wavefront.
-            let split = ctas
-                .filter(|_| std::env::var("FUSED_KERNELS_RNN_CLUSTER_SPLIT").as_deref() != Ok("0"))
-                .and_then(|c| cluster2::split_group(cell, g.dtype, &g.hidden, l, c, smem_limit))
-                .filter(|grp| cluster2::split_fits(gpu, cell, g.dtype, grp).unwrap_or(false));
-            let grp = split
-                .or_else(|| {
-                    ctas.and_then(|c| cluster2::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+        // Layers side by side on their own clusters where the device runs them together,
+        // else the one-cluster wavefront.
+        let split = ctas
+            .filter(|_| cluster::split_override() != Some(false))
+            .and_then(|c| cluster::split_group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+            .filter(|grp| {
+                cluster::split_override() == Some(true)
+                    || cluster::split_fits(gpu, cell, g.dtype, grp).unwrap_or(false)
+            });
+        let grp = split
+            .or_else(|| {
+                ctas.and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
+            })
+            .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
+        if let Some(grp) = grp {
+            let n = grp.layers.len();
+            let params = layers[l..l + n]
+                .iter()
+                .map(|layer| {
+                    Ok(cluster::LayerParams {
+                        wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
+                        wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
+                        bias: stage(&layer.bias, "bias", gpu)?,
+                        init: stage(&layer.initial_state, "initial_state", gpu)?,
+                    })
                 })
-                .filter(|grp| path == Some(Path::Cluster) || cluster2::default_takes(grp));
-            if let Some(grp) = grp {
-                let n = grp.layers.len();
-                let params = layers[l..l + n]
-                    .iter()
-                    .map(|layer| {
-                        Ok(cluster2::LayerParams {
-                            wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
-                            wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
-                            bias: stage(&layer.bias, "bias", gpu)?,
-                            init: stage(&layer.initial_state, "initial_state", gpu)?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let prof = CLUSTER_PROFILE.load(std::sync::atomic::Ordering::Relaxed);
-                let outs = cluster2::run_group(
-                    gpu,
-                    cell,
-                    g.dtype,
-                    g.seq,
-                    &grp,
-                    input,
-                    g.input_of(l),
-                    &params,
-                    reverse,
-                    prof,
-                )?;
-                for (seq, st) in outs {
-                    states.push(st);
-                    prev = Some(seq);
-                }
-                l += n;
-                continue;
+                .collect::<Result<Vec<_>>>()?;
+            let prof = CLUSTER_PROFILE.load(std::sync::atomic::Ordering::Relaxed);
+            let outs = cluster::run_group(
+                gpu,
+                cell,
+                g.dtype,
+                g.seq,
+                &grp,
+                input,
+                g.input_of(l),
+                &params,
+                reverse,
+                prof,
+            )?;
+            for (seq, st) in outs {
+                states.push(st);
+                prev = Some(seq);
             }
-        } else {
-            let grp = ctas
-                .and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem_limit))
-                .filter(|grp| path == Some(Path::Cluster) || cluster::default_takes(grp));
-            if let Some(grp) = grp {
-                let n = grp.layers.len();
-                let params = layers[l..l + n]
-                    .iter()
-                    .map(|layer| {
-                        Ok(cluster::LayerParams {
-                            wi: stage(&layer.input_kernel, "input_kernel", gpu)?,
-                            wh: stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
-                            bias: stage(&layer.bias, "bias", gpu)?,
-                            init: stage(&layer.initial_state, "initial_state", gpu)?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let h = g.hidden[l];
-                let mut xp =
-                    DeviceTensor::uninit(gpu, vec![1, g.seq, cell.gates() * h], DType::F32)?;
-                input_projection(gpu, input, g.seq, g.input_of(l), h, &params[0].wi, &mut xp)?;
-                let outs =
-                    cluster::run_group(gpu, cell, g.dtype, g.seq, &grp, &xp, &params, reverse)?;
-                for (seq, st) in outs {
-                    states.push(st);
-                    prev = Some(seq);
-                }
-                l += n;
-                continue;
-            }
+            l += n;
+            continue;
         }
         if path == Some(Path::Cluster) {
             return Err(arg_error(format!(
@@ -543,20 +515,10 @@ fn cluster_ctas_for(
     }
     // Unforced, a cluster path that cannot be prepared here (compile, opt-in) is skipped and
     // the other paths serve the call; forced, its error is the answer.
-    let ctas = if cluster_v2() {
-        cluster2::cluster_ctas(gpu, cell, g.dtype)
-    } else {
-        cluster::cluster_ctas(gpu, cell, g.dtype)
-    };
-    match ctas {
+    match cluster::cluster_ctas(gpu, cell, g.dtype) {
         Err(_) if path.is_none() => Ok(None),
         other => other,
     }
-}
-
-/// Temporary A/B switch: `FUSED_KERNELS_RNN_CLUSTER_V=1` runs the first cluster kernel.
-pub(super) fn cluster_v2() -> bool {
-    std::env::var("FUSED_KERNELS_RNN_CLUSTER_V").as_deref() != Ok("1")
 }
 
 /// Where the cluster kernel writes its phase counters (`RcArgs::prof`; 0: nowhere). Tests

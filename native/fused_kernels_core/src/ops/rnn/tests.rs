@@ -371,9 +371,14 @@ fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     if !has_clusters() {
         return;
     }
-    for (i, c) in cluster_cases().iter().enumerate() {
-        check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
+    // Split groups (a cluster per layer) where they fit, and every group as a wavefront.
+    for split in [None, Some(false)] {
+        cluster::force_split(split);
+        for (i, c) in cluster_cases().iter().enumerate() {
+            check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
+        }
     }
+    cluster::force_split(None);
     // The default at batch 1: cluster groups where the weights fit and H <= 256, the
     // persistent kernel for the rest (H512: slower on clusters, and f32 LSTM does not fit).
     for cell in [Cell::Lstm, Cell::Gru] {
@@ -402,15 +407,19 @@ fn cuda_cluster_is_deterministic() {
             DType::BF16,
         ),
     ] {
-        let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster));
-        for _ in 0..3 {
-            assert_eq!(
-                a,
-                check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster)),
-                "result moved between runs: a race"
-            );
+        for split in [None, Some(false)] {
+            cluster::force_split(split);
+            let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster));
+            for _ in 0..3 {
+                assert_eq!(
+                    a,
+                    check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster)),
+                    "result moved between runs: a race"
+                );
+            }
         }
     }
+    cluster::force_split(None);
 }
 
 #[test]
@@ -434,8 +443,10 @@ fn cluster_groups_fit_a_hopper_cta() {
     assert_eq!(g(Cell::Lstm, F32, &[512, 512], 0, 16), None);
     assert_eq!(g(Cell::Gru, F32, &[512, 512], 0, 16), Some(1));
     assert_eq!(g(Cell::Gru, F32, &[512, 512], 1, 16), Some(1));
-    // Over 512 units the kernel's epilogue has too few threads.
-    assert_eq!(g(Cell::Gru, BF16, &[640], 0, 16), None);
+    // The first layer's projection is prefetched in two slots per warp: at most 128 units per
+    // CTA.
+    assert_eq!(g(Cell::Gru, BF16, &[640], 0, 16), Some(1));
+    assert_eq!(g(Cell::Gru, BF16, &[4096], 0, 16), None);
     for cell in [Cell::Lstm, Cell::Gru] {
         for h in [1, 7, 64, 200, 256, 300, 512] {
             for ctas in [8, 16] {
@@ -443,10 +454,26 @@ fn cluster_groups_fit_a_hopper_cta() {
                     assert!(grp.smem_bytes <= smem);
                     for l in &grp.layers {
                         assert!(l.per_cta * ctas >= h && l.per_cta % 4 == 0);
-                        assert!(l.slices * cell.gates() * l.per_cta <= 512);
+                        assert!(l.per_cta <= 128);
                     }
                 }
             }
+        }
+    }
+    // Split groups: a cluster per layer, each CTA holding one layer; after the first layer at
+    // most 256 inputs and at most 8 unit groups per CTA (a partner warp each).
+    let sg = |cell, dt, hidden: &[usize]| {
+        cluster::split_group(cell, dt, hidden, 0, 16, smem).map(|g| g.layers.len())
+    };
+    for cell in [Cell::Lstm, Cell::Gru] {
+        assert_eq!(sg(cell, F32, &[256, 256]), Some(2));
+        assert_eq!(sg(cell, F32, &[256, 256, 256, 256]), Some(3));
+        assert_eq!(sg(cell, F32, &[256]), None);
+        assert_eq!(sg(cell, BF16, &[512, 200]), None);
+        for h in [1, 7, 64, 200, 256] {
+            let grp = cluster::split_group(cell, F32, &[h, h, h], 0, 16, smem).unwrap();
+            assert!(grp.split && grp.partners && grp.smem_bytes <= smem);
+            assert!(grp.xin_len >= 4 * grp.layers[1].ni_in * 2);
         }
     }
 }

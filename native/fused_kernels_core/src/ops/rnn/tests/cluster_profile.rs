@@ -1,7 +1,10 @@
 //! `core_tests rnn::tests::cluster_profile --ignored --nocapture --test-threads 1`: where the
 //! batch-1 cluster call spends its time. For each case, the whole call (CUDA events, median)
-//! on both cluster kernels, and the second kernel's own counters (`RcArgs::prof`: cycles of
-//! set-up, recurrence and thread 0's waits; nanoseconds from CTA 0's start to its end).
+//! as a wavefront on one cluster and split over a cluster per layer (the default where it
+//! fits), one JSON line each in the bench's format (`bench/gpu/side_rnn.py` reads them), the
+//! host time to queue a call, and the kernel's own counters (`RcArgs::prof`, CTA 0 of the last
+//! layer: cycles of set-up, weight loading, recurrence and thread 0's waits; nanoseconds from
+//! its start to its end).
 
 use super::*;
 use crate::cuda::DeviceTensor;
@@ -86,14 +89,9 @@ fn cluster_profile() {
                 if cell == Cell::Lstm { "lstm" } else { "gru" },
                 dt.name()
             );
-            // (kernel, split, path label); the default comes last.
-            for (v, split, label) in [
-                ("1", "0", "cluster:v1"),
-                ("2", "0", "cluster:wavefront"),
-                ("2", "1", "cluster"),
-            ] {
-                std::env::set_var("FUSED_KERNELS_RNN_CLUSTER_V", v);
-                std::env::set_var("FUSED_KERNELS_RNN_CLUSTER_SPLIT", split);
+            // (split override, path label); the default comes last.
+            for (split, label) in [(Some(false), "cluster:wavefront"), (None, "cluster")] {
+                super::super::cluster::force_split(split);
                 let mut line = format!(
                     "{{{head},\"path\":\"{label}\",\"default\":{}",
                     label == "cluster"
@@ -135,6 +133,5 @@ fn cluster_profile() {
             }
         }
     }
-    std::env::remove_var("FUSED_KERNELS_RNN_CLUSTER_V");
-    std::env::remove_var("FUSED_KERNELS_RNN_CLUSTER_SPLIT");
+    super::super::cluster::force_split(None);
 }
