@@ -14,26 +14,25 @@ mkdir -p "$OUT"
 export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 bench() { # env assignments...
-  env "$@" timeout 60 "$BIN" selective_scan::tests::bench --ignored --nocapture --test-threads=1 \
+  env "$@" timeout 50 "$BIN" selective_scan::tests::bench --ignored --nocapture --test-threads=1 \
     2>>"$OUT/scan_bench.err" | grep -o '{.*}' | tee -a "$OUT/scan_ours.jsonl" | cut -c1-170
 }
+echo "== GPU tests (default split)"
+timeout 75 "$BIN" selective_scan mamba --test-threads=4 2>&1 | tee "$OUT/scan_tests.log" |
+  grep -E "test result|panicked|FAILED|worst" | tail -20
 echo "== bench (default split)"
 : >"$OUT/scan_ours.jsonl"
 bench FK_NONE=1
 echo "== long f32 scan: lane splits x polynomial share"
-for v in "FUSED_KERNELS_SCAN_POLY=0" "FUSED_KERNELS_SCAN_POLY=8" \
-  "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=0" "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=16" \
-  "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=8" "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_POLY=16"; do
+for v in "FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_POLY=8" "FUSED_KERNELS_SCAN_NPT=8" \
+  "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_NPT=2"; do
   bench FUSED_KERNELS_SCAN_BENCH=long $v
 done
 echo "== PyTorch loop side by side"
-timeout 60 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log"
-echo "== GPU tests (default split)"
-timeout 100 "$BIN" selective_scan mamba --test-threads=4 2>&1 | tee "$OUT/scan_tests.log" |
-  grep -E "test result|panicked|FAILED|worst" | tail -20
+timeout 30 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log"
 echo "== GPU tests (forced variants)"
-for v in "FUSED_KERNELS_SCAN_NPT=2 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=0" \
-  "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=64 FUSED_KERNELS_SCAN_POLY=8"; do
-  env $v timeout 60 "$BIN" selective_scan::tests::cuda --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
+for v in "FUSED_KERNELS_SCAN_NPT=4 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=8" \
+  "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=64 FUSED_KERNELS_SCAN_POLY=16"; do
+  env $v timeout 40 "$BIN" selective_scan::tests::cuda --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
     grep -E "test result|panicked|FAILED|worst" | tail -6
 done

@@ -287,7 +287,11 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     }
   }
 
-  const int lc = threadIdx.x / TPC, part = threadIdx.x % TPC;
+  // Lanes 2m and 2m+1 hold the same states of two neighbouring channels: their B and C row
+  // addresses are equal, which lets shared memory pack a warp's 16-byte B/C loads into half
+  // the return cycles (that bandwidth, not issue, bounded the long scan).
+  const int part = (threadIdx.x >> 1) % TPC;
+  const int lc = ((threadIdx.x >> 1) / TPC) * 2 + (threadIdx.x & 1);
   const int d = c0 + lc;
   const bool active = lc < nc;
   const float* A = reinterpret_cast<const float*>(p.a);

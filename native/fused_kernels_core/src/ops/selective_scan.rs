@@ -470,7 +470,9 @@ fn poly(npt: usize, tpc: usize) -> usize {
     }
     env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8, 16]).unwrap_or(DEFAULT_POLY)
 }
-const DEFAULT_POLY: usize = 16;
+// Measured on an H200: the long scan is bound by shared-memory return bandwidth, not by the
+// special-function unit, so the polynomial only adds instructions (bench/RESULTS.md).
+const DEFAULT_POLY: usize = 0;
 
 fn align16(bytes: usize) -> usize {
     bytes.div_ceil(16) * 16
@@ -730,15 +732,18 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
     let mean: Vec<f64> = (0..nb * nl)
         .map(|row| (0..nd).map(|k| dt_at(row / nl, row % nl, k)).sum::<f64>() / nd as f64)
         .collect();
-    let mut out = vec![0.0; nb * nl * nd];
-    let mut last = vec![0.0; nb * nd * nn];
-    for bi in 0..nb {
-        for d in 0..nd {
+    // One row per (batch, channel): its outputs, then its last state; rows in parallel.
+    let width = nl + nn;
+    let mut rows = vec![0.0f64; nb * nd * width];
+    for_each_row_chunk(&mut rows, width, |first, chunk| {
+        for (k, row) in chunk.chunks_mut(width).enumerate() {
+            let (bi, d) = ((first + k) / nd, (first + k) % nd);
             let grp = d / (nd / g.groups);
-            let mut x: Vec<f64> = (0..nn)
-                .map(|n| r.h0.map_or(0.0, |h| h[(bi * nd + d) * nn + n]))
-                .collect();
-            for t in 0..nl {
+            let (ys, x) = row.split_at_mut(nl);
+            for (n, xn) in x.iter_mut().enumerate() {
+                *xn = r.h0.map_or(0.0, |h| h[(bi * nd + d) * nn + n]);
+            }
+            for (t, yt) in ys.iter_mut().enumerate() {
                 let dt = dt_at(bi, t, d);
                 let wdt = match p.discretization {
                     Discretization::PerChannel => dt,
@@ -756,10 +761,18 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
                     let zz = z[(bi * nl + t) * nd + d];
                     o *= zz / (1.0 + (-zz).exp());
                 }
-                out[(bi * nl + t) * nd + d] = o;
+                *yt = o;
             }
-            last[(bi * nd + d) * nn..(bi * nd + d + 1) * nn].copy_from_slice(&x);
         }
+    });
+    let mut out = vec![0.0; nb * nl * nd];
+    let mut last = vec![0.0; nb * nd * nn];
+    for (bd, row) in rows.chunks(width).enumerate() {
+        let (bi, d) = (bd / nd, bd % nd);
+        for t in 0..nl {
+            out[(bi * nl + t) * nd + d] = row[t];
+        }
+        last[bd * nn..(bd + 1) * nn].copy_from_slice(&row[nl..]);
     }
     (out, last)
 }
