@@ -497,7 +497,9 @@ fn smem_budget(gpu: &Gpu, blocks: usize) -> Result<usize> {
     let sms = (gpu.multiprocessors()?.max(1)) as usize;
     // A few KB per resident block go to the runtime's own reservation.
     let resident = blocks.div_ceil(sms).clamp(1, 8);
-    Ok((per_sm / resident).saturating_sub(2048).clamp(16 * 1024, per_block.max(16 * 1024)))
+    Ok((per_sm / resident)
+        .saturating_sub(2048)
+        .clamp(16 * 1024, per_block.max(16 * 1024)))
 }
 
 /// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
@@ -560,7 +562,11 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         unsafe { l.launch(cfg) }?;
     }
     let k = poly(npt, tpc);
-    let suffix = if k > 0 { format!("_p{k}") } else { String::new() };
+    let suffix = if k > 0 {
+        format!("_p{k}")
+    } else {
+        String::new()
+    };
     let name = format!("selective_scan_{tname}_{npt}x{tpc}{suffix}");
     let f = gpu.function(module(dtype), &name)?;
     cuda::smem::allow_dynamic_smem(&f, smem)?;
