@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The selective scan on the GPU machine in one call: Rust GPU tests (f64 references over the
-# issue's matrix, poisoned outputs; the Mamba block too), the same tests under forced
-# split/chunk variants, the Rust bench over variants (CUDA events, byte floor from the copy
-# bandwidth measured in the same process), then the PyTorch loop side by side.
+# The selective scan on the GPU machine in one call: the Rust bench (CUDA events, byte floor
+# from the copy bandwidth measured in the same process; every case checked against the f64
+# reference and run twice for determinism), a sweep of lane splits and polynomial-exp2 shares
+# on the long f32 scan, the PyTorch loop side by side, then the Rust GPU tests (f64 references
+# over the matrix, poisoned outputs; the Mamba block too), also under forced variants.
 # Build here: `cargo test --release -p fused_kernels_core --no-run`, copy the test binary to
 # .scan/core_tests (git-ignored bundle), carry `.scan`; run `bash bench/gpu/scan_run.sh`.
 set -uo pipefail
@@ -12,20 +13,26 @@ BIN=${SCAN_BIN:-.scan/core_tests}
 mkdir -p "$OUT"
 export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "== bench (variants)"
+bench() { # env assignments...
+  env "$@" timeout 50 "$BIN" selective_scan::tests::bench --ignored --nocapture --test-threads=1 \
+    2>>"$OUT/scan_bench.err" | grep -o '{.*}' | tee -a "$OUT/scan_ours.jsonl" | cut -c1-170
+}
+echo "== GPU tests (default split)"
+timeout 75 "$BIN" selective_scan mamba --test-threads=4 2>&1 | tee "$OUT/scan_tests.log" |
+  grep -E "test result|panicked|FAILED|worst" | tail -20
+echo "== bench (default split)"
 : >"$OUT/scan_ours.jsonl"
-for v in "" "FUSED_KERNELS_SCAN_NPT=16" "FUSED_KERNELS_SCAN_NPT=8" "FUSED_KERNELS_SCAN_NPT=4" \
-  "FUSED_KERNELS_SCAN_NPT=2" "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=16" "FUSED_KERNELS_SCAN_CHUNK=64"; do
-  env $v timeout 60 "$BIN" selective_scan::tests::bench --ignored --nocapture --test-threads=1 \
-    2>>"$OUT/scan_bench.err" | grep -o '{.*}' | tee -a "$OUT/scan_ours.jsonl" | cut -c1-150
+bench FK_NONE=1
+echo "== long f32 scan: lane splits x polynomial share"
+for v in "FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_POLY=8" "FUSED_KERNELS_SCAN_NPT=8" \
+  "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_NPT=2"; do
+  bench FUSED_KERNELS_SCAN_BENCH=long $v
 done
 echo "== PyTorch loop side by side"
-timeout 90 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log"
-echo "== GPU tests (default split)"
-timeout 150 "$BIN" selective_scan mamba --test-threads=4 2>&1 | tee "$OUT/scan_tests.log" |
-  grep -E "test result|panicked|FAILED|worst" | tail -20
+timeout 30 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log"
 echo "== GPU tests (forced variants)"
-for v in "FUSED_KERNELS_SCAN_NPT=2 FUSED_KERNELS_SCAN_CHUNK=4" "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=64"; do
-  env $v timeout 120 "$BIN" selective_scan::tests::cuda --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
-    grep -E "test result|panicked|FAILED" | tail -6
+for v in "FUSED_KERNELS_SCAN_NPT=4 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=8" \
+  "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=64 FUSED_KERNELS_SCAN_POLY=16"; do
+  env $v timeout 40 "$BIN" selective_scan::tests::cuda --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
+    grep -E "test result|panicked|FAILED|worst" | tail -6
 done

@@ -7,12 +7,17 @@
 //   y_t = sum_n x_t * C_t[n] + D[d] * u_t;   out_t = y_t * silu(z_t) when z is given.
 //
 // Work split: a block owns one batch row and `cpb` channels of one B/C group; each channel's
-// states live in the registers of `tpc` neighbouring lanes (NPT states each), so the time loop
-// touches no global memory. The sequence is walked in chunks of `chunk` steps through a
-// two-stage cp.async pipeline: while the block computes chunk k from shared memory, chunk k+1's
-// u, delta, z, B and C are already on their way (16-byte copies where the layout allows). The
-// recurrence writes y to shared memory; a separate pass over the chunk adds D·u, applies
-// silu(z) once per element (not once per lane) and stores the chunk with vector stores.
+// states live in the registers of TPC neighbouring lanes (NPT states each; both compile-time,
+// so every shared-memory address in the time loop is a base plus an immediate), and the time
+// loop touches no global memory. The sequence is walked in chunks of `chunk` steps through a
+// two-stage cp.async pipeline: while the block computes chunk k from shared memory, chunk
+// k+1's u, delta, z, B and C are already on their way (16-byte copies where the layout
+// allows). Each lane writes its partial y (its states' share of sum_n x·C) to shared memory;
+// a separate pass over the chunk sums a channel's partials, adds D·u, applies silu(z) once per
+// element and stores it. The time loop is ~6.7 instructions per state-step (sm_90 SASS);
+// part of the exponentials can run as a polynomial on the FMA pipe (POLY), which measured
+// slower on an H200 (the special-function unit is not what bounds the long scan), so the
+// launch leaves it off by default.
 
 struct FkScanArgs {
   unsigned long long u, delta, a, b, c, d, z, delta_bias, h0, mean_dt, out, h_last;
@@ -155,81 +160,126 @@ __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
     for (int j = 0; j < NPT; ++j) dst[j] = fk_to_f32(src[j]);
   }
 }
-
-// 16 bytes of T from floats in one vector store (4 f32 or 8 f16/bf16).
-__device__ __forceinline__ void fk_store16(float* dst, const float* v) {
-  *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+// 2^v on the FMA pipe, for the exponentials taken off the special-function unit (its 16
+// results per clock per SM alone would bound the long scan at 1.35x the byte floor). Round v
+// to an integer j with the 1.5*2^23 trick, 2^(v-j) by a degree-5 minimax polynomial on
+// [-0.5, 0.5] (rel. error ~1e-7, like ex2.approx), then add j to the exponent bits. v is
+// clamped to [-126, 126] first so the exponent stays in range (2^-126 stands in for 0).
+__device__ __forceinline__ float fk_ex2_poly(float v) {
+  v = fminf(fmaxf(v, -126.0f), 126.0f);
+  const float magic = 12582912.0f;
+  const float t = v + magic;
+  const float f = v - (t - magic);
+  float q = fmaf(1.327647129e-3f, f, 9.675541893e-3f);
+  q = fmaf(q, f, 5.550713092e-2f);
+  q = fmaf(q, f, 2.402212024e-1f);
+  q = fmaf(q, f, 6.931469440e-1f);
+  q = fmaf(q, f, 1.000000119e+0f);
+  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
 }
-template <typename T>
-__device__ __forceinline__ void fk_store16(T* dst, const float* v) {
-  unsigned w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    w[k] = fk_from_f32<T>(v[2 * k]).bits | ((unsigned)fk_from_f32<T>(v[2 * k + 1]).bits << 16);
-  *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+
+#define FK_SCAN_THREADS 128
+
+// Where lane `part` of channel `lc` keeps its partial y of step group g (4 steps, one float4):
+// groups are THREADS float4s apart; inside a group, part-major, with the channel index XORed
+// by a part-dependent constant so that both the recurrence's float4 stores (8 lanes of one
+// channel group) and the output pass's float4 loads (8 consecutive channels) hit 8 distinct
+// 16-byte bank groups.
+template <int TPC>
+__device__ __forceinline__ int fk_part_slot(int lc, int part) {
+  constexpr int CPB = FK_SCAN_THREADS / TPC, SPREAD = TPC >= 8 ? 1 : 8 / TPC;
+  return part * CPB + (lc ^ ((part * SPREAD) & 7));
 }
 
-// Steps i0 .. i0+U-1 of the chunk for this lane's NPT states; the channel's y (summed over its
-// tpc lanes) goes to s_y.
-template <typename T, int NPT, int U>
-__device__ __forceinline__ void fk_scan_steps(int i0, const FkScanStage<T>& s, const float* dtp,
-                                              float* s_y, float (&x)[NPT], const float (&a2)[NPT],
-                                              int cpb, int NP, int lc, int part, int tpc,
-                                              int mean_mode) {
+// Steps i .. i+U-1 of the chunk for this lane's NPT states. Pointers are already at step i
+// (dt, u: this channel's column; B, C: this lane's NPT states; part: this lane's partial-y
+// slot), so every shared access below is base + a compile-time offset. The lane's partial
+// dot products go to shared memory (a float4 per 4 steps); the output pass sums the TPC
+// partials of a channel, which costs less than shuffling every step's y across the lanes.
+// With POLY > 0, every POLY-th exponential (in step-major order) is a polynomial.
+template <typename T, int NPT, int TPC, int U, int POLY, bool MEAN>
+__device__ __forceinline__ void fk_scan_steps(const float* dtp, const T* up, const float* mp,
+                                              const T* bp, const T* cp, float* yp,
+                                              float (&x)[NPT], const float (&a2)[NPT]) {
+  constexpr int CPB = FK_SCAN_THREADS / TPC, NP = NPT * TPC;
   float dt[U], w[U], y[U], bt[U][NPT], ct[U][NPT];
 #pragma unroll
   for (int k = 0; k < U; ++k) {
-    const int i = i0 + k;
-    dt[k] = dtp[i * cpb + lc];
-    w[k] = (mean_mode ? s.m[i] : dt[k]) * fk_to_f32(s.u[i * cpb + lc]);
-    fk_load_row<T, NPT>(s.b + i * NP + part * NPT, bt[k]);
-    fk_load_row<T, NPT>(s.c + i * NP + part * NPT, ct[k]);
+    dt[k] = dtp[k * CPB];
+    w[k] = (MEAN ? mp[k] : dt[k]) * fk_to_f32(up[k * CPB]);
+    fk_load_row<T, NPT>(bp + k * NP, bt[k]);
+    fk_load_row<T, NPT>(cp + k * NP, ct[k]);
   }
 #pragma unroll
   for (int k = 0; k < U; ++k) {
     y[k] = 0.0f;
 #pragma unroll
     for (int j = 0; j < NPT; ++j) {
-      x[j] = fk_ex2(dt[k] * a2[j]) * x[j] + w[k] * bt[k][j];
+      const float v = dt[k] * a2[j];
+      const float e = POLY > 0 && (k * NPT + j) % POLY == POLY - 1 ? fk_ex2_poly(v) : fk_ex2(v);
+      x[j] = e * x[j] + w[k] * bt[k][j];
       y[k] += x[j] * ct[k][j];
     }
   }
-  // Sum each step's partial dot products over the channel's tpc lanes (aligned lane groups).
+  if constexpr (U % 4 == 0) {
 #pragma unroll
-  for (int o = 1; o < 16; o <<= 1) {
-    if (o < tpc) {
+    for (int g = 0; g < U / 4; ++g)
+      *reinterpret_cast<float4*>(yp + g * 4 * FK_SCAN_THREADS) =
+          make_float4(y[4 * g], y[4 * g + 1], y[4 * g + 2], y[4 * g + 3]);
+  } else {
 #pragma unroll
-      for (int k = 0; k < U; ++k) y[k] += __shfl_xor_sync(0xffffffffu, y[k], o);
-    }
-  }
-  if (part == 0) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) s_y[(i0 + k) * cpb + lc] = y[k];
+    for (int k = 0; k < U; ++k) yp[k] = y[k];  // U == 1: the caller offsets yp by i % 4
   }
 }
 
-template <typename T, int NPT>
+// The recurrence over one chunk of `len` steps (dtp at this channel's column of step 0).
+// U steps at a time: their loads and exponentials are independent, so they overlap; only the
+// x update is a chain. Inactive lanes run the loop too (their reads stay inside shared memory,
+// their partials are never read).
+template <typename T, int NPT, int TPC, int POLY, bool MEAN>
+__device__ __forceinline__ void fk_scan_chunk(int len, const float* dtp, const FkScanStage<T>& s,
+                                              float* yp_lane, int part, int lc, float (&x)[NPT],
+                                              const float (&a2)[NPT]) {
+  constexpr int THREADS = FK_SCAN_THREADS, CPB = THREADS / TPC, NP = NPT * TPC;
+  constexpr int U = NPT >= 16 ? 4 : 8;
+  const T* up = s.u + lc;
+  const T* bp = s.b + part * NPT;
+  const T* cp = s.c + part * NPT;
+  int i = 0;
+  for (; i + U <= len; i += U)
+    fk_scan_steps<T, NPT, TPC, U, POLY, MEAN>(dtp + i * CPB, up + i * CPB, s.m + i, bp + i * NP,
+                                              cp + i * NP, yp_lane + i * THREADS, x, a2);
+  for (; i < len; ++i)
+    fk_scan_steps<T, NPT, TPC, 1, POLY, MEAN>(dtp + i * CPB, up + i * CPB, s.m + i, bp + i * NP,
+                                              cp + i * NP,
+                                              yp_lane + (i >> 2) * 4 * THREADS + (i & 3), x, a2);
+}
+
+template <typename T, int NPT, int TPC, int POLY>
 __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
+  constexpr int THREADS = FK_SCAN_THREADS, CPB = THREADS / TPC, NP = NPT * TPC;
   extern __shared__ __align__(16) char fk_smem[];
-  const int tpc = p.tpc, cpb = p.cpb, N = p.state, NP = p.npad, CH = p.chunk;
+  const int N = p.state, CH = p.chunk;
   const int dg = p.dim / p.groups;
-  const int blocks_per_group = (dg + cpb - 1) / cpb;
+  const int blocks_per_group = (dg + CPB - 1) / CPB;
   const int g = blockIdx.x / blocks_per_group;
-  const int c0 = g * dg + (blockIdx.x % blocks_per_group) * cpb;
-  const int nc = min(cpb, g * dg + dg - c0);
+  const int c0 = g * dg + (blockIdx.x % blocks_per_group) * CPB;
+  const int nc = min(CPB, g * dg + dg - c0);
   const int bi = blockIdx.y;
 
-  // Two stages, then the transformed dt and the recurrence's y of the chunk being computed.
+  // Two stages, the transformed dt of the chunk being computed, then the partial y's (a
+  // float4 per lane per 4 steps).
   const FkScanLayout lay = fk_scan_layout<T>(p);
   const unsigned stage_bytes = lay.bytes;
   float* s_dtf = reinterpret_cast<float*>(fk_smem + 2 * stage_bytes);
-  float* s_y = s_dtf + CH * cpb;
+  float* s_part = reinterpret_cast<float*>(fk_smem + 2 * stage_bytes +
+                                           fk_align16(sizeof(float) * CH * CPB));
   // The dt pass is skipped when raw f32 deltas are already what the recurrence needs.
   const bool xform = sizeof(T) != 4 || p.softplus || p.clip || p.delta_bias;
 
   // Padded state columns (n >= N) must read as zero in B and C; copies never write them.
   if (NP > N) {
-    for (int k = threadIdx.x; k < 2 * CH * (NP - N); k += blockDim.x) {
+    for (int k = threadIdx.x; k < 2 * CH * (NP - N); k += THREADS) {
       const int s = k / (CH * (NP - N)), r = k % (CH * (NP - N));
       const int i = r / (NP - N), n = N + r % (NP - N);
       const FkScanStage<T> z(fk_smem + s * stage_bytes, lay);
@@ -238,12 +288,15 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     }
   }
 
-  const int lc = threadIdx.x / tpc, part = threadIdx.x % tpc;
+  // Lanes 2m and 2m+1 hold the same states of two neighbouring channels: their B and C row
+  // addresses are equal, which lets shared memory pack a warp's 16-byte B/C loads into half
+  // the return cycles (measured: the long scan 4% faster).
+  const int part = (threadIdx.x >> 1) % TPC;
+  const int lc = ((threadIdx.x >> 1) / TPC) * 2 + (threadIdx.x & 1);
   const int d = c0 + lc;
   const bool active = lc < nc;
   const float* A = reinterpret_cast<const float*>(p.a);
   const float* h0 = reinterpret_cast<const float*>(p.h0);
-  const float* dskip = reinterpret_cast<const float*>(p.d);
   const float* bias = reinterpret_cast<const float*>(p.delta_bias);
   float a2[NPT], x[NPT];
 #pragma unroll
@@ -253,9 +306,11 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     a2[j] = live ? A[(long long)d * N + n] * FK_LOG2E : 0.0f;
     x[j] = live && h0 ? h0[((long long)bi * p.dim + d) * N + n] : 0.0f;
   }
+  // The output pass: thread (oc, og0) finishes channel oc for step groups og0, og0 + TPC, ...
+  const int oc = threadIdx.x % CPB, og0 = threadIdx.x / CPB;
+  const float dskip = p.d && oc < nc ? reinterpret_cast<const float*>(p.d)[c0 + oc] : 0.0f;
+  float* yp_lane = s_part + 4 * fk_part_slot<TPC>(lc, part);
   T* out = reinterpret_cast<T*>(p.out);
-  const T* zg = reinterpret_cast<const T*>(p.z);
-  constexpr int V = 16 / sizeof(T);
   const int chunks = (p.seq + CH - 1) / CH;
 
   fk_scan_issue<T>(p, FkScanStage<T>(fk_smem, lay), bi, 0, min(CH, p.seq), c0, nc, g);
@@ -264,55 +319,56 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
     const FkScanStage<T> s = FkScanStage<T>(fk_smem + (k & 1) * stage_bytes, lay);
     fk_cp_wait<0>();
-    __syncthreads();  // chunk k visible to all; chunk k-1 (its stage, s_dtf, s_y) consumed
+    __syncthreads();  // chunk k visible to all; chunk k-1 (its stage, s_dtf, s_part) consumed
     if (k + 1 < chunks)
       fk_scan_issue<T>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
                        t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
     fk_cp_commit();
     const float* dtp = reinterpret_cast<const float*>(s.dt);
     if (xform) {
-      for (int e = threadIdx.x; e < len * cpb; e += blockDim.x) {
-        const int c = e % cpb;
+      for (int e = threadIdx.x; e < len * CPB; e += THREADS) {
+        const int c = e % CPB;
         s_dtf[e] = c < nc ? fk_dt_transform(fk_to_f32(s.dt[e]) + (bias ? bias[c0 + c] : 0.0f), p)
                           : 0.0f;
       }
       __syncthreads();
       dtp = s_dtf;
     }
-    // U steps at a time: their loads, exponentials and lane reductions are independent, so
-    // they overlap; only the x update is a chain. Inactive lanes run the loop too (their reads
-    // stay inside shared memory, they store nothing), so every lane reaches the shuffles.
-    constexpr int U = NPT >= 16 ? 2 : NPT >= 8 ? 4 : 8;
-    int i = 0;
-    for (; i + U <= len; i += U)
-      fk_scan_steps<T, NPT, U>(i, s, dtp, s_y, x, a2, cpb, NP, lc, part, tpc, p.mean_mode);
-    for (; i < len; ++i)
-      fk_scan_steps<T, NPT, 1>(i, s, dtp, s_y, x, a2, cpb, NP, lc, part, tpc, p.mean_mode);
+    dtp += lc;
+    if (p.mean_mode)
+      fk_scan_chunk<T, NPT, TPC, POLY, true>(len, dtp, s, yp_lane, part, lc, x, a2);
+    else
+      fk_scan_chunk<T, NPT, TPC, POLY, false>(len, dtp, s, yp_lane, part, lc, x, a2);
     __syncthreads();
-    // Output pass: y + D·u, gated by silu(z), V channels per thread with one vector store.
-    const long long row = (long long)bi * p.seq + t0;
-    const int vn = p.vec_x ? V : 1;
-    for (int e = threadIdx.x * vn; e < len * nc; e += blockDim.x * vn) {
-      const int i = e / nc, c = e % nc;
-      float r[V];
+    // Output pass: the channel's TPC partials summed, + D·u, gated by silu(z); a warp stores
+    // consecutive channels of one step.
+    if (oc < nc) {
+      const long long row = (long long)bi * p.seq + t0;
+      for (int og = og0; og * 4 < len; og += TPC) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        r[v] = 0.0f;
-        if (v < vn) {
-          float o = s_y[i * cpb + c + v];
-          if (dskip) o += dskip[c0 + c + v] * fk_to_f32(s.u[i * cpb + c + v]);
-          if (zg) {
-            const float zz = fk_to_f32(s.z[i * cpb + c + v]);
-            o *= zz / (1.0f + __expf(-zz));
-          }
-          r[v] = o;
+        for (int q = 0; q < TPC; ++q) {
+          const float4 v = *reinterpret_cast<const float4*>(
+              s_part + 4 * (og * THREADS + fk_part_slot<TPC>(oc, q)));
+          acc.x += v.x;
+          acc.y += v.y;
+          acc.z += v.z;
+          acc.w += v.w;
         }
-      }
-      T* dst = out + (row + i) * p.dim + c0 + c;
-      if (p.vec_x) {
-        fk_store16(dst, r);
-      } else {
-        *dst = fk_from_f32<T>(r[0]);
+        const float ys[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = og * 4 + r;
+          if (i < len) {
+            float o = ys[r];
+            if (p.d) o += dskip * fk_to_f32(s.u[i * CPB + oc]);
+            if (p.z) {
+              const float zz = fk_to_f32(s.z[i * CPB + oc]);
+              o *= zz / (1.0f + __expf(-zz));
+            }
+            out[(row + i) * p.dim + c0 + oc] = fk_from_f32<T>(o);
+          }
+        }
       }
     }
   }
@@ -341,22 +397,44 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
   if (threadIdx.x == 0) reinterpret_cast<float*>(p.mean_dt)[row] = s / p.dim;
 }
 
-#define FK_SCAN(NAME, T, NPT)                                                                 \
-  extern "C" __global__ void __launch_bounds__(128, 1) selective_scan_##NAME##_##NPT(          \
-      const FkScanArgs p) {                                                                   \
-    fk_scan<T, NPT>(p);                                                                        \
+// selective_scan_<type>_<NPT>x<TPC>[_p<POLY>]: NPT states per lane, TPC lanes per channel,
+// every POLY-th exponential on the FMA pipe. The splits instantiated are those `split` in
+// ops/selective_scan.rs picks from (state rows padded to at least 16). Each element type is
+// its own module (FK_SCAN_TYPE, set by kernels.rs), so a caller compiles only its type.
+#define FK_SCAN(NAME, T, NPT, TPC, POLY, SUFFIX)                                              \
+  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
+      selective_scan_##NAME##_##NPT##x##TPC##SUFFIX(const FkScanArgs p) {                     \
+    fk_scan<T, NPT, TPC, POLY>(p);                                                             \
   }
 #define FK_SCAN_ALL(NAME, T)                                                                  \
-  FK_SCAN(NAME, T, 1)                                                                         \
-  FK_SCAN(NAME, T, 2)                                                                         \
-  FK_SCAN(NAME, T, 4)                                                                         \
-  FK_SCAN(NAME, T, 8)                                                                         \
-  FK_SCAN(NAME, T, 16)                                                                        \
+  FK_SCAN(NAME, T, 16, 1, 0, )                                                                \
+  FK_SCAN(NAME, T, 8, 2, 0, )                                                                 \
+  FK_SCAN(NAME, T, 4, 4, 0, )                                                                 \
+  FK_SCAN(NAME, T, 2, 8, 0, )                                                                 \
+  FK_SCAN(NAME, T, 16, 2, 0, )                                                                \
+  FK_SCAN(NAME, T, 8, 4, 0, )                                                                 \
+  FK_SCAN(NAME, T, 4, 8, 0, )                                                                 \
+  FK_SCAN(NAME, T, 16, 4, 0, )                                                                \
+  FK_SCAN(NAME, T, 8, 8, 0, )                                                                 \
+  FK_SCAN(NAME, T, 4, 16, 0, )                                                                \
+  FK_SCAN(NAME, T, 16, 8, 0, )                                                                \
+  FK_SCAN(NAME, T, 8, 16, 0, )                                                                \
+  FK_SCAN(NAME, T, 16, 16, 0, )                                                               \
+  FK_SCAN(NAME, T, 4, 4, 16, _p16)                                                            \
+  FK_SCAN(NAME, T, 4, 4, 8, _p8)                                                              \
+  FK_SCAN(NAME, T, 8, 2, 16, _p16)                                                            \
+  FK_SCAN(NAME, T, 8, 2, 8, _p8)                                                              \
+  FK_SCAN(NAME, T, 16, 1, 16, _p16)                                                           \
+  FK_SCAN(NAME, T, 16, 1, 8, _p8)                                                             \
   extern "C" __global__ void __launch_bounds__(256) selective_scan_mean_dt_##NAME(            \
       const FkScanArgs p) {                                                                   \
     fk_scan_mean_dt<T>(p);                                                                     \
   }
 
+#if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_ALL(f32, float)
+#elif defined(FK_SCAN_TYPE_F16)
 FK_SCAN_ALL(f16, fk_f16)
+#else
 FK_SCAN_ALL(bf16, fk_bf16)
+#endif

@@ -62,9 +62,27 @@ pub const RNN_MMA: Kernel = Kernel {
     body: include_str!("../kernels/rnn_mma.cu"),
 };
 
-pub const SELECTIVE_SCAN: Kernel = Kernel {
-    name: "selective_scan",
-    body: include_str!("../kernels/selective_scan.cu"),
+// The selective scan is one module per element type (each has 20 kernels).
+pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
+    name: "selective_scan_f32",
+    body: concat!(
+        "#define FK_SCAN_TYPE_F32\n",
+        include_str!("../kernels/selective_scan.cu")
+    ),
+};
+pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
+    name: "selective_scan_f16",
+    body: concat!(
+        "#define FK_SCAN_TYPE_F16\n",
+        include_str!("../kernels/selective_scan.cu")
+    ),
+};
+pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
+    name: "selective_scan_bf16",
+    body: concat!(
+        "#define FK_SCAN_TYPE_BF16\n",
+        include_str!("../kernels/selective_scan.cu")
+    ),
 };
 
 pub const NORM: Kernel = Kernel {
@@ -96,7 +114,9 @@ pub const ALL: &[&Kernel] = &[
     &RNN_BATCHED,
     &RNN_CLUSTER,
     &RNN_MMA,
-    &SELECTIVE_SCAN,
+    &SELECTIVE_SCAN_F32,
+    &SELECTIVE_SCAN_F16,
+    &SELECTIVE_SCAN_BF16,
     &NORM,
     &MAMBA_BLOCK,
     &STREAM_STATE,

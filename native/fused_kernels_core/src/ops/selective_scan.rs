@@ -8,7 +8,7 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::SELECTIVE_SCAN;
+use crate::kernels::{Kernel, SELECTIVE_SCAN_BF16, SELECTIVE_SCAN_F16, SELECTIVE_SCAN_F32};
 use crate::operand::{Operand, Placement, Staged, Value};
 use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
@@ -409,6 +409,15 @@ pub struct ScanArgs {
 
 unsafe impl DeviceRepr for ScanArgs {}
 
+/// The scan's module for an element type.
+fn module(dtype: DType) -> &'static Kernel {
+    match dtype {
+        DType::F16 => &SELECTIVE_SCAN_F16,
+        DType::BF16 => &SELECTIVE_SCAN_BF16,
+        _ => &SELECTIVE_SCAN_F32,
+    }
+}
+
 pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
     match dtype {
         DType::F32 => Ok("f32"),
@@ -420,27 +429,26 @@ pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
     }
 }
 
-/// States per thread and threads per channel: all states in one thread up to 16, split over
-/// up to 16 lanes beyond; problems with few channels split further so enough threads run.
-/// `FUSED_KERNELS_SCAN_NPT` sets the states per thread (for benchmarking variants; raised
-/// where needed so that a channel spans at most 16 lanes).
+/// States per lane and lanes per channel, from the splits the kernels are instantiated for:
+/// the state row padded to at least 16 (fewer states cost no more than 16: the lanes are
+/// there anyway), at most 16 states per lane and 16 lanes per channel. Problems with few
+/// channels spread a channel over more lanes so that enough threads run.
+/// `FUSED_KERNELS_SCAN_NPT` sets the states per lane (benchmarking), within those limits.
 fn split(g: Geometry) -> (usize, usize) {
-    let fewest = g.state.div_ceil(16).next_power_of_two();
-    let lanes = |npt: usize| g.state.div_ceil(npt).next_power_of_two();
+    let padded = g.state.next_power_of_two().max(16);
+    let fewest = (padded / 16).max(if padded == 16 { 2 } else { 4 });
     if let Some(v) = env_choice("FUSED_KERNELS_SCAN_NPT", &[1, 2, 4, 8, 16]) {
-        let npt = v.max(fewest).min(g.state.next_power_of_two().max(1));
-        return (npt, lanes(npt));
+        let npt = v.clamp(fewest, 16);
+        return (npt, padded / npt);
     }
-    let mut npt = g.state.next_power_of_two().min(16);
-    let mut tpc = lanes(npt);
     // Measured on an H200 (bench/RESULTS.md): 4 states per lane once 16K channels are in
     // flight; 2 per lane for a few hundred channels (the Mamba block at batch 1).
     let lanes_wanted = |npt: usize| if npt > 4 { 65536 } else { 8192 };
-    while npt > 2 && tpc < 16 && g.batch * g.dim * tpc < lanes_wanted(npt) {
+    let mut npt = 16;
+    while npt > fewest && g.batch * g.dim * (padded / npt) < lanes_wanted(npt) {
         npt /= 2;
-        tpc *= 2;
     }
-    (npt, tpc)
+    (npt, padded / npt)
 }
 
 /// A benchmarking override: the variable's value when it is one of `allowed`.
@@ -452,20 +460,46 @@ fn env_choice(name: &str, allowed: &[usize]) -> Option<usize> {
 }
 
 const THREADS: usize = 128;
-/// Dynamic shared memory a block may take without raising the function's limit.
-const SMEM_LIMIT: usize = 48 * 1024;
+
+/// Every how many exponentials one runs as a polynomial on the FMA pipe instead of the
+/// special-function unit (0: none). Only the lane splits of 16-state channels have such
+/// variants; `FUSED_KERNELS_SCAN_POLY` (0, 8, 16) overrides the default for benchmarking.
+fn poly(npt: usize, tpc: usize) -> usize {
+    if !matches!((npt, tpc), (4, 4) | (8, 2) | (16, 1)) {
+        return 0;
+    }
+    env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8, 16]).unwrap_or(DEFAULT_POLY)
+}
+// Measured on an H200: the long scan is bound by shared-memory return bandwidth, not by the
+// special-function unit, so the polynomial only adds instructions (bench/RESULTS.md).
+const DEFAULT_POLY: usize = 0;
 
 fn align16(bytes: usize) -> usize {
     bytes.div_ceil(16) * 16
 }
 
-/// Shared memory of one block: two pipeline stages of raw inputs, then f32 dt and y rows
-/// (mirrors `fk_scan_layout` and the layout in selective_scan.cu).
+/// Shared memory of one block: two pipeline stages of raw inputs, the chunk's f32 dt, then
+/// every lane's partial y as a float4 per 4 steps (mirrors `fk_scan_layout` and `fk_scan`).
 fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
     let stage = align16(elem * chunk * cpb) * if z { 3 } else { 2 }
         + 2 * align16(elem * chunk * npad)
         + if mean { align16(4 * chunk) } else { 0 };
-    2 * stage + 2 * 4 * chunk * cpb
+    2 * stage + align16(4 * chunk * cpb) + 16 * THREADS * chunk.div_ceil(4)
+}
+
+/// Dynamic shared memory one block may take: what the device allows a block, and no more
+/// than lets every block of the launch be resident at once (one wave) where it can.
+fn smem_budget(gpu: &Gpu, blocks: usize) -> Result<usize> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let attr = |a| -> Result<usize> { Ok(gpu.ctx.attribute(a)?.max(0) as usize) };
+    let per_block = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let per_sm = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+    let sms = (gpu.multiprocessors()?.max(1)) as usize;
+    // A few KB per resident block go to the runtime's own reservation.
+    let resident = blocks.div_ceil(sms).clamp(1, 8);
+    Ok((per_sm / resident)
+        .saturating_sub(2048)
+        .clamp(16 * 1024, per_block.max(16 * 1024)))
 }
 
 /// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
@@ -482,8 +516,11 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     let (npt, tpc) = split(g);
     let cpb = THREADS / tpc;
     let npad = npt * tpc;
+    let dg = g.dim / g.groups;
+    let blocks = g.groups * dg.div_ceil(cpb);
     let (z, mean) = (args.z != 0, args.mean_mode != 0);
-    let fits = |c: usize| scan_smem(elem, c, cpb, npad, z, mean) <= SMEM_LIMIT;
+    let budget = smem_budget(gpu, blocks * g.batch)?;
+    let fits = |c: usize| scan_smem(elem, c, cpb, npad, z, mean) <= budget;
     let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 64])
         .filter(|&c| fits(c))
         .or_else(|| [32usize, 16, 8, 4].into_iter().find(|&c| fits(c)))
@@ -506,7 +543,6 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     // 16-byte-aligned base addresses (a 0 address is an absent operand).
     let v = 16 / elem;
     let aligned = |ptrs: &[u64]| ptrs.iter().all(|&p| p % 16 == 0);
-    let dg = g.dim / g.groups;
     args.vec_x = (g.dim.is_multiple_of(v)
         && dg.is_multiple_of(v)
         && cpb.is_multiple_of(v)
@@ -515,7 +551,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         && (args.bc_row as usize).is_multiple_of(v)
         && aligned(&[args.b, args.c])) as i32;
     if mean {
-        let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_mean_dt_{tname}"))?;
+        let f = gpu.function(module(dtype), &format!("selective_scan_mean_dt_{tname}"))?;
         let cfg = LaunchConfig {
             grid_dim: ((g.batch * g.seq) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -525,9 +561,17 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         l.arg(&args);
         unsafe { l.launch(cfg) }?;
     }
-    let f = gpu.function(&SELECTIVE_SCAN, &format!("selective_scan_{tname}_{npt}"))?;
+    let k = poly(npt, tpc);
+    let suffix = if k > 0 {
+        format!("_p{k}")
+    } else {
+        String::new()
+    };
+    let name = format!("selective_scan_{tname}_{npt}x{tpc}{suffix}");
+    let f = gpu.function(module(dtype), &name)?;
+    cuda::smem::allow_dynamic_smem(&f, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: ((g.groups * dg.div_ceil(cpb)) as u32, g.batch as u32, 1),
+        grid_dim: (blocks as u32, g.batch as u32, 1),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -694,15 +738,18 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
     let mean: Vec<f64> = (0..nb * nl)
         .map(|row| (0..nd).map(|k| dt_at(row / nl, row % nl, k)).sum::<f64>() / nd as f64)
         .collect();
-    let mut out = vec![0.0; nb * nl * nd];
-    let mut last = vec![0.0; nb * nd * nn];
-    for bi in 0..nb {
-        for d in 0..nd {
+    // One row per (batch, channel): its outputs, then its last state; rows in parallel.
+    let width = nl + nn;
+    let mut rows = vec![0.0f64; nb * nd * width];
+    for_each_row_chunk(&mut rows, width, |first, chunk| {
+        for (k, row) in chunk.chunks_mut(width).enumerate() {
+            let (bi, d) = ((first + k) / nd, (first + k) % nd);
             let grp = d / (nd / g.groups);
-            let mut x: Vec<f64> = (0..nn)
-                .map(|n| r.h0.map_or(0.0, |h| h[(bi * nd + d) * nn + n]))
-                .collect();
-            for t in 0..nl {
+            let (ys, x) = row.split_at_mut(nl);
+            for (n, xn) in x.iter_mut().enumerate() {
+                *xn = r.h0.map_or(0.0, |h| h[(bi * nd + d) * nn + n]);
+            }
+            for (t, yt) in ys.iter_mut().enumerate() {
                 let dt = dt_at(bi, t, d);
                 let wdt = match p.discretization {
                     Discretization::PerChannel => dt,
@@ -720,10 +767,18 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
                     let zz = z[(bi * nl + t) * nd + d];
                     o *= zz / (1.0 + (-zz).exp());
                 }
-                out[(bi * nl + t) * nd + d] = o;
+                *yt = o;
             }
-            last[(bi * nd + d) * nn..(bi * nd + d + 1) * nn].copy_from_slice(&x);
         }
+    });
+    let mut out = vec![0.0; nb * nl * nd];
+    let mut last = vec![0.0; nb * nd * nn];
+    for (bd, row) in rows.chunks(width).enumerate() {
+        let (bi, d) = (bd / nd, bd % nd);
+        for t in 0..nl {
+            out[(bi * nl + t) * nd + d] = row[t];
+        }
+        last[bd * nn..(bd + 1) * nn].copy_from_slice(&row[nl..]);
     }
     (out, last)
 }

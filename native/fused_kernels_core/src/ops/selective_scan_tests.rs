@@ -445,11 +445,15 @@ fn bench() {
     .unwrap();
     let copy_gbps = 2.0 * 4.0 * n as f64 / (copy.median_us * 1e-6) / 1e9;
     drop((src, dst));
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "auto".into());
     let variant = format!(
-        "npt={} chunk={}",
-        std::env::var("FUSED_KERNELS_SCAN_NPT").unwrap_or_else(|_| "auto".into()),
-        std::env::var("FUSED_KERNELS_SCAN_CHUNK").unwrap_or_else(|_| "auto".into())
+        "npt={} chunk={} poly={}",
+        var("FUSED_KERNELS_SCAN_NPT"),
+        var("FUSED_KERNELS_SCAN_CHUNK"),
+        var("FUSED_KERNELS_SCAN_POLY")
     );
+    // `FUSED_KERNELS_SCAN_BENCH=long` times only the long f32 scan (variant sweeps).
+    let only_long = std::env::var("FUSED_KERNELS_SCAN_BENCH").is_ok_and(|v| v == "long");
     let mut rng = Rng::new(21);
     let plain = Opts {
         softplus: false,
@@ -496,6 +500,9 @@ fn bench() {
         ),
     ];
     for (name, b, l, d, s, o, dt) in cases {
+        if only_long && !(l > 1000 && dt == DType::F32 && !o.z) {
+            continue;
+        }
         let c = make_case(&mut rng, geometry_of(b, l, d, s, o), dt, o);
         let host = operands(&c);
         let dev: Vec<Option<DeviceTensor>> = host
