@@ -62,6 +62,11 @@ pub const RNN_MMA: Kernel = Kernel {
     body: include_str!("../kernels/rnn_mma.cu"),
 };
 
+pub const RNN_RESIDENT: Kernel = Kernel {
+    name: "rnn_resident",
+    body: include_str!("../kernels/rnn_resident.cu"),
+};
+
 pub const SELECTIVE_SCAN: Kernel = Kernel {
     name: "selective_scan",
     body: include_str!("../kernels/selective_scan.cu"),
@@ -96,6 +101,7 @@ pub const ALL: &[&Kernel] = &[
     &RNN_BATCHED,
     &RNN_CLUSTER,
     &RNN_MMA,
+    &RNN_RESIDENT,
     &SELECTIVE_SCAN,
     &NORM,
     &MAMBA_BLOCK,

@@ -8,6 +8,7 @@ mod cluster;
 mod cpu;
 mod cuda;
 mod mma;
+mod resident;
 
 pub use cpu::reference;
 
@@ -271,6 +272,7 @@ pub fn run_on(
 
 pub use cluster::{group as cluster_group, Group as ClusterGroup};
 pub use cuda::{plan as cuda_plan, Path, Plan};
+pub use resident::{tile as resident_tile, Tile as ResidentTile};
 
 #[cfg(test)]
 mod tests;

@@ -1,18 +1,19 @@
-//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured crossover in
-//! batch x gates x units^2.5, and for hidden sizes whose persistent grid does not fit the GPU).
+//! The large-batch CUDA paths (chosen by `cuda::Path::choose` above a measured crossover
+//! batch, and for hidden sizes whose persistent grid does not fit the GPU).
 //! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here the
 //! per-gate input kernels are packed once per call into one `{in, G*H}` matrix (in the call's
 //! type) and the input projection of all timesteps is one cuBLAS GEMM; then each timestep is
 //! ONE tensor-core launch (`mma.rs`, sm_80+) computing `h_{t-1} . Wh` with the gate epilogue
-//! fused. `cublas_steps` (forced for comparisons, and the fallback before sm_80) runs each
-//! step as one cuBLAS GEMM over all gates (bf16/f16 on tensor cores; f32 as true FP32, never
-//! TF32) followed by one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read
+//! fused, or the whole recurrence is one persistent tensor-core kernel (`resident.rs`).
+//! `Steps::Cublas` (forced for comparisons, and the fallback before sm_80) runs each step as
+//! one cuBLAS GEMM over all gates (bf16/f16 on tensor cores; f32 as true FP32, never TF32)
+//! followed by one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read
 //! straight from the previous timestep of the output sequence, so it is rounded to the call's
 //! type like Axon's. Everything is queued on the device's one stream; the host never waits
 //! inside a sequence.
 
 use super::cuda::type_name;
-use super::{mma, Cell, Geometry};
+use super::{mma, resident, Cell, Geometry};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
@@ -25,6 +26,17 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const STEP_THREADS: u32 = 256;
+
+/// How the recurrence after the one projection GEMM runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Steps {
+    /// One persistent tensor-core kernel, weights resident for the whole sequence (`resident.rs`).
+    Resident,
+    /// One tensor-core launch per step (`mma.rs`).
+    Mma,
+    /// One cuBLAS GEMM + one elementwise kernel per step.
+    Cublas,
+}
 
 /// `RnnPackArgs` in rnn_batched.cu.
 #[repr(C)]
@@ -155,7 +167,7 @@ pub(super) fn layer(
     bias: &[Staged<'_>],
     init: &[Staged<'_>],
     reverse: bool,
-    cublas_steps: bool,
+    steps: Steps,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
     let (b, t_len, inp) = (g.batch, g.seq, input.shape[2]);
     let gh = cell.gates() * h;
@@ -169,7 +181,7 @@ pub(super) fn layer(
         .iter()
         .map(|_| DeviceTensor::uninit(gpu, vec![b, h], g.dtype))
         .collect::<Result<_>>()?;
-    if !cublas_steps {
+    if steps != Steps::Cublas {
         let xp_p = ptr(&xp);
         gpu.with_blas(|blas| {
             gemm(
@@ -184,7 +196,11 @@ pub(super) fn layer(
                 gh,
             )
         })?;
-        mma::steps(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        if steps == Steps::Resident {
+            resident::run(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        } else {
+            mma::steps(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        }
         drop((win_p, xp));
         return Ok((seq, states));
     }

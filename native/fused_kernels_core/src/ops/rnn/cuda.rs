@@ -7,7 +7,7 @@
 //! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
 //! returns to the host in between.
 
-use super::{batched, cluster, Cell, Geometry, Layer};
+use super::{batched, cluster, resident, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -38,6 +38,10 @@ pub enum Path {
     /// The batched path with each step as one cuBLAS GEMM + one fused elementwise kernel
     /// (the fallback before sm_80; forced for comparisons).
     BatchedCublas,
+    /// One persistent tensor-core kernel per layer (`resident.rs`, sm_80+): each block keeps
+    /// its slice of Wh in shared memory for the whole sequence, only the blocks of one batch
+    /// tile synchronise each step. Forcing it where its grid does not fit is an error.
+    Resident,
 }
 
 impl Path {
@@ -58,6 +62,11 @@ impl Path {
         }
     }
 
+    /// The smallest batch from which the resident tensor-core kernel is chosen (where it fits).
+    pub fn resident_from(_units: usize, _dtype: DType) -> usize {
+        16
+    }
+
     /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
     /// kernel's grid fits this GPU (else a batched path serves any size). Among the batched
     /// paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster than
@@ -69,8 +78,11 @@ impl Path {
         units: usize,
         dtype: DType,
         persistent_fits: bool,
+        resident_fits: bool,
     ) -> Path {
-        if persistent_fits && batch < Self::crossover_batch(units, dtype) {
+        if resident_fits && batch >= Self::resident_from(units, dtype) {
+            Path::Resident
+        } else if persistent_fits && batch < Self::crossover_batch(units, dtype) {
             Path::Persistent
         } else if units <= 512 {
             Path::Batched
@@ -435,31 +447,37 @@ pub(super) fn run(
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
         let path = match path {
             Some(p) => p,
-            None => Path::choose(
-                cell,
-                g.batch,
-                h,
-                g.dtype,
-                persistent_fits(gpu, cell, g.batch, h)?,
-            ),
+            None => {
+                // Unforced, a resident kernel that cannot be prepared here is not chosen.
+                let resident_fits = g.batch >= Path::resident_from(h, g.dtype)
+                    && matches!(
+                        resident::tile_on(gpu, cell, g.batch, h, g.dtype),
+                        Ok(Some(_))
+                    );
+                Path::choose(
+                    cell,
+                    g.batch,
+                    h,
+                    g.dtype,
+                    persistent_fits(gpu, cell, g.batch, h)?,
+                    resident_fits,
+                )
+            }
         };
         let (seq, st) = if path != Path::Persistent {
             // The tensor-core step's grid has one row of blocks per 16 batch rows (grid.y ≤ 65535).
-            let cublas_steps = path == Path::BatchedCublas
+            let steps = if path == Path::Resident {
+                batched::Steps::Resident
+            } else if path == Path::BatchedCublas
                 || !gpu.has_tensor_cores()
-                || g.batch.div_ceil(16) > 65535;
+                || g.batch.div_ceil(16) > 65535
+            {
+                batched::Steps::Cublas
+            } else {
+                batched::Steps::Mma
+            };
             batched::layer(
-                gpu,
-                cell,
-                g,
-                h,
-                input,
-                &win,
-                &wh,
-                &bias,
-                &init,
-                reverse,
-                cublas_steps,
+                gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse, steps,
             )?
         } else {
             let mut xp =

@@ -337,6 +337,119 @@ fn cuda_batched_is_deterministic() {
     }
 }
 
+/// The resident tensor-core kernel forced: B 1/3/17/64/65/256, T 1/5/61/512, H 7/13/128/200/
+/// 256/512/1020/1024 (1020 bf16, 7 f32 and 13 f16: the scalar h loads), reverse, stacks of
+/// 2-3, initial state, f32 (3xTF32) / bf16 / f16, every tiling it picks (1-4 m-tiles, 8 or 16
+/// units per block).
+fn resident_cases() -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 256, 20, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 256, 60, 64, &[256], true, true, F32));
+        v.push(case(cell, 64, 61, 288, &[256, 256], true, false, F32));
+        v.push(case(cell, 64, 9, 40, &[512], false, true, F32));
+        v.push(case(cell, 64, 512, 32, &[128], false, true, F32));
+        v.push(case(cell, 3, 61, 200, &[200, 200, 200], true, true, F32));
+        v.push(case(cell, 65, 13, 7, &[7], true, true, F32));
+        v.push(case(cell, 1, 1, 64, &[256], false, true, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
+        v.push(case(cell, 70, 1, 64, &[1024], false, true, BF16));
+        v.push(case(cell, 64, 5, 64, &[1024], true, true, BF16));
+        v.push(case(cell, 32, 11, 20, &[1020], false, false, BF16));
+        v.push(case(cell, 64, 60, 96, &[256], false, true, F16));
+        v.push(case(cell, 17, 5, 9, &[13], true, true, F16));
+    }
+    v.push(case(
+        Cell::Lstm,
+        256,
+        60,
+        288,
+        &[256, 256],
+        false,
+        true,
+        BF16,
+    ));
+    v
+}
+
+#[test]
+fn cuda_resident_matches_f64_reference_with_poisoned_output() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for (i, c) in resident_cases().iter().enumerate() {
+        check_on(Backend::Cuda(None), c, 700 + i as u64, Some(Path::Resident));
+    }
+}
+
+#[test]
+fn cuda_resident_is_deterministic() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for c in [
+        case(Cell::Lstm, 64, 60, 288, &[256], false, true, DType::F32),
+        case(Cell::Gru, 256, 30, 64, &[256, 256], true, true, DType::BF16),
+    ] {
+        let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Resident));
+        for _ in 0..3 {
+            assert_eq!(
+                a,
+                check_on(Backend::Cuda(None), &c, 9, Some(Path::Resident)),
+                "result moved between runs: a race"
+            );
+        }
+    }
+}
+
+#[test]
+fn resident_tiles_fit_and_stay_resident() {
+    use DType::{BF16, F16, F32};
+    // An H200/H100: 132 SMs, 228 KB per SM, 227 KB per block; at most 2 blocks per SM by
+    // registers (256 threads).
+    let per_sm =
+        |_: usize, _: usize, smem: usize| resident::per_sm_by_smem(228 * 1024, smem).min(2);
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [7, 13, 200, 256, 512, 1020, 1024, 2048] {
+                for b in [1, 3, 16, 17, 64, 130, 256, 1024] {
+                    let Some(t) = resident_tile(cell, b, h, dt, 132, 227 * 1024, per_sm) else {
+                        continue;
+                    };
+                    assert!(
+                        t.smem_bytes <= 227 * 1024,
+                        "{cell:?} {dt:?} H{h} B{b}: {t:?}"
+                    );
+                    assert!(t.unit_blocks * 8 * t.nu >= h && t.batch_blocks * 16 * t.mt >= b);
+                    assert!(t.blocks() <= 2 * 132, "{t:?}");
+                }
+            }
+        }
+    }
+    // The large-batch shapes all fit; the rule takes the least work per block
+    // (B256 H256 f32: 32 rows x 8 units, two blocks per SM).
+    for (cell, b, h, dt) in [
+        (Cell::Lstm, 256, 256, F32),
+        (Cell::Gru, 256, 256, F32),
+        (Cell::Lstm, 64, 512, F32),
+        (Cell::Gru, 64, 512, F32),
+        (Cell::Lstm, 64, 1024, BF16),
+        (Cell::Gru, 64, 1024, BF16),
+    ] {
+        let t = resident_tile(cell, b, h, dt, 132, 227 * 1024, per_sm);
+        assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
+    }
+    let t = resident_tile(Cell::Lstm, 256, 256, F32, 132, 227 * 1024, per_sm);
+    assert!(
+        t.is_some_and(|t| t.mt == 2 && t.nu == 1 && t.blocks() == 256),
+        "{t:?}"
+    );
+    // Too large for any tiling: f32 H2048 at B256 (16 MB of weights).
+    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, 132, 227 * 1024, per_sm).is_none());
+}
+
 /// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
 /// tiny sizes that leave CTAs idle), reverse, stacks of 1-3 (wavefront groups of 1, 2 and 3
 /// layers), f32/bf16/f16, with and without initial state.
@@ -492,7 +605,7 @@ fn path_is_chosen_by_batch() {
         for dt in [F32, BF16, F16] {
             for h in [200, 256, 512, 1024] {
                 assert_eq!(
-                    Path::choose(cell, 1, h, dt, true),
+                    Path::choose(cell, 1, h, dt, true, false),
                     Persistent,
                     "{dt:?} H{h}"
                 );
@@ -500,29 +613,55 @@ fn path_is_chosen_by_batch() {
         }
         // The measured brackets (bench/RESULTS.md): the tensor-core step up to H512, the
         // cuBLAS step from H1024.
-        assert_eq!(Path::choose(cell, 16, 256, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 32, 256, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 16, 512, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), BatchedCublas);
-        assert_eq!(Path::choose(cell, 64, 1024, BF16, true), BatchedCublas);
-        assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
-        assert_eq!(Path::choose(cell, 256, 256, F32, true), Batched);
-        assert_eq!(Path::choose(cell, 64, 512, F32, true), Persistent);
+        assert_eq!(Path::choose(cell, 16, 256, BF16, true, false), Persistent);
+        assert_eq!(Path::choose(cell, 32, 256, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 256, 256, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 16, 512, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 4, 1024, BF16, true, false), Persistent);
+        assert_eq!(
+            Path::choose(cell, 8, 1024, BF16, true, false),
+            BatchedCublas
+        );
+        assert_eq!(
+            Path::choose(cell, 64, 1024, BF16, true, false),
+            BatchedCublas
+        );
+        assert_eq!(Path::choose(cell, 128, 256, F32, true, false), Persistent);
+        assert_eq!(Path::choose(cell, 256, 256, F32, true, false), Batched);
+        assert_eq!(Path::choose(cell, 64, 512, F32, true, false), Persistent);
         // The crossover is monotonic in the batch.
         for dt in [F32, BF16] {
             for h in [200, 256, 512, 1024] {
                 let b0 = Path::crossover_batch(h, dt);
-                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true), Persistent);
-                assert_ne!(Path::choose(cell, b0, h, dt, true), Persistent);
-                assert_ne!(Path::choose(cell, 4 * b0, h, dt, true), Persistent);
+                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true, false), Persistent);
+                assert_ne!(Path::choose(cell, b0, h, dt, true, false), Persistent);
+                assert_ne!(Path::choose(cell, 4 * b0, h, dt, true, false), Persistent);
+            }
+        }
+    }
+    // Where the resident tensor-core kernel fits, it takes every batch from its threshold.
+    for cell in [Lstm, Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [200, 256, 512, 1024] {
+                let b0 = Path::resident_from(h, dt);
+                assert_eq!(Path::choose(cell, b0, h, dt, true, true), Path::Resident);
+                assert_eq!(
+                    Path::choose(cell, 4 * b0, h, dt, true, true),
+                    Path::Resident
+                );
+                assert_ne!(
+                    Path::choose(cell, b0 - 1, h, dt, true, true),
+                    Path::Resident
+                );
             }
         }
     }
     // Sizes whose persistent grid does not fit go to a batched path.
-    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), BatchedCublas);
-    assert_eq!(Path::choose(Gru, 1, 400, F32, false), Batched);
+    assert_eq!(
+        Path::choose(Lstm, 1, 5000, F32, false, false),
+        BatchedCublas
+    );
+    assert_eq!(Path::choose(Gru, 1, 400, F32, false, false), Batched);
 }
 
 #[test]
@@ -648,8 +787,10 @@ fn rejects_bad_params_naming_them() {
 /// the back-to-back mean), inputs and weights already on the device, median of 100 (30 for
 /// long sequences) after warm-up. Every case runs on every CUDA path that can take it (the
 /// batch-1 cluster path on sm_90+, persistent where its grid fits, batched tensor-core steps,
-/// batched cuBLAS steps), one JSON line each, `default` marking what `path: None` runs. The shapes come first, then a batch sweep for the
-/// crossover (`FK_RNN_CROSSOVER=0` leaves it out).
+/// batched cuBLAS steps, the resident tensor-core kernel where it fits), one JSON line each,
+/// `default` marking what `path: None` runs. The shapes come first, then a batch sweep
+/// for the crossover (`FK_RNN_CROSSOVER=0` leaves it out); `FK_RNN_MMA_TILINGS=1` adds the
+/// tensor-core step's other tilings.
 #[test]
 #[ignore]
 fn bench() {
@@ -735,10 +876,14 @@ fn bench() {
                     cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
                         .is_some_and(|g| super::cluster::default_takes(&g))
                 });
+            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt)
+                .unwrap()
+                .is_some();
             let default = if cluster_default {
                 Path::Cluster
             } else {
-                Path::choose(cell, b, h, dt, fits)
+                let from = Path::resident_from(h, dt);
+                Path::choose(cell, b, h, dt, fits, resident_fits && b >= from)
             };
             // (path, tiling override of the tensor-core step, label)
             let mut paths = vec![
@@ -753,10 +898,30 @@ fn bench() {
             if fits {
                 paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
             }
+            if resident_fits {
+                paths.push((Path::Resident, None, None, "resident".to_string()));
+            }
+            // The resident kernel's other tilings that fit (label resident:mMnN).
+            let mut res_tilings = Vec::new();
+            if resident_fits && b >= 64 {
+                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt).unwrap();
+                for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
+                    super::resident::set_tile_override(Some((mt, nu)));
+                    let t = super::resident::tile_on(&gpu, cell, b, h, dt).unwrap();
+                    if t.is_some() && t != t0 {
+                        res_tilings.push((mt, nu));
+                    }
+                }
+                super::resident::set_tile_override(None);
+            }
+            for &(mt, nu) in &res_tilings {
+                paths.push((Path::Resident, None, None, format!("resident:m{mt}n{nu}")));
+            }
             if b == 1 && ctas.is_some() {
                 paths.insert(0, (Path::Cluster, None, None, "cluster".to_string()));
             }
-            if b >= 64 || h >= 1024 {
+            let tilings = std::env::var("FK_RNN_MMA_TILINGS").as_deref() == Ok("1");
+            if tilings && (b >= 64 || h >= 1024) {
                 let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
                 paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
                 for mt in [1, 2, 4] {
@@ -768,6 +933,11 @@ fn bench() {
             let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
             for (path, budget, mt, label) in paths {
                 mma::set_tiling_override(budget, mt);
+                let forced = label
+                    .strip_prefix("resident:m")
+                    .and_then(|r| r.split_once('n'))
+                    .and_then(|(m, n)| Some((m.parse().ok()?, n.parse().ok()?)));
+                super::resident::set_tile_override(forced);
                 let reps = if t * h > 100_000 { 30 } else { 100 };
                 let call = |_: usize| {
                     run_on(
@@ -785,7 +955,9 @@ fn bench() {
                 // its error instead of a time.
                 let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
                 mma::set_tiling_override(None, None);
-                let default = path == default && budget.is_none() && mt.is_none();
+                super::resident::set_tile_override(None);
+                let default =
+                    path == default && budget.is_none() && mt.is_none() && forced.is_none();
                 match timing {
                     Ok(tm) => println!(
                         "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
