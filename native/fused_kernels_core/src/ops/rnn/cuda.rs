@@ -62,16 +62,16 @@ impl Path {
         }
     }
 
-    /// The smallest batch from which the resident tensor-core kernel is chosen (where it fits).
-    pub fn resident_from(_units: usize, _dtype: DType) -> usize {
-        16
-    }
-
-    /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
-    /// kernel's grid fits this GPU (else a batched path serves any size). Among the batched
-    /// paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster than
-    /// cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64 bf16:
-    /// 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
+    /// The path for a layer of `units` at `batch`. `resident_fits`: whether the resident
+    /// tensor-core kernel's grid fits this GPU; where it does it is chosen at every batch
+    /// (measured on an H200, bench/RESULTS.md session 3: fastest of the four paths in every
+    /// case from B1 to B256 and H256 to H1024, e.g. B1 H256 f32 382 vs 463 us persistent,
+    /// B256 H256 f32 1300-1335 vs 1852 us tensor-core steps, B4 H1024 bf16 1897 vs 3128 us;
+    /// ties only at B1 H512 f32, 507 vs 505 us). Otherwise: `persistent_fits`: whether the
+    /// persistent kernel's grid fits this GPU (else a batched path serves any size). Among the
+    /// batched paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster
+    /// than cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64
+    /// bf16: 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
     pub fn choose(
         _cell: Cell,
         batch: usize,
@@ -80,7 +80,7 @@ impl Path {
         persistent_fits: bool,
         resident_fits: bool,
     ) -> Path {
-        if resident_fits && batch >= Self::resident_from(units, dtype) {
+        if resident_fits {
             Path::Resident
         } else if persistent_fits && batch < Self::crossover_batch(units, dtype) {
             Path::Persistent
@@ -449,11 +449,10 @@ pub(super) fn run(
             Some(p) => p,
             None => {
                 // Unforced, a resident kernel that cannot be prepared here is not chosen.
-                let resident_fits = g.batch >= Path::resident_from(h, g.dtype)
-                    && matches!(
-                        resident::tile_on(gpu, cell, g.batch, h, g.dtype),
-                        Ok(Some(_))
-                    );
+                let resident_fits = matches!(
+                    resident::tile_on(gpu, cell, g.batch, h, g.dtype),
+                    Ok(Some(_))
+                );
                 Path::choose(
                     cell,
                     g.batch,

@@ -88,8 +88,13 @@ pub fn smem_bytes(cell: Cell, dtype: DType, h: usize, mt: usize, nu: usize) -> u
 /// The tiling for `batch` x `h` on `sms` multiprocessors (`smem_limit` bytes of shared memory
 /// per block), or None when no tiling keeps every block resident at once; `per_sm(mt, nu,
 /// smem)` says how many blocks of a tiling fit one multiprocessor. Among those that fit, the
-/// least work per block (most parallelism) wins, then the fewer blocks per batch tile (fewer
-/// arrivals to wait for each step, fewer re-reads of h).
+/// least work per multiprocessor wins (blocks per SM x rows x units per block), then the fewer
+/// blocks per batch tile (fewer arrivals to wait for each step, and h_{t-1} is re-read from L2
+/// once per unit block), then the more blocks. Fitted on an H200 (bench/RESULTS.md, session 3:
+/// every tiling timed at B64-B256, H256-H1024; `mt x nu`): LSTM B256 H256 f32 2x2 (32 rows x
+/// 16 units, 128 blocks) 1300 us vs 2x1 (256 blocks) 1335 us; GRU B64 H1024 bf16 2x2 4228 us
+/// vs 2x1 5415 us; B128 H256 1x2 4-13% faster than 1x1; LSTM B256 H256 bf16 1x2 (256 blocks)
+/// 551 us vs 2x2 (128 blocks) 625 us.
 pub fn tile(
     cell: Cell,
     batch: usize,
@@ -99,7 +104,7 @@ pub fn tile(
     smem_limit: usize,
     mut per_sm: impl FnMut(usize, usize, usize) -> usize,
 ) -> Option<Tile> {
-    let key = |t: &Tile| (t.mt * t.nu, t.unit_blocks, t.mt);
+    let key = |t: &Tile| (t.blocks().div_ceil(sms) * t.mt * t.nu, t.unit_blocks, t.mt);
     let forced = TILE_OVERRIDE.load(Ordering::Relaxed);
     let mut best: Option<Tile> = None;
     for mt in [1, 2, 4] {
