@@ -16,7 +16,8 @@
 //   order through shared memory (deterministic), then every thread runs the gate epilogue for
 //   its elements. The LSTM cell state (f32) and GRU's own h_{t-1} stay in registers.
 // - bf16/f16: mma.sync m16n8k16 (A through ldmatrix); f32: 3xTF32 on m16n8k8 (weights split
-//   into tf32 hi/lo once at pack time, h split in registers), ~1e-6 relative error.
+//   into tf32 hi/lo once at pack time, h split in registers), ~1e-6 relative error; with the
+//   caller's opt-in (`precision: :tf32`, TF32 = true) one tf32 mma on the hi parts only.
 // - Each step's input projection and the biases are loaded into registers before the step
 //   waits on its batch tile's counter, so that DRAM latency hides behind the barrier.
 
@@ -66,19 +67,19 @@ struct RnnResArgs {
   int vec;              // H * sizeof(T) % 16 == 0: h rows load as 16-byte pieces
 };
 
-template <typename T, bool LSTM, int MT, int NU> struct RrTile {
+template <typename T, bool LSTM, int MT, int NU, bool TF32> struct RrTile {
   static constexpr bool F32 = sizeof(T) == 4;
   static constexpr int G = LSTM ? 4 : 3, BM = 16 * MT, UN = 8 * NU, BN = G * UN;
   static constexpr int KS = 8 / NU;                         // k-slices (warps per unit group)
   static constexpr int KSTEP = F32 ? 8 : 16;                // k per mma
-  static constexpr int WPLANES = F32 ? 2 : 1;
+  static constexpr int WPLANES = F32 && !TF32 ? 2 : 1;
   static constexpr int EPT = (BM * UN + RNN_RES_THREADS - 1) / RNN_RES_THREADS;
   static constexpr int RP = BN + 4;                         // floats per partial-sum row
 };
 
-template <typename T, bool LSTM, int MT, int NU>
+template <typename T, bool LSTM, int MT, int NU, bool TF32>
 __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
-  using Tl = RrTile<T, LSTM, MT, NU>;
+  using Tl = RrTile<T, LSTM, MT, NU, TF32>;
   constexpr int G = Tl::G, BM = Tl::BM, UN = Tl::UN, BN = Tl::BN, KS = Tl::KS;
   constexpr int EPT = Tl::EPT, RP = Tl::RP;
   const int H = a.H, kp = a.kp;
@@ -222,22 +223,28 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               ahi[mi][e] = rr_tf32(x[e]);
-              alo[mi][e] = rr_tf32(x[e] - __uint_as_float(ahi[mi][e]));
+              alo[mi][e] = TF32 ? 0u : rr_tf32(x[e] - __uint_as_float(ahi[mi][e]));
             }
           }
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const int n = g * UN + ug * 8 + g8;
             const unsigned* wh = reinterpret_cast<const unsigned*>(sW + (size_t)n * pitch);
-            const unsigned* wl = reinterpret_cast<const unsigned*>(sW + (size_t)(BN + n) * pitch);
             const unsigned bh0 = wh[k0 + t4], bh1 = wh[k0 + t4 + 4];
-            const unsigned bl0 = wl[k0 + t4], bl1 = wl[k0 + t4 + 4];
+            if constexpr (TF32) {
 #pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
-              // Small terms first.
-              rr_mma_tf32(acc[mi][g], alo[mi], bh0, bh1);
-              rr_mma_tf32(acc[mi][g], ahi[mi], bl0, bl1);
-              rr_mma_tf32(acc[mi][g], ahi[mi], bh0, bh1);
+              for (int mi = 0; mi < MT; ++mi) rr_mma_tf32(acc[mi][g], ahi[mi], bh0, bh1);
+            } else {
+              const unsigned* wl =
+                  reinterpret_cast<const unsigned*>(sW + (size_t)(BN + n) * pitch);
+              const unsigned bl0 = wl[k0 + t4], bl1 = wl[k0 + t4 + 4];
+#pragma unroll
+              for (int mi = 0; mi < MT; ++mi) {
+                // Small terms first.
+                rr_mma_tf32(acc[mi][g], alo[mi], bh0, bh1);
+                rr_mma_tf32(acc[mi][g], ahi[mi], bl0, bl1);
+                rr_mma_tf32(acc[mi][g], ahi[mi], bh0, bh1);
+              }
             }
           }
         } else {
@@ -324,22 +331,25 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
   fk_cp_wait<0>();
 }
 
-#define RNN_RES_KERNEL(T, TN, LSTM, CN, MT, NU)                                     \
+// TN tf32: f32 tensors, single-pass TF32 products (the caller's opt-in).
+#define RNN_RES_KERNEL(T, TN, TF, LSTM, CN, MT, NU)                                 \
   extern "C" __global__ void __launch_bounds__(RNN_RES_THREADS, 1)                  \
       rnn_res_##CN##_##TN##_m##MT##_n##NU(const RnnResArgs a) {                     \
-    rnn_resident<T, LSTM, MT, NU>(a);                                               \
+    rnn_resident<T, LSTM, MT, NU, TF>(a);                                           \
   }
-#define RNN_RES_TILES(T, TN, LSTM, CN) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 1, 1) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 2, 1) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 4, 1) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 1, 2) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 2, 2) \
-  RNN_RES_KERNEL(T, TN, LSTM, CN, 4, 2)
-#define RNN_RES_CELLS(T, TN) RNN_RES_TILES(T, TN, true, lstm) RNN_RES_TILES(T, TN, false, gru)
+#define RNN_RES_TILES(T, TN, TF, LSTM, CN) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 1, 1) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 2, 1) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 4, 1) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 1, 2) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 2, 2) \
+  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 4, 2)
+#define RNN_RES_CELLS(T, TN, TF) \
+  RNN_RES_TILES(T, TN, TF, true, lstm) RNN_RES_TILES(T, TN, TF, false, gru)
 
-RNN_RES_CELLS(float, f32)
-RNN_RES_CELLS(fk_f16, f16)
-RNN_RES_CELLS(fk_bf16, bf16)
+RNN_RES_CELLS(float, f32, false)
+RNN_RES_CELLS(float, tf32, true)
+RNN_RES_CELLS(fk_f16, f16, false)
+RNN_RES_CELLS(fk_bf16, bf16, false)
 
 #endif

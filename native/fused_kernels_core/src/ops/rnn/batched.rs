@@ -113,10 +113,12 @@ fn pack(gpu: &Arc<Gpu>, ws: &[Staged<'_>], rows: usize, cols: usize) -> Result<D
 }
 
 /// Row-major `y{m, n} (f32) = a{m, k} . w{k, n}` with `a`'s rows `lda` elements apart, `a`
-/// and `w` of type `dt`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs).
+/// and `w` of type `dt`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs unless
+/// `tf32`, the caller's opt-in).
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     blas: &CudaBlas,
+    tf32: bool,
     dt: cudaDataType,
     a: u64,
     lda: usize,
@@ -147,7 +149,11 @@ fn gemm(
             y as *mut _,
             cudaDataType::CUDA_R_32F,
             dim(n)?,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            if tf32 {
+                cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+            } else {
+                cublasComputeType_t::CUBLAS_COMPUTE_32F
+            },
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }?;
@@ -183,9 +189,12 @@ pub(super) fn layer(
         .collect::<Result<_>>()?;
     if steps != Steps::Cublas {
         let xp_p = ptr(&xp);
+        // Only the resident kernel's projection takes the tf32 opt-in.
+        let tf32 = g.tf32 && steps == Steps::Resident;
         gpu.with_blas(|blas| {
             gemm(
                 blas,
+                tf32,
                 cdt,
                 ptr(input),
                 inp,
@@ -246,6 +255,7 @@ pub(super) fn layer(
     gpu.with_blas(|blas| {
         gemm(
             blas,
+            false,
             cdt,
             ptr(input),
             inp,
@@ -264,7 +274,7 @@ pub(super) fn layer(
                 None => (h0, h),
             };
             if hp != 0 {
-                gemm(blas, cdt, hp, ld, wh_pp, hr_p, b, h, gh)?;
+                gemm(blas, false, cdt, hp, ld, wh_pp, hr_p, b, h, gh)?;
             }
             a.hr = if hp != 0 { hr_p } else { 0 };
             a.hprev = hp;

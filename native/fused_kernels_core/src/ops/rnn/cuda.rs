@@ -450,7 +450,7 @@ pub(super) fn run(
             None => {
                 // Unforced, a resident kernel that cannot be prepared here is not chosen.
                 let resident_fits = matches!(
-                    resident::tile_on(gpu, cell, g.batch, h, g.dtype),
+                    resident::tile_on(gpu, cell, g.batch, h, g.dtype, g.tf32),
                     Ok(Some(_))
                 );
                 Path::choose(

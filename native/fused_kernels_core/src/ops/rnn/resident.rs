@@ -4,7 +4,8 @@
 //! for ~1 us of arithmetic); here every block keeps its slice of Wh (8*nu units, all gates,
 //! all of K) in shared memory for the whole sequence, and only the blocks of one batch tile
 //! wait for each other each step (a counter per batch tile, not a grid barrier). f32 runs as
-//! 3xTF32 (f32 accuracy), bf16/f16 with f32 accumulation, cell state f32 in registers.
+//! 3xTF32 (f32 accuracy; single-pass TF32 with `Precision::Tf32`), bf16/f16 with f32
+//! accumulation, cell state f32 in registers.
 
 use super::mma::pack;
 use super::{Cell, Geometry};
@@ -73,14 +74,14 @@ impl Tile {
     }
 }
 
-/// Shared memory of a block: the weight slice (f32: hi and lo planes) and one h_{t-1} tile,
-/// which the k-slices' partial sums reuse.
-pub fn smem_bytes(cell: Cell, dtype: DType, h: usize, mt: usize, nu: usize) -> usize {
+/// Shared memory of a block: the weight slice (f32: hi and lo planes; one with `tf32`) and
+/// one h_{t-1} tile, which the k-slices' partial sums reuse.
+pub fn smem_bytes(cell: Cell, dtype: DType, tf32: bool, h: usize, mt: usize, nu: usize) -> usize {
     let es = dtype.size();
     let kc = 128 / es;
     let pitch = h.div_ceil(kc) * kc * es + 16;
     let (bm, bn) = (16 * mt, cell.gates() * 8 * nu);
-    let planes = if dtype == DType::F32 { 2 } else { 1 };
+    let planes = if dtype == DType::F32 && !tf32 { 2 } else { 1 };
     let partials = (8 / nu) * bm * (bn + 4) * 4;
     planes * bn * pitch + (bm * pitch).max(partials)
 }
@@ -95,11 +96,13 @@ pub fn smem_bytes(cell: Cell, dtype: DType, h: usize, mt: usize, nu: usize) -> u
 /// 16 units, 128 blocks) 1300 us vs 2x1 (256 blocks) 1335 us; GRU B64 H1024 bf16 2x2 4228 us
 /// vs 2x1 5415 us; B128 H256 1x2 4-13% faster than 1x1; LSTM B256 H256 bf16 1x2 (256 blocks)
 /// 551 us vs 2x2 (128 blocks) 625 us.
+#[allow(clippy::too_many_arguments)]
 pub fn tile(
     cell: Cell,
     batch: usize,
     h: usize,
     dtype: DType,
+    tf32: bool,
     sms: usize,
     smem_limit: usize,
     mut per_sm: impl FnMut(usize, usize, usize) -> usize,
@@ -112,7 +115,7 @@ pub fn tile(
             if forced != 0 && forced != 10 * mt + nu {
                 continue;
             }
-            let smem = smem_bytes(cell, dtype, h, mt, nu);
+            let smem = smem_bytes(cell, dtype, tf32, h, mt, nu);
             let t = Tile {
                 mt,
                 nu,
@@ -140,8 +143,9 @@ pub fn per_sm_by_smem(sm_smem: usize, smem: usize) -> usize {
     sm_smem / (smem + 1024)
 }
 
-fn kernel_name(cell: Cell, dtype: DType, mt: usize, nu: usize) -> Result<String> {
+fn kernel_name(cell: Cell, dtype: DType, tf32: bool, mt: usize, nu: usize) -> Result<String> {
     let (tname, _) = super::cuda::type_name(dtype)?;
+    let tname = if tf32 { "tf32" } else { tname };
     let cname = match cell {
         Cell::Lstm => "lstm",
         Cell::Gru => "gru",
@@ -157,6 +161,7 @@ pub fn tile_on(
     batch: usize,
     h: usize,
     dtype: DType,
+    tf32: bool,
 ) -> Result<Option<Tile>> {
     if !gpu.has_tensor_cores() {
         return Ok(None);
@@ -167,21 +172,34 @@ pub fn tile_on(
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
         as usize;
     let mut failed = None;
-    let t = tile(cell, batch, h, dtype, sms, smem_limit, |mt, nu, smem| {
-        let occ = kernel_name(cell, dtype, mt, nu)
-            .and_then(|name| gpu.function(&RNN_RESIDENT, &name))
-            .and_then(|f| {
-                crate::cuda::smem::allow_dynamic_smem(&f, smem)?;
-                Ok(f.occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, smem, None)?)
-            });
-        match occ {
-            Ok(n) => n as usize,
-            Err(e) => {
-                failed = Some(e);
-                0
+    let t = tile(
+        cell,
+        batch,
+        h,
+        dtype,
+        tf32,
+        sms,
+        smem_limit,
+        |mt, nu, smem| {
+            let occ = kernel_name(cell, dtype, tf32, mt, nu)
+                .and_then(|name| gpu.function(&RNN_RESIDENT, &name))
+                .and_then(|f| {
+                    crate::cuda::smem::allow_dynamic_smem(&f, smem)?;
+                    Ok(f.occupancy_max_active_blocks_per_multiprocessor(
+                        THREADS as u32,
+                        smem,
+                        None,
+                    )?)
+                });
+            match occ {
+                Ok(n) => n as usize,
+                Err(e) => {
+                    failed = Some(e);
+                    0
+                }
             }
-        }
-    });
+        },
+    );
     match (t, failed) {
         (None, Some(e)) => Err(e),
         (t, _) => Ok(t),
@@ -209,12 +227,15 @@ pub(super) fn run(
     states: &[DeviceTensor],
 ) -> Result<()> {
     let b = g.batch;
-    let tl = tile_on(gpu, cell, b, h, g.dtype)?.ok_or_else(|| {
+    let tl = tile_on(gpu, cell, b, h, g.dtype, g.tf32)?.ok_or_else(|| {
         arg_error(format!(
             "hidden_kernel: {h} units at batch {b} do not fit the resident tensor-core path on this GPU"
         ))
     })?;
-    let f = gpu.function(&RNN_RESIDENT, &kernel_name(cell, g.dtype, tl.mt, tl.nu)?)?;
+    let f = gpu.function(
+        &RNN_RESIDENT,
+        &kernel_name(cell, g.dtype, g.tf32, tl.mt, tl.nu)?,
+    )?;
     crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
     let sms = gpu.multiprocessors()? as usize;
     let resident =
@@ -227,6 +248,7 @@ pub(super) fn run(
             tl.blocks()
         )));
     }
+    // (With tf32 the packed lo plane is not read.)
     let packed = pack(gpu, wh, h, g.dtype, 8 * tl.nu)?;
     let mut counters = DeviceTensor::uninit(gpu, vec![tl.batch_blocks], DType::F32)?;
     counters.fill_bytes(0)?;

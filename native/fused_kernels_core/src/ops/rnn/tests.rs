@@ -118,6 +118,18 @@ fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
 
 /// `check` with the CUDA path forced (`None`: the default choice by batch size).
 fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f64> {
+    check_with(backend, c, seed, path, Precision::F32).0
+}
+
+/// `check_on` with a precision (TF32's tolerance, 1e-3, for f32 with `Precision::Tf32`);
+/// also returns the sequence's rel. L2 error.
+fn check_with(
+    backend: Backend,
+    c: &Case,
+    seed: u64,
+    path: Option<Path>,
+    precision: Precision,
+) -> (Vec<f64>, f64) {
     let mut rng = Rng::new(seed);
     let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
     let layers = make_layers(&mut rng, c);
@@ -130,7 +142,17 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
     if let Backend::Cuda(_) = backend {
         poison_device_pool(c);
     }
-    let out = run_on(backend, c.cell, &x, &ops, c.reverse, Placement::Host, path).unwrap();
+    let out = run_with(
+        backend,
+        c.cell,
+        &x,
+        &ops,
+        c.reverse,
+        Placement::Host,
+        path,
+        precision,
+    )
+    .unwrap();
     let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
     let (seq, states) = reference(
         c.cell,
@@ -139,11 +161,15 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
         &refs,
         c.reverse,
     );
-    let tol = tolerance(c.dtype).max(if c.dtype == DType::F64 { 1e-10 } else { 0.0 });
+    let tol = match (c.dtype, precision) {
+        (DType::F64, _) => tolerance(c.dtype).max(1e-10),
+        (DType::F32, Precision::Tf32) => 1e-3,
+        _ => tolerance(c.dtype),
+    };
     let got = host_f64(&out.sequence);
     let err = rel_l2(&got, &seq);
     let what = format!(
-        "{backend:?} {path:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
+        "{backend:?} {path:?} {precision:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
         c.cell, c.dtype, c.batch, c.seq, c.features, c.hidden, c.reverse, c.with_state
     );
     assert!(err <= tol, "{what}: sequence rel L2 {err:e}");
@@ -154,7 +180,7 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
         }
     }
     eprintln!("ok {what}: rel L2 {err:.2e}");
-    got
+    (got, err)
 }
 
 /// Fills recently freed device memory with 0xFF (NaN in every type), so outputs that the
@@ -384,6 +410,43 @@ fn cuda_resident_matches_f64_reference_with_poisoned_output() {
     }
 }
 
+/// `precision: :tf32` (the caller's opt-in): the resident path with single-pass TF32 stays
+/// within TF32's 1e-3 of the f64 reference, and is really taken (its error is far above
+/// 3xTF32's ~2e-7); other paths and f16/bf16 ignore it and stay at their own tolerance.
+#[test]
+fn cuda_resident_tf32_opt_in() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    use DType::{BF16, F32};
+    for (i, cell) in [Cell::Lstm, Cell::Gru].into_iter().enumerate() {
+        for c in [
+            case(cell, 256, 20, 288, &[256, 256], false, true, F32),
+            case(cell, 64, 61, 100, &[512], true, false, F32),
+            case(cell, 3, 13, 7, &[200], true, true, F32),
+        ] {
+            let (_, err) = check_with(
+                Backend::Cuda(None),
+                &c,
+                900 + i as u64,
+                Some(Path::Resident),
+                Precision::Tf32,
+            );
+            assert!(err > 2e-6, "{cell:?}: rel L2 {err:e}: TF32 not taken");
+        }
+        let c = case(cell, 64, 20, 64, &[256], false, true, F32);
+        check_with(
+            Backend::Cuda(None),
+            &c,
+            950,
+            Some(Path::Persistent),
+            Precision::Tf32,
+        );
+        let c = case(cell, 64, 20, 64, &[256], false, true, BF16);
+        check_with(Backend::Cuda(None), &c, 951, None, Precision::Tf32);
+    }
+}
+
 #[test]
 fn cuda_resident_is_deterministic() {
     if gpu_for_tests().is_none() {
@@ -415,7 +478,8 @@ fn resident_tiles_fit_and_stay_resident() {
         for dt in [F32, BF16, F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048] {
                 for b in [1, 3, 16, 17, 64, 130, 256, 1024] {
-                    let Some(t) = resident_tile(cell, b, h, dt, 132, 227 * 1024, per_sm) else {
+                    let Some(t) = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm)
+                    else {
                         continue;
                     };
                     assert!(
@@ -437,7 +501,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Lstm, 64, 1024, BF16),
         (Cell::Gru, 64, 1024, BF16),
     ] {
-        let t = resident_tile(cell, b, h, dt, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
         assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
     }
     // The measured best tilings (bench/RESULTS.md, session 3).
@@ -452,7 +516,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Gru, 64, 1024, BF16, 2, 2),
         (Cell::Lstm, 64, 1024, BF16, 2, 2),
     ] {
-        let t = resident_tile(cell, b, h, dt, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
         assert!(
             t.is_some_and(|t| t.mt == mt && t.nu == nu),
             "{cell:?} B{b} H{h} {dt:?}: {t:?}"
@@ -461,12 +525,12 @@ fn resident_tiles_fit_and_stay_resident() {
     // Every case of the forced-path GPU test fits.
     for c in resident_cases() {
         for &h in &c.hidden {
-            let t = resident_tile(c.cell, c.batch, h, c.dtype, 132, 227 * 1024, per_sm);
+            let t = resident_tile(c.cell, c.batch, h, c.dtype, false, 132, 227 * 1024, per_sm);
             assert!(t.is_some(), "{:?} B{} H{h} {:?}", c.cell, c.batch, c.dtype);
         }
     }
     // Too large for any tiling: f32 H2048 at B256 (16 MB of weights).
-    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, 132, 227 * 1024, per_sm).is_none());
+    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, false, 132, 227 * 1024, per_sm).is_none());
 }
 
 /// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
@@ -727,10 +791,18 @@ fn rejects_bad_params_naming_them() {
     let xb = random_bytes(&mut rng, 24, 1.0, DType::F32);
     let x = Operand::Host(HostTensor::new("x", &xb, vec![2, 3, 4], DType::F32).unwrap());
     let err = |ops: &[Layer]| {
-        run(Backend::Cpu, Cell::Lstm, &x, ops, false, Placement::Host)
-            .err()
-            .unwrap()
-            .to_string()
+        run(
+            Backend::Cpu,
+            Cell::Lstm,
+            &x,
+            ops,
+            false,
+            Placement::Host,
+            Precision::F32,
+        )
+        .err()
+        .unwrap()
+        .to_string()
     };
     let good = operands(&layers[0], 2, DType::F32);
     assert!(run(
@@ -739,7 +811,8 @@ fn rejects_bad_params_naming_them() {
         &x,
         std::slice::from_ref(&good),
         false,
-        Placement::Host
+        Placement::Host,
+        Precision::F32,
     )
     .is_ok());
 
@@ -781,6 +854,7 @@ fn rejects_bad_params_naming_them() {
         &[operands(&layers[0], 2, DType::F32)],
         false,
         Placement::Host,
+        Precision::F32,
     )
     .err()
     .unwrap();
@@ -791,7 +865,8 @@ fn rejects_bad_params_naming_them() {
         &x,
         &[operands(&layers[0], 2, DType::F32)],
         false,
-        Placement::Host
+        Placement::Host,
+        Precision::F32,
     )
     .is_err());
 }
@@ -802,7 +877,8 @@ fn rejects_bad_params_naming_them() {
 /// long sequences) after warm-up. Every case runs on every CUDA path that can take it (the
 /// batch-1 cluster path on sm_90+, persistent where its grid fits, batched tensor-core steps,
 /// batched cuBLAS steps, the resident tensor-core kernel where it fits), one JSON line each,
-/// `default` marking what `path: None` runs. The shapes come first, then a batch sweep
+/// `default` marking what `path: None` runs; `resident_tf32` is the resident kernel under the
+/// opt-in `precision: :tf32` (f32 cases). The shapes come first, then a batch sweep
 /// for the crossover (`FK_RNN_CROSSOVER=0` leaves it out); `FK_RNN_MMA_TILINGS=1` adds the
 /// tensor-core step's other tilings.
 #[test]
@@ -890,7 +966,7 @@ fn bench() {
                     cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
                         .is_some_and(|g| super::cluster::default_takes(&g))
                 });
-            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt)
+            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt, false)
                 .unwrap()
                 .is_some();
             let default = if cluster_default {
@@ -914,13 +990,21 @@ fn bench() {
             if resident_fits {
                 paths.push((Path::Resident, None, None, "resident".to_string()));
             }
+            // The opt-in `precision: :tf32` (f32 only), to set against cuDNN's TF32 default.
+            if dt == F32
+                && super::resident::tile_on(&gpu, cell, b, h, dt, true)
+                    .unwrap()
+                    .is_some()
+            {
+                paths.push((Path::Resident, None, None, "resident_tf32".to_string()));
+            }
             // The resident kernel's other tilings that fit (label resident:mMnN).
             let mut res_tilings = Vec::new();
             if resident_fits && b >= 64 {
-                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt).unwrap();
+                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
                 for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
                     super::resident::set_tile_override(Some((mt, nu)));
-                    let t = super::resident::tile_on(&gpu, cell, b, h, dt).unwrap();
+                    let t = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
                     if t.is_some() && t != t0 {
                         res_tilings.push((mt, nu));
                     }
@@ -952,8 +1036,13 @@ fn bench() {
                     .and_then(|(m, n)| Some((m.parse().ok()?, n.parse().ok()?)));
                 super::resident::set_tile_override(forced);
                 let reps = if t * h > 100_000 { 30 } else { 100 };
+                let precision = if label == "resident_tf32" {
+                    Precision::Tf32
+                } else {
+                    Precision::F32
+                };
                 let call = |_: usize| {
-                    run_on(
+                    run_with(
                         Backend::Cuda(None),
                         cell,
                         &xo,
@@ -961,6 +1050,7 @@ fn bench() {
                         false,
                         Placement::Device,
                         Some(path),
+                        precision,
                     )
                     .map(|_| ())
                 };
