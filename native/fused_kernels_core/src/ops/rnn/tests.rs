@@ -895,6 +895,7 @@ fn bench() {
         (64, 60, 288, 256, 2, BF16),
         (256, 60, 288, 256, 2, BF16),
         (64, 512, 1024, 1024, 1, BF16),
+        (64, 60, 288, 512, 2, F32),
     ];
     if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
         cases.push((1, 60, 288, 512, 2, BF16));
@@ -909,8 +910,8 @@ fn bench() {
         for b in [16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, BF16));
         }
+        cases.push((16, 60, 288, 512, 2, F32));
         for b in [16, 64] {
-            cases.push((b, 60, 288, 512, 2, F32));
             cases.push((b, 60, 288, 512, 2, BF16));
         }
         for b in [4, 8, 16, 32] {
