@@ -1,11 +1,13 @@
 //! CUDA backend. Batch 1 on sm_90+: groups of layers on one thread-block cluster (`cluster.rs`)
-//! where they fit; otherwise three paths chosen per layer by `Path::choose`. Small batch (persistent): per
-//! layer, the input projection of all timesteps as cuBLAS GEMMs (one per gate, f32
-//! accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one cooperative
-//! persistent kernel for the whole recurrence (`kernels/rnn.cu`). Large batch: `batched.rs`
-//! (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one cuBLAS GEMM +
-//! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
-//! returns to the host in between.
+//! where they fit; otherwise a path per layer by `Path::choose`. Wherever its grid fits: one
+//! persistent tensor-core kernel with each block's weight slice resident in shared memory for
+//! the whole sequence (`resident.rs`, after `batched.rs`'s one projection GEMM). Else, small
+//! batch (persistent): the input projection of all timesteps as cuBLAS GEMMs (one per gate,
+//! f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
+//! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`); large batch:
+//! `batched.rs` (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one
+//! cuBLAS GEMM + one fused elementwise kernel). Layers run back to back on the device's
+//! stream; nothing returns to the host in between.
 
 use super::{batched, cluster, resident, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
