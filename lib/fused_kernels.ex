@@ -95,7 +95,9 @@ defmodule FusedKernels do
     `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
     `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default), `reverse`
     (false: process the sequence last to first, outputs at their own positions), `backend`,
-    `device`, `out`. f32/f16/bf16 (f32 accumulation and cell state).
+    `device`, `out`, `precision` (`:f32`, the default, keeps f32 calls f32-accurate; `:tf32`
+    lets the CUDA large-batch path use single-pass TF32 products, ~1e-3 relative error, as
+    PyTorch's cuDNN does by default). f32/f16/bf16 (f32 accumulation and cell state).
     """
     def lstm(x, params, opts \\ []) when is_map(params),
       do: FusedKernels.Rnn.run(:lstm, x, params, opts)

@@ -67,6 +67,31 @@ defmodule FusedKernels.RnnTest do
     end
   end
 
+  test "precision: :tf32 is validated and leaves the CPU path f32-accurate" do
+    p = params(:gru, 4, 5, {:f, 32})
+    x = triple({2, 3, 4}, {:f, 32}, 1.0)
+    {{bin, _, _}, _} = Rnn.native(:gru, x, [p], backend: :cpu)
+    assert {{^bin, _, _}, _} = Rnn.native(:gru, x, [p], backend: :cpu, precision: :tf32)
+
+    assert_raise ArgumentError, ~r/precision must be :f32 or :tf32/, fn ->
+      Rnn.native(:gru, x, [p], backend: :cpu, precision: :bf16)
+    end
+  end
+
+  @tag :cuda
+  test "precision: :tf32 on the CUDA large-batch path stays within TF32's 1e-3 of f32" do
+    for cell <- [:lstm, :gru] do
+      layers = [params(cell, 48, 256, {:f, 32}), params(cell, 256, 256, {:f, 32})]
+      x = triple({64, 9, 48}, {:f, 32}, 1.0)
+      {{ref, _, t}, _} = Rnn.native(cell, x, layers, backend: :cuda)
+      {{got, _, ^t}, _} = Rnn.native(cell, x, layers, backend: :cuda, precision: :tf32)
+
+      err = TestRef.rel_l2(TestRef.decode(got, t), TestRef.decode(ref, t))
+      assert err <= 1.0e-3, "#{cell}: rel L2 #{err}"
+      assert err > 0.0, "#{cell}: tf32 gave the f32 result bit for bit: not taken"
+    end
+  end
+
   if Code.ensure_loaded?(Nx) do
     defp to_nx_params(p),
       do:

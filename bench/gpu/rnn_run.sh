@@ -3,8 +3,10 @@
 # determinism; every CUDA path: batch-1 cluster, persistent, tensor-core steps, cuBLAS steps),
 # the Rust bench (every path that can take each case, crossover batch sweep), and cuDNN side by
 # side. `RNN_MIXBENCH=1` adds the Elixir `mix bench` rows, `RNN_SKIP_EXUNIT=1` leaves
-# the ExUnit tests out. Build here first: `bash bench/gpu/harness build` (and, optionally,
-# `FK_CACHE_OUT=.gpu/kcache FK_KERNELS=rnn,rnn_batched,rnn_mma,rnn_cluster target/release/kernel_ptx
+# the ExUnit tests out, `RNN_TESTS=<filter>` runs only the Rust tests matching it;
+# `RNN_T_TESTS/BENCH/SIDE` set the time limits (s). Build here first: `bash bench/gpu/harness
+# build` (and, optionally,
+# `FK_CACHE_OUT=.gpu/kcache FK_KERNELS=rnn,rnn_batched,rnn_mma,rnn_cluster,rnn_resident target/release/kernel_ptx
 # /tmp/kp sm_90` so the GPU machine loads the kernels instead of compiling them); then run
 # this from the bundle root.
 set -uo pipefail
@@ -15,6 +17,11 @@ export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 mkdir -p $FUSED_KERNELS_CACHE_DIR && cp .gpu/kcache/* $FUSED_KERNELS_CACHE_DIR/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -z "${RNN_ONLY_EXUNIT:-}" ]; then
+if [ -n "${RNN_TESTS:-}" ]; then
+echo "== rnn GPU tests matching $RNN_TESTS"
+timeout ${RNN_T_TESTS:-75} .gpu/bin/core_tests $RNN_TESTS --test-threads=4 --nocapture 2>&1 |
+  tee "$OUT/rnn_tests.log" | grep -E "test result|panicked|FAILED" | tail -20
+else
 echo "== rnn cluster GPU tests"
 timeout ${RNN_T_CLUSTER:-90} .gpu/bin/core_tests rnn::tests::cuda_cluster --test-threads=2 --nocapture 2>&1 |
   tee "$OUT/rnn_cluster_tests.log" | grep -E "test result|panicked|FAILED|error" | tail -20
@@ -26,11 +33,12 @@ if grep -q "panicked" "$OUT/rnn_tests.log"; then
   FK_RNN_NO_PDL=1 timeout 40 .gpu/bin/core_tests rnn::tests::cuda_batched --test-threads=2 --nocapture 2>&1 |
     tee "$OUT/rnn_tests_nopdl.log" | grep -E "test result|panicked" | tail -5
 fi
+fi
 echo "== rnn bench"
-timeout 90 .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
+timeout ${RNN_T_BENCH:-90} .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
   2>"$OUT/rnn_bench.err" | grep -o '{.*}' | tee "$OUT/rnn_ours.jsonl" | tail -2
 echo "== cuDNN side by side"
-timeout 60 python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -40
+timeout ${RNN_T_SIDE:-60} python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -40
 fi
 [ -n "${RNN_SKIP_EXUNIT:-}" ] && exit 0
 echo "== ExUnit rnn tests (with :cuda) and mix bench rows"

@@ -1,7 +1,7 @@
 """torch.nn.LSTM / nn.GRU (cuDNN) side by side with our fused RNN, same shapes, dtypes,
 device and run. Ours comes from the Rust bench (`core_tests rnn::tests::bench --ignored`),
 one JSON line per case and CUDA path (batch-1 cluster / persistent kernel / batched tensor-core steps /
-batched cuBLAS steps; `default` marks the path `Path::choose` picks): CUDA events around
+batched cuBLAS steps / resident tensor-core kernel; `default` marks the path `Path::choose` picks): CUDA events around
 the whole call (input projection GEMMs + recurrences), inputs and weights already on the
 GPU. cuDNN is timed the same way (CUDA events, `timing.event_ms`), median of 100 (30 for
 long sequences) after warm-up. Weights are random with the same shapes (timing does not
@@ -49,8 +49,9 @@ for cell in ["lstm", "gru"]:
                 torch.backends.cudnn.allow_tf32 = True
         mine = {r["path"]: r for r in ours if r["cell"] == cell and r["case"] == case}
         default = next(r for r in mine.values() if r["default"])
-        us = {p: mine.get(p, {}).get("median_us", nan) for p in ["cluster", "persistent", "batched", "batched_cublas"]}
+        us = {p: mine.get(p, {}).get("median_us", nan) for p in ["cluster", "persistent", "batched", "batched_cublas", "resident", "resident_tf32"]}
         variants = {p: r.get("median_us", nan) for p, r in mine.items() if ":" in p}
+        # ratio_resident_tf32: our opt-in TF32 against cuDNN's default (TF32 allowed).
         row = dict(cell=cell, case=case, variants_us=variants, cudnn_us=te, cudnn_fp32_us=te32, ours_us=default.get("median_us", nan),
                    ours_path=default["path"], **{p + "_us": v for p, v in us.items()},
                    ratio=te / default.get("median_us", nan), ratio_fp32=te32 / default.get("median_us", nan),
@@ -58,15 +59,15 @@ for cell in ["lstm", "gru"]:
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-print(f"\n{'cell':5} {'case':28} {'cuDNN':>8} {'ours':>8} {'ratio':>6} {'path':>10} | {'pers':>8} {'mma':>8} {'cublas':>8} | {'clus':>5} {'pers':>5} {'mma':>5} {'cublas':>5} | {'FP32':>8} {'ratio':>5}")
+print(f"\n{'cell':5} {'case':28} {'cuDNN':>8} {'ours':>8} {'ratio':>6} {'path':>10} | {'clus':>8} {'pers':>8} {'mma':>8} {'cublas':>8} {'resid':>8} | {'clus':>5} {'pers':>5} {'mma':>5} {'cublas':>5} {'resid':>5} | {'FP32':>8} {'ratio':>5} | {'ourTF32':>8} {'ratio':>5}")
 for r in rows:
     print(f"{r['cell']:5} {r['case']:28} {r['cudnn_us']:8.1f} {r['ours_us']:8.1f} {r['ratio']:5.2f}x {r['ours_path']:>10} | "
-          f"{r['cluster_us']:8.1f} {r['persistent_us']:8.1f} {r['batched_us']:8.1f} {r['batched_cublas_us']:8.1f} | "
-          f"{r['ratio_cluster']:5.2f} {r['ratio_persistent']:5.2f} {r['ratio_batched']:5.2f} {r['ratio_batched_cublas']:5.2f} | "
-          f"{r['cudnn_fp32_us']:8.1f} {r['ratio_fp32']:5.2f}")
+          f"{r['cluster_us']:8.1f} {r['persistent_us']:8.1f} {r['batched_us']:8.1f} {r['batched_cublas_us']:8.1f} {r['resident_us']:8.1f} | "
+          f"{r['ratio_cluster']:5.2f} {r['ratio_persistent']:5.2f} {r['ratio_batched']:5.2f} {r['ratio_batched_cublas']:5.2f} {r['ratio_resident']:5.2f} | "
+          f"{r['cudnn_fp32_us']:8.1f} {r['ratio_fp32']:5.2f} | {r['resident_tf32_us']:8.1f} {r['ratio_resident_tf32']:5.2f}")
 
-print("\ntensor-core step tilings (batched:full = one block per SM, all of K in flight; :mtN = N m-tiles)")
+print("\ntilings (batched:full = one block per SM, all of K in flight; batched:mtN = N m-tiles; resident:mMnN = M m-tiles x N 8-unit groups per block)")
 for r in rows:
     if r["variants_us"]:
-        v = "  ".join(f"{k.split(':')[1]} {u:8.1f} ({r['cudnn_us'] / u:4.2f}x)" for k, u in r["variants_us"].items())
-        print(f"{r['cell']:5} {r['case']:28} default {r['batched_us']:8.1f} ({r['ratio_batched']:4.2f}x)  {v}")
+        v = "  ".join(f"{k} {u:8.1f} ({r['cudnn_us'] / u:4.2f}x)" for k, u in r["variants_us"].items())
+        print(f"{r['cell']:5} {r['case']:28} batched {r['batched_us']:8.1f} resident {r['resident_us']:8.1f}  {v}")

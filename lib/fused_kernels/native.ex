@@ -105,7 +105,9 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
-  def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out), do: not_loaded()
+  def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
+    do: not_loaded()
+
   @doc false
   def selective_scan(
         _u,

@@ -25,7 +25,8 @@ defmodule FusedKernels.Rnn do
         reverse: false,
         backend: nil,
         device: nil,
-        out: :host
+        out: :host,
+        precision: :f32
       )
 
     unless is_boolean(opts[:reverse]),
@@ -33,6 +34,13 @@ defmodule FusedKernels.Rnn do
 
     unless opts[:out] in [:host, :device],
       do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
+
+    unless opts[:precision] in [:f32, :tf32],
+      do:
+        raise(
+          ArgumentError,
+          "precision must be :f32 or :tf32, got: #{inspect(opts[:precision])}"
+        )
 
     Enum.reject(opts, fn {k, v} -> is_nil(v) and k != :initial_state end)
   end
@@ -121,7 +129,15 @@ defmodule FusedKernels.Rnn do
   defp call(cell, x, layers, backend, opts) do
     {seq, states} =
       cell
-      |> Native.rnn(x, layers, opts[:reverse], backend, Backend.device(opts), opts[:out])
+      |> Native.rnn(
+        x,
+        layers,
+        opts[:reverse],
+        backend,
+        Backend.device(opts),
+        opts[:out],
+        opts[:precision]
+      )
       |> Native.unwrap!()
 
     {Buffer.wrap(seq),

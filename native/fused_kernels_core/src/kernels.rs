@@ -85,6 +85,11 @@ pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
     ),
 };
 
+pub const RNN_RESIDENT: Kernel = Kernel {
+    name: "rnn_resident",
+    body: include_str!("../kernels/rnn_resident.cu"),
+};
+
 pub const NORM: Kernel = Kernel {
     name: "norm",
     body: include_str!("../kernels/norm.cu"),
@@ -117,6 +122,7 @@ pub const ALL: &[&Kernel] = &[
     &SELECTIVE_SCAN_F32,
     &SELECTIVE_SCAN_F16,
     &SELECTIVE_SCAN_BF16,
+    &RNN_RESIDENT,
     &NORM,
     &MAMBA_BLOCK,
     &STREAM_STATE,

@@ -8,6 +8,7 @@ mod cluster;
 mod cpu;
 mod cuda;
 mod mma;
+mod resident;
 
 pub use cpu::reference;
 
@@ -79,6 +80,31 @@ pub struct Layer<'a> {
     pub initial_state: Vec<Operand<'a>>,
 }
 
+/// The arithmetic f32 calls may use on CUDA.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 accuracy everywhere (tensor-core products as 3xTF32): the default.
+    #[default]
+    F32,
+    /// The caller's opt-in (`precision: :tf32`): the resident tensor-core path and its input
+    /// projection use single-pass TF32 products (10-bit mantissa, ~1e-3 relative error),
+    /// PyTorch's default for cuDNN. Other paths and backends stay f32-accurate; f16/bf16 calls
+    /// are unaffected.
+    Tf32,
+}
+
+impl Precision {
+    pub fn parse(name: &str) -> Result<Precision> {
+        match name {
+            "f32" => Ok(Precision::F32),
+            "tf32" => Ok(Precision::Tf32),
+            other => Err(arg_error(format!(
+                "precision must be :f32 or :tf32, got :{other}"
+            ))),
+        }
+    }
+}
+
 /// Sizes of a validated call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Geometry {
@@ -88,6 +114,8 @@ pub struct Geometry {
     /// Units of each layer.
     pub hidden: Vec<usize>,
     pub dtype: DType,
+    /// An f32 call that allows single-pass TF32 products (`Precision::Tf32`).
+    pub tf32: bool,
 }
 
 impl Geometry {
@@ -137,6 +165,7 @@ pub fn geometry(
         features,
         hidden: Vec::new(),
         dtype: x_dtype,
+        tf32: false,
     };
     for (l, layer) in layers.iter().enumerate() {
         let pre = layer_prefix(layers.len(), l);
@@ -219,11 +248,15 @@ pub fn run(
     layers: &[Layer<'_>],
     reverse: bool,
     placement: Placement,
+    precision: Precision,
 ) -> Result<Output<Value>> {
-    run_on(backend, cell, x, layers, reverse, placement, None)
+    run_with(
+        backend, cell, x, layers, reverse, placement, None, precision,
+    )
 }
 
-/// `run` with the CUDA path forced (`None`: chosen by batch size); tests and benchmarks.
+/// `run` with the CUDA path forced (`None`: chosen by batch size), f32-accurate; tests and
+/// benchmarks.
 pub fn run_on(
     backend: Backend,
     cell: Cell,
@@ -233,7 +266,32 @@ pub fn run_on(
     placement: Placement,
     path: Option<Path>,
 ) -> Result<Output<Value>> {
-    let g = geometry(cell, x.shape(), x.dtype(), layers)?;
+    run_with(
+        backend,
+        cell,
+        x,
+        layers,
+        reverse,
+        placement,
+        path,
+        Precision::F32,
+    )
+}
+
+/// `run_on` with a precision.
+#[allow(clippy::too_many_arguments)]
+pub fn run_with(
+    backend: Backend,
+    cell: Cell,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+    placement: Placement,
+    path: Option<Path>,
+    precision: Precision,
+) -> Result<Output<Value>> {
+    let mut g = geometry(cell, x.shape(), x.dtype(), layers)?;
+    g.tf32 = g.dtype == DType::F32 && precision == Precision::Tf32;
     match backend {
         Backend::Cpu => {
             if placement == Placement::Device {
@@ -271,6 +329,7 @@ pub fn run_on(
 
 pub use cluster::{group as cluster_group, Group as ClusterGroup};
 pub use cuda::{plan as cuda_plan, Path, Plan};
+pub use resident::{tile as resident_tile, Tile as ResidentTile};
 
 #[cfg(test)]
 mod tests;

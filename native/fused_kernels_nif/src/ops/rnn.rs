@@ -3,7 +3,7 @@ use crate::terms::{
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::Operand;
-use fused_kernels_core::ops::rnn::{run, Cell, Layer};
+use fused_kernels_core::ops::rnn::{run, Cell, Layer, Precision};
 use rustler::types::tuple::get_tuple;
 use rustler::{Encoder, Env, Term};
 
@@ -40,7 +40,8 @@ fn decode_layer<'a>(term: Term<'a>) -> Result<Layer<'a>> {
     })
 }
 
-/// `rnn(cell, x, layers, reverse, backend, device, out)` -> `{sequence, [[state...] per layer]}`.
+/// `rnn(cell, x, layers, reverse, backend, device, out, precision)` -> `{sequence, [[state...]
+/// per layer]}`.
 #[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
 fn rnn<'a>(
@@ -52,6 +53,7 @@ fn rnn<'a>(
     backend: Term<'a>,
     device: Term<'a>,
     out: Term<'a>,
+    precision: Term<'a>,
 ) -> Term<'a> {
     let result = (|| {
         let cell = Cell::parse(
@@ -71,6 +73,11 @@ fn rnn<'a>(
             &layers,
             decode_bool("reverse", reverse)?,
             decode_placement(out)?,
+            Precision::parse(
+                &precision
+                    .atom_to_string()
+                    .map_err(|_| arg_error("precision must be :f32 or :tf32"))?,
+            )?,
         )?;
         let seq = encode_value(env, output.sequence)?;
         let states = output

@@ -1,18 +1,19 @@
-//! The large-batch CUDA path (chosen by `cuda::Path::choose` above a measured crossover in
-//! batch x gates x units^2.5, and for hidden sizes whose persistent grid does not fit the GPU).
+//! The large-batch CUDA paths (chosen by `cuda::Path::choose` above a measured crossover
+//! batch, and for hidden sizes whose persistent grid does not fit the GPU).
 //! At large batch the persistent kernel's FP32 FMA mat-vec is the bottleneck, so here the
 //! per-gate input kernels are packed once per call into one `{in, G*H}` matrix (in the call's
 //! type) and the input projection of all timesteps is one cuBLAS GEMM; then each timestep is
 //! ONE tensor-core launch (`mma.rs`, sm_80+) computing `h_{t-1} . Wh` with the gate epilogue
-//! fused. `cublas_steps` (forced for comparisons, and the fallback before sm_80) runs each
-//! step as one cuBLAS GEMM over all gates (bf16/f16 on tensor cores; f32 as true FP32, never
-//! TF32) followed by one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read
+//! fused, or the whole recurrence is one persistent tensor-core kernel (`resident.rs`).
+//! `Steps::Cublas` (forced for comparisons, and the fallback before sm_80) runs each step as
+//! one cuBLAS GEMM over all gates (bf16/f16 on tensor cores; f32 as true FP32, never TF32)
+//! followed by one fused elementwise kernel (`kernels/rnn_batched.cu`). h_{t-1} is read
 //! straight from the previous timestep of the output sequence, so it is rounded to the call's
 //! type like Axon's. Everything is queued on the device's one stream; the host never waits
 //! inside a sequence.
 
 use super::cuda::type_name;
-use super::{mma, Cell, Geometry};
+use super::{mma, resident, Cell, Geometry};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
@@ -25,6 +26,17 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const STEP_THREADS: u32 = 256;
+
+/// How the recurrence after the one projection GEMM runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Steps {
+    /// One persistent tensor-core kernel, weights resident for the whole sequence (`resident.rs`).
+    Resident,
+    /// One tensor-core launch per step (`mma.rs`).
+    Mma,
+    /// One cuBLAS GEMM + one elementwise kernel per step.
+    Cublas,
+}
 
 /// `RnnPackArgs` in rnn_batched.cu.
 #[repr(C)]
@@ -101,10 +113,12 @@ fn pack(gpu: &Arc<Gpu>, ws: &[Staged<'_>], rows: usize, cols: usize) -> Result<D
 }
 
 /// Row-major `y{m, n} (f32) = a{m, k} . w{k, n}` with `a`'s rows `lda` elements apart, `a`
-/// and `w` of type `dt`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs).
+/// and `w` of type `dt`, f32 accumulation (CUBLAS_COMPUTE_32F: no TF32 for f32 inputs unless
+/// `tf32`, the caller's opt-in).
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     blas: &CudaBlas,
+    tf32: bool,
     dt: cudaDataType,
     a: u64,
     lda: usize,
@@ -135,7 +149,11 @@ fn gemm(
             y as *mut _,
             cudaDataType::CUDA_R_32F,
             dim(n)?,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            if tf32 {
+                cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+            } else {
+                cublasComputeType_t::CUBLAS_COMPUTE_32F
+            },
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }?;
@@ -155,7 +173,7 @@ pub(super) fn layer(
     bias: &[Staged<'_>],
     init: &[Staged<'_>],
     reverse: bool,
-    cublas_steps: bool,
+    steps: Steps,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
     let (b, t_len, inp) = (g.batch, g.seq, input.shape[2]);
     let gh = cell.gates() * h;
@@ -169,11 +187,14 @@ pub(super) fn layer(
         .iter()
         .map(|_| DeviceTensor::uninit(gpu, vec![b, h], g.dtype))
         .collect::<Result<_>>()?;
-    if !cublas_steps {
+    if steps != Steps::Cublas {
         let xp_p = ptr(&xp);
+        // Only the resident kernel's projection takes the tf32 opt-in.
+        let tf32 = g.tf32 && steps == Steps::Resident;
         gpu.with_blas(|blas| {
             gemm(
                 blas,
+                tf32,
                 cdt,
                 ptr(input),
                 inp,
@@ -184,7 +205,11 @@ pub(super) fn layer(
                 gh,
             )
         })?;
-        mma::steps(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        if steps == Steps::Resident {
+            resident::run(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        } else {
+            mma::steps(gpu, cell, g, h, &xp, wh, bias, init, reverse, &seq, &states)?;
+        }
         drop((win_p, xp));
         return Ok((seq, states));
     }
@@ -230,6 +255,7 @@ pub(super) fn layer(
     gpu.with_blas(|blas| {
         gemm(
             blas,
+            false,
             cdt,
             ptr(input),
             inp,
@@ -248,7 +274,7 @@ pub(super) fn layer(
                 None => (h0, h),
             };
             if hp != 0 {
-                gemm(blas, cdt, hp, ld, wh_pp, hr_p, b, h, gh)?;
+                gemm(blas, false, cdt, hp, ld, wh_pp, hr_p, b, h, gh)?;
             }
             a.hr = if hp != 0 { hr_p } else { 0 };
             a.hprev = hp;

@@ -1,13 +1,15 @@
 //! CUDA backend. Batch 1 on sm_90+: groups of layers on thread-block clusters (`cluster.rs`)
-//! where they fit; otherwise three paths chosen per layer by `Path::choose`. Small batch (persistent): per
-//! layer, the input projection of all timesteps as cuBLAS GEMMs (one per gate, f32
-//! accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one cooperative
-//! persistent kernel for the whole recurrence (`kernels/rnn.cu`). Large batch: `batched.rs`
-//! (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one cuBLAS GEMM +
-//! one fused elementwise kernel). Layers run back to back on the device's stream; nothing
-//! returns to the host in between.
+//! where they fit; otherwise a path per layer by `Path::choose`. Wherever its grid fits: one
+//! persistent tensor-core kernel with each block's weight slice resident in shared memory for
+//! the whole sequence (`resident.rs`, after `batched.rs`'s one projection GEMM). Else, small
+//! batch (persistent): the input projection of all timesteps as cuBLAS GEMMs (one per gate,
+//! f32 accumulation, written side by side into one `{B, T, G*H}` f32 buffer), then one
+//! cooperative persistent kernel for the whole recurrence (`kernels/rnn.cu`); large batch:
+//! `batched.rs` (one projection GEMM, then per step one tensor-core launch, `mma.rs`, or one
+//! cuBLAS GEMM + one fused elementwise kernel). Layers run back to back on the device's
+//! stream; nothing returns to the host in between.
 
-use super::{batched, cluster, Cell, Geometry, Layer};
+use super::{batched, cluster, resident, Cell, Geometry, Layer};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -39,6 +41,10 @@ pub enum Path {
     /// The batched path with each step as one cuBLAS GEMM + one fused elementwise kernel
     /// (the fallback before sm_80; forced for comparisons).
     BatchedCublas,
+    /// One persistent tensor-core kernel per layer (`resident.rs`, sm_80+): each block keeps
+    /// its slice of Wh in shared memory for the whole sequence, only the blocks of one batch
+    /// tile synchronise each step. Forcing it where its grid does not fit is an error.
+    Resident,
 }
 
 impl Path {
@@ -59,19 +65,27 @@ impl Path {
         }
     }
 
-    /// The path for a layer of `units` at `batch`. `persistent_fits`: whether the persistent
-    /// kernel's grid fits this GPU (else a batched path serves any size). Among the batched
-    /// paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster than
-    /// cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64 bf16:
-    /// 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
+    /// The path for a layer of `units` at `batch`. `resident_fits`: whether the resident
+    /// tensor-core kernel's grid fits this GPU; where it does it is chosen at every batch
+    /// (measured on an H200, bench/RESULTS.md session 3: fastest of the four paths in every
+    /// case from B1 to B256 and H256 to H1024, e.g. B1 H256 f32 382 vs 463 us persistent,
+    /// B256 H256 f32 1300-1335 vs 1852 us tensor-core steps, B4 H1024 bf16 1897 vs 3128 us;
+    /// ties only at B1 H512 f32, 507 vs 505 us). Otherwise: `persistent_fits`: whether the
+    /// persistent kernel's grid fits this GPU (else a batched path serves any size). Among the
+    /// batched paths the tensor-core step wins up to H512 (e.g. bf16 B256 H256 1.2x faster
+    /// than cuBLAS steps); from H1024 the cuBLAS GEMM + elementwise step is faster (B8-B64
+    /// bf16: 1.2-1.7x), since each 8-unit block of the tensor-core step re-reads all of h_{t-1}.
     pub fn choose(
         _cell: Cell,
         batch: usize,
         units: usize,
         dtype: DType,
         persistent_fits: bool,
+        resident_fits: bool,
     ) -> Path {
-        if persistent_fits && batch < Self::crossover_batch(units, dtype) {
+        if resident_fits {
+            Path::Resident
+        } else if persistent_fits && batch < Self::crossover_batch(units, dtype) {
             Path::Persistent
         } else if units <= 512 {
             Path::Batched
@@ -456,31 +470,36 @@ pub(super) fn run(
         let init = stage(&layer.initial_state, "initial_state", gpu)?;
         let path = match path {
             Some(p) => p,
-            None => Path::choose(
-                cell,
-                g.batch,
-                h,
-                g.dtype,
-                persistent_fits(gpu, cell, g.batch, h)?,
-            ),
+            None => {
+                // Unforced, a resident kernel that cannot be prepared here is not chosen.
+                let resident_fits = matches!(
+                    resident::tile_on(gpu, cell, g.batch, h, g.dtype, g.tf32),
+                    Ok(Some(_))
+                );
+                Path::choose(
+                    cell,
+                    g.batch,
+                    h,
+                    g.dtype,
+                    persistent_fits(gpu, cell, g.batch, h)?,
+                    resident_fits,
+                )
+            }
         };
         let (seq, st) = if path != Path::Persistent {
             // The tensor-core step's grid has one row of blocks per 16 batch rows (grid.y ≤ 65535).
-            let cublas_steps = path == Path::BatchedCublas
+            let steps = if path == Path::Resident {
+                batched::Steps::Resident
+            } else if path == Path::BatchedCublas
                 || !gpu.has_tensor_cores()
-                || g.batch.div_ceil(16) > 65535;
+                || g.batch.div_ceil(16) > 65535
+            {
+                batched::Steps::Cublas
+            } else {
+                batched::Steps::Mma
+            };
             batched::layer(
-                gpu,
-                cell,
-                g,
-                h,
-                input,
-                &win,
-                &wh,
-                &bias,
-                &init,
-                reverse,
-                cublas_steps,
+                gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse, steps,
             )?
         } else {
             let mut xp =

@@ -171,18 +171,26 @@ fn dim(d: usize) -> Result<i32> {
     i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
 }
 
-/// Packed recurrent weights: {tiles, G*8, Kp} per plane (f32: tf32 hi and lo planes).
+/// Packed recurrent weights: {tiles, G*un, Kp} per plane (f32: tf32 hi and lo planes); also
+/// the layout of the resident kernel's weight slices (`resident.rs`, `un` = its units per block).
 pub(super) struct Packed {
-    hi: DeviceTensor,
-    lo: Option<DeviceTensor>,
-    kp: usize,
+    pub hi: DeviceTensor,
+    pub lo: Option<DeviceTensor>,
+    pub kp: usize,
 }
 
-fn pack(gpu: &Arc<Gpu>, wh: &[Staged<'_>], h: usize, dtype: DType) -> Result<Packed> {
+/// Packs `wh` in tiles of `un` units (K padded to 128 bytes, zeros past H).
+pub(super) fn pack(
+    gpu: &Arc<Gpu>,
+    wh: &[Staged<'_>],
+    h: usize,
+    dtype: DType,
+    un: usize,
+) -> Result<Packed> {
     let kc = 128 / dtype.size();
     let kp = h.div_ceil(kc) * kc;
-    let tiles = h.div_ceil(8);
-    let n = tiles * wh.len() * 8 * kp;
+    let tiles = h.div_ceil(un);
+    let n = tiles * wh.len() * un * kp;
     let hi = DeviceTensor::uninit(gpu, vec![n], dtype)?;
     let lo = match dtype {
         DType::F32 => Some(DeviceTensor::uninit(gpu, vec![n], dtype)?),
@@ -193,7 +201,7 @@ fn pack(gpu: &Arc<Gpu>, wh: &[Staged<'_>], h: usize, dtype: DType) -> Result<Pac
         lo: lo.as_ref().map(ptr).unwrap_or(0),
         gates: wh.len() as i32,
         h: dim(h)?,
-        un: 8,
+        un: dim(un)?,
         kp: dim(kp)?,
         tiles: dim(tiles)?,
         ..Default::default()
@@ -281,7 +289,7 @@ pub(super) fn steps(
     };
     let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
     crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
-    let packed = pack(gpu, wh, h, g.dtype)?;
+    let packed = pack(gpu, wh, h, g.dtype, 8)?;
     let cstate = match cell {
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
         Cell::Gru => None,

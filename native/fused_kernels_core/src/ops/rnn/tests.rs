@@ -120,6 +120,18 @@ fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
 
 /// `check` with the CUDA path forced (`None`: the default choice by batch size).
 fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f64> {
+    check_with(backend, c, seed, path, Precision::F32).0
+}
+
+/// `check_on` with a precision (TF32's tolerance, 1e-3, for f32 with `Precision::Tf32`);
+/// also returns the sequence's rel. L2 error.
+fn check_with(
+    backend: Backend,
+    c: &Case,
+    seed: u64,
+    path: Option<Path>,
+    precision: Precision,
+) -> (Vec<f64>, f64) {
     let mut rng = Rng::new(seed);
     let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
     let layers = make_layers(&mut rng, c);
@@ -132,7 +144,17 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
     if let Backend::Cuda(_) = backend {
         poison_device_pool(c);
     }
-    let out = run_on(backend, c.cell, &x, &ops, c.reverse, Placement::Host, path).unwrap();
+    let out = run_with(
+        backend,
+        c.cell,
+        &x,
+        &ops,
+        c.reverse,
+        Placement::Host,
+        path,
+        precision,
+    )
+    .unwrap();
     let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
     let (seq, states) = reference(
         c.cell,
@@ -141,11 +163,15 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
         &refs,
         c.reverse,
     );
-    let tol = tolerance(c.dtype).max(if c.dtype == DType::F64 { 1e-10 } else { 0.0 });
+    let tol = match (c.dtype, precision) {
+        (DType::F64, _) => tolerance(c.dtype).max(1e-10),
+        (DType::F32, Precision::Tf32) => 1e-3,
+        _ => tolerance(c.dtype),
+    };
     let got = host_f64(&out.sequence);
     let err = rel_l2(&got, &seq);
     let what = format!(
-        "{backend:?} {path:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
+        "{backend:?} {path:?} {precision:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
         c.cell, c.dtype, c.batch, c.seq, c.features, c.hidden, c.reverse, c.with_state
     );
     assert!(err <= tol, "{what}: sequence rel L2 {err:e}");
@@ -156,7 +182,7 @@ fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f6
         }
     }
     eprintln!("ok {what}: rel L2 {err:.2e}");
-    got
+    (got, err)
 }
 
 /// Fills recently freed device memory with 0xFF (NaN in every type), so outputs that the
@@ -337,6 +363,176 @@ fn cuda_batched_is_deterministic() {
             "result moved between runs: a race"
         );
     }
+}
+
+/// The resident tensor-core kernel forced: B 1/3/17/64/65/256, T 1/5/61/512, H 7/13/128/200/
+/// 256/512/1020/1024 (1020 bf16, 7 f32 and 13 f16: the scalar h loads), reverse, stacks of
+/// 2-3, initial state, f32 (3xTF32) / bf16 / f16, every tiling it picks (1-4 m-tiles, 8 or 16
+/// units per block).
+fn resident_cases() -> Vec<Case> {
+    use DType::{BF16, F16, F32};
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 256, 20, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 256, 60, 64, &[256], true, true, F32));
+        v.push(case(cell, 64, 61, 288, &[256, 256], true, false, F32));
+        v.push(case(cell, 64, 9, 40, &[512], false, true, F32));
+        v.push(case(cell, 64, 512, 32, &[128], false, true, F32));
+        v.push(case(cell, 3, 61, 200, &[200, 200, 200], true, true, F32));
+        v.push(case(cell, 65, 13, 7, &[7], true, true, F32));
+        v.push(case(cell, 1, 1, 64, &[256], false, true, F32));
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, false, F32));
+        v.push(case(cell, 64, 61, 128, &[512, 200], true, true, BF16));
+        v.push(case(cell, 48, 1, 64, &[1024], false, true, BF16));
+        v.push(case(cell, 64, 5, 64, &[1024], true, true, BF16));
+        v.push(case(cell, 32, 11, 20, &[1020], false, false, BF16));
+        v.push(case(cell, 64, 60, 96, &[256], false, true, F16));
+        v.push(case(cell, 17, 5, 9, &[13], true, true, F16));
+    }
+    v.push(case(
+        Cell::Lstm,
+        256,
+        60,
+        288,
+        &[256, 256],
+        false,
+        true,
+        BF16,
+    ));
+    v
+}
+
+#[test]
+fn cuda_resident_matches_f64_reference_with_poisoned_output() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for (i, c) in resident_cases().iter().enumerate() {
+        check_on(Backend::Cuda(None), c, 700 + i as u64, Some(Path::Resident));
+    }
+}
+
+/// `precision: :tf32` (the caller's opt-in): the resident path with single-pass TF32 stays
+/// within TF32's 1e-3 of the f64 reference, and is really taken (its error is far above
+/// 3xTF32's ~2e-7); other paths and f16/bf16 ignore it and stay at their own tolerance.
+#[test]
+fn cuda_resident_tf32_opt_in() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    use DType::{BF16, F32};
+    for (i, cell) in [Cell::Lstm, Cell::Gru].into_iter().enumerate() {
+        for c in [
+            case(cell, 256, 20, 288, &[256, 256], false, true, F32),
+            case(cell, 64, 61, 100, &[512], true, false, F32),
+            case(cell, 3, 13, 7, &[200], true, true, F32),
+        ] {
+            let (_, err) = check_with(
+                Backend::Cuda(None),
+                &c,
+                900 + i as u64,
+                Some(Path::Resident),
+                Precision::Tf32,
+            );
+            assert!(err > 2e-6, "{cell:?}: rel L2 {err:e}: TF32 not taken");
+        }
+        let c = case(cell, 64, 20, 64, &[256], false, true, F32);
+        check_with(
+            Backend::Cuda(None),
+            &c,
+            950,
+            Some(Path::Persistent),
+            Precision::Tf32,
+        );
+        let c = case(cell, 64, 20, 64, &[256], false, true, BF16);
+        check_with(Backend::Cuda(None), &c, 951, None, Precision::Tf32);
+    }
+}
+
+#[test]
+fn cuda_resident_is_deterministic() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for c in [
+        case(Cell::Lstm, 64, 60, 288, &[256], false, true, DType::F32),
+        case(Cell::Gru, 256, 30, 64, &[256, 256], true, true, DType::BF16),
+    ] {
+        let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Resident));
+        for _ in 0..3 {
+            assert_eq!(
+                a,
+                check_on(Backend::Cuda(None), &c, 9, Some(Path::Resident)),
+                "result moved between runs: a race"
+            );
+        }
+    }
+}
+
+#[test]
+fn resident_tiles_fit_and_stay_resident() {
+    use DType::{BF16, F16, F32};
+    // An H200/H100: 132 SMs, 228 KB per SM, 227 KB per block; at most 2 blocks per SM by
+    // registers (256 threads).
+    let per_sm =
+        |_: usize, _: usize, smem: usize| resident::per_sm_by_smem(228 * 1024, smem).min(2);
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [7, 13, 200, 256, 512, 1020, 1024, 2048] {
+                for b in [1, 3, 16, 17, 64, 130, 256, 1024] {
+                    let Some(t) = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm)
+                    else {
+                        continue;
+                    };
+                    assert!(
+                        t.smem_bytes <= 227 * 1024,
+                        "{cell:?} {dt:?} H{h} B{b}: {t:?}"
+                    );
+                    assert!(t.unit_blocks * 8 * t.nu >= h && t.batch_blocks * 16 * t.mt >= b);
+                    assert!(t.blocks() <= 2 * 132, "{t:?}");
+                }
+            }
+        }
+    }
+    // The large-batch shapes all fit.
+    for (cell, b, h, dt) in [
+        (Cell::Lstm, 256, 256, F32),
+        (Cell::Gru, 256, 256, F32),
+        (Cell::Lstm, 64, 512, F32),
+        (Cell::Gru, 64, 512, F32),
+        (Cell::Lstm, 64, 1024, BF16),
+        (Cell::Gru, 64, 1024, BF16),
+    ] {
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
+    }
+    // The measured best tilings (bench/RESULTS.md, session 3).
+    for (cell, b, h, dt, mt, nu) in [
+        (Cell::Lstm, 256, 256, F32, 2, 2),
+        (Cell::Gru, 256, 256, F32, 2, 2),
+        (Cell::Lstm, 64, 256, F32, 1, 1),
+        (Cell::Lstm, 128, 256, F32, 1, 2),
+        (Cell::Lstm, 256, 256, BF16, 1, 2),
+        (Cell::Gru, 64, 512, F32, 1, 2),
+        (Cell::Lstm, 64, 512, BF16, 1, 2),
+        (Cell::Gru, 64, 1024, BF16, 2, 2),
+        (Cell::Lstm, 64, 1024, BF16, 2, 2),
+    ] {
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        assert!(
+            t.is_some_and(|t| t.mt == mt && t.nu == nu),
+            "{cell:?} B{b} H{h} {dt:?}: {t:?}"
+        );
+    }
+    // Every case of the forced-path GPU test fits.
+    for c in resident_cases() {
+        for &h in &c.hidden {
+            let t = resident_tile(c.cell, c.batch, h, c.dtype, false, 132, 227 * 1024, per_sm);
+            assert!(t.is_some(), "{:?} B{} H{h} {:?}", c.cell, c.batch, c.dtype);
+        }
+    }
+    // Too large for any tiling: f32 H2048 at B256 (16 MB of weights).
+    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, false, 132, 227 * 1024, per_sm).is_none());
 }
 
 /// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
@@ -521,7 +717,7 @@ fn path_is_chosen_by_batch() {
         for dt in [F32, BF16, F16] {
             for h in [200, 256, 512, 1024] {
                 assert_eq!(
-                    Path::choose(cell, 1, h, dt, true),
+                    Path::choose(cell, 1, h, dt, true, false),
                     Persistent,
                     "{dt:?} H{h}"
                 );
@@ -529,29 +725,50 @@ fn path_is_chosen_by_batch() {
         }
         // The measured brackets (bench/RESULTS.md): the tensor-core step up to H512, the
         // cuBLAS step from H1024.
-        assert_eq!(Path::choose(cell, 16, 256, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 32, 256, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 256, 256, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 16, 512, BF16, true), Batched);
-        assert_eq!(Path::choose(cell, 4, 1024, BF16, true), Persistent);
-        assert_eq!(Path::choose(cell, 8, 1024, BF16, true), BatchedCublas);
-        assert_eq!(Path::choose(cell, 64, 1024, BF16, true), BatchedCublas);
-        assert_eq!(Path::choose(cell, 128, 256, F32, true), Persistent);
-        assert_eq!(Path::choose(cell, 256, 256, F32, true), Batched);
-        assert_eq!(Path::choose(cell, 64, 512, F32, true), Persistent);
+        assert_eq!(Path::choose(cell, 16, 256, BF16, true, false), Persistent);
+        assert_eq!(Path::choose(cell, 32, 256, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 256, 256, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 16, 512, BF16, true, false), Batched);
+        assert_eq!(Path::choose(cell, 4, 1024, BF16, true, false), Persistent);
+        assert_eq!(
+            Path::choose(cell, 8, 1024, BF16, true, false),
+            BatchedCublas
+        );
+        assert_eq!(
+            Path::choose(cell, 64, 1024, BF16, true, false),
+            BatchedCublas
+        );
+        assert_eq!(Path::choose(cell, 128, 256, F32, true, false), Persistent);
+        assert_eq!(Path::choose(cell, 256, 256, F32, true, false), Batched);
+        assert_eq!(Path::choose(cell, 64, 512, F32, true, false), Persistent);
         // The crossover is monotonic in the batch.
         for dt in [F32, BF16] {
             for h in [200, 256, 512, 1024] {
                 let b0 = Path::crossover_batch(h, dt);
-                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true), Persistent);
-                assert_ne!(Path::choose(cell, b0, h, dt, true), Persistent);
-                assert_ne!(Path::choose(cell, 4 * b0, h, dt, true), Persistent);
+                assert_eq!(Path::choose(cell, b0 - 1, h, dt, true, false), Persistent);
+                assert_ne!(Path::choose(cell, b0, h, dt, true, false), Persistent);
+                assert_ne!(Path::choose(cell, 4 * b0, h, dt, true, false), Persistent);
+            }
+        }
+    }
+    // Where the resident tensor-core kernel fits, it takes every batch.
+    for cell in [Lstm, Gru] {
+        for dt in [F32, BF16, F16] {
+            for h in [200, 256, 512, 1024] {
+                for b in [1, 4, 64, 256] {
+                    for fits in [true, false] {
+                        assert_eq!(Path::choose(cell, b, h, dt, fits, true), Path::Resident);
+                    }
+                }
             }
         }
     }
     // Sizes whose persistent grid does not fit go to a batched path.
-    assert_eq!(Path::choose(Lstm, 1, 5000, F32, false), BatchedCublas);
-    assert_eq!(Path::choose(Gru, 1, 400, F32, false), Batched);
+    assert_eq!(
+        Path::choose(Lstm, 1, 5000, F32, false, false),
+        BatchedCublas
+    );
+    assert_eq!(Path::choose(Gru, 1, 400, F32, false, false), Batched);
 }
 
 #[test]
@@ -603,10 +820,18 @@ fn rejects_bad_params_naming_them() {
     let xb = random_bytes(&mut rng, 24, 1.0, DType::F32);
     let x = Operand::Host(HostTensor::new("x", &xb, vec![2, 3, 4], DType::F32).unwrap());
     let err = |ops: &[Layer]| {
-        run(Backend::Cpu, Cell::Lstm, &x, ops, false, Placement::Host)
-            .err()
-            .unwrap()
-            .to_string()
+        run(
+            Backend::Cpu,
+            Cell::Lstm,
+            &x,
+            ops,
+            false,
+            Placement::Host,
+            Precision::F32,
+        )
+        .err()
+        .unwrap()
+        .to_string()
     };
     let good = operands(&layers[0], 2, DType::F32);
     assert!(run(
@@ -615,7 +840,8 @@ fn rejects_bad_params_naming_them() {
         &x,
         std::slice::from_ref(&good),
         false,
-        Placement::Host
+        Placement::Host,
+        Precision::F32,
     )
     .is_ok());
 
@@ -657,6 +883,7 @@ fn rejects_bad_params_naming_them() {
         &[operands(&layers[0], 2, DType::F32)],
         false,
         Placement::Host,
+        Precision::F32,
     )
     .err()
     .unwrap();
@@ -667,7 +894,8 @@ fn rejects_bad_params_naming_them() {
         &x,
         &[operands(&layers[0], 2, DType::F32)],
         false,
-        Placement::Host
+        Placement::Host,
+        Precision::F32,
     )
     .is_err());
 }
@@ -677,8 +905,11 @@ fn rejects_bad_params_naming_them() {
 /// the back-to-back mean), inputs and weights already on the device, median of 100 (30 for
 /// long sequences) after warm-up. Every case runs on every CUDA path that can take it (the
 /// batch-1 cluster path on sm_90+, persistent where its grid fits, batched tensor-core steps,
-/// batched cuBLAS steps), one JSON line each, `default` marking what `path: None` runs. The shapes come first, then a batch sweep for the
-/// crossover (`FK_RNN_CROSSOVER=0` leaves it out).
+/// batched cuBLAS steps, the resident tensor-core kernel where it fits), one JSON line each,
+/// `default` marking what `path: None` runs; `resident_tf32` is the resident kernel under the
+/// opt-in `precision: :tf32` (f32 cases). The shapes come first, then a batch sweep
+/// for the crossover (`FK_RNN_CROSSOVER=0` leaves it out); `FK_RNN_MMA_TILINGS=1` adds the
+/// tensor-core step's other tilings.
 #[test]
 #[ignore]
 fn bench() {
@@ -693,6 +924,7 @@ fn bench() {
         (64, 60, 288, 256, 2, BF16),
         (256, 60, 288, 256, 2, BF16),
         (64, 512, 1024, 1024, 1, BF16),
+        (64, 60, 288, 512, 2, F32),
     ];
     if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
         cases.push((1, 60, 288, 512, 2, BF16));
@@ -707,8 +939,8 @@ fn bench() {
         for b in [16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, BF16));
         }
+        cases.push((16, 60, 288, 512, 2, F32));
         for b in [16, 64] {
-            cases.push((b, 60, 288, 512, 2, F32));
             cases.push((b, 60, 288, 512, 2, BF16));
         }
         for b in [4, 8, 16, 32] {
@@ -764,10 +996,13 @@ fn bench() {
                     cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
                         .is_some_and(|g| super::cluster::default_takes(&g))
                 });
+            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt, false)
+                .unwrap()
+                .is_some();
             let default = if cluster_default {
                 Path::Cluster
             } else {
-                Path::choose(cell, b, h, dt, fits)
+                Path::choose(cell, b, h, dt, fits, resident_fits)
             };
             // (path, tiling override of the tensor-core step, label)
             let mut paths = vec![
@@ -782,10 +1017,38 @@ fn bench() {
             if fits {
                 paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
             }
+            if resident_fits {
+                paths.push((Path::Resident, None, None, "resident".to_string()));
+            }
+            // The opt-in `precision: :tf32` (f32 only), to set against cuDNN's TF32 default.
+            if dt == F32
+                && super::resident::tile_on(&gpu, cell, b, h, dt, true)
+                    .unwrap()
+                    .is_some()
+            {
+                paths.push((Path::Resident, None, None, "resident_tf32".to_string()));
+            }
+            // The resident kernel's other tilings that fit (label resident:mMnN).
+            let mut res_tilings = Vec::new();
+            if resident_fits && b >= 64 {
+                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
+                for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
+                    super::resident::set_tile_override(Some((mt, nu)));
+                    let t = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
+                    if t.is_some() && t != t0 {
+                        res_tilings.push((mt, nu));
+                    }
+                }
+                super::resident::set_tile_override(None);
+            }
+            for &(mt, nu) in &res_tilings {
+                paths.push((Path::Resident, None, None, format!("resident:m{mt}n{nu}")));
+            }
             if b == 1 && ctas.is_some() {
                 paths.insert(0, (Path::Cluster, None, None, "cluster".to_string()));
             }
-            if b >= 64 || h >= 1024 {
+            let tilings = std::env::var("FK_RNN_MMA_TILINGS").as_deref() == Ok("1");
+            if tilings && (b >= 64 || h >= 1024) {
                 let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
                 paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
                 for mt in [1, 2, 4] {
@@ -797,9 +1060,19 @@ fn bench() {
             let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
             for (path, budget, mt, label) in paths {
                 mma::set_tiling_override(budget, mt);
+                let forced = label
+                    .strip_prefix("resident:m")
+                    .and_then(|r| r.split_once('n'))
+                    .and_then(|(m, n)| Some((m.parse().ok()?, n.parse().ok()?)));
+                super::resident::set_tile_override(forced);
                 let reps = if t * h > 100_000 { 30 } else { 100 };
+                let precision = if label == "resident_tf32" {
+                    Precision::Tf32
+                } else {
+                    Precision::F32
+                };
                 let call = |_: usize| {
-                    run_on(
+                    run_with(
                         Backend::Cuda(None),
                         cell,
                         &xo,
@@ -807,6 +1080,7 @@ fn bench() {
                         false,
                         Placement::Device,
                         Some(path),
+                        precision,
                     )
                     .map(|_| ())
                 };
@@ -814,7 +1088,9 @@ fn bench() {
                 // its error instead of a time.
                 let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
                 mma::set_tiling_override(None, None);
-                let default = path == default && budget.is_none() && mt.is_none();
+                super::resident::set_tile_override(None);
+                let default =
+                    path == default && budget.is_none() && mt.is_none() && forced.is_none();
                 match timing {
                     Ok(tm) => println!(
                         "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
