@@ -90,6 +90,18 @@ __device__ __forceinline__ unsigned fk_smem_addr(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// Raw loads through L2 only: data other blocks or clusters wrote during this launch (L1 is not
+// coherent with them).
+__device__ __forceinline__ unsigned fk_ldcg32(const void* p) {
+  unsigned v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned short fk_ldcg16(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // 16 bytes of which the first `bytes` are read and the rest zero-filled (0: no read).
 __device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {
@@ -139,6 +151,20 @@ __device__ __forceinline__ void fk_ldmatrix_x4_trans(unsigned* r, const void* p)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(fk_smem_addr(p)));
+}
+// A float rounded to tf32, and c += a·b on one m16n8k8 tf32 tile (a: 4 registers, b: 2).
+__device__ __forceinline__ unsigned fk_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void fk_mma1688_tf32(float (&c)[4], const unsigned (&a)[4],
+                                                unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #else
 __device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {

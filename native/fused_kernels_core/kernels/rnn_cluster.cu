@@ -352,25 +352,13 @@ __device__ __forceinline__ void rc_publish(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
 // Element i of another cluster's output, from L2 (its writes are not in this SM's L1).
-template <typename T> __device__ __forceinline__ float rc_ld_cg(const void* p, size_t i);
+template <typename T> __device__ __forceinline__ float rc_ld_cg(const void* p, size_t i) {
+  T v;
+  v.bits = fk_ldcg16(reinterpret_cast<const unsigned short*>(p) + i);
+  return fk_to_f32(v);
+}
 template <> __device__ __forceinline__ float rc_ld_cg<float>(const void* p, size_t i) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(reinterpret_cast<const float*>(p) + i));
-  return v;
-}
-template <> __device__ __forceinline__ float rc_ld_cg<fk_bf16>(const void* p, size_t i) {
-  fk_bf16 v;
-  asm volatile("ld.global.cg.u16 %0, [%1];"
-               : "=h"(v.bits)
-               : "l"(reinterpret_cast<const unsigned short*>(p) + i));
-  return fk_to_f32(v);
-}
-template <> __device__ __forceinline__ float rc_ld_cg<fk_f16>(const void* p, size_t i) {
-  fk_f16 v;
-  asm volatile("ld.global.cg.u16 %0, [%1];"
-               : "=h"(v.bits)
-               : "l"(reinterpret_cast<const unsigned short*>(p) + i));
-  return fk_to_f32(v);
+  return __uint_as_float(fk_ldcg32(reinterpret_cast<const float*>(p) + i));
 }
 __device__ __forceinline__ unsigned long long rc_clock() {
   unsigned long long c;

@@ -48,21 +48,6 @@ __device__ __forceinline__ void rm_launch_dependents() {
 #endif
 }
 
-__device__ __forceinline__ unsigned rm_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ void rm_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                            unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // ---------------------------------------------------------------------------------------
 // Packing (once per call and layer).
 
@@ -87,9 +72,9 @@ template <typename E> __device__ __forceinline__ void rm_pack(const RnnMmaPackAr
     const E v = in ? reinterpret_cast<const E*>(s)[(size_t)k * a.h + unit] : E(0);
     if (sizeof(E) == 4) {
       const float f = __uint_as_float((unsigned)v);
-      const unsigned hi = rm_tf32(f);
+      const unsigned hi = fk_tf32(f);
       reinterpret_cast<unsigned*>(a.hi)[i] = hi;
-      reinterpret_cast<unsigned*>(a.lo)[i] = rm_tf32(f - __uint_as_float(hi));
+      reinterpret_cast<unsigned*>(a.lo)[i] = fk_tf32(f - __uint_as_float(hi));
     } else {
       reinterpret_cast<E*>(a.hi)[i] = v;
     }
@@ -264,8 +249,8 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
           const float x[4] = {r0[k0 + t4], r8[k0 + t4], r0[k0 + t4 + 4], r8[k0 + t4 + 4]};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            ahi[mi][e] = rm_tf32(x[e]);
-            alo[mi][e] = rm_tf32(x[e] - __uint_as_float(ahi[mi][e]));
+            ahi[mi][e] = fk_tf32(x[e]);
+            alo[mi][e] = fk_tf32(x[e] - __uint_as_float(ahi[mi][e]));
           }
         }
 #pragma unroll
@@ -278,9 +263,9 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) {
             // Small terms first.
-            rm_mma_tf32(acc[mi][nt], alo[mi], bh0, bh1);
-            rm_mma_tf32(acc[mi][nt], ahi[mi], bl0, bl1);
-            rm_mma_tf32(acc[mi][nt], ahi[mi], bh0, bh1);
+            fk_mma1688_tf32(acc[mi][nt], alo[mi], bh0, bh1);
+            fk_mma1688_tf32(acc[mi][nt], ahi[mi], bl0, bl1);
+            fk_mma1688_tf32(acc[mi][nt], ahi[mi], bh0, bh1);
           }
         }
       } else {

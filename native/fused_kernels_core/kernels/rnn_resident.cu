@@ -25,33 +25,6 @@
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ unsigned rr_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-__device__ __forceinline__ void rr_mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                            unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Raw element loads through L2 only (rows other blocks wrote during this launch).
-__device__ __forceinline__ unsigned rr_ldcg32(const void* p) {
-  unsigned v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ unsigned short rr_ldcg16(const void* p) {
-  unsigned short v;
-  asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
-
 struct RnnResArgs {
   const void* w;        // packed Wh {unit blocks, G*UN, Kp} (tf32 hi for f32)
   const void* wlo;      // f32: packed tf32 lo; else null
@@ -152,9 +125,9 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
         unsigned char* d = sA + (size_t)r * pitch + k * sizeof(T);
         const T* s = hp + (size_t)b * ld + k;
         if (sizeof(T) == 4) {
-          *reinterpret_cast<unsigned*>(d) = ok ? rr_ldcg32(s) : 0u;
+          *reinterpret_cast<unsigned*>(d) = ok ? fk_ldcg32(s) : 0u;
         } else {
-          *reinterpret_cast<unsigned short*>(d) = ok ? rr_ldcg16(s) : (unsigned short)0;
+          *reinterpret_cast<unsigned short*>(d) = ok ? fk_ldcg16(s) : (unsigned short)0;
         }
       }
     }
@@ -222,8 +195,8 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
             const float x[4] = {r0[k0 + t4], r8[k0 + t4], r0[k0 + t4 + 4], r8[k0 + t4 + 4]};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              ahi[mi][e] = rr_tf32(x[e]);
-              alo[mi][e] = TF32 ? 0u : rr_tf32(x[e] - __uint_as_float(ahi[mi][e]));
+              ahi[mi][e] = fk_tf32(x[e]);
+              alo[mi][e] = TF32 ? 0u : fk_tf32(x[e] - __uint_as_float(ahi[mi][e]));
             }
           }
 #pragma unroll
@@ -233,7 +206,7 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
             const unsigned bh0 = wh[k0 + t4], bh1 = wh[k0 + t4 + 4];
             if constexpr (TF32) {
 #pragma unroll
-              for (int mi = 0; mi < MT; ++mi) rr_mma_tf32(acc[mi][g], ahi[mi], bh0, bh1);
+              for (int mi = 0; mi < MT; ++mi) fk_mma1688_tf32(acc[mi][g], ahi[mi], bh0, bh1);
             } else {
               const unsigned* wl =
                   reinterpret_cast<const unsigned*>(sW + (size_t)(BN + n) * pitch);
@@ -241,9 +214,9 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
 #pragma unroll
               for (int mi = 0; mi < MT; ++mi) {
                 // Small terms first.
-                rr_mma_tf32(acc[mi][g], alo[mi], bh0, bh1);
-                rr_mma_tf32(acc[mi][g], ahi[mi], bl0, bl1);
-                rr_mma_tf32(acc[mi][g], ahi[mi], bh0, bh1);
+                fk_mma1688_tf32(acc[mi][g], alo[mi], bh0, bh1);
+                fk_mma1688_tf32(acc[mi][g], ahi[mi], bl0, bl1);
+                fk_mma1688_tf32(acc[mi][g], ahi[mi], bh0, bh1);
               }
             }
           }

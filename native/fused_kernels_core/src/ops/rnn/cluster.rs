@@ -159,17 +159,17 @@ pub fn group(
     ctas: usize,
     smem_limit: usize,
 ) -> Option<Group> {
-    const BARS: usize = self::BARS + PARTNER_SUMS;
+    const TAIL: usize = BARS + PARTNER_SUMS;
     let mut at = 0;
     let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, &mut at)?;
-    if at + BARS > smem_limit {
+    if at + TAIL > smem_limit {
         return None;
     }
     let mut layers = vec![l0];
     for l in first + 1..hidden.len().min(first + MAX_LAYERS) {
         let mut next = at;
         match layout(cell, dtype, hidden[l - 1], hidden[l], ctas, &mut next) {
-            Some(lay) if next + BARS <= smem_limit => {
+            Some(lay) if next + TAIL <= smem_limit => {
                 layers.push(lay);
                 at = next;
             }
@@ -182,12 +182,12 @@ pub fn group(
         ctas,
         layers,
         bar_off: at,
-        pp_off: at + self::BARS,
+        pp_off: at + BARS,
         partners: 2 * groups <= THREADS / 32,
         split: false,
         xin_off: 0,
         xin_len: 0,
-        smem_bytes: at + BARS,
+        smem_bytes: at + TAIL,
     })
 }
 

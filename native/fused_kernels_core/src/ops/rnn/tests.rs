@@ -2,10 +2,11 @@ use super::cpu::RefLayer;
 use super::cuda::plan;
 use super::*;
 use crate::cuda::timing::time_calls;
-use crate::cuda::{gpu_for_tests, DeviceTensor};
+use crate::cuda::{gpu_for_tests, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64};
 use crate::ops::testing::{rel_l2, tolerance, Rng};
 use crate::HostTensor;
+use std::sync::Arc;
 
 mod cluster_profile;
 
@@ -90,6 +91,56 @@ fn operands<'a>(l: &'a LayerBytes, batch: usize, dt: DType) -> Layer<'a> {
             .map(|b| t(b, vec![batch, l.h]))
             .collect(),
     }
+}
+
+/// A layer's parameters on the device, for benches that time calls without host copies.
+struct DeviceLayer {
+    input_kernel: Vec<DeviceTensor>,
+    hidden_kernel: Vec<DeviceTensor>,
+    bias: Vec<DeviceTensor>,
+    initial_state: Vec<DeviceTensor>,
+}
+
+impl DeviceLayer {
+    fn operands(&self) -> Layer<'_> {
+        fn ops(v: &[DeviceTensor]) -> Vec<Operand<'_>> {
+            v.iter().map(Operand::Device).collect()
+        }
+        Layer {
+            input_kernel: ops(&self.input_kernel),
+            hidden_kernel: ops(&self.hidden_kernel),
+            bias: ops(&self.bias),
+            initial_state: ops(&self.initial_state),
+        }
+    }
+}
+
+fn upload(gpu: &Arc<Gpu>, bytes: &[u8], shape: Vec<usize>, dt: DType) -> DeviceTensor {
+    DeviceTensor::upload(gpu, &HostTensor::new("p", bytes, shape, dt).unwrap()).unwrap()
+}
+
+fn upload_layers(
+    gpu: &Arc<Gpu>,
+    layers: &[LayerBytes],
+    batch: usize,
+    dt: DType,
+) -> Vec<DeviceLayer> {
+    layers
+        .iter()
+        .map(|l| {
+            let all = |v: &[Vec<u8>], shape: Vec<usize>| {
+                v.iter()
+                    .map(|w| upload(gpu, w, shape.clone(), dt))
+                    .collect()
+            };
+            DeviceLayer {
+                input_kernel: all(&l.input_kernel, vec![l.inp, l.h]),
+                hidden_kernel: all(&l.hidden_kernel, vec![l.h, l.h]),
+                bias: all(&l.bias, vec![l.h]),
+                initial_state: all(&l.initial_state, vec![batch, l.h]),
+            }
+        })
+        .collect()
 }
 
 fn ref_layer(l: &LayerBytes, dt: DType) -> RefLayer {
@@ -955,36 +1006,9 @@ fn bench() {
             let mut rng = Rng::new(77);
             let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
             let lbytes = make_layers(&mut rng, &c);
-            let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
-                DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
-                    .unwrap()
-            };
-            let x = up(&xb, vec![b, t, i]);
-            let dev: Vec<(Vec<DeviceTensor>, Vec<DeviceTensor>, Vec<DeviceTensor>)> = lbytes
-                .iter()
-                .map(|l| {
-                    (
-                        l.input_kernel
-                            .iter()
-                            .map(|w| up(w, vec![l.inp, l.h]))
-                            .collect(),
-                        l.hidden_kernel
-                            .iter()
-                            .map(|w| up(w, vec![l.h, l.h]))
-                            .collect(),
-                        l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
-                    )
-                })
-                .collect();
-            let ops: Vec<Layer> = dev
-                .iter()
-                .map(|(a, bb, cc)| Layer {
-                    input_kernel: a.iter().map(Operand::Device).collect(),
-                    hidden_kernel: bb.iter().map(Operand::Device).collect(),
-                    bias: cc.iter().map(Operand::Device).collect(),
-                    initial_state: Vec::new(),
-                })
-                .collect();
+            let x = upload(&gpu, &xb, vec![b, t, i], dt);
+            let dev = upload_layers(&gpu, &lbytes, b, dt);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
             // What `path: None` runs: the cluster path at batch 1 when the first layer's group

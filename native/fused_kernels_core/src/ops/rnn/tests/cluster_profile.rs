@@ -35,41 +35,9 @@ fn cluster_profile() {
             let mut rng = Rng::new(5);
             let xb = random_bytes(&mut rng, t * i, 1.0, dt);
             let lbytes = make_layers(&mut rng, &c);
-            let up = |bytes: &Vec<u8>, shape: Vec<usize>| {
-                DeviceTensor::upload(&gpu, &HostTensor::new("p", bytes, shape, dt).unwrap())
-                    .unwrap()
-            };
-            let x = up(&xb, vec![1, t, i]);
-            type Dev = Vec<DeviceTensor>;
-            let dev: Vec<(Dev, Dev, Dev, Dev)> = lbytes
-                .iter()
-                .map(|l| {
-                    (
-                        l.input_kernel
-                            .iter()
-                            .map(|w| up(w, vec![l.inp, l.h]))
-                            .collect(),
-                        l.hidden_kernel
-                            .iter()
-                            .map(|w| up(w, vec![l.h, l.h]))
-                            .collect(),
-                        l.bias.iter().map(|w| up(w, vec![l.h])).collect(),
-                        l.initial_state
-                            .iter()
-                            .map(|w| up(w, vec![1, l.h]))
-                            .collect(),
-                    )
-                })
-                .collect();
-            let ops: Vec<Layer> = dev
-                .iter()
-                .map(|(a, b, cc, s)| Layer {
-                    input_kernel: a.iter().map(Operand::Device).collect(),
-                    hidden_kernel: b.iter().map(Operand::Device).collect(),
-                    bias: cc.iter().map(Operand::Device).collect(),
-                    initial_state: s.iter().map(Operand::Device).collect(),
-                })
-                .collect();
+            let x = upload(&gpu, &xb, vec![1, t, i], dt);
+            let dev = upload_layers(&gpu, &lbytes, 1, dt);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let call = |_: usize| {
                 run_on(
