@@ -23,8 +23,10 @@
 // layer j-1's output sequence from global memory step by step as it is published (a counter
 // per layer). Otherwise a wavefront on one cluster: layer j computes timestep s - j at
 // super-step s from layer j-1's h of the previous super-step, so L layers take T + L - 1 steps.
-// The first layer reads x_t . W_in from `xp`, computed by `rnn_cluster_project` in the launch
-// before (programmatic dependent launch: the weights load while it runs).
+// The first layer reads x_t . W_in from `xp`, computed by `rnn_cluster_project`, which the host
+// queues before allocating the outputs so it runs while the call is being set up; the
+// recurrence is launched dependent on it (PDL) and waits for it only after loading its weights
+// (in split mode, before taking its ticket: the projection zeroes the counters).
 //
 // Why this is race-free: h of super-step s lands in buffer (s+1)&1 of every CTA and completes
 // mbarrier (s+1)&1. A CTA can only write buffer b of another CTA again (super-step s+2) after it
@@ -206,6 +208,7 @@ struct RcProj {
   const void* x;
   const void* w[4];
   float* xp;
+  unsigned* sync;  // split recurrence's counters to zero (4 words), or null
   int T, K, H, G;
 };
 
@@ -215,6 +218,7 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
   // The recurrence (launched next, programmatically dependent) may start loading its weights.
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+  if (a.sync && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 4) a.sync[threadIdx.x] = 0u;
   __shared__ float xs[RC_PK][RC_PM + 4];
   __shared__ float ws[RC_PK][RC_PN];
   const int tid = threadIdx.x, m0 = blockIdx.x * RC_PM, n0 = blockIdx.y * RC_PN;
@@ -417,6 +421,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // the clusters are scheduled in.
   int J = -1;
   if (a.split) {
+    // The ticket counter is zeroed by the projection launched just before.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     unsigned* slot = reinterpret_cast<unsigned*>(rc_smem + a.bar_off + 16);
     if (rank == 0 && tid == 0) {
       const unsigned ticket = atomicAdd(a.sync, 1u);

@@ -386,6 +386,7 @@ struct RcProj {
     x: CUdeviceptr,
     w: [CUdeviceptr; 4],
     xp: CUdeviceptr,
+    sync: CUdeviceptr,
     t: i32,
     k: i32,
     h: i32,
@@ -398,7 +399,8 @@ unsafe impl cudarc::driver::DeviceRepr for RcProj {}
 const PROJ_TILE: usize = 32;
 const PROJ_THREADS: u32 = 128;
 
-/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added).
+/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added);
+/// also zeroes the split recurrence's counters `sync` (4 words) when given.
 #[allow(clippy::too_many_arguments)]
 fn project(
     gpu: &Gpu,
@@ -409,12 +411,14 @@ fn project(
     k: usize,
     h: usize,
     xp: &DeviceTensor,
+    sync: CUdeviceptr,
 ) -> Result<()> {
     let (tname, _) = type_name(dtype)?;
     let f = gpu.function(&RNN_CLUSTER, &format!("rnn_cluster_project_{tname}"))?;
     let mut a = RcProj {
         x: ptr(x),
         xp: ptr(xp),
+        sync,
         t: seq as i32,
         k: k as i32,
         h: h as i32,
@@ -466,8 +470,28 @@ pub(super) fn run_group(
     let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
     let h0 = grp.layers[0].units;
     let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
+    // Split: the ticket and the per-layer progress counters, zeroed by the projection.
+    let sync = if grp.split {
+        Some(DeviceTensor::uninit(gpu, vec![4], DType::F32)?)
+    } else {
+        None
+    };
+    let sync_ptr = sync.as_ref().map_or(0, ptr);
+    // Queued first, so the device projects while the host sets up the rest of the call.
+    project(
+        gpu,
+        dtype,
+        x,
+        &params[0].wi,
+        seq,
+        features,
+        h0,
+        &xp,
+        sync_ptr,
+    )?;
     let mut a = RcArgs {
         xp: ptr(&xp),
+        sync: sync_ptr,
         layers: grp.layers.len() as i32,
         t: seq as i32,
         reverse: reverse as i32,
@@ -528,15 +552,6 @@ pub(super) fn run_group(
         r.bias_off = lay.bias_off as i32;
         outs.push((sq, states));
     }
-    // Split: the ticket and the per-layer progress counters start at zero every call.
-    let sync = if grp.split {
-        let mut t = DeviceTensor::uninit(gpu, vec![4], DType::F32)?;
-        t.fill_bytes(0)?;
-        a.sync = ptr(&t);
-        Some(t)
-    } else {
-        None
-    };
     let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
     let clusters = if grp.split {
         grp.layers.len() as u32
@@ -544,11 +559,8 @@ pub(super) fn run_group(
         1
     };
     cl::prepare(&f, smem, ctas)?;
-    // The two launches back to back, after every allocation: the device idles until the
-    // recurrence is queued.
-    project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp)?;
     // Dependent: the kernel waits for the projection (griddepcontrol.wait) only after loading
-    // its weights.
+    // its weights (split: before taking its ticket).
     let shape = cl::Launch {
         grid: clusters * ctas,
         block: THREADS as u32,
