@@ -44,6 +44,7 @@ pub fn force_split(split: Option<bool>) {
 pub fn split_override() -> Option<bool> {
     SPLIT.with(|s| s.get())
 }
+
 /// Cluster sizes tried, largest first (16 needs the non-portable opt-in).
 const CLUSTER_SIZES: [u32; 2] = [16, 8];
 
@@ -53,7 +54,7 @@ pub struct LayerLayout {
     /// Features of the on-chip input kernel (0: the group's first layer, projected beforehand).
     pub input: usize,
     pub units: usize,
-    /// Units per CTA.
+    /// Units per CTA (a multiple of 4: a warp's unit group).
     pub per_cta: usize,
     /// 4-vectors per lane of the input and recurrent dot products.
     pub ni_in: usize,
