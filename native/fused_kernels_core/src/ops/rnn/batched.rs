@@ -224,15 +224,12 @@ pub(super) fn layer(
         Cell::Gru => "gru",
     };
     let step_fn = gpu.function(&RNN_BATCHED, &format!("rnn_step_{cname}_{tname}"))?;
-    let (h0, c0) = match (cell, init) {
-        (Cell::Lstm, [c0, h0]) => (ptr(h0), ptr(c0)),
-        (Cell::Gru, [h0]) => (ptr(h0), 0),
-        _ => (0, 0),
-    };
-    let (h_out, c_out) = match cell {
-        Cell::Lstm => (ptr(&states[1]), ptr(&states[0])),
-        Cell::Gru => (ptr(&states[0]), 0),
-    };
+    let super::cuda::StatePtrs {
+        h0,
+        c0,
+        h_out,
+        c_out,
+    } = super::cuda::state_ptrs(cell, init, &states);
     let mut a = StepArgs {
         xp: ptr(&xp),
         c0,

@@ -7,7 +7,7 @@
 //! input projection is this module's own kernel, launched just before. Layers that do not fit
 //! (f32 H512 LSTM, say) use the other paths.
 
-use super::cuda::{ptr, type_name};
+use super::cuda::{ptr, state_ptrs, type_name};
 use super::Cell;
 use crate::cuda::cluster as cl;
 use crate::cuda::{DeviceTensor, Gpu};
@@ -526,15 +526,8 @@ pub(super) fn run_group(
         for (d, b) in r.bias.iter_mut().zip(&p.bias) {
             *d = ptr(b);
         }
-        match (cell, p.init.as_slice()) {
-            (Cell::Lstm, [c0, h0]) => (r.c0, r.h0) = (ptr(c0), ptr(h0)),
-            (Cell::Gru, [h0]) => r.h0 = ptr(h0),
-            _ => {}
-        }
-        match cell {
-            Cell::Lstm => (r.c_out, r.h_out) = (ptr(&states[0]), ptr(&states[1])),
-            Cell::Gru => r.h_out = ptr(&states[0]),
-        }
+        let sp = state_ptrs(cell, &p.init, &states);
+        (r.h0, r.c0, r.h_out, r.c_out) = (sp.h0, sp.c0, sp.h_out, sp.c_out);
         r.seq = ptr(&sq);
         r.input = lay.input as i32;
         r.h = h as i32;

@@ -226,6 +226,33 @@ pub(super) fn ptr(t: &DeviceTensor) -> CUdeviceptr {
     p
 }
 
+/// Device addresses of a layer's states: `h0`/`c0` from its initial state (Axon's order: LSTM
+/// {c, h}, GRU {h}; 0 where absent) and `h_out`/`c_out` of its final states (same order).
+pub(super) struct StatePtrs {
+    pub h0: CUdeviceptr,
+    pub c0: CUdeviceptr,
+    pub h_out: CUdeviceptr,
+    pub c_out: CUdeviceptr,
+}
+
+pub(super) fn state_ptrs(cell: Cell, init: &[Staged<'_>], states: &[DeviceTensor]) -> StatePtrs {
+    let (h0, c0) = match (cell, init) {
+        (Cell::Lstm, [c0, h0]) => (ptr(h0), ptr(c0)),
+        (Cell::Gru, [h0]) => (ptr(h0), 0),
+        _ => (0, 0),
+    };
+    let (h_out, c_out) = match cell {
+        Cell::Lstm => (ptr(&states[1]), ptr(&states[0])),
+        Cell::Gru => (ptr(&states[0]), 0),
+    };
+    StatePtrs {
+        h0,
+        c0,
+        h_out,
+        c_out,
+    }
+}
+
 pub(super) fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
     match dtype {
         DType::F32 => Ok(("f32", cudaDataType::CUDA_R_32F)),
@@ -366,15 +393,8 @@ fn recurrence(
     for (i, bb) in bias.iter().enumerate() {
         a.bias[i] = ptr(bb);
     }
-    match (cell, init) {
-        (Cell::Lstm, [c0, h0]) => (a.c0, a.h0) = (ptr(c0), ptr(h0)),
-        (Cell::Gru, [h0]) => a.h0 = ptr(h0),
-        _ => {}
-    }
-    match cell {
-        Cell::Lstm => (a.c_out, a.h_out) = (ptr(&states[0]), ptr(&states[1])),
-        Cell::Gru => a.h_out = ptr(&states[0]),
-    }
+    let sp = state_ptrs(cell, init, &states);
+    (a.h0, a.c0, a.h_out, a.c_out) = (sp.h0, sp.c0, sp.h_out, sp.c_out);
     let cfg = LaunchConfig {
         grid_dim: (p.blocks() as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),

@@ -294,15 +294,12 @@ pub(super) fn steps(
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
         Cell::Gru => None,
     };
-    let (h0, c0) = match (cell, init) {
-        (Cell::Lstm, [c0, h0]) => (ptr(h0), ptr(c0)),
-        (Cell::Gru, [h0]) => (ptr(h0), 0),
-        _ => (0, 0),
-    };
-    let (h_out, c_out) = match cell {
-        Cell::Lstm => (ptr(&states[1]), ptr(&states[0])),
-        Cell::Gru => (ptr(&states[0]), 0),
-    };
+    let super::cuda::StatePtrs {
+        h0,
+        c0,
+        h_out,
+        c_out,
+    } = super::cuda::state_ptrs(cell, init, states);
     let es = g.dtype.size();
     let mut a = StepArgs {
         w: ptr(&packed.hi),

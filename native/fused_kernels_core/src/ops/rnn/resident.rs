@@ -252,15 +252,12 @@ pub(super) fn run(
     let packed = pack(gpu, wh, h, g.dtype, 8 * tl.nu)?;
     let mut counters = DeviceTensor::uninit(gpu, vec![tl.batch_blocks], DType::F32)?;
     counters.fill_bytes(0)?;
-    let (h0, c0) = match (cell, init) {
-        (Cell::Lstm, [c0, h0]) => (ptr(h0), ptr(c0)),
-        (Cell::Gru, [h0]) => (ptr(h0), 0),
-        _ => (0, 0),
-    };
-    let (h_out, c_out) = match cell {
-        Cell::Lstm => (ptr(&states[1]), ptr(&states[0])),
-        Cell::Gru => (ptr(&states[0]), 0),
-    };
+    let super::cuda::StatePtrs {
+        h0,
+        c0,
+        h_out,
+        c_out,
+    } = super::cuda::state_ptrs(cell, init, states);
     let mut a = Args {
         w: ptr(&packed.hi),
         wlo: packed.lo.as_ref().map(ptr).unwrap_or(0),
