@@ -166,6 +166,15 @@ __device__ __forceinline__ void fk_mma1688_tf32(float (&c)[4], const unsigned (&
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// 3xTF32 on one tile: c += a·b with a = ahi + alo and b = bhi + blo split into tf32 parts,
+// the small cross terms first (alo·bhi, ahi·blo, then ahi·bhi); alo·blo is below f32 rounding.
+__device__ __forceinline__ void fk_mma1688_3xtf32(float (&c)[4], const unsigned (&ahi)[4],
+                                                  const unsigned (&alo)[4], unsigned bh0,
+                                                  unsigned bh1, unsigned bl0, unsigned bl1) {
+  fk_mma1688_tf32(c, alo, bh0, bh1);
+  fk_mma1688_tf32(c, ahi, bl0, bl1);
+  fk_mma1688_tf32(c, ahi, bh0, bh1);
+}
 #else
 __device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {
   unsigned char* d = reinterpret_cast<unsigned char*>(dst);

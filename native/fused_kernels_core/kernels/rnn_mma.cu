@@ -261,12 +261,8 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
           const unsigned bh0 = wh[k0 + t4], bh1 = wh[k0 + t4 + 4];
           const unsigned bl0 = wl[k0 + t4], bl1 = wl[k0 + t4 + 4];
 #pragma unroll
-          for (int mi = 0; mi < MT; ++mi) {
-            // Small terms first.
-            fk_mma1688_tf32(acc[mi][nt], alo[mi], bh0, bh1);
-            fk_mma1688_tf32(acc[mi][nt], ahi[mi], bl0, bl1);
-            fk_mma1688_tf32(acc[mi][nt], ahi[mi], bh0, bh1);
-          }
+          for (int mi = 0; mi < MT; ++mi)
+            fk_mma1688_3xtf32(acc[mi][nt], ahi[mi], alo[mi], bh0, bh1, bl0, bl1);
         }
       } else {
         // Warp w: k-step w (16 halves = 32 bytes) of the chunk.

@@ -212,12 +212,8 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
                   reinterpret_cast<const unsigned*>(sW + (size_t)(BN + n) * pitch);
               const unsigned bl0 = wl[k0 + t4], bl1 = wl[k0 + t4 + 4];
 #pragma unroll
-              for (int mi = 0; mi < MT; ++mi) {
-                // Small terms first.
-                fk_mma1688_tf32(acc[mi][g], alo[mi], bh0, bh1);
-                fk_mma1688_tf32(acc[mi][g], ahi[mi], bl0, bl1);
-                fk_mma1688_tf32(acc[mi][g], ahi[mi], bh0, bh1);
-              }
+              for (int mi = 0; mi < MT; ++mi)
+                fk_mma1688_3xtf32(acc[mi][g], ahi[mi], alo[mi], bh0, bh1, bl0, bl1);
             }
           }
         } else {
