@@ -14,7 +14,7 @@
 
 use super::cuda::type_name;
 use super::{mma, resident, Cell, Geometry};
-use crate::cuda::gemm::ptr;
+use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Result};
@@ -233,7 +233,7 @@ pub(super) fn layer(
     let mut a = StepArgs {
         xp: ptr(&xp),
         c0,
-        c: cstate.as_ref().map(ptr).unwrap_or(0),
+        c: ptr_opt(cstate.as_ref()),
         seq: ptr(&seq),
         b: dim(b)?,
         t_len: dim(t_len)?,

@@ -7,9 +7,10 @@
 //! input projection is this module's own kernel, launched just before. Layers that do not fit
 //! (f32 H512 LSTM, say) use the other paths.
 
-use super::cuda::{ptr, state_ptrs, type_name};
+use super::cuda::{state_ptrs, type_name};
 use super::Cell;
 use crate::cuda::cluster as cl;
+use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -477,7 +478,7 @@ pub(super) fn run_group(
     } else {
         None
     };
-    let sync_ptr = sync.as_ref().map_or(0, ptr);
+    let sync_ptr = ptr_opt(sync.as_ref());
     // Queued first, so the device projects while the host sets up the rest of the call.
     project(
         gpu,

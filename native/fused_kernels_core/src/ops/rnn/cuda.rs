@@ -10,6 +10,7 @@
 //! stream; nothing returns to the host in between.
 
 use super::{batched, cluster, resident, Cell, Geometry, Layer};
+use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -17,7 +18,7 @@ use crate::kernels::RNN;
 use crate::operand::{Operand, Staged};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const THREADS: usize = 256;
@@ -218,12 +219,6 @@ unsafe impl DeviceRepr for RnnArgs {}
 pub(super) struct DeviceOutput {
     pub sequence: DeviceTensor,
     pub states: Vec<Vec<DeviceTensor>>,
-}
-
-pub(super) fn ptr(t: &DeviceTensor) -> CUdeviceptr {
-    // The device's single stream orders every use, so the sync guard is not needed.
-    let (p, _sync) = t.slice().device_ptr(&t.gpu.stream);
-    p
 }
 
 /// Device addresses of a layer's states: `h0`/`c0` from its initial state (Axon's order: LSTM

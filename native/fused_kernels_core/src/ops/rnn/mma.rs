@@ -6,7 +6,7 @@
 //! step t+1's blocks load their weight tile while step t finishes.
 
 use super::{Cell, Geometry};
-use crate::cuda::gemm::ptr;
+use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Result};
@@ -198,7 +198,7 @@ pub(super) fn pack(
     };
     let mut a = PackArgs {
         hi: ptr(&hi),
-        lo: lo.as_ref().map(ptr).unwrap_or(0),
+        lo: ptr_opt(lo.as_ref()),
         gates: wh.len() as i32,
         h: dim(h)?,
         un: dim(un)?,
@@ -303,10 +303,10 @@ pub(super) fn steps(
     let es = g.dtype.size();
     let mut a = StepArgs {
         w: ptr(&packed.hi),
-        wlo: packed.lo.as_ref().map(ptr).unwrap_or(0),
+        wlo: ptr_opt(packed.lo.as_ref()),
         xp: ptr(xp),
         c0,
-        c: cstate.as_ref().map(ptr).unwrap_or(0),
+        c: ptr_opt(cstate.as_ref()),
         seq: ptr(seq),
         b: dim(b)?,
         t_len: dim(t_len)?,

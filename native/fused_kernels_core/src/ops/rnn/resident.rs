@@ -9,7 +9,7 @@
 
 use super::mma::pack;
 use super::{Cell, Geometry};
-use crate::cuda::gemm::ptr;
+use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -260,7 +260,7 @@ pub(super) fn run(
     } = super::cuda::state_ptrs(cell, init, states);
     let mut a = Args {
         w: ptr(&packed.hi),
-        wlo: packed.lo.as_ref().map(ptr).unwrap_or(0),
+        wlo: ptr_opt(packed.lo.as_ref()),
         xp: ptr(xp),
         h0,
         c0,

@@ -82,7 +82,7 @@ fn cluster_profile() {
                     line += &format!(",\"host_queue_us\":{:.1}", host[host.len() / 2]);
                     // The kernel's own counters (one call; download synchronises the stream).
                     let cp = &super::super::cuda::CLUSTER_PROFILE;
-                    cp.store(super::super::cuda::ptr(&prof), Ordering::Relaxed);
+                    cp.store(crate::cuda::gemm::ptr(&prof), Ordering::Relaxed);
                     let counted = call(0).and_then(|_| prof.download());
                     cp.store(0, Ordering::Relaxed);
                     if let Ok(p) = counted {
