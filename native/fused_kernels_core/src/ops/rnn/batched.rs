@@ -101,14 +101,7 @@ fn pack(gpu: &Arc<Gpu>, ws: &[Staged<'_>], rows: usize, cols: usize) -> Result<D
         },
     )?;
     let n = rows * ws.len() * cols;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = gpu.stream.launch_builder(&f);
-    launch.arg(&a);
-    unsafe { launch.launch(cfg) }?;
+    super::cuda::launch_grid_stride(gpu, &f, n, &a)?;
     Ok(out)
 }
 

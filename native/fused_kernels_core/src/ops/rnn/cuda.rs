@@ -18,7 +18,7 @@ use crate::kernels::RNN;
 use crate::operand::{Operand, Staged};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 const THREADS: usize = 256;
@@ -219,6 +219,26 @@ unsafe impl DeviceRepr for RnnArgs {}
 pub(super) struct DeviceOutput {
     pub sequence: DeviceTensor,
     pub states: Vec<Vec<DeviceTensor>>,
+}
+/// Launches `f(args)` as a grid-stride kernel over `n` items: 256 threads a block, at most 8192
+/// blocks (the weight-packing kernels).
+pub(super) fn launch_grid_stride<A: DeviceRepr>(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    n: usize,
+    args: &A,
+) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream.launch_builder(f);
+    launch.arg(args);
+    // Safety: `args` is the kernel's single by-value struct; its addresses are alive in stream
+    // order (the callers' tensors).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
 }
 
 /// Device addresses of a layer's states: `h0`/`c0` from its initial state (Axon's order: LSTM

@@ -15,7 +15,7 @@ use crate::operand::Staged;
 use cudarc::driver::sys::{
     self, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig,
 };
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -215,14 +215,7 @@ pub(super) fn pack(
         "rnn_mma_pack_b2"
     };
     let f = gpu.function(&RNN_MMA, name)?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = gpu.stream.launch_builder(&f);
-    launch.arg(&a);
-    unsafe { launch.launch(cfg) }?;
+    super::cuda::launch_grid_stride(gpu, &f, n, &a)?;
     Ok(Packed { hi, lo, kp })
 }
 
