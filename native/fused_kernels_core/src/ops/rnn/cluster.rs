@@ -72,7 +72,6 @@ pub struct LayerLayout {
 /// Consecutive layers run by one launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Group {
-    pub first: usize,
     pub ctas: usize,
     pub layers: Vec<LayerLayout>,
     /// Offset of the two mbarriers (8 bytes each) after the layers' buffers.
@@ -180,7 +179,6 @@ pub fn group(
     }
     let groups: usize = layers.iter().map(|l| l.per_cta / GROUP).sum();
     Some(Group {
-        first,
         ctas,
         layers,
         bar_off: at,
@@ -230,7 +228,6 @@ pub fn split_group(
     }
     let xin_off = end + BARS + PARTNER_SUMS;
     Some(Group {
-        first,
         ctas,
         bar_off: end,
         pp_off: end + BARS,
