@@ -12,8 +12,10 @@ OUT=${OUT:-.scan/out}
 BIN=${SCAN_BIN:-.scan/core_tests}
 mkdir -p "$OUT"
 export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+command -v ncu nsys compute-sanitizer 2>/dev/null | tee -a "$OUT/gpu.txt"
 bench() { # env assignments...
+  echo "-- $*"
   env "$@" timeout 50 "$BIN" selective_scan::tests::bench --ignored --nocapture --test-threads=1 \
     2>>"$OUT/scan_bench.err" | grep -o '{.*}' | tee -a "$OUT/scan_ours.jsonl" | cut -c1-170
 }
@@ -23,16 +25,19 @@ timeout 75 "$BIN" selective_scan mamba --test-threads=4 2>&1 | tee "$OUT/scan_te
 echo "== bench (default split)"
 : >"$OUT/scan_ours.jsonl"
 bench FK_NONE=1
-echo "== long f32 scan: lane splits x polynomial share"
-for v in "FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_POLY=8" "FUSED_KERNELS_SCAN_NPT=8" \
-  "FUSED_KERNELS_SCAN_NPT=8 FUSED_KERNELS_SCAN_POLY=16" "FUSED_KERNELS_SCAN_NPT=2"; do
+echo "== long f32 scan: layouts, lane splits, polynomial share, chunk"
+# SCAN_VARIANTS (';'-separated env sets) replaces the default sweep.
+IFS=';' read -r -a variants <<<"${SCAN_VARIANTS:-FUSED_KERNELS_SCAN_WIDE=0;FUSED_KERNELS_SCAN_WIDE=4x4x4;FUSED_KERNELS_SCAN_WIDE=4x4x4 FUSED_KERNELS_SCAN_POLY=16;FUSED_KERNELS_SCAN_WIDE=2x8x2;FUSED_KERNELS_SCAN_WIDE=2x4x4;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_POLY=8}"
+for v in "${variants[@]}"; do
   bench FUSED_KERNELS_SCAN_BENCH=long $v
 done
 echo "== PyTorch loop side by side"
 timeout 30 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log"
 echo "== GPU tests (forced variants)"
-for v in "FUSED_KERNELS_SCAN_NPT=4 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=8" \
-  "FUSED_KERNELS_SCAN_NPT=16 FUSED_KERNELS_SCAN_CHUNK=64 FUSED_KERNELS_SCAN_POLY=16"; do
-  env $v timeout 40 "$BIN" selective_scan::tests::cuda --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
+for v in "FUSED_KERNELS_SCAN_WIDE=4x4x4" "FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=4" "FUSED_KERNELS_SCAN_WIDE=2x8x2" \
+  "FUSED_KERNELS_SCAN_WIDE=4x4x4 FUSED_KERNELS_SCAN_POLY=16 FUSED_KERNELS_SCAN_CHUNK=64" \
+  "FUSED_KERNELS_SCAN_WIDE=0 FUSED_KERNELS_SCAN_NPT=4 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=8"; do
+  echo "-- $v"
+  env $v timeout 40 "$BIN" selective_scan::tests::cuda mamba --test-threads=4 2>&1 | tee -a "$OUT/scan_tests.log" |
     grep -E "test result|panicked|FAILED|worst" | tail -6
 done

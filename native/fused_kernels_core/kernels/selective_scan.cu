@@ -30,6 +30,7 @@ struct FkScanArgs {
 };
 
 #define FK_LOG2E 1.4426950408889634f
+#define FK_SCAN_THREADS 128
 
 __device__ __forceinline__ float fk_dt_transform(float dt, const FkScanArgs& p) {
   // mamba_ssm's softplus: log1p(exp(x)) below 20, x above.
@@ -45,6 +46,12 @@ __device__ __forceinline__ float fk_ex2(float x) {
 }
 
 __device__ __forceinline__ unsigned fk_align16(unsigned bytes) { return (bytes + 15u) & ~15u; }
+
+// The block's dynamic shared memory (both scan kernels carve it up themselves).
+__device__ __forceinline__ char* fk_smem_base() {
+  extern __shared__ __align__(16) char fk_scan_smem[];
+  return fk_scan_smem;
+}
 
 // Byte offsets of one chunk's inputs inside a pipeline stage (raw element type; `m`, the
 // mean dt, only in mean-dt mode). Offsets, not pointers, so that picking the stage is one
@@ -80,49 +87,58 @@ struct FkScanStage {
         m(reinterpret_cast<float*>(base + l.m)) {}
 };
 
-// Copies `len` rows of `n` elements (global row stride `stride`, shared row stride `sstride`).
-// 16-byte copies when `vec`, 4-byte copies for f32 otherwise, plain loads for unaligned
-// 16-bit rows (then the copy is synchronous, still ordered by the barrier before use).
-template <typename T>
-__device__ __forceinline__ void fk_copy_rows(T* dst, int sstride, const T* src, long long stride,
-                                             int len, int n, bool vec) {
-  if (vec) {
-    constexpr int V = 16 / sizeof(T);
-    const int vecs = n / V;
-    for (int k = threadIdx.x; k < len * vecs; k += blockDim.x) {
-      const int i = k / vecs, e = (k % vecs) * V;
-      fk_cp16(dst + i * sstride + e, src + i * stride + e, true);
-    }
+// Copies `len` rows of `n` elements (global row stride `stride`) into shared rows of ROW
+// elements. Rows whose starts are 16-byte aligned (`vec`) go as 16-byte cp.async copies, with
+// the vectors per row a compile-time count: a thread keeps one column and walks every
+// (THREADS / vectors)-th row by pointer increments, no divisions (they cost a third of the
+// long scan's time when the count was a run-time value). Columns at or past `n` are
+// zero-filled. Otherwise 4-byte copies for f32, plain loads for 16-bit rows (then the copy is
+// synchronous, still ordered by the barrier before use).
+template <typename T, int ROW>
+__device__ __forceinline__ void fk_copy_rows(T* dst, const T* src, long long stride, int len,
+                                             int n, bool vec) {
+  constexpr int V = 16 / sizeof(T);
+  if (vec && ROW % V == 0) {
+    constexpr int VPR = ROW / V, RPI = FK_SCAN_THREADS / VPR;
+    static_assert(FK_SCAN_THREADS % VPR == 0, "a row's vectors must divide the block");
+    const int e = (threadIdx.x % VPR) * V;
+    int i = threadIdx.x / VPR;
+    const bool valid = e < n;
+    const T* s = src + i * stride + e;
+    T* d = dst + i * ROW + e;
+    for (; i < len; i += RPI, s += RPI * stride, d += RPI * ROW) fk_cp16(d, s, valid);
   } else {
-    for (int k = threadIdx.x; k < len * n; k += blockDim.x) {
+    for (int k = threadIdx.x; k < len * n; k += FK_SCAN_THREADS) {
       const int i = k / n, e = k % n;
       if (sizeof(T) == 4) {
-        fk_cp4(dst + i * sstride + e, src + i * stride + e);
+        fk_cp4(dst + i * ROW + e, src + i * stride + e);
       } else {
-        dst[i * sstride + e] = src[i * stride + e];
+        dst[i * ROW + e] = src[i * stride + e];
       }
     }
   }
 }
 
-template <typename T>
+// Issues the copies of one chunk (`len` steps from t0) into stage `s`: CPB channels from c0
+// (nc of them real) of u, delta (and z), the NP-padded state rows of B and C (and the mean dt).
+template <typename T, int CPB, int NP>
 __device__ __forceinline__ void fk_scan_issue(const FkScanArgs& p, FkScanStage<T> s, int bi,
                                               int t0, int len, int c0, int nc, int g) {
   const long long row = (long long)bi * p.seq + t0;
   const T* u = reinterpret_cast<const T*>(p.u) + row * p.dim + c0;
   const T* dt = reinterpret_cast<const T*>(p.delta) + row * p.dim + c0;
-  fk_copy_rows(s.u, p.cpb, u, p.dim, len, nc, p.vec_x);
-  fk_copy_rows(s.dt, p.cpb, dt, p.dim, len, nc, p.vec_x);
+  fk_copy_rows<T, CPB>(s.u, u, p.dim, len, nc, p.vec_x);
+  fk_copy_rows<T, CPB>(s.dt, dt, p.dim, len, nc, p.vec_x);
   if (p.z) {
     const T* z = reinterpret_cast<const T*>(p.z) + row * p.dim + c0;
-    fk_copy_rows(s.z, p.cpb, z, p.dim, len, nc, p.vec_x);
+    fk_copy_rows<T, CPB>(s.z, z, p.dim, len, nc, p.vec_x);
   }
   const long long bc = row * p.bc_row + (long long)g * p.state;
-  fk_copy_rows(s.b, p.npad, reinterpret_cast<const T*>(p.b) + bc, p.bc_row, len, p.state, p.vec_bc);
-  fk_copy_rows(s.c, p.npad, reinterpret_cast<const T*>(p.c) + bc, p.bc_row, len, p.state, p.vec_bc);
+  fk_copy_rows<T, NP>(s.b, reinterpret_cast<const T*>(p.b) + bc, p.bc_row, len, p.state, p.vec_bc);
+  fk_copy_rows<T, NP>(s.c, reinterpret_cast<const T*>(p.c) + bc, p.bc_row, len, p.state, p.vec_bc);
   if (p.mean_mode) {
     const float* m = reinterpret_cast<const float*>(p.mean_dt) + row;
-    for (int k = threadIdx.x; k < len; k += blockDim.x) fk_cp4(s.m + k, m + k);
+    for (int k = threadIdx.x; k < len; k += FK_SCAN_THREADS) fk_cp4(s.m + k, m + k);
   }
 }
 
@@ -133,7 +149,8 @@ __device__ __forceinline__ T fk_bits16(unsigned v) {
   return r;
 }
 
-// NPT consecutive elements of a shared row as floats (vector loads for f32).
+// NPT consecutive elements of a shared row as floats (vector loads where NPT allows; the
+// row must then be aligned to the vector).
 template <typename T, int NPT>
 __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
   if constexpr (sizeof(T) == 4 && NPT % 4 == 0) {
@@ -155,6 +172,14 @@ __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
       dst[j + 2] = fk_to_f32(fk_bits16<T>(v.y));
       dst[j + 3] = fk_to_f32(fk_bits16<T>(v.y >> 16));
     }
+  } else if constexpr (sizeof(T) == 4 && NPT == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(src));
+    dst[0] = v.x;
+    dst[1] = v.y;
+  } else if constexpr (sizeof(T) == 2 && NPT == 2) {
+    const unsigned v = *reinterpret_cast<const unsigned*>(src);
+    dst[0] = fk_to_f32(fk_bits16<T>(v));
+    dst[1] = fk_to_f32(fk_bits16<T>(v >> 16));
   } else {
 #pragma unroll
     for (int j = 0; j < NPT; ++j) dst[j] = fk_to_f32(src[j]);
@@ -178,7 +203,40 @@ __device__ __forceinline__ float fk_ex2_poly(float v) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
 }
 
-#define FK_SCAN_THREADS 128
+
+// Padded state columns (n >= N) of B and C must read as zero in every one of `stages`
+// pipeline stages (rows of `np` elements); the copies never write them.
+template <typename T>
+__device__ __forceinline__ void fk_scan_zero_padding(const FkScanArgs& p, const FkScanLayout& lay,
+                                                     int stages, int np) {
+  const int N = p.state, CH = p.chunk, pad = np - N;
+  if (pad <= 0) return;
+  for (int k = threadIdx.x; k < stages * CH * pad; k += blockDim.x) {
+    const int s = k / (CH * pad), r = k % (CH * pad);
+    const int i = r / pad, n = N + r % pad;
+    const FkScanStage<T> z(fk_smem_base() + s * lay.bytes, lay);
+    z.b[i * np + n] = fk_from_f32<T>(0.0f);
+    z.c[i * np + n] = fk_from_f32<T>(0.0f);
+  }
+}
+
+// The dt pass is skipped when raw f32 deltas are already what the recurrence needs.
+template <typename T>
+__device__ __forceinline__ bool fk_scan_needs_dt_pass(const FkScanArgs& p) {
+  return sizeof(T) != 4 || p.softplus || p.clip || p.delta_bias;
+}
+
+// dt of one chunk (`len` rows of `cpb` channels, raw type) transformed into f32 (bias,
+// softplus, clip) once per element, for the recurrence to read; lanes past `nc` get 0.
+template <typename T>
+__device__ __forceinline__ void fk_scan_dt_pass(const FkScanArgs& p, const T* raw, float* dtf,
+                                                int len, int cpb, int c0, int nc) {
+  const float* bias = reinterpret_cast<const float*>(p.delta_bias);
+  for (int e = threadIdx.x; e < len * cpb; e += blockDim.x) {
+    const int c = e % cpb;
+    dtf[e] = c < nc ? fk_dt_transform(fk_to_f32(raw[e]) + (bias ? bias[c0 + c] : 0.0f), p) : 0.0f;
+  }
+}
 
 // Where lane `part` of channel `lc` keeps its partial y of step group g (4 steps, one float4):
 // groups are THREADS float4s apart; inside a group, part-major, with the channel index XORed
@@ -258,7 +316,7 @@ __device__ __forceinline__ void fk_scan_chunk(int len, const float* dtp, const F
 template <typename T, int NPT, int TPC, int POLY>
 __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   constexpr int THREADS = FK_SCAN_THREADS, CPB = THREADS / TPC, NP = NPT * TPC;
-  extern __shared__ __align__(16) char fk_smem[];
+  char* fk_smem = fk_smem_base();
   const int N = p.state, CH = p.chunk;
   const int dg = p.dim / p.groups;
   const int blocks_per_group = (dg + CPB - 1) / CPB;
@@ -274,19 +332,9 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   float* s_dtf = reinterpret_cast<float*>(fk_smem + 2 * stage_bytes);
   float* s_part = reinterpret_cast<float*>(fk_smem + 2 * stage_bytes +
                                            fk_align16(sizeof(float) * CH * CPB));
-  // The dt pass is skipped when raw f32 deltas are already what the recurrence needs.
-  const bool xform = sizeof(T) != 4 || p.softplus || p.clip || p.delta_bias;
+  const bool xform = fk_scan_needs_dt_pass<T>(p);
 
-  // Padded state columns (n >= N) must read as zero in B and C; copies never write them.
-  if (NP > N) {
-    for (int k = threadIdx.x; k < 2 * CH * (NP - N); k += THREADS) {
-      const int s = k / (CH * (NP - N)), r = k % (CH * (NP - N));
-      const int i = r / (NP - N), n = N + r % (NP - N);
-      const FkScanStage<T> z(fk_smem + s * stage_bytes, lay);
-      z.b[i * NP + n] = fk_from_f32<T>(0.0f);
-      z.c[i * NP + n] = fk_from_f32<T>(0.0f);
-    }
-  }
+  fk_scan_zero_padding<T>(p, lay, 2, NP);
 
   // Lanes 2m and 2m+1 hold the same states of two neighbouring channels: their B and C row
   // addresses are equal, which lets shared memory pack a warp's 16-byte B/C loads into half
@@ -297,7 +345,6 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   const bool active = lc < nc;
   const float* A = reinterpret_cast<const float*>(p.a);
   const float* h0 = reinterpret_cast<const float*>(p.h0);
-  const float* bias = reinterpret_cast<const float*>(p.delta_bias);
   float a2[NPT], x[NPT];
 #pragma unroll
   for (int j = 0; j < NPT; ++j) {
@@ -313,7 +360,7 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   T* out = reinterpret_cast<T*>(p.out);
   const int chunks = (p.seq + CH - 1) / CH;
 
-  fk_scan_issue<T>(p, FkScanStage<T>(fk_smem, lay), bi, 0, min(CH, p.seq), c0, nc, g);
+  fk_scan_issue<T, CPB, NP>(p, FkScanStage<T>(fk_smem, lay), bi, 0, min(CH, p.seq), c0, nc, g);
   fk_cp_commit();
   for (int k = 0; k < chunks; ++k) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
@@ -321,16 +368,12 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     fk_cp_wait<0>();
     __syncthreads();  // chunk k visible to all; chunk k-1 (its stage, s_dtf, s_part) consumed
     if (k + 1 < chunks)
-      fk_scan_issue<T>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
+      fk_scan_issue<T, CPB, NP>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
                        t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
     fk_cp_commit();
     const float* dtp = reinterpret_cast<const float*>(s.dt);
     if (xform) {
-      for (int e = threadIdx.x; e < len * CPB; e += THREADS) {
-        const int c = e % CPB;
-        s_dtf[e] = c < nc ? fk_dt_transform(fk_to_f32(s.dt[e]) + (bias ? bias[c0 + c] : 0.0f), p)
-                          : 0.0f;
-      }
+      fk_scan_dt_pass<T>(p, s.dt, s_dtf, len, CPB, c0, nc);
       __syncthreads();
       dtp = s_dtf;
     }

@@ -62,26 +62,29 @@ pub const RNN_MMA: Kernel = Kernel {
     body: include_str!("../kernels/rnn_mma.cu"),
 };
 
-// The selective scan is one module per element type (each has 20 kernels).
+// The selective scan (both layouts) is one module per element type (23 kernels each).
 pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
     name: "selective_scan_f32",
     body: concat!(
         "#define FK_SCAN_TYPE_F32\n",
-        include_str!("../kernels/selective_scan.cu")
+        include_str!("../kernels/selective_scan.cu"),
+        include_str!("../kernels/selective_scan_wide.cu")
     ),
 };
 pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
     name: "selective_scan_f16",
     body: concat!(
         "#define FK_SCAN_TYPE_F16\n",
-        include_str!("../kernels/selective_scan.cu")
+        include_str!("../kernels/selective_scan.cu"),
+        include_str!("../kernels/selective_scan_wide.cu")
     ),
 };
 pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
     name: "selective_scan_bf16",
     body: concat!(
         "#define FK_SCAN_TYPE_BF16\n",
-        include_str!("../kernels/selective_scan.cu")
+        include_str!("../kernels/selective_scan.cu"),
+        include_str!("../kernels/selective_scan_wide.cu")
     ),
 };
 

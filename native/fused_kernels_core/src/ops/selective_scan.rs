@@ -451,6 +451,62 @@ fn split(g: Geometry) -> (usize, usize) {
     (npt, padded / npt)
 }
 
+/// The wide layout (kernels/selective_scan_wide.cu): channels per lane, states per lane and
+/// lanes per channel group, for at most 16 states and enough channels that its blocks fill the
+/// GPU: it loads fewer shared-memory registers per state-step, but a block covers 2-4x the
+/// channels of the one-channel-per-lane layout. `FUSED_KERNELS_SCAN_WIDE` forces it off (0) or
+/// to one of the instantiated splits (benchmarking, tests).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Wide {
+    cpl: usize,
+    npt: usize,
+    tpc: usize,
+}
+
+const WIDE_SPLITS: [Wide; 3] = [
+    Wide {
+        cpl: 4,
+        npt: 4,
+        tpc: 4,
+    },
+    Wide {
+        cpl: 2,
+        npt: 8,
+        tpc: 2,
+    },
+    Wide {
+        cpl: 2,
+        npt: 4,
+        tpc: 4,
+    },
+];
+
+impl Wide {
+    fn channels_per_block(self) -> usize {
+        THREADS / self.tpc * self.cpl
+    }
+    fn name(self) -> String {
+        format!("{}x{}x{}", self.cpl, self.npt, self.tpc)
+    }
+}
+
+fn wide_split(g: Geometry, sms: usize) -> Option<Wide> {
+    if g.state > 16 {
+        return None;
+    }
+    if let Ok(v) = std::env::var("FUSED_KERNELS_SCAN_WIDE") {
+        if v == "0" {
+            return None;
+        }
+        if let Some(w) = WIDE_SPLITS.into_iter().find(|w| w.name() == v) {
+            return Some(w);
+        }
+    }
+    let w = WIDE_SPLITS[0];
+    let blocks = g.batch * g.groups * (g.dim / g.groups).div_ceil(w.channels_per_block());
+    (2 * blocks >= sms).then_some(w)
+}
+
 /// A benchmarking override: the variable's value when it is one of `allowed`.
 fn env_choice(name: &str, allowed: &[usize]) -> Option<usize> {
     std::env::var(name)
@@ -478,14 +534,27 @@ fn align16(bytes: usize) -> usize {
     bytes.div_ceil(16) * 16
 }
 
-/// Shared memory of one block: two pipeline stages of raw inputs, the chunk's f32 dt, then
-/// every lane's partial y as a float4 per 4 steps (mirrors `fk_scan_layout` and `fk_scan`).
-fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
-    let stage = align16(elem * chunk * cpb) * if z { 3 } else { 2 }
+/// One pipeline stage of raw inputs for a chunk (mirrors `fk_scan_layout`).
+fn stage_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
+    align16(elem * chunk * cpb) * if z { 3 } else { 2 }
         + 2 * align16(elem * chunk * npad)
-        + if mean { align16(4 * chunk) } else { 0 };
-    2 * stage + align16(4 * chunk * cpb) + 16 * THREADS * chunk.div_ceil(4)
+        + if mean { align16(4 * chunk) } else { 0 }
 }
+
+/// Shared memory of one block: two pipeline stages, the chunk's f32 dt, then every lane's
+/// partial y as a float4 per 4 steps (mirrors `fk_scan`).
+fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
+    2 * stage_smem(elem, chunk, cpb, npad, z, mean)
+        + align16(4 * chunk * cpb)
+        + 16 * THREADS * chunk.div_ceil(4)
+}
+
+/// Shared memory of one wide block: its ring of input stages and the chunk's f32 dt (mirrors
+/// `fk_scan_wide`).
+fn wide_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
+    WIDE_STAGES * stage_smem(elem, chunk, cpb, npad, z, mean) + align16(4 * chunk * cpb)
+}
+const WIDE_STAGES: usize = 3;
 
 /// Dynamic shared memory one block may take: what the device allows a block, and no more
 /// than lets every block of the launch be resident at once (one wave) where it can.
@@ -513,20 +582,31 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         )));
     }
     let elem = dtype.size();
-    let (npt, tpc) = split(g);
-    let cpb = THREADS / tpc;
-    let npad = npt * tpc;
     let dg = g.dim / g.groups;
+    let sms = gpu.multiprocessors()?.max(1) as usize;
+    let wide = wide_split(g, sms);
+    let (npt, tpc, cpb) = match wide {
+        Some(w) => (w.npt, w.tpc, w.channels_per_block()),
+        None => {
+            let (npt, tpc) = split(g);
+            (npt, tpc, THREADS / tpc)
+        }
+    };
+    let npad = npt * tpc;
     let blocks = g.groups * dg.div_ceil(cpb);
     let (z, mean) = (args.z != 0, args.mean_mode != 0);
     let budget = smem_budget(gpu, blocks * g.batch)?;
-    let fits = |c: usize| scan_smem(elem, c, cpb, npad, z, mean) <= budget;
+    let smem_for = |c: usize| match wide {
+        Some(_) => wide_smem(elem, c, cpb, npad, z, mean),
+        None => scan_smem(elem, c, cpb, npad, z, mean),
+    };
+    let fits = |c: usize| smem_for(c) <= budget;
     let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 64])
         .filter(|&c| fits(c))
         .or_else(|| [32usize, 16, 8, 4].into_iter().find(|&c| fits(c)))
         .unwrap_or(4)
         .min(g.seq.max(1));
-    let smem = scan_smem(elem, chunk, cpb, npad, z, mean);
+    let smem = smem_for(chunk);
     args.batch = g.batch as i32;
     args.seq = g.seq as i32;
     args.dim = g.dim as i32;
@@ -561,13 +641,25 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         l.arg(&args);
         unsafe { l.launch(cfg) }?;
     }
-    let k = poly(npt, tpc);
+    let k = match wide {
+        Some(w) if w == WIDE_SPLITS[0] => {
+            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 16]).unwrap_or(DEFAULT_POLY)
+        }
+        Some(w) if w == WIDE_SPLITS[2] => {
+            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8]).unwrap_or(DEFAULT_POLY)
+        }
+        Some(_) => 0,
+        None => poly(npt, tpc),
+    };
     let suffix = if k > 0 {
         format!("_p{k}")
     } else {
         String::new()
     };
-    let name = format!("selective_scan_{tname}_{npt}x{tpc}{suffix}");
+    let name = match wide {
+        Some(w) => format!("selective_scan_wide_{tname}_{}{suffix}", w.name()),
+        None => format!("selective_scan_{tname}_{npt}x{tpc}{suffix}"),
+    };
     let f = gpu.function(module(dtype), &name)?;
     cuda::smem::allow_dynamic_smem(&f, smem)?;
     let cfg = LaunchConfig {

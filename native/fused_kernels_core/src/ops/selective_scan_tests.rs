@@ -425,7 +425,7 @@ fn refuses_bad_shapes_and_state_over_256() {
 /// The benchmark shapes on the GPU, inputs already on the device, timed with CUDA
 /// events (`cuda::timing`), plus the device copy bandwidth measured in the same process for
 /// the byte floor. One JSON line per case. Run: `core_tests selective_scan::tests::bench
-/// --ignored --nocapture` (`FUSED_KERNELS_SCAN_NPT` / `_CHUNK` pick variants).
+/// --ignored --nocapture` (`FUSED_KERNELS_SCAN_WIDE` / `_NPT` / `_CHUNK` / `_POLY` pick variants).
 #[test]
 #[ignore]
 fn bench() {
@@ -447,7 +447,8 @@ fn bench() {
     drop((src, dst));
     let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "auto".into());
     let variant = format!(
-        "npt={} chunk={} poly={}",
+        "wide={} npt={} chunk={} poly={}",
+        var("FUSED_KERNELS_SCAN_WIDE"),
         var("FUSED_KERNELS_SCAN_NPT"),
         var("FUSED_KERNELS_SCAN_CHUNK"),
         var("FUSED_KERNELS_SCAN_POLY")

@@ -1,0 +1,237 @@
+// The "wide" selective scan: for many channels with at most 16 states (the long scans), each
+// lane keeps CPL channels x NPT states in registers; TPC lanes (CPL <= TPC) share a group of
+// CPL channels, each lane a slice of NPT states.
+//
+// Why: every (step, state) needs B[n] and C[n], every (step, channel) dt and u, and shared
+// memory hands an SM 32 registers per clock. With one channel per lane (selective_scan.cu) a
+// lane loads 2·NPT + 2 registers per step for NPT state-steps — 2.5 per state-step at 4
+// states, which puts that layout's long scan above 1.5x the byte floor on shared-memory
+// traffic alone (measured: its L1 throughput at 52%, 412M instructions). With CPL channels
+// sharing the lane's B/C the loads are (2·NPT + 2·CPL) / (CPL·NPT): 1.0 at 4x4, 1.5 at 2x4.
+//
+// The channel's y is the sum over its TPC lanes; a transposing butterfly leaves each lane
+// with one channel's sum, so a warp stores consecutive channels of one step with one
+// coalesced store, D·u already added (part 0 starts its partials at D·u) and silu(z) applied.
+// No partials go through shared memory.
+//
+// Inputs come through an S-stage cp.async ring (the layout, copies, padding and dt pass of
+// selective_scan.cu), one __syncthreads per chunk. The loop keeps the next step's shared loads
+// in flight while it computes this one.
+
+#define FK_SCAN_WIDE_STAGES 3
+
+// Which of its group's CPL channels lane `part` ends up with in fk_wide_reduce: each halving
+// round keeps the upper half where the round's mask bit of `part` is set.
+template <int CPL, int TPC>
+__device__ __forceinline__ int fk_wide_channel(int part) {
+  int ch = 0;
+#pragma unroll
+  for (int half = CPL / 2, mask = TPC / 2; half >= 1; half /= 2, mask /= 2)
+    if (part & mask) ch += half;
+  return ch;
+}
+
+// Sums y[k] over the TPC lanes of a group and returns channel fk_wide_channel(part)'s total.
+// While a lane holds several values, each round it keeps half of them, sends the other half
+// to the partner lane that keeps those, and adds what it receives (a transposing butterfly);
+// once one value is left, plain butterfly rounds finish the sum over the remaining lanes,
+// leaving TPC / CPL lanes with the same channel.
+template <int CPL, int TPC>
+__device__ __forceinline__ float fk_wide_reduce(const float (&y)[CPL], int part) {
+  static_assert(CPL <= TPC && (CPL & (CPL - 1)) == 0 && (TPC & (TPC - 1)) == 0, "powers of two");
+  float v[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) v[k] = y[k];
+#pragma unroll
+  for (int half = CPL / 2, mask = TPC / 2; half >= 1; half /= 2, mask /= 2) {
+    const bool up = part & mask;
+#pragma unroll
+    for (int k = 0; k < half; ++k) {
+      const float keep = up ? v[k + half] : v[k], send = up ? v[k] : v[k + half];
+      v[k] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+    }
+  }
+#pragma unroll
+  for (int mask = TPC / CPL / 2; mask >= 1; mask /= 2)
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], mask);
+  return v[0];
+}
+
+// One step's operands from shared memory.
+template <int CPL, int NPT>
+struct FkWideStep {
+  float dt[CPL], u[CPL], b[NPT], c[NPT], m;
+};
+
+template <typename T, int CPL, int NPT, bool MEAN>
+__device__ __forceinline__ FkWideStep<CPL, NPT> fk_wide_load(const float* dtp, const T* up,
+                                                             const T* bp, const T* cp,
+                                                             const float* mp) {
+  FkWideStep<CPL, NPT> s;
+  fk_load_row<float, CPL>(dtp, s.dt);
+  fk_load_row<T, CPL>(up, s.u);
+  fk_load_row<T, NPT>(bp, s.b);
+  fk_load_row<T, NPT>(cp, s.c);
+  s.m = MEAN ? *mp : 0.0f;
+  return s;
+}
+
+// The recurrence over one chunk. Row i of dt/u holds CPB channels, of B/C NP states.
+template <typename T, int CPL, int NPT, int TPC, int POLY, bool MEAN, bool Z>
+__device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const FkScanStage<T>& s,
+                                              int grp, int part, int oc, T* out,
+                                              long long out_stride,
+                                              bool store, float (&x)[CPL][NPT],
+                                              const float (&a2)[CPL][NPT],
+                                              const float (&dskip)[CPL]) {
+  constexpr int CPB = (FK_SCAN_THREADS / TPC) * CPL, NP = NPT * TPC;
+  const T* up = s.u + grp * CPL;
+  const T* bp = s.b + part * NPT;
+  const T* cp = s.c + part * NPT;
+  dtp += grp * CPL;
+  auto load = [&](int i) {
+    return fk_wide_load<T, CPL, NPT, MEAN>(dtp + i * CPB, up + i * CPB, bp + i * NP, cp + i * NP,
+                                           s.m + i);
+  };
+  FkWideStep<CPL, NPT> cur = load(0);
+#pragma unroll 2
+  for (int i = 0; i < len; ++i) {
+    // The next step's loads go out before this step's arithmetic (the last step reloads
+    // itself rather than reading past the chunk).
+    const FkWideStep<CPL, NPT> nxt = load(min(i + 1, len - 1));
+    float y[CPL];
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const float w = (MEAN ? cur.m : cur.dt[k]) * cur.u[k];
+      y[k] = dskip[k] * cur.u[k];
+#pragma unroll
+      for (int j = 0; j < NPT; ++j) {
+        const float v = cur.dt[k] * a2[k][j];
+        const bool poly = POLY > 0 && (k * NPT + j) % POLY == POLY - 1;
+        const float e = poly ? fk_ex2_poly(v) : fk_ex2(v);
+        x[k][j] = fmaf(e, x[k][j], w * cur.b[j]);
+        y[k] = fmaf(cur.c[j], x[k][j], y[k]);
+      }
+    }
+    float o = fk_wide_reduce<CPL, TPC>(y, part);
+    if constexpr (Z) {
+      const float zz = fk_to_f32(s.z[i * CPB + oc]);
+      o *= __fdividef(zz, 1.0f + __expf(-zz));
+    }
+    if (store) *out = fk_from_f32<T>(o);
+    out += out_stride;
+    cur = nxt;
+  }
+}
+
+template <typename T, int CPL, int NPT, int TPC, int POLY, bool MEAN, bool Z>
+__device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
+  constexpr int THREADS = FK_SCAN_THREADS, CPB = (THREADS / TPC) * CPL;
+  constexpr int NP = NPT * TPC, S = FK_SCAN_WIDE_STAGES;
+  char* smem = fk_smem_base();
+  const int N = p.state, CH = p.chunk;
+  const int dg = p.dim / p.groups;
+  const int blocks_per_group = (dg + CPB - 1) / CPB;
+  const int g = blockIdx.x / blocks_per_group;
+  const int c0 = g * dg + (blockIdx.x % blocks_per_group) * CPB;
+  const int nc = min(CPB, g * dg + dg - c0);
+  const int bi = blockIdx.y;
+
+  // S stages, then the transformed dt of the chunk being computed.
+  const FkScanLayout lay = fk_scan_layout<T>(p);
+  float* s_dtf = reinterpret_cast<float*>(smem + S * lay.bytes);
+  const bool xform = fk_scan_needs_dt_pass<T>(p);
+  fk_scan_zero_padding<T>(p, lay, S, NP);
+
+  const int part = threadIdx.x % TPC, grp = threadIdx.x / TPC;
+  const float* A = reinterpret_cast<const float*>(p.a);
+  const float* h0 = reinterpret_cast<const float*>(p.h0);
+  const float* D = reinterpret_cast<const float*>(p.d);
+  float a2[CPL][NPT], x[CPL][NPT], dskip[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int lc = grp * CPL + k;
+    const long long d = c0 + lc;
+    const bool active = lc < nc;
+    dskip[k] = active && D && part == 0 ? D[d] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+      const int n = part * NPT + j;
+      const bool live = active && n < N;
+      a2[k][j] = live ? A[d * N + n] * FK_LOG2E : 0.0f;
+      x[k][j] = live && h0 ? h0[((long long)bi * p.dim + d) * N + n] : 0.0f;
+    }
+  }
+  // The channel this lane stores (where fk_wide_reduce leaves it; one lane of each set of
+  // TPC / CPL lanes that hold the same sum stores it).
+  const int ch = fk_wide_channel<CPL, TPC>(part), oc = grp * CPL + ch;
+  const bool store = oc < nc && part % (TPC / CPL) == 0;
+  T* out = reinterpret_cast<T*>(p.out) + (long long)bi * p.seq * p.dim + c0 + oc;
+  const int chunks = (p.seq + CH - 1) / CH;
+  auto stage = [&](int k) { return FkScanStage<T>(smem + (k % S) * lay.bytes, lay); };
+
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) {
+    if (k < chunks) fk_scan_issue<T, CPB, NP>(p, stage(k), bi, k * CH, min(CH, p.seq - k * CH), c0, nc, g);
+    fk_cp_commit();
+  }
+  for (int k = 0; k < chunks; ++k) {
+    const int t0 = k * CH, len = min(CH, p.seq - t0);
+    const FkScanStage<T> s = stage(k);
+    fk_cp_wait<S - 2>();
+    __syncthreads();  // chunk k visible to all; chunk k-1's stage and s_dtf consumed
+    const int next = k + S - 1;
+    if (next < chunks)
+      fk_scan_issue<T, CPB, NP>(p, stage(next), bi, next * CH, min(CH, p.seq - next * CH), c0, nc, g);
+    fk_cp_commit();
+    const float* dtp = reinterpret_cast<const float*>(s.dt);
+    if (xform) {
+      fk_scan_dt_pass<T>(p, s.dt, s_dtf, len, CPB, c0, nc);
+      __syncthreads();
+      dtp = s_dtf;
+    }
+    fk_wide_chunk<T, CPL, NPT, TPC, POLY, MEAN, Z>(len, dtp, s, grp, part, oc,
+                                                   out + (long long)t0 * p.dim,
+                                              p.dim, store, x, a2, dskip);
+  }
+  if (p.h_last) {
+    float* hl = reinterpret_cast<float*>(p.h_last);
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int lc = grp * CPL + k;
+#pragma unroll
+      for (int j = 0; j < NPT; ++j) {
+        const int n = part * NPT + j;
+        if (lc < nc && n < N) hl[((long long)bi * p.dim + c0 + lc) * N + n] = x[k][j];
+      }
+    }
+  }
+}
+
+// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>[_p<POLY>]: the flags that change the time
+// loop (mean-dt discretization, the z gate) are template arguments, picked once per launch.
+#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC, POLY, SUFFIX)                                    \
+  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
+      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC##SUFFIX(const FkScanArgs p) {        \
+    if (p.mean_mode) {                                                                        \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, POLY, true, true>(p);                            \
+      else fk_scan_wide<T, CPL, NPT, TPC, POLY, true, false>(p);                               \
+    } else {                                                                                  \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, POLY, false, true>(p);                           \
+      else fk_scan_wide<T, CPL, NPT, TPC, POLY, false, false>(p);                              \
+    }                                                                                         \
+  }
+#define FK_SCAN_WIDE_ALL(NAME, T)                                                             \
+  FK_SCAN_WIDE(NAME, T, 4, 4, 4, 0, )                                                         \
+  FK_SCAN_WIDE(NAME, T, 4, 4, 4, 16, _p16)                                                    \
+  FK_SCAN_WIDE(NAME, T, 2, 8, 2, 0, )                                                         \
+  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 0, )                                                         \
+  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 8, _p8)
+
+#if defined(FK_SCAN_TYPE_F32)
+FK_SCAN_WIDE_ALL(f32, float)
+#elif defined(FK_SCAN_TYPE_F16)
+FK_SCAN_WIDE_ALL(f16, fk_f16)
+#else
+FK_SCAN_WIDE_ALL(bf16, fk_bf16)
+#endif
