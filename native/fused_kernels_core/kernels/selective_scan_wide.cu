@@ -19,6 +19,7 @@
 // in flight while it computes this one.
 
 #define FK_SCAN_WIDE_STAGES 3
+#define FK_SCAN_WIDE_UNROLL 4
 
 // Which of its group's CPL channels lane `part` ends up with in fk_wide_reduce: each halving
 // round keeps the upper half where the round's mask bit of `part` is set.
@@ -94,7 +95,7 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
                                            s.m + i);
   };
   FkWideStep<CPL, NPT> cur = load(0);
-#pragma unroll 2
+#pragma unroll FK_SCAN_WIDE_UNROLL
   for (int i = 0; i < len; ++i) {
     // The next step's loads go out before this step's arithmetic (the last step reloads
     // itself rather than reading past the chunk).
@@ -226,7 +227,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   FK_SCAN_WIDE(NAME, T, 4, 4, 4, 16, _p16)                                                    \
   FK_SCAN_WIDE(NAME, T, 2, 8, 2, 0, )                                                         \
   FK_SCAN_WIDE(NAME, T, 2, 4, 4, 0, )                                                         \
-  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 8, _p8)
+  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 8, _p8)                                                      \
+  FK_SCAN_WIDE(NAME, T, 1, 4, 4, 0, )
 
 #if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_WIDE_ALL(f32, float)

@@ -463,9 +463,12 @@ struct Wide {
     tpc: usize,
 }
 
-const WIDE_SPLITS: [Wide; 3] = [
+// The first is the default: measured on an H200 (bench/RESULTS.md, B8 D2048 L4096 N16 f32),
+// 2x4x4 (two warps per scheduler, 1.5 shared registers per state-step) 496 µs, 2x8x2 529 µs,
+// 4x4x4 (one warp per scheduler) 566 µs, 1x4x4 605 µs.
+const WIDE_SPLITS: [Wide; 4] = [
     Wide {
-        cpl: 4,
+        cpl: 2,
         npt: 4,
         tpc: 4,
     },
@@ -475,7 +478,12 @@ const WIDE_SPLITS: [Wide; 3] = [
         tpc: 2,
     },
     Wide {
-        cpl: 2,
+        cpl: 4,
+        npt: 4,
+        tpc: 4,
+    },
+    Wide {
+        cpl: 1,
         npt: 4,
         tpc: 4,
     },
@@ -643,10 +651,10 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     }
     let k = match wide {
         Some(w) if w == WIDE_SPLITS[0] => {
-            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 16]).unwrap_or(DEFAULT_POLY)
+            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8]).unwrap_or(DEFAULT_POLY)
         }
         Some(w) if w == WIDE_SPLITS[2] => {
-            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8]).unwrap_or(DEFAULT_POLY)
+            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 16]).unwrap_or(DEFAULT_POLY)
         }
         Some(_) => 0,
         None => poly(npt, tpc),
