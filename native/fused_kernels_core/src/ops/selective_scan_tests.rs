@@ -422,6 +422,39 @@ fn refuses_bad_shapes_and_state_over_256() {
     assert!(Discretization::parse("mean").is_err());
 }
 
+/// Which layout a launch gets (host logic, no GPU): the wide one only for plain f32 scans of at
+/// most 16 states with enough channels to fill an H200's 132 SMs, as measured.
+#[test]
+fn wide_layout_routing() {
+    if std::env::var("FUSED_KERNELS_SCAN_WIDE").is_ok() {
+        return; // a forced layout overrides the routing under test
+    }
+    let g = |batch, dim, state| Geometry {
+        batch,
+        seq: 4096,
+        dim,
+        state,
+        groups: 1,
+    };
+    let wide = Some(WIDE_SPLITS[0]);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, true), wide);
+    assert_eq!(wide_split(g(32, 512, 16), 132, true), wide);
+    assert_eq!(wide_split(g(8, 2048, 1), 132, true), wide);
+    // Too few channels (the Mamba block at batch 1), too many states, or a dt pass / gate.
+    assert_eq!(wide_split(g(1, 512, 16), 132, true), None);
+    assert_eq!(wide_split(g(8, 2048, 17), 132, true), None);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, false), None);
+    let mut a = ScanArgs::default();
+    assert!(plain_scan(&a));
+    a.softplus = 1;
+    assert!(!plain_scan(&a));
+    a = ScanArgs {
+        z: 64,
+        ..ScanArgs::default()
+    };
+    assert!(!plain_scan(&a));
+}
+
 /// The benchmark shapes on the GPU, inputs already on the device, timed with CUDA
 /// events (`cuda::timing`), plus the device copy bandwidth measured in the same process for
 /// the byte floor. One JSON line per case. Run: `core_tests selective_scan::tests::bench
