@@ -16,8 +16,11 @@
 // a separate pass over the chunk sums a channel's partials, adds D·u, applies silu(z) once per
 // element and stores it. The time loop is ~6.7 instructions per state-step (sm_90 SASS);
 // part of the exponentials can run as a polynomial on the FMA pipe (POLY), which measured
-// slower on an H200 (the special-function unit is not what bounds the long scan), so the
-// launch leaves it off by default.
+// slower on an H200, so the launch leaves it off by default.
+//
+// This file also holds what both layouts share (argument block, stage layout, copies, dt
+// pass); the layout for long plain f32 scans, several channels per lane, follows in
+// selective_scan_wide.cu (the module is the two files, in that order).
 
 struct FkScanArgs {
   unsigned long long u, delta, a, b, c, d, z, delta_bias, h0, mean_dt, out, h_last;
