@@ -207,6 +207,23 @@ __device__ __forceinline__ float fk_ex2_poly(float v) {
 }
 
 
+// Which channels a block owns: batch row `bi`, B/C group `g`, channels c0 .. c0 + nc - 1 (of
+// CPB); the x grid walks the groups' channel blocks, the y grid the batch.
+struct FkScanBlock {
+  int g, c0, nc, bi;
+};
+template <int CPB>
+__device__ __forceinline__ FkScanBlock fk_scan_block(const FkScanArgs& p) {
+  const int dg = p.dim / p.groups;
+  const int blocks_per_group = (dg + CPB - 1) / CPB;
+  FkScanBlock b;
+  b.g = blockIdx.x / blocks_per_group;
+  b.c0 = b.g * dg + (blockIdx.x % blocks_per_group) * CPB;
+  b.nc = min(CPB, b.g * dg + dg - b.c0);
+  b.bi = blockIdx.y;
+  return b;
+}
+
 // Padded state columns (n >= N) of B and C must read as zero in every one of `stages`
 // pipeline stages (rows of `np` elements); the copies never write them.
 template <typename T>
@@ -321,12 +338,8 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
   constexpr int THREADS = FK_SCAN_THREADS, CPB = THREADS / TPC, NP = NPT * TPC;
   char* fk_smem = fk_smem_base();
   const int N = p.state, CH = p.chunk;
-  const int dg = p.dim / p.groups;
-  const int blocks_per_group = (dg + CPB - 1) / CPB;
-  const int g = blockIdx.x / blocks_per_group;
-  const int c0 = g * dg + (blockIdx.x % blocks_per_group) * CPB;
-  const int nc = min(CPB, g * dg + dg - c0);
-  const int bi = blockIdx.y;
+  const FkScanBlock blk = fk_scan_block<CPB>(p);
+  const int g = blk.g, c0 = blk.c0, nc = blk.nc, bi = blk.bi;
 
   // Two stages, the transformed dt of the chunk being computed, then the partial y's (a
   // float4 per lane per 4 steps).

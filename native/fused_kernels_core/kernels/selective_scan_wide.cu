@@ -131,12 +131,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   constexpr int NP = NPT * TPC, S = FK_SCAN_WIDE_STAGES;
   char* smem = fk_smem_base();
   const int N = p.state, CH = p.chunk;
-  const int dg = p.dim / p.groups;
-  const int blocks_per_group = (dg + CPB - 1) / CPB;
-  const int g = blockIdx.x / blocks_per_group;
-  const int c0 = g * dg + (blockIdx.x % blocks_per_group) * CPB;
-  const int nc = min(CPB, g * dg + dg - c0);
-  const int bi = blockIdx.y;
+  const FkScanBlock blk = fk_scan_block<CPB>(p);
+  const int g = blk.g, c0 = blk.c0, nc = blk.nc, bi = blk.bi;
 
   // S stages, then the transformed dt of the chunk being computed.
   const FkScanLayout lay = fk_scan_layout<T>(p);
