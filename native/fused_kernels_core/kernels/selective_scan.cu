@@ -258,6 +258,18 @@ __device__ __forceinline__ void fk_scan_dt_pass(const FkScanArgs& p, const T* ra
   }
 }
 
+// The chunk's dt as the recurrence reads it (f32): the raw stage when it already is, else
+// the dt pass's output, visible to the whole block once this returns.
+template <typename T>
+__device__ __forceinline__ const float* fk_scan_chunk_dt(const FkScanArgs& p, const T* raw,
+                                                         float* dtf, bool xform, int len, int cpb,
+                                                         int c0, int nc) {
+  if (!xform) return reinterpret_cast<const float*>(raw);
+  fk_scan_dt_pass<T>(p, raw, dtf, len, cpb, c0, nc);
+  __syncthreads();
+  return dtf;
+}
+
 // Where lane `part` of channel `lc` keeps its partial y of step group g (4 steps, one float4):
 // groups are THREADS float4s apart; inside a group, part-major, with the channel index XORed
 // by a part-dependent constant so that both the recurrence's float4 stores (8 lanes of one
@@ -387,13 +399,7 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
       fk_scan_issue<T, CPB, NP>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
                        t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
     fk_cp_commit();
-    const float* dtp = reinterpret_cast<const float*>(s.dt);
-    if (xform) {
-      fk_scan_dt_pass<T>(p, s.dt, s_dtf, len, CPB, c0, nc);
-      __syncthreads();
-      dtp = s_dtf;
-    }
-    dtp += lc;
+    const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc) + lc;
     if (p.mean_mode)
       fk_scan_chunk<T, NPT, TPC, POLY, true>(len, dtp, s, yp_lane, part, lc, x, a2);
     else

@@ -179,17 +179,13 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
     __syncthreads();  // chunk k visible to all; chunk k-1's stage and s_dtf consumed
     const int next = k + S - 1;
     if (next < chunks)
-      fk_scan_issue<T, CPB, NP>(p, stage(next), bi, next * CH, min(CH, p.seq - next * CH), c0, nc, g);
+      fk_scan_issue<T, CPB, NP>(p, stage(next), bi, next * CH, min(CH, p.seq - next * CH), c0,
+                                nc, g);
     fk_cp_commit();
-    const float* dtp = reinterpret_cast<const float*>(s.dt);
-    if (xform) {
-      fk_scan_dt_pass<T>(p, s.dt, s_dtf, len, CPB, c0, nc);
-      __syncthreads();
-      dtp = s_dtf;
-    }
+    const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc);
     fk_wide_chunk<T, CPL, NPT, TPC, POLY, MEAN, Z>(len, dtp, s, grp, part, oc,
-                                                   out + (long long)t0 * p.dim,
-                                              p.dim, store, x, a2, dskip);
+                                                   out + (long long)t0 * p.dim, p.dim, store, x,
+                                                   a2, dskip);
   }
   if (p.h_last) {
     float* hl = reinterpret_cast<float*>(p.h_last);
