@@ -504,6 +504,8 @@ fn bench() {
     let cases = [
         ("B32 D512 L60 N16", 32, 60, 512, 16, plain, DType::F32),
         ("B8 D2048 L4096 N16", 8, 4096, 2048, 16, plain, DType::F32),
+        // More blocks than two per SM: the wide layout runs in several waves.
+        ("B32 D4096 L1024 N16", 32, 1024, 4096, 16, plain, DType::F32),
         (
             "B32 D512 L60 N16 d+z+bias+softplus",
             32,
