@@ -29,16 +29,16 @@ tests() { # label, env assignments...
 echo "== GPU tests: the default routing and forced layouts, side by side (f64 references)"
 tests default FK_NONE=1 &
 tests wide-2x4x4-chunk4 FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=4 &
-tests wide-4x4x4-p16-chunk64 FUSED_KERNELS_SCAN_WIDE=4x4x4 FUSED_KERNELS_SCAN_POLY=16 FUSED_KERNELS_SCAN_CHUNK=64 &
+tests wide-2x4x4-chunk64 FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=64 &
 tests narrow-4x4-p8-chunk4 FUSED_KERNELS_SCAN_WIDE=0 FUSED_KERNELS_SCAN_NPT=4 FUSED_KERNELS_SCAN_CHUNK=4 FUSED_KERNELS_SCAN_POLY=8 &
 wait
 echo "== bench (default routing, then the one-channel-per-lane layout everywhere)"
 : >"$OUT/scan_ours.jsonl"
 bench FK_NONE=1
 bench FUSED_KERNELS_SCAN_WIDE=0
-echo "== long f32 scan: layouts, lane splits, polynomial share, chunk"
+echo "== long f32 scan: layouts, polynomial share, chunk"
 # SCAN_VARIANTS (';'-separated env sets) replaces the default sweep.
-IFS=';' read -r -a variants <<<"${SCAN_VARIANTS:-FUSED_KERNELS_SCAN_WIDE=4x4x4;FUSED_KERNELS_SCAN_WIDE=2x8x2;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_POLY=8;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=16;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=64}"
+IFS=';' read -r -a variants <<<"${SCAN_VARIANTS:-FUSED_KERNELS_SCAN_WIDE=0 FUSED_KERNELS_SCAN_POLY=16;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=16;FUSED_KERNELS_SCAN_WIDE=2x4x4 FUSED_KERNELS_SCAN_CHUNK=64}"
 for v in "${variants[@]}"; do
   bench FUSED_KERNELS_SCAN_BENCH=long $v
 done

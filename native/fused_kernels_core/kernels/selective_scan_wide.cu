@@ -78,7 +78,7 @@ __device__ __forceinline__ FkWideStep<CPL, NPT> fk_wide_load(const float* dtp, c
 }
 
 // The recurrence over one chunk. Row i of dt/u holds CPB channels, of B/C NP states.
-template <typename T, int CPL, int NPT, int TPC, int POLY, bool MEAN, bool Z>
+template <typename T, int CPL, int NPT, int TPC, bool MEAN, bool Z>
 __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const FkScanStage<T>& s,
                                               int grp, int part, int oc, T* out,
                                               long long out_stride,
@@ -108,9 +108,7 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
 #pragma unroll
       for (int j = 0; j < NPT; ++j) {
         const float v = cur.dt[k] * a2[k][j];
-        const bool poly = POLY > 0 && (k * NPT + j) % POLY == POLY - 1;
-        const float e = poly ? fk_ex2_poly(v) : fk_ex2(v);
-        x[k][j] = fmaf(e, x[k][j], w * cur.b[j]);
+        x[k][j] = fmaf(fk_ex2(v), x[k][j], w * cur.b[j]);
         y[k] = fmaf(cur.c[j], x[k][j], y[k]);
       }
     }
@@ -125,7 +123,7 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
   }
 }
 
-template <typename T, int CPL, int NPT, int TPC, int POLY, bool MEAN, bool Z>
+template <typename T, int CPL, int NPT, int TPC, bool MEAN, bool Z>
 __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   constexpr int THREADS = FK_SCAN_THREADS, CPB = (THREADS / TPC) * CPL;
   constexpr int NP = NPT * TPC, S = FK_SCAN_WIDE_STAGES;
@@ -183,7 +181,7 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
                                 nc, g);
     fk_cp_commit();
     const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc);
-    fk_wide_chunk<T, CPL, NPT, TPC, POLY, MEAN, Z>(len, dtp, s, grp, part, oc,
+    fk_wide_chunk<T, CPL, NPT, TPC, MEAN, Z>(len, dtp, s, grp, part, oc,
                                                    out + (long long)t0 * p.dim, p.dim, store, x,
                                                    a2, dskip);
   }
@@ -201,26 +199,23 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   }
 }
 
-// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>[_p<POLY>]: the flags that change the time
+// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>: the flags that change the time
 // loop (mean-dt discretization, the z gate) are template arguments, picked once per launch.
-#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC, POLY, SUFFIX)                                    \
+#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC)                                                  \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
-      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC##SUFFIX(const FkScanArgs p) {        \
+      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                  \
     if (p.mean_mode) {                                                                        \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, POLY, true, true>(p);                            \
-      else fk_scan_wide<T, CPL, NPT, TPC, POLY, true, false>(p);                               \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, true, true>(p);                            \
+      else fk_scan_wide<T, CPL, NPT, TPC, true, false>(p);                               \
     } else {                                                                                  \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, POLY, false, true>(p);                           \
-      else fk_scan_wide<T, CPL, NPT, TPC, POLY, false, false>(p);                              \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, false, true>(p);                           \
+      else fk_scan_wide<T, CPL, NPT, TPC, false, false>(p);                              \
     }                                                                                         \
   }
-#define FK_SCAN_WIDE_ALL(NAME, T)                                                             \
-  FK_SCAN_WIDE(NAME, T, 4, 4, 4, 0, )                                                         \
-  FK_SCAN_WIDE(NAME, T, 4, 4, 4, 16, _p16)                                                    \
-  FK_SCAN_WIDE(NAME, T, 2, 8, 2, 0, )                                                         \
-  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 0, )                                                         \
-  FK_SCAN_WIDE(NAME, T, 2, 4, 4, 8, _p8)                                                      \
-  FK_SCAN_WIDE(NAME, T, 1, 4, 4, 0, )
+// Only the split the launch uses is compiled: 2x4x4. The others measured on the long f32 scan
+// (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs, 1x4x4 605 µs, polynomial shares
+// slower everywhere, against 496 µs) made each module's NVRTC compile ~5x longer.
+#define FK_SCAN_WIDE_ALL(NAME, T) FK_SCAN_WIDE(NAME, T, 2, 4, 4)
 
 #if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_WIDE_ALL(f32, float)

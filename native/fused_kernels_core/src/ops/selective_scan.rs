@@ -455,7 +455,7 @@ fn split(g: Geometry) -> (usize, usize) {
 /// lanes per channel group, for at most 16 states and enough channels that its blocks fill the
 /// GPU: it loads fewer shared-memory registers per state-step, but a block covers 2-4x the
 /// channels of the one-channel-per-lane layout. `FUSED_KERNELS_SCAN_WIDE` forces it off (0) or
-/// to one of the instantiated splits (benchmarking, tests).
+/// on (`2x4x4`, benchmarking and tests).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Wide {
     cpl: usize,
@@ -463,31 +463,15 @@ struct Wide {
     tpc: usize,
 }
 
-// The first is the default: measured on an H200 (bench/RESULTS.md, B8 D2048 L4096 N16 f32),
-// 2x4x4 (two warps per scheduler, 1.5 shared registers per state-step) 496 µs, 2x8x2 530 µs,
-// 4x4x4 (one warp per scheduler) 567 µs, 1x4x4 605 µs; the one-channel-per-lane layout 540 µs.
-const WIDE_SPLITS: [Wide; 4] = [
-    Wide {
-        cpl: 2,
-        npt: 4,
-        tpc: 4,
-    },
-    Wide {
-        cpl: 2,
-        npt: 8,
-        tpc: 2,
-    },
-    Wide {
-        cpl: 4,
-        npt: 4,
-        tpc: 4,
-    },
-    Wide {
-        cpl: 1,
-        npt: 4,
-        tpc: 4,
-    },
-];
+// Measured on an H200 (bench/RESULTS.md, B8 D2048 L4096 N16 f32): 2x4x4 (two warps per
+// scheduler, 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per
+// scheduler) 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is
+// compiled (kernels/selective_scan_wide.cu).
+const WIDE: Wide = Wide {
+    cpl: 2,
+    npt: 4,
+    tpc: 4,
+};
 
 impl Wide {
     fn channels_per_block(self) -> usize {
@@ -511,18 +495,15 @@ fn wide_split(g: Geometry, sms: usize, plain: bool) -> Option<Wide> {
     if g.state > 16 {
         return None;
     }
-    if let Ok(v) = std::env::var("FUSED_KERNELS_SCAN_WIDE") {
-        if v == "0" {
-            return None;
-        }
-        if let Some(w) = WIDE_SPLITS.into_iter().find(|w| w.name() == v) {
-            return Some(w);
-        }
+    match std::env::var("FUSED_KERNELS_SCAN_WIDE").as_deref() {
+        Ok("0") => return None,
+        Ok(v) if v == WIDE.name() => return Some(WIDE),
+        _ => {}
     }
-    let w = WIDE_SPLITS[0];
     if !plain {
         return None;
     }
+    let w = WIDE;
     let blocks = g.batch * g.groups * (g.dim / g.groups).div_ceil(w.channels_per_block());
     (2 * blocks >= sms).then_some(w)
 }
@@ -666,16 +647,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         l.arg(&args);
         unsafe { l.launch(cfg) }?;
     }
-    let k = match wide {
-        Some(w) if w == WIDE_SPLITS[0] => {
-            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8]).unwrap_or(DEFAULT_POLY)
-        }
-        Some(w) if w == WIDE_SPLITS[2] => {
-            env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 16]).unwrap_or(DEFAULT_POLY)
-        }
-        Some(_) => 0,
-        None => poly(npt, tpc),
-    };
+    let k = if wide.is_some() { 0 } else { poly(npt, tpc) };
     let suffix = if k > 0 {
         format!("_p{k}")
     } else {

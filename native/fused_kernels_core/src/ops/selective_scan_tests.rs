@@ -436,7 +436,7 @@ fn wide_layout_routing() {
         state,
         groups: 1,
     };
-    let wide = Some(WIDE_SPLITS[0]);
+    let wide = Some(WIDE);
     assert_eq!(wide_split(g(8, 2048, 16), 132, true), wide);
     assert_eq!(wide_split(g(32, 512, 16), 132, true), wide);
     assert_eq!(wide_split(g(8, 2048, 1), 132, true), wide);
