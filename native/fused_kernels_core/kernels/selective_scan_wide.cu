@@ -217,10 +217,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 // slower everywhere, against 496 µs) made each module's NVRTC compile ~5x longer.
 #define FK_SCAN_WIDE_ALL(NAME, T) FK_SCAN_WIDE(NAME, T, 2, 4, 4)
 
+// f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
+// slower, bench/RESULTS.md), so their modules do not pay its NVRTC time.
 #if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_WIDE_ALL(f32, float)
-#elif defined(FK_SCAN_TYPE_F16)
-FK_SCAN_WIDE_ALL(f16, fk_f16)
-#else
-FK_SCAN_WIDE_ALL(bf16, fk_bf16)
 #endif

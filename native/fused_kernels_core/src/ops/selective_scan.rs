@@ -455,7 +455,7 @@ fn split(g: Geometry) -> (usize, usize) {
 /// lanes per channel group, for at most 16 states and enough channels that its blocks fill the
 /// GPU: it loads fewer shared-memory registers per state-step, but a block covers 2-4x the
 /// channels of the one-channel-per-lane layout. `FUSED_KERNELS_SCAN_WIDE` forces it off (0) or
-/// on (`2x4x4`, benchmarking and tests).
+/// on (`2x4x4`, benchmarking and tests) for f32 scans.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Wide {
     cpl: usize,
@@ -491,8 +491,10 @@ fn plain_scan(a: &ScanArgs) -> bool {
     a.delta_bias == 0 && a.softplus == 0 && a.clip == 0 && a.mean_mode == 0 && a.z == 0
 }
 
-fn wide_split(g: Geometry, sms: usize, plain: bool) -> Option<Wide> {
-    if g.state > 16 {
+/// Only the f32 module compiles the wide kernel (the routing never picks it for 16-bit types,
+/// whose dt pass makes it slower), so forcing it applies to f32 scans alone.
+fn wide_split(g: Geometry, sms: usize, dtype: DType, plain: bool) -> Option<Wide> {
+    if g.state > 16 || dtype != DType::F32 {
         return None;
     }
     match std::env::var("FUSED_KERNELS_SCAN_WIDE").as_deref() {
@@ -588,7 +590,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     let elem = dtype.size();
     let dg = g.dim / g.groups;
     let sms = gpu.multiprocessors()?.max(1) as usize;
-    let wide = wide_split(g, sms, dtype == DType::F32 && plain_scan(&args));
+    let wide = wide_split(g, sms, dtype, plain_scan(&args));
     let (npt, tpc, cpb) = match wide {
         Some(w) => (w.npt, w.tpc, w.channels_per_block()),
         None => {

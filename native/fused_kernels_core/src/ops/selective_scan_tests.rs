@@ -437,13 +437,15 @@ fn wide_layout_routing() {
         groups: 1,
     };
     let wide = Some(WIDE);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, true), wide);
-    assert_eq!(wide_split(g(32, 512, 16), 132, true), wide);
-    assert_eq!(wide_split(g(8, 2048, 1), 132, true), wide);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F32, true), wide);
+    assert_eq!(wide_split(g(32, 512, 16), 132, DType::F32, true), wide);
+    assert_eq!(wide_split(g(8, 2048, 1), 132, DType::F32, true), wide);
     // Too few channels (the Mamba block at batch 1), too many states, or a dt pass / gate.
-    assert_eq!(wide_split(g(1, 512, 16), 132, true), None);
-    assert_eq!(wide_split(g(8, 2048, 17), 132, true), None);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, false), None);
+    assert_eq!(wide_split(g(1, 512, 16), 132, DType::F32, true), None);
+    assert_eq!(wide_split(g(8, 2048, 17), 132, DType::F32, true), None);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F32, false), None);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::BF16, true), None);
+    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F16, true), None);
     let mut a = ScanArgs::default();
     assert!(plain_scan(&a));
     a.softplus = 1;
