@@ -206,7 +206,6 @@ __device__ __forceinline__ float fk_ex2_poly(float v) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
 }
 
-
 // Which channels a block owns: batch row `bi`, B/C group `g`, channels c0 .. c0 + nc - 1 (of
 // CPB); the x grid walks the groups' channel blocks, the y grid the batch.
 struct FkScanBlock {
@@ -396,8 +395,8 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
     fk_cp_wait<0>();
     __syncthreads();  // chunk k visible to all; chunk k-1 (its stage, s_dtf, s_part) consumed
     if (k + 1 < chunks)
-      fk_scan_issue<T, CPB, NP>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay), bi,
-                       t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
+      fk_scan_issue<T, CPB, NP>(p, FkScanStage<T>(fk_smem + ((k + 1) & 1) * stage_bytes, lay),
+                                bi, t0 + CH, min(CH, p.seq - t0 - CH), c0, nc, g);
     fk_cp_commit();
     const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc) + lc;
     if (p.mean_mode)

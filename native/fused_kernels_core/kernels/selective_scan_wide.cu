@@ -81,8 +81,8 @@ __device__ __forceinline__ FkWideStep<CPL, NPT> fk_wide_load(const float* dtp, c
 template <typename T, int CPL, int NPT, int TPC, bool MEAN, bool Z>
 __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const FkScanStage<T>& s,
                                               int grp, int part, int oc, T* out,
-                                              long long out_stride,
-                                              bool store, float (&x)[CPL][NPT],
+                                              long long out_stride, bool store,
+                                              float (&x)[CPL][NPT],
                                               const float (&a2)[CPL][NPT],
                                               const float (&dskip)[CPL]) {
   constexpr int CPB = (FK_SCAN_THREADS / TPC) * CPL, NP = NPT * TPC;
@@ -167,7 +167,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 
 #pragma unroll
   for (int k = 0; k < S - 1; ++k) {
-    if (k < chunks) fk_scan_issue<T, CPB, NP>(p, stage(k), bi, k * CH, min(CH, p.seq - k * CH), c0, nc, g);
+    if (k < chunks)
+      fk_scan_issue<T, CPB, NP>(p, stage(k), bi, k * CH, min(CH, p.seq - k * CH), c0, nc, g);
     fk_cp_commit();
   }
   for (int k = 0; k < chunks; ++k) {
@@ -182,8 +183,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
     fk_cp_commit();
     const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc);
     fk_wide_chunk<T, CPL, NPT, TPC, MEAN, Z>(len, dtp, s, grp, part, oc,
-                                                   out + (long long)t0 * p.dim, p.dim, store, x,
-                                                   a2, dskip);
+                                             out + (long long)t0 * p.dim, p.dim, store, x, a2,
+                                             dskip);
   }
   if (p.h_last) {
     float* hl = reinterpret_cast<float*>(p.h_last);
@@ -199,18 +200,18 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   }
 }
 
-// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>: the flags that change the time
-// loop (mean-dt discretization, the z gate) are template arguments, picked once per launch.
-#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC)                                                  \
-  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
-      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                  \
-    if (p.mean_mode) {                                                                        \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, true, true>(p);                            \
-      else fk_scan_wide<T, CPL, NPT, TPC, true, false>(p);                               \
-    } else {                                                                                  \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, false, true>(p);                           \
-      else fk_scan_wide<T, CPL, NPT, TPC, false, false>(p);                              \
-    }                                                                                         \
+// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>: the flags that change the time loop (mean-dt
+// discretization, the z gate) are template arguments, picked once per launch.
+#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC)                                                   \
+  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
+      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                 \
+    if (p.mean_mode) {                                                                         \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, true, true>(p);                                  \
+      else fk_scan_wide<T, CPL, NPT, TPC, true, false>(p);                                     \
+    } else {                                                                                   \
+      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, false, true>(p);                                 \
+      else fk_scan_wide<T, CPL, NPT, TPC, false, false>(p);                                    \
+    }                                                                                          \
   }
 // Only the split the launch uses is compiled: 2x4x4. The others measured on the long f32 scan
 // (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs, 1x4x4 605 µs, polynomial shares
