@@ -58,6 +58,88 @@ __device__ __forceinline__ float fk_wide_reduce(const float (&y)[CPL], int part)
   return v[0];
 }
 
+// A store to a global address held as an integer (so it stays a global store, not a generic
+// one).
+__device__ __forceinline__ void fk_st_global(unsigned long long a, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(a), "f"(v));
+}
+template <typename T>
+__device__ __forceinline__ void fk_st_global(unsigned long long a, T v) {
+  asm volatile("st.global.b16 [%0], %1;" ::"l"(a), "h"(v.bits));
+}
+
+// 16 bytes from a global byte address to a shared byte address, zero-filled when !valid.
+__device__ __forceinline__ void fk_cp16_at(unsigned dst, unsigned long long src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+// One thread's share of a chunk's u, dt, B and C copies when every row allows 16-byte copies
+// (vec_x and vec_bc): its first row's global and shared byte addresses are worked out once per
+// kernel and advanced by a chunk per issue. fk_scan_issue works them out again per chunk and
+// per array — ~380 instructions per warp per 32-step chunk (ncu, the long scan), 17 % of the
+// kernel's instructions; this costs ~60.
+template <typename T, int CPB, int NP>
+struct FkWideCopy {
+  static constexpr int VX = CPB * (int)sizeof(T) / 16, VB = NP * (int)sizeof(T) / 16;
+  static constexpr int RX = FK_SCAN_THREADS / VX, RB = FK_SCAN_THREADS / VB;  // rows per pass
+  static_assert(FK_SCAN_THREADS % VX == 0 && FK_SCAN_THREADS % VB == 0, "rows split evenly");
+  unsigned long long u, dt, b, c;  // global addresses of this thread's first row (x: ix, bc: ib)
+  unsigned long long xpass, bpass, xchunk, bchunk;  // bytes per pass of rows / per chunk
+  unsigned sx, sb;                                  // shared offsets of those rows in a stage
+  int ix, ib;
+  bool vx, vb;  // this thread's column lies inside the block's channels / the states
+
+  __device__ __forceinline__ FkWideCopy(const FkScanArgs& p, int bi, int c0, int nc, int g) {
+    const int ex = (threadIdx.x % VX) * (16 / (int)sizeof(T));
+    const int eb = (threadIdx.x % VB) * (16 / (int)sizeof(T));
+    ix = threadIdx.x / VX;
+    ib = threadIdx.x / VB;
+    vx = ex < nc;
+    vb = eb < p.state;
+    const long long row = (long long)bi * p.seq;
+    const long long xo = ((row + ix) * p.dim + c0 + ex) * (long long)sizeof(T);
+    const long long bo =
+        ((row + ib) * p.bc_row + (long long)g * p.state + eb) * (long long)sizeof(T);
+    u = p.u + xo;
+    dt = p.delta + xo;
+    b = p.b + bo;
+    c = p.c + bo;
+    xpass = (unsigned long long)RX * p.dim * sizeof(T);
+    bpass = (unsigned long long)RB * p.bc_row * sizeof(T);
+    xchunk = (unsigned long long)p.chunk * p.dim * sizeof(T);
+    bchunk = (unsigned long long)p.chunk * p.bc_row * sizeof(T);
+    sx = (ix * CPB + ex) * sizeof(T);
+    sb = (ib * NP + eb) * sizeof(T);
+  }
+
+  // Issues `len` rows into the stage at shared address `stage`, then moves to the next chunk.
+  __device__ __forceinline__ void issue(unsigned stage, const FkScanLayout& lay, int len) {
+    unsigned long long gu = u, gd = dt;
+    unsigned s = stage + sx;
+    for (int i = ix; i < len; i += RX) {
+      fk_cp16_at(s, gu, vx);
+      fk_cp16_at(s + lay.dt, gd, vx);
+      gu += xpass;
+      gd += xpass;
+      s += RX * CPB * sizeof(T);
+    }
+    unsigned long long gb = b, gc = c;
+    s = stage + sb;
+    for (int i = ib; i < len; i += RB) {
+      fk_cp16_at(s + lay.b, gb, vb);
+      fk_cp16_at(s + lay.c, gc, vb);
+      gb += bpass;
+      gc += bpass;
+      s += RB * NP * sizeof(T);
+    }
+    u += xchunk;
+    dt += xchunk;
+    b += bchunk;
+    c += bchunk;
+  }
+};
+
 // One step's operands from shared memory.
 template <int CPL, int NPT>
 struct FkWideStep {
@@ -86,20 +168,40 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
                                               const float (&a2)[CPL][NPT],
                                               const float (&dskip)[CPL]) {
   constexpr int CPB = (FK_SCAN_THREADS / TPC) * CPL, NP = NPT * TPC;
+  // Pointers at the step being loaded, advanced by one row per step: with the loop unrolled,
+  // every shared load is then a pointer plus an immediate (indexing by the step counter made
+  // the compiler spend an IMAD per load on addresses).
   const T* up = s.u + grp * CPL;
   const T* bp = s.b + part * NPT;
   const T* cp = s.c + part * NPT;
+  const float* mp = s.m;
+  const T* zp = s.z + oc;
   dtp += grp * CPL;
-  auto load = [&](int i) {
-    return fk_wide_load<T, CPL, NPT, MEAN>(dtp + i * CPB, up + i * CPB, bp + i * NP, cp + i * NP,
-                                           s.m + i);
+  auto load = [&]() {
+    return fk_wide_load<T, CPL, NPT, MEAN>(dtp, up, bp, cp, mp);
   };
-  FkWideStep<CPL, NPT> cur = load(0);
+  auto advance = [&]() {
+    dtp += CPB;
+    up += CPB;
+    bp += NP;
+    cp += NP;
+    ++mp;
+  };
+  FkWideStep<CPL, NPT> cur = load();
+  // The output address advances by a row per step as a plain 64-bit add; the empty asm keeps
+  // the compiler from re-deriving each step's address from the kernel arguments (which cost
+  // ~4 integer instructions and a constant load per store).
+  unsigned long long oaddr = reinterpret_cast<unsigned long long>(out);
+  unsigned long long ostep = (unsigned long long)out_stride * sizeof(T);
+  asm("" : "+l"(ostep), "+l"(oaddr));
 #pragma unroll FK_SCAN_WIDE_UNROLL
   for (int i = 0; i < len; ++i) {
-    // The next step's loads go out before this step's arithmetic (the last step reloads
-    // itself rather than reading past the chunk).
-    const FkWideStep<CPL, NPT> nxt = load(min(i + 1, len - 1));
+    // The next step's loads go out before this step's arithmetic. The last step reads row
+    // `len`, which is never used: past a full chunk that row lands in the next array of the
+    // stage (the host pads the f32 dt buffer, the last one, by a row). Clamping the index
+    // instead cost integer instructions on every load set.
+    advance();
+    const FkWideStep<CPL, NPT> nxt = load();
     float y[CPL];
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
@@ -114,11 +216,12 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
     }
     float o = fk_wide_reduce<CPL, TPC>(y, part);
     if constexpr (Z) {
-      const float zz = fk_to_f32(s.z[i * CPB + oc]);
+      const float zz = fk_to_f32(*zp);
       o *= __fdividef(zz, 1.0f + __expf(-zz));
+      zp += CPB;
     }
-    if (store) *out = fk_from_f32<T>(o);
-    out += out_stride;
+    if (store) fk_st_global(oaddr, fk_from_f32<T>(o));
+    oaddr += ostep;
     cur = nxt;
   }
 }
@@ -164,11 +267,21 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   T* out = reinterpret_cast<T*>(p.out) + (long long)bi * p.seq * p.dim + c0 + oc;
   const int chunks = (p.seq + CH - 1) / CH;
   auto stage = [&](int k) { return FkScanStage<T>(smem + (k % S) * lay.bytes, lay); };
+  // Chunks are issued in order, each once: the fast copies' cursors advance per issue.
+  const bool fast = p.vec_x && p.vec_bc && !p.z && !p.mean_mode;
+  FkWideCopy<T, CPB, NP> copies(p, bi, c0, nc, g);
+  const unsigned sbase = fk_smem_addr(smem);
+  auto issue = [&](int k) {
+    const int t0 = k * CH, len = min(CH, p.seq - t0);
+    if (fast)
+      copies.issue(sbase + (k % S) * lay.bytes, lay, len);
+    else
+      fk_scan_issue<T, CPB, NP>(p, stage(k), bi, t0, len, c0, nc, g);
+  };
 
 #pragma unroll
   for (int k = 0; k < S - 1; ++k) {
-    if (k < chunks)
-      fk_scan_issue<T, CPB, NP>(p, stage(k), bi, k * CH, min(CH, p.seq - k * CH), c0, nc, g);
+    if (k < chunks) issue(k);
     fk_cp_commit();
   }
   for (int k = 0; k < chunks; ++k) {
@@ -176,10 +289,7 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
     const FkScanStage<T> s = stage(k);
     fk_cp_wait<S - 2>();
     __syncthreads();  // chunk k visible to all; chunk k-1's stage and s_dtf consumed
-    const int next = k + S - 1;
-    if (next < chunks)
-      fk_scan_issue<T, CPB, NP>(p, stage(next), bi, next * CH, min(CH, p.seq - next * CH), c0,
-                                nc, g);
+    if (k + S - 1 < chunks) issue(k + S - 1);
     fk_cp_commit();
     const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc);
     fk_wide_chunk<T, CPL, NPT, TPC, MEAN, Z>(len, dtp, s, grp, part, oc,

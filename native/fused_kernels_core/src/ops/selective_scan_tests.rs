@@ -351,6 +351,55 @@ fn cuda_matches_f64_reference_full_matrix() {
     );
 }
 
+/// The wide layout through the default routing (enough blocks to fill the GPU), at its edges:
+/// channel blocks cut short (200 channels: the last block of each row has 8; grouped, 4 groups
+/// of 100), states under the 16 it pads to, chunk tails (seq 1, 61, 100), initial and last
+/// state, the D skip. The full matrix reaches this layout only with it forced.
+#[test]
+fn cuda_wide_layout_edges_match_f64_reference() {
+    let Some(gpu) = gpu_for_tests() else {
+        return;
+    };
+    let sms = gpu.multiprocessors().unwrap() as usize;
+    let mut rng = Rng::new(17);
+    let plain = Opts {
+        softplus: false,
+        last: false,
+        ..BASE
+    };
+    let sets = [
+        plain,
+        Opts { d: true, ..plain },
+        Opts {
+            h0: true,
+            last: true,
+            ..plain
+        },
+        Opts { groups: 1, ..plain },
+    ];
+    for seq in [1, 61, 100] {
+        for state in [4, 12, 16] {
+            for o in sets {
+                // Grouped: 4 groups of 100 channels (16-byte rows need a multiple of 4).
+                let dim = if o.groups > 0 { 400 } else { 200 };
+                let g = geometry_of(sms / 4 + 1, seq, dim, state, o);
+                if std::env::var("FUSED_KERNELS_SCAN_WIDE").is_err() {
+                    assert!(
+                        wide_split(g, sms, DType::F32, true).is_some(),
+                        "{g:?} must take the wide layout"
+                    );
+                }
+                let c = make_case(&mut rng, g, DType::F32, o);
+                let (eo, el) = check(Backend::Cuda(None), &c);
+                assert!(
+                    eo <= 1e-5 && el <= 1e-5,
+                    "seq {seq} state {state} {o:?}: out {eo:e} last {el:e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn cuda_and_cpu_agree_on_both_discretizations() {
     if gpu_for_tests().is_none() {
