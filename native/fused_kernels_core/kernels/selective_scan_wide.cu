@@ -1,6 +1,7 @@
-// The "wide" selective scan: for many channels with at most 16 states (the long scans), each
-// lane keeps CPL channels x NPT states in registers; TPC lanes (CPL <= TPC) share a group of
-// CPL channels, each lane a slice of NPT states.
+// The "wide" selective scan, for plain f32 scans (no delta bias, softplus, clip, mean dt or z
+// gate; the D skip and initial / last state allowed) of many channels with at most 16 states:
+// the long scans. Each lane keeps CPL channels x NPT states in registers; TPC lanes
+// (CPL <= TPC) share a group of CPL channels, each lane a slice of NPT states.
 //
 // Why: every (step, state) needs B[n] and C[n], every (step, channel) dt and u, and shared
 // memory hands an SM 32 registers per clock. With one channel per lane (selective_scan.cu) a
@@ -11,12 +12,14 @@
 //
 // The channel's y is the sum over its TPC lanes; a transposing butterfly leaves each lane
 // with one channel's sum, so a warp stores consecutive channels of one step with one
-// coalesced store, D·u already added (part 0 starts its partials at D·u) and silu(z) applied.
-// No partials go through shared memory.
+// coalesced store, D·u already added (part 0 starts its partials at D·u). No partials go
+// through shared memory.
 //
-// Inputs come through an S-stage cp.async ring (the layout, copies, padding and dt pass of
-// selective_scan.cu), one __syncthreads per chunk. The loop keeps the next step's shared loads
-// in flight while it computes this one.
+// Inputs come through an S-stage cp.async ring (the layout and copies of selective_scan.cu;
+// 16-byte copies from cursors set up once where every row allows them), one __syncthreads per
+// chunk. The loop keeps the next step's shared loads in flight while it computes this one.
+// With a dt pass or a z gate this layout measured slower than the other (session 4,
+// bench/RESULTS.md), so it has neither.
 
 #define FK_SCAN_WIDE_STAGES 3
 #define FK_SCAN_WIDE_UNROLL 4
@@ -56,16 +59,6 @@ __device__ __forceinline__ float fk_wide_reduce(const float (&y)[CPL], int part)
   for (int mask = TPC / CPL / 2; mask >= 1; mask /= 2)
     v[0] += __shfl_xor_sync(0xffffffffu, v[0], mask);
   return v[0];
-}
-
-// A store to a global address held as an integer (so it stays a global store, not a generic
-// one).
-__device__ __forceinline__ void fk_st_global(unsigned long long a, float v) {
-  asm volatile("st.global.f32 [%0], %1;" ::"l"(a), "f"(v));
-}
-template <typename T>
-__device__ __forceinline__ void fk_st_global(unsigned long long a, T v) {
-  asm volatile("st.global.b16 [%0], %1;" ::"l"(a), "h"(v.bits));
 }
 
 // 16 bytes from a global byte address to a shared byte address, zero-filled when !valid.
@@ -143,70 +136,66 @@ struct FkWideCopy {
 // One step's operands from shared memory.
 template <int CPL, int NPT>
 struct FkWideStep {
-  float dt[CPL], u[CPL], b[NPT], c[NPT], m;
+  float dt[CPL], u[CPL], b[NPT], c[NPT];
 };
 
-template <typename T, int CPL, int NPT, bool MEAN>
-__device__ __forceinline__ FkWideStep<CPL, NPT> fk_wide_load(const float* dtp, const T* up,
-                                                             const T* bp, const T* cp,
-                                                             const float* mp) {
+template <int CPL, int NPT>
+__device__ __forceinline__ FkWideStep<CPL, NPT> fk_wide_load(const float* dtp, const float* up,
+                                                             const float* bp, const float* cp) {
   FkWideStep<CPL, NPT> s;
   fk_load_row<float, CPL>(dtp, s.dt);
-  fk_load_row<T, CPL>(up, s.u);
-  fk_load_row<T, NPT>(bp, s.b);
-  fk_load_row<T, NPT>(cp, s.c);
-  s.m = MEAN ? *mp : 0.0f;
+  fk_load_row<float, CPL>(up, s.u);
+  fk_load_row<float, NPT>(bp, s.b);
+  fk_load_row<float, NPT>(cp, s.c);
   return s;
 }
 
-// The recurrence over one chunk. Row i of dt/u holds CPB channels, of B/C NP states.
-template <typename T, int CPL, int NPT, int TPC, bool MEAN, bool Z>
-__device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const FkScanStage<T>& s,
-                                              int grp, int part, int oc, T* out,
-                                              long long out_stride, bool store,
-                                              float (&x)[CPL][NPT],
+__device__ __forceinline__ void fk_st_global(unsigned long long a, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(a), "f"(v));
+}
+
+// The recurrence over one chunk. Row i of dt/u holds CPB channels, of B/C NP states. With D,
+// part 0 starts its partials at D·u. (Reducing and storing each step's y during the next step,
+// to overlap the shuffles' latency with arithmetic, measured no faster: 411.5 against 411.7 µs
+// on the long scan, H200; the compiler gathers the shuffles at the end of the unrolled body
+// either way.)
+template <int CPL, int NPT, int TPC, bool D>
+__device__ __forceinline__ void fk_wide_chunk(int len, const FkScanStage<float>& s, int grp,
+                                              int part, float* out, long long out_stride,
+                                              bool store, float (&x)[CPL][NPT],
                                               const float (&a2)[CPL][NPT],
                                               const float (&dskip)[CPL]) {
   constexpr int CPB = (FK_SCAN_THREADS / TPC) * CPL, NP = NPT * TPC;
   // Pointers at the step being loaded, advanced by one row per step: with the loop unrolled,
   // every shared load is then a pointer plus an immediate (indexing by the step counter made
   // the compiler spend an IMAD per load on addresses).
-  const T* up = s.u + grp * CPL;
-  const T* bp = s.b + part * NPT;
-  const T* cp = s.c + part * NPT;
-  const float* mp = s.m;
-  const T* zp = s.z + oc;
-  dtp += grp * CPL;
-  auto load = [&]() {
-    return fk_wide_load<T, CPL, NPT, MEAN>(dtp, up, bp, cp, mp);
-  };
-  auto advance = [&]() {
-    dtp += CPB;
-    up += CPB;
-    bp += NP;
-    cp += NP;
-    ++mp;
-  };
-  FkWideStep<CPL, NPT> cur = load();
+  const float* dtp = s.dt + grp * CPL;
+  const float* up = s.u + grp * CPL;
+  const float* bp = s.b + part * NPT;
+  const float* cp = s.c + part * NPT;
+  FkWideStep<CPL, NPT> cur = fk_wide_load<CPL, NPT>(dtp, up, bp, cp);
   // The output address advances by a row per step as a plain 64-bit add; the empty asm keeps
   // the compiler from re-deriving each step's address from the kernel arguments (which cost
   // ~4 integer instructions and a constant load per store).
+  unsigned long long ostep = (unsigned long long)out_stride * sizeof(float);
   unsigned long long oaddr = reinterpret_cast<unsigned long long>(out);
-  unsigned long long ostep = (unsigned long long)out_stride * sizeof(T);
   asm("" : "+l"(ostep), "+l"(oaddr));
 #pragma unroll FK_SCAN_WIDE_UNROLL
   for (int i = 0; i < len; ++i) {
     // The next step's loads go out before this step's arithmetic. The last step reads row
     // `len`, which is never used: past a full chunk that row lands in the next array of the
-    // stage (the host pads the f32 dt buffer, the last one, by a row). Clamping the index
-    // instead cost integer instructions on every load set.
-    advance();
-    const FkWideStep<CPL, NPT> nxt = load();
+    // stage (the host pads the block's memory by a row). Clamping the index instead cost
+    // integer instructions on every load set.
+    dtp += CPB;
+    up += CPB;
+    bp += NP;
+    cp += NP;
+    const FkWideStep<CPL, NPT> nxt = fk_wide_load<CPL, NPT>(dtp, up, bp, cp);
     float y[CPL];
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
-      const float w = (MEAN ? cur.m : cur.dt[k]) * cur.u[k];
-      y[k] = dskip[k] * cur.u[k];
+      const float w = cur.dt[k] * cur.u[k];
+      y[k] = D ? dskip[k] * cur.u[k] : 0.0f;
 #pragma unroll
       for (int j = 0; j < NPT; ++j) {
         const float v = cur.dt[k] * a2[k][j];
@@ -214,19 +203,14 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const float* dtp, const F
         y[k] = fmaf(cur.c[j], x[k][j], y[k]);
       }
     }
-    float o = fk_wide_reduce<CPL, TPC>(y, part);
-    if constexpr (Z) {
-      const float zz = fk_to_f32(*zp);
-      o *= __fdividef(zz, 1.0f + __expf(-zz));
-      zp += CPB;
-    }
-    if (store) fk_st_global(oaddr, fk_from_f32<T>(o));
+    const float o = fk_wide_reduce<CPL, TPC>(y, part);
+    if (store) fk_st_global(oaddr, o);
     oaddr += ostep;
     cur = nxt;
   }
 }
 
-template <typename T, int CPL, int NPT, int TPC, bool MEAN, bool Z>
+template <int CPL, int NPT, int TPC, bool D>
 __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   constexpr int THREADS = FK_SCAN_THREADS, CPB = (THREADS / TPC) * CPL;
   constexpr int NP = NPT * TPC, S = FK_SCAN_WIDE_STAGES;
@@ -235,23 +219,20 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   const FkScanBlock blk = fk_scan_block<CPB>(p);
   const int g = blk.g, c0 = blk.c0, nc = blk.nc, bi = blk.bi;
 
-  // S stages, then the transformed dt of the chunk being computed.
-  const FkScanLayout lay = fk_scan_layout<T>(p);
-  float* s_dtf = reinterpret_cast<float*>(smem + S * lay.bytes);
-  const bool xform = fk_scan_needs_dt_pass<T>(p);
-  fk_scan_zero_padding<T>(p, lay, S, NP);
+  const FkScanLayout lay = fk_scan_layout<float>(p);
+  fk_scan_zero_padding<float>(p, lay, S, NP);
 
   const int part = threadIdx.x % TPC, grp = threadIdx.x / TPC;
   const float* A = reinterpret_cast<const float*>(p.a);
   const float* h0 = reinterpret_cast<const float*>(p.h0);
-  const float* D = reinterpret_cast<const float*>(p.d);
+  const float* Dp = reinterpret_cast<const float*>(p.d);
   float a2[CPL][NPT], x[CPL][NPT], dskip[CPL];
 #pragma unroll
   for (int k = 0; k < CPL; ++k) {
     const int lc = grp * CPL + k;
     const long long d = c0 + lc;
     const bool active = lc < nc;
-    dskip[k] = active && D && part == 0 ? D[d] : 0.0f;
+    dskip[k] = D && active && part == 0 ? Dp[d] : 0.0f;
 #pragma unroll
     for (int j = 0; j < NPT; ++j) {
       const int n = part * NPT + j;
@@ -262,21 +243,21 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   }
   // The channel this lane stores (where fk_wide_reduce leaves it; one lane of each set of
   // TPC / CPL lanes that hold the same sum stores it).
-  const int ch = fk_wide_channel<CPL, TPC>(part), oc = grp * CPL + ch;
+  const int oc = grp * CPL + fk_wide_channel<CPL, TPC>(part);
   const bool store = oc < nc && part % (TPC / CPL) == 0;
-  T* out = reinterpret_cast<T*>(p.out) + (long long)bi * p.seq * p.dim + c0 + oc;
+  float* out = reinterpret_cast<float*>(p.out) + (long long)bi * p.seq * p.dim + c0 + oc;
   const int chunks = (p.seq + CH - 1) / CH;
-  auto stage = [&](int k) { return FkScanStage<T>(smem + (k % S) * lay.bytes, lay); };
+  auto stage = [&](int k) { return FkScanStage<float>(smem + (k % S) * lay.bytes, lay); };
   // Chunks are issued in order, each once: the fast copies' cursors advance per issue.
-  const bool fast = p.vec_x && p.vec_bc && !p.z && !p.mean_mode;
-  FkWideCopy<T, CPB, NP> copies(p, bi, c0, nc, g);
+  const bool fast = p.vec_x && p.vec_bc;
+  FkWideCopy<float, CPB, NP> copies(p, bi, c0, nc, g);
   const unsigned sbase = fk_smem_addr(smem);
   auto issue = [&](int k) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
     if (fast)
       copies.issue(sbase + (k % S) * lay.bytes, lay, len);
     else
-      fk_scan_issue<T, CPB, NP>(p, stage(k), bi, t0, len, c0, nc, g);
+      fk_scan_issue<float, CPB, NP>(p, stage(k), bi, t0, len, c0, nc, g);
   };
 
 #pragma unroll
@@ -286,15 +267,12 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   }
   for (int k = 0; k < chunks; ++k) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
-    const FkScanStage<T> s = stage(k);
     fk_cp_wait<S - 2>();
-    __syncthreads();  // chunk k visible to all; chunk k-1's stage and s_dtf consumed
+    __syncthreads();  // chunk k visible to all; chunk k-1's stage consumed
     if (k + S - 1 < chunks) issue(k + S - 1);
     fk_cp_commit();
-    const float* dtp = fk_scan_chunk_dt<T>(p, s.dt, s_dtf, xform, len, CPB, c0, nc);
-    fk_wide_chunk<T, CPL, NPT, TPC, MEAN, Z>(len, dtp, s, grp, part, oc,
-                                             out + (long long)t0 * p.dim, p.dim, store, x, a2,
-                                             dskip);
+    fk_wide_chunk<CPL, NPT, TPC, D>(len, stage(k), grp, part, out + (long long)t0 * p.dim,
+                                           p.dim, store, x, a2, dskip);
   }
   if (p.h_last) {
     float* hl = reinterpret_cast<float*>(p.h_last);
@@ -310,26 +288,20 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   }
 }
 
-// selective_scan_wide_<type>_<CPL>x<NPT>x<TPC>: the flags that change the time loop (mean-dt
-// discretization, the z gate) are template arguments, picked once per launch.
-#define FK_SCAN_WIDE(NAME, T, CPL, NPT, TPC)                                                   \
+// selective_scan_wide_f32_<CPL>x<NPT>x<TPC>: whether D is given is a template argument,
+// picked once per launch. Only the split the launch uses is compiled: 2x4x4. The others
+// measured on the long f32 scan (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs,
+// 1x4x4 605 µs, polynomial shares slower everywhere, against 496 µs) made each module's NVRTC
+// compile ~5x longer.
+#define FK_SCAN_WIDE(CPL, NPT, TPC)                                                            \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
-      selective_scan_wide_##NAME##_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                 \
-    if (p.mean_mode) {                                                                         \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, true, true>(p);                                  \
-      else fk_scan_wide<T, CPL, NPT, TPC, true, false>(p);                                     \
-    } else {                                                                                   \
-      if (p.z) fk_scan_wide<T, CPL, NPT, TPC, false, true>(p);                                 \
-      else fk_scan_wide<T, CPL, NPT, TPC, false, false>(p);                                    \
-    }                                                                                          \
+      selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                      \
+    if (p.d) fk_scan_wide<CPL, NPT, TPC, true>(p);                                             \
+    else fk_scan_wide<CPL, NPT, TPC, false>(p);                                                \
   }
-// Only the split the launch uses is compiled: 2x4x4. The others measured on the long f32 scan
-// (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs, 1x4x4 605 µs, polynomial shares
-// slower everywhere, against 496 µs) made each module's NVRTC compile ~5x longer.
-#define FK_SCAN_WIDE_ALL(NAME, T) FK_SCAN_WIDE(NAME, T, 2, 4, 4)
 
 // f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
 // slower, bench/RESULTS.md), so their modules do not pay its NVRTC time.
 #if defined(FK_SCAN_TYPE_F32)
-FK_SCAN_WIDE_ALL(f32, float)
+FK_SCAN_WIDE(2, 4, 4)
 #endif

@@ -483,7 +483,8 @@ impl Wide {
 }
 
 /// A scan with f32 deltas used as they are (no bias, softplus, clip, mean dt) and no gate:
-/// the only kind on which the wide layout measured faster. With a dt pass (16-bit types, the
+/// the only kind the wide layout runs (it has no dt pass and no gate), and the only kind on
+/// which it measured faster. With a dt pass (16-bit types, the
 /// options) its two warps per scheduler wait out the extra pass and barrier each chunk
 /// (measured on an H200: the long d+z+bias+softplus scan 1,220 µs wide vs 855 µs, the long bf16
 /// scan 961 µs vs 753 µs), so those keep the one-channel-per-lane layout.
@@ -491,19 +492,19 @@ fn plain_scan(a: &ScanArgs) -> bool {
     a.delta_bias == 0 && a.softplus == 0 && a.clip == 0 && a.mean_mode == 0 && a.z == 0
 }
 
-/// Only the f32 module compiles the wide kernel (the routing never picks it for 16-bit types,
-/// whose dt pass makes it slower), so forcing it applies to f32 scans alone.
+/// Only the f32 module compiles the wide kernel, for plain scans (the routing never picks it
+/// for 16-bit types, whose dt pass makes it slower), so forcing it applies to those alone.
 fn wide_split(g: Geometry, sms: usize, dtype: DType, plain: bool) -> Option<Wide> {
     if g.state > 16 || dtype != DType::F32 {
+        return None;
+    }
+    if !plain {
         return None;
     }
     match std::env::var("FUSED_KERNELS_SCAN_WIDE").as_deref() {
         Ok("0") => return None,
         Ok(v) if v == WIDE.name() => return Some(WIDE),
         _ => {}
-    }
-    if !plain {
-        return None;
     }
     let w = WIDE;
     let blocks = g.batch * g.groups * (g.dim / g.groups).div_ceil(w.channels_per_block());
@@ -552,11 +553,11 @@ fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: 
         + 16 * THREADS * chunk.div_ceil(4)
 }
 
-/// Shared memory of one wide block: its ring of input stages and the chunk's f32 dt (mirrors
-/// `fk_scan_wide`), plus one row: the time loop loads row `chunk` of every buffer (a step it
-/// never uses), which for the last buffer would lie past the block's memory.
-fn wide_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: bool) -> usize {
-    WIDE_STAGES * stage_smem(elem, chunk, cpb, npad, z, mean) + align16(4 * (chunk + 1) * cpb)
+/// Shared memory of one wide block: its ring of input stages (mirrors `fk_scan_wide`), plus
+/// a row: the time loop loads row `chunk` of every buffer (a step it never uses), which from
+/// the last stage's buffers may reach past the ring.
+fn wide_smem(chunk: usize, cpb: usize, npad: usize) -> usize {
+    WIDE_STAGES * stage_smem(4, chunk, cpb, npad, false, false) + align16(4 * cpb.max(npad))
 }
 const WIDE_STAGES: usize = 3;
 
@@ -606,7 +607,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     // it was measured fastest at; the other layout at up to eight.
     let budget = smem_budget(gpu, blocks * g.batch, if wide.is_some() { 2 } else { 8 })?;
     let smem_for = |c: usize| match wide {
-        Some(_) => wide_smem(elem, c, cpb, npad, z, mean),
+        Some(_) => wide_smem(c, cpb, npad),
         None => scan_smem(elem, c, cpb, npad, z, mean),
     };
     let fits = |c: usize| smem_for(c) <= budget;
@@ -666,7 +667,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         String::new()
     };
     let name = match wide {
-        Some(w) => format!("selective_scan_wide_{tname}_{}{suffix}", w.name()),
+        Some(w) => format!("selective_scan_wide_{tname}_{}", w.name()),
         None => format!("selective_scan_{tname}_{npt}x{tpc}{suffix}"),
     };
     let f = gpu.function(module(dtype), &name)?;
