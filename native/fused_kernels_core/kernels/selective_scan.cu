@@ -30,6 +30,7 @@ struct FkScanArgs {
   int chunk, tpc, cpb, npad;  // npad = tpc * NPT, the padded state row in shared memory
   int bc_row;                 // elements between B (and C) rows of consecutive steps
   int vec_x, vec_bc;          // 1 when u/delta/z (resp. B/C) rows allow 16-byte copies
+  int stages;                 // the wide layout's cp.async ring: 2 or 3 stages
 };
 
 #define FK_LOG2E 1.4426950408889634f

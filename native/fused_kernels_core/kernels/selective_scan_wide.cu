@@ -15,14 +15,12 @@
 // coalesced store, D·u already added (part 0 starts its partials at D·u). No partials go
 // through shared memory.
 //
-// Inputs come through an S-stage cp.async ring (the layout and copies of selective_scan.cu;
+// Inputs come through a 2- or 3-stage cp.async ring (the layout and copies of selective_scan.cu;
 // 16-byte copies from cursors set up once where every row allows them), one __syncthreads per
 // chunk. The loop keeps the next step's shared loads in flight while it computes this one.
 // With a dt pass or a z gate this layout measured slower than the other (session 4,
 // bench/RESULTS.md), so it has neither.
 
-#define FK_SCAN_WIDE_STAGES 3
-#define FK_SCAN_WIDE_UNROLL 4
 
 // Which of its group's CPL channels lane `part` ends up with in fk_wide_reduce: each halving
 // round keeps the upper half where the round's mask bit of `part` is set.
@@ -159,7 +157,7 @@ __device__ __forceinline__ void fk_st_global(unsigned long long a, float v) {
 // to overlap the shuffles' latency with arithmetic, measured no faster: 411.5 against 411.7 µs
 // on the long scan, H200; the compiler gathers the shuffles at the end of the unrolled body
 // either way.)
-template <int CPL, int NPT, int TPC, bool D>
+template <int CPL, int NPT, int TPC, bool D, int U>
 __device__ __forceinline__ void fk_wide_chunk(int len, const FkScanStage<float>& s, int grp,
                                               int part, float* out, long long out_stride,
                                               bool store, float (&x)[CPL][NPT],
@@ -180,7 +178,7 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const FkScanStage<float>&
   unsigned long long ostep = (unsigned long long)out_stride * sizeof(float);
   unsigned long long oaddr = reinterpret_cast<unsigned long long>(out);
   asm("" : "+l"(ostep), "+l"(oaddr));
-#pragma unroll FK_SCAN_WIDE_UNROLL
+#pragma unroll U
   for (int i = 0; i < len; ++i) {
     // The next step's loads go out before this step's arithmetic. The last step reads row
     // `len`, which is never used: past a full chunk that row lands in the next array of the
@@ -210,12 +208,12 @@ __device__ __forceinline__ void fk_wide_chunk(int len, const FkScanStage<float>&
   }
 }
 
-template <int CPL, int NPT, int TPC, bool D>
+template <int CPL, int NPT, int TPC, bool D, int U>
 __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   constexpr int THREADS = FK_SCAN_THREADS, CPB = (THREADS / TPC) * CPL;
-  constexpr int NP = NPT * TPC, S = FK_SCAN_WIDE_STAGES;
+  constexpr int NP = NPT * TPC;
   char* smem = fk_smem_base();
-  const int N = p.state, CH = p.chunk;
+  const int N = p.state, CH = p.chunk, S = p.stages;
   const FkScanBlock blk = fk_scan_block<CPB>(p);
   const int g = blk.g, c0 = blk.c0, nc = blk.nc, bi = blk.bi;
 
@@ -247,32 +245,38 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
   const bool store = oc < nc && part % (TPC / CPL) == 0;
   float* out = reinterpret_cast<float*>(p.out) + (long long)bi * p.seq * p.dim + c0 + oc;
   const int chunks = (p.seq + CH - 1) / CH;
-  auto stage = [&](int k) { return FkScanStage<float>(smem + (k % S) * lay.bytes, lay); };
-  // Chunks are issued in order, each once: the fast copies' cursors advance per issue.
+  // Chunk k lives in stage k % S; chunks are issued in order, each once (the fast copies'
+  // cursors advance per issue).
   const bool fast = p.vec_x && p.vec_bc;
   FkWideCopy<float, CPB, NP> copies(p, bi, c0, nc, g);
   const unsigned sbase = fk_smem_addr(smem);
-  auto issue = [&](int k) {
+  auto issue = [&](int k, int st) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
     if (fast)
-      copies.issue(sbase + (k % S) * lay.bytes, lay, len);
+      copies.issue(sbase + st * lay.bytes, lay, len);
     else
-      fk_scan_issue<float, CPB, NP>(p, stage(k), bi, t0, len, c0, nc, g);
+      fk_scan_issue<float, CPB, NP>(p, FkScanStage<float>(smem + st * lay.bytes, lay), bi, t0,
+                                    len, c0, nc, g);
   };
 
-#pragma unroll
   for (int k = 0; k < S - 1; ++k) {
-    if (k < chunks) issue(k);
+    if (k < chunks) issue(k, k);
     fk_cp_commit();
   }
-  for (int k = 0; k < chunks; ++k) {
+  for (int k = 0, st = 0; k < chunks; ++k, st = st + 1 == S ? 0 : st + 1) {
     const int t0 = k * CH, len = min(CH, p.seq - t0);
-    fk_cp_wait<S - 2>();
+    // Chunk k landed once at most S - 2 younger groups are in flight.
+    if (S == 3)
+      fk_cp_wait<1>();
+    else
+      fk_cp_wait<0>();
     __syncthreads();  // chunk k visible to all; chunk k-1's stage consumed
-    if (k + S - 1 < chunks) issue(k + S - 1);
+    // Chunk k + S - 1 goes to the stage chunk k-1 used.
+    if (k + S - 1 < chunks) issue(k + S - 1, st == 0 ? S - 1 : st - 1);
     fk_cp_commit();
-    fk_wide_chunk<CPL, NPT, TPC, D>(len, stage(k), grp, part, out + (long long)t0 * p.dim,
-                                           p.dim, store, x, a2, dskip);
+    fk_wide_chunk<CPL, NPT, TPC, D, U>(len, FkScanStage<float>(smem + st * lay.bytes, lay), grp,
+                                    part, out + (long long)t0 * p.dim, p.dim, store, x, a2,
+                                    dskip);
   }
   if (p.h_last) {
     float* hl = reinterpret_cast<float*>(p.h_last);
@@ -293,15 +297,17 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 // measured on the long f32 scan (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs,
 // 1x4x4 605 µs, polynomial shares slower everywhere, against 496 µs) made each module's NVRTC
 // compile ~5x longer.
-#define FK_SCAN_WIDE(CPL, NPT, TPC)                                                            \
+#define FK_SCAN_WIDE(CPL, NPT, TPC, U)                                                         \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
       selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                      \
-    if (p.d) fk_scan_wide<CPL, NPT, TPC, true>(p);                                             \
-    else fk_scan_wide<CPL, NPT, TPC, false>(p);                                                \
+    if (p.d) fk_scan_wide<CPL, NPT, TPC, true, U>(p);                                          \
+    else fk_scan_wide<CPL, NPT, TPC, false, U>(p);                                             \
   }
 
 // f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
-// slower, bench/RESULTS.md), so their modules do not pay its NVRTC time.
+// slower, bench/RESULTS.md), so their modules do not pay its NVRTC time. The time loop is
+// unrolled 8 steps deep: 1.3 % faster than 4 on the long scan (H100: 404.2 / 403.5 µs
+// against 409.1 / 411.8 µs, session 5).
 #if defined(FK_SCAN_TYPE_F32)
-FK_SCAN_WIDE(2, 4, 4)
+FK_SCAN_WIDE(2, 4, 4, 8)
 #endif

@@ -405,6 +405,7 @@ pub struct ScanArgs {
     pub bc_row: i32,
     pub vec_x: i32,
     pub vec_bc: i32,
+    pub stages: i32,
 }
 
 unsafe impl DeviceRepr for ScanArgs {}
@@ -556,10 +557,9 @@ fn scan_smem(elem: usize, chunk: usize, cpb: usize, npad: usize, z: bool, mean: 
 /// Shared memory of one wide block: its ring of input stages (mirrors `fk_scan_wide`), plus
 /// a row: the time loop loads row `chunk` of every buffer (a step it never uses), which from
 /// the last stage's buffers may reach past the ring.
-fn wide_smem(chunk: usize, cpb: usize, npad: usize) -> usize {
-    WIDE_STAGES * stage_smem(4, chunk, cpb, npad, false, false) + align16(4 * cpb.max(npad))
+fn wide_smem(stages: usize, chunk: usize, cpb: usize, npad: usize) -> usize {
+    stages * stage_smem(4, chunk, cpb, npad, false, false) + align16(4 * cpb.max(npad))
 }
-const WIDE_STAGES: usize = 3;
 
 /// Dynamic shared memory one block may take: what the device allows a block, and no more
 /// than lets every block of the launch be resident at once (one wave) where it can.
@@ -606,21 +606,32 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     // The wide layout is planned at two blocks (two warps per scheduler) per SM, the layout
     // it was measured fastest at; the other layout at up to eight.
     let budget = smem_budget(gpu, blocks * g.batch, if wide.is_some() { 2 } else { 8 })?;
+    // The wide layout's ring: 3 stages by default; 2 where the chunk is long enough to hide a
+    // chunk's copies behind the previous chunk's work on its own.
+    let one_wave = blocks * g.batch <= 2 * sms;
+    let stages = match (wide, env_choice("FUSED_KERNELS_SCAN_STAGES", &[2, 3])) {
+        (None, _) => 2,
+        (Some(_), Some(s)) => s,
+        (Some(_), None) if one_wave => 2,
+        (Some(_), None) => 3,
+    };
     let smem_for = |c: usize| match wide {
-        Some(_) => wide_smem(c, cpb, npad),
+        Some(_) => wide_smem(stages, c, cpb, npad),
         None => scan_smem(elem, c, cpb, npad, z, mean),
     };
     let fits = |c: usize| smem_for(c) <= budget;
-    // A wide launch that fits in one wave of two blocks per SM takes 48-step chunks (fewer
-    // barriers and copy set-ups per step); a longer one 32, at which three blocks fit per SM
-    // (measured on an H200: B8 D2048 L4096 418 µs at 48 vs 425 at 32; B32 D4096 L1024 829 vs
-    // 774).
-    let chunks: &[usize] = if wide.is_some() && blocks * g.batch <= 2 * sms {
-        &[48, 32, 16, 8, 4]
-    } else {
-        &[32, 16, 8, 4]
+    // A wide launch that fits in one wave of two blocks per SM takes long chunks in a 2-stage
+    // ring (fewer barriers and copy set-ups per step); a longer one 32-step chunks in 3 stages,
+    // at which three blocks fit per SM. Measured (bench/RESULTS.md, session 5): B8 D2048 L4096
+    // on an H200 418 µs at 48 steps (3 stages) vs 425 at 32, on an H100 408.6 µs at 80 steps
+    // (2 stages) vs 420.4 at 48 (3 stages); B32 D4096 L1024 on an H200 829 µs at 48 (2 blocks
+    // per SM) vs 774 at 32 (3 per SM). (88 steps measured within noise of 80 and fits fewer
+    // GPUs' shared memory.)
+    let chunks: &[usize] = match wide {
+        Some(_) if one_wave => &[80, 64, 48, 32, 16, 8, 4],
+        _ => &[32, 16, 8, 4],
     };
-    let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 48, 64])
+    let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 48, 64, 80, 88])
         .filter(|&c| fits(c))
         .or_else(|| chunks.iter().copied().find(|&c| fits(c)))
         .unwrap_or(4)
@@ -638,6 +649,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     args.tpc = tpc as i32;
     args.cpb = cpb as i32;
     args.npad = npad as i32;
+    args.stages = stages as i32;
     // 16-byte copies need every row start aligned: element counts in whole vectors and
     // 16-byte-aligned base addresses (a 0 address is an absent operand).
     let v = 16 / elem;
