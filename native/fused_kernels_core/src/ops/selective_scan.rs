@@ -456,7 +456,7 @@ fn split(g: Geometry) -> (usize, usize) {
 /// lanes per channel group, for at most 16 states and enough channels that its blocks fill the
 /// GPU: it loads fewer shared-memory registers per state-step, but a block covers 2-4x the
 /// channels of the one-channel-per-lane layout. `FUSED_KERNELS_SCAN_WIDE` forces it off (0) or
-/// on (`2x4x4`, benchmarking and tests) for f32 scans.
+/// on (`2x4x4`, benchmarking and tests) for plain f32 scans.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Wide {
     cpl: usize,
@@ -464,10 +464,10 @@ struct Wide {
     tpc: usize,
 }
 
-// Measured on an H200 (bench/RESULTS.md, B8 D2048 L4096 N16 f32): 2x4x4 (two warps per
-// scheduler, 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per
+// Measured on an H200 (bench/RESULTS.md, session 4, B8 D2048 L4096 N16 f32): 2x4x4 (two warps
+// per scheduler, 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per
 // scheduler) 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is
-// compiled (kernels/selective_scan_wide.cu).
+// compiled (kernels/selective_scan_wide.cu); with session 5's changes it takes 411.7 µs there.
 const WIDE: Wide = Wide {
     cpl: 2,
     npt: 4,
