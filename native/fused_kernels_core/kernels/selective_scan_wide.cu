@@ -21,7 +21,6 @@
 // With a dt pass or a z gate this layout measured slower than the other (session 4,
 // bench/RESULTS.md), so it has neither.
 
-
 // Which of its group's CPL channels lane `part` ends up with in fk_wide_reduce: each halving
 // round keeps the upper half where the round's mask bit of `part` is set.
 template <int CPL, int TPC>
@@ -68,8 +67,9 @@ __device__ __forceinline__ void fk_cp16_at(unsigned dst, unsigned long long src,
 // One thread's share of a chunk's u, dt, B and C copies when every row allows 16-byte copies
 // (vec_x and vec_bc): its first row's global and shared byte addresses are worked out once per
 // kernel and advanced by a chunk per issue. fk_scan_issue works them out again per chunk and
-// per array — ~380 instructions per warp per 32-step chunk (ncu, the long scan), 17 % of the
-// kernel's instructions; this costs ~60.
+// per array: ~380 instructions per warp per 32-step chunk, 17 % of the long scan's
+// instructions (ncu, bench/RESULTS.md session 5); with the cursors it took 424.9 µs instead
+// of 476.9 at the same 32-step chunks on an H200.
 template <typename T, int CPB, int NP>
 struct FkWideCopy {
   static constexpr int VX = CPB * (int)sizeof(T) / 16, VB = NP * (int)sizeof(T) / 16;
@@ -275,8 +275,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
     if (k + S - 1 < chunks) issue(k + S - 1, st == 0 ? S - 1 : st - 1);
     fk_cp_commit();
     fk_wide_chunk<CPL, NPT, TPC, D, U>(len, FkScanStage<float>(smem + st * lay.bytes, lay), grp,
-                                    part, out + (long long)t0 * p.dim, p.dim, store, x, a2,
-                                    dskip);
+                                       part, out + (long long)t0 * p.dim, p.dim, store, x, a2,
+                                       dskip);
   }
   if (p.h_last) {
     float* hl = reinterpret_cast<float*>(p.h_last);
