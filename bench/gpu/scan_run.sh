@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The selective scan on the GPU machine in one call: the Rust bench (CUDA events, byte floor
 # from the copy bandwidth measured in the same process; every case checked against the f64
-# reference and run twice for determinism), a sweep of lane splits and polynomial-exp2 shares
-# on the long f32 scan, the PyTorch loop side by side; first the Rust GPU tests (f64 references
-# over the matrix, poisoned outputs; the Mamba block too), also under forced layouts.
+# reference and run twice for determinism), a sweep of variants (layout, polynomial-exp2
+# share, chunk, ring stages) on the long f32 scans, the PyTorch loop side by side; first the
+# Rust GPU tests (f64 references over the matrix, poisoned outputs; the Mamba block
+# too), also under forced layouts; optionally an ncu profile of one long-scan launch.
 # Build here: `cargo test --release -p fused_kernels_core --no-run`, copy the test binary to
 # .scan/core_tests (git-ignored bundle), carry `.scan`; run `bash bench/gpu/scan_run.sh`.
 set -uo pipefail
