@@ -485,10 +485,10 @@ impl Wide {
 
 /// A scan with f32 deltas used as they are (no bias, softplus, clip, mean dt) and no gate:
 /// the only kind the wide layout runs (it has no dt pass and no gate), and the only kind on
-/// which it measured faster. With a dt pass (16-bit types, the
-/// options) its two warps per scheduler wait out the extra pass and barrier each chunk
-/// (measured on an H200: the long d+z+bias+softplus scan 1,220 µs wide vs 855 µs, the long bf16
-/// scan 961 µs vs 753 µs), so those keep the one-channel-per-lane layout.
+/// which it measured faster. With a dt pass (16-bit types, the options) its two warps per
+/// scheduler waited out the extra pass and barrier each chunk (measured on an H200: the long
+/// d+z+bias+softplus scan 1,220 µs wide vs 855 µs, the long bf16 scan 961 µs vs 753 µs), so
+/// those keep the one-channel-per-lane layout.
 fn plain_scan(a: &ScanArgs) -> bool {
     a.delta_bias == 0 && a.softplus == 0 && a.clip == 0 && a.mean_mode == 0 && a.z == 0
 }
