@@ -103,10 +103,14 @@ __device__ __forceinline__ unsigned short fk_ldcg16(const void* p) {
   return v;
 }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// 16 bytes of which the first `bytes` are read and the rest zero-filled (0: no read).
+// 16 bytes to shared address `dst` (as fk_smem_addr gives it) of which the first `bytes` are
+// read and the rest zero-filled (0: no read).
+__device__ __forceinline__ void fk_cp16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(bytes));
+}
 __device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fk_smem_addr(dst)),
-               "l"(src), "r"(bytes));
+  fk_cp16_to(fk_smem_addr(dst), src, bytes);
 }
 // 16 bytes, zero-filled when !valid.
 __device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
@@ -180,6 +184,11 @@ __device__ __forceinline__ void fk_cp16_bytes(void* dst, const void* src, int by
   unsigned char* d = reinterpret_cast<unsigned char*>(dst);
   const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
   for (int i = 0; i < 16; ++i) d[i] = i < bytes ? s[i] : 0;
+}
+__device__ __forceinline__ void fk_cp16_to(unsigned dst, const void* src, int bytes) {
+  unsigned long long p;
+  asm("cvta.shared.u64 %0, %1;" : "=l"(p) : "l"((unsigned long long)dst));
+  fk_cp16_bytes(reinterpret_cast<void*>(p), src, bytes);
 }
 __device__ __forceinline__ void fk_cp16(void* dst, const void* src, bool valid) {
   *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);

@@ -58,10 +58,9 @@ __device__ __forceinline__ float fk_wide_reduce(const float (&y)[CPL], int part)
   return v[0];
 }
 
-// 16 bytes from a global byte address to a shared byte address, zero-filled when !valid.
-__device__ __forceinline__ void fk_cp16_at(unsigned dst, unsigned long long src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
+// A global address held as an integer, as the copies below take it.
+__device__ __forceinline__ const void* fk_ptr(unsigned long long a) {
+  return reinterpret_cast<const void*>(a);
 }
 
 // One thread's share of a chunk's u, dt, B and C copies when every row allows 16-byte copies
@@ -109,8 +108,8 @@ struct FkWideCopy {
     unsigned long long gu = u, gd = dt;
     unsigned s = stage + sx;
     for (int i = ix; i < len; i += RX) {
-      fk_cp16_at(s, gu, vx);
-      fk_cp16_at(s + lay.dt, gd, vx);
+      fk_cp16_to(s, fk_ptr(gu), vx ? 16 : 0);
+      fk_cp16_to(s + lay.dt, fk_ptr(gd), vx ? 16 : 0);
       gu += xpass;
       gd += xpass;
       s += RX * CPB * sizeof(T);
@@ -118,8 +117,8 @@ struct FkWideCopy {
     unsigned long long gb = b, gc = c;
     s = stage + sb;
     for (int i = ib; i < len; i += RB) {
-      fk_cp16_at(s + lay.b, gb, vb);
-      fk_cp16_at(s + lay.c, gc, vb);
+      fk_cp16_to(s + lay.b, fk_ptr(gb), vb ? 16 : 0);
+      fk_cp16_to(s + lay.c, fk_ptr(gc), vb ? 16 : 0);
       gb += bpass;
       gc += bpass;
       s += RB * NP * sizeof(T);
