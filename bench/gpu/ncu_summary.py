@@ -3,7 +3,8 @@
 `ncu -i REP --page source --csv --print-source sass`): total warp instructions and stall
 samples, the stall reasons over all samples, the opcode mix, and the executed basic blocks
 (runs of instructions with the same execution count) with their share of instructions and of
-stall samples. Usage: ncu_summary.py SOURCE.csv [TOP_BLOCKS]"""
+stall samples; with RAW.csv (`--page raw --csv`), the pipe, issue and stall metrics too.
+Usage: ncu_summary.py SOURCE.csv [TOP_BLOCKS [RAW.csv]]"""
 import csv
 import sys
 from collections import Counter
@@ -16,9 +17,23 @@ def num(s):
         return 0.0
 
 
+RAW_KEYS = ("pipe_xu", "pipe_fma", "pipe_alu", "pipe_lsu", "inst_executed_pipe", "issue_active",
+            "warps_issue_stalled")
+
+
+def raw_metrics(path):
+    """The first kernel's pipe, issue and stall metrics from a raw-page CSV (names, units, then
+    one row per kernel)."""
+    rows = list(csv.reader(open(path, newline="")))
+    for name, unit, value in zip(rows[0], rows[1], rows[2]):
+        if any(k in name for k in RAW_KEYS) and value not in ("", "0"):
+            print(name, unit, value)
+
+
 def main():
     path = sys.argv[1]
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    raw = sys.argv[3] if len(sys.argv) > 3 else None
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     # The header is the first row naming the address column.
@@ -63,6 +78,8 @@ def main():
         print(f"{b['addr']} exec {b['exec']:9.0f} x {b['n']:4d} instr = "
               f"{100 * b['exec'] * b['n'] / total_inst:5.1f}% inst, "
               f"{100 * b['samp'] / total_samp:5.1f}% samples {b['ops'].most_common(5)}")
+    if raw:
+        raw_metrics(raw)
 
 
 if __name__ == "__main__":

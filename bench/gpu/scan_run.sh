@@ -70,16 +70,9 @@ if part ncu && command -v ncu >/dev/null; then
   if [ "$SCAN_NCU" = full ]; then
     run_ncu --set full -o "$OUT/scan_ncu" >"$OUT/scan_ncu.txt" 2>&1
     ncu -i "$OUT/scan_ncu.ncu-rep" --page source --csv --print-source sass >"$OUT/scan_ncu_sass.csv"
-    python3 bench/gpu/ncu_summary.py "$OUT/scan_ncu_sass.csv" 16 | tee "$OUT/scan_ncu_summary.txt"
     ncu -i "$OUT/scan_ncu.ncu-rep" --page raw --csv >"$OUT/scan_ncu_raw.csv"
-    python3 - "$OUT/scan_ncu_raw.csv" <<'PY' | tee -a "$OUT/scan_ncu_summary.txt"
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-for name, unit, value in zip(rows[0], rows[1], rows[2]):
-    if any(k in name for k in ("pipe_xu", "pipe_fma", "pipe_alu", "pipe_lsu", "inst_executed_pipe",
-                               "issue_active", "warps_issue_stalled")) and value not in ("", "0"):
-        print(name, unit, value)
-PY
+    python3 bench/gpu/ncu_summary.py "$OUT/scan_ncu_sass.csv" 16 "$OUT/scan_ncu_raw.csv" |
+      tee "$OUT/scan_ncu_summary.txt"
     rm -f "$OUT/scan_ncu.ncu-rep"
   else
     run_ncu --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
