@@ -11,8 +11,9 @@ pub enum Error {
     /// No usable CUDA (library missing, no device, driver too old); the message says which.
     #[error("CUDA is not available: {0}")]
     Unavailable(String),
-    /// The device ran out of memory.
-    #[error("out of GPU memory: {0}")]
+    /// The device, or the host for a buffer sized by the caller, cannot hold a request; the
+    /// message says which ("GPU: ..." or "host: ...").
+    #[error("out of memory: {0}")]
     OutOfMemory(String),
     /// A kernel failed to compile with NVRTC (a bug in a shipped kernel; the log says where).
     #[error("kernel `{kernel}` failed to compile for {arch}: {log}")]
@@ -56,7 +57,7 @@ impl From<DriverError> for Error {
             .unwrap_or_default();
         let msg = format!("{name}: {text}");
         if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
-            Error::OutOfMemory(msg)
+            Error::OutOfMemory(format!("GPU: {msg}"))
         } else {
             Error::Cuda(msg)
         }

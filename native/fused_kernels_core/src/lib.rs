@@ -3,6 +3,7 @@
 //! CUDA runtime in one place (`cuda`), the kernel sources (`kernels`) and the ops (`ops`),
 //! each with a CPU implementation and a CUDA one.
 
+pub mod alloc;
 pub mod cuda;
 pub mod dtype;
 pub mod error;

@@ -10,6 +10,7 @@ use super::selective_scan::{
     self, kernel_type, stage_f32, Discretization, Geometry as ScanGeometry, RefInputs, ScanArgs,
 };
 use super::Backend;
+use crate::alloc::{self, count};
 use crate::cuda::gemm::{ptr, ptr_opt, sgemm_rows};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
@@ -276,6 +277,34 @@ fn silu(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
 }
 
+/// Refuses a call whose f64 intermediates cannot fit in the memory available now (their sizes
+/// follow from the caller's shapes: per row the normalised input, the projections, the gate,
+/// B, C and dt; per channel the scan's outputs and state), before any of them is allocated.
+fn check_workspace(g: Geometry) -> Result<()> {
+    let (h, inner, n, r) = (g.hidden, g.inner, g.state, g.dt_rank);
+    let per_row = [3 * h, 7 * inner, 4 * n, r, 1]
+        .iter()
+        .try_fold(0usize, |a, &v| a.checked_add(v));
+    let rows = per_row.and_then(|p| p.checked_mul(g.batch)?.checked_mul(g.seq));
+    let scan = count("mamba_block scan", &[g.batch, inner])
+        .ok()
+        .and_then(|bi| bi.checked_mul(g.seq.checked_add(n.checked_mul(2)?)?));
+    let total = rows.zip(scan).and_then(|(a, b)| a.checked_add(b));
+    let total = total.ok_or_else(|| {
+        crate::error::Error::OutOfMemory(format!(
+            "host: mamba_block intermediates for batch {}, seq {}, inner {inner}, state {n} \
+             overflow any address space",
+            g.batch, g.seq
+        ))
+    })?;
+    alloc::check(
+        "mamba_block intermediates",
+        total,
+        std::mem::size_of::<f64>(),
+    )
+    .map(|_| ())
+}
+
 /// The CPU implementation, in f64 throughout (the output is rounded to x's type).
 pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     cpu_stateful(x, w, p, None).map(|(out, _)| out)
@@ -292,6 +321,7 @@ pub fn cpu_stateful(
     if let Some(s) = state {
         check_state(g, s)?;
     }
+    check_workspace(g)?;
     let prev = state.map(|s| vals(s.conv)).transpose()?;
     let h0 = state.map(|s| vals(s.ssm)).transpose()?;
     let km1 = g.conv.saturating_sub(1);
@@ -459,6 +489,7 @@ pub fn cuda_stateful(
     if let Some(s) = state {
         check_state(g, s)?;
     }
+    check_workspace(g)?;
     let prev = state
         .map(|s| s.conv.on_gpu("conv_state", gpu))
         .transpose()?;

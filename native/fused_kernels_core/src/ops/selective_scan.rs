@@ -4,6 +4,7 @@
 //! last state `{batch, dim, state}` in f32. State sizes up to 256; larger ones are refused.
 
 use super::Backend;
+use crate::alloc::try_zeroed;
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
@@ -335,7 +336,7 @@ pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
     let h = host_inputs(x)?;
     let mdt = (p.discretization == Discretization::MeanDt).then(|| mean_dt(&h, g, p));
     let width = g.seq + g.state;
-    let mut rows = vec![0.0f64; g.batch * g.dim * width];
+    let mut rows: Vec<f64> = try_zeroed("selective_scan rows", &[g.batch, g.dim, width])?;
     let f64_mode = x.u.dtype() == DType::F64;
     for_each_row_chunk(&mut rows, width, |first, chunk| {
         for (i, row) in chunk.chunks_mut(width).enumerate() {
@@ -346,8 +347,8 @@ pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
             }
         }
     });
-    let mut out = vec![0.0f64; g.batch * g.seq * g.dim];
-    let mut last = vec![0.0f64; g.batch * g.dim * g.state];
+    let mut out: Vec<f64> = try_zeroed("selective_scan output", &[g.batch, g.seq, g.dim])?;
+    let mut last: Vec<f64> = try_zeroed("selective_scan last state", &[g.batch, g.dim, g.state])?;
     for (bd, row) in rows.chunks(width).enumerate() {
         let (bi, d) = (bd / g.dim, bd % g.dim);
         for t in 0..g.seq {

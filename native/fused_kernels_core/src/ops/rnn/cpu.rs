@@ -4,6 +4,7 @@
 //! straightforward f64 reference the tests compare every backend with.
 
 use super::{Cell, Geometry, Layer};
+use crate::alloc::{count, try_vec};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::Result;
 use crate::operand::Operand;
@@ -121,15 +122,19 @@ fn host<F: Flt>(t: &Operand<'_>) -> Result<Vec<F>> {
 }
 
 /// Gate matrices `{rows, h}` side by side into one `{rows, gates*h}`.
-fn concat_columns<F: Flt>(mats: &[Vec<F>], rows: usize, h: usize) -> Vec<F> {
+fn concat_columns<F: Flt>(mats: &[Vec<F>], rows: usize, h: usize) -> Result<Vec<F>> {
     let gh = mats.len() * h;
-    let mut out = vec![F::of(0.0); rows * gh];
+    let mut out = try_vec(
+        "rnn gate weights",
+        count("rnn gate weights", &[rows, gh])?,
+        F::of(0.0),
+    )?;
     for (g, m) in mats.iter().enumerate() {
         for r in 0..rows {
             out[r * gh + g * h..r * gh + (g + 1) * h].copy_from_slice(&m[r * h..(r + 1) * h]);
         }
     }
-    out
+    Ok(out)
 }
 
 fn layer_typed<F: Flt>(
@@ -158,23 +163,36 @@ fn layer_typed<F: Flt>(
         .iter()
         .map(host)
         .collect::<Result<Vec<Vec<F>>>>()?;
-    let mut xp = vec![F::of(0.0); b * t * gh];
-    F::gemm(b * t, inp, gh, xin, &concat_columns(&win, inp, h), &mut xp);
-    let wh = concat_columns(&wh, h, h);
+    // The input projection of every timestep is the largest buffer (batch x seq x gates*units).
+    let mut xp = try_vec(
+        "rnn input projection",
+        count("rnn input projection", &[b, t, gh])?,
+        F::of(0.0),
+    )?;
+    F::gemm(b * t, inp, gh, xin, &concat_columns(&win, inp, h)?, &mut xp);
+    let wh = concat_columns(&wh, h, h)?;
     let init = layer
         .initial_state
         .iter()
         .map(host)
         .collect::<Result<Vec<Vec<F>>>>()?;
-    let zeros = vec![F::of(0.0); b * h];
+    let zeros = try_vec("rnn state", count("rnn state", &[b, h])?, F::of(0.0))?;
     let (mut c, mut hs) = match (cell, init.as_slice()) {
         (Cell::Lstm, [c, h]) => (c.clone(), h.clone()),
         (Cell::Gru, [h]) => (zeros.clone(), h.clone()),
         _ => (zeros.clone(), zeros),
     };
-    let mut seq = vec![F::of(0.0); b * t * h];
-    let mut hp = vec![F::of(0.0); b * gh];
-    let mut next = vec![F::of(0.0); b * h];
+    let mut seq = try_vec(
+        "rnn output sequence",
+        count("rnn output sequence", &[b, t, h])?,
+        F::of(0.0),
+    )?;
+    let mut hp = try_vec(
+        "rnn recurrent projection",
+        count("rnn recurrent projection", &[b, gh])?,
+        F::of(0.0),
+    )?;
+    let mut next = try_vec("rnn state", b * h, F::of(0.0))?;
     for s in 0..t {
         let ti = if reverse { t - 1 - s } else { s };
         F::gemm(b, h, gh, &hs, &wh, &mut hp);
