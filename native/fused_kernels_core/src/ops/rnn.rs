@@ -327,6 +327,23 @@ pub fn run_with(
     }
 }
 
+/// The CUDA path on `gpu` (XLA's FFI handlers pass a `Gpu::on_stream` and XLA's buffers as
+/// `Operand::Device`), results left on the device.
+pub fn cuda_on(
+    gpu: &std::sync::Arc<crate::cuda::Gpu>,
+    cell: Cell,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+) -> Result<Output<crate::cuda::DeviceTensor>> {
+    let g = geometry(cell, x.shape(), x.dtype(), layers)?;
+    let out = cuda::run(gpu, cell, &g, x, layers, reverse, None)?;
+    Ok(Output {
+        sequence: out.sequence,
+        states: out.states,
+    })
+}
+
 pub use cluster::{group as cluster_group, Group as ClusterGroup};
 pub use cuda::{plan as cuda_plan, Path, Plan};
 pub use resident::{tile as resident_tile, Tile as ResidentTile};
