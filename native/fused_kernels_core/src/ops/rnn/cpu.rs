@@ -3,7 +3,7 @@
 //! arithmetic for f32/f16/bf16 (state and accumulation in f32), f64 for f64. Also the
 //! straightforward f64 reference the tests compare every backend with.
 
-use super::{Cell, Geometry, Layer};
+use super::common::{Cell, Geometry, Layer};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::Result;
 use crate::operand::Operand;

@@ -1,6 +1,7 @@
 use super::cpu::RefLayer;
-use super::cuda::plan;
+use super::persistent::plan;
 use super::*;
+use super::{cluster, mma, resident};
 use crate::cuda::timing::time_calls;
 use crate::cuda::{gpu_for_tests, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64};
@@ -171,7 +172,30 @@ fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
 
 /// `check` with the CUDA path forced (`None`: the default choice by batch size).
 fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f64> {
-    check_with(backend, c, seed, path, Precision::F32).0
+    let tuning = Tuning {
+        path,
+        ..Tuning::default()
+    };
+    check_with(backend, c, seed, &tuning, Precision::F32).0
+}
+
+/// The default tuning with `path` forced.
+fn forced(path: Path) -> Tuning {
+    Tuning {
+        path: Some(path),
+        ..Tuning::default()
+    }
+}
+
+/// `check` on the forced cluster path, with split groups forced off (`Some(false)`) or left
+/// to the device (`None`).
+fn check_cluster(c: &Case, seed: u64, split: Option<bool>) -> Vec<f64> {
+    let tuning = Tuning {
+        path: Some(Path::Cluster),
+        split,
+        ..Tuning::default()
+    };
+    check_with(Backend::Cuda(None), c, seed, &tuning, Precision::F32).0
 }
 
 /// `check_on` with a precision (TF32's tolerance, 1e-3, for f32 with `Precision::Tf32`);
@@ -180,9 +204,10 @@ fn check_with(
     backend: Backend,
     c: &Case,
     seed: u64,
-    path: Option<Path>,
+    tuning: &Tuning,
     precision: Precision,
 ) -> (Vec<f64>, f64) {
+    let path = tuning.path;
     let mut rng = Rng::new(seed);
     let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
     let layers = make_layers(&mut rng, c);
@@ -195,15 +220,15 @@ fn check_with(
     if let Backend::Cuda(_) = backend {
         poison_device_pool(c);
     }
-    let out = run_with(
+    let out = run_tuned(
         backend,
         c.cell,
         &x,
         &ops,
         c.reverse,
         Placement::Host,
-        path,
         precision,
+        tuning,
     )
     .unwrap();
     let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
@@ -375,15 +400,25 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     // streamed weights with two chunk slots; forced m-tiles), on every 3rd case.
     for (budget, mt) in [
         (Some(227 * 1024), Some(1)),
-        (Some(24 * 1024), Some(4)),
+        (Some(24 * 1024), Some(2)),
         (None, Some(2)),
     ] {
-        mma::set_tiling_override(budget, mt);
+        let tuning = Tuning {
+            path: Some(Path::Batched),
+            mma_mt: mt,
+            mma_smem_budget: budget,
+            ..Tuning::default()
+        };
         for (i, c) in batched_cases().iter().enumerate().skip(1).step_by(3) {
-            check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+            check_with(
+                Backend::Cuda(None),
+                c,
+                300 + i as u64,
+                &tuning,
+                Precision::F32,
+            );
         }
     }
-    mma::set_tiling_override(None, None);
     // The cuBLAS-step variant (the fallback before sm_80) on a few of the same cases.
     for (i, c) in batched_cases().iter().enumerate().step_by(4) {
         check_on(
@@ -482,7 +517,7 @@ fn cuda_resident_tf32_opt_in() {
                 Backend::Cuda(None),
                 &c,
                 900 + i as u64,
-                Some(Path::Resident),
+                &forced(Path::Resident),
                 Precision::Tf32,
             );
             assert!(err > 2e-6, "{cell:?}: rel L2 {err:e}: TF32 not taken");
@@ -492,11 +527,17 @@ fn cuda_resident_tf32_opt_in() {
             Backend::Cuda(None),
             &c,
             950,
-            Some(Path::Persistent),
+            &forced(Path::Persistent),
             Precision::Tf32,
         );
         let c = case(cell, 64, 20, 64, &[256], false, true, BF16);
-        check_with(Backend::Cuda(None), &c, 951, None, Precision::Tf32);
+        check_with(
+            Backend::Cuda(None),
+            &c,
+            951,
+            &Tuning::default(),
+            Precision::Tf32,
+        );
     }
 }
 
@@ -520,18 +561,24 @@ fn cuda_resident_is_deterministic() {
     }
 }
 
+/// Blocks per multiprocessor by shared memory alone (`sm_smem` bytes per multiprocessor,
+/// 1 KB reserved per block); tests of the tiling rule without a GPU.
+fn per_sm_by_smem(sm_smem: usize, smem: usize) -> usize {
+    sm_smem / (smem + 1024)
+}
+
 #[test]
 fn resident_tiles_fit_and_stay_resident() {
     use DType::{BF16, F16, F32};
     // An H200/H100: 132 SMs, 228 KB per SM, 227 KB per block; at most 2 blocks per SM by
     // registers (256 threads).
-    let per_sm =
-        |_: usize, _: usize, smem: usize| resident::per_sm_by_smem(228 * 1024, smem).min(2);
+    let per_sm = |_: usize, _: usize, smem: usize| per_sm_by_smem(228 * 1024, smem).min(2);
     for cell in [Cell::Lstm, Cell::Gru] {
         for dt in [F32, BF16, F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048] {
                 for b in [1, 3, 16, 17, 64, 130, 256, 1024] {
-                    let Some(t) = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm)
+                    let Some(t) =
+                        resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm)
                     else {
                         continue;
                     };
@@ -554,7 +601,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Lstm, 64, 1024, BF16),
         (Cell::Gru, 64, 1024, BF16),
     ] {
-        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm);
         assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
     }
     // The measured best tilings (bench/RESULTS.md, session 3).
@@ -569,7 +616,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Gru, 64, 1024, BF16, 2, 2),
         (Cell::Lstm, 64, 1024, BF16, 2, 2),
     ] {
-        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm);
         assert!(
             t.is_some_and(|t| t.mt == mt && t.nu == nu),
             "{cell:?} B{b} H{h} {dt:?}: {t:?}"
@@ -578,12 +625,33 @@ fn resident_tiles_fit_and_stay_resident() {
     // Every case of the forced-path GPU test fits.
     for c in resident_cases() {
         for &h in &c.hidden {
-            let t = resident_tile(c.cell, c.batch, h, c.dtype, false, 132, 227 * 1024, per_sm);
+            let t = resident_tile(
+                c.cell,
+                c.batch,
+                h,
+                c.dtype,
+                false,
+                132,
+                227 * 1024,
+                None,
+                per_sm,
+            );
             assert!(t.is_some(), "{:?} B{} H{h} {:?}", c.cell, c.batch, c.dtype);
         }
     }
     // Too large for any tiling: f32 H2048 at B256 (16 MB of weights).
-    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, false, 132, 227 * 1024, per_sm).is_none());
+    assert!(resident_tile(
+        Cell::Lstm,
+        256,
+        2048,
+        F32,
+        false,
+        132,
+        227 * 1024,
+        None,
+        per_sm
+    )
+    .is_none());
 }
 
 /// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
@@ -620,12 +688,10 @@ fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     }
     // Split groups (a cluster per layer) where they fit, and every group as a wavefront.
     for split in [None, Some(false)] {
-        cluster::force_split(split);
         for (i, c) in cluster_cases().iter().enumerate() {
-            check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
+            check_cluster(c, 500 + i as u64, split);
         }
     }
-    cluster::force_split(None);
     // The default at batch 1: cluster groups where the weights fit and H <= 256, the
     // persistent kernel for the rest (H512: slower on clusters, and f32 LSTM does not fit).
     for cell in [Cell::Lstm, Cell::Gru] {
@@ -655,18 +721,16 @@ fn cuda_cluster_is_deterministic() {
         ),
     ] {
         for split in [None, Some(false)] {
-            cluster::force_split(split);
-            let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster));
+            let a = check_cluster(&c, 9, split);
             for _ in 0..3 {
                 assert_eq!(
                     a,
-                    check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster)),
+                    check_cluster(&c, 9, split),
                     "result moved between runs: a race"
                 );
             }
         }
     }
-    cluster::force_split(None);
 }
 
 #[test]
@@ -731,7 +795,7 @@ fn mma_tiles_fit_shared_memory() {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048, 3000, 8192] {
                 for b in [1, 16, 17, 64, 130, 256, 1024] {
-                    let t = mma::tile_with(cell, b, h, dt, 132, 227 * 1024, (0, 0));
+                    let t = mma::tile(cell, b, h, dt, 132, 227 * 1024, None, None);
                     assert!(
                         t.smem_bytes <= 227 * 1024,
                         "{cell:?} {dt:?} H{h} B{b}: {t:?}"
@@ -753,7 +817,7 @@ fn mma_tiles_fit_shared_memory() {
         (32, 1024, DType::BF16, 1),
         (64, 1024, DType::BF16, 2),
     ] {
-        let t = mma::tile_with(Cell::Lstm, b, h, dt, 132, 227 * 1024, (0, 0));
+        let t = mma::tile(Cell::Lstm, b, h, dt, 132, 227 * 1024, None, None);
         assert!(t.w_resident && t.mt == mt, "B{b} H{h} {dt:?}: {t:?}");
     }
 }
@@ -964,6 +1028,10 @@ fn rejects_bad_params_naming_them() {
 #[test]
 #[ignore]
 fn bench() {
+    bench_with(false, true, false);
+}
+
+fn bench_with(batch1_extra: bool, crossover: bool, mma_tilings: bool) {
     let Some(gpu) = gpu_for_tests() else { return };
     use DType::{BF16, F32};
     let mut cases: Vec<(usize, usize, usize, usize, usize, DType)> = vec![
@@ -977,13 +1045,13 @@ fn bench() {
         (64, 512, 1024, 1024, 1, BF16),
         (64, 60, 288, 512, 2, F32),
     ];
-    if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
+    if batch1_extra {
         cases.push((1, 60, 288, 512, 2, BF16));
         cases.push((1, 60, 288, 256, 1, F32));
         cases.push((1, 60, 288, 256, 3, F32));
         cases.push((1, 512, 288, 256, 2, F32));
     }
-    if std::env::var("FK_RNN_CROSSOVER").as_deref() != Ok("0") {
+    if crossover {
         for b in [8, 16, 32, 128] {
             cases.push((b, 60, 288, 256, 2, F32));
         }
@@ -1011,110 +1079,109 @@ fn bench() {
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
-            // What `path: None` runs: the cluster path at batch 1 when the first layer's group
-            // fits and the default takes it, else `Path::choose` per layer.
-            let ctas = super::cluster::cluster_ctas(&gpu, cell, dt).unwrap();
-            let smem = super::cluster::smem_limit(&gpu).unwrap();
-            let cluster_default = b == 1
-                && ctas.is_some_and(|c| {
-                    cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
-                        .is_some_and(|g| super::cluster::default_takes(&g))
-                });
-            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt, false)
+            // What a default call runs (the first layer's path).
+            let g = geometry(cell, &[b, t, i], dt, &ops).unwrap();
+            let default = default_paths(&gpu, cell, &g).unwrap()[0];
+            let ctas = cluster::cluster_ctas(&gpu, cell, dt, None).unwrap();
+            let none = Tuning::default();
+            let resident_fits = resident::tile_on(&gpu, cell, b, h, dt, false, &none)
                 .unwrap()
                 .is_some();
-            let default = if cluster_default {
-                Path::Cluster
-            } else {
-                Path::choose(cell, b, h, dt, fits, resident_fits)
+            let on = |path: Path| Tuning {
+                path: Some(path),
+                ..Tuning::default()
             };
-            // (path, tiling override of the tensor-core step, label)
+            // (tuning, precision, label)
             let mut paths = vec![
-                (Path::Batched, None, None, "batched".to_string()),
+                (on(Path::Batched), Precision::F32, "batched".to_string()),
                 (
-                    Path::BatchedCublas,
-                    None,
-                    None,
+                    on(Path::BatchedCublas),
+                    Precision::F32,
                     "batched_cublas".to_string(),
                 ),
             ];
             if fits {
-                paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
+                paths.insert(
+                    0,
+                    (
+                        on(Path::Persistent),
+                        Precision::F32,
+                        "persistent".to_string(),
+                    ),
+                );
             }
             if resident_fits {
-                paths.push((Path::Resident, None, None, "resident".to_string()));
+                paths.push((on(Path::Resident), Precision::F32, "resident".to_string()));
             }
             // The opt-in `precision: :tf32` (f32 only), to set against cuDNN's TF32 default.
             if dt == F32
-                && super::resident::tile_on(&gpu, cell, b, h, dt, true)
+                && resident::tile_on(&gpu, cell, b, h, dt, true, &none)
                     .unwrap()
                     .is_some()
             {
-                paths.push((Path::Resident, None, None, "resident_tf32".to_string()));
+                paths.push((
+                    on(Path::Resident),
+                    Precision::Tf32,
+                    "resident_tf32".to_string(),
+                ));
             }
             // The resident kernel's other tilings that fit (label resident:mMnN).
-            let mut res_tilings = Vec::new();
             if resident_fits && b >= 64 {
-                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
+                let t0 = resident::tile_on(&gpu, cell, b, h, dt, false, &none).unwrap();
                 for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
-                    super::resident::set_tile_override(Some((mt, nu)));
-                    let t = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
+                    let tuning = Tuning {
+                        resident_tile: Some((mt, nu)),
+                        ..on(Path::Resident)
+                    };
+                    let t = resident::tile_on(&gpu, cell, b, h, dt, false, &tuning).unwrap();
                     if t.is_some() && t != t0 {
-                        res_tilings.push((mt, nu));
+                        paths.push((tuning, Precision::F32, format!("resident:m{mt}n{nu}")));
                     }
                 }
-                super::resident::set_tile_override(None);
-            }
-            for &(mt, nu) in &res_tilings {
-                paths.push((Path::Resident, None, None, format!("resident:m{mt}n{nu}")));
             }
             if b == 1 && ctas.is_some() {
-                paths.insert(0, (Path::Cluster, None, None, "cluster".to_string()));
+                paths.insert(
+                    0,
+                    (on(Path::Cluster), Precision::F32, "cluster".to_string()),
+                );
             }
-            let tilings = std::env::var("FK_RNN_MMA_TILINGS").as_deref() == Ok("1");
-            if tilings && (b >= 64 || h >= 1024) {
-                let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
-                paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
-                for mt in [1, 2, 4] {
+            if mma_tilings && (b >= 64 || h >= 1024) {
+                let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024, None, None).mt;
+                let full = Tuning {
+                    mma_smem_budget: Some(227 * 1024),
+                    ..on(Path::Batched)
+                };
+                paths.push((full, Precision::F32, "batched:full".into()));
+                for mt in [1, 2] {
                     if mt != mt0 && 16 * mt <= b {
-                        paths.push((Path::Batched, None, Some(mt), format!("batched:mt{mt}")));
+                        let tuning = Tuning {
+                            mma_mt: Some(mt),
+                            ..on(Path::Batched)
+                        };
+                        paths.push((tuning, Precision::F32, format!("batched:mt{mt}")));
                     }
                 }
             }
             let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
-            for (path, budget, mt, label) in paths {
-                mma::set_tiling_override(budget, mt);
-                let forced = label
-                    .strip_prefix("resident:m")
-                    .and_then(|r| r.split_once('n'))
-                    .and_then(|(m, n)| Some((m.parse().ok()?, n.parse().ok()?)));
-                super::resident::set_tile_override(forced);
+            for (tuning, precision, label) in paths {
                 let reps = if t * h > 100_000 { 30 } else { 100 };
-                let precision = if label == "resident_tf32" {
-                    Precision::Tf32
-                } else {
-                    Precision::F32
-                };
                 let call = |_: usize| {
-                    run_with(
+                    run_tuned(
                         Backend::Cuda(None),
                         cell,
                         &xo,
                         &ops,
                         false,
                         Placement::Device,
-                        Some(path),
                         precision,
+                        &tuning,
                     )
                     .map(|_| ())
                 };
                 // A path that cannot take the case (a cluster the driver cannot place) reports
                 // its error instead of a time.
                 let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
-                mma::set_tiling_override(None, None);
-                super::resident::set_tile_override(None);
-                let default =
-                    path == default && budget.is_none() && mt.is_none() && forced.is_none();
+                let default = tuning == on(default) && precision == Precision::F32;
                 match timing {
                     Ok(tm) => println!(
                         "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",

@@ -8,7 +8,6 @@
 
 use super::*;
 use crate::cuda::DeviceTensor;
-use std::sync::atomic::Ordering;
 
 #[test]
 #[ignore]
@@ -39,15 +38,16 @@ fn cluster_profile() {
             let dev = upload_layers(&gpu, &lbytes, 1, dt);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
-            let call = |_: usize| {
-                run_on(
+            let call_with = |tuning: &Tuning| {
+                run_tuned(
                     Backend::Cuda(None),
                     cell,
                     &xo,
                     &ops,
                     false,
                     Placement::Device,
-                    Some(Path::Cluster),
+                    Precision::F32,
+                    tuning,
                 )
                 .map(|_| ())
             };
@@ -59,7 +59,12 @@ fn cluster_profile() {
             );
             // (split override, path label); the default comes last.
             for (split, label) in [(Some(false), "cluster:wavefront"), (None, "cluster")] {
-                super::super::cluster::force_split(split);
+                let tuning = Tuning {
+                    path: Some(Path::Cluster),
+                    split,
+                    ..Tuning::default()
+                };
+                let call = |_: usize| call_with(&tuning);
                 let mut line = format!(
                     "{{{head},\"path\":\"{label}\",\"default\":{}",
                     label == "cluster"
@@ -81,10 +86,11 @@ fn cluster_profile() {
                     host.sort_by(f64::total_cmp);
                     line += &format!(",\"host_queue_us\":{:.1}", host[host.len() / 2]);
                     // The kernel's own counters (one call; download synchronises the stream).
-                    let cp = &super::super::cuda::CLUSTER_PROFILE;
-                    cp.store(crate::cuda::gemm::ptr(&prof), Ordering::Relaxed);
-                    let counted = call(0).and_then(|_| prof.download());
-                    cp.store(0, Ordering::Relaxed);
+                    let profiled = Tuning {
+                        cluster_profile: crate::cuda::gemm::ptr(&prof),
+                        ..tuning
+                    };
+                    let counted = call_with(&profiled).and_then(|_| prof.download());
                     if let Ok(p) = counted {
                         let n: Vec<u64> = p
                             .data
@@ -101,5 +107,4 @@ fn cluster_profile() {
             }
         }
     }
-    super::super::cluster::force_split(None);
 }
