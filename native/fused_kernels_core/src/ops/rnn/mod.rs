@@ -12,9 +12,10 @@ mod mma;
 mod persistent;
 mod resident;
 
-pub use cluster::{cluster_ctas, group as cluster_group, Group as ClusterGroup};
+pub use cluster::{
+    cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
+};
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
-pub use cpu::reference;
 pub use dispatch::default_paths;
 pub use mma::{tile as mma_tile, Tile as MmaTile};
 pub use persistent::{plan as persistent_plan, Plan as PersistentPlan};
@@ -232,6 +233,3 @@ pub fn run_tuned(
         }
     }
 }
-
-#[cfg(test)]
-mod tests;
