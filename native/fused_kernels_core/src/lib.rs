@@ -11,6 +11,8 @@ pub mod kernels;
 pub mod operand;
 pub mod ops;
 pub mod parallel;
+#[cfg(any(test, feature = "reference"))]
+pub mod reference;
 pub mod tensor;
 
 pub use dtype::DType;

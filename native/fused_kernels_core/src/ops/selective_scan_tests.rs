@@ -242,7 +242,7 @@ fn check(backend: Backend, c: &Case) -> (f64, f64) {
                 t.fill_bytes(0xFF).unwrap();
                 t
             });
-            cuda_into(&gpu, &x, p, &mut out, last.as_mut()).unwrap();
+            cuda_into(&gpu, &x, p, &mut out, last.as_mut(), &Tuning::default()).unwrap();
             (out.download().unwrap(), last.map(|t| t.download().unwrap()))
         }
     };
@@ -383,12 +383,10 @@ fn cuda_wide_layout_edges_match_f64_reference() {
                 // Grouped: 4 groups of 100 channels (16-byte rows need a multiple of 4).
                 let dim = if o.groups > 0 { 400 } else { 200 };
                 let g = geometry_of(sms / 4 + 1, seq, dim, state, o);
-                if std::env::var("FUSED_KERNELS_SCAN_WIDE").is_err() {
-                    assert!(
-                        wide_split(g, sms, DType::F32, true).is_some(),
-                        "{g:?} must take the wide layout"
-                    );
-                }
+                assert!(
+                    wide_split(g, sms, DType::F32, true, &Tuning::default()).is_some(),
+                    "{g:?} must take the wide layout"
+                );
                 let c = make_case(&mut rng, g, DType::F32, o);
                 let (eo, el) = check(Backend::Cuda(None), &c);
                 assert!(
@@ -475,9 +473,6 @@ fn refuses_bad_shapes_and_state_over_256() {
 /// most 16 states with enough channels to fill an H200's 132 SMs, as measured.
 #[test]
 fn wide_layout_routing() {
-    if std::env::var("FUSED_KERNELS_SCAN_WIDE").is_ok() {
-        return; // a forced layout overrides the routing under test
-    }
     let g = |batch, dim, state| Geometry {
         batch,
         seq: 4096,
@@ -486,15 +481,39 @@ fn wide_layout_routing() {
         groups: 1,
     };
     let wide = Some(WIDE);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F32, true), wide);
-    assert_eq!(wide_split(g(32, 512, 16), 132, DType::F32, true), wide);
-    assert_eq!(wide_split(g(8, 2048, 1), 132, DType::F32, true), wide);
+    assert_eq!(
+        wide_split(g(8, 2048, 16), 132, DType::F32, true, &Tuning::default()),
+        wide
+    );
+    assert_eq!(
+        wide_split(g(32, 512, 16), 132, DType::F32, true, &Tuning::default()),
+        wide
+    );
+    assert_eq!(
+        wide_split(g(8, 2048, 1), 132, DType::F32, true, &Tuning::default()),
+        wide
+    );
     // Too few channels (the Mamba block at batch 1), too many states, or a dt pass / gate.
-    assert_eq!(wide_split(g(1, 512, 16), 132, DType::F32, true), None);
-    assert_eq!(wide_split(g(8, 2048, 17), 132, DType::F32, true), None);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F32, false), None);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::BF16, true), None);
-    assert_eq!(wide_split(g(8, 2048, 16), 132, DType::F16, true), None);
+    assert_eq!(
+        wide_split(g(1, 512, 16), 132, DType::F32, true, &Tuning::default()),
+        None
+    );
+    assert_eq!(
+        wide_split(g(8, 2048, 17), 132, DType::F32, true, &Tuning::default()),
+        None
+    );
+    assert_eq!(
+        wide_split(g(8, 2048, 16), 132, DType::F32, false, &Tuning::default()),
+        None
+    );
+    assert_eq!(
+        wide_split(g(8, 2048, 16), 132, DType::BF16, true, &Tuning::default()),
+        None
+    );
+    assert_eq!(
+        wide_split(g(8, 2048, 16), 132, DType::F16, true, &Tuning::default()),
+        None
+    );
     let mut a = ScanArgs::default();
     assert!(plain_scan(&a));
     a.softplus = 1;
@@ -509,7 +528,7 @@ fn wide_layout_routing() {
 /// The benchmark shapes on the GPU, inputs already on the device, timed with CUDA
 /// events (`cuda::timing`), plus the device copy bandwidth measured in the same process for
 /// the byte floor. One JSON line per case. Run: `core_tests selective_scan::tests::bench
-/// --ignored --nocapture` (`FUSED_KERNELS_SCAN_WIDE` / `_NPT` / `_CHUNK` / `_POLY` pick variants).
+/// --ignored --nocapture`.
 #[test]
 #[ignore]
 fn bench() {
@@ -529,16 +548,9 @@ fn bench() {
     .unwrap();
     let copy_gbps = 2.0 * 4.0 * n as f64 / (copy.median_us * 1e-6) / 1e9;
     drop((src, dst));
-    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "auto".into());
-    let variant = format!(
-        "wide={} npt={} chunk={} poly={}",
-        var("FUSED_KERNELS_SCAN_WIDE"),
-        var("FUSED_KERNELS_SCAN_NPT"),
-        var("FUSED_KERNELS_SCAN_CHUNK"),
-        var("FUSED_KERNELS_SCAN_POLY")
-    );
-    // `FUSED_KERNELS_SCAN_BENCH=long` times only the long f32 scan (variant sweeps).
-    let only_long = std::env::var("FUSED_KERNELS_SCAN_BENCH").is_ok_and(|v| v == "long");
+    let tuning = Tuning::default();
+    let variant = format!("{tuning:?}");
+    let only_long = false;
     let mut rng = Rng::new(21);
     let plain = Opts {
         softplus: false,
@@ -608,10 +620,13 @@ fn bench() {
         let mut out = DeviceTensor::uninit(&gpu, vec![b, l, d], dt).unwrap();
         // Same inputs twice: the output must not move (a moving result is a race).
         out.fill_bytes(0xFF).unwrap();
-        cuda_into(&gpu, &x, p, &mut out, None).unwrap();
+        cuda_into(&gpu, &x, p, &mut out, None, &tuning).unwrap();
         let first = out.download().unwrap().data;
         let reps = if l > 1000 { 30 } else { 300 };
-        let t = time_calls(&gpu, 5, reps, |_| cuda_into(&gpu, &x, p, &mut out, None)).unwrap();
+        let t = time_calls(&gpu, 5, reps, |_| {
+            cuda_into(&gpu, &x, p, &mut out, None, &tuning)
+        })
+        .unwrap();
         let again = out.download().unwrap().data;
         assert!(first == again, "{name}: output moved between runs");
         let err = rel_l2(&decode_f64(&first, dt), &expected(&c).0);
