@@ -293,8 +293,10 @@ fn check_context(gpu: &Gpu) -> Result<()> {
     gpu.bind()
 }
 
-static STREAMS: Lazy<Mutex<HashMap<(usize, usize), Arc<Gpu>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+/// (device ordinal, CUstream address) -> the device bound to that stream.
+type StreamMap = HashMap<(usize, usize), Arc<Gpu>>;
+
+static STREAMS: Lazy<Mutex<StreamMap>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The device bound to XLA's `stream` (made once per stream; XLA keeps a few per device).
 fn on_stream(base: &Gpu, stream: cudarc::driver::sys::CUstream) -> Result<Arc<Gpu>> {

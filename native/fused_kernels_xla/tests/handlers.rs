@@ -204,7 +204,12 @@ fn flash_attention_errors_name_what_to_fix() {
         "fused_kernels_flash_attention: operands (q, k, v): expected 3 entries, got 2",
     );
     invalid(
-        call(h, &vec![q.clone(), q.clone(), q.clone()], &[q.clone()], &[]),
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            std::slice::from_ref(&q),
+            &[],
+        ),
         "results (out, lse)",
     );
     invalid(
@@ -219,7 +224,7 @@ fn flash_attention_errors_name_what_to_fix() {
     invalid(
         call(
             h,
-            &vec![q.clone(), q.clone(), q.clone()],
+            &[q.clone(), q.clone(), q.clone()],
             &[q.clone(), lse.clone()],
             &[("layout", Str("sbhd"))],
         ),
@@ -228,7 +233,7 @@ fn flash_attention_errors_name_what_to_fix() {
     invalid(
         call(
             h,
-            &vec![q.clone(), q.clone(), q.clone()],
+            &[q.clone(), q.clone(), q.clone()],
             &[q.clone(), lse.clone()],
             &[("causl", Bool(true))],
         ),
@@ -237,7 +242,7 @@ fn flash_attention_errors_name_what_to_fix() {
     invalid(
         call(
             h,
-            &vec![q.clone(), q.clone(), q.clone()],
+            &[q.clone(), q.clone(), q.clone()],
             &[q.clone(), f32s(&[1, 60, 4])],
             &[],
         ),
@@ -246,7 +251,7 @@ fn flash_attention_errors_name_what_to_fix() {
     invalid(
         call(
             h,
-            &vec![q.clone(), q.clone(), q.clone()],
+            &[q.clone(), q.clone(), q.clone()],
             &[q.clone(), lse.clone()],
             &[("window_left", I64(-3))],
         ),
@@ -302,14 +307,14 @@ fn optional_operands_are_named_and_checked() {
     let mut six = five.clone();
     six.push(f32s(&[8]));
     invalid(
-        call(h, &six, &[x.clone()], &[]),
+        call(h, &six, std::slice::from_ref(&x), &[]),
         "operands: names 5 operand(s)",
     );
     invalid(
         call(
             h,
             &six,
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &[("operands", Str("u,delta,a,b,c,q"))],
         ),
         "unknown operand \"q\"",
@@ -318,7 +323,7 @@ fn optional_operands_are_named_and_checked() {
         call(
             h,
             &six,
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &[("operands", Str("u,delta,a,b,b,d"))],
         ),
         "\"b\" is named twice",
@@ -327,13 +332,18 @@ fn optional_operands_are_named_and_checked() {
         call(
             h,
             &five,
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &[("operands", Str("u,delta,a,b,d"))],
         ),
         "\"c\" is required",
     );
     invalid(
-        call(h, &five, &[x.clone()], &[("dt_min", F64(0.001))]),
+        call(
+            h,
+            &five,
+            std::slice::from_ref(&x),
+            &[("dt_min", F64(0.001))],
+        ),
         "dt_min, dt_max: give both",
     );
     invalid(
@@ -393,7 +403,7 @@ fn rnn_counts_follow_layers_and_state() {
         "results (sequence, then per layer its final state): expected 3 entries, got 2",
     );
     invalid(
-        call(h, &args, &[x.clone()], &[("layers", I64(0))]),
+        call(h, &args, std::slice::from_ref(&x), &[("layers", I64(0))]),
         "layers must be 1..64",
     );
     let h = fused_kernels_xla::fused_kernels_lstm as ffi::Handler;
@@ -402,7 +412,7 @@ fn rnn_counts_follow_layers_and_state() {
         call(
             h,
             &args[..14],
-            &vec![x.clone(), x.clone(), x.clone()],
+            &[x.clone(), x.clone(), x.clone()],
             &[("initial_state", Bool(true))],
         ),
         "expected 15 entries, got 14",

@@ -2,6 +2,8 @@
 //! asked, and call frames built from Rust-owned memory.
 
 #![allow(dead_code)]
+// The boxes keep the addresses the frame points to fixed while the vectors grow.
+#![allow(clippy::vec_box)]
 
 use fused_kernels_xla::ffi::{self, CallFrame, XlaError};
 use std::ffi::{c_int, c_void};
@@ -26,7 +28,10 @@ unsafe extern "C" fn error_create(args: *mut ffi::ErrorCreateArgs) -> *mut XlaEr
     })) as *mut XlaError
 }
 
-pub static REGISTERED: Mutex<Vec<(String, String, usize, usize, u32)>> = Mutex::new(Vec::new());
+/// (name, platform, initialize handler, execute handler, traits) of each registration.
+pub type Registration = (String, String, usize, usize, u32);
+
+pub static REGISTERED: Mutex<Vec<Registration>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn handler_register(args: *mut ffi::HandlerRegisterArgs) -> *mut XlaError {
     let a = unsafe { &*args };
