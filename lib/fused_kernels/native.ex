@@ -84,12 +84,64 @@ defmodule FusedKernels.Native do
   def cuda_mem_info(_device), do: not_loaded()
   @doc false
   def cuda_synchronize(_device), do: not_loaded()
+
+  # The ops. `op/n` runs `op_dirty/n` (a dirty CPU scheduler) for CUDA, and queues `op_async/n`
+  # on the library's own worker threads for the CPU backend, waiting here for the reply, so
+  # long CPU calls never hold the BEAM's schedulers (see native/fused_kernels_nif/src/jobs.rs).
   @doc false
-  def scaled_softmax(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
+  def scaled_softmax(x, scale, causal, backend, device, out),
+    do:
+      dispatch(backend, :scaled_softmax_dirty, :scaled_softmax_async, [
+        x,
+        scale,
+        causal,
+        backend,
+        device,
+        out
+      ])
+
   @doc false
-  def dense(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
+  def scaled_softmax_dirty(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
   @doc false
-  def flash_attention(
+  def scaled_softmax_async(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
+
+  @doc false
+  def dense(kind, operands, activation, eps, backend, device, out),
+    do:
+      dispatch(backend, :dense_dirty, :dense_async, [
+        kind,
+        operands,
+        activation,
+        eps,
+        backend,
+        device,
+        out
+      ])
+
+  @doc false
+  def dense_dirty(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def dense_async(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
+
+  @doc false
+  def flash_attention(q, k, v, layout, scale, causal, window, return_lse, backend, device, out),
+    do:
+      dispatch(backend, :flash_attention_dirty, :flash_attention_async, [
+        q,
+        k,
+        v,
+        layout,
+        scale,
+        causal,
+        window,
+        return_lse,
+        backend,
+        device,
+        out
+      ])
+
+  @doc false
+  def flash_attention_dirty(
         _q,
         _k,
         _v,
@@ -97,7 +149,7 @@ defmodule FusedKernels.Native do
         _scale,
         _causal,
         _window,
-        _lse,
+        _return_lse,
         _backend,
         _device,
         _out
@@ -105,11 +157,82 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
-  def rnn(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
+  def flash_attention_async(
+        _q,
+        _k,
+        _v,
+        _layout,
+        _scale,
+        _causal,
+        _window,
+        _return_lse,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
+
+  @doc false
+  def rnn(cell, x, layers, reverse, backend, device, out, precision),
+    do:
+      dispatch(backend, :rnn_dirty, :rnn_async, [
+        cell,
+        x,
+        layers,
+        reverse,
+        backend,
+        device,
+        out,
+        precision
+      ])
+
+  @doc false
+  def rnn_dirty(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
+    do: not_loaded()
+
+  @doc false
+  def rnn_async(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
     do: not_loaded()
 
   @doc false
   def selective_scan(
+        u,
+        delta,
+        a,
+        b,
+        c,
+        d,
+        z,
+        delta_bias,
+        initial_state,
+        delta_softplus,
+        discretization,
+        return_last_state,
+        backend,
+        device,
+        out
+      ),
+      do:
+        dispatch(backend, :selective_scan_dirty, :selective_scan_async, [
+          u,
+          delta,
+          a,
+          b,
+          c,
+          d,
+          z,
+          delta_bias,
+          initial_state,
+          delta_softplus,
+          discretization,
+          return_last_state,
+          backend,
+          device,
+          out
+        ])
+
+  @doc false
+  def selective_scan_dirty(
         _u,
         _delta,
         _a,
@@ -117,27 +240,95 @@ defmodule FusedKernels.Native do
         _c,
         _d,
         _z,
-        _bias,
-        _h0,
-        _sp,
-        _disc,
-        _last,
-        _be,
-        _dev,
+        _delta_bias,
+        _initial_state,
+        _delta_softplus,
+        _discretization,
+        _return_last_state,
+        _backend,
+        _device,
         _out
       ),
       do: not_loaded()
 
   @doc false
-  def norm(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out), do: not_loaded()
+  def selective_scan_async(
+        _u,
+        _delta,
+        _a,
+        _b,
+        _c,
+        _d,
+        _z,
+        _delta_bias,
+        _initial_state,
+        _delta_softplus,
+        _discretization,
+        _return_last_state,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
+
+  @doc false
+  def norm(kind, x, weight, bias, residual, eps, backend, device, out),
+    do:
+      dispatch(backend, :norm_dirty, :norm_async, [
+        kind,
+        x,
+        weight,
+        bias,
+        residual,
+        eps,
+        backend,
+        device,
+        out
+      ])
+
+  @doc false
+  def norm_dirty(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
+    do: not_loaded()
+
+  @doc false
+  def norm_async(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
+    do: not_loaded()
+
   @doc false
   def mamba_block(
+        x,
+        weights,
+        eps,
+        dt_min,
+        dt_max,
+        discretization,
+        residual,
+        backend,
+        device,
+        out
+      ),
+      do:
+        dispatch(backend, :mamba_block_dirty, :mamba_block_async, [
+          x,
+          weights,
+          eps,
+          dt_min,
+          dt_max,
+          discretization,
+          residual,
+          backend,
+          device,
+          out
+        ])
+
+  @doc false
+  def mamba_block_dirty(
         _x,
         _weights,
         _eps,
         _dt_min,
         _dt_max,
-        _disc,
+        _discretization,
         _residual,
         _backend,
         _device,
@@ -146,11 +337,85 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
-  def stream_shift_append(_cache, _row, _backend, _device, _out), do: not_loaded()
+  def mamba_block_async(
+        _x,
+        _weights,
+        _eps,
+        _dt_min,
+        _dt_max,
+        _discretization,
+        _residual,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
+
   @doc false
-  def stream_reshape(_x, _shape, _backend, _device, _out), do: not_loaded()
+  def stream_shift_append(cache, row, backend, device, out),
+    do:
+      dispatch(backend, :stream_shift_append_dirty, :stream_shift_append_async, [
+        cache,
+        row,
+        backend,
+        device,
+        out
+      ])
+
+  @doc false
+  def stream_shift_append_dirty(_cache, _row, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def stream_shift_append_async(_cache, _row, _backend, _device, _out), do: not_loaded()
+
+  @doc false
+  def stream_reshape(x, shape, backend, device, out),
+    do:
+      dispatch(backend, :stream_reshape_dirty, :stream_reshape_async, [
+        x,
+        shape,
+        backend,
+        device,
+        out
+      ])
+
+  @doc false
+  def stream_reshape_dirty(_x, _shape, _backend, _device, _out), do: not_loaded()
+  @doc false
+  def stream_reshape_async(_x, _shape, _backend, _device, _out), do: not_loaded()
+
   @doc false
   def mamba_block_state(
+        x,
+        weights,
+        conv_state,
+        ssm_state,
+        eps,
+        dt_min,
+        dt_max,
+        discretization,
+        residual,
+        backend,
+        device,
+        out
+      ),
+      do:
+        dispatch(backend, :mamba_block_state_dirty, :mamba_block_state_async, [
+          x,
+          weights,
+          conv_state,
+          ssm_state,
+          eps,
+          dt_min,
+          dt_max,
+          discretization,
+          residual,
+          backend,
+          device,
+          out
+        ])
+
+  @doc false
+  def mamba_block_state_dirty(
         _x,
         _weights,
         _conv_state,
@@ -158,11 +423,40 @@ defmodule FusedKernels.Native do
         _eps,
         _dt_min,
         _dt_max,
-        _disc,
+        _discretization,
         _residual,
         _backend,
         _device,
         _out
       ),
       do: not_loaded()
+
+  @doc false
+  def mamba_block_state_async(
+        _x,
+        _weights,
+        _conv_state,
+        _ssm_state,
+        _eps,
+        _dt_min,
+        _dt_max,
+        _discretization,
+        _residual,
+        _backend,
+        _device,
+        _out
+      ),
+      do: not_loaded()
+
+  defp dispatch(:cpu, _dirty, async, args), do: await(apply(__MODULE__, async, args))
+  defp dispatch(_backend, dirty, _async, args), do: apply(__MODULE__, dirty, args)
+
+  # A job always replies (errors and panics included); the reference is unique to this call.
+  defp await(ref) when is_reference(ref) do
+    receive do
+      {^ref, result} -> result
+    end
+  end
+
+  defp await(not_loaded), do: not_loaded
 end

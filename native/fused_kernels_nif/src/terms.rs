@@ -46,14 +46,27 @@ pub fn decode_dtype(name: &str, term: Term<'_>) -> Result<DType> {
     DType::from_nx(&kind, bits).map_err(|e| arg_error(format!("{name}: {e}")))
 }
 
+/// The elements of a proper list. rustler's own `Vec` decoder panics on an improper list
+/// (`[2 | 2]`), so every list crossing the boundary is measured first: `enif_get_list_length`
+/// refuses improper lists.
+pub fn decode_list<'a>(name: &str, expected: &str, term: Term<'a>) -> Result<Vec<Term<'a>>> {
+    let bad = || arg_error(format!("{name} must be a proper list of {expected}"));
+    if !term.is_list() {
+        return Err(bad());
+    }
+    term.list_length().map_err(|_| bad())?;
+    term.decode::<Vec<Term<'a>>>().map_err(|_| bad())
+}
+
 pub fn decode_shape(name: &str, term: Term<'_>) -> Result<Vec<usize>> {
-    let dims: Vec<Term> = get_tuple(term)
-        .or_else(|_| term.decode::<Vec<Term>>())
-        .map_err(|_| {
+    let dims: Vec<Term> = match get_tuple(term) {
+        Ok(dims) => dims,
+        Err(_) => decode_list(name, "positive integers (a shape)", term).map_err(|_| {
             arg_error(format!(
                 "{name}: shape must be a tuple of positive integers"
             ))
-        })?;
+        })?,
+    };
     let dims: Vec<i64> = dims
         .iter()
         .map(|d| d.decode::<i64>())

@@ -16,51 +16,59 @@ use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan};
 use fused_kernels_core::DType;
 
-/// Operands by name, from the `operands` attribute.
+/// The operand names of a call: the `operands` attribute (default: `required` in order),
+/// checked against the op's `known` names and the number of buffers passed.
+pub fn operand_names(
+    attrs: &Attrs,
+    count: usize,
+    known: &[&str],
+    required: &[&str],
+) -> Result<Vec<String>> {
+    let default = required.join(",");
+    let list = attrs.str_or("operands", &default)?;
+    let names: Vec<String> = list
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if names.len() != count {
+        return Err(arg_error(format!(
+            "operands: names {} operand(s) ({list}) but {count} were passed",
+            names.len(),
+        )));
+    }
+    for (i, n) in names.iter().enumerate() {
+        if !known.contains(&n.as_str()) {
+            return Err(arg_error(format!(
+                "operands: unknown operand {n:?}; this call takes {}",
+                known.join(", ")
+            )));
+        }
+        if names[..i].contains(n) {
+            return Err(arg_error(format!("operands: {n:?} is named twice")));
+        }
+    }
+    if let Some(r) = required.iter().find(|r| !names.iter().any(|n| n == *r)) {
+        return Err(arg_error(format!("operands: {r:?} is required")));
+    }
+    Ok(names)
+}
+
+/// Operands by name.
 pub struct Named<'t> {
     names: Vec<String>,
     ops: Vec<Operand<'t>>,
 }
 
 impl<'t> Named<'t> {
-    /// Checks `operands` (default: `required` in order) against the op's `known` names and
-    /// the number of buffers passed.
     pub fn new(
         attrs: &Attrs,
         tensors: &'t [DeviceTensor],
         known: &[&str],
         required: &[&str],
     ) -> Result<Named<'t>> {
-        let default = required.join(",");
-        let list = attrs.str_or("operands", &default)?;
-        let names: Vec<String> = list
-            .split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
-        if names.len() != tensors.len() {
-            return Err(arg_error(format!(
-                "operands: names {} operand(s) ({list}) but {} were passed",
-                names.len(),
-                tensors.len()
-            )));
-        }
-        for (i, n) in names.iter().enumerate() {
-            if !known.contains(&n.as_str()) {
-                return Err(arg_error(format!(
-                    "operands: unknown operand {n:?}; this call takes {}",
-                    known.join(", ")
-                )));
-            }
-            if names[..i].contains(n) {
-                return Err(arg_error(format!("operands: {n:?} is named twice")));
-            }
-        }
-        if let Some(r) = required.iter().find(|r| !names.iter().any(|n| n == *r)) {
-            return Err(arg_error(format!("operands: {r:?} is required")));
-        }
         Ok(Named {
-            names,
+            names: operand_names(attrs, tensors.len(), known, required)?,
             ops: tensors.iter().map(Operand::Device).collect(),
         })
     }
@@ -92,6 +100,7 @@ fn no_preload(_: &Decoded) -> Vec<&'static Kernel> {
 pub const FLASH_ATTENTION: OpSpec = OpSpec {
     name: "fused_kernels_flash_attention",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: flash_attention_validate,
     execute: flash_attention_execute,
     preload: |_| vec![&kernels::FLASH_ATTENTION],
 };
@@ -108,9 +117,30 @@ pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
     )
 }
 
+fn flash_attention_validate(d: &Decoded) -> Result<()> {
+    arity("operands (q, k, v)", d.args.len(), &[3])?;
+    arity("results (out, lse)", d.rets.len(), &[2])?;
+    let p = flash_attention_params(&d.attrs)?;
+    let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
+    let g = flash_attention::geometry(
+        (&q.dims, q.dtype),
+        (&k.dims, k.dtype),
+        (&v.dims, v.dtype),
+        p.layout,
+    )?;
+    if d.rets[0].dims != q.dims || d.rets[0].dtype != q.dtype {
+        return Err(arg_error("out: must have the shape and type of q"));
+    }
+    if d.rets[1].dims != g.lse_shape() || d.rets[1].dtype != DType::F32 {
+        return Err(arg_error(format!(
+            "lse: must be f32 {:?} ({{batch, heads, seq_q}})",
+            g.lse_shape()
+        )));
+    }
+    Ok(())
+}
+
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
-    arity("operands (q, k, v)", c.d.args.len(), &[3])?;
-    arity("results (out, lse)", c.d.rets.len(), &[2])?;
     let p = flash_attention_params(&c.d.attrs)?;
     let t = c.args();
     let mut out = c.tensor(&c.d.rets[0]);
@@ -141,6 +171,11 @@ const SCAN_REQUIRED: &[&str] = &["u", "delta", "a", "b", "c"];
 pub const SELECTIVE_SCAN: OpSpec = OpSpec {
     name: "fused_kernels_selective_scan",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| {
+        arity("results (out [, last_state])", d.rets.len(), &[1, 2])?;
+        selective_scan_params(&d.attrs, d.rets.len() == 2)?;
+        operand_names(&d.attrs, d.args.len(), SCAN_KNOWN, SCAN_REQUIRED).map(|_| ())
+    },
     execute: selective_scan_execute,
     preload: |d| {
         vec![match d.args.first().map(|b| b.dtype) {
@@ -171,7 +206,6 @@ pub fn selective_scan_params(a: &Attrs, last_state: bool) -> Result<selective_sc
 }
 
 fn selective_scan_execute(c: &Call<'_>) -> Result<()> {
-    arity("results (out [, last_state])", c.d.rets.len(), &[1, 2])?;
     let p = selective_scan_params(&c.d.attrs, c.d.rets.len() == 2)?;
     let t = c.args();
     let n = Named::new(&c.d.attrs, &t, SCAN_KNOWN, SCAN_REQUIRED)?;
@@ -199,6 +233,7 @@ fn selective_scan_execute(c: &Call<'_>) -> Result<()> {
 pub const LAYER_NORM: OpSpec = OpSpec {
     name: "fused_kernels_layer_norm",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| norm_validate(d, norm::Kind::Layer),
     execute: |c| norm_execute(c, norm::Kind::Layer),
     preload: |_| vec![&kernels::NORM],
 };
@@ -208,29 +243,43 @@ pub const LAYER_NORM: OpSpec = OpSpec {
 pub const RMS_NORM: OpSpec = OpSpec {
     name: "fused_kernels_rms_norm",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| norm_validate(d, norm::Kind::Rms),
     execute: |c| norm_execute(c, norm::Kind::Rms),
     preload: |_| vec![&kernels::NORM],
 };
 
-fn norm_execute(c: &Call<'_>, kind: norm::Kind) -> Result<()> {
-    c.d.attrs.only(&["operands", "eps"])?;
-    let (known, required, eps): (&[&str], &[&str], f64) = match kind {
+type NormNames = (&'static [&'static str], &'static [&'static str], f64);
+
+fn norm_names(kind: norm::Kind) -> NormNames {
+    match kind {
         norm::Kind::Layer => (
             &["x", "gamma", "beta", "residual"],
             &["x", "gamma", "beta"],
             1e-5,
         ),
         norm::Kind::Rms => (&["x", "weight", "residual"], &["x", "weight"], 1e-6),
-    };
+    }
+}
+
+fn norm_validate(d: &Decoded, kind: norm::Kind) -> Result<()> {
+    d.attrs.only(&["operands", "eps"])?;
+    let (known, required, eps) = norm_names(kind);
+    norm::Params::new(kind, d.attrs.float_or("eps", eps)?)?;
+    let names = operand_names(&d.attrs, d.args.len(), known, required)?;
+    let residual = names.iter().any(|n| n == "residual");
+    arity(
+        "results (out [, sum with a residual])",
+        d.rets.len(),
+        &[1 + residual as usize],
+    )
+}
+
+fn norm_execute(c: &Call<'_>, kind: norm::Kind) -> Result<()> {
+    let (known, required, eps) = norm_names(kind);
     let p = norm::Params::new(kind, c.d.attrs.float_or("eps", eps)?)?;
     let t = c.args();
     let n = Named::new(&c.d.attrs, &t, known, required)?;
     let residual = n.get("residual");
-    arity(
-        "results (out [, sum with a residual])",
-        c.d.rets.len(),
-        &[1 + residual.is_some() as usize],
-    )?;
     let inputs = norm::Inputs {
         x: n.req("x")?,
         weight: n.req(required[1])?,
@@ -264,6 +313,11 @@ const DENSE_KNOWN: &[&str] = &[
 pub const DENSE: OpSpec = OpSpec {
     name: "fused_kernels_dense",
     traits: 0,
+    validate: |d| {
+        arity("results (out)", d.rets.len(), &[1])?;
+        dense_params(&d.attrs)?;
+        operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"]).map(|_| ())
+    },
     execute: dense_execute,
     preload: no_preload,
 };
@@ -278,7 +332,6 @@ pub fn dense_params(a: &Attrs) -> Result<dense::Params> {
 }
 
 fn dense_execute(c: &Call<'_>) -> Result<()> {
-    arity("results (out)", c.d.rets.len(), &[1])?;
     let p = dense_params(&c.d.attrs)?;
     let t = c.args();
     let n = Named::new(&c.d.attrs, &t, DENSE_KNOWN, &["x", "kernel"])?;
@@ -344,6 +397,11 @@ const MAMBA_REQUIRED: &[&str] = &[
 pub const MAMBA_BLOCK: OpSpec = OpSpec {
     name: "fused_kernels_mamba_block",
     traits: 0,
+    validate: |d| {
+        arity("results (out)", d.rets.len(), &[1])?;
+        mamba_block_params(&d.attrs)?;
+        operand_names(&d.attrs, d.args.len(), MAMBA_KNOWN, MAMBA_REQUIRED).map(|_| ())
+    },
     execute: mamba_block_execute,
     preload: no_preload,
 };
@@ -360,7 +418,6 @@ pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
 }
 
 fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
-    arity("results (out)", c.d.rets.len(), &[1])?;
     let p = mamba_block_params(&c.d.attrs)?;
     let t = c.args();
     let n = Named::new(&c.d.attrs, &t, MAMBA_KNOWN, MAMBA_REQUIRED)?;
@@ -399,6 +456,7 @@ fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
 pub const LSTM: OpSpec = OpSpec {
     name: "fused_kernels_lstm",
     traits: 0,
+    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Lstm, d.args.len(), d.rets.len()).map(|_| ()),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
     preload: no_preload,
 };
@@ -406,6 +464,7 @@ pub const LSTM: OpSpec = OpSpec {
 pub const GRU: OpSpec = OpSpec {
     name: "fused_kernels_gru",
     traits: 0,
+    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Gru, d.args.len(), d.rets.len()).map(|_| ()),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
     preload: no_preload,
 };

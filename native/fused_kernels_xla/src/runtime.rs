@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 pub struct OpSpec {
     pub name: &'static str,
     pub traits: u32,
+    /// Everything that can be checked without the device (counts, attributes, shapes).
+    pub validate: fn(&Decoded) -> Result<()>,
     pub execute: fn(&Call<'_>) -> Result<()>,
     pub preload: fn(&Decoded) -> Vec<&'static Kernel>,
 }
@@ -202,6 +204,7 @@ unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
 
 unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     let d = unsafe { frame::decode(f)? };
+    (op.validate)(&d)?;
     let api = unsafe { f.api.as_ref() }.ok_or_else(|| arg_error("call frame without an API"))?;
     let stream = unsafe { stream_of(api, f.ctx)? };
     let base = cuda::gpu(Some(ordinal_of(&d)?))?;
@@ -290,8 +293,10 @@ fn check_context(gpu: &Gpu) -> Result<()> {
     gpu.bind()
 }
 
-static STREAMS: Lazy<Mutex<HashMap<(usize, usize), Arc<Gpu>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+/// (device ordinal, CUstream address) -> the device bound to that stream.
+type StreamMap = HashMap<(usize, usize), Arc<Gpu>>;
+
+static STREAMS: Lazy<Mutex<StreamMap>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The device bound to XLA's `stream` (made once per stream; XLA keeps a few per device).
 fn on_stream(base: &Gpu, stream: cudarc::driver::sys::CUstream) -> Result<Arc<Gpu>> {

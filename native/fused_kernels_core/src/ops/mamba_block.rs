@@ -63,7 +63,7 @@ impl Params {
         residual: bool,
     ) -> Result<Params> {
         let p = Params {
-            eps: finite_option("eps", eps)?,
+            eps: non_negative("eps", eps)?,
             dt_min: finite_option("dt_min", dt_min)?,
             dt_max: finite_option("dt_max", dt_max)?,
             discretization,
@@ -275,6 +275,15 @@ fn matmul(x: &[f64], w: &[f64], bias: Option<&[f64]>, m: usize, k: usize, n: usi
 
 fn silu(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
+}
+
+/// A finite, non-negative option (a negative eps makes the LayerNorm's square root NaN).
+fn non_negative(name: &str, v: f64) -> Result<f64> {
+    let v = finite_option(name, v)?;
+    if v < 0.0 {
+        return Err(arg_error(format!("{name} must be non-negative, got {v}")));
+    }
+    Ok(v)
 }
 
 /// Refuses a call whose f64 intermediates cannot fit in the memory available now (their sizes

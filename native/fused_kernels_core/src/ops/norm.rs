@@ -65,6 +65,14 @@ pub fn geometry(x: &Inputs<'_>, p: Params) -> Result<(usize, usize)> {
         )));
     }
     if let Some(b) = x.bias {
+        // RMSNorm scales only (mamba_ssm's and Bumblebee's have no bias); a beta here was a
+        // mistake on every backend rather than something to add on one and drop on another.
+        if p.kind == Kind::Rms {
+            return Err(arg_error(
+                "beta: rms_norm takes no bias (RMSNorm only scales by weight); drop beta, or \
+                 use kind :layer_norm",
+            ));
+        }
         if b.shape() != [cols] {
             return Err(arg_error(format!(
                 "beta: expected shape {{{cols}}} (x's last axis), got {}",

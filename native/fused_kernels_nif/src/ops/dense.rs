@@ -1,3 +1,4 @@
+use crate::jobs::op_nifs;
 use crate::terms::{
     decode_atom, decode_backend, decode_f64, decode_operand, decode_optional_operand,
     decode_placement, encode_value, reply,
@@ -8,9 +9,8 @@ use rustler::{Env, Term};
 
 /// `dense(kind, {x, kernel, kernel_up, bias, bias_up, gamma, beta, residual}, activation,
 /// eps, backend, device, out)`; absent operands are nil.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn dense<'a>(
+fn dense_call<'a>(
     env: Env<'a>,
     kind: Term<'a>,
     operands: Term<'a>,
@@ -52,3 +52,10 @@ fn dense<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    dense_dirty,
+    dense_async,
+    dense_call,
+    (kind, operands, activation, eps, backend, device, out)
+);

@@ -1,3 +1,4 @@
+use crate::jobs::op_nifs;
 use crate::terms::{
     decode_backend, decode_bool, decode_f64, decode_operand, decode_placement, encode_value, reply,
 };
@@ -28,9 +29,8 @@ fn decode_window(term: Term<'_>) -> Result<(i64, i64)> {
 
 /// `flash_attention(q, k, v, layout, scale, causal, window, return_lse, backend, device, out)`
 /// → `out` or `{out, lse}`.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn flash_attention<'a>(
+fn flash_attention_call<'a>(
     env: Env<'a>,
     q: Term<'a>,
     k: Term<'a>,
@@ -79,3 +79,10 @@ fn flash_attention<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    flash_attention_dirty,
+    flash_attention_async,
+    flash_attention_call,
+    (q, k, v, layout, scale, causal, window, return_lse, backend, device, out)
+);

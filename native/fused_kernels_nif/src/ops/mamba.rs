@@ -1,9 +1,10 @@
 //! NIFs of the Mamba family: `selective_scan`, `norm` (LayerNorm / RMSNorm) and
 //! `mamba_block`. Optional tensors arrive as `nil`.
 
+use crate::jobs::op_nifs;
 use crate::terms::{
-    decode_atom, decode_backend, decode_bool, decode_f64, decode_operand, decode_optional_operand,
-    decode_placement, encode_value, reply,
+    decode_atom, decode_backend, decode_bool, decode_f64, decode_list, decode_operand,
+    decode_optional_operand, decode_placement, encode_value, reply,
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::Operand;
@@ -14,9 +15,8 @@ use rustler::{Encoder, Env, Term};
 
 /// `selective_scan(u, delta, a, b, c, d, z, delta_bias, initial_state, delta_softplus,
 /// b_discretization, return_last_state, backend, device, out)` -> out | {out, last_state}.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn selective_scan<'a>(
+fn selective_scan_call<'a>(
     env: Env<'a>,
     u: Term<'a>,
     delta: Term<'a>,
@@ -81,9 +81,8 @@ fn selective_scan<'a>(
 }
 
 /// `norm(kind, x, weight, bias, residual, eps, backend, device, out)` -> y | {y, x + residual}.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn norm<'a>(
+fn norm_call<'a>(
     env: Env<'a>,
     kind: Term<'a>,
     x: Term<'a>,
@@ -158,9 +157,7 @@ const REQUIRED: [usize; 8] = [0, 1, 2, 4, 6, 8, 10, 14];
 
 /// The 16 weight terms (tensors or nils, `WEIGHT_NAMES` order), decoded.
 pub(crate) fn decode_weights<'a>(weights: Term<'a>) -> Result<Vec<Option<Operand<'a>>>> {
-    let terms: Vec<Term<'a>> = weights
-        .decode()
-        .map_err(|_| arg_error("params: expected a list of 16 tensors or nils"))?;
+    let terms = decode_list("params", "16 tensors or nils", weights)?;
     if terms.len() != WEIGHT_NAMES.len() {
         return Err(arg_error("params: expected a list of 16 tensors or nils"));
     }
@@ -221,9 +218,8 @@ pub(crate) fn block_params(
 
 /// `mamba_block(x, weights, eps, dt_min, dt_max, b_discretization, residual, backend, device,
 /// out)`; `weights` is a list of 16 tensors or nils in `WEIGHT_NAMES` order.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn mamba_block<'a>(
+fn mamba_block_call<'a>(
     env: Env<'a>,
     x: Term<'a>,
     weights: Term<'a>,
@@ -252,3 +248,49 @@ fn mamba_block<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    selective_scan_dirty,
+    selective_scan_async,
+    selective_scan_call,
+    (
+        u,
+        delta,
+        a,
+        b,
+        c,
+        d,
+        z,
+        delta_bias,
+        initial_state,
+        softplus,
+        discretization,
+        return_last_state,
+        backend,
+        device,
+        out
+    )
+);
+op_nifs!(
+    norm_dirty,
+    norm_async,
+    norm_call,
+    (kind, x, weight, bias, residual, eps, backend, device, out)
+);
+op_nifs!(
+    mamba_block_dirty,
+    mamba_block_async,
+    mamba_block_call,
+    (
+        x,
+        weights,
+        eps,
+        dt_min,
+        dt_max,
+        discretization,
+        residual,
+        backend,
+        device,
+        out
+    )
+);

@@ -1,5 +1,6 @@
+use crate::jobs::op_nifs;
 use crate::terms::{
-    decode_backend, decode_bool, decode_operand, decode_placement, encode_value, reply,
+    decode_backend, decode_bool, decode_list, decode_operand, decode_placement, encode_value, reply,
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::Operand;
@@ -7,13 +8,8 @@ use fused_kernels_core::ops::rnn::{run, Cell, Layer, Precision};
 use rustler::types::tuple::get_tuple;
 use rustler::{Encoder, Env, Term};
 
-fn decode_list<'a>(what: &str, term: Term<'a>) -> Result<Vec<Term<'a>>> {
-    term.decode::<Vec<Term<'a>>>()
-        .map_err(|_| arg_error(format!("{what} must be a list of tensors")))
-}
-
 fn decode_tensors<'a>(what: &str, term: Term<'a>) -> Result<Vec<Operand<'a>>> {
-    decode_list(what, term)?
+    decode_list(what, "tensors", term)?
         .into_iter()
         .map(|t| decode_operand(what, t))
         .collect()
@@ -42,9 +38,8 @@ fn decode_layer<'a>(term: Term<'a>) -> Result<Layer<'a>> {
 
 /// `rnn(cell, x, layers, reverse, backend, device, out, precision)` -> `{sequence, [[state...]
 /// per layer]}`.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn rnn<'a>(
+fn rnn_call<'a>(
     env: Env<'a>,
     cell: Term<'a>,
     x: Term<'a>,
@@ -62,7 +57,7 @@ fn rnn<'a>(
                 .map_err(|_| arg_error("cell must be :lstm or :gru"))?,
         )?;
         let x = decode_operand("x", x)?;
-        let layers = decode_list("params", layers)?
+        let layers = decode_list("params", "layer tuples", layers)?
             .into_iter()
             .map(decode_layer)
             .collect::<Result<Vec<_>>>()?;
@@ -93,3 +88,10 @@ fn rnn<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    rnn_dirty,
+    rnn_async,
+    rnn_call,
+    (cell, x, layers, reverse, backend, device, out, precision)
+);

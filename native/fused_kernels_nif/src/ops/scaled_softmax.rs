@@ -1,3 +1,4 @@
+use crate::jobs::op_nifs;
 use crate::terms::{
     decode_backend, decode_bool, decode_f64, decode_operand, decode_placement, encode_value, reply,
 };
@@ -5,8 +6,7 @@ use fused_kernels_core::ops::scaled_softmax::{run, Params};
 use rustler::{Env, Term};
 
 /// `scaled_softmax(x, scale, causal, backend, device, out)`.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn scaled_softmax<'a>(
+fn scaled_softmax_call<'a>(
     env: Env<'a>,
     x: Term<'a>,
     scale: Term<'a>,
@@ -28,3 +28,10 @@ fn scaled_softmax<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    scaled_softmax_dirty,
+    scaled_softmax_async,
+    scaled_softmax_call,
+    (x, scale, causal, backend, device, out)
+);

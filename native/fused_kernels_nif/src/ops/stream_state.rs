@@ -2,6 +2,7 @@
 //! `stream_reshape` and `mamba_block_state` (one Mamba block from a carried state).
 
 use super::mamba::{block_params, block_weights, decode_weights};
+use crate::jobs::op_nifs;
 use crate::terms::{
     decode_backend, decode_operand, decode_placement, decode_shape, encode_value, reply,
 };
@@ -11,8 +12,7 @@ use rustler::{Encoder, Env, Term};
 
 /// `stream_shift_append(cache, row, backend, device, out)` -> the cache without its oldest
 /// row and with `row` as its newest.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn stream_shift_append<'a>(
+fn stream_shift_append_call<'a>(
     env: Env<'a>,
     cache: Term<'a>,
     row: Term<'a>,
@@ -34,8 +34,7 @@ fn stream_shift_append<'a>(
 }
 
 /// `stream_reshape(x, shape, backend, device, out)` -> a copy of x with `shape`.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn stream_reshape<'a>(
+fn stream_reshape_call<'a>(
     env: Env<'a>,
     x: Term<'a>,
     shape: Term<'a>,
@@ -59,9 +58,8 @@ fn stream_reshape<'a>(
 
 /// `mamba_block_state(x, weights, conv_state, ssm_state, eps, dt_min, dt_max,
 /// b_discretization, residual, backend, device, out)` -> `{out, conv_state, ssm_state}`.
-#[rustler::nif(schedule = "DirtyCpu")]
 #[allow(clippy::too_many_arguments)]
-fn mamba_block_state<'a>(
+fn mamba_block_state_call<'a>(
     env: Env<'a>,
     x: Term<'a>,
     weights: Term<'a>,
@@ -104,3 +102,35 @@ fn mamba_block_state<'a>(
     })();
     reply(env, result)
 }
+
+op_nifs!(
+    stream_shift_append_dirty,
+    stream_shift_append_async,
+    stream_shift_append_call,
+    (cache, row, backend, device, out)
+);
+op_nifs!(
+    stream_reshape_dirty,
+    stream_reshape_async,
+    stream_reshape_call,
+    (x, shape, backend, device, out)
+);
+op_nifs!(
+    mamba_block_state_dirty,
+    mamba_block_state_async,
+    mamba_block_state_call,
+    (
+        x,
+        weights,
+        conv_state,
+        ssm_state,
+        eps,
+        dt_min,
+        dt_max,
+        discretization,
+        residual,
+        backend,
+        device,
+        out
+    )
+);

@@ -1,0 +1,188 @@
+//! CPU work off the BEAM's schedulers, fairly. A `:cpu` call does not occupy a dirty scheduler
+//! for as long as it computes (the BEAM has one per core: four long calls on a 2-core machine
+//! held both, and a 2x2 softmax waited 14 s behind them). Its NIF (`<op>_async`, on a normal
+//! scheduler) copies its arguments into a process-independent environment, queues a job and
+//! returns a reference at once; one of our worker threads runs the op and sends
+//! `{ref, result}` to the caller, who waits in `receive` (`FusedKernels.Native`).
+//!
+//! Two lanes, each with a fixed set of threads (not one per caller): jobs whose tensors are
+//! small (`SHORT_BYTES` in all) go to the short lane, so a short call never queues behind long
+//! ones; the rest go to the long lane, which has as many workers as the machine has cores. The
+//! data parallelism inside one op is the ops' own business (`fused_kernels_core::parallel`).
+
+use rustler::env::{OwnedEnv, SavedTerm};
+use rustler::types::tuple::get_tuple;
+use rustler::{Encoder, Env, LocalPid, Term, TermType};
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex};
+use std::thread;
+
+/// Tensors up to this many bytes in all make a short job (a 256x256 f32 matrix, or a few
+/// thousand steps of a small recurrent layer: milliseconds of work at most).
+const SHORT_BYTES: usize = 256 << 10;
+/// Workers of the short lane: two, so one slow "short" job cannot hold the lane alone.
+const SHORT_WORKERS: usize = 2;
+
+type Run = for<'a> fn(Env<'a>, &[Term<'a>]) -> Term<'a>;
+
+struct Job {
+    env: OwnedEnv,
+    args: SavedTerm,
+    reference: SavedTerm,
+    pid: LocalPid,
+    run: Run,
+}
+
+struct Lane {
+    queue: Mutex<VecDeque<Job>>,
+    ready: Condvar,
+}
+
+impl Lane {
+    const fn new() -> Lane {
+        Lane {
+            queue: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+        }
+    }
+
+    fn push(&self, job: Job) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        q.push_back(job);
+        self.ready.notify_one();
+    }
+
+    fn pop(&self) -> Job {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(job) = q.pop_front() {
+                return job;
+            }
+            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+static SHORT: Lane = Lane::new();
+static LONG: Lane = Lane::new();
+static STARTED: std::sync::Once = std::sync::Once::new();
+
+/// Threads of the long lane: one per core (the BEAM's own dirty CPU scheduler count).
+fn long_workers() -> usize {
+    thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+fn start_workers() {
+    STARTED.call_once(|| {
+        let lanes: [(&'static Lane, usize, &str); 2] = [
+            (&SHORT, SHORT_WORKERS, "fk-short"),
+            (&LONG, long_workers(), "fk-long"),
+        ];
+        for (lane, n, name) in lanes {
+            for i in 0..n {
+                // A worker that cannot start leaves the others; jobs still run on them.
+                let _ = thread::Builder::new()
+                    .name(format!("{name}-{i}"))
+                    .spawn(move || loop {
+                        execute(lane.pop());
+                    });
+            }
+        }
+    });
+}
+
+fn execute(mut job: Job) {
+    let (args, reference, run) = (job.args, job.reference, job.run);
+    let _ = job.env.send_and_clear(&job.pid, move |env| {
+        let args = args.load(env);
+        let reference = reference.load(env);
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match get_tuple(args) {
+                Ok(terms) => run(env, &terms),
+                Err(_) => internal(env, "job arguments were not a tuple"),
+            }))
+            .unwrap_or_else(|_| internal(env, "the native op panicked (a bug: please report it)"));
+        (reference, result).encode(env)
+    });
+}
+
+fn internal<'a>(env: Env<'a>, message: &str) -> Term<'a> {
+    let kind = rustler::Atom::from_str(env, "internal").unwrap_or_else(|_| crate::atoms::error());
+    (crate::atoms::error(), (kind, message)).encode(env)
+}
+
+/// Bytes of the binaries in `term` (tensors are `{binary, shape, type}` triples, in tuples and
+/// lists a few levels deep); device buffers and scalars count nothing.
+fn tensor_bytes(term: Term<'_>, depth: u32) -> usize {
+    if depth > 4 {
+        return 0;
+    }
+    match term.get_type() {
+        TermType::Binary => term.decode::<rustler::Binary>().map_or(0, |b| b.len()),
+        TermType::Tuple => get_tuple(term).map_or(0, |ts| {
+            ts.iter()
+                .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, depth + 1)))
+        }),
+        // Improper lists (`list_length` fails) count nothing; decoding refuses them later.
+        TermType::List if term.list_length().is_ok() => {
+            term.decode::<Vec<Term>>().map_or(0, |ts| {
+                ts.iter()
+                    .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, depth + 1)))
+            })
+        }
+        _ => 0,
+    }
+}
+
+/// Queues `run(env, args)` on a worker and returns the reference its reply will carry.
+pub fn submit<'a>(env: Env<'a>, args: &[Term<'a>], run: Run) -> Term<'a> {
+    start_workers();
+    let bytes = args
+        .iter()
+        .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, 0)));
+    let reference = env.make_ref().encode(env);
+    let owned = OwnedEnv::new();
+    let job = Job {
+        args: owned.save(rustler::types::tuple::make_tuple(env, args)),
+        reference: owned.save(reference),
+        env: owned,
+        pid: env.pid(),
+        run,
+    };
+    if bytes <= SHORT_BYTES {
+        SHORT.push(job);
+    } else {
+        LONG.push(job);
+    }
+    reference
+}
+
+/// The reply of a job whose argument count did not match its op (a bug in the macro's use).
+pub fn arity_error<'a>(env: Env<'a>) -> Term<'a> {
+    internal(env, "wrong number of job arguments")
+}
+
+/// Declares an op's two NIFs over one implementation `$imp(env, args...) -> Term`:
+/// `$name` runs on a dirty CPU scheduler (CUDA calls), `$async_name` queues a job here (CPU).
+macro_rules! op_nifs {
+    ($name:ident, $async_name:ident, $imp:path, ($($arg:ident),*)) => {
+        #[rustler::nif(schedule = "DirtyCpu")]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<'a>(env: rustler::Env<'a>, $($arg: rustler::Term<'a>),*) -> rustler::Term<'a> {
+            $imp(env, $($arg),*)
+        }
+
+        #[rustler::nif]
+        #[allow(clippy::too_many_arguments)]
+        fn $async_name<'a>(
+            env: rustler::Env<'a>,
+            $($arg: rustler::Term<'a>),*
+        ) -> rustler::Term<'a> {
+            $crate::jobs::submit(env, &[$($arg),*], |env, args| match args {
+                [$($arg),*] => $imp(env, $(*$arg),*),
+                _ => $crate::jobs::arity_error(env),
+            })
+        }
+    };
+}
+pub(crate) use op_nifs;

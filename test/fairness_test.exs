@@ -1,0 +1,55 @@
+defmodule FusedKernels.FairnessTest do
+  # Long CPU calls must not starve short ones: CPU work runs on the library's own worker lanes
+  # (native/fused_kernels_nif/src/jobs.rs), not on the BEAM's dirty schedulers, and small
+  # calls have a lane of their own. Before, four long calls held both dirty CPU schedulers of
+  # a 2-core machine and a 2x2 softmax waited seconds behind them.
+  use ExUnit.Case
+  @moduletag timeout: 300_000
+
+  alias FusedKernels.{Native, TestRef}
+
+  @long_calls 4
+  @short_calls 15
+  @bound_ms 50
+
+  defp f32(n), do: TestRef.encode(TestRef.random_list(n), {:f, 32})
+
+  # One LSTM layer of 384 units over 300 steps: a few hundred ms of CPU work per call on an idle core
+  # (300 sequential {1, 384} x {384, 1536} products), and > 256 KiB of tensors (long lane).
+  defp long_call do
+    {t, inp, units} = {300, 32, 384}
+    x = {f32(t * inp), {1, t, inp}, {:f, 32}}
+    ik = for _ <- 1..4, do: {f32(inp * units), {inp, units}, {:f, 32}}
+    hk = for _ <- 1..4, do: {f32(units * units), {units, units}, {:f, 32}}
+    b = for _ <- 1..4, do: {f32(units), {units}, {:f, 32}}
+    fn -> Native.rnn(:lstm, x, [{ik, hk, b, []}], false, :cpu, nil, :host, :f32) end
+  end
+
+  defp short_call do
+    x = {f32(4), {2, 2}, {:f, 32}}
+    {us, result} = :timer.tc(fn -> Native.scaled_softmax(x, 1.0, false, :cpu, nil, :host) end)
+    assert {:ok, {_, {2, 2}, {:f, 32}}} = result
+    div(us, 1000)
+  end
+
+  test "a 2x2 softmax answers within #{@bound_ms} ms while #{@long_calls} long CPU calls run" do
+    call = long_call()
+    longs = for _ <- 1..@long_calls, do: Task.async(call)
+    # Let the long calls start and take every core.
+    Process.sleep(200)
+    times = for _ <- 1..@short_calls, do: short_call()
+    running = Enum.count(longs, &(Task.yield(&1, 0) == nil))
+    results = Task.await_many(longs, 300_000)
+
+    assert Enum.all?(results, &match?({:ok, _}, &1))
+    # The measurement means something only if the long calls were still running.
+    assert running >= 2,
+           "only #{running} long calls were still running after the short ones; make them longer"
+
+    # The median is robust to a rare OS hiccup on a loaded machine; the maximum is reported.
+    median = times |> Enum.sort() |> Enum.at(div(@short_calls, 2))
+
+    assert median <= @bound_ms,
+           "2x2 softmax took #{inspect(times)} ms (median #{median}) during long calls"
+  end
+end
