@@ -222,7 +222,14 @@ fn selective_scan_execute(c: &Call<'_>) -> Result<()> {
     };
     let mut out = c.tensor(&c.d.rets[0]);
     let mut last = c.d.rets.get(1).map(|b| c.tensor(b));
-    selective_scan::cuda_into(c.gpu, &inputs, p, &mut out, last.as_mut())
+    selective_scan::cuda_into(
+        c.gpu,
+        &inputs,
+        p,
+        &mut out,
+        last.as_mut(),
+        &selective_scan::Tuning::default(),
+    )
 }
 
 // ---------------------------------------------------------------------------------------
