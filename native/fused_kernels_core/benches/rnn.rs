@@ -21,44 +21,26 @@ use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::rnn::*;
 use fused_kernels_core::ops::Backend;
 use fused_kernels_core::DType;
-use std::io::Write;
+use support::cli::{Cli, JsonOut};
 use support::rnn::*;
 use support::{gpu_for_tests, Rng};
 
-/// JSON lines to stdout and, with `--json FILE`, to FILE.
-struct Out(Option<std::fs::File>);
-
-impl Out {
-    fn line(&mut self, l: &str) {
-        println!("{l}");
-        if let Some(f) = &mut self.0 {
-            let _ = writeln!(f, "{l}");
-        }
-    }
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let flag = |f: &str| args.iter().any(|a| a == f);
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .map(|p| std::fs::File::create(p).expect("--json: cannot create the file"));
-    let mut out = Out(json);
-    if flag("--cluster-profile") {
+    let cli = Cli::from_env();
+    let mut out = cli.json();
+    if cli.flag("--cluster-profile") {
         cluster_profile(&mut out);
     } else {
         bench(
             &mut out,
-            flag("--batch1-extra"),
-            !flag("--no-crossover"),
-            flag("--mma-tilings"),
+            cli.flag("--batch1-extra"),
+            !cli.flag("--no-crossover"),
+            cli.flag("--mma-tilings"),
         );
     }
 }
 
-fn bench(out: &mut Out, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
+fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
     let Some(gpu) = gpu_for_tests() else { return };
     use DType::{BF16, F32};
     let mut cases: Vec<(usize, usize, usize, usize, usize, DType)> = vec![
@@ -234,7 +216,7 @@ fn bench(out: &mut Out, batch1_extra: bool, crossover: bool, mma_tilings: bool) 
 /// host time to queue a call, and the kernel's own counters (`RcArgs::prof`, CTA 0 of the last
 /// layer: cycles of set-up, weight loading, recurrence and thread 0's waits; nanoseconds from
 /// its start to its end).
-fn cluster_profile(out: &mut Out) {
+fn cluster_profile(out: &mut JsonOut) {
     let Some(gpu) = gpu_for_tests() else { return };
     if gpu.compute_capability < (9, 0) {
         return;

@@ -459,17 +459,17 @@ fn split(g: Geometry, tuning: &Tuning) -> (usize, usize) {
 /// channels of the one-channel-per-lane layout. `Tuning::wide` forces it off or on (benchmarks
 /// and tests) for plain f32 scans.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Wide {
-    cpl: usize,
-    npt: usize,
-    tpc: usize,
+pub struct Wide {
+    pub cpl: usize,
+    pub npt: usize,
+    pub tpc: usize,
 }
 
-// Measured on an H200 (bench/RESULTS.md, session 4, B8 D2048 L4096 N16 f32): 2x4x4 (two warps
-// per scheduler, 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per
-// scheduler) 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is
-// compiled (kernels/selective_scan_wide.cu); with session 5's changes it takes 411.7 µs there.
-const WIDE: Wide = Wide {
+/// Measured on an H200 (B8 D2048 L4096 N16 f32, one build): 2x4x4 (two warps per scheduler,
+/// 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per scheduler)
+/// 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is compiled
+/// (kernels/selective_scan_wide.cu); with the copy ring and longer chunks it takes 411.7 µs.
+pub const WIDE: Wide = Wide {
     cpl: 2,
     npt: 4,
     tpc: 4,
@@ -490,13 +490,19 @@ impl Wide {
 /// scheduler waited out the extra pass and barrier each chunk (measured on an H200: the long
 /// d+z+bias+softplus scan 1,220 µs wide vs 855 µs, the long bf16 scan 961 µs vs 753 µs), so
 /// those keep the one-channel-per-lane layout.
-fn plain_scan(a: &ScanArgs) -> bool {
+pub fn plain_scan(a: &ScanArgs) -> bool {
     a.delta_bias == 0 && a.softplus == 0 && a.clip == 0 && a.mean_mode == 0 && a.z == 0
 }
 
 /// Only the f32 module compiles the wide kernel, for plain scans (the routing never picks it
 /// for 16-bit types, whose dt pass makes it slower), so forcing it applies to those alone.
-fn wide_split(g: Geometry, sms: usize, dtype: DType, plain: bool, tuning: &Tuning) -> Option<Wide> {
+pub fn wide_split(
+    g: Geometry,
+    sms: usize,
+    dtype: DType,
+    plain: bool,
+    tuning: &Tuning,
+) -> Option<Wide> {
     if g.state > 16 || dtype != DType::F32 {
         return None;
     }
@@ -893,7 +899,3 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
     }
     (out, last)
 }
-
-#[cfg(test)]
-#[path = "selective_scan_tests.rs"]
-mod tests;

@@ -3,7 +3,9 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod cli;
 pub mod rnn;
+pub mod selective_scan;
 
 use fused_kernels_core::cuda::{gpu, Gpu};
 use fused_kernels_core::DType;
