@@ -32,7 +32,7 @@ defmodule FusedKernels.Backend do
 
   @doc "The device option (nil: the native default)."
   def device(opts) do
-    case Keyword.get(opts, :device, Application.get_env(:fused_kernels, :device)) do
+    case Keyword.get(opts, :device) || Application.get_env(:fused_kernels, :device) do
       nil ->
         nil
 
