@@ -174,7 +174,7 @@ defmodule FusedKernels.Dense do
           r -> Nx.add(y, r |> f.() |> Nx.reshape({:auto, n}))
         end
 
-      y |> Nx.as_type(type) |> Nx.reshape(Tuple.append(lead, n))
+      y |> Nx.as_type(type) |> Nx.reshape(Tuple.insert_at(lead, tuple_size(lead), n))
     end
 
     defp activate(y, :none), do: y
