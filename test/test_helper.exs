@@ -20,6 +20,7 @@ IO.puts(
 )
 
 ExUnit.start(exclude: exclude)
+Code.require_file("support/nif_fuzz.exs", __DIR__)
 
 defmodule FusedKernels.TestRef do
   @moduledoc "f64 references and helpers shared by the tests."

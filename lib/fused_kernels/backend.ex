@@ -18,7 +18,9 @@ defmodule FusedKernels.Backend do
 
   @doc "The requested backend, validated."
   def requested(opts) do
-    backend = Keyword.get(opts, :backend, Application.get_env(:fused_kernels, :backend, :auto))
+    # An explicit `backend: nil` (op modules validate their options with a nil default) means
+    # "not given".
+    backend = Keyword.get(opts, :backend) || Application.get_env(:fused_kernels, :backend, :auto)
 
     if backend in @backends do
       backend
@@ -30,7 +32,7 @@ defmodule FusedKernels.Backend do
 
   @doc "The device option (nil: the native default)."
   def device(opts) do
-    case Keyword.get(opts, :device, Application.get_env(:fused_kernels, :device)) do
+    case Keyword.get(opts, :device) || Application.get_env(:fused_kernels, :device) do
       nil ->
         nil
 
@@ -85,7 +87,7 @@ defmodule FusedKernels.Backend do
         else
           raise FusedKernels.Error,
             kind: :unavailable,
-            message: "backend: :cuda was requested but CUDA is not available: #{reason()}"
+            message: "backend: :cuda was requested but #{unavailable_reason()}"
         end
 
       {:cpu, false} ->
@@ -112,10 +114,14 @@ defmodule FusedKernels.Backend do
     end
   end
 
-  defp reason do
-    case FusedKernels.Native.status() do
-      {:error, why} -> "the NIF did not load (#{why})"
-      :ok -> Map.get(FusedKernels.Native.info(nil), :reason, "unknown")
-    end
+  # "CUDA is not available: <why>", said once: the native layer's reason already starts so.
+  defp unavailable_reason do
+    why =
+      case FusedKernels.Native.status() do
+        {:error, why} -> "the NIF did not load (#{why})"
+        :ok -> Map.get(FusedKernels.Native.info(nil), :reason, "unknown")
+      end
+
+    "CUDA is not available: " <> String.replace_prefix(why, "CUDA is not available: ", "")
   end
 end

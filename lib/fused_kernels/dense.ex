@@ -11,7 +11,7 @@ defmodule FusedKernels.Dense do
   `kernels/dense.cu`.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @activations [:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh]
   @slots [:x, :kernel, :kernel_up, :bias, :bias_up, :gamma, :beta, :residual]
@@ -64,29 +64,17 @@ defmodule FusedKernels.Dense do
   end
 
   defp options(opts, defaults) do
-    unless Keyword.keyword?(opts),
-      do: raise(ArgumentError, "opts must be a keyword list, got: #{inspect(opts)}")
+    schema =
+      for {key, default} <- defaults,
+          not Keyword.has_key?(Options.common(), key),
+          do: {key, {default, check(key)}}
 
-    opts = Keyword.validate!(opts, defaults)
-    act = Keyword.get(opts, :activation, :none)
-    eps = Keyword.get(opts, :eps, 0.0)
-
-    unless act in @activations,
-      do:
-        raise(
-          ArgumentError,
-          "activation must be one of #{inspect(@activations)}, got: #{inspect(act)}"
-        )
-
-    unless is_number(eps) and eps >= 0,
-      do: raise(ArgumentError, "eps must be a number >= 0, got: #{inspect(eps)}")
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    # nil backend/device mean "the configured default", which Backend reads when absent.
-    Enum.reject(opts, fn {key, v} -> key in [:backend, :device] and is_nil(v) end)
+    Options.validate!(opts, schema)
   end
+
+  defp check(:activation), do: {:in, @activations}
+  defp check(:eps), do: :non_negative
+  defp check(_tensor), do: :any
 
   defp call(kind, ops, opts) do
     nx? = Enum.any?(ops, fn {_, v} -> is_struct(v, Nx.Tensor) end)
@@ -186,7 +174,7 @@ defmodule FusedKernels.Dense do
           r -> Nx.add(y, r |> f.() |> Nx.reshape({:auto, n}))
         end
 
-      y |> Nx.as_type(type) |> Nx.reshape(Tuple.append(lead, n))
+      y |> Nx.as_type(type) |> Nx.reshape(Tuple.insert_at(lead, tuple_size(lead), n))
     end
 
     defp activate(y, :none), do: y

@@ -5,47 +5,20 @@ defmodule FusedKernels.FlashAttention do
   `native/fused_kernels_core/src/ops/flash_attention.rs` and `kernels/flash_attention.cu`.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts,
-        layout: :bshd,
-        causal: false,
-        scale: nil,
-        window: {-1, -1},
-        return_lse: false,
-        backend: nil,
-        device: nil,
-        out: :host
-      )
-
-    unless opts[:layout] in [:bshd, :bhsd],
-      do: raise(ArgumentError, "layout must be :bshd or :bhsd, got: #{inspect(opts[:layout])}")
-
-    for key <- [:causal, :return_lse], not is_boolean(opts[key]) do
-      raise ArgumentError, "#{key} must be a boolean, got: #{inspect(opts[key])}"
-    end
-
-    scale = opts[:scale]
-
-    unless is_nil(scale) or is_number(scale),
-      do: raise(ArgumentError, "scale must be a number or nil, got: #{inspect(scale)}")
-
-    case opts[:window] do
-      {l, r} when is_integer(l) and is_integer(r) and l >= -1 and r >= -1 ->
-        :ok
-
-      other ->
-        raise ArgumentError,
-              "window must be {left, right} with integers >= -1 (-1: unbounded), got: #{inspect(other)}"
-    end
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    Enum.reject(opts, fn {k, v} -> is_nil(v) and k != :scale end)
+    Options.validate!(opts,
+      layout: {:bshd, {:in, [:bshd, :bhsd]}},
+      causal: {false, :boolean},
+      scale: {nil, {"nil or a number", &(is_nil(&1) or Options.number?(&1))}},
+      window:
+        {{-1, -1},
+         {"{left, right} with integers >= -1 (-1: unbounded)",
+          &match?({l, r} when is_integer(l) and is_integer(r) and l >= -1 and r >= -1, &1)}},
+      return_lse: {false, :boolean}
+    )
   end
 
   @doc """

@@ -4,7 +4,7 @@ defmodule FusedKernels.MambaBlock do
   Native side: `ops/mamba_block.rs`, `kernels/mamba_block.cu` and the selective scan.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   # {layer suffix, parameter, required?} in the order the NIF takes them.
   @layout [
@@ -28,37 +28,14 @@ defmodule FusedKernels.MambaBlock do
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts,
-        name: "mamba_block",
-        eps: 1.0e-5,
-        dt_min: 0.001,
-        dt_max: 0.1,
-        b_discretization: :per_channel,
-        residual: true,
-        backend: nil,
-        device: nil,
-        out: :host
-      )
-
-    unless opts[:b_discretization] in [:per_channel, :mean_dt],
-      do:
-        raise(
-          ArgumentError,
-          "b_discretization must be :per_channel or :mean_dt, got: #{inspect(opts[:b_discretization])}"
-        )
-
-    for k <- [:eps, :dt_min, :dt_max],
-        not is_number(opts[k]),
-        do: raise(ArgumentError, "#{k} must be a number, got: #{inspect(opts[k])}")
-
-    unless is_boolean(opts[:residual]),
-      do: raise(ArgumentError, "residual must be a boolean, got: #{inspect(opts[:residual])}")
-
-    unless is_binary(opts[:name]),
-      do: raise(ArgumentError, "name must be a string such as \"mamba_block_1\"")
-
-    opts
+    Options.validate!(opts,
+      name: {"mamba_block", {"a string such as \"mamba_block_1\"", &is_binary/1}},
+      eps: {1.0e-5, :non_negative},
+      dt_min: {0.001, :number},
+      dt_max: {0.1, :number},
+      b_discretization: {:per_channel, {:in, [:per_channel, :mean_dt]}},
+      residual: {true, :boolean}
+    )
   end
 
   @doc """

@@ -14,6 +14,7 @@ defmodule FusedKernels.Native do
 
   @on_load :load_nif
   @status_key {__MODULE__, :status}
+  @stub_key {__MODULE__, :stub_reply}
 
   @doc false
   def load_nif do
@@ -30,6 +31,14 @@ defmodule FusedKernels.Native do
       end
 
     :persistent_term.put(@status_key, status)
+
+    reason =
+      case status do
+        {:error, r} -> r
+        :ok -> "NIF stub called although the library loaded"
+      end
+
+    :persistent_term.put(@stub_key, {:error, {:nif_not_loaded, reason}})
     # Always :ok, so the application starts and the pure-Nx backend can serve.
     :ok
   end
@@ -59,14 +68,11 @@ defmodule FusedKernels.Native do
   def unwrap!({:error, {kind, message}}),
     do: raise(FusedKernels.Error, kind: kind, message: message)
 
+  # What every stub answers. It is read back from :persistent_term (written at load), so the
+  # compiler's type checker sees a stub's result as what the real NIF returns, not as the one
+  # error tuple a stub could build, and does not call the callers' {:ok, _} clauses dead.
   defp not_loaded do
-    reason =
-      case status() do
-        {:error, r} -> r
-        :ok -> "NIF stub called although the library loaded"
-      end
-
-    {:error, {:nif_not_loaded, reason}}
+    :persistent_term.get(@stub_key, {:error, {:nif_not_loaded, "NIF load not attempted"}})
   end
 
   # NIF stubs, replaced when the library loads.

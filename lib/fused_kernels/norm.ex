@@ -4,20 +4,11 @@ defmodule FusedKernels.Norm do
   (`residual: r` returns `{normed, x + r}`). Native side: `ops/norm.rs`, `kernels/norm.cu`.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts, eps: 1.0e-5, residual: nil, backend: nil, device: nil, out: :host)
-
-    unless is_number(opts[:eps]) and opts[:eps] >= 0,
-      do: raise(ArgumentError, "eps must be a non-negative number, got: #{inspect(opts[:eps])}")
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    opts
+    Options.validate!(opts, eps: {1.0e-5, :non_negative}, residual: {nil, :any})
   end
 
   @doc "Natively, with triples or buffers: `kind` is `:layer_norm` or `:rms_norm`."

@@ -10,7 +10,7 @@ defmodule FusedKernels.Rnn do
   `br bz bin bhn`). Only Axon's default activations (sigmoid gates, tanh) are supported.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @names %{
     lstm: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo), 2},
@@ -19,30 +19,11 @@ defmodule FusedKernels.Rnn do
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts,
-        initial_state: nil,
-        reverse: false,
-        backend: nil,
-        device: nil,
-        out: :host,
-        precision: :f32
-      )
-
-    unless is_boolean(opts[:reverse]),
-      do: raise(ArgumentError, "reverse must be a boolean, got: #{inspect(opts[:reverse])}")
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    unless opts[:precision] in [:f32, :tf32],
-      do:
-        raise(
-          ArgumentError,
-          "precision must be :f32 or :tf32, got: #{inspect(opts[:precision])}"
-        )
-
-    Enum.reject(opts, fn {k, v} -> is_nil(v) and k != :initial_state end)
+    Options.validate!(opts,
+      initial_state: {nil, :any},
+      reverse: {false, :boolean},
+      precision: {:f32, {:in, [:f32, :tf32]}}
+    )
   end
 
   @doc """

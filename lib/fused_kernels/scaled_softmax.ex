@@ -4,26 +4,11 @@ defmodule FusedKernels.ScaledSoftmax do
   `native/fused_kernels_core/src/ops/scaled_softmax.rs` and `kernels/scaled_softmax.cu`.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts, scale: 1.0, causal: false, backend: nil, device: nil, out: :host)
-
-    scale = opts[:scale]
-    causal = opts[:causal]
-
-    unless is_number(scale),
-      do: raise(ArgumentError, "scale must be a number, got: #{inspect(scale)}")
-
-    unless is_boolean(causal),
-      do: raise(ArgumentError, "causal must be a boolean, got: #{inspect(causal)}")
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    Enum.reject(opts, fn {_k, v} -> is_nil(v) end)
+    Options.validate!(opts, scale: {1.0, :number}, causal: {false, :boolean})
   end
 
   @doc """

@@ -4,39 +4,19 @@ defmodule FusedKernels.SelectiveScan do
   `native/fused_kernels_core/src/ops/selective_scan.rs` and `kernels/selective_scan.cu`.
   """
 
-  alias FusedKernels.{Backend, Buffer, Native, Tensor}
+  alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
   def options(opts) do
-    opts =
-      Keyword.validate!(opts,
-        d: nil,
-        z: nil,
-        delta_bias: nil,
-        delta_softplus: false,
-        initial_state: nil,
-        return_last_state: false,
-        b_discretization: :per_channel,
-        backend: nil,
-        device: nil,
-        out: :host
-      )
-
-    for key <- [:delta_softplus, :return_last_state], not is_boolean(opts[key]) do
-      raise ArgumentError, "#{key} must be a boolean, got: #{inspect(opts[key])}"
-    end
-
-    unless opts[:b_discretization] in [:per_channel, :mean_dt],
-      do:
-        raise(
-          ArgumentError,
-          "b_discretization must be :per_channel or :mean_dt, got: #{inspect(opts[:b_discretization])}"
-        )
-
-    unless opts[:out] in [:host, :device],
-      do: raise(ArgumentError, "out must be :host or :device, got: #{inspect(opts[:out])}")
-
-    opts
+    Options.validate!(opts,
+      d: {nil, :any},
+      z: {nil, :any},
+      delta_bias: {nil, :any},
+      delta_softplus: {false, :boolean},
+      initial_state: {nil, :any},
+      return_last_state: {false, :boolean},
+      b_discretization: {:per_channel, {:in, [:per_channel, :mean_dt]}}
+    )
   end
 
   @doc """

@@ -72,10 +72,13 @@ impl Params {
         })
     }
 
-    /// The window the kernels apply: causal is right = 0 (FlashAttention's rule).
+    /// The window every backend applies: causal is right = 0 (FlashAttention's rule), and a
+    /// bound wider than any sequence (above i32::MAX / 2, where the kernels' i32 arithmetic
+    /// stops) is unbounded, so the CPU's i64 arithmetic cannot overflow either.
     fn bounds(&self) -> (i64, i64) {
+        let unbounded = |w: i64| if w > i32::MAX as i64 / 2 { -1 } else { w };
         let (left, right) = self.window;
-        (left, if self.causal { 0 } else { right })
+        (unbounded(left), if self.causal { 0 } else { unbounded(right) })
     }
 }
 

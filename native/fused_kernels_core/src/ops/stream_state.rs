@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::error::{arg_error, Result};
 use crate::kernels::STREAM_STATE;
 use crate::operand::{Operand, Placement, Value};
-use crate::tensor::{fmt_shape, OwnedTensor};
+use crate::tensor::{checked_numel, fmt_shape, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// `(batch, window, width)` of a shift-append: cache `{batch, window, ...}`, row with
@@ -114,7 +114,9 @@ pub fn reshape(
     shape: Vec<usize>,
     placement: Placement,
 ) -> Result<Value> {
-    if shape.iter().product::<usize>() != x.shape().iter().product::<usize>() {
+    // checked_numel refuses rank 0, rank > 8, empty axes and a product that overflows (a
+    // wrapped product could otherwise "match" x's element count).
+    if checked_numel("shape", &shape)? != x.shape().iter().product::<usize>() {
         return Err(arg_error(format!(
             "shape: {} does not hold the {} elements of {}",
             fmt_shape(&shape),
