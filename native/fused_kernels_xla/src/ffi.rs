@@ -240,6 +240,21 @@ pub struct MetadataExtension {
     pub metadata: *mut Metadata,
 }
 
+#[repr(C)]
+pub struct ErrorGetMessageArgs {
+    pub struct_size: usize,
+    pub extension_start: *mut ExtensionBase,
+    pub error: *mut XlaError,
+    pub message: *const c_char,
+}
+
+#[repr(C)]
+pub struct ErrorDestroyArgs {
+    pub struct_size: usize,
+    pub extension_start: *mut ExtensionBase,
+    pub error: *mut XlaError,
+}
+
 type ApiFn<A> = Option<unsafe extern "C" fn(*mut A) -> *mut XlaError>;
 
 /// The prefix of `XLA_FFI_Api` the handlers call into.
@@ -250,8 +265,8 @@ pub struct Api {
     pub api_version: ApiVersion,
     pub internal_api: *mut c_void,
     pub error_create: ApiFn<ErrorCreateArgs>,
-    pub error_get_message: *const c_void,
-    pub error_destroy: *const c_void,
+    pub error_get_message: Option<unsafe extern "C" fn(*mut ErrorGetMessageArgs)>,
+    pub error_destroy: Option<unsafe extern "C" fn(*mut ErrorDestroyArgs)>,
     pub handler_register: ApiFn<HandlerRegisterArgs>,
     pub stream_get: ApiFn<StreamGetArgs>,
     pub type_id_register: *const c_void,

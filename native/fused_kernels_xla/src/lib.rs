@@ -23,6 +23,7 @@ pub mod runtime;
 
 use ffi::{CallFrame, XlaError};
 use std::ffi::{c_char, c_int, CStr};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 macro_rules! handlers {
     ($($symbol:ident => $spec:path),* $(,)?) => {
@@ -166,6 +167,8 @@ fn find_in_loaded_objects() -> *mut libc::c_void {
     found
 }
 
+static REGISTERED_ON_LOAD: AtomicI32 = AtomicI32::new(0);
+
 /// Registers every target for "CUDA" with the XLA this process holds, if any. Runs when the
 /// library is loaded (EXLA's `load_dylib`); returns how many were registered (0 without XLA).
 #[no_mangle]
@@ -181,12 +184,20 @@ pub extern "C" fn fused_kernels_xla_register_with_process() -> c_int {
     .unwrap_or(0)
 }
 
+/// How many targets were registered when the library was loaded (0: no XLA in the process
+/// then, or XLA's registry is not reachable from here; register through the API pointer or
+/// the exported handlers instead).
+#[no_mangle]
+pub extern "C" fn fused_kernels_xla_registered_on_load() -> c_int {
+    REGISTERED_ON_LOAD.load(Ordering::Relaxed)
+}
+
 #[cfg(not(test))]
 #[used]
 #[link_section = ".init_array"]
 static REGISTER_ON_LOAD: extern "C" fn() = {
     extern "C" fn on_load() {
-        fused_kernels_xla_register_with_process();
+        REGISTERED_ON_LOAD.store(fused_kernels_xla_register_with_process(), Ordering::Relaxed);
     }
     on_load
 };

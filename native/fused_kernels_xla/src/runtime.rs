@@ -114,6 +114,40 @@ pub unsafe fn make_error(api: *const ffi::Api, errc: c_int, message: &str) -> *m
     unsafe { create(&mut args) }
 }
 
+/// The message of an error an XLA API call returned, destroying the error (ours to free).
+///
+/// # Safety
+/// `err` must be null or an error `api` returned.
+pub unsafe fn take_xla_error(api: &ffi::Api, err: *mut XlaError) -> Option<String> {
+    if err.is_null() {
+        return None;
+    }
+    let mut message = String::from("(no message)");
+    if let Some(get) = api.error_get_message {
+        let mut args = ffi::ErrorGetMessageArgs {
+            struct_size: std::mem::size_of::<ffi::ErrorGetMessageArgs>(),
+            extension_start: null_mut(),
+            error: err,
+            message: std::ptr::null(),
+        };
+        unsafe { get(&mut args) };
+        if !args.message.is_null() {
+            message = unsafe { std::ffi::CStr::from_ptr(args.message) }
+                .to_string_lossy()
+                .into_owned();
+        }
+    }
+    if let Some(destroy) = api.error_destroy {
+        let mut args = ffi::ErrorDestroyArgs {
+            struct_size: std::mem::size_of::<ffi::ErrorDestroyArgs>(),
+            extension_start: null_mut(),
+            error: err,
+        };
+        unsafe { destroy(&mut args) };
+    }
+    Some(message)
+}
+
 /// Fills the metadata XLA asks for when registering a handler; true when this frame was
 /// that query.
 ///
@@ -242,10 +276,13 @@ unsafe fn stream_of(
         stream: null_mut(),
     };
     let err = unsafe { get(&mut args) };
-    if !err.is_null() || args.stream.is_null() {
-        return Err(Error::Cuda(
-            "XLA did not provide its CUDA stream (XLA_FFI_Stream_Get failed)".into(),
-        ));
+    if let Some(why) = unsafe { take_xla_error(api, err) } {
+        return Err(Error::Unavailable(format!(
+            "XLA did not provide a CUDA stream (these handlers serve the CUDA platform): {why}"
+        )));
+    }
+    if args.stream.is_null() {
+        return Err(Error::Unavailable("XLA provided a null CUDA stream".into()));
     }
     Ok(args.stream as cudarc::driver::sys::CUstream)
 }
@@ -336,9 +373,14 @@ impl Lent<'_> {
             data: null_mut(),
         };
         let err = unsafe { alloc(&mut args) };
-        if !err.is_null() || args.data.is_null() {
+        if let Some(why) = unsafe { take_xla_error(self.api, err) } {
             return Err(Error::OutOfMemory(format!(
-                "XLA's allocator refused {bytes} bytes of scratch"
+                "XLA's allocator refused {bytes} bytes of scratch: {why}"
+            )));
+        }
+        if args.data.is_null() {
+            return Err(Error::OutOfMemory(format!(
+                "XLA's allocator returned no memory for {bytes} bytes of scratch"
             )));
         }
         self.blocks.push((args.data as u64, bytes.max(1)));
@@ -358,7 +400,7 @@ impl Lent<'_> {
                 size,
                 data: data as *mut c_void,
             };
-            if !unsafe { free(&mut args) }.is_null() {
+            if unsafe { take_xla_error(self.api, free(&mut args)) }.is_some() {
                 failed += 1;
             }
         }
