@@ -5,6 +5,7 @@
 
 pub mod cuda;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kernels;
 pub mod operand;
