@@ -146,6 +146,18 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
+  @doc false
+  def engine_predict(_engine, _window), do: not_loaded()
+  @doc false
+  def engine_init_state(_engine, _batch), do: not_loaded()
+  @doc false
+  def engine_step(_engine, _state, _frame), do: not_loaded()
+  @doc false
+  def engine_reset(_state), do: not_loaded()
+  @doc false
+  def engine_state_info(_state), do: not_loaded()
+  @doc false
   def stream_shift_append(_cache, _row, _backend, _device, _out), do: not_loaded()
   @doc false
   def stream_reshape(_x, _shape, _backend, _device, _out), do: not_loaded()
