@@ -143,24 +143,40 @@ defmodule FusedKernels.Backbone do
 
   defp with_constants(w, _spec), do: w
 
-  defp place(params, :nx, _device), do: to_nx_tree(params)
+  defp place(params, :nx, _device) do
+    check_leaves!(params)
+
+    unless Code.ensure_loaded?(Nx) do
+      raise ArgumentError, "backend: :nx needs Nx; add {:nx, \"~> 0.7\"} or pick :cpu/:cuda"
+    end
+
+    to_nx_tree(params)
+  end
+
   defp place(params, backend, device), do: place_native(params, backend, device)
 
-  defp to_nx_tree(%{} = m) when not is_struct(m),
-    do: Map.new(m, fn {k, v} -> {k, to_nx_tree(v)} end)
+  defp check_leaves!(%{} = m) when not is_struct(m),
+    do: Enum.each(m, fn {_, v} -> check_leaves!(v) end)
 
-  defp to_nx_tree({_, _, _} = triple),
-    do: triple |> Tensor.to_native() |> then(&apply(Tensor, :to_nx, [&1]))
+  defp check_leaves!({bin, shape, type})
+       when is_binary(bin) and is_tuple(shape) and is_tuple(type),
+       do: :ok
 
-  defp to_nx_tree(%{__struct__: Nx.Tensor} = t), do: t
+  defp check_leaves!(%{__struct__: Nx.Tensor}), do: :ok
 
-  defp to_nx_tree(other),
+  defp check_leaves!(other),
     do:
       raise(
         ArgumentError,
         "params: expected tensors (Nx tensors or {binary, shape, type} triples), got: " <>
           inspect(other, limit: 5)
       )
+
+  defp to_nx_tree(%{} = m) when not is_struct(m),
+    do: Map.new(m, fn {k, v} -> {k, to_nx_tree(v)} end)
+
+  defp to_nx_tree({_, _, _} = triple), do: apply(Tensor, :to_nx, [triple])
+  defp to_nx_tree(t), do: t
 
   defp place_native(params, backend, device) do
     Map.new(params, fn
