@@ -358,6 +358,19 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
+  @doc false
+  def engine_predict(_engine, _window), do: not_loaded()
+  @doc false
+  def engine_init_state(_engine, _batch), do: not_loaded()
+  @doc false
+  def engine_step(_engine, _state, _frame), do: not_loaded()
+  @doc false
+  def engine_reset(_state), do: not_loaded()
+  @doc false
+  def engine_state_info(_state), do: not_loaded()
+
+  @doc false
   def stream_shift_append(cache, row, backend, device, out),
     do:
       dispatch(backend, :stream_shift_append_dirty, :stream_shift_append_async, [

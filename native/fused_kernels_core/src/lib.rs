@@ -6,6 +6,7 @@
 pub mod alloc;
 pub mod cuda;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kernels;
 pub mod operand;
