@@ -2,8 +2,10 @@
 #   :nx   - needs Nx (excluded when Nx is not loaded, e.g. on CI without hex)
 #   :cuda - needs a usable GPU (excluded when CUDA is not available)
 #   :axon - needs Axon (parity tests against Axon.lstm/Axon.gru)
+#   :exla - needs EXLA's EXLA.CustomCall protocol (EXLA >= 0.12) and Axon
 nx? = Code.ensure_loaded?(Nx)
 axon? = Code.ensure_loaded?(Axon)
+exla? = Code.ensure_loaded?(EXLA.CustomCall) and axon?
 # Nx carried in ERL_LIBS (the GPU harness) is on the code path but not started.
 if nx?, do: Application.ensure_all_started(:nx)
 cuda? = FusedKernels.Backend.cuda_available?()
@@ -12,6 +14,7 @@ exclude =
   [] ++
     if(nx?, do: [], else: [:nx]) ++
     if(axon?, do: [], else: [:axon]) ++
+    if(exla?, do: [], else: [:exla]) ++
     if(cuda?, do: [], else: [:cuda])
 
 IO.puts(

@@ -25,6 +25,7 @@ Run there:   python3 bench/gpu/xla_ffi.py --out $OUT        (carry [".gpu/xla"])
 
 import argparse
 import ctypes
+import functools
 import glob
 import json
 import math
@@ -618,6 +619,56 @@ def loop_check(jax, results):
 # Timing against the same computation in JAX
 
 
+def jax_rnn(jax, cell, layers, x, *w):
+    """Axon's GRU/LSTM stack in JAX: the input projection of every step at once, then a
+    lax.scan over time (x {1, t, features}; w per layer: input kernels, hidden kernels,
+    biases, as the handler takes them)."""
+    jnp, lax = jax.numpy, jax.lax
+    gates = 3 if cell == "gru" else 4
+    seq = x[0]
+    per = 2 * gates + 4
+    for li in range(layers):
+        ws = w[li * per:(li + 1) * per]
+        wi, wh, bs = ws[:gates], ws[gates:2 * gates], ws[2 * gates:]
+        xp = seq @ jnp.concatenate(wi, axis=1)
+        hdim = wh[0].shape[0]
+        if cell == "gru":
+            def step(h, xt, wh=wh, bs=bs, hdim=hdim):
+                r = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
+                z = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
+                n = jnp.tanh(xt[2 * hdim:] + bs[2] + r * (h @ wh[2] + bs[3]))
+                h = (1 - z) * n + z * h
+                return h, h
+            _, seq = lax.scan(step, jnp.zeros((hdim,), x.dtype), xp)
+        else:
+            def step(hc, xt, wh=wh, bs=bs, hdim=hdim):
+                c, h = hc
+                i = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
+                f = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
+                g = jnp.tanh(xt[2 * hdim:3 * hdim] + bs[2] + h @ wh[2])
+                o = jax.nn.sigmoid(xt[3 * hdim:] + bs[3] + h @ wh[3])
+                c = f * c + i * g
+                h = o * jnp.tanh(c)
+                return (c, h), h
+            z0 = jnp.zeros((hdim,), x.dtype)
+            _, seq = lax.scan(step, (z0, z0), xp)
+    return seq[None]
+
+
+def jax_scan(jax, u, delta, a, bm, cm):
+    """The plain selective scan (no D, z, bias or softplus) as a lax.scan over time."""
+    jnp, lax = jax.numpy, jax.lax
+
+    def step(x, inp):
+        ut, dt, bt, ct = inp
+        x = jnp.exp(dt[:, :, None] * a[None]) * x + dt[:, :, None] * bt[:, None, :] * ut[:, :, None]
+        return x, jnp.einsum("bdn,bn->bd", x, ct)
+
+    xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(delta, 0, 1), jnp.swapaxes(bm, 0, 1), jnp.swapaxes(cm, 0, 1))
+    _, y = lax.scan(step, jnp.zeros((u.shape[0], u.shape[2], a.shape[1]), u.dtype), xs)
+    return jnp.swapaxes(y, 0, 1)
+
+
 def bench(jax, results):
     jnp, lax = jax.numpy, jax.lax
     rng = np.random.default_rng(11)
@@ -671,37 +722,7 @@ def bench(jax, results):
         rc = jax.ffi.ffi_call(f"fused_kernels_{cell}", outs)
         ours = lambda x, *w: rc(x, *w, layers=2)[0]  # noqa: E731
 
-        def theirs(x, *w, cell=cell, gates=gates):
-            seq = x[0]
-            per = 2 * gates + 4
-            for li in range(2):
-                ws = w[li * per:(li + 1) * per]
-                wi, wh, bs = ws[:gates], ws[gates:2 * gates], ws[2 * gates:]
-                wi_cat = jnp.concatenate(wi, axis=1)
-                xp = seq @ wi_cat  # the input projection for every step at once
-                hdim = wh[0].shape[0]
-                if cell == "gru":
-                    def step(hc, xt, wh=wh, bs=bs, hdim=hdim):
-                        h = hc
-                        r = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
-                        z = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
-                        n = jnp.tanh(xt[2 * hdim:] + bs[2] + r * (h @ wh[2] + bs[3]))
-                        h = (1 - z) * n + z * h
-                        return h, h
-                    _, seq = lax.scan(step, jnp.zeros((hdim,), x.dtype), xp)
-                else:
-                    def step(hc, xt, wh=wh, bs=bs, hdim=hdim):
-                        c, h = hc
-                        i = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
-                        f = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
-                        g = jnp.tanh(xt[2 * hdim:3 * hdim] + bs[2] + h @ wh[2])
-                        o = jax.nn.sigmoid(xt[3 * hdim:] + bs[3] + h @ wh[3])
-                        c = f * c + i * g
-                        h = o * jnp.tanh(c)
-                        return (c, h), h
-                    z0 = jnp.zeros((hdim,), x.dtype)
-                    _, seq = lax.scan(step, (z0, z0), xp)
-            return seq[None]
+        theirs = functools.partial(jax_rnn, jax, cell, 2)
 
         with jax.default_matmul_precision("highest"):
             agree = rel_l2(np.asarray(jax.jit(ours)(x, *flat)), np.asarray(jax.jit(theirs)(x, *flat)))
@@ -717,14 +738,7 @@ def bench(jax, results):
     sc = jax.ffi.ffi_call("fused_kernels_selective_scan", [jax.ShapeDtypeStruct((bsz, length, dim), jnp.float32)])
     ours = lambda u, delta, a, bm, cm: sc(u, delta, a, bm, cm)  # noqa: E731
 
-    def theirs(u, delta, a, bm, cm):
-        def step(x, inp):
-            ut, dt, bt, ct = inp
-            x = jnp.exp(dt[:, :, None] * a[None]) * x + dt[:, :, None] * bt[:, None, :] * ut[:, :, None]
-            return x, jnp.einsum("bdn,bn->bd", x, ct)
-        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(delta, 0, 1), jnp.swapaxes(bm, 0, 1), jnp.swapaxes(cm, 0, 1))
-        _, y = lax.scan(step, jnp.zeros((u.shape[0], u.shape[2], a.shape[1]), u.dtype), xs)
-        return jnp.swapaxes(y, 0, 1)
+    theirs = functools.partial(jax_scan, jax)
 
     args = [u, delta, a, bm, cm]
     with jax.default_matmul_precision("highest"):

@@ -1,0 +1,261 @@
+# Compiled only where EXLA's `EXLA.CustomCall` protocol (EXLA ≥ 0.12) and Axon are loaded;
+# tagged :exla, excluded elsewhere (see test_helper.exs).
+if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
+  defmodule FusedKernels.XLACustomCallTest do
+    # The custom calls the fused Axon layers emit under EXLA: the Nx.block node, the spec our
+    # EXLA.CustomCall implementation answers (target, attributes, operand types), :skip where
+    # the handlers do not serve the call, and values and gradients through the block's
+    # default (pure-Nx) body, which is what runs wherever the spec is skipped.
+    use ExUnit.Case, async: true
+    @moduletag :exla
+
+    alias EXLA.CustomCall.Spec
+    alias FusedKernels.Axon.{Call, Layers, Ops}
+    alias FusedKernels.XLA
+    alias FusedKernels.XLA.Block
+
+    @cuda %{platform: :cuda}
+    @host %{platform: :host}
+
+    defp rand(shape, type \\ :f32),
+      do:
+        Nx.tensor(for(_ <- 1..Tuple.product(shape), do: :rand.uniform() * 2 - 1), type: type)
+        |> Nx.reshape(shape)
+
+    # Every :block node of an expression, as EXLA's compiler sees them: {struct, in_args, out}.
+    defp blocks(container) do
+      {_, acc} =
+        container
+        |> List.wrap()
+        |> Nx.Defn.Composite.flatten_list()
+        |> Enum.reduce({MapSet.new(), []}, &walk/2)
+
+      Enum.reverse(acc)
+    end
+
+    defp walk(%Nx.Tensor{data: %Nx.Defn.Expr{id: id, op: op, args: args}}, {seen, acc} = state) do
+      if MapSet.member?(seen, id) do
+        state
+      else
+        state = {MapSet.put(seen, id), acc}
+
+        state =
+          case {op, args} do
+            {:block, [struct, in_args, out, _fun]} ->
+              {s, a} = Enum.reduce(in_args, state, &walk/2)
+              {s, [{struct, in_args, out} | a]}
+
+            _ ->
+              Enum.reduce(args, state, &walk_arg/2)
+          end
+
+        state
+      end
+    end
+
+    defp walk(_other, state), do: state
+
+    defp walk_arg(%Nx.Tensor{} = t, state), do: walk(t, state)
+    defp walk_arg(list, state) when is_list(list), do: Enum.reduce(list, state, &walk_arg/2)
+    defp walk_arg(tuple, state) when is_tuple(tuple), do: walk_arg(Tuple.to_list(tuple), state)
+    defp walk_arg(_, state), do: state
+
+    # What EXLA's compiler asks our implementation, for every block of `fun` on `args`.
+    defp specs(fun, args, client) do
+      expr = apply(Nx.Defn.debug_expr(fun), args)
+
+      for {struct, in_args, out} <- blocks(expr),
+          do: EXLA.CustomCall.call(struct, out, in_args, client)
+    end
+
+    defp gru_inputs(b, t, f, h) do
+      ik = Map.new(~w(wir wiz win), &{&1, rand({f, h})})
+      hk = Map.new(~w(whr whz whn), &{&1, rand({h, h})})
+      bias = Map.new(~w(br bz bin bhn), &{&1, rand({h})})
+      {rand({b, t, f}), rand({b, h}), ik, hk, bias}
+    end
+
+    test "the path is :exla when EXLA.CustomCall is loaded" do
+      assert XLA.available?()
+      assert Call.path([]) == :exla
+      assert Call.path(backend: :cpu) != :exla
+    end
+
+    test "the GRU layer emits one fused_kernels_gru block with Axon's parameters in the handler's order" do
+      {x, h, ik, hk, bias} = gru_inputs(1, 6, 5, 4)
+
+      fun = fn x, h, ik, hk, bias -> Layers.gru(x, {h}, 0, ik, hk, bias, []) end
+      [{:ok, spec}] = specs(fun, [x, h, ik, hk, bias], @cuda)
+
+      assert %Spec{
+               call_target_name: "fused_kernels_gru",
+               attributes: [{"initial_state", "true"}, {"layers", "1 : i64"}],
+               operand_element_types: types
+             } = spec
+
+      assert types == List.duplicate({:f, 32}, 12)
+
+      [{block, in_args, out}] = blocks(apply(Nx.Defn.debug_expr(fun), [x, h, ik, hk, bias]))
+      assert %Block{target: "fused_kernels_gru"} = block
+      # x, wir, wiz, win, whr, whz, whn, br, bz, bin, bhn, h
+      assert Enum.map(in_args, &Nx.shape/1) ==
+               [{1, 6, 5}] ++
+                 List.duplicate({5, 4}, 3) ++
+                 List.duplicate({4, 4}, 3) ++
+                 List.duplicate({4}, 4) ++ [{1, 4}]
+
+      # Results: the sequence, then h.
+      assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 6, 4}, {1, 4}]
+    end
+
+    test "the host client, f64 and other activations are skipped" do
+      {x, h, ik, hk, bias} = gru_inputs(1, 3, 2, 2)
+      fun = fn x, h, ik, hk, bias -> Layers.gru(x, {h}, 0, ik, hk, bias, []) end
+      assert specs(fun, [x, h, ik, hk, bias], @host) == [:skip]
+
+      # f64 is not lowered at all: no block, the op's next path.
+      f64 = fn t -> Nx.as_type(t, :f64) end
+      args64 = Enum.map([x, h, ik, hk, bias], &Nx.Defn.Composite.traverse(&1, f64))
+      assert specs(fun, args64, @cuda) == []
+
+      dense = fn x, k -> Call.run(Ops.Dense, {%{x: x, kernel: k}}, activation: :softplus) end
+      assert specs(dense, [rand({3, 4}), rand({4, 5})], @cuda) == []
+    end
+
+    test "a block whose operand or result types changed since it was planned is skipped" do
+      block = %Block{
+        target: "fused_kernels_layer_norm",
+        operand_types: [{:f, 32}, {:f, 32}, {:f, 32}],
+        result_types: [{:f, 32}]
+      }
+
+      args = [Nx.template({2, 8}, :f32), Nx.template({8}, :f32), Nx.template({8}, :f32)]
+      assert {:ok, %Spec{}} = XLA.spec(block, {Nx.template({2, 8}, :f32)}, args, @cuda)
+      assert XLA.spec(block, {Nx.template({2, 8}, :bf16)}, args, @cuda) == :skip
+      assert XLA.spec(block, {Nx.template({2, 8}, :f32)}, tl(args), @cuda) == :skip
+    end
+
+    test "LayerNorm, dense and the attention layer's parts: targets and attributes" do
+      ln = fn x, g, b -> Call.run(Ops.LayerNorm, {x, g, b}, epsilon: 1.0e-6) end
+
+      assert [{:ok, %Spec{call_target_name: "fused_kernels_layer_norm"} = s}] =
+               specs(ln, [rand({3, 8}, :bf16), rand({8}), rand({8})], @cuda)
+
+      assert s.attributes == [{"eps", "1.0e-6 : f64"}, {"operands", "\"x,gamma,beta\""}]
+      # bf16 rows, f32 gamma and beta (what the kernel takes).
+      assert s.operand_element_types == [{:bf, 16}, {:f, 32}, {:f, 32}]
+
+      dense = fn x, k, b, r ->
+        Call.run(Ops.Dense, {%{x: x, kernel: k, bias: b, residual: r}}, activation: :gelu)
+      end
+
+      assert [{:ok, d}] =
+               specs(dense, [rand({2, 3, 4}), rand({4, 5}), rand({5}), rand({2, 3, 5})], @cuda)
+
+      assert d.call_target_name == "fused_kernels_dense"
+
+      assert d.attributes == [
+               {"activation", "\"gelu\""},
+               {"kind", "\"dense\""},
+               {"operands", "\"x,kernel,bias,residual\""}
+             ]
+
+      # The attention layer: q, k, v projections, the attention, the output projection.
+      params = %{
+        "q" => %{"kernel" => rand({8, 8}), "bias" => rand({8})},
+        "k" => %{"kernel" => rand({8, 8}), "bias" => rand({8})},
+        "v" => %{"kernel" => rand({8, 8}), "bias" => rand({8})},
+        "out" => %{"kernel" => rand({8, 8}), "bias" => rand({8})}
+      }
+
+      attn = fn x, p -> Call.run(Ops.Attention, {x, p}, heads: 2, causal: true) end
+      got = specs(attn, [rand({1, 5, 8}), params], @cuda)
+      targets = Enum.map(got, fn {:ok, s} -> s.call_target_name end)
+
+      assert Enum.sort(targets) ==
+               Enum.sort(
+                 List.duplicate("fused_kernels_dense", 4) ++ ["fused_kernels_flash_attention"]
+               )
+
+      {:ok, fa} = Enum.find(got, fn {:ok, s} -> s.call_target_name =~ "attention" end)
+
+      assert fa.attributes == [
+               {"causal", "true"},
+               {"layout", "\"bshd\""},
+               {"window_left", "-1 : i64"},
+               {"window_right", "-1 : i64"}
+             ]
+    end
+
+    test "the Mamba block passes Edifice's fixed A and skips the mean-dt discretisation" do
+      {h, inner, state, rank} = {4, 6, 3, 2}
+
+      params = %{
+        "mb_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
+        "mb_in_proj" => %{"kernel" => rand({h, 2 * inner}), "bias" => rand({2 * inner})},
+        "mb_conv_dw_conv" => %{"kernel" => rand({4, 1, inner}), "bias" => rand({inner})},
+        "mb_ssm_bc_proj" => %{"kernel" => rand({inner, 2 * state})},
+        "mb_ssm_dt_rank" => %{"kernel" => rand({inner, rank})},
+        "mb_ssm_dt_proj" => %{"kernel" => rand({rank, inner}), "bias" => rand({inner})},
+        "mb_out_proj" => %{"kernel" => rand({inner, h})}
+      }
+
+      run = fn opts -> fn x, p -> Call.run(Ops.MambaBlock, {x, p}, [name: "mb"] ++ opts) end end
+      [{:ok, s}] = specs(run.([]), [rand({1, 5, h}), params], @cuda)
+      assert s.call_target_name == "fused_kernels_mamba_block"
+
+      assert {"operands",
+              "\"x,norm_gamma,norm_beta,in_kernel,in_bias,conv_kernel,conv_bias,bc_kernel,dt_rank_kernel,dt_proj_kernel,dt_proj_bias,a,out_kernel\""} in s.attributes
+
+      assert {"residual", "true"} in s.attributes
+      assert length(s.operand_element_types) == 13
+      assert specs(run.(b_discretization: :mean_dt), [rand({1, 5, h}), params], @cuda) == []
+    end
+
+    test "values and gradients through the blocks' default bodies equal the pure-Nx op" do
+      {x, h, ik, hk, bias} = gru_inputs(2, 5, 3, 4)
+      w = rand({2, 5, 4})
+
+      fused = fn x, h, ik, hk, bias ->
+        {seq, {hn}} = Layers.gru(x, {h}, 0, ik, hk, bias, [])
+        {seq, hn}
+      end
+
+      plain = fn x, h, ik, hk, bias ->
+        {seq, {hn}} = Axon.Layers.gru(x, {h}, 0, ik, hk, bias, unroll: :static)
+        {seq, hn}
+      end
+
+      jit = &Nx.Defn.jit(&1, compiler: Nx.Defn.Evaluator)
+      args = [x, h, ik, hk, bias]
+      {s1, h1} = apply(jit.(fused), args)
+      {s2, h2} = apply(jit.(plain), args)
+      assert Nx.all_close(s1, s2, atol: 1.0e-6) |> Nx.to_number() == 1
+      assert Nx.all_close(h1, h2, atol: 1.0e-6) |> Nx.to_number() == 1
+
+      loss = fn f ->
+        fn x, h, ik, hk, bias ->
+          Nx.Defn.grad({x, ik}, fn {x, ik} ->
+            {seq, _} = f.(x, h, ik, hk, bias)
+            seq |> Nx.multiply(w) |> Nx.sum()
+          end)
+        end
+      end
+
+      {gx1, gk1} = apply(jit.(loss.(fused)), args)
+      {gx2, gk2} = apply(jit.(loss.(plain)), args)
+      assert Nx.all_close(gx1, gx2, atol: 1.0e-5) |> Nx.to_number() == 1
+
+      for key <- Map.keys(gk2),
+          do: assert(Nx.all_close(gk1[key], gk2[key], atol: 1.0e-5) |> Nx.to_number() == 1)
+    end
+
+    test "MLIR attribute text" do
+      assert XLA.attr_bool(false) == "false"
+      assert XLA.attr_int(-1) == "-1 : i64"
+      assert XLA.attr_float(0.001) == "0.001 : f64"
+      assert XLA.attr_float(2) == "2.0 : f64"
+      assert XLA.attr_string(~s(a"b)) == ~s("a\\"b")
+    end
+  end
+end
