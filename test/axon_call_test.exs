@@ -47,7 +47,13 @@ if Code.ensure_loaded?(Nx) do
     end
 
     test "the path follows the Nx line" do
-      expected = if function_exported?(Nx, :runtime_call, 4), do: :runtime_call, else: :nx
+      expected =
+        cond do
+          FusedKernels.XLA.available?() -> :exla
+          function_exported?(Nx, :runtime_call, 4) -> :runtime_call
+          true -> :nx
+        end
+
       assert Call.path() == expected
       assert Call.path(backend: :nx) == :nx
     end

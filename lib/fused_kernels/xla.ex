@@ -102,7 +102,7 @@ if Code.ensure_loaded?(Nx) do
     operand and result types are the ones the block was planned for, else `:skip`.
     """
     def spec(%Block{} = block, out, args, client) do
-      result_types = [out] |> flatten() |> Enum.map(& &1.type)
+      result_types = out |> flatten() |> Enum.map(& &1.type)
 
       cond do
         platform(client) != :cuda ->
