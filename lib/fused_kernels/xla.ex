@@ -47,11 +47,13 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc """
-    Whether the fused layers emit custom-call blocks here: EXLA's `EXLA.CustomCall` protocol
-    is loaded and Nx has `Nx.block/4`.
+    Whether the fused layers emit custom-call blocks here: Nx has `Nx.block/4` and our
+    `EXLA.CustomCall` implementation was compiled, which happens when EXLA (≥ 0.12) compiles
+    before this library (it is an optional dependency: list `:exla` in your deps).
     """
     def available? do
-      Code.ensure_loaded?(EXLA.CustomCall) and function_exported?(Nx, :block, 4)
+      function_exported?(Nx, :block, 4) and Code.ensure_loaded?(EXLA.CustomCall) and
+        Code.ensure_loaded?(EXLA.CustomCall.FusedKernels.XLA.Block)
     end
 
     @doc """
