@@ -50,10 +50,12 @@ defmodule FusedKernels.BackboneEngineTest do
 
   defp small(kind), do: Spec.new(kind, embed: 24, hidden: 32, heads: 2, head_dim: 16, window: 16)
 
-  for kind <- Spec.kinds() do
-    test "#{kind}: one NIF call per predict and per step" do
+  for kind <- Spec.kinds(), backend <- [:cpu, :cuda] do
+    if backend == :cuda, do: @tag(:cuda)
+
+    test "#{kind} on #{backend}: one NIF call per predict and per step" do
       spec = small(unquote(kind))
-      h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cpu)
+      h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: unquote(backend))
       win = Bench.random_triple({1, spec.window, spec.embed}, {:f, 32})
       state = Backbone.init_state(h, 1)
       Backbone.predict(h, win)
@@ -63,19 +65,22 @@ defmodule FusedKernels.BackboneEngineTest do
       assert nif_calls(fn -> Backbone.step(h, state, frame(win, 1)) end) == [:engine_step]
     end
 
-    test "#{kind}: batch-8 rows equal eight batch-1 calls, streamed too" do
+    if backend == :cuda, do: @tag(:cuda)
+
+    test "#{kind} on #{backend}: batch-8 rows equal eight batch-1 calls, streamed too" do
       spec = small(unquote(kind))
-      h = Backbone.load(spec, Backbone.random_params(spec, 2), backend: :cpu)
+      h = Backbone.load(spec, Backbone.random_params(spec, 2), backend: unquote(backend))
       win = Bench.random_triple({8, 11, spec.embed}, {:f, 32})
       {all, {8, 32}, _} = Backbone.predict(h, win)
 
       for r <- 0..7 do
         {one, {1, 32}, _} = Backbone.predict(h, row(win, r))
 
+        # The GPU may pick another kernel path per batch size (f32-accurate either way).
         assert_close(
           {binary_part(all, r * 32 * 4, 32 * 4), {1, 32}, {:f, 32}},
           {one, {1, 32}, {:f, 32}},
-          1.0e-6
+          if(unquote(backend) == :cpu, do: 1.0e-6, else: 1.0e-5)
         )
       end
 
@@ -88,7 +93,7 @@ defmodule FusedKernels.BackboneEngineTest do
       # reset/2 starts the same stream over.
       ^state = Backbone.reset(h, state)
       {first, _} = Backbone.step(h, state, frame(win, 0))
-      h2 = Backbone.load(spec, Backbone.random_params(spec, 2), backend: :cpu)
+      h2 = Backbone.load(spec, Backbone.random_params(spec, 2), backend: unquote(backend))
       {fresh, _} = Backbone.step(h2, Backbone.init_state(h2, 8), frame(win, 0))
       assert first == fresh
     end
@@ -210,10 +215,13 @@ defmodule FusedKernels.BackboneEngineTest do
 
   for kind <- Spec.kinds() do
     @tag :nx
+    @tag timeout: 600_000
     test "#{kind}: the engine equals the pure-Nx path on the same params" do
+      # Longer than the attention window (16), so the sliding window cuts in; Nx's binary
+      # backend is slow, so the sizes stay small.
       spec = small(unquote(kind))
       params = Backbone.random_params(spec, 6)
-      win = Bench.random_triple({3, 21, spec.embed}, {:f, 32})
+      win = Bench.random_triple({2, 19, spec.embed}, {:f, 32})
       native = Backbone.predict(Backbone.load(spec, params, backend: :cpu), win)
 
       nx =

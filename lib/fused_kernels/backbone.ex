@@ -29,8 +29,8 @@ defmodule FusedKernels.Backbone do
 
   @doc """
   Loads `params` (a map of the layers' parameter maps, or an `Axon.ModelState`) for `spec`.
-  Options: `backend` (`:auto`, `:cuda`, `:cpu`, `:nx`), `device`. On `:cpu` the backbone
-  becomes a native engine (weights converted and packed once; one native call per window and
+  Options: `backend` (`:auto`, `:cuda`, `:cpu`, `:nx`), `device`. On `:cpu` and `:cuda` the
+  backbone becomes a native engine (weights converted and packed once; one native call per window and
   per frame). Raises `ArgumentError` naming a missing or malformed parameter.
   """
   def load(spec, params, opts \\ [])
@@ -52,11 +52,11 @@ defmodule FusedKernels.Backbone do
     weights = params |> required(spec) |> with_constants(spec)
 
     case backend do
-      :cpu ->
-        engine = Engine.load(spec, weights, :cpu, device)
-        %__MODULE__{spec: spec, backend: :cpu, device: device, weights: nil, engine: engine}
+      native when native in [:cpu, :cuda] ->
+        engine = Engine.load(spec, weights, native, device)
+        %__MODULE__{spec: spec, backend: native, device: device, weights: nil, engine: engine}
 
-      _ ->
+      :nx ->
         %__MODULE__{
           spec: spec,
           backend: backend,
@@ -329,7 +329,7 @@ defmodule FusedKernels.Backbone do
   end
 
   @doc """
-  Zero state for `batch` rows. On `:cpu` it is a `FusedKernels.Backbone.Engine.State` that
+  Zero state for `batch` rows. On `:cpu` and `:cuda` it is a `FusedKernels.Backbone.Engine.State` that
   `step/3` advances in place (the state it returns is the same one).
   """
   def init_state(%__MODULE__{} = h, batch) do
@@ -358,7 +358,7 @@ defmodule FusedKernels.Backbone do
 
   @doc "A state back at the start of a stream (an engine state is zeroed in place)."
   def reset(%__MODULE__{engine: ref}, %Engine.State{} = state) when ref != nil,
-    do: Engine.reset(state)
+    do: Engine.reset(ref, state)
 
   def reset(%__MODULE__{} = h, state) do
     check_state!(h, state)

@@ -366,7 +366,7 @@ defmodule FusedKernels.Native do
   @doc false
   def engine_step(_engine, _state, _frame), do: not_loaded()
   @doc false
-  def engine_reset(_state), do: not_loaded()
+  def engine_reset(_engine, _state), do: not_loaded()
   @doc false
   def engine_state_info(_state), do: not_loaded()
 

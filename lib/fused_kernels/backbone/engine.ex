@@ -52,8 +52,8 @@ defmodule FusedKernels.Backbone.Engine do
     {back(out, frame), state}
   end
 
-  def reset(%State{ref: s} = state) do
-    s |> Native.engine_reset() |> Native.unwrap!()
+  def reset(ref, %State{ref: s} = state) do
+    ref |> Native.engine_reset(s) |> Native.unwrap!()
     state
   end
 

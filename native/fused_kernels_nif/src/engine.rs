@@ -1,10 +1,11 @@
 //! The backbone engine as NIF resources: `engine_load` builds an engine from a spec map and
 //! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
 //! state resource updated in place) are one call each. Every call that computes runs on a
-//! dirty scheduler.
+//! dirty scheduler (DirtyCpu for the CPU executor; the CUDA one waits on its results too).
 
 use crate::terms::{decode_device, decode_host, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
+use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Params, Plan, Spec};
 use fused_kernels_core::engine::state::State;
 use fused_kernels_core::engine::Engine;
@@ -18,9 +19,44 @@ use std::sync::Mutex;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// The executor a backbone was loaded for.
+enum Exec {
+    Cpu(Engine),
+    Cuda(CudaEngine),
+}
+
 pub struct EngineResource {
     id: u64,
-    engine: Engine,
+    exec: Exec,
+}
+
+impl EngineResource {
+    fn spec(&self) -> &Spec {
+        match &self.exec {
+            Exec::Cpu(e) => &e.plan.spec,
+            Exec::Cuda(e) => &e.spec,
+        }
+    }
+}
+
+enum AnyState {
+    Cpu(State),
+    Cuda(CudaState),
+}
+
+impl AnyState {
+    fn batch(&self) -> usize {
+        match self {
+            AnyState::Cpu(s) => s.batch,
+            AnyState::Cuda(s) => s.batch,
+        }
+    }
+    fn frames(&self) -> u64 {
+        match self {
+            AnyState::Cpu(s) => s.frames,
+            AnyState::Cuda(s) => s.frames,
+        }
+    }
 }
 
 #[rustler::resource_impl]
@@ -29,7 +65,7 @@ impl rustler::Resource for EngineResource {}
 /// A stream's state; it belongs to the engine that made it.
 pub struct StateResource {
     engine_id: u64,
-    state: Mutex<State>,
+    state: Mutex<AnyState>,
 }
 
 #[rustler::resource_impl]
@@ -112,20 +148,20 @@ fn engine_load<'a>(
     let result = (|| {
         let backend = backend
             .atom_to_string()
-            .map_err(|_| arg_error("backend must be :cpu"))?;
-        if backend != "cpu" {
-            return Err(arg_error(format!(
-                "backend: the engine runs on :cpu, got :{backend}"
-            )));
-        }
-        decode_device(device)?;
-        let plan = Plan::build(decode_spec(spec)?, decode_params(params)?)?;
+            .map_err(|_| arg_error("backend must be :cpu or :cuda"))?;
+        let device = decode_device(device)?;
+        let (spec, params) = (decode_spec(spec)?, decode_params(params)?);
+        let exec = match backend.as_str() {
+            "cpu" => Exec::Cpu(Engine::new(Plan::build(spec, params)?)),
+            "cuda" => Exec::Cuda(CudaEngine::new(spec, params, device)?),
+            other => {
+                return Err(arg_error(format!(
+                    "backend: the engine runs on :cpu or :cuda, got :{other}"
+                )))
+            }
+        };
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(ResourceArc::new(EngineResource {
-            id,
-            engine: Engine::new(plan),
-        })
-        .encode(env))
+        Ok(ResourceArc::new(EngineResource { id, exec }).encode(env))
     })();
     reply(env, result)
 }
@@ -211,10 +247,11 @@ fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<
     let result = (|| {
         let e = decode_engine(engine)?;
         let x = decode_host("window", window)?;
-        check_input(&x, "window", 3, e.engine.embed())?;
+        check_input(&x, "window", 3, e.spec().embed)?;
         let (b, t) = (x.shape[0], x.shape[1]);
-        output(env, (b, e.engine.hidden()), x.dtype, |out| {
-            e.engine.predict(b, t, |buf| fill(&x, buf), out)
+        output(env, (b, e.spec().hidden), x.dtype, |out| match &e.exec {
+            Exec::Cpu(engine) => engine.predict(b, t, |buf| fill(&x, buf), out),
+            Exec::Cuda(engine) => engine.predict(b, t, &decode_f32(x.bytes, x.dtype), out),
         })
     })();
     reply(env, result)
@@ -230,7 +267,10 @@ fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Ter
             .ok()
             .filter(|&b| b > 0)
             .ok_or_else(|| arg_error("batch must be a positive integer"))?;
-        let state = e.engine.new_state(batch as usize)?;
+        let state = match &e.exec {
+            Exec::Cpu(engine) => AnyState::Cpu(engine.new_state(batch as usize)?),
+            Exec::Cuda(engine) => AnyState::Cuda(engine.new_state(batch as usize)?),
+        };
         Ok(ResourceArc::new(StateResource {
             engine_id: e.id,
             state: Mutex::new(state),
@@ -240,7 +280,7 @@ fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Ter
     reply(env, result)
 }
 
-fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, State>> {
+fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, AnyState>> {
     s.state
         .lock()
         .map_err(|_| Error::Cuda("backbone state lock poisoned".into()))
@@ -259,28 +299,43 @@ fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<
             ));
         }
         let x = decode_host("frame", frame)?;
-        check_input(&x, "frame", 2, e.engine.embed())?;
+        check_input(&x, "frame", 2, e.spec().embed)?;
         let mut st = lock(&s)?;
-        if x.shape[0] != st.batch {
+        let batch = st.batch();
+        if x.shape[0] != batch {
             return Err(arg_error(format!(
-                "frame: has {} rows but the state was made for batch {}",
-                x.shape[0], st.batch
+                "frame: has {} rows but the state was made for batch {batch}",
+                x.shape[0]
             )));
         }
-        let batch = st.batch;
-        output(env, (batch, e.engine.hidden()), x.dtype, |out| {
-            e.engine.step(&mut st, |buf| fill(&x, buf), out)
+        output(env, (batch, e.spec().hidden), x.dtype, |out| {
+            match (&e.exec, &mut *st) {
+                (Exec::Cpu(engine), AnyState::Cpu(st)) => engine.step(st, |buf| fill(&x, buf), out),
+                (Exec::Cuda(engine), AnyState::Cuda(st)) => {
+                    engine.step(st, &decode_f32(x.bytes, x.dtype), out)
+                }
+                _ => Err(arg_error("state: belongs to another backbone handle")),
+            }
         })
     })();
     reply(env, result)
 }
 
-/// `engine_reset(state)` → `:ok`; the stream starts over (zeros) without reallocating.
+/// `engine_reset(engine, state)` → `:ok`; the stream starts over (zeros) without
+/// reallocating.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn engine_reset<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
+fn engine_reset<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>) -> Term<'a> {
     let result = (|| {
+        let e = decode_engine(engine)?;
         let s = decode_state(state)?;
-        lock(&s)?.reset();
+        if s.engine_id != e.id {
+            return Err(arg_error("state: belongs to another backbone handle"));
+        }
+        match (&e.exec, &mut *lock(&s)?) {
+            (_, AnyState::Cpu(st)) => st.reset(),
+            (Exec::Cuda(engine), AnyState::Cuda(st)) => engine.reset(st)?,
+            _ => return Err(arg_error("state: belongs to another backbone handle")),
+        }
         Ok(crate::atoms::ok().encode(env))
     })();
     reply(env, result)
@@ -292,7 +347,7 @@ fn engine_state_info<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
     let result = (|| {
         let s = decode_state(state)?;
         let st = lock(&s)?;
-        Ok((st.batch as u64, st.frames).encode(env))
+        Ok((st.batch() as u64, st.frames()).encode(env))
     })();
     reply(env, result)
 }

@@ -8,6 +8,7 @@
 //! other; calls into one engine are serialised (they share its buffers).
 
 pub mod cpu;
+pub mod cuda;
 pub mod plan;
 pub mod state;
 

@@ -116,7 +116,7 @@ impl Spec {
 
 /// The params as f32 tensors by flattened name (`"rnn_1/input_kernel/wir"`,
 /// `"input_proj/kernel"`). `take` checks the shape and names what is wrong.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Params(HashMap<String, (Vec<usize>, Vec<f32>)>);
 
 impl Params {
@@ -126,6 +126,11 @@ impl Params {
 
     pub fn insert(&mut self, name: String, shape: Vec<usize>, values: Vec<f32>) {
         self.0.insert(name, (shape, values));
+    }
+
+    /// Every tensor by name, consuming the params.
+    pub fn into_iter(self) -> impl Iterator<Item = (String, (Vec<usize>, Vec<f32>))> {
+        self.0.into_iter()
     }
 
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
