@@ -195,17 +195,16 @@ defmodule FusedKernels.BackboneEngineTest do
       _ = spec
     end
 
-    test "the composed paths check state and rank too" do
-      # The :cuda composition (and :nx) take list/map states; truncated ones are refused
-      # before any layer runs.
+    test "the :nx path checks state and rank too" do
+      # The :nx path takes list/map states; truncated ones are refused before any layer runs.
       spec = small(:lstm)
-      h = %Backbone{spec: spec, backend: :cuda, device: 0, weights: %{}}
+      h = %Backbone{spec: spec, backend: :nx, device: nil, weights: %{}}
       f = Bench.random_triple({1, spec.embed}, {:f, 32})
       assert_raise ArgumentError, ~r/state: expected/, fn -> Backbone.step(h, [{f, f}], f) end
       assert_raise ArgumentError, ~r/window: expected/, fn -> Backbone.predict(h, f) end
 
       spec = small(:jamba)
-      h = %Backbone{spec: spec, backend: :cuda, device: 0, weights: %{}}
+      h = %Backbone{spec: spec, backend: :nx, device: nil, weights: %{}}
 
       assert_raise ArgumentError, ~r/state: expected/, fn ->
         Backbone.step(h, %{count: 0, layers: [{:mamba, f, f}]}, f)

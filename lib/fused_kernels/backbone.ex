@@ -15,8 +15,8 @@ defmodule FusedKernels.Backbone do
   results come back as triples (Nx tensors in give Nx tensors out).
   """
 
-  alias FusedKernels.{Backend, Buffer, Norm, Rnn, Tensor}
-  alias FusedKernels.Backbone.{Engine, Fused, Spec}
+  alias FusedKernels.{Backend, Buffer, Tensor}
+  alias FusedKernels.Backbone.{Engine, Spec}
 
   @enforce_keys [:spec, :backend, :device, :weights]
   defstruct [:spec, :backend, :device, :weights, engine: nil]
@@ -61,7 +61,7 @@ defmodule FusedKernels.Backbone do
           spec: spec,
           backend: backend,
           device: device,
-          weights: place(weights, backend, device)
+          weights: to_nx_params(weights)
         }
     end
   end
@@ -143,7 +143,7 @@ defmodule FusedKernels.Backbone do
 
   defp with_constants(w, _spec), do: w
 
-  defp place(params, :nx, _device) do
+  defp to_nx_params(params) do
     check_leaves!(params)
 
     unless Code.ensure_loaded?(Nx) do
@@ -152,8 +152,6 @@ defmodule FusedKernels.Backbone do
 
     to_nx_tree(params)
   end
-
-  defp place(params, backend, device), do: place_native(params, backend, device)
 
   defp check_leaves!(%{} = m) when not is_struct(m),
     do: Enum.each(m, fn {_, v} -> check_leaves!(v) end)
@@ -177,21 +175,6 @@ defmodule FusedKernels.Backbone do
 
   defp to_nx_tree({_, _, _} = triple), do: apply(Tensor, :to_nx, [triple])
   defp to_nx_tree(t), do: t
-
-  defp place_native(params, backend, device) do
-    Map.new(params, fn
-      {k, %{} = v} when not is_struct(v) -> {k, place_native(v, backend, device)}
-      {k, t} -> {k, place_tensor(t, backend, device)}
-    end)
-  end
-
-  defp place_tensor(t, :cuda, device), do: Buffer.upload(t, device: device)
-  defp place_tensor(t, :cpu, _), do: Tensor.to_native(t)
-
-  defp call_opts(%__MODULE__{backend: backend, device: device}) do
-    out = if backend == :cuda, do: :device, else: :host
-    [backend: backend, device: device, out: out]
-  end
 
   @doc """
   Random parameters for `spec` as `{binary, shape, {:f, 32}}` triples (no Nx needed), with the
@@ -311,9 +294,6 @@ defmodule FusedKernels.Backbone do
        when kind not in @rnn,
        do: apply(FusedKernels.Backbone.NxPath, :predict, [h.spec, h.weights, window]) |> nx_last()
 
-  defp composed_predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind not in @rnn,
-    do: h |> Fused.predict(native_in(window)) |> last_position(window)
-
   defp composed_predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window)
        when kind in [:lstm, :gru] do
     w = h.weights
@@ -343,11 +323,9 @@ defmodule FusedKernels.Backbone do
   defp composed_init_state(%__MODULE__{engine: ref}, batch) when ref != nil,
     do: Engine.init_state(ref, batch)
 
-  defp composed_init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
+  defp composed_init_state(%__MODULE__{spec: %Spec{kind: kind} = spec}, batch)
        when kind not in @rnn do
-    if h.backend == :nx,
-      do: apply(FusedKernels.Backbone.NxPath, :init_state, [spec, batch]),
-      else: Fused.init_state(h, batch)
+    apply(FusedKernels.Backbone.NxPath, :init_state, [spec, batch])
   end
 
   defp composed_init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
@@ -396,7 +374,7 @@ defmodule FusedKernels.Backbone do
   end
 
   defp check_state!(%__MODULE__{spec: spec}, state) do
-    tags = for {kind, _} <- Fused.plan(spec), do: if(kind == :mamba, do: :mamba, else: :attn)
+    tags = for {kind, _} <- Spec.plan(spec), do: if(kind == :mamba, do: :mamba, else: :attn)
 
     ok =
       case state do
@@ -445,12 +423,6 @@ defmodule FusedKernels.Backbone do
        do: apply(FusedKernels.Backbone.NxPath, :step, [h.spec, h.weights, state, frame])
 
   defp composed_step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame)
-       when kind not in @rnn do
-    {x, state} = Fused.step(h, state, frame |> as_sequence() |> native_in())
-    {last_position(x, frame), state}
-  end
-
-  defp composed_step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame)
        when kind in [:lstm, :gru] do
     w = h.weights
     x = norm(h, as_sequence(frame), w["input_norm"])
@@ -473,48 +445,21 @@ defmodule FusedKernels.Backbone do
         [eps: spec.norm_eps, backend: :nx]
       ])
 
-  defp norm(%__MODULE__{spec: spec} = h, x, p),
-    do: Norm.native(:layer_norm, x, p["gamma"], p["beta"], [eps: spec.norm_eps] ++ call_opts(h))
-
   # One recurrent layer; `state` nil means zeros. Returns `{sequence, state_tuple}`.
   defp rnn(%__MODULE__{backend: :nx, spec: spec}, x, p, state) do
     opts = if state, do: [initial_state: state, backend: :nx], else: [backend: :nx]
     apply(FusedKernels, spec.kind, [x, p, opts])
   end
 
-  defp rnn(%__MODULE__{spec: spec} = h, x, p, state) do
-    opts = if state, do: [initial_state: [state]], else: []
-    {seq, [s]} = Rnn.native(spec.kind, x, [p], opts ++ call_opts(h))
-    {seq, s}
-  end
-
   defp zeros(shape, %__MODULE__{backend: :nx}), do: apply(Nx, :broadcast, [0.0, shape])
 
-  defp zeros(shape, %__MODULE__{backend: backend, device: device}) do
-    triple = {:binary.copy(<<0.0::float-32-native>>, Tuple.product(shape)), shape, {:f, 32}}
-    if backend == :cuda, do: Buffer.upload(triple, device: device), else: triple
-  end
-
   # A frame {batch, embed} as a one-step sequence {batch, 1, embed}.
-  defp as_sequence({bin, {b, e}, type}), do: {bin, {b, 1, e}, type}
-  defp as_sequence(%Buffer{} = b), do: b |> Buffer.download() |> as_sequence()
-
   defp as_sequence(t) do
     {b, e} = apply(Nx, :shape, [t])
     apply(Nx, :reshape, [t, {b, 1, e}])
   end
 
   # The last position of a {batch, seq, hidden} result, in the caller's kind of tensor.
-  defp last_position(%Buffer{} = x, like), do: x |> Buffer.download() |> last_position(like)
-
-  defp last_position({bin, {b, s, hid}, {_, bits} = type}, like) do
-    row = div(bits, 8) * hid
-
-    out = for i <- 0..(b - 1), into: <<>>, do: binary_part(bin, (i * s + s - 1) * row, row)
-
-    back({out, {b, hid}, type}, like)
-  end
-
   defp last_position(t, _like) do
     s = elem(apply(Nx, :shape, [t]), 1)
 
@@ -523,14 +468,7 @@ defmodule FusedKernels.Backbone do
     |> then(&apply(Nx, :squeeze, [&1, [axes: [1]]]))
   end
 
-  defp native_in(%Buffer{} = b), do: b
-  defp native_in(t), do: Tensor.to_native(t)
-
   defp nx_last(t), do: last_position(t, nil)
-
-  defp back(triple, {_, _, _}), do: triple
-  defp back(triple, %Buffer{}), do: triple
-  defp back(triple, _nx_tensor), do: apply(Tensor, :to_nx, [triple])
 
   @doc """
   Writes `params` (triples) for other programs (the PyTorch side-by-side): `path.bin` holds

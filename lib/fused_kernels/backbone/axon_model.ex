@@ -28,7 +28,7 @@ if Code.ensure_loaded?(Axon) do
       x = Axon.dense(input, spec.hidden, name: "input_proj")
 
       x =
-        Enum.reduce(FusedKernels.Backbone.Fused.plan(spec), x, fn
+        Enum.reduce(FusedKernels.Backbone.Spec.plan(spec), x, fn
           {:post_attention, l}, x ->
             post_attention(spec, x, l)
 

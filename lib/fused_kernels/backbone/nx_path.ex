@@ -3,21 +3,22 @@ if Code.ensure_loaded?(Nx) do
     @moduledoc false
     # The attention, Mamba and Jamba backbones in pure Nx (the `:nx` backend of
     # `FusedKernels.Backbone`), and the attention function the Axon model wraps in
-    # `Axon.layer`. Same layer plan and state layout as `FusedKernels.Backbone.Fused`.
+    # `Axon.layer`. Layer plan from `FusedKernels.Backbone.Spec.plan/1`; state
+    # `%{count: frames seen, layers: [{:attn, k_cache, v_cache} | {:mamba, conv, ssm}]}`.
 
     alias FusedKernels.{FlashAttention, MambaBlock, Norm}
-    alias FusedKernels.Backbone.Fused
+    alias FusedKernels.Backbone.Spec
 
     def predict(spec, w, window) do
       x = dense(window, w["input_proj"])
-      Enum.reduce(Fused.plan(spec), x, fn layer, x -> elem(layer(spec, w, layer, x, nil), 0) end)
+      Enum.reduce(Spec.plan(spec), x, fn layer, x -> elem(layer(spec, w, layer, x, nil), 0) end)
     end
 
     def init_state(spec, batch) do
       inner = spec.expand * spec.hidden
 
       layers =
-        for {kind, _} <- Fused.plan(spec) do
+        for {kind, _} <- Spec.plan(spec) do
           if kind == :mamba,
             do:
               {:mamba, Nx.broadcast(0.0, {batch, spec.conv - 1, inner}),
@@ -35,7 +36,7 @@ if Code.ensure_loaded?(Nx) do
       x = dense(Nx.new_axis(frame, 1), w["input_proj"])
 
       {states, x} =
-        Fused.plan(spec)
+        Spec.plan(spec)
         |> Enum.zip(states)
         |> Enum.map_reduce(x, fn {layer, st}, x ->
           {y, st2} = layer(spec, w, layer, x, {count, st})

@@ -52,6 +52,17 @@ defmodule FusedKernels.Backbone.Spec do
 
   def kinds, do: @kinds
 
+  @doc """
+  The layer plan of an attention, Mamba or Jamba backbone: `{:post_attention | :attention |
+  :mamba, l}` in order (`:post_attention` is the attention backbone's post-norm block with its
+  FFN, `:attention` Jamba's pre-norm attention).
+  """
+  def plan(%__MODULE__{kind: :attention, layers: n}), do: for(l <- 1..n, do: {:post_attention, l})
+  def plan(%__MODULE__{kind: :mamba, layers: n}), do: for(l <- 1..n, do: {:mamba, l})
+
+  def plan(%__MODULE__{kind: :jamba, layers: n} = spec),
+    do: for(l <- 1..n, do: {if(jamba_attention?(spec, l), do: :attention, else: :mamba), l})
+
   @doc "Whether layer `l` (1-based) of a Jamba backbone is an attention layer."
   def jamba_attention?(%__MODULE__{attn_every: every}, l), do: rem(l, every) == 0
 end
