@@ -499,26 +499,46 @@ defmodule FusedKernels.Backbone do
 
   defmodule Bench do
     @moduledoc false
-    # Rows for `mix bench`: each supported backbone at ExPhil's configuration, batch 1, the
-    # full 60-frame window and one streamed frame. Timed from Elixir around the whole call
-    # (host window in, host output back; weights and state stay where the backend computes).
+    # Rows for `mix bench`: each supported backbone at ExPhil's configuration, the full
+    # 60-frame window and one streamed frame, batch 1 and 8, plus ExPhil's production model
+    # (1-layer GRU, window 16). Timed from Elixir around the whole call (host window in, host
+    # output back; weights and state stay where the backend computes).
     alias FusedKernels.{Backbone, Bench}
     alias FusedKernels.Backbone.Spec
 
     def bench_cases do
-      for kind <- Backbone.supported(), mode <- [:window, :frame] do
-        spec = Spec.new(kind)
-        params = Backbone.random_params(spec, 1)
-        if dir = System.get_env("FUSED_KERNELS_EXPORT_DIR"), do: export(dir, kind, params)
-        shape = if mode == :window, do: {1, spec.window, spec.embed}, else: {1, spec.embed}
+      exphil =
+        for mode <- [:window, :frame], batch <- [1, 8] do
+          spec = Spec.new(:gru, layers: 1, window: 16)
+          row("backbone gru1 w16 #{mode}#{suffix(batch)}", spec, mode, batch)
+        end
 
-        %{
-          name: "backbone #{kind} #{mode}",
-          shape: shape,
-          type: {:f, 32},
-          runner: &runner(&1, spec, params, mode, shape)
-        }
-      end
+      rows =
+        for kind <- Backbone.supported(), mode <- [:window, :frame], batch <- [1, 8] do
+          spec = Spec.new(kind)
+
+          dir = System.get_env("FUSED_KERNELS_EXPORT_DIR")
+          if batch == 1 and dir, do: export(dir, kind, Backbone.random_params(spec, 1))
+
+          row("backbone #{kind} #{mode}#{suffix(batch)}", spec, mode, batch)
+        end
+
+      rows ++ exphil
+    end
+
+    defp suffix(1), do: ""
+    defp suffix(b), do: " b#{b}"
+
+    defp row(name, spec, mode, batch) do
+      params = Backbone.random_params(spec, 1)
+      shape = if mode == :window, do: {batch, spec.window, spec.embed}, else: {batch, spec.embed}
+
+      %{
+        name: name,
+        shape: shape,
+        type: {:f, 32},
+        runner: &runner(&1, spec, params, mode, shape)
+      }
     end
 
     # Params plus one window and our CPU output for it, so the PyTorch side can check that
@@ -544,7 +564,7 @@ defmodule FusedKernels.Backbone do
           fn -> Backbone.predict(handle, x) end
 
         :frame ->
-          state = Backbone.init_state(handle, 1)
+          state = Backbone.init_state(handle, elem(shape, 0))
           fn -> Backbone.step(handle, state, x) end
       end
     end
