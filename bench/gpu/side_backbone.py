@@ -1,9 +1,11 @@
-"""PyTorch eager side by side with `mix bench`'s backbone rows: the same backbones (LSTM/GRU:
+"""PyTorch eager and CUDA-graph side by side with `mix bench`'s backbone rows: the same backbones (LSTM/GRU:
 LayerNorm → cuDNN LSTM/GRU → LayerNorm per layer; attention with SDPA; Mamba / Jamba with the
 scan as an eager loop; last position) with the same weights
 (exported by `mix bench` under FUSED_KERNELS_EXPORT_DIR), checked against our output on an
 exported window, then timed like ours: wall clock around the call until the device is idle,
-input from and output to the host, median of many after warm-up.
+input from and output to the host, median of many after warm-up. The CUDA-graph anchor
+captures the window and the frame once (static device input, host copies around the replay)
+and checks the replayed window against our output too.
 
 Usage: FUSED_KERNELS_EXPORT_DIR=DIR python3 bench/gpu/side_backbone.py BENCH_JSON"""
 import json
@@ -163,25 +165,58 @@ class Seq:
                     else (z(b, 3, 512), z(b, 512, 16)) for k, _ in self.plan])
 
 
+def graphed(fn, static_in):
+    """`fn(static_in)` captured as one CUDA graph (warmed on a side stream, as torch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = fn(static_in)
+    return g, static_out
+
+
+def replay(g, static_in, static_out, host_in):
+    static_in.copy_(host_in, non_blocking=True)
+    g.replay()
+    return static_out.cpu()
+
+
 rows = json.load(open(sys.argv[1]))["rows"]
 ours = {(r["case"], r["backend"]): r for r in rows}
-print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'ratio':>7}   max|ours-torch|")
+print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'torch graph':>12} {'eager/ours':>10} {'graph/ours':>10}   max|ours-torch| eager, graph")
 for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:
     if not os.path.exists(f"{DIR}/{kind}_params.json"):
         continue
     m = Backbone(kind, load(kind)).cuda().eval() if kind in GATES else Seq(kind, load(kind))
     win = np.fromfile(f"{DIR}/{kind}_window.bin", dtype="<f4").reshape(1, 60, 288)
     ref = np.fromfile(f"{DIR}/{kind}_out.bin", dtype="<f4")
-    host_win = torch.from_numpy(win)
-    host_frame = host_win[:, -1:].clone()
+    host_win = torch.from_numpy(win).pin_memory()
+    host_frame = host_win[:, -1:].clone().pin_memory()
     with torch.no_grad():
         got = m(host_win.cuda())[0].cpu().numpy().ravel()
         diff = float(np.abs(got - ref).max())
         _, state = m(host_frame.cuda()) if kind in GATES else m(host_frame.cuda(), m.init_state())
+        graphs = {}
+        try:
+            static_win, static_frame = host_win.cuda(), host_frame.cuda()
+            gw, out_w = graphed(lambda x: m(x)[0], static_win)
+            gf, out_f = graphed(lambda x: m(x, state)[0], static_frame)
+            gdiff = float(np.abs(replay(gw, static_win, out_w, host_win).numpy().ravel() - ref).max())
+            graphs = {"window": lambda: replay(gw, static_win, out_w, host_win),
+                      "frame": lambda: replay(gf, static_frame, out_f, host_frame)}
+        except Exception as e:  # report, keep the eager rows
+            print(f"{kind}: CUDA graph capture failed: {e}")
+            gdiff = float("nan")
         for mode, fn in [("window", lambda: m(host_win.cuda())[0].cpu()),
                          ("frame", lambda: m(host_frame.cuda(), state)[0].cpu())]:
             t = wall_ms(fn, warm=20, rep=300) * 1e3
+            tg = wall_ms(graphs[mode], warm=20, rep=300) * 1e3 if mode in graphs else float("nan")
             r = ours.get((f"backbone {kind} {mode}", "cuda"))
             mine = r["median_ms"] * 1e3 if r else float("nan")
-            print(json.dumps(dict(case=f"backbone {kind} {mode}", ours_us=mine, torch_us=t, ratio=t / mine, max_abs_diff=diff)))
-            print(f"{kind + ' ' + mode:24} {mine:9.1f} us {t:9.1f} us {t / mine:6.2f}x   {diff:.2e}")
+            print(json.dumps(dict(case=f"backbone {kind} {mode}", ours_us=mine, torch_us=t, torch_graph_us=tg,
+                                  ratio=t / mine, graph_ratio=tg / mine, max_abs_diff=diff, graph_max_abs_diff=gdiff)))
+            print(f"{kind + ' ' + mode:24} {mine:9.1f} us {t:9.1f} us {tg:9.1f} us {t / mine:9.2f}x {tg / mine:9.2f}x   {diff:.2e}, {gdiff:.2e}")

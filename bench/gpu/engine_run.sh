@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The backbone engine on a GPU, in one call of about 6 minutes: the backbone ExUnit tests with
+# :cuda (engine vs CPU engine vs Axon/Nx where carried, streaming vs window, batch rows, one
+# NIF call per predict/step), the backbone rows of `mix bench` (300 runs), the PyTorch eager
+# and CUDA-graph side by side, and the concurrency rows (1/2/4/8 processes, own engines).
+#
+# Here:  bash bench/gpu/harness build
+# There: bash bench/gpu/engine_run.sh     (carry .gpu, _build, priv/native; logs/JSON to $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-$PWD/.gpu/out}
+mkdir -p "$out"
+# shellcheck source=bench/gpu/erlang.sh
+source bench/gpu/erlang.sh
+erlang_here
+export FUSED_KERNELS_SKIP_NIF=1 FUSED_KERNELS_REQUIRE_GPU=1 MIX_ENV=test
+export FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache FUSED_KERNELS_EXPORT_DIR=/tmp/fk-export
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null; fi
+status=0
+echo "== ExUnit: backbones (:cuda included)"
+timeout 240 mix test --include cuda test/backbone_engine_test.exs test/backbone_test.exs \
+  test/backbone_axon_test.exs 2>&1 | tee "$out/engine_exunit.log" | grep -vE '^\s*$' | tail -25 || status=1
+echo "== mix bench: backbone rows"
+timeout 150 mix bench --only backbone --backend cuda --runs 300 --json "$out/bench.json" 2>&1 |
+  tee "$out/bench.log" | tail -32 || status=1
+echo "== PyTorch eager and CUDA graph"
+timeout 90 python3 bench/gpu/side_backbone.py "$out/bench.json" 2>&1 | tee "$out/side.log" || status=1
+echo "== concurrency"
+timeout 60 mix run bench/backbone_concurrency.exs cuda "$out/concurrency.json" 2>&1 |
+  tee "$out/concurrency.log" || status=1
+exit $status
