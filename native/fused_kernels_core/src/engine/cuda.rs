@@ -93,7 +93,7 @@ impl CudaEngine {
         Plan::build(spec.clone(), params.clone())?;
         let gpu = cuda::gpu(ordinal)?;
         let weights = params
-            .into_iter()
+            .into_tensors()
             .map(|(name, (shape, v))| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
             .collect::<Result<HashMap<_, _>>>()?;
         let d = spec.head_dim;

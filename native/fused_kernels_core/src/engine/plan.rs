@@ -106,7 +106,7 @@ impl Spec {
 
     /// Whether layer `l` (1-based) of a Jamba backbone is an attention layer.
     pub fn jamba_attention(&self, l: usize) -> bool {
-        l % self.attn_every == 0
+        l.is_multiple_of(self.attn_every)
     }
 
     pub fn inner(&self) -> usize {
@@ -129,7 +129,7 @@ impl Params {
     }
 
     /// Every tensor by name, consuming the params.
-    pub fn into_iter(self) -> impl Iterator<Item = (String, (Vec<usize>, Vec<f32>))> {
+    pub fn into_tensors(self) -> impl Iterator<Item = (String, (Vec<usize>, Vec<f32>))> {
         self.0.into_iter()
     }
 
