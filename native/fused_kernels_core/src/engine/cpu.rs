@@ -2,6 +2,7 @@
 //! f32 kernels that allocate nothing. Reductions (norm statistics) in f64; products in f32.
 
 use super::plan::{Act, MambaOp, Op, Plan, Size};
+use crate::error::Result;
 use crate::ops::dense::erf;
 use crate::ops::rnn::Cell;
 
@@ -23,29 +24,26 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    /// `None` when a size overflows `MAX_FLOATS`.
-    pub fn new(plan: &Plan, batch: usize, seq: usize) -> Option<Workspace> {
-        let rows = batch.checked_mul(seq)?;
+    /// Argument error when a size overflows, `OutOfMemory` when the host has not the memory.
+    pub fn new(plan: &Plan, batch: usize, seq: usize) -> Result<Workspace> {
+        let rows = batch.checked_mul(seq);
         let bufs = plan
             .buffers
             .iter()
             .map(|s| {
                 let n = match *s {
-                    Size::PerRow(w) => w.checked_mul(rows)?,
-                    Size::Fixed(n) => n,
+                    Size::PerRow(w) => rows.and_then(|r| w.checked_mul(r)),
+                    Size::Fixed(n) => Some(n),
                 };
-                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
+                super::zeroed(n, "window")
             })
-            .collect::<Option<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?;
         let window_slots = plan
             .slots
             .iter()
-            .map(|&w| {
-                let n = w.checked_mul(batch)?;
-                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
-            })
-            .collect::<Option<Vec<_>>>()?;
-        Some(Workspace {
+            .map(|&w| super::zeroed(w.checked_mul(batch), "batch"))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Workspace {
             batch,
             seq,
             bufs,

@@ -22,6 +22,25 @@ use std::sync::Mutex;
 /// argument errors before allocating.
 pub const MAX_FLOATS: usize = 1 << 32;
 
+/// `n` zeros (`None`: overflowed while sizing). Sizes over `MAX_FLOATS` are argument errors
+/// and an allocation the host cannot make is `OutOfMemory`: it must come back as an error,
+/// not abort the VM.
+pub(crate) fn zeroed(n: Option<usize>, what: &str) -> Result<Vec<f32>> {
+    let n = n.filter(|&n| n <= MAX_FLOATS).ok_or_else(|| {
+        arg_error(format!(
+            "{what}: too large (over {MAX_FLOATS} values in one buffer); use a smaller batch or window"
+        ))
+    })?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::OutOfMemory(format!(
+            "{what}: {n} values do not fit in host memory; use a smaller batch or window"
+        ))
+    })?;
+    v.resize(n, 0.0);
+    Ok(v)
+}
+
 pub struct Engine {
     pub plan: Plan,
     /// One workspace per (batch, seq) shape seen, created on the first call of that shape.
@@ -61,12 +80,7 @@ impl Engine {
         let i = match wss.iter().position(|w| w.batch == batch && w.seq == seq) {
             Some(i) => i,
             None => {
-                let ws = Workspace::new(&self.plan, batch, seq).ok_or_else(|| {
-                    arg_error(format!(
-                        "a {{{batch}, {seq}, {}}} input needs buffers too large to allocate",
-                        self.embed()
-                    ))
-                })?;
+                let ws = Workspace::new(&self.plan, batch, seq)?;
                 wss.push(ws);
                 wss.len() - 1
             }

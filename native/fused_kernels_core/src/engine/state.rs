@@ -20,17 +20,7 @@ impl State {
         let slots = plan
             .slots
             .iter()
-            .map(|&per_row| {
-                per_row
-                    .checked_mul(batch)
-                    .filter(|&n| n <= super::MAX_FLOATS)
-                    .map(|n| vec![0.0f32; n])
-                    .ok_or_else(|| {
-                        arg_error(format!(
-                            "batch {batch} needs a state too large to allocate; use a smaller batch"
-                        ))
-                    })
-            })
+            .map(|&per_row| super::zeroed(per_row.checked_mul(batch), "batch"))
             .collect::<Result<Vec<_>>>()?;
         Ok(State {
             batch,
