@@ -4,12 +4,16 @@ defmodule FusedKernels.Backbone do
   `FusedKernels.Backbone.Spec`):
 
     * as an Axon model: `FusedKernels.Backbone.AxonModel.build(spec)` (train it, compare);
-    * `load(spec, params, opts)` → a handle whose weights live where the backend computes
-      (GPU buffers for `:cuda`, host tensors for `:cpu`, Nx tensors for `:nx`), and
-      `predict(handle, window)`: the whole `{batch, window, embed}` forward, layer outputs
-      staying on the device between layers, returning the last position `{batch, hidden}`;
+    * `load(spec, params, opts)` → a handle. On `:cpu` and `:cuda` it holds a native engine
+      built once (weights converted, packed and placed where the backend computes); on `:nx`
+      Nx tensors (the pure-Nx reference);
+    * `predict(handle, window)`: the whole `{batch, window, embed}` forward in one native
+      call, returning the last position `{batch, hidden}`;
     * `init_state(handle, batch)` / `step(handle, state, frame)` → `{output, state}`: one
-      `{batch, embed}` frame in, recurrent state kept on the device.
+      `{batch, embed}` frame in one native call. A native state is a resource that `step`
+      advances in place (the state returned is the one passed in; stepping an older copy
+      continues the same stream); `reset(handle, state)` starts it over. On `:nx` states are
+      values.
 
   Native handles need no Nx: windows and frames may be `{binary, shape, type}` triples and
   results come back as triples (Nx tensors in give Nx tensors out).
