@@ -4,6 +4,7 @@ defmodule FusedKernels.BackboneEngineTest do
   # errors. (Engine vs composed ops: native/fused_kernels_core/tests/engine_cpu.rs; vs the
   # pure-Nx path and Axon: the :nx tests below and backbone_axon_test.exs.)
   use ExUnit.Case, async: false
+  import Bitwise
 
   alias FusedKernels.{Backbone, Bench, Native, TestRef}
   alias FusedKernels.Backbone.Spec
@@ -210,6 +211,58 @@ defmodule FusedKernels.BackboneEngineTest do
         Backbone.step(h, %{count: 0, layers: [{:mamba, f, f}]}, f)
       end
     end
+  end
+
+  test "the engine NIFs answer junk with error tuples" do
+    spec = small(:jamba)
+    h = Backbone.load(spec, Backbone.random_params(spec, 7), backend: :cpu)
+    state = Backbone.init_state(h, 2)
+    win = Bench.random_triple({2, 3, spec.embed}, {:f, 32})
+    map = Map.from_struct(spec)
+
+    junk = [
+      nil,
+      :atom,
+      -1,
+      1.5,
+      make_ref(),
+      self(),
+      "bin",
+      [1 | 2],
+      {<<0::32>>, {1, 2, 3}, {:f, 32}},
+      {<<>>, {0, 0, 288}, {:f, 32}},
+      {win |> elem(0), {2, 3, spec.embed}, {:s, 32}},
+      %{map | hidden: -3},
+      %{map | kind: :nope},
+      %{map | window: 1 <<< 40},
+      [{"input_proj/kernel", 5}],
+      123_456_789_012_345_678_901_234_567_890
+    ]
+
+    calls = [
+      fn j -> Native.engine_load(j, [], :cpu, nil) end,
+      fn j -> Native.engine_load(map, j, :cpu, nil) end,
+      fn j -> Native.engine_load(map, [], j, nil) end,
+      fn j -> Native.engine_load(map, [], :cpu, j) end,
+      fn j -> Native.engine_predict(j, win) end,
+      fn j -> Native.engine_predict(h.engine, j) end,
+      fn j -> Native.engine_init_state(h.engine, j) end,
+      fn j -> Native.engine_init_state(j, 1) end,
+      fn j -> Native.engine_step(h.engine, j, frame(win, 0)) end,
+      fn j -> Native.engine_step(h.engine, state.ref, j) end,
+      fn j -> Native.engine_step(j, state.ref, frame(win, 0)) end,
+      fn j -> Native.engine_reset(h.engine, j) end,
+      fn j -> Native.engine_reset(j, state.ref) end,
+      fn j -> Native.engine_state_info(j) end
+    ]
+
+    for call <- calls, j <- junk do
+      assert {:error, {kind, msg}} = call.(j)
+      assert kind in [:argument, :out_of_memory, :unavailable] and is_binary(msg)
+    end
+
+    # The engine still answers.
+    assert {_, {2, 32}, {:f, 32}} = Backbone.predict(h, win)
   end
 
   for kind <- Spec.kinds() do

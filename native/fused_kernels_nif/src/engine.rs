@@ -3,7 +3,7 @@
 //! state resource updated in place) are one call each. Every call that computes runs on a
 //! dirty scheduler (DirtyCpu for the CPU executor; the CUDA one waits on its results too).
 
-use crate::terms::{decode_device, decode_host, encode_dtype, encode_shape, reply};
+use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Params, Plan, Spec};
@@ -117,9 +117,7 @@ fn decode_spec(term: Term<'_>) -> Result<Spec> {
 
 /// `[{"layer/group/name", {binary, shape, type}}]` → f32 params.
 fn decode_params(term: Term<'_>) -> Result<Params> {
-    let list: Vec<Term> = term
-        .decode()
-        .map_err(|_| arg_error("params must be a list of {name, tensor}"))?;
+    let list = decode_list("params", "{name, tensor} pairs", term)?;
     let mut p = Params::new();
     for item in list {
         let parts =
