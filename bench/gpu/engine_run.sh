@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The backbone engine on a GPU, in one call of about 6 minutes: the backbone ExUnit tests with
+# The backbone engine on a GPU, in one call of about 6 minutes: the engine's Rust GPU tests,
+# the backbone ExUnit tests with
 # :cuda (engine vs CPU engine vs Axon/Nx where carried, streaming vs window, batch rows, one
 # NIF call per predict/step), the backbone rows of `mix bench` (300 runs), the PyTorch eager
 # and CUDA-graph side by side, and the concurrency rows (1/2/4/8 processes, own engines).
@@ -18,6 +19,8 @@ export FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache FUSED_KERNELS_EXPORT_DIR=/tm
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null; fi
 status=0
+echo "== Rust: the engine's GPU executor against its CPU executor"
+timeout 120 .gpu/bin/test_engine_cuda --test-threads=1 2>&1 | tee "$out/engine_rust.log" | tail -8 || status=1
 echo "== ExUnit: backbones (:cuda included)"
 timeout 240 mix test --include cuda test/backbone_engine_test.exs test/backbone_test.exs \
   test/backbone_axon_test.exs 2>&1 | tee "$out/engine_exunit.log" | grep -vE '^\s*$' | tail -25 || status=1

@@ -1,0 +1,125 @@
+//! The engine's GPU executor against its CPU executor (itself checked against the composed
+//! ops in engine_cpu.rs): every backbone's window, streamed frames against the window, batch
+//! rows against single rows, reset. Skipped without a GPU (fails with
+//! FUSED_KERNELS_REQUIRE_GPU=1).
+
+mod common;
+
+use common::{random_params, rel_l2, small, spec, to_params, Rng};
+use fused_kernels_core::cuda::gpu_for_tests;
+use fused_kernels_core::engine::cuda::CudaEngine;
+use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
+use fused_kernels_core::engine::Engine;
+
+const KINDS: [Kind; 5] = [
+    Kind::Attention,
+    Kind::Lstm,
+    Kind::Gru,
+    Kind::Mamba,
+    Kind::Jamba,
+];
+
+fn engines(s: &Spec, seed: u64) -> (Engine, CudaEngine) {
+    let named = random_params(s, seed);
+    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
+    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
+    (cpu, gpu)
+}
+
+fn cpu_predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.hidden()];
+    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
+        .unwrap();
+    out
+}
+
+fn gpu_predict(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.spec.hidden];
+    e.predict(b, t, x, &mut out).unwrap();
+    out
+}
+
+fn gpu_stream(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
+    let emb = e.spec.embed;
+    let mut st = e.new_state(b).unwrap();
+    let mut out = vec![f32::NAN; b * e.spec.hidden];
+    for i in 0..t {
+        let frame: Vec<f32> = (0..b)
+            .flat_map(|bi| x[(bi * t + i) * emb..(bi * t + i + 1) * emb].to_vec())
+            .collect();
+        e.step(&mut st, &frame, &mut out).unwrap();
+    }
+    out
+}
+
+#[test]
+fn gpu_windows_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let gru1 = Spec {
+        layers: 1,
+        ..spec(Kind::Gru)
+    };
+    let mut cases = vec![(gru1.clone(), 1, 16), (gru1, 8, 60)];
+    for kind in KINDS {
+        cases.extend([
+            (small(kind), 3, 17),
+            (small(kind), 2, 21),
+            (spec(kind), 1, 60),
+        ]);
+    }
+    for (i, (s, b, t)) in cases.into_iter().enumerate() {
+        let (cpu, gpu) = engines(&s, i as u64 + 1);
+        let x = Rng::new(i as u64 + 50).vec(b * t * s.embed, 1.0, 0.0);
+        let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &cpu_predict(&cpu, &x, b, t));
+        assert!(
+            err <= 1e-5,
+            "{:?} b{b} t{t}: gpu vs cpu rel L2 {err}",
+            s.kind
+        );
+    }
+}
+
+#[test]
+fn gpu_frames_equal_the_window_and_reset_starts_over() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = spec(kind);
+        let (_, gpu) = engines(&s, 7);
+        let (b, t) = (2, 60);
+        let x = Rng::new(8).vec(b * t * s.embed, 1.0, 0.0);
+        let err = rel_l2(&gpu_stream(&gpu, &x, b, t), &gpu_predict(&gpu, &x, b, t));
+        assert!(err <= 1e-5, "{kind:?}: streamed vs window rel L2 {err}");
+
+        let mut st = gpu.new_state(b).unwrap();
+        let frame = &x[..b * s.embed];
+        let (mut first, mut again) = (vec![0.0; b * s.hidden], vec![0.0; b * s.hidden]);
+        gpu.step(&mut st, frame, &mut first).unwrap();
+        gpu.step(&mut st, frame, &mut again).unwrap();
+        gpu.reset(&mut st).unwrap();
+        gpu.step(&mut st, frame, &mut again).unwrap();
+        assert_eq!(first, again, "{kind:?}: reset must start the stream over");
+    }
+}
+
+#[test]
+fn gpu_batch_rows_are_independent() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = small(kind);
+        let (_, gpu) = engines(&s, 11);
+        let t = 9;
+        let x = Rng::new(12).vec(8 * t * s.embed, 1.0, 0.0);
+        let all = gpu_predict(&gpu, &x, 8, t);
+        for bi in 0..8 {
+            let one = gpu_predict(&gpu, &x[bi * t * s.embed..(bi + 1) * t * s.embed], 1, t);
+            let err = rel_l2(&one, &all[bi * s.hidden..(bi + 1) * s.hidden]);
+            assert!(err <= 1e-5, "{kind:?} row {bi}: {err}");
+        }
+    }
+}
