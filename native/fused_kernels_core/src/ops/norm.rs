@@ -12,7 +12,7 @@ use crate::kernels::NORM;
 use crate::operand::{Operand, Placement, Value};
 use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,7 +150,8 @@ pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     Ok((out, residual.map(|_| s)))
 }
 
-/// Launches the norm on raw addresses (the Mamba block uses the f32-output variant).
+/// Launches the norm on raw addresses (the Mamba block uses the f32-output variant), on the
+/// device's stream.
 #[allow(clippy::too_many_arguments)]
 pub fn launch(
     gpu: &Arc<Gpu>,
@@ -161,6 +162,23 @@ pub fn launch(
     eps: f32,
 ) -> Result<()> {
     let f = gpu.function(&NORM, name)?;
+    launch_on(&gpu.stream, &f, name, args, rows, cols, eps)
+}
+
+/// The launch layer: the norm kernel `f` (looked up once by the caller as `name`) on `stream`
+/// with raw addresses `(x, residual, weight, bias, y, sum)` (0 where unused). Takes no lock,
+/// so callers that cache `f` and own `stream` (the backbone engine) launch without touching
+/// the device's module map.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    args: (u64, u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<()> {
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(4) as u32, 1, 1),
         block_dim: (128, 1, 1),
@@ -168,7 +186,7 @@ pub fn launch(
     };
     let (rows, cols) = (rows as i64, cols as i32);
     let (x, r, w, b, y, s) = args;
-    let mut l = gpu.stream.launch_builder(&f);
+    let mut l = stream.launch_builder(f);
     if name.starts_with("layer_norm_f32out") {
         l.arg(&x).arg(&w).arg(&b).arg(&y);
     } else if name.starts_with("layer_norm") {
@@ -177,6 +195,8 @@ pub fn launch(
         l.arg(&x).arg(&r).arg(&w).arg(&y).arg(&s);
     }
     l.arg(&rows).arg(&cols).arg(&eps);
+    // Safety: the arguments are the kernel's parameters in order; the addresses are the
+    // caller's, alive in `stream` order.
     unsafe { l.launch(cfg) }?;
     Ok(())
 }
