@@ -11,7 +11,7 @@ use crate::error::{arg_error, Result};
 use crate::kernels::STREAM_STATE;
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{checked_numel, fmt_shape, OwnedTensor};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 /// `(batch, window, width)` of a shift-append: cache `{batch, window, ...}`, row with
 /// `batch * width` elements whose first axis is batch (e.g. `{batch, 1, width}`).
@@ -84,20 +84,35 @@ pub fn shift_append(
                 DType::F64 => return Err(arg_error("cache: f64 is CPU-only")),
             };
             let f = gpu.function(&STREAM_STATE, name)?;
-            let n = batch * window * width;
-            let (pc, pr, po) = (ptr(&c), ptr(&r), ptr(&out));
-            let (b, w, wd) = (batch as i32, window as i32, width as i32);
-            let mut l = gpu.stream.launch_builder(&f);
-            l.arg(&pc).arg(&pr).arg(&po).arg(&b).arg(&w).arg(&wd);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            unsafe { l.launch(cfg) }?;
+            let addrs = (ptr(&c), ptr(&r), ptr(&out));
+            shift_append_on(&gpu.stream, &f, addrs, (batch, window, width))?;
             Value::from_device(out, placement)
         }
     }
+}
+
+/// The launch layer: shift-append kernel `f` (`stream_shift_append_w4` for f32, `_w2` for
+/// 16-bit types, looked up once by the caller) on `stream` with raw addresses
+/// `(cache, row, out)`; `out` may not alias `cache`. Takes no lock.
+pub fn shift_append_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    (cache, row, out): (u64, u64, u64),
+    (batch, window, width): (usize, usize, usize),
+) -> Result<()> {
+    let n = batch * window * width;
+    let (b, w, wd) = (batch as i32, window as i32, width as i32);
+    let mut l = stream.launch_builder(f);
+    l.arg(&cache).arg(&row).arg(&out).arg(&b).arg(&w).arg(&wd);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Safety: the kernel's parameters in order; the addresses are the caller's, alive in
+    // `stream` order.
+    unsafe { l.launch(cfg) }?;
+    Ok(())
 }
 
 fn host_only(placement: Placement) -> Result<()> {
