@@ -5,14 +5,16 @@
 //! A query row that sees no key outputs zeros and has lse = +inf (as FlashAttention does, so
 //! that `exp(s - lse)` is 0).
 
-use crate::cuda::{self, DeviceTensor};
+use crate::cuda::gemm::ptr;
+use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::FLASH_ATTENTION;
 use crate::operand::{Operand, Placement, Value};
 use crate::parallel::CPU_THREADS;
 use crate::tensor::{fmt_shape, HostTensor, OwnedTensor};
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 use super::Backend;
 
@@ -593,10 +595,31 @@ pub fn launch(
     plan: &Plan,
 ) -> Result<()> {
     let gpu = q.gpu.clone();
+    let f = function(&gpu, plan)?;
+    let addrs = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse));
+    launch_on(&gpu.stream, &f, g, addrs, p, plan)
+}
+
+/// The kernel `plan` names, ready to launch (its dynamic shared memory allowed); callers of
+/// `launch_on` look it up once.
+pub fn function(gpu: &Arc<Gpu>, plan: &Plan) -> Result<CudaFunction> {
     let f = gpu.function(&FLASH_ATTENTION, &plan.function)?;
     if plan.shared_bytes > 48 * 1024 {
         crate::cuda::smem::allow_dynamic_smem(&f, plan.shared_bytes)?;
     }
+    Ok(f)
+}
+
+/// The launch layer: kernel `f` (from `function` for `plan`) on `stream` with raw addresses
+/// `(q, k, v, out, lse)` laid out as `g` says. Takes no lock.
+pub fn launch_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    g: &Geometry,
+    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
+    p: Params,
+    plan: &Plan,
+) -> Result<()> {
     let (qs, ks) = (g.q_strides(), g.k_strides());
     let (left, right) = p.bounds();
     // Windows wider than any sequence are unbounded; this keeps them in i32.
@@ -636,14 +659,16 @@ pub fn launch(
         block_dim: (128, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
-    let mut launch = gpu.stream.launch_builder(&f);
+    let mut launch = stream.launch_builder(f);
     launch
-        .arg(q.slice())
-        .arg(k.slice())
-        .arg(v.slice())
-        .arg(out.slice_mut())
-        .arg(lse.slice_mut())
+        .arg(&q)
+        .arg(&k)
+        .arg(&v)
+        .arg(&out)
+        .arg(&lse)
         .arg(&args);
+    // Safety: the kernel's parameters in order (five device pointers, then the by-value
+    // argument struct); the addresses are the caller's, alive in `stream` order.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
