@@ -1,11 +1,18 @@
 //! Kernel timing of ops::dense with CUDA events (cuda::timing::time_calls), operands already
 //! on the GPU: the "ours" column of bench/gpu/side_dense.py, which times PyTorch's unfused
-//! sequence the same way in the same run. Not a test: run on the GPU with
-//! `core_tests dense_kernel_timings --ignored --nocapture` (FK_DENSE_BENCH_JSON=path writes
-//! the rows as JSON).
+//! sequence the same way in the same run. Usage: dense [--json FILE] (FILE gets the rows
+//! with the device name as one JSON document).
 
-use super::*;
-use crate::cuda::timing::time_calls;
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use fused_kernels_core::cuda::timing::time_calls;
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::ops::dense::*;
+use fused_kernels_core::DType;
+use support::cli::Cli;
+use support::dense::*;
+use support::{gpu_for_tests, Rng};
 
 /// (case, kind, activation, residual, x shape, n, type); every case has its biases.
 type Case = (
@@ -122,15 +129,14 @@ fn cases() -> Vec<Case> {
     v
 }
 
-#[test]
-#[ignore = "benchmark: run on the GPU with --ignored --nocapture"]
-fn dense_kernel_timings() {
+fn main() {
+    let json = Cli::from_env().value::<String>("--json");
     let Some(gpu) = gpu_for_tests() else { return };
     let sms = gpu.multiprocessors().unwrap() as usize;
     let mut rows = Vec::new();
     let mut rng = Rng::new(17);
     for (name, kind, act, residual, xs, n, dt) in cases() {
-        let mut c = super::case(&mut rng, kind, &xs, n, dt, true);
+        let mut c = case(&mut rng, kind, &xs, n, dt, true);
         if !residual {
             c.bytes.residual = None;
         }
@@ -140,7 +146,10 @@ fn dense_kernel_timings() {
             .unwrap();
         let refs = d.try_map(kind, |_, t| Ok(t)).unwrap();
         let p = Params::new(kind, act, 1e-5).unwrap();
-        let g = geometry(&p, &shapes(kind, &h, |t| (t.shape.clone(), t.dtype))).unwrap();
+        let shapes = h
+            .try_map(kind, |_, t| Ok((t.shape.clone(), t.dtype)))
+            .unwrap();
+        let g = geometry(&p, &shapes).unwrap();
         let plan = plan(&g, &p, dt, gpu.compute_capability, sms, true).unwrap();
         let mut out = DeviceTensor::uninit(&gpu, g.out_shape.clone(), dt).unwrap();
         let big = g.m * g.k * g.n > 1 << 30;
@@ -166,7 +175,7 @@ fn dense_kernel_timings() {
         println!("{row}");
         rows.push(row);
     }
-    if let Ok(path) = std::env::var("FK_DENSE_BENCH_JSON") {
+    if let Some(path) = json {
         let json = format!(
             "{{\"device\":\"{}\",\"kernels\":[\n{}\n]}}\n",
             gpu.name,
