@@ -34,7 +34,7 @@ impl Workspace {
                     Size::PerRow(w) => w.checked_mul(rows)?,
                     Size::Fixed(n) => n,
                 };
-                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
+                (n <= super::plan::MAX_FLOATS).then(|| vec![0.0f32; n])
             })
             .collect::<Option<Vec<_>>>()?;
         let window_slots = plan
@@ -42,7 +42,7 @@ impl Workspace {
             .iter()
             .map(|&w| {
                 let n = w.checked_mul(batch)?;
-                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
+                (n <= super::plan::MAX_FLOATS).then(|| vec![0.0f32; n])
             })
             .collect::<Option<Vec<_>>>()?;
         Some(Workspace {

@@ -17,9 +17,7 @@ use plan::Plan;
 use state::State;
 use std::sync::Mutex;
 
-/// The most floats one buffer may hold (16 GiB of f32); larger requests are refused as
-/// argument errors before allocating.
-pub const MAX_FLOATS: usize = 1 << 32;
+pub use plan::MAX_FLOATS;
 
 pub struct Engine {
     pub plan: Plan,

@@ -8,6 +8,10 @@ use crate::ops::rnn::Cell;
 use crate::tensor::fmt_shape;
 use std::collections::HashMap;
 
+/// The most floats one buffer may hold (16 GiB of f32); larger requests are refused as
+/// argument errors before allocating.
+pub const MAX_FLOATS: usize = 1 << 32;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Attention,
@@ -106,7 +110,7 @@ impl Spec {
 
     /// Whether layer `l` (1-based) of a Jamba backbone is an attention layer.
     pub fn jamba_attention(&self, l: usize) -> bool {
-        l % self.attn_every == 0
+        l.is_multiple_of(self.attn_every)
     }
 
     pub fn inner(&self) -> usize {

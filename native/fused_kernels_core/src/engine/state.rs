@@ -23,7 +23,7 @@ impl State {
             .map(|&per_row| {
                 per_row
                     .checked_mul(batch)
-                    .filter(|&n| n <= super::MAX_FLOATS)
+                    .filter(|&n| n <= super::plan::MAX_FLOATS)
                     .map(|n| vec![0.0f32; n])
                     .ok_or_else(|| {
                         arg_error(format!(

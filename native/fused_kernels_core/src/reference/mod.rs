@@ -4,4 +4,6 @@
 
 pub mod dense;
 pub mod flash_attention;
+pub mod mamba_block;
 pub mod rnn;
+pub mod scaled_softmax;
