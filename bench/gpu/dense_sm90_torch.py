@@ -1,4 +1,4 @@
-"""PyTorch side by side with `core_tests bench_dense_sm90` (the Hopper wgmma dense kernel):
+"""PyTorch side by side with `bench_dense_sm90 --json FILE` (the Hopper wgmma dense kernel):
 the same 4096³ bf16 cases, timed with CUDA events (median after warm-up, bench/gpu/timing.py
 event_ms), inputs already on the GPU. Per case: PyTorch eager's unfused sequence (cuBLAS
 matmul, then separate bias / activation / residual / norm ops, what a user writes without our

@@ -9,7 +9,7 @@ operands read once + output written once; "saved" = 1 - fused / unfused.
 
 Usage: python3 bench/gpu/side_dense.py BENCH_JSON   (mix bench rows: wall clock, as above)
        python3 bench/gpu/side_dense.py KERNELS_JSON [OUT_JSON]
-  KERNELS_JSON comes from `core_tests dense_kernel_timings --ignored` (FK_DENSE_BENCH_JSON):
+  KERNELS_JSON comes from `bench_dense --json FILE` (benches/dense.rs):
   our kernels timed with CUDA events (cuda::timing::time_calls), operands on the GPU. PyTorch's
   unfused sequence is timed with events too (timing.event_ms): kernel against kernel, no
   Elixir call overhead on either side. Speedup = torch events median / ours events median."""

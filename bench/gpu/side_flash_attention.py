@@ -1,7 +1,7 @@
 """PyTorch SDPA side by side with our flash_attention kernel, same shapes, same device, same run.
 
-Our kernel times come from the Rust bench (`core_tests bench_kernels --ignored`, JSON in
-$FA_BENCH_JSON, default fa_kernels.json beside BENCH_JSON): CUDA events around one call,
+Our kernel times come from the Rust bench (`bench_flash_attention --json FILE`,
+benches/flash_attention.rs; FILE is $FA_BENCH_JSON, default fa_kernels.json beside BENCH_JSON): CUDA events around one call,
 median after warm-up, rotating among input sets. SDPA is timed the same way here, per backend
 (flash, cuDNN, efficient; f32 only has 'efficient' and 'math'). Whole calls from Elixir (host
 tensors in and out) come from mix bench's `cuda` rows in BENCH_JSON.

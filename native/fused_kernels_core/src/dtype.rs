@@ -127,38 +127,3 @@ pub fn encode_f64(values: &[f64], dtype: DType) -> Vec<u8> {
         other => encode_f32(&values.iter().map(|v| *v as f32).collect::<Vec<_>>(), other),
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn round_trips_every_type() {
-        let vals = [1.0f32, -2.5, 0.15625, 65504.0, -0.0];
-        for dt in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-            let back = decode_f32(&encode_f32(&vals, dt), dt);
-            for (a, b) in vals.iter().zip(&back) {
-                let tol = if dt == DType::BF16 {
-                    1e-2 * a.abs()
-                } else {
-                    0.0
-                };
-                assert!((a - b).abs() <= tol, "{dt:?}: {a} -> {b}");
-            }
-        }
-    }
-
-    #[test]
-    fn bf16_rounds_to_nearest_even() {
-        // 1 + 2^-8 sits halfway between two bf16 values; ties go to the even one (1.0).
-        let bytes = encode_f32(&[1.0 + 1.0 / 256.0], DType::BF16);
-        assert_eq!(u16::from_le_bytes([bytes[0], bytes[1]]), 0x3f80);
-    }
-
-    #[test]
-    fn rejects_unknown_types() {
-        assert!(DType::from_nx("s", 32).is_err());
-        assert!(DType::from_nx("f", 8).is_err());
-        assert_eq!(DType::from_nx("bf", 16).unwrap(), DType::BF16);
-    }
-}

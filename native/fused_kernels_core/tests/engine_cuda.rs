@@ -4,9 +4,10 @@
 //! FUSED_KERNELS_REQUIRE_GPU=1).
 
 mod common;
+mod support;
 
 use common::{random_params, rel_l2, small, spec, to_params, Rng};
-use fused_kernels_core::cuda::gpu_for_tests;
+use support::gpu_for_tests;
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;

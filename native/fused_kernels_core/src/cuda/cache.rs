@@ -108,28 +108,3 @@ impl Stats {
         )
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn key_changes_with_source_arch_and_nvrtc() {
-        let a = entry_path("k", "src", "sm_90", (13, 0));
-        assert_ne!(a, entry_path("k", "src2", "sm_90", (13, 0)));
-        assert_ne!(a, entry_path("k", "src", "sm_80", (13, 0)));
-        assert_ne!(a, entry_path("k", "src", "sm_90", (13, 1)));
-        assert_eq!(a, entry_path("k", "src", "sm_90", (13, 0)));
-        assert_ne!(fnv1a128(&[b"ab", b"c"]), fnv1a128(&[b"a", b"bc"]));
-    }
-
-    #[test]
-    fn writes_atomically_and_reads_back() {
-        let dir = std::env::temp_dir().join(format!("fk-cache-test-{}", std::process::id()));
-        let p = dir.join("x.cubin");
-        write(&p, b"abc").unwrap();
-        assert_eq!(read(&p).unwrap(), b"abc");
-        assert!(read(&dir.join("missing")).is_none());
-        std::fs::remove_dir_all(dir).unwrap();
-    }
-}

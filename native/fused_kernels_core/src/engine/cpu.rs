@@ -35,13 +35,13 @@ impl Workspace {
                     Size::PerRow(w) => rows.and_then(|r| w.checked_mul(r)),
                     Size::Fixed(n) => Some(n),
                 };
-                super::zeroed(n, "window")
+                super::plan::zeroed(n, "window")
             })
             .collect::<Result<Vec<_>>>()?;
         let window_slots = plan
             .slots
             .iter()
-            .map(|&w| super::zeroed(w.checked_mul(batch), "batch"))
+            .map(|&w| super::plan::zeroed(w.checked_mul(batch), "batch"))
             .collect::<Result<Vec<_>>>()?;
         Ok(Workspace {
             batch,

@@ -18,28 +18,7 @@ use plan::Plan;
 use state::State;
 use std::sync::Mutex;
 
-/// The most floats one buffer may hold (16 GiB of f32); larger requests are refused as
-/// argument errors before allocating.
-pub const MAX_FLOATS: usize = 1 << 32;
-
-/// `n` zeros (`None`: overflowed while sizing). Sizes over `MAX_FLOATS` are argument errors
-/// and an allocation the host cannot make is `OutOfMemory`: it must come back as an error,
-/// not abort the VM.
-pub(crate) fn zeroed(n: Option<usize>, what: &str) -> Result<Vec<f32>> {
-    let n = n.filter(|&n| n <= MAX_FLOATS).ok_or_else(|| {
-        arg_error(format!(
-            "{what}: too large (over {MAX_FLOATS} values in one buffer); use a smaller batch or window"
-        ))
-    })?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
-        Error::OutOfMemory(format!(
-            "{what}: {n} values do not fit in host memory; use a smaller batch or window"
-        ))
-    })?;
-    v.resize(n, 0.0);
-    Ok(v)
-}
+pub use plan::MAX_FLOATS;
 
 pub struct Engine {
     pub plan: Plan,

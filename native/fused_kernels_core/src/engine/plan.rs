@@ -8,6 +8,10 @@ use crate::ops::rnn::Cell;
 use crate::tensor::fmt_shape;
 use std::collections::HashMap;
 
+/// The most floats one buffer may hold (16 GiB of f32); larger requests are refused as
+/// argument errors before allocating.
+pub const MAX_FLOATS: usize = 1 << 32;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Attention,
@@ -629,4 +633,16 @@ impl Plan {
             output: x,
         })
     }
+}
+
+/// `n` zeros (`None`: overflowed while sizing). Sizes over `MAX_FLOATS` are argument errors
+/// and an allocation the host cannot make is `OutOfMemory` (through `crate::alloc`): it must
+/// come back as an error, not abort the VM.
+pub(crate) fn zeroed(n: Option<usize>, what: &str) -> crate::error::Result<Vec<f32>> {
+    let n = n.filter(|&n| n <= MAX_FLOATS).ok_or_else(|| {
+        crate::error::arg_error(format!(
+            "{what}: too large (over {MAX_FLOATS} values in one buffer); use a smaller batch or window"
+        ))
+    })?;
+    crate::alloc::try_vec(what, n, 0.0)
 }

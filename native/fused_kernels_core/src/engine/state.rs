@@ -20,7 +20,7 @@ impl State {
         let slots = plan
             .slots
             .iter()
-            .map(|&per_row| super::zeroed(per_row.checked_mul(batch), "batch"))
+            .map(|&per_row| super::plan::zeroed(per_row.checked_mul(batch), "batch"))
             .collect::<Result<Vec<_>>>()?;
         Ok(State {
             batch,

@@ -293,7 +293,7 @@ pub(crate) fn shapes<O>(
 }
 
 /// One normalised row of x in f64 (the CPU path and the reference share only this formula).
-fn norm_row(xr: &[f64], p: &Params, g: Option<&[f64]>, b: Option<&[f64]>) -> Vec<f64> {
+pub(crate) fn norm_row(xr: &[f64], p: &Params, g: Option<&[f64]>, b: Option<&[f64]>) -> Vec<f64> {
     let k = xr.len() as f64;
     let mean = if p.kind == Kind::LayerNormDense {
         xr.iter().sum::<f64>() / k
@@ -311,7 +311,7 @@ fn norm_row(xr: &[f64], p: &Params, g: Option<&[f64]>, b: Option<&[f64]>) -> Vec
         .collect()
 }
 
-fn epilogue(p: &Params, acc: f64, up: f64, bias: f64, bias_up: f64, res: f64) -> f64 {
+pub(crate) fn epilogue(p: &Params, acc: f64, up: f64, bias: f64, bias_up: f64, res: f64) -> f64 {
     let v = if p.kind == Kind::Swiglu {
         let g = acc + bias;
         g / (1.0 + (-g).exp()) * (up + bias_up)
@@ -450,64 +450,6 @@ pub fn run(
     }
 }
 
-/// f64 reference for tests: the products `norm(x) · W` (and `· W_up`) of the given rows.
-pub fn reference_products(
-    o: &Operands<Vec<f64>>,
-    g: &Geometry,
-    p: &Params,
-    rows: &[usize],
-) -> (Vec<f64>, Vec<f64>) {
-    let (k, n) = (g.k, g.n);
-    let mut acc = vec![0.0; rows.len() * n];
-    let mut up = vec![0.0; rows.len() * n];
-    for (ri, &row) in rows.iter().enumerate() {
-        let xr = &o.x[row * k..(row + 1) * k];
-        let a = if p.kind.norm() > 0 {
-            norm_row(xr, p, o.gamma.as_deref(), o.beta.as_deref())
-        } else {
-            xr.to_vec()
-        };
-        for j in 0..n {
-            let dot = |w: &[f64]| (0..k).map(|i| a[i] * w[i * n + j]).sum::<f64>();
-            acc[ri * n + j] = dot(&o.kernel);
-            if let Some(wu) = &o.kernel_up {
-                up[ri * n + j] = dot(wu);
-            }
-        }
-    }
-    (acc, up)
-}
-
-/// f64 reference for tests: the outputs of the given rows from their products.
-pub fn reference_epilogue(
-    o: &Operands<Vec<f64>>,
-    g: &Geometry,
-    p: &Params,
-    rows: &[usize],
-    products: &(Vec<f64>, Vec<f64>),
-) -> Vec<f64> {
-    let n = g.n;
-    let mut out = vec![0.0; rows.len() * n];
-    for (ri, &row) in rows.iter().enumerate() {
-        for j in 0..n {
-            let at = |v: &Option<Vec<f64>>, i: usize| v.as_ref().map_or(0.0, |v| v[i]);
-            out[ri * n + j] = epilogue(
-                p,
-                products.0[ri * n + j],
-                products.1[ri * n + j],
-                at(&o.bias, j),
-                at(&o.bias_up, j),
-                at(&o.residual, row * n + j),
-            );
-        }
-    }
-    out
-}
-
 #[path = "dense_cuda.rs"]
 mod cuda_path;
 pub use cuda_path::{cuda, launch, plan, Plan};
-
-#[cfg(test)]
-#[path = "dense_tests.rs"]
-mod tests;

@@ -193,7 +193,3 @@ pub fn cuda(
     drop(stats);
     Ok(())
 }
-
-#[cfg(test)]
-#[path = "dense_sm90_tests.rs"]
-mod tests;

@@ -628,7 +628,7 @@ pub fn launch(
     let fits = |c: usize| smem_for(c) <= budget;
     // A wide launch that fits in one wave of two blocks per SM takes long chunks in a 2-stage
     // ring (fewer barriers and copy set-ups per step); a longer one 32-step chunks in 3 stages,
-    // at which three blocks fit per SM. Measured (bench/RESULTS.md, session 5): B8 D2048 L4096
+    // at which three blocks fit per SM. Measured (bench/RESULTS.md, "selective scan"): B8 D2048 L4096
     // on an H200 418 µs at 48 steps (3 stages) vs 425 at 32, on an H100 408.6 µs at 80 steps
     // (2 stages) vs 420.4 at 48 (3 stages); B32 D4096 L1024 on an H200 829 µs at 48 (2 blocks
     // per SM) vs 774 at 32 (3 per SM). (88 steps measured within noise of 80 and fits fewer

@@ -2,4 +2,8 @@
 //! benchmarks compare every backend with them. Not the product: compiled for tests and under
 //! the `reference` feature only.
 
+pub mod dense;
+pub mod flash_attention;
+pub mod mamba_block;
 pub mod rnn;
+pub mod scaled_softmax;

@@ -4,6 +4,9 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 pub mod cli;
+pub mod dense;
+pub mod dense_sm90;
+pub mod flash_attention;
 pub mod rnn;
 pub mod selective_scan;
 

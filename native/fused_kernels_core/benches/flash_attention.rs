@@ -1,0 +1,106 @@
+//! Kernel timing for bench/gpu/side_flash_attention.py: CUDA events, median after warm-up,
+//! rotating among input sets; what `plan` picks and the alternatives it passed over. Prints
+//! one JSON object per shape. Usage: flash_attention [--json FILE] (FILE gets them all as
+//! one JSON array).
+
+#![allow(clippy::type_complexity)]
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use fused_kernels_core::cuda::timing::time_calls;
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::dtype::encode_f64;
+use fused_kernels_core::ops::flash_attention::*;
+use fused_kernels_core::{DType, HostTensor};
+use support::cli::Cli;
+use support::{gpu_for_tests, Rng};
+
+fn main() {
+    let json = Cli::from_env().value::<String>("--json");
+    let Some(gpu) = gpu_for_tests() else { return };
+    // (name, b, h, kvh, s, d, dtype, causal)
+    let shapes: &[(&str, usize, usize, usize, usize, usize, DType, bool)] = &[
+        ("a_f32", 1, 4, 4, 60, 64, DType::F32, true),
+        ("a_bf16", 1, 4, 4, 60, 64, DType::BF16, true),
+        ("b_f16", 1, 8, 8, 512, 64, DType::F16, false),
+        ("c_bf16", 4, 16, 16, 4096, 128, DType::BF16, false),
+        ("c_bf16_causal", 4, 16, 16, 4096, 128, DType::BF16, true),
+        ("d_f16", 8, 16, 16, 4096, 64, DType::F16, false),
+    ];
+    let mut lines = Vec::new();
+    let mut rng = Rng::new(17);
+    for &(name, b, h, kvh, s, d, dt, causal) in shapes {
+        let n_q = b * s * h * d;
+        let sets = if n_q > 1 << 22 { 2 } else { 8 };
+        let mut inputs = Vec::new();
+        for _ in 0..sets {
+            let mk = |rng: &mut Rng, shape: Vec<usize>| {
+                let bytes = encode_f64(&rng.vec(shape.iter().product()), dt);
+                let t = HostTensor::new("x", &bytes, shape, dt).unwrap();
+                DeviceTensor::upload(&gpu, &t).unwrap()
+            };
+            inputs.push((
+                mk(&mut rng, vec![b, s, h, d]),
+                mk(&mut rng, vec![b, s, kvh, d]),
+                mk(&mut rng, vec![b, s, kvh, d]),
+            ));
+        }
+        let p = Params::new(Layout::Bshd, None, causal, (-1, -1)).unwrap();
+        let mut out = DeviceTensor::uninit(&gpu, vec![b, s, h, d], dt).unwrap();
+        let mut lse = DeviceTensor::uninit(&gpu, vec![b, h, s], DType::F32).unwrap();
+        let g = geometry(
+            (&[b, s, h, d], dt),
+            (&[b, s, kvh, d], dt),
+            (&[b, s, kvh, d], dt),
+            Layout::Bshd,
+        )
+        .unwrap();
+        let sms = gpu.multiprocessors().unwrap() as usize;
+        let chosen = plan(&g, dt, gpu.has_tensor_cores(), sms).unwrap();
+        // What `plan` picks, then the alternatives it passed over for this shape.
+        let alternatives: &[&str] = match name {
+            "a_f32" => &["fa_ffma_f32_2_4"],
+            "a_bf16" => &["fa_ffma_bf16_2_1", "fa_mma_bf16_64_2_64"],
+            "b_f16" => &["fa_mma_f16_64_2_64", "fa_ffma_f16_2_1"],
+            "c_bf16" | "c_bf16_causal" => &["fa_mma_bf16_128_1_64"],
+            "d_f16" => &["fa_mma_f16_64_1_64"],
+            _ => &[],
+        };
+        let mut plans = vec![chosen];
+        plans.extend(alternatives.iter().filter_map(|f| plan_named(&g, f)));
+        for (variant, kplan) in plans.iter().enumerate() {
+            let call = |i: usize| {
+                let (q, k, v) = &inputs[i % sets];
+                if variant == 0 {
+                    cuda(q, k, v, &mut out, &mut lse, p)
+                } else {
+                    launch(&g, q, k, v, &mut out, &mut lse, p, kplan)
+                }
+            };
+            let reps = if n_q > 1 << 22 { 30 } else { 200 };
+            // Back to back (in `Timing`): launches queue behind each other, so launch latency
+            // is hidden.
+            let t = time_calls(&gpu, 20, reps, call).unwrap();
+            let (median, b2b) = (t.median_us, t.back_to_back_us);
+            let kernel = &kplan.function;
+            let name = if variant == 0 {
+                name.to_string()
+            } else {
+                format!("{name} (alt)")
+            };
+            let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
+            let line = format!(
+            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
+            dt.name(),
+            median,
+            flops / (median * 1e-6) / 1e12
+        );
+            println!("{line}");
+            lines.push(line);
+        }
+    }
+    if let Some(path) = json {
+        std::fs::write(path, format!("[{}]\n", lines.join(",\n"))).unwrap();
+    }
+}

@@ -1,0 +1,71 @@
+//! The CUDA runtime: probing, the kernel cache and device buffers (GPU tests skip without a
+//! GPU).
+
+mod support;
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::{DType, HostTensor};
+
+use fused_kernels_core::cuda::cache::*;
+use fused_kernels_core::cuda::*;
+use fused_kernels_core::Error;
+use support::gpu_for_tests;
+
+#[test]
+fn probe_never_panics_and_explains_itself() {
+    match probe() {
+        Ok(p) => assert!(p.device_count >= 1),
+        Err(Error::Unavailable(reason)) => assert!(!reason.is_empty()),
+        Err(other) => panic!("unexpected error kind: {other}"),
+    }
+}
+
+#[test]
+fn info_and_gpu_agree_with_probe() {
+    match (probe(), device_info(None)) {
+        (Ok(_), Ok(info)) => assert!(info.memory_total > 0 && !info.name.is_empty()),
+        (Err(_), Err(e)) => assert_eq!(e.kind(), "unavailable"),
+        (p, i) => panic!("probe {p:?} but info {i:?}"),
+    }
+}
+
+#[test]
+fn key_changes_with_source_arch_and_nvrtc() {
+    let a = entry_path("k", "src", "sm_90", (13, 0));
+    assert_ne!(a, entry_path("k", "src2", "sm_90", (13, 0)));
+    assert_ne!(a, entry_path("k", "src", "sm_80", (13, 0)));
+    assert_ne!(a, entry_path("k", "src", "sm_90", (13, 1)));
+    assert_eq!(a, entry_path("k", "src", "sm_90", (13, 0)));
+    assert_ne!(fnv1a128(&[b"ab", b"c"]), fnv1a128(&[b"a", b"bc"]));
+}
+
+#[test]
+fn writes_atomically_and_reads_back() {
+    let dir = std::env::temp_dir().join(format!("fk-cache-test-{}", std::process::id()));
+    let p = dir.join("x.cubin");
+    write(&p, b"abc").unwrap();
+    assert_eq!(read(&p).unwrap(), b"abc");
+    assert!(read(&dir.join("missing")).is_none());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn device_memory_returns_to_baseline_after_10000_cycles() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    let bytes = vec![7u8; 1 << 20];
+    let host = HostTensor::new("x", &bytes, vec![1 << 18], DType::F32).unwrap();
+    let cycle = |n: usize| {
+        for _ in 0..n {
+            let t = DeviceTensor::upload(&gpu, &host).unwrap();
+            drop(t);
+        }
+    };
+    cycle(100);
+    let (free0, _) = gpu.mem_info().unwrap();
+    cycle(10_000);
+    let (free1, _) = gpu.mem_info().unwrap();
+    eprintln!("device free memory: before {free0}, after 10,000 cycles {free1}");
+    assert!(free0.abs_diff(free1) <= 2 << 20, "{free0} -> {free1}");
+    // Downloads see exactly what was uploaded.
+    let t = DeviceTensor::upload(&gpu, &host).unwrap();
+    assert_eq!(t.download().unwrap().data, bytes);
+}

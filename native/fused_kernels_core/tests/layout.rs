@@ -1,0 +1,507 @@
+//! No import circle between the files of either crate: walks the `mod` tree of
+//! fused_kernels_core and fused_kernels_nif from their `lib.rs`, turns every `crate::`,
+//! `super::`, `self::` and child-module path in a file into an edge to the file that defines
+//! what it names (following `pub use` re-exports to their source), and fails on any cycle of
+//! files, naming it. `mod` declarations are containment and `pub use` re-exports are aliases:
+//! neither is an edge by itself.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    Ident(String),
+    Colons,
+    Open,
+    Close,
+    Comma,
+    Semi,
+    Hash,
+    Other,
+}
+
+/// Identifiers and the punctuation a path is made of; comments, strings and chars dropped.
+fn tokens(src: &str) -> Vec<Tok> {
+    let b = src.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'/' && b.get(i + 1) == Some(&b'/') {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
+            i += 2;
+            while i + 1 < b.len() && !(b[i] == b'*' && b[i + 1] == b'/') {
+                i += 1;
+            }
+            i += 2;
+        } else if c == b'r' && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#')) {
+            // Raw string: r"..." or r#"..."#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while b.get(j) == Some(&b'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if b.get(j) != Some(&b'"') {
+                out.push(Tok::Ident("r".into()));
+                i += 1;
+                continue;
+            }
+            j += 1;
+            loop {
+                if j >= b.len() {
+                    break;
+                }
+                if b[j] == b'"' && (0..hashes).all(|h| b.get(j + 1 + h) == Some(&b'#')) {
+                    j += 1 + hashes;
+                    break;
+                }
+                j += 1;
+            }
+            i = j;
+        } else if c == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if c == b'\'' {
+            // A char literal ('x', '\n') or a lifetime ('a): skip either.
+            if b.get(i + 2) == Some(&b'\'') {
+                i += 3;
+            } else if b.get(i + 1) == Some(&b'\\') {
+                i += 2;
+                while i < b.len() && b[i] != b'\'' {
+                    i += 1;
+                }
+                i += 1;
+            } else {
+                i += 1;
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                    i += 1;
+                }
+            }
+        } else if c.is_ascii_whitespace() {
+            i += 1;
+        } else if c.is_ascii_alphabetic() || c == b'_' {
+            let s = i;
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                i += 1;
+            }
+            out.push(Tok::Ident(src[s..i].to_string()));
+        } else {
+            out.push(match c {
+                b':' if b.get(i + 1) == Some(&b':') => {
+                    i += 1;
+                    Tok::Colons
+                }
+                b'{' => Tok::Open,
+                b'}' => Tok::Close,
+                b',' => Tok::Comma,
+                b';' => Tok::Semi,
+                b'#' => Tok::Hash,
+                _ => Tok::Other,
+            });
+            i += 1;
+        }
+    }
+    out
+}
+
+/// A path as its segments, crate-relative once made absolute.
+type ModPath = Vec<String>;
+
+/// One file of a crate: its module path and the child modules it declares.
+struct File {
+    path: PathBuf,
+    module: Vec<String>,
+    toks: Vec<Tok>,
+}
+
+/// Reads the module tree from `root` (a crate's lib.rs).
+fn crate_files(root: &Path) -> Vec<File> {
+    let mut files = Vec::new();
+    let mut todo = vec![(root.to_path_buf(), Vec::<String>::new())];
+    while let Some((path, module)) = todo.pop() {
+        let src = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        let toks = tokens(&src);
+        let stem = path.file_stem().unwrap().to_str().unwrap().to_string();
+        let own_dir = if module.is_empty() || stem == "mod" {
+            path.parent().unwrap().to_path_buf()
+        } else {
+            path.parent().unwrap().join(&stem)
+        };
+        // `mod name;` (an inline `mod name { .. }` stays part of this file). A `#[path]`
+        // attribute would sit in a string, which the tokens drop: read it from the source.
+        for (k, w) in toks.windows(3).enumerate() {
+            if let [Tok::Ident(m), Tok::Ident(name), Tok::Semi] = w {
+                if m == "mod" {
+                    let mut child = module.clone();
+                    child.push(name.clone());
+                    let by_attr = path_attr(&src, name).map(|p| path.parent().unwrap().join(p));
+                    let file = by_attr.unwrap_or_else(|| {
+                        let flat = own_dir.join(format!("{name}.rs"));
+                        if flat.exists() {
+                            flat
+                        } else {
+                            own_dir.join(name).join("mod.rs")
+                        }
+                    });
+                    assert!(
+                        file.exists(),
+                        "{path:?}: mod {name} at token {k}: no {file:?}"
+                    );
+                    todo.push((file, child));
+                }
+            }
+        }
+        files.push(File { path, module, toks });
+    }
+    files
+}
+
+/// The `#[path = "..."]` of `mod name;`, if the source gives one.
+fn path_attr(src: &str, name: &str) -> Option<String> {
+    let at = src.find(&format!("mod {name};"))?;
+    let before = &src[..at];
+    let line_start = before.trim_end().rfind('\n').map_or(0, |i| i + 1);
+    let attr = before[line_start..].trim();
+    let attr = attr.strip_prefix("#[path = \"")?.strip_suffix("\"]")?;
+    Some(attr.to_string())
+}
+
+/// Expands the path starting at `toks[i]` (already the first segment) into full paths;
+/// use-trees `a::{b, c::d}` give one path per leaf. Returns the paths and the next index.
+fn read_paths(toks: &[Tok], mut i: usize, prefix: Vec<String>) -> (Vec<Vec<String>>, usize) {
+    let mut path = prefix;
+    loop {
+        match toks.get(i) {
+            Some(Tok::Ident(s)) => {
+                path.push(s.clone());
+                i += 1;
+            }
+            Some(Tok::Open) => {
+                let mut all = Vec::new();
+                i += 1;
+                loop {
+                    match toks.get(i) {
+                        Some(Tok::Close) | None => return (all, i + 1),
+                        Some(Tok::Comma) => i += 1,
+                        _ => {
+                            let (ps, j) = read_paths(toks, i, path.clone());
+                            all.extend(ps);
+                            i = j;
+                        }
+                    }
+                }
+            }
+            _ => return (vec![path], i),
+        }
+        if toks.get(i) == Some(&Tok::Colons) {
+            i += 1;
+        } else {
+            // `as` renames and everything else end the path.
+            return (vec![path], i);
+        }
+    }
+}
+
+/// Every path a file names, made absolute (crate-relative segments); `pub use` re-exports
+/// separately, by the name they export.
+fn file_paths(f: &File, children: &BTreeSet<String>) -> (Vec<ModPath>, Vec<(String, ModPath)>) {
+    let t = &f.toks;
+    let mut paths = Vec::new();
+    let mut reexports = Vec::new();
+    let mut i = 0;
+    while i < t.len() {
+        let after_colons = i > 0 && t[i - 1] == Tok::Colons;
+        let starts = match &t[i] {
+            Tok::Ident(s) if !after_colons && t.get(i + 1) == Some(&Tok::Colons) => {
+                s == "crate" || s == "super" || s == "self" || children.contains(s)
+            }
+            _ => false,
+        };
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let is_pub_use =
+            i >= 2 && t[i - 1] == Tok::Ident("use".into()) && t[i - 2] == Tok::Ident("pub".into());
+        let (ps, j) = read_paths(t, i, Vec::new());
+        for p in ps {
+            let abs = absolute(&f.module, &p);
+            // A re-export is an alias, not a use by this file's code: paths through it are
+            // followed to the source instead.
+            if is_pub_use {
+                if let Some(last) = abs.last() {
+                    reexports.push((last.clone(), abs.clone()));
+                }
+            } else {
+                paths.push(abs);
+            }
+        }
+        i = j.max(i + 1);
+    }
+    // A re-exported name that this file's own code also uses (outside `pub use` statements)
+    // is an edge after all.
+    let mut in_pub_use = vec![false; t.len()];
+    let mut k = 0;
+    while k + 1 < t.len() {
+        if t[k] == Tok::Ident("pub".into()) && t[k + 1] == Tok::Ident("use".into()) {
+            while k < t.len() && t[k] != Tok::Semi {
+                in_pub_use[k] = true;
+                k += 1;
+            }
+        }
+        k += 1;
+    }
+    for (name, abs) in &reexports {
+        let used = t.iter().enumerate().any(|(k, tok)| {
+            !in_pub_use[k]
+                && *tok == Tok::Ident(name.clone())
+                && (k == 0 || t[k - 1] != Tok::Colons)
+        });
+        if used {
+            paths.push(abs.clone());
+        }
+    }
+    (paths, reexports)
+}
+
+fn absolute(module: &[String], p: &[String]) -> ModPath {
+    let mut base: Vec<String> = module.to_vec();
+    let mut rest = p;
+    match p.first().map(String::as_str) {
+        Some("crate") => {
+            base.clear();
+            rest = &p[1..];
+        }
+        Some("self") => rest = &p[1..],
+        Some("super") => {
+            while rest.first().map(String::as_str) == Some("super") {
+                base.pop();
+                rest = &rest[1..];
+            }
+        }
+        _ => {}
+    }
+    base.extend(rest.iter().cloned());
+    base
+}
+
+/// The file edges of one crate (`from -> to`, file paths relative to `root`'s directory).
+fn crate_edges(root: &Path) -> BTreeSet<(String, String)> {
+    let files = crate_files(root);
+    let by_module: HashMap<Vec<String>, usize> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.module.clone(), i))
+        .collect();
+    let children = |m: &[String]| -> BTreeSet<String> {
+        files
+            .iter()
+            .filter(|f| f.module.len() == m.len() + 1 && f.module.starts_with(m))
+            .map(|f| f.module.last().unwrap().clone())
+            .collect()
+    };
+    let scanned: Vec<_> = files
+        .iter()
+        .map(|f| file_paths(f, &children(&f.module)))
+        .collect();
+    let reexports: Vec<BTreeMap<String, Vec<String>>> = scanned
+        .iter()
+        .map(|(_, r)| r.iter().cloned().collect())
+        .collect();
+    // The file defining `path`: its longest module prefix, through re-exports of that module.
+    let resolve = |path: &[String]| -> Option<usize> {
+        let mut p = path.to_vec();
+        for _ in 0..8 {
+            let k = (0..=p.len())
+                .rev()
+                .find(|&k| by_module.contains_key(&p[..k]))?;
+            let file = by_module[&p[..k]];
+            match p.get(k).and_then(|name| reexports[file].get(name)) {
+                Some(src) if src.as_slice() != p.as_slice() => {
+                    let mut next = src.clone();
+                    next.extend(p[k + 1..].iter().cloned());
+                    p = next;
+                }
+                _ => return Some(file),
+            }
+        }
+        None
+    };
+    let dir = root.parent().unwrap();
+    let name = |i: usize| {
+        files[i]
+            .path
+            .strip_prefix(dir)
+            .unwrap()
+            .display()
+            .to_string()
+    };
+    let mut edges = BTreeSet::new();
+    for (from, (paths, _)) in scanned.iter().enumerate() {
+        for p in paths {
+            if let Some(to) = resolve(p) {
+                if to != from {
+                    edges.insert((name(from), name(to)));
+                }
+            }
+        }
+    }
+    edges
+}
+
+/// A cycle in `edges` (its files in order, the first repeated at the end), if any.
+fn find_cycle(edges: &BTreeSet<(String, String)>) -> Option<Vec<String>> {
+    let mut next: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (a, b) in edges {
+        next.entry(a).or_default().push(b);
+        next.entry(b).or_default();
+    }
+    // 0 unvisited, 1 on the current path, 2 done.
+    let mut state: BTreeMap<&str, u8> = next.keys().map(|k| (*k, 0)).collect();
+    fn visit<'a>(
+        n: &'a str,
+        next: &BTreeMap<&'a str, Vec<&'a str>>,
+        state: &mut BTreeMap<&'a str, u8>,
+        stack: &mut Vec<&'a str>,
+    ) -> Option<Vec<String>> {
+        state.insert(n, 1);
+        stack.push(n);
+        for &m in &next[n] {
+            match state[m] {
+                1 => {
+                    let at = stack.iter().position(|s| *s == m).unwrap();
+                    let mut cycle: Vec<String> =
+                        stack[at..].iter().map(|s| s.to_string()).collect();
+                    cycle.push(m.to_string());
+                    return Some(cycle);
+                }
+                0 => {
+                    if let Some(c) = visit(m, next, state, stack) {
+                        return Some(c);
+                    }
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        state.insert(n, 2);
+        None
+    }
+    let keys: Vec<&str> = next.keys().copied().collect();
+    for k in keys {
+        if state[k] == 0 {
+            if let Some(c) = visit(k, &next, &mut state, &mut Vec::new()) {
+                return Some(c);
+            }
+        }
+    }
+    None
+}
+
+fn edge_set(pairs: &[(&str, &str)]) -> BTreeSet<(String, String)> {
+    pairs
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect()
+}
+
+#[test]
+fn finds_a_circle_in_a_synthetic_edge_set() {
+    // rnn/mma.rs -> rnn/mod.rs -> rnn/dispatch.rs -> rnn/mma.rs: the knot this layout removed.
+    let knot = edge_set(&[
+        ("rnn/mod.rs", "rnn/dispatch.rs"),
+        ("rnn/dispatch.rs", "rnn/mma.rs"),
+        ("rnn/dispatch.rs", "rnn/common.rs"),
+        ("rnn/mma.rs", "rnn/common.rs"),
+        ("rnn/mma.rs", "rnn/mod.rs"),
+    ]);
+    let cycle = find_cycle(&knot).expect("the circle must be found");
+    assert_eq!(cycle.first(), cycle.last());
+    assert_eq!(cycle.len(), 4, "{cycle:?}");
+    for f in ["rnn/mod.rs", "rnn/dispatch.rs", "rnn/mma.rs"] {
+        assert!(cycle.iter().any(|c| c == f), "{cycle:?}");
+    }
+    // The same graph with the arrow back up removed is a DAG.
+    let mut dag = knot.clone();
+    dag.remove(&("rnn/mma.rs".to_string(), "rnn/mod.rs".to_string()));
+    assert_eq!(find_cycle(&dag), None);
+    // Two files that use each other.
+    let pair = edge_set(&[("a.rs", "b.rs"), ("b.rs", "a.rs")]);
+    assert!(find_cycle(&pair).is_some());
+}
+
+#[test]
+fn reads_edges_from_source() {
+    // A re-export is followed to its source; a child module path is an edge; comments and
+    // strings are not.
+    let dir = std::env::temp_dir().join(format!("fk_layout_{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("a")).unwrap();
+    std::fs::write(
+        dir.join("lib.rs"),
+        "mod a;\nmod b;\npub use b::Thing;\n// crate::a::x\nconst S: &str = \"crate::a::y\";\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("a/mod.rs"),
+        "mod c;\nfn f() { c::g(); }\nuse crate::Thing;\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("a/c.rs"), "pub fn g() {}\n").unwrap();
+    std::fs::write(
+        dir.join("b.rs"),
+        "pub struct Thing;\nuse crate::a::{self as m};\n",
+    )
+    .unwrap();
+    let edges = crate_edges(&dir.join("lib.rs"));
+    let want = edge_set(&[
+        ("a/mod.rs", "a/c.rs"),
+        ("a/mod.rs", "b.rs"),
+        ("b.rs", "a/mod.rs"),
+    ]);
+    assert_eq!(edges, want);
+    // a/mod.rs uses b's Thing (through lib's re-export) while b uses a: a circle.
+    assert!(find_cycle(&edges).is_some());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Circles the layout has not untied yet, each as the edge that closes it (`from`, `to`).
+/// The test fails if another circle appears, and if one of these no longer exists (then it
+/// leaves this list). dense.rs holds the op's types and its `run`, which calls `cuda` in
+/// dense_cuda.rs, which reads the types back (and dispatches to dense_sm90.rs, which does too):
+/// the types belong in a file underneath both.
+const KNOWN: &[(&str, &str)] = &[
+    ("ops/dense_cuda.rs", "ops/dense.rs"),
+    ("ops/dense_sm90.rs", "ops/dense.rs"),
+];
+
+#[test]
+fn no_import_circle_in_either_crate() {
+    let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    for krate in ["fused_kernels_core", "fused_kernels_nif"] {
+        let root = native.join(krate).join("src/lib.rs");
+        let mut edges = crate_edges(&root);
+        assert!(edges.len() > 10, "{krate}: only {} edges read", edges.len());
+        if krate == "fused_kernels_core" {
+            for (a, b) in KNOWN {
+                let e = (a.to_string(), b.to_string());
+                assert!(edges.remove(&e), "{a} -> {b} is gone: drop it from KNOWN");
+                let mut with = edges.clone();
+                with.insert(e);
+                assert!(
+                    find_cycle(&with).is_some(),
+                    "{a} -> {b} no longer closes a circle: drop it from KNOWN"
+                );
+            }
+        }
+        if let Some(cycle) = find_cycle(&edges) {
+            panic!("{krate}: import circle {}", cycle.join(" -> "));
+        }
+    }
+}
