@@ -8,6 +8,7 @@ defmodule FusedKernels.FlashAttention do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       layout: {:bshd, {:in, [:bshd, :bhsd]}},
@@ -26,6 +27,9 @@ defmodule FusedKernels.FlashAttention do
   or `FusedKernels.Buffer`s; returns a triple (or a buffer with `out: :device`), or
   `{out, lse}` with `return_lse: true`.
   """
+  @spec native(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+          FusedKernels.Tensor.result()
+          | {FusedKernels.Tensor.result(), FusedKernels.Tensor.result()}
   def native(q, k, v, opts \\ []) do
     opts = options(opts)
     call(Enum.map([q, k, v], &Tensor.to_native/1), Backend.select_native(opts), opts)
@@ -56,6 +60,8 @@ defmodule FusedKernels.FlashAttention do
 
   if Code.ensure_loaded?(Nx) do
     @doc "See `FusedKernels.flash_attention/4`."
+    @spec run(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+            FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
     def run(q, k, v, opts) do
       opts = options(opts)
 
@@ -84,6 +90,12 @@ defmodule FusedKernels.FlashAttention do
     The pure-Nx implementation (f32 arithmetic, f64 for f64 inputs; output in q's type);
     works on any Nx backend and inside `defn`.
     """
+    @spec nx(
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def nx(q, k, v, opts \\ []) do
       layout = Keyword.get(opts, :layout, :bshd)
       causal = Keyword.get(opts, :causal, false)
@@ -192,6 +204,7 @@ defmodule FusedKernels.FlashAttention do
     alias FusedKernels.{Bench, FlashAttention}
 
     # {name, q shape (bshd), kv heads, type, opts}; the issue's and ExPhil's shapes.
+    @spec shapes() :: [tuple]
     def shapes do
       [
         {"flash_attention exphil B1 H4 S60 D64 causal f32", {1, 60, 4, 64}, 4, {:f, 32},
@@ -208,6 +221,7 @@ defmodule FusedKernels.FlashAttention do
 
     # The big shapes are timed by the Rust kernel bench (side_flash_attention.py): building
     # their random inputs in Elixir would take minutes.
+    @spec bench_cases() :: [map]
     def bench_cases do
       shapes()
       |> Enum.filter(fn {_, shape, _, _, _} -> Tuple.product(shape) <= 1_000_000 end)

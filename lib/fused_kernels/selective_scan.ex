@@ -7,6 +7,7 @@ defmodule FusedKernels.SelectiveScan do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       d: {nil, :any},
@@ -23,6 +24,16 @@ defmodule FusedKernels.SelectiveScan do
   Runs natively with triples or `FusedKernels.Buffer`s (no Nx needed). Returns the output, or
   `{output, last_state}` with `return_last_state: true`.
   """
+  @spec native(
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          keyword
+        ) ::
+          FusedKernels.Tensor.result()
+          | {FusedKernels.Tensor.result(), FusedKernels.Tensor.result()}
   def native(u, delta, a, b, c, opts \\ []) do
     opts = options(opts)
     call([u, delta, a, b, c], Backend.select_native(opts), opts, & &1)
@@ -60,6 +71,14 @@ defmodule FusedKernels.SelectiveScan do
     @max_state 256
 
     @doc "See `FusedKernels.selective_scan/6`."
+    @spec run(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
     def run(u, delta, a, b, c, opts \\ []) do
       opts = options(opts)
       tensors = [u, delta, a, b, c]
@@ -89,6 +108,14 @@ defmodule FusedKernels.SelectiveScan do
     The pure-Nx implementation (f32 arithmetic; works on any Nx backend and inside `defn`).
     The recurrence runs as a log-depth associative scan over the sequence.
     """
+    @spec nx(
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def nx(u, delta, a, b, c, opts \\ []) do
       type = Nx.type(u)
       compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
@@ -201,6 +228,7 @@ defmodule FusedKernels.SelectiveScan do
     @moduledoc false
     alias FusedKernels.{Bench, SelectiveScan}
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       [
         {"selective_scan B32 D512 L60 N16", {32, 60, 512}, 16},

@@ -7,7 +7,25 @@ defmodule FusedKernels.Tensor do
   With Nx loaded, `Nx.Tensor`s convert to and from triples here, in one place.
   """
 
+  @typedoc "A host tensor at the NIF boundary: `{binary, shape, type}` with Nx's type tuples."
+  @type triple :: {binary, tuple, {atom, pos_integer}}
+
+  @typedoc "What native calls return: a triple, or a buffer (`out: :device`)."
+  @type result :: triple | FusedKernels.Buffer.t()
+
+  if Code.ensure_loaded?(Nx) do
+    @typedoc "An Nx tensor."
+    @type nx :: Nx.Tensor.t()
+  else
+    @typedoc "An Nx tensor (Nx is not loaded in this build)."
+    @type nx :: struct
+  end
+
+  @typedoc "What ops take: an Nx tensor or a number (with Nx), a buffer or a triple."
+  @type t :: nx | number | result
+
   @doc "The value passed to a NIF for `tensor`."
+  @spec to_native(FusedKernels.Tensor.t()) :: triple | reference
   def to_native(%FusedKernels.Buffer{ref: ref}), do: ref
 
   def to_native({bin, shape, type} = triple)
@@ -26,14 +44,17 @@ defmodule FusedKernels.Tensor do
 
   if Code.ensure_loaded?(Nx) do
     @doc "An Nx tensor from a NIF result (a triple) or a buffer (downloaded)."
+    @spec to_nx(triple | FusedKernels.Buffer.t() | reference) :: nx
     def to_nx({bin, shape, type}), do: bin |> Nx.from_binary(type) |> Nx.reshape(shape)
     def to_nx(%FusedKernels.Buffer{} = b), do: b |> FusedKernels.Buffer.download() |> to_nx()
     def to_nx(ref) when is_reference(ref), do: ref |> FusedKernels.Buffer.wrap() |> to_nx()
 
     @doc "Whether `t` is a symbolic `defn` expression rather than concrete data."
+    @spec symbolic?(term) :: boolean
     def symbolic?(%Nx.Tensor{data: %Nx.Defn.Expr{}}), do: true
     def symbolic?(_), do: false
   else
+    @spec symbolic?(term) :: boolean
     def symbolic?(_), do: false
   end
 end

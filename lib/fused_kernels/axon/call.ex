@@ -18,11 +18,13 @@ if Code.ensure_loaded?(Nx) do
     require Logger
 
     @doc "Whether this Nx has `Nx.runtime_call/4`."
+    @spec runtime_call?() :: boolean
     def runtime_call? do
       Code.ensure_loaded?(Nx) and function_exported?(Nx, :runtime_call, 4)
     end
 
     @doc "The path a fused layer takes here: `:runtime_call` or `:nx`."
+    @spec path(keyword) :: :runtime_call | :nx
     def path(opts \\ []) do
       native? =
         FusedKernels.Backend.requested(opts) in [:auto, :cuda, :cpu] and
@@ -32,6 +34,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc "Runs `op` on `inputs` (a tuple of tensors) inside or outside `defn`."
+    @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) when is_tuple(inputs) do
       case path(opts) do
         :runtime_call ->
@@ -94,6 +97,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc false
+    @spec callback(tuple, keyword) :: tuple
     def callback(inputs, opts),
       do: inputs |> opts[:op].fused_call(opts[:op_opts]) |> flatten() |> List.to_tuple()
 
