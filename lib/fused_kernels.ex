@@ -39,6 +39,9 @@ defmodule FusedKernels do
   def set_cache_dir(dir) when is_binary(dir),
     do: dir |> Native.set_cache_dir() |> Native.unwrap!()
 
+  def set_cache_dir(other),
+    do: raise(ArgumentError, "cache dir must be a string path, got: #{inspect(other, limit: 5)}")
+
   if Code.ensure_loaded?(Nx) do
     @doc """
     `softmax(scale * x)` over the last axis of a `{rows, cols}` or
@@ -134,13 +137,13 @@ defmodule FusedKernels do
     PyTorch's cuDNN does by default). f32/f16/bf16 (f32 accumulation and cell state).
     """
     @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
-    def lstm(x, params, opts \\ []) when is_map(params),
-      do: FusedKernels.Rnn.run(:lstm, x, params, opts)
+    def lstm(x, params, opts \\ []),
+      do: FusedKernels.Rnn.run_one(:lstm, x, params, opts)
 
     @doc "`Axon.gru` with the given params: `{sequence, {h}}`; options as `lstm/3`."
     @spec gru(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
-    def gru(x, params, opts \\ []) when is_map(params),
-      do: FusedKernels.Rnn.run(:gru, x, params, opts)
+    def gru(x, params, opts \\ []),
+      do: FusedKernels.Rnn.run_one(:gru, x, params, opts)
 
     @doc """
     Several LSTM layers in one call (a list of param maps), layer l+1 consuming layer l's

@@ -31,6 +31,9 @@ defmodule FusedKernels.Buffer do
   @spec download(t) :: FusedKernels.Tensor.triple()
   def download(%__MODULE__{ref: ref}), do: ref |> Native.buffer_download() |> Native.unwrap!()
 
+  def download(other),
+    do: raise(ArgumentError, "expected a FusedKernels.Buffer, got: #{inspect(other, limit: 5)}")
+
   @doc false
   @spec wrap(reference | FusedKernels.Tensor.triple()) :: t | FusedKernels.Tensor.triple()
   def wrap(ref) when is_reference(ref) do

@@ -106,6 +106,11 @@ defmodule FusedKernels.Dense do
           Backend.select_native(opts)
 
         true ->
+          # Tensor.check!/2 exists only when Nx is loaded, as does this branch.
+          for {name, v} <- ops,
+              is_struct(v, Nx.Tensor),
+              do: apply(Tensor, :check!, [to_string(name), v])
+
           symbolic? = Enum.any?(ops, fn {_, v} -> Tensor.symbolic?(v) end)
           Backend.select(opts, symbolic?)
       end

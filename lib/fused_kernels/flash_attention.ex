@@ -59,6 +59,30 @@ defmodule FusedKernels.FlashAttention do
   defp wrap(out, false), do: Buffer.wrap(out)
 
   if Code.ensure_loaded?(Nx) do
+    # q {b, sq, h, d}, k and v {b, sk, kv_heads, d} (:bshd; :bhsd swaps seq and heads), with
+    # h a multiple of kv_heads: the native geometry's rules, checked for :nx too.
+    defp check_inputs!(q, k, v, layout) do
+      Enum.each([{"q", q}, {"k", k}, {"v", v}], fn {n, t} -> Tensor.check!(n, t, rank: 4) end)
+      {b, h, d} = parts(Nx.shape(q), layout)
+      {_, kvh, _} = parts(Nx.shape(k), layout)
+      k_shape = Nx.shape(k)
+
+      Tensor.check!("k", k, shape: with_parts(layout, b, :_, kvh, d))
+      Tensor.check!("v", v, shape: with_parts(layout, b, elem_seq(k_shape, layout), kvh, d))
+
+      unless rem(h, kvh) == 0 do
+        raise ArgumentError,
+              "k: kv_heads #{kvh} must divide q's heads #{h} (grouped-query attention)"
+      end
+    end
+
+    defp parts({b, _s, h, d}, :bshd), do: {b, h, d}
+    defp parts({b, h, _s, d}, :bhsd), do: {b, h, d}
+    defp elem_seq(shape, :bshd), do: elem(shape, 1)
+    defp elem_seq(shape, :bhsd), do: elem(shape, 2)
+    defp with_parts(:bshd, b, s, h, d), do: {b, s, h, d}
+    defp with_parts(:bhsd, b, s, h, d), do: {b, h, s, d}
+
     @doc "See `FusedKernels.flash_attention/4`."
     @spec run(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
             FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
@@ -69,6 +93,7 @@ defmodule FusedKernels.FlashAttention do
         native(q, k, v, opts)
       else
         [q, k, v] = Enum.map([q, k, v], &Nx.to_tensor/1)
+        check_inputs!(q, k, v, opts[:layout])
 
         case Backend.select(opts, Enum.any?([q, k, v], &Tensor.symbolic?/1)) do
           :nx ->

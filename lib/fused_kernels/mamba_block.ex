@@ -145,7 +145,9 @@ defmodule FusedKernels.MambaBlock do
     def run(x, params, opts) do
       opts = options(opts)
       x = Nx.to_tensor(x)
+      Tensor.check!("x", x, rank: 3)
       w = weights(params, opts[:name])
+      for t <- w, is_struct(t, Nx.Tensor), do: Tensor.check!("params", t)
 
       case Backend.select(opts, Enum.any?([x | w], &Tensor.symbolic?/1)) do
         :nx ->

@@ -72,6 +72,7 @@ defmodule FusedKernels.Norm do
             t -> Nx.to_tensor(t)
           end)
 
+        check_inputs!(kind, tensors, opts[:residual])
         symbolic? = Enum.any?(tensors ++ [opts[:residual]], &Tensor.symbolic?/1)
 
         case Backend.select(opts, symbolic?) do
@@ -83,6 +84,25 @@ defmodule FusedKernels.Norm do
             call(kind, tensors, backend, opts, finish)
         end
       end
+    end
+
+    defp check_inputs!(kind, [x, weight, bias], residual) do
+      Tensor.check!("x", x, rank: Enum.to_list(1..8))
+      cols = elem(Nx.shape(x), Nx.rank(x) - 1)
+      Tensor.check!(if(kind == :layer_norm, do: "gamma", else: "weight"), weight, shape: {cols})
+
+      if kind == :rms_norm and bias != nil do
+        raise ArgumentError,
+              "beta: rms_norm takes no bias (RMSNorm only scales by weight); drop beta, or " <>
+                "use kind :layer_norm"
+      end
+
+      Tensor.check!("beta", bias, shape: {cols})
+
+      if is_struct(residual, Nx.Tensor),
+        do: Tensor.check!("residual", residual, shape: Nx.shape(x))
+
+      :ok
     end
 
     @doc "Pure Nx (f32 statistics; works inside `defn`)."

@@ -34,7 +34,11 @@ defmodule FusedKernels.Rnn do
   """
   @spec layer_tensors(:lstm | :gru, [map], [tuple | nil]) :: [{list, list, list, list}]
   def layer_tensors(cell, params_list, states) do
-    {ins, hids, biases, nstate} = Map.fetch!(@names, cell)
+    {ins, hids, biases, nstate} =
+      case Map.fetch(@names, cell) do
+        {:ok, names} -> names
+        :error -> raise ArgumentError, "cell must be :lstm or :gru, got: #{inspect(cell)}"
+      end
 
     unless is_list(states) and length(states) == length(params_list) do
       raise ArgumentError,
@@ -178,8 +182,14 @@ defmodule FusedKernels.Rnn do
 
     defp run_stack(cell, x, params_list, opts) do
       x = Nx.to_tensor(x)
+      Tensor.check!("x", x, rank: 3)
       states = opts[:initial_state] || List.duplicate(nil, length(params_list))
       layers = layer_tensors(cell, params_list, states)
+
+      for {a, b, c, d} <- layers,
+          t <- a ++ b ++ c ++ d,
+          is_struct(t, Nx.Tensor),
+          do: Tensor.check!("params", t)
 
       symbolic? =
         Tensor.symbolic?(x) or

@@ -45,6 +45,7 @@ defmodule FusedKernels.ScaledSoftmax do
     def run(x, opts) do
       opts = options(opts)
       x = Nx.to_tensor(x)
+      Tensor.check!("x", x, rank: [2, 4])
 
       case Backend.select(opts, Tensor.symbolic?(x)) do
         :nx ->

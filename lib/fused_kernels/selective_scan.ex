@@ -88,6 +88,7 @@ defmodule FusedKernels.SelectiveScan do
       else
         tensors = Enum.map(tensors, &to_tensor/1)
         optional = Enum.map([:d, :z, :delta_bias, :initial_state], &opts[&1])
+        check_inputs!(tensors, opts)
         symbolic? = Enum.any?(tensors ++ optional, &Tensor.symbolic?/1)
 
         case Backend.select(opts, symbolic?) do
@@ -99,6 +100,32 @@ defmodule FusedKernels.SelectiveScan do
             call(tensors, backend, opts, finish)
         end
       end
+    end
+
+    # mamba_ssm's shapes (the native geometry's rules), checked before any backend runs.
+    defp check_inputs!([u, delta, a, b, c], opts) do
+      if Enum.all?([u, delta, a, b, c], &is_struct(&1, Nx.Tensor)) do
+        Tensor.check!("u", u, rank: 3)
+        {nb, nl, nd} = Nx.shape(u)
+        Tensor.check!("delta", delta, shape: {nb, nl, nd})
+        Tensor.check!("a", a, shape: {nd, :_})
+        n = elem(Nx.shape(a), 1)
+        bc_shape = if Nx.rank(b) == 4, do: {nb, nl, :_, n}, else: {nb, nl, n}
+        Tensor.check!("b", b, shape: bc_shape)
+        Tensor.check!("c", c, shape: bc_shape)
+
+        for {key, shape} <- [
+              d: {nd},
+              z: {nb, nl, nd},
+              delta_bias: {nd},
+              initial_state: {nb, nd, n}
+            ],
+            t = opts[key],
+            is_struct(t, Nx.Tensor),
+            do: Tensor.check!(Atom.to_string(key), t, shape: shape)
+      end
+
+      :ok
     end
 
     defp to_tensor(%Buffer{} = b), do: b

@@ -49,6 +49,65 @@ defmodule FusedKernels.Tensor do
     def to_nx(%FusedKernels.Buffer{} = b), do: b |> FusedKernels.Buffer.download() |> to_nx()
     def to_nx(ref) when is_reference(ref), do: ref |> FusedKernels.Buffer.wrap() |> to_nx()
 
+    @float_types [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}]
+
+    @doc """
+    Checks an op's Nx input before any backend is chosen, so `:nx` refuses what the native
+    backends refuse, in the same words: `name`'s type must be a float type, and with
+    `rank: r` (an integer or a list) its rank, with `shape: s` (a tuple, `:_` for any size) its
+    shape. `nil` (an absent optional input) passes. Raises `ArgumentError`.
+    """
+    @spec check!(String.t(), nx | nil, keyword) :: :ok
+    def check!(name, t, rules \\ [])
+    def check!(_name, nil, _rules), do: :ok
+
+    def check!(name, %Nx.Tensor{} = t, rules) do
+      {kind, bits} = type = Nx.type(t)
+
+      unless type in @float_types do
+        raise ArgumentError,
+              "#{name}: unsupported type {:#{kind}, #{bits}}: expected {:f, 32}, {:f, 16}, " <>
+                "{:bf, 16} or {:f, 64}"
+      end
+
+      shape = Nx.shape(t)
+
+      case rules[:rank] do
+        nil ->
+          :ok
+
+        ranks ->
+          unless tuple_size(shape) in List.wrap(ranks) do
+            raise ArgumentError,
+                  "#{name}: expected rank #{Enum.join(List.wrap(ranks), " or ")}, got shape " <>
+                    inspect(shape)
+          end
+      end
+
+      case rules[:shape] do
+        nil ->
+          :ok
+
+        want ->
+          fits? =
+            tuple_size(want) == tuple_size(shape) and
+              Enum.all?(Enum.zip(Tuple.to_list(want), Tuple.to_list(shape)), fn {w, d} ->
+                w == :_ or w == d
+              end)
+
+          unless fits? do
+            shown =
+              want |> Tuple.to_list() |> Enum.map_join(", ", &if(&1 == :_, do: "_", else: &1))
+
+            raise ArgumentError, "#{name}: expected shape {#{shown}}, got #{inspect(shape)}"
+          end
+      end
+
+      :ok
+    end
+
+    def check!(_name, _other, _rules), do: :ok
+
     @doc "Whether `t` is a symbolic `defn` expression rather than concrete data."
     @spec symbolic?(term) :: boolean
     def symbolic?(%Nx.Tensor{data: %Nx.Defn.Expr{}}), do: true
