@@ -7,6 +7,24 @@ defmodule FusedKernels.Tensor do
   With Nx loaded, `Nx.Tensor`s convert to and from triples here, in one place.
   """
 
+  # The Nx-facing API compiles only when Nx is loaded. A build that asked for it must not end
+  # up without it silently (a path dependency compiled before Nx): it is asked for when this
+  # project's own deps list Nx (the hex build) or `config :fused_kernels, require_nx: true`.
+  # Builds without Nx on purpose (CI without hex, native-only users) ask for neither.
+  nx_requested? =
+    Application.compile_env(:fused_kernels, :require_nx, false) or
+      (Code.ensure_loaded?(Mix.Project) and
+         Enum.any?(List.wrap(Mix.Project.config()[:deps]), &(elem(&1, 0) == :nx)))
+
+  if nx_requested? and not Code.ensure_loaded?(Nx) do
+    raise CompileError,
+      description:
+        "fused_kernels: Nx was requested (a dependency of fused_kernels, or config " <>
+          ":fused_kernels, require_nx: true) but is not compiled yet, so the Nx-facing API " <>
+          "(FusedKernels.scaled_softmax/2, lstm/3, ...) would be missing. Compile Nx before " <>
+          "fused_kernels (e.g. `mix deps.compile nx fused_kernels --force`)."
+  end
+
   @typedoc "A host tensor at the NIF boundary: `{binary, shape, type}` with Nx's type tuples."
   @type triple :: {binary, tuple, {atom, pos_integer}}
 
