@@ -194,7 +194,7 @@ defmodule FusedKernels.Bench do
   defp fmt(v), do: :erlang.float_to_binary(v * 1.0, decimals: 4)
 
   @doc "One line naming the machine and what the native layer found."
-  @spec machine() :: map
+  @spec machine() :: String.t()
   def machine do
     info = FusedKernels.info()
     cores = :erlang.system_info(:logical_processors_available)

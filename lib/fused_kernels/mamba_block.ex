@@ -298,14 +298,6 @@ defmodule FusedKernels.MambaBlock do
             pos_integer,
             pos_integer
           ) :: map
-    @spec exphil_params(
-            String.t(),
-            pos_integer,
-            pos_integer,
-            pos_integer,
-            pos_integer,
-            pos_integer
-          ) :: map
     def exphil_params(name \\ "mamba_block", h \\ 256, inner \\ 512, n \\ 16, r \\ 16, k \\ 4) do
       t = {:f, 32}
 
