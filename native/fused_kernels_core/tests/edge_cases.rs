@@ -80,7 +80,10 @@ fn rms_norm_refuses_beta() {
             panic!("rms_norm with beta was accepted on {backend:?}");
         };
         assert_eq!(e.kind(), "argument", "{e}");
-        assert!(e.to_string().starts_with("beta: rms_norm takes no bias"), "{e}");
+        assert!(
+            e.to_string().starts_with("beta: rms_norm takes no bias"),
+            "{e}"
+        );
     }
     let p = Params::new(Kind::Layer, 1e-5).unwrap();
     assert!(run(Backend::Cpu, &inputs(Some(&w)), p, Placement::Host).is_ok());

@@ -78,7 +78,10 @@ impl Params {
     fn bounds(&self) -> (i64, i64) {
         let unbounded = |w: i64| if w > i32::MAX as i64 / 2 { -1 } else { w };
         let (left, right) = self.window;
-        (unbounded(left), if self.causal { 0 } else { unbounded(right) })
+        (
+            unbounded(left),
+            if self.causal { 0 } else { unbounded(right) },
+        )
     }
 }
 
