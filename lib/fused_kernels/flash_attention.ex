@@ -72,7 +72,7 @@ defmodule FusedKernels.FlashAttention do
 
       unless rem(h, kvh) == 0 do
         raise ArgumentError,
-              "k: kv_heads #{kvh} must divide q's heads #{h} (grouped-query attention)"
+              "k: q's heads (#{h}) must be a multiple of k's heads (#{kvh}) for GQA/MQA"
       end
     end
 

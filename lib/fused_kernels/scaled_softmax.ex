@@ -45,7 +45,14 @@ defmodule FusedKernels.ScaledSoftmax do
     def run(x, opts) do
       opts = options(opts)
       x = Nx.to_tensor(x)
-      Tensor.check!("x", x, rank: [2, 4])
+
+      unless Nx.rank(x) in [2, 4] do
+        raise ArgumentError,
+              "x: scaled_softmax takes a 2-D {rows, cols} or 4-D {batch, heads, seq_q, seq_k} " <>
+                "tensor, got shape #{inspect(Nx.shape(x))}"
+      end
+
+      Tensor.check!("x", x)
 
       case Backend.select(opts, Tensor.symbolic?(x)) do
         :nx ->
