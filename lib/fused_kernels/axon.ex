@@ -182,20 +182,20 @@ if Code.ensure_loaded?(Axon) do
     defp node_name(%Axon.Node{id: id, op_name: op}), do: "#{op}_#{id}"
 
     @doc "`Axon.lstm/3` (random initial state) with `fused: :auto | true | false`."
-    @spec lstm(Axon.t(), pos_integer, keyword) :: Axon.t()
+    @spec lstm(Axon.t(), pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def lstm(%Axon{} = x, units, opts) when is_integer(units), do: build(:lstm, [x, units], opts)
 
     @doc "`Axon.lstm/4` (given initial state) with `fused:`."
-    @spec lstm(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: Axon.t()
+    @spec lstm(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def lstm(%Axon{} = x, hidden_state, units, opts),
       do: build(:lstm, [x, hidden_state, units], opts)
 
     @doc "`Axon.gru/3` with `fused:`."
-    @spec gru(Axon.t(), pos_integer, keyword) :: Axon.t()
+    @spec gru(Axon.t(), pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def gru(%Axon{} = x, units, opts) when is_integer(units), do: build(:gru, [x, units], opts)
 
     @doc "`Axon.gru/4` with `fused:`."
-    @spec gru(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: Axon.t()
+    @spec gru(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def gru(%Axon{} = x, hidden_state, units, opts),
       do: build(:gru, [x, hidden_state, units], opts)
 

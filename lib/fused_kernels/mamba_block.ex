@@ -171,8 +171,8 @@ defmodule FusedKernels.MambaBlock do
     earlier conv inputs, `{batch, inner, state}`), for streaming: returns `{out, next_state}`.
     With `nil` the conv sees zero padding and the scan starts from zeros (`{out, nil}`).
     """
-    @spec nx_with_state(FusedKernels.Tensor.nx(), map | struct, tuple, keyword) ::
-            {FusedKernels.Tensor.nx(), tuple}
+    @spec nx_with_state(FusedKernels.Tensor.nx(), map | struct, tuple | nil, keyword) ::
+            {FusedKernels.Tensor.nx(), tuple | nil}
     def nx_with_state(x, params, state, opts \\ []) do
       opts =
         Keyword.merge(

@@ -17,7 +17,7 @@ if Code.ensure_loaded?(Axon) do
     @fused_values [:auto, true, false]
 
     @doc false
-    @spec fused_option!(keyword) :: :auto | boolean
+    @spec fused_option!(keyword) :: {:auto | boolean, keyword}
     def fused_option!(opts) do
       {fused, opts} = Keyword.pop(opts, :fused, :auto)
 
