@@ -11,6 +11,6 @@ FK_BENCH_ARGS=${FK_BENCH_ARGS:-"--only backbone --backend cuda --runs 30"} FK_SI
   OUT=$OUT timeout ${FINAL_T_HARNESS:-420} bash bench/gpu/harness run 2>&1 |
   grep -E "test result|panicked|FAILED|tests, |backbone|ratio|==" | tail -40
 echo "== selective scan bench"
-FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache timeout 60 .gpu/bin/core_tests selective_scan::tests::bench \
-  --ignored --nocapture --test-threads=1 2>/dev/null | grep -o '{.*}' >"$OUT/scan_ours.jsonl"
+FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache timeout 60 .gpu/bin/bench_selective_scan \
+  --json "$OUT/scan_ours.jsonl" >/dev/null 2>&1
 timeout 60 python3 bench/gpu/side_scan.py "$OUT/scan_ours.jsonl" 2>&1 | tee "$OUT/side_scan.log" | tail -8

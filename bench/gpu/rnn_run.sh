@@ -3,10 +3,11 @@
 # determinism; every CUDA path: batch-1 cluster, persistent, tensor-core steps, cuBLAS steps),
 # the Rust bench (every path that can take each case, crossover batch sweep), and cuDNN side by
 # side. `RNN_MIXBENCH=1` adds the Elixir `mix bench` rows, `RNN_SKIP_EXUNIT=1` leaves
-# the ExUnit tests out, `RNN_TESTS=<filter>` runs only the Rust tests matching it;
+# the ExUnit tests out, `RNN_TESTS=<filter>` runs only the Rust tests matching it,
+# `RNN_BENCH_ARGS` passes flags to the bench (`--no-crossover --batch1-extra --mma-tilings`);
 # `RNN_T_TESTS/BENCH/SIDE` set the time limits (s). Build here first: `bash bench/gpu/harness
 # build` (and, optionally,
-# `FK_CACHE_OUT=.gpu/kcache FK_KERNELS=rnn,rnn_batched,rnn_mma,rnn_cluster,rnn_resident target/release/kernel_ptx
+# `target/release/kernel_ptx --cache-out .gpu/kcache --kernels rnn,rnn_batched,rnn_mma,rnn_cluster,rnn_resident
 # /tmp/kp sm_90` so the GPU machine loads the kernels instead of compiling them); then run
 # this from the bundle root.
 set -uo pipefail
@@ -19,24 +20,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ -z "${RNN_ONLY_EXUNIT:-}" ]; then
 if [ -n "${RNN_TESTS:-}" ]; then
 echo "== rnn GPU tests matching $RNN_TESTS"
-timeout ${RNN_T_TESTS:-75} .gpu/bin/core_tests $RNN_TESTS --test-threads=4 --nocapture 2>&1 |
+timeout ${RNN_T_TESTS:-75} .gpu/bin/test_rnn $RNN_TESTS --test-threads=4 --nocapture 2>&1 |
   tee "$OUT/rnn_tests.log" | grep -E "test result|panicked|FAILED" | tail -20
 else
 echo "== rnn cluster GPU tests"
-timeout ${RNN_T_CLUSTER:-90} .gpu/bin/core_tests rnn::tests::cuda_cluster --test-threads=2 --nocapture 2>&1 |
+timeout ${RNN_T_CLUSTER:-90} .gpu/bin/test_rnn cuda_cluster --test-threads=2 --nocapture 2>&1 |
   tee "$OUT/rnn_cluster_tests.log" | grep -E "test result|panicked|FAILED|error" | tail -20
 echo "== rnn GPU tests"
-timeout 75 .gpu/bin/core_tests rnn --test-threads=4 --skip cuda_cluster --nocapture 2>&1 | tee "$OUT/rnn_tests.log" |
+timeout 75 .gpu/bin/test_rnn --test-threads=4 --skip cuda_cluster --nocapture 2>&1 | tee "$OUT/rnn_tests.log" |
   grep -E "test result|panicked|FAILED" | tail -20
-if grep -q "panicked" "$OUT/rnn_tests.log"; then
-  echo "== again without programmatic dependent launch"
-  FK_RNN_NO_PDL=1 timeout 40 .gpu/bin/core_tests rnn::tests::cuda_batched --test-threads=2 --nocapture 2>&1 |
-    tee "$OUT/rnn_tests_nopdl.log" | grep -E "test result|panicked" | tail -5
-fi
 fi
 echo "== rnn bench"
-timeout ${RNN_T_BENCH:-90} .gpu/bin/core_tests rnn::tests::bench --ignored --nocapture --test-threads=1 \
-  2>"$OUT/rnn_bench.err" | grep -o '{.*}' | tee "$OUT/rnn_ours.jsonl" | tail -2
+timeout ${RNN_T_BENCH:-90} .gpu/bin/bench_rnn ${RNN_BENCH_ARGS:-} --json "$OUT/rnn_ours.jsonl" \
+  2>"$OUT/rnn_bench.err" | tail -2
 echo "== cuDNN side by side"
 timeout ${RNN_T_SIDE:-60} python3 bench/gpu/side_rnn.py "$OUT/rnn_ours.jsonl" 2>&1 | tee "$OUT/side_rnn.log" | tail -40
 fi

@@ -1,5 +1,5 @@
 """torch.nn.LSTM / nn.GRU (cuDNN) side by side with our fused RNN, same shapes, dtypes,
-device and run. Ours comes from the Rust bench (`core_tests rnn::tests::bench --ignored`),
+device and run. Ours comes from the Rust bench (`bench_rnn --json FILE`, benches/rnn.rs),
 one JSON line per case and CUDA path (batch-1 cluster / persistent kernel / batched tensor-core steps /
 batched cuBLAS steps / resident tensor-core kernel; `default` marks the path `Path::choose` picks): CUDA events around
 the whole call (input projection GEMMs + recurrences), inputs and weights already on the

@@ -1,5 +1,5 @@
-"""The PyTorch anchor for the selective-scan rows of the Rust bench (`core_tests
-selective_scan::tests::bench --ignored`), same shapes, same device, same run: the sequential
+"""The PyTorch anchor for the selective-scan rows of the Rust bench (`bench_selective_scan
+--json FILE`, benches/selective_scan.rs), same shapes, same device, same run: the sequential
 loop a user writes without a fused kernel (the anchor in ../shared/exphil.md), timed with CUDA
 events, median after warm-up. Prints each of our rows with the ratio.
 

@@ -16,10 +16,10 @@ defmodule FusedKernels.Backbone do
   """
 
   alias FusedKernels.{Backend, Buffer, Norm, Rnn, Tensor}
-  alias FusedKernels.Backbone.{Fused, Spec}
+  alias FusedKernels.Backbone.{Engine, Fused, Spec}
 
   @enforce_keys [:spec, :backend, :device, :weights]
-  defstruct [:spec, :backend, :device, :weights]
+  defstruct [:spec, :backend, :device, :weights, engine: nil]
 
   @supported [:attention, :lstm, :gru, :mamba, :jamba]
   @rnn [:lstm, :gru]
@@ -28,21 +28,61 @@ defmodule FusedKernels.Backbone do
   def supported, do: @supported
 
   @doc """
-  Loads `params` for `spec`. Options: `backend` (`:auto`, `:cuda`, `:cpu`, `:nx`), `device`.
-  Raises `ArgumentError` naming a missing parameter.
+  Loads `params` (a map of the layers' parameter maps, or an `Axon.ModelState`) for `spec`.
+  Options: `backend` (`:auto`, `:cuda`, `:cpu`, `:nx`), `device`. On `:cpu` the backbone
+  becomes a native engine (weights converted and packed once; one native call per window and
+  per frame). Raises `ArgumentError` naming a missing or malformed parameter.
   """
-  def load(%Spec{kind: kind} = spec, params, opts \\ []) when is_map(params) do
+  def load(spec, params, opts \\ [])
+
+  def load(%Spec{kind: kind} = spec, params, opts) do
     unless kind in @supported do
       raise ArgumentError,
             "load/3 supports #{inspect(@supported)} backbones so far; build #{inspect(kind)} with " <>
               "FusedKernels.Backbone.AxonModel.build/1"
     end
 
+    unless Keyword.keyword?(opts) do
+      raise ArgumentError, "opts must be a keyword list, got: #{inspect(opts, limit: 5)}"
+    end
+
+    params = params_map(params)
     backend = select(opts)
     device = Backend.device(opts)
-    weights = params |> required(spec) |> with_constants(spec) |> place(backend, device)
-    %__MODULE__{spec: spec, backend: backend, device: device, weights: weights}
+    weights = params |> required(spec) |> with_constants(spec)
+
+    case backend do
+      :cpu ->
+        engine = Engine.load(spec, weights, :cpu, device)
+        %__MODULE__{spec: spec, backend: :cpu, device: device, weights: nil, engine: engine}
+
+      _ ->
+        %__MODULE__{
+          spec: spec,
+          backend: backend,
+          device: device,
+          weights: place(weights, backend, device)
+        }
+    end
   end
+
+  def load(spec, _params, _opts),
+    do:
+      raise(
+        ArgumentError,
+        "spec must be a FusedKernels.Backbone.Spec, got: #{inspect(spec, limit: 5)}"
+      )
+
+  defp params_map(%{__struct__: Axon.ModelState, data: data}), do: params_map(data)
+  defp params_map(%{} = params) when not is_struct(params), do: params
+
+  defp params_map(other),
+    do:
+      raise(
+        ArgumentError,
+        "params must be a map of layer name => parameter map (or an Axon.ModelState), got: " <>
+          inspect(other, limit: 5)
+      )
 
   defp select(opts) do
     case Backend.requested(opts) do
@@ -103,8 +143,34 @@ defmodule FusedKernels.Backbone do
 
   defp with_constants(w, _spec), do: w
 
-  defp place(params, :nx, _device), do: to_nx_tree(params)
+  defp place(params, :nx, _device) do
+    check_leaves!(params)
+
+    unless Code.ensure_loaded?(Nx) do
+      raise ArgumentError, "backend: :nx needs Nx; add {:nx, \"~> 0.7\"} or pick :cpu/:cuda"
+    end
+
+    to_nx_tree(params)
+  end
+
   defp place(params, backend, device), do: place_native(params, backend, device)
+
+  defp check_leaves!(%{} = m) when not is_struct(m),
+    do: Enum.each(m, fn {_, v} -> check_leaves!(v) end)
+
+  defp check_leaves!({bin, shape, type})
+       when is_binary(bin) and is_tuple(shape) and is_tuple(type),
+       do: :ok
+
+  defp check_leaves!(%{__struct__: Nx.Tensor}), do: :ok
+
+  defp check_leaves!(other),
+    do:
+      raise(
+        ArgumentError,
+        "params: expected tensors (Nx tensors or {binary, shape, type} triples), got: " <>
+          inspect(other, limit: 5)
+      )
 
   defp to_nx_tree(%{} = m) when not is_struct(m),
     do: Map.new(m, fn {k, v} -> {k, to_nx_tree(v)} end)
@@ -234,14 +300,22 @@ defmodule FusedKernels.Backbone do
   end
 
   @doc "The whole window forward: `{batch, window, embed}` → `{batch, hidden}` (last position)."
-  def predict(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, window)
-      when kind not in @rnn,
-      do: apply(FusedKernels.Backbone.NxPath, :predict, [h.spec, h.weights, window]) |> nx_last()
+  def predict(%__MODULE__{engine: ref}, window) when ref != nil, do: Engine.predict(ref, window)
 
-  def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind not in @rnn,
+  def predict(%__MODULE__{} = h, window) do
+    check_input!(h, window, "window", 3)
+    composed_predict(h, window)
+  end
+
+  defp composed_predict(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, window)
+       when kind not in @rnn,
+       do: apply(FusedKernels.Backbone.NxPath, :predict, [h.spec, h.weights, window]) |> nx_last()
+
+  defp composed_predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind not in @rnn,
     do: h |> Fused.predict(native_in(window)) |> last_position(window)
 
-  def predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window) when kind in [:lstm, :gru] do
+  defp composed_predict(%__MODULE__{spec: %Spec{kind: kind}} = h, window)
+       when kind in [:lstm, :gru] do
     w = h.weights
     x = norm(h, window, w["input_norm"])
 
@@ -254,31 +328,130 @@ defmodule FusedKernels.Backbone do
     last_position(x, window)
   end
 
-  @doc "Zero state for `batch` rows, on the handle's device."
-  def init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
-      when kind not in @rnn and is_integer(batch) and batch > 0 do
+  @doc """
+  Zero state for `batch` rows. On `:cpu` it is a `FusedKernels.Backbone.Engine.State` that
+  `step/3` advances in place (the state it returns is the same one).
+  """
+  def init_state(%__MODULE__{} = h, batch) do
+    unless is_integer(batch) and batch > 0 do
+      raise ArgumentError, "batch must be a positive integer, got: #{inspect(batch)}"
+    end
+
+    composed_init_state(h, batch)
+  end
+
+  defp composed_init_state(%__MODULE__{engine: ref}, batch) when ref != nil,
+    do: Engine.init_state(ref, batch)
+
+  defp composed_init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
+       when kind not in @rnn do
     if h.backend == :nx,
       do: apply(FusedKernels.Backbone.NxPath, :init_state, [spec, batch]),
       else: Fused.init_state(h, batch)
   end
 
-  def init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
-      when kind in [:lstm, :gru] and is_integer(batch) and batch > 0 do
+  defp composed_init_state(%__MODULE__{spec: %Spec{kind: kind} = spec} = h, batch)
+       when kind in [:lstm, :gru] do
     zeros = fn -> zeros({batch, spec.hidden}, h) end
     for _ <- 1..spec.layers, do: if(kind == :lstm, do: {zeros.(), zeros.()}, else: {zeros.()})
   end
 
-  @doc "One frame `{batch, embed}` in: `{output {batch, hidden}, new_state}`."
-  def step(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, state, frame)
-      when kind not in @rnn,
-      do: apply(FusedKernels.Backbone.NxPath, :step, [h.spec, h.weights, state, frame])
+  @doc "A state back at the start of a stream (an engine state is zeroed in place)."
+  def reset(%__MODULE__{engine: ref}, %Engine.State{} = state) when ref != nil,
+    do: Engine.reset(state)
 
-  def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind not in @rnn do
+  def reset(%__MODULE__{} = h, state) do
+    check_state!(h, state)
+    init_state(h, state_batch(state))
+  end
+
+  @doc "One frame `{batch, embed}` in: `{output {batch, hidden}, new_state}`."
+  def step(%__MODULE__{engine: ref} = h, state, frame) when ref != nil do
+    check_state!(h, state)
+    Engine.step(ref, state, frame)
+  end
+
+  def step(%__MODULE__{} = h, state, frame) do
+    check_state!(h, state)
+    check_input!(h, frame, "frame", 2)
+    composed_step(h, state, frame)
+  end
+
+  # The state init_state/2 makes for this handle, checked before anything runs (a truncated
+  # or foreign state would otherwise run fewer layers).
+  defp check_state!(%__MODULE__{engine: ref}, state) when ref != nil do
+    unless match?(%Engine.State{}, state) do
+      raise ArgumentError, bad_state(state)
+    end
+  end
+
+  defp check_state!(%__MODULE__{spec: %Spec{kind: kind} = spec}, state) when kind in @rnn do
+    size = if kind == :lstm, do: 2, else: 1
+
+    ok =
+      is_list(state) and length(state) == spec.layers and
+        Enum.all?(state, &(is_tuple(&1) and tuple_size(&1) == size))
+
+    unless ok, do: raise(ArgumentError, bad_state(state))
+  end
+
+  defp check_state!(%__MODULE__{spec: spec}, state) do
+    tags = for {kind, _} <- Fused.plan(spec), do: if(kind == :mamba, do: :mamba, else: :attn)
+
+    ok =
+      case state do
+        %{count: c, layers: layers} when is_integer(c) and is_list(layers) ->
+          length(layers) == length(tags) and
+            Enum.all?(Enum.zip(layers, tags), fn
+              {{tag, _, _}, tag} -> true
+              _ -> false
+            end)
+
+        _ ->
+          false
+      end
+
+    unless ok, do: raise(ArgumentError, bad_state(state))
+  end
+
+  defp bad_state(state),
+    do:
+      "state: expected the state init_state(handle, batch) made for this backbone, got: " <>
+        inspect(state, limit: 3)
+
+  defp state_batch(%Engine.State{batch: b}), do: b
+  defp state_batch([s | _]), do: elem(shape_of(elem(s, 0)), 0)
+  defp state_batch(%{layers: [{_, a, _} | _]}), do: elem(shape_of(a), 0)
+
+  # Rank and embed of a window/frame on the composed paths (the engine checks its own).
+  defp check_input!(%__MODULE__{spec: spec}, x, what, rank) do
+    shape = shape_of(x)
+
+    unless is_tuple(shape) and tuple_size(shape) == rank and elem(shape, rank - 1) == spec.embed do
+      want = if rank == 3, do: "{batch, window, #{spec.embed}}", else: "{batch, #{spec.embed}}"
+      raise ArgumentError, "#{what}: expected a #{want} tensor, got shape #{inspect(shape)}"
+    end
+  end
+
+  defp shape_of({_, shape, _}), do: shape
+  defp shape_of(%Buffer{shape: shape}), do: shape
+  defp shape_of(%{__struct__: Nx.Tensor} = t), do: apply(Nx, :shape, [t])
+
+  defp shape_of(other),
+    do: raise(ArgumentError, "expected a tensor, got: #{inspect(other, limit: 3)}")
+
+  defp composed_step(%__MODULE__{spec: %Spec{kind: kind}, backend: :nx} = h, state, frame)
+       when kind not in @rnn,
+       do: apply(FusedKernels.Backbone.NxPath, :step, [h.spec, h.weights, state, frame])
+
+  defp composed_step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame)
+       when kind not in @rnn do
     {x, state} = Fused.step(h, state, frame |> as_sequence() |> native_in())
     {last_position(x, frame), state}
   end
 
-  def step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame) when kind in [:lstm, :gru] do
+  defp composed_step(%__MODULE__{spec: %Spec{kind: kind}} = h, state, frame)
+       when kind in [:lstm, :gru] do
     w = h.weights
     x = norm(h, as_sequence(frame), w["input_norm"])
 

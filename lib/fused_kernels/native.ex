@@ -445,6 +445,25 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec engine_load(term, term, term, term) :: reply
+  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
+  @doc false
+  @spec engine_predict(term, term) :: reply
+  def engine_predict(_engine, _window), do: not_loaded()
+  @doc false
+  @spec engine_init_state(term, term) :: reply
+  def engine_init_state(_engine, _batch), do: not_loaded()
+  @doc false
+  @spec engine_step(term, term, term) :: reply
+  def engine_step(_engine, _state, _frame), do: not_loaded()
+  @doc false
+  @spec engine_reset(term) :: reply
+  def engine_reset(_state), do: not_loaded()
+  @doc false
+  @spec engine_state_info(term) :: reply
+  def engine_state_info(_state), do: not_loaded()
+
+  @doc false
   @spec stream_shift_append(term, term, term, term, term) :: reply
   def stream_shift_append(cache, row, backend, device, out),
     do:

@@ -23,49 +23,112 @@ if Code.ensure_loaded?(Nx) do
       Code.ensure_loaded?(Nx) and function_exported?(Nx, :runtime_call, 4)
     end
 
-    @doc "The path a fused layer takes here: `:runtime_call` or `:nx`."
-    @spec path(keyword) :: :runtime_call | :nx
+    @doc """
+    The path a fused layer takes here: `:exla` (an XLA FFI custom call, when EXLA's
+    `EXLA.CustomCall` is loaded: see `FusedKernels.XLA`), `:runtime_call` or `:nx`.
+    """
+    @spec path(keyword) :: :exla | :runtime_call | :nx
     def path(opts \\ []) do
-      native? =
-        FusedKernels.Backend.requested(opts) in [:auto, :cuda, :cpu] and
-          FusedKernels.Native.loaded?()
+      requested = FusedKernels.Backend.requested(opts)
+      native? = requested in [:auto, :cuda, :cpu] and FusedKernels.Native.loaded?()
 
-      if runtime_call?() and native?, do: :runtime_call, else: :nx
+      cond do
+        requested in [:auto, :cuda] and FusedKernels.XLA.available?() -> :exla
+        runtime_call?() and native? -> :runtime_call
+        true -> :nx
+      end
     end
 
     @doc "Runs `op` on `inputs` (a tuple of tensors) inside or outside `defn`."
     @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) when is_tuple(inputs) do
       case path(opts) do
-        :runtime_call ->
-          fused_with_pure_grad(op, inputs, opts)
+        :exla ->
+          # A call the handlers do not serve takes the next path.
+          with :skip <- with_pure_grad(op, inputs, opts, &exla_leaves/3),
+               do: run_native_or_nx(op, inputs, opts, runtime_call?() and native?(opts))
 
-        :nx ->
-          log_fallback_once(op)
-          op.nx_call(inputs, opts)
+        other ->
+          run_native_or_nx(op, inputs, opts, other == :runtime_call)
       end
     end
 
-    defp fused_with_pure_grad(op, inputs, opts) do
-      # Concrete tensors closed over by the caller become graph constants, so every input of
-      # the runtime_call node is part of the expression tree.
-      inputs = Nx.Defn.Composite.traverse(inputs, &to_expr/1)
-      template = op.output_template(inputs, opts)
-      leaves = flatten(template)
-      call_opts = [op: op, op_opts: opts]
+    defp native?(opts),
+      do:
+        FusedKernels.Backend.requested(opts) in [:auto, :cuda, :cpu] and
+          FusedKernels.Native.loaded?()
+
+    defp run_native_or_nx(op, inputs, opts, true),
+      do: with_pure_grad(op, inputs, opts, &runtime_call_leaves/3)
+
+    defp run_native_or_nx(op, inputs, opts, false) do
+      log_fallback_once(op)
+      op.nx_call(inputs, opts)
+    end
+
+    # The op's output leaves from one runtime_call node.
+    defp runtime_call_leaves(op, inputs, opts) do
+      leaves = inputs |> op.output_template(opts) |> flatten()
 
       # runtime_call takes a flat tuple of output templates; the op's container is rebuilt
       # after the call. apply/3: Nx < 0.11 has no runtime_call (this branch runs on newer Nx).
-      out =
-        apply(Nx, :runtime_call, [
-          List.to_tuple(leaves),
-          inputs,
-          call_opts,
-          &__MODULE__.callback/2
-        ])
-        |> Tuple.to_list()
-        |> Enum.map(&Nx.reshape(&1, {Nx.size(&1)}))
-        |> Nx.concatenate()
+      apply(Nx, :runtime_call, [
+        List.to_tuple(leaves),
+        inputs,
+        [op: op, op_opts: opts],
+        &__MODULE__.callback/2
+      ])
+      |> Tuple.to_list()
+    end
+
+    # The op's output leaves from XLA custom calls (`:skip` when not served).
+    defp exla_leaves(FusedKernels.Axon.Ops.Attention, {x, params}, opts) do
+      alias FusedKernels.XLA.Lowering.FlashAttention
+
+      dense = fn t, p ->
+        ops = %{x: t, kernel: p["kernel"]}
+        ops = if p["bias"] != nil, do: Map.put(ops, :bias, p["bias"]), else: ops
+
+        case FusedKernels.XLA.run(FusedKernels.Axon.Ops.Dense, {ops}, []) do
+          [y] -> y
+          :skip -> FusedKernels.Axon.Ops.Dense.nx_call({ops}, [])
+        end
+      end
+
+      attention = fn q, k, v, o ->
+        case FusedKernels.XLA.run(FlashAttention, {q, k, v}, o) do
+          [out, _lse] -> out
+          :skip -> FusedKernels.FlashAttention.nx(q, k, v, o)
+        end
+      end
+
+      x
+      |> FusedKernels.Axon.Ops.Attention.forward(params, opts, %{
+        dense: dense,
+        attention: attention
+      })
+      |> List.wrap()
+    end
+
+    defp exla_leaves(op, inputs, opts), do: FusedKernels.XLA.run(op, inputs, opts)
+
+    # Runs `forward` (the op's output leaves, or :skip) under a custom gradient: the
+    # vector-Jacobian product of the op's pure-Nx implementation.
+    defp with_pure_grad(op, inputs, opts, forward) do
+      # Concrete tensors closed over by the caller become graph constants, so every input of
+      # the node is part of the expression tree.
+      inputs = Nx.Defn.Composite.traverse(inputs, &to_expr/1)
+      template = op.output_template(inputs, opts)
+      leaves = flatten(template)
+
+      case forward.(op, inputs, opts) do
+        :skip -> :skip
+        outs -> pure_grad(op, inputs, opts, outs, template, leaves)
+      end
+    end
+
+    defp pure_grad(op, inputs, opts, outs, template, leaves) do
+      out = outs |> Enum.map(&Nx.reshape(&1, {Nx.size(&1)})) |> Nx.concatenate()
 
       # Inputs may hold parameter maps (Axon's kernels): gradients are per leaf tensor, and only
       # for symbolic leaves (a concrete tensor closed over by the caller has none).

@@ -118,7 +118,9 @@ if Code.ensure_loaded?(Nx) do
         Nx.template({b, s, units}, Nx.type(x))
       end
 
-      defp forward(x, params, opts, impl) do
+      @doc false
+      # The layer with `impl`'s dense and attention (the EXLA custom-call path lowers each).
+      def forward(x, params, opts, impl) do
         {b, s, _} = Nx.shape(x)
         heads = opts[:heads]
         kv_heads = opts[:kv_heads] || heads

@@ -364,8 +364,7 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
   }
 #define RNN_MMA_TILES(T, TN, LSTM, CN) \
   RNN_MMA_KERNEL(T, TN, LSTM, CN, 1, 1) \
-  RNN_MMA_KERNEL(T, TN, LSTM, CN, 2, 1) \
-  RNN_MMA_KERNEL(T, TN, LSTM, CN, 4, 1)
+  RNN_MMA_KERNEL(T, TN, LSTM, CN, 2, 1)
 #define RNN_MMA_CELLS(T, TN) RNN_MMA_TILES(T, TN, true, lstm) RNN_MMA_TILES(T, TN, false, gru)
 
 RNN_MMA_CELLS(float, f32)

@@ -16,7 +16,7 @@
 // a separate pass over the chunk sums a channel's partials, adds D·u, applies silu(z) once per
 // element and stores it. The time loop is ~6.7 instructions per state-step (sm_90 SASS);
 // part of the exponentials can run as a polynomial on the FMA pipe (POLY), which measured
-// slower on an H200, so the launch leaves it off by default.
+// slower on an H200, so no instance turns it on.
 //
 // This file also holds what both layouts share (argument block, stage layout, copies, dt
 // pass); the layout for long plain f32 scans, several channels per lane, follows in
@@ -462,8 +462,8 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
   if (threadIdx.x == 0) reinterpret_cast<float*>(p.mean_dt)[row] = s / p.dim;
 }
 
-// selective_scan_<type>_<NPT>x<TPC>[_p<POLY>]: NPT states per lane, TPC lanes per channel,
-// every POLY-th exponential on the FMA pipe. The splits instantiated are those `split` in
+// selective_scan_<type>_<NPT>x<TPC>: NPT states per lane, TPC lanes per channel, no
+// exponential on the FMA pipe (POLY 0). The splits instantiated are those `split` in
 // ops/selective_scan.rs picks from (state rows padded to at least 16). Each element type is
 // its own module (FK_SCAN_TYPE, set by kernels.rs), so a caller compiles only its type.
 #define FK_SCAN(NAME, T, NPT, TPC, POLY, SUFFIX)                                              \
@@ -485,12 +485,6 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
   FK_SCAN(NAME, T, 16, 8, 0, )                                                                \
   FK_SCAN(NAME, T, 8, 16, 0, )                                                                \
   FK_SCAN(NAME, T, 16, 16, 0, )                                                               \
-  FK_SCAN(NAME, T, 4, 4, 16, _p16)                                                            \
-  FK_SCAN(NAME, T, 4, 4, 8, _p8)                                                              \
-  FK_SCAN(NAME, T, 8, 2, 16, _p16)                                                            \
-  FK_SCAN(NAME, T, 8, 2, 8, _p8)                                                              \
-  FK_SCAN(NAME, T, 16, 1, 16, _p16)                                                           \
-  FK_SCAN(NAME, T, 16, 1, 8, _p8)                                                             \
   extern "C" __global__ void __launch_bounds__(256) selective_scan_mean_dt_##NAME(            \
       const FkScanArgs p) {                                                                   \
     fk_scan_mean_dt<T>(p);                                                                     \

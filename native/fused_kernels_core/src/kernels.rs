@@ -62,7 +62,7 @@ pub const RNN_MMA: Kernel = Kernel {
     body: include_str!("../kernels/rnn_mma.cu"),
 };
 
-// The selective scan is one module per element type: 21 kernels for f32 (both layouts), 20 for
+// The selective scan is one module per element type: 15 kernels for f32 (both layouts), 14 for
 // f16 and bf16 (no wide layout).
 pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
     name: "selective_scan_f32",

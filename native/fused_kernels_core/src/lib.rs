@@ -6,11 +6,14 @@
 pub mod alloc;
 pub mod cuda;
 pub mod dtype;
+pub mod engine;
 pub mod error;
 pub mod kernels;
 pub mod operand;
 pub mod ops;
 pub mod parallel;
+#[cfg(any(test, feature = "reference"))]
+pub mod reference;
 pub mod tensor;
 
 pub use dtype::DType;

@@ -5,6 +5,7 @@
 //! is `:argument`, `:unavailable`, `:out_of_memory`, `:compile` or `:cuda`; the Elixir wrapper
 //! turns `:argument` into an `ArgumentError`.
 
+mod engine;
 mod jobs;
 mod ops;
 mod runtime;

@@ -3,9 +3,9 @@
 //! source text the runtime compiles. CI then runs `ptxas -v` on each file for the register,
 //! shared-memory and spill report. Needs libnvrtc.so.13 (no GPU).
 //!
-//! Usage: kernel_ptx OUT_DIR [sm_XY ...]
-//! `FK_KERNELS=name,name` limits the run to those kernel files (for a quick look while tuning).
-//! `FK_CACHE_OUT=DIR` also stores each cubin as the runtime's cache entry in DIR (same NVRTC
+//! Usage: kernel_ptx [--kernels name,name] [--cache-out DIR] OUT_DIR [sm_XY ...]
+//! `--kernels` limits the run to those kernel files (for a quick look while tuning).
+//! `--cache-out DIR` also stores each cubin as the runtime's cache entry in DIR (same NVRTC
 //! version needed), so a fresh GPU machine given that cache directory compiles nothing.
 
 use fused_kernels_core::cuda::cache;
@@ -14,12 +14,42 @@ use fused_kernels_core::kernels::ALL;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    const USAGE: &str =
+        "usage: kernel_ptx [--kernels name,name] [--cache-out DIR] OUT_DIR [sm_XY ...]";
+    let mut only: Option<Vec<String>> = None;
+    let mut cache_out: Option<String> = None;
+    let mut positional = Vec::new();
     let mut args = std::env::args().skip(1);
-    let Some(out_dir) = args.next() else {
-        eprintln!("usage: kernel_ptx OUT_DIR [sm_XY ...]");
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--kernels" | "--cache-out" => {
+                let Some(v) = args.next() else {
+                    eprintln!("{a} needs a value\n{USAGE}");
+                    return ExitCode::from(2);
+                };
+                if a == "--kernels" {
+                    only = Some(v.split(',').map(str::to_string).collect());
+                } else {
+                    cache_out = Some(v);
+                }
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            _ if a.starts_with("--") => {
+                eprintln!("unknown option {a}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+            _ => positional.push(a),
+        }
+    }
+    let mut positional = positional.into_iter();
+    let Some(out_dir) = positional.next() else {
+        eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
-    let mut archs: Vec<String> = args.collect();
+    let mut archs: Vec<String> = positional.collect();
     if archs.is_empty() {
         archs = ["sm_80", "sm_89", "sm_90"].map(String::from).to_vec();
     }
@@ -34,9 +64,6 @@ fn main() -> ExitCode {
     let (major, minor) = version().unwrap_or((0, 0));
     println!("NVRTC {major}.{minor}");
     let mut failed = false;
-    let only: Option<Vec<String>> = std::env::var("FK_KERNELS")
-        .ok()
-        .map(|v| v.split(',').map(str::to_string).collect());
     for kernel in ALL {
         if only
             .as_ref()
@@ -50,7 +77,7 @@ fn main() -> ExitCode {
             // Both outputs: the cubin proves the real-architecture build the runtime does.
             let result =
                 compile(kernel.name, &kernel.source(), arch, Target::Cubin).and_then(|cubin| {
-                    if let Ok(dir) = std::env::var("FK_CACHE_OUT") {
+                    if let Some(dir) = &cache_out {
                         cache::set_dir(dir.into());
                         let path =
                             cache::entry_path(kernel.name, &kernel.source(), arch, (major, minor));

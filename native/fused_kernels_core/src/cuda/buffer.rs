@@ -7,27 +7,88 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{checked_numel, HostTensor, OwnedTensor};
 use cudarc::driver::CudaSlice;
+use std::cell::RefCell;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 pub struct DeviceTensor {
     pub gpu: Arc<Gpu>,
     pub shape: Vec<usize>,
     pub dtype: DType,
-    data: CudaSlice<u8>,
+    data: ManuallyDrop<CudaSlice<u8>>,
+    /// False for memory another runtime owns (an XLA buffer, XLA scratch): never freed here.
+    owned: bool,
+}
+
+/// Hands out device memory owned by someone else, for the duration of one call.
+pub type ScratchAllocator<'a> = dyn FnMut(usize) -> Result<u64> + 'a;
+
+thread_local! {
+    // The allocator `with_scratch` installs on this thread; the pointer only lives while
+    // `with_scratch`'s frame does.
+    static SCRATCH: RefCell<Option<*mut ScratchAllocator<'static>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with every `DeviceTensor::uninit` on this thread served by `alloc` (memory the
+/// caller's runtime owns and frees after the call; such tensors never free it). XLA's FFI
+/// handlers use this so that the ops' temporaries come from XLA's allocator.
+pub fn with_scratch<R>(alloc: &mut ScratchAllocator<'_>, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<*mut ScratchAllocator<'static>>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            SCRATCH.with(|s| *s.borrow_mut() = self.0.take());
+        }
+    }
+    // Safety: the erased lifetime never outlives this frame: `Reset` restores the previous
+    // value on return and on unwinding.
+    let erased: *mut ScratchAllocator<'static> = unsafe { std::mem::transmute(alloc) };
+    let previous = SCRATCH.with(|s| s.borrow_mut().replace(erased));
+    let _reset = Reset(previous);
+    f()
+}
+
+fn scratch_alloc(bytes: usize) -> Option<Result<u64>> {
+    let alloc = SCRATCH.with(|s| *s.borrow())?;
+    // Safety: set by `with_scratch`, whose frame is live while the pointer is installed;
+    // calls never nest on one thread (the allocator does not allocate tensors).
+    Some(unsafe { (*alloc)(bytes) })
 }
 
 impl DeviceTensor {
     /// Allocates without initialising (every kernel writes its whole output).
     pub fn uninit(gpu: &Arc<Gpu>, shape: Vec<usize>, dtype: DType) -> Result<Self> {
         let bytes = checked_numel("output", &shape)? * dtype.size();
+        if let Some(ptr) = scratch_alloc(bytes) {
+            // Safety: the installed allocator returned `bytes` bytes of device memory that
+            // stay valid for the call.
+            return Ok(unsafe { Self::borrowed(gpu, ptr?, shape, dtype) });
+        }
         gpu.bind()?;
         let data = unsafe { gpu.stream.alloc::<u8>(bytes) }?;
         Ok(DeviceTensor {
             gpu: gpu.clone(),
             shape,
             dtype,
-            data,
+            data: ManuallyDrop::new(data),
+            owned: true,
         })
+    }
+
+    /// A tensor over device memory someone else owns (an XLA buffer): never freed here.
+    ///
+    /// # Safety
+    /// `ptr` must point to at least `numel(shape) * dtype.size()` bytes on `gpu`'s device,
+    /// valid while the tensor is used.
+    pub unsafe fn borrowed(gpu: &Arc<Gpu>, ptr: u64, shape: Vec<usize>, dtype: DType) -> Self {
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        let data = unsafe { gpu.stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+        DeviceTensor {
+            gpu: gpu.clone(),
+            shape,
+            dtype,
+            data: ManuallyDrop::new(data),
+            owned: false,
+        }
     }
 
     pub fn upload(gpu: &Arc<Gpu>, host: &HostTensor<'_>) -> Result<Self> {
@@ -37,14 +98,15 @@ impl DeviceTensor {
             gpu: gpu.clone(),
             shape: host.shape.clone(),
             dtype: host.dtype,
-            data,
+            data: ManuallyDrop::new(data),
+            owned: true,
         })
     }
 
     /// Copies to the host; waits for the work queued before it on the device's stream.
     pub fn download(&self) -> Result<OwnedTensor> {
         self.gpu.bind()?;
-        let data = self.gpu.stream.clone_dtoh(&self.data)?;
+        let data = self.gpu.stream.clone_dtoh(&*self.data)?;
         Ok(OwnedTensor {
             data,
             shape: self.shape.clone(),
@@ -57,7 +119,7 @@ impl DeviceTensor {
         self.gpu.bind()?;
         let len = self.data.len();
         let stream = self.gpu.stream.clone();
-        let (ptr, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut self.data, &stream);
+        let (ptr, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut *self.data, &stream);
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, len, stream.cu_stream()) }
             .map_err(Error::from)
     }
@@ -94,6 +156,13 @@ impl Drop for DeviceTensor {
     fn drop(&mut self) {
         // The BEAM may collect a buffer on any thread; the free below needs the context.
         let _ = self.gpu.bind();
+        // Safety: `data` is not used after this.
+        let data = unsafe { ManuallyDrop::take(&mut self.data) };
+        if self.owned {
+            drop(data);
+        } else {
+            data.leak();
+        }
     }
 }
 

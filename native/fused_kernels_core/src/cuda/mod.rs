@@ -91,7 +91,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub compute_capability: (i32, i32),
     pub name: String,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Shared with the `Gpu`s that `on_stream` makes for this device.
+    modules: Arc<Mutex<HashMap<&'static str, Arc<CudaModule>>>>,
     blas: OnceCell<std::result::Result<Mutex<CudaBlas>, String>>,
 }
 
@@ -146,7 +147,7 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
         stream: ctx.default_stream(),
         ctx,
         compute_capability,
-        modules: Mutex::new(HashMap::new()),
+        modules: Arc::new(Mutex::new(HashMap::new())),
         blas: OnceCell::new(),
     });
     gpus.insert(ordinal, g.clone());
@@ -154,6 +155,32 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
 }
 
 impl Gpu {
+    /// This device with its work ordered on `cu_stream`, a stream another runtime owns (XLA's,
+    /// for FFI handlers): ops given tensors of the returned `Gpu` enqueue everything there.
+    /// Loaded modules are shared with `self`; the cuBLAS handle is the new value's own.
+    ///
+    /// # Safety
+    /// `cu_stream` must be a stream of this device's primary context, alive while the
+    /// returned value is used.
+    pub unsafe fn on_stream(&self, cu_stream: cudarc::driver::sys::CUstream) -> Gpu {
+        Gpu {
+            ordinal: self.ordinal,
+            stream: unsafe { self.ctx.wrap_borrowed_stream(cu_stream) },
+            ctx: self.ctx.clone(),
+            compute_capability: self.compute_capability,
+            name: self.name.clone(),
+            modules: self.modules.clone(),
+            blas: OnceCell::new(),
+        }
+    }
+
+    /// Compiles (or reads from the disk cache) and loads `kernel`'s module now, so that a
+    /// later launch does not load a module (FFI handlers do this before a CUDA-graph capture).
+    pub fn preload(&self, kernel: &Kernel) -> Result<()> {
+        self.bind()?;
+        self.module(kernel).map(|_| ())
+    }
+
     /// `sm_XY` for this device; kernels are compiled for exactly this architecture.
     pub fn arch(&self) -> String {
         format!(

@@ -642,7 +642,13 @@ pub fn cuda_stateful(
         bc_row: (2 * n) as i32,
         ..ScanArgs::default()
     };
-    selective_scan::launch(gpu, DType::F32, sg, args)?;
+    selective_scan::launch(
+        gpu,
+        DType::F32,
+        sg,
+        args,
+        &selective_scan::Tuning::default(),
+    )?;
     let o = f32_buf(gpu, vec![m, h])?;
     sgemm_rows(gpu, ptr(&y), ptr(&w_out), ptr(&o), m, inner, h)?;
     let f = gpu.function(&MAMBA_BLOCK, &format!("mamba_out_residual_{tname}"))?;

@@ -435,11 +435,11 @@ pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
 /// the state row padded to at least 16 (fewer states cost no more than 16: the lanes are
 /// there anyway), at most 16 states per lane and 16 lanes per channel. Problems with few
 /// channels spread a channel over more lanes so that enough threads run.
-/// `FUSED_KERNELS_SCAN_NPT` sets the states per lane (benchmarking), within those limits.
-fn split(g: Geometry) -> (usize, usize) {
+/// `Tuning::npt` sets the states per lane (benchmarks), within those limits.
+fn split(g: Geometry, tuning: &Tuning) -> (usize, usize) {
     let padded = g.state.next_power_of_two().max(16);
     let fewest = (padded / 16).max(if padded == 16 { 2 } else { 4 });
-    if let Some(v) = env_choice("FUSED_KERNELS_SCAN_NPT", &[1, 2, 4, 8, 16]) {
+    if let Some(v) = tuning.npt.filter(|v| [1, 2, 4, 8, 16].contains(v)) {
         let npt = v.clamp(fewest, 16);
         return (npt, padded / npt);
     }
@@ -456,20 +456,20 @@ fn split(g: Geometry) -> (usize, usize) {
 /// The wide layout (kernels/selective_scan_wide.cu): channels per lane, states per lane and
 /// lanes per channel group, for at most 16 states and enough channels that its blocks fill the
 /// GPU: it loads fewer shared-memory registers per state-step, but a block covers 2-4x the
-/// channels of the one-channel-per-lane layout. `FUSED_KERNELS_SCAN_WIDE` forces it off (0) or
-/// on (`2x4x4`, benchmarking and tests) for plain f32 scans.
+/// channels of the one-channel-per-lane layout. `Tuning::wide` forces it off or on (benchmarks
+/// and tests) for plain f32 scans.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Wide {
-    cpl: usize,
-    npt: usize,
-    tpc: usize,
+pub struct Wide {
+    pub cpl: usize,
+    pub npt: usize,
+    pub tpc: usize,
 }
 
-// Measured on an H200 (bench/RESULTS.md, session 4, B8 D2048 L4096 N16 f32): 2x4x4 (two warps
-// per scheduler, 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per
-// scheduler) 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is
-// compiled (kernels/selective_scan_wide.cu); with session 5's changes it takes 411.7 µs there.
-const WIDE: Wide = Wide {
+/// Measured on an H200 (B8 D2048 L4096 N16 f32, one build): 2x4x4 (two warps per scheduler,
+/// 1.5 shared registers per state-step) 496 µs; 2x8x2 530 µs, 4x4x4 (one warp per scheduler)
+/// 567 µs, 1x4x4 605 µs, the one-channel-per-lane layout 540 µs. Only 2x4x4 is compiled
+/// (kernels/selective_scan_wide.cu); with the copy ring and longer chunks it takes 411.7 µs.
+pub const WIDE: Wide = Wide {
     cpl: 2,
     npt: 4,
     tpc: 4,
@@ -490,51 +490,50 @@ impl Wide {
 /// scheduler waited out the extra pass and barrier each chunk (measured on an H200: the long
 /// d+z+bias+softplus scan 1,220 µs wide vs 855 µs, the long bf16 scan 961 µs vs 753 µs), so
 /// those keep the one-channel-per-lane layout.
-fn plain_scan(a: &ScanArgs) -> bool {
+pub fn plain_scan(a: &ScanArgs) -> bool {
     a.delta_bias == 0 && a.softplus == 0 && a.clip == 0 && a.mean_mode == 0 && a.z == 0
 }
 
 /// Only the f32 module compiles the wide kernel, for plain scans (the routing never picks it
 /// for 16-bit types, whose dt pass makes it slower), so forcing it applies to those alone.
-fn wide_split(g: Geometry, sms: usize, dtype: DType, plain: bool) -> Option<Wide> {
+pub fn wide_split(
+    g: Geometry,
+    sms: usize,
+    dtype: DType,
+    plain: bool,
+    tuning: &Tuning,
+) -> Option<Wide> {
     if g.state > 16 || dtype != DType::F32 {
         return None;
     }
     if !plain {
         return None;
     }
-    match std::env::var("FUSED_KERNELS_SCAN_WIDE").as_deref() {
-        Ok("0") => return None,
-        Ok(v) if v == WIDE.name() => return Some(WIDE),
-        _ => {}
+    match tuning.wide {
+        Some(false) => return None,
+        Some(true) => return Some(WIDE),
+        None => {}
     }
     let w = WIDE;
     let blocks = g.batch * g.groups * (g.dim / g.groups).div_ceil(w.channels_per_block());
     (2 * blocks >= sms).then_some(w)
 }
 
-/// A benchmarking override: the variable's value when it is one of `allowed`.
-fn env_choice(name: &str, allowed: &[usize]) -> Option<usize> {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|v| allowed.contains(v))
+/// Tuning choices that benchmarks and tests pass explicitly; `Tuning::default()` (every field
+/// `None`) is the product's rule, which every public entry point uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tuning {
+    /// Force the wide layout on (`Some(true)`, plain f32 scans of at most 16 states) or off.
+    pub wide: Option<bool>,
+    /// States per lane of the one-channel-per-lane layout (1, 2, 4, 8 or 16).
+    pub npt: Option<usize>,
+    /// Stages of the wide layout's ring (2 or 3).
+    pub stages: Option<usize>,
+    /// Steps per chunk (4, 8, 16, 32, 48, 64, 80 or 88), where it fits the shared memory.
+    pub chunk: Option<usize>,
 }
 
 const THREADS: usize = 128;
-
-/// Every how many exponentials one runs as a polynomial on the FMA pipe instead of the
-/// special-function unit (0: none). Only the lane splits of 16-state channels have such
-/// variants; `FUSED_KERNELS_SCAN_POLY` (0, 8, 16) overrides the default for benchmarking.
-fn poly(npt: usize, tpc: usize) -> usize {
-    if !matches!((npt, tpc), (4, 4) | (8, 2) | (16, 1)) {
-        return 0;
-    }
-    env_choice("FUSED_KERNELS_SCAN_POLY", &[0, 8, 16]).unwrap_or(DEFAULT_POLY)
-}
-// Measured on an H200: the long scan is bound by shared-memory return bandwidth, not by the
-// special-function unit, so the polynomial only adds instructions (bench/RESULTS.md).
-const DEFAULT_POLY: usize = 0;
 
 fn align16(bytes: usize) -> usize {
     bytes.div_ceil(16) * 16
@@ -582,7 +581,13 @@ fn smem_budget(gpu: &Gpu, blocks: usize, max_resident: usize) -> Result<usize> {
 
 /// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
 /// `args` carries the pointers and flags; geometry, split and chunking are filled in here.
-pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> Result<()> {
+pub fn launch(
+    gpu: &Arc<Gpu>,
+    dtype: DType,
+    g: Geometry,
+    mut args: ScanArgs,
+    tuning: &Tuning,
+) -> Result<()> {
     let tname = kernel_type(dtype, "u")?;
     if g.batch > 65535 {
         return Err(arg_error(format!(
@@ -593,11 +598,11 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     let elem = dtype.size();
     let dg = g.dim / g.groups;
     let sms = gpu.multiprocessors()?.max(1) as usize;
-    let wide = wide_split(g, sms, dtype, plain_scan(&args));
+    let wide = wide_split(g, sms, dtype, plain_scan(&args), tuning);
     let (npt, tpc, cpb) = match wide {
         Some(w) => (w.npt, w.tpc, w.channels_per_block()),
         None => {
-            let (npt, tpc) = split(g);
+            let (npt, tpc) = split(g, tuning);
             (npt, tpc, THREADS / tpc)
         }
     };
@@ -610,7 +615,7 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
     // The wide layout's ring: 3 stages by default; 2 where the chunk is long enough to hide a
     // chunk's copies behind the previous chunk's work on its own.
     let one_wave = blocks * g.batch <= 2 * sms;
-    let stages = match (wide, env_choice("FUSED_KERNELS_SCAN_STAGES", &[2, 3])) {
+    let stages = match (wide, tuning.stages.filter(|s| [2, 3].contains(s))) {
         (None, _) => 2,
         (Some(_), Some(s)) => s,
         (Some(_), None) if one_wave => 2,
@@ -632,8 +637,9 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         Some(_) if one_wave => &[80, 64, 48, 32, 16, 8, 4],
         _ => &[32, 16, 8, 4],
     };
-    let chunk = env_choice("FUSED_KERNELS_SCAN_CHUNK", &[4, 8, 16, 32, 48, 64, 80, 88])
-        .filter(|&c| fits(c))
+    let chunk = tuning
+        .chunk
+        .filter(|c| [4, 8, 16, 32, 48, 64, 80, 88].contains(c) && fits(*c))
         .or_else(|| chunks.iter().copied().find(|&c| fits(c)))
         .unwrap_or(4)
         .min(g.seq.max(1));
@@ -673,15 +679,9 @@ pub fn launch(gpu: &Arc<Gpu>, dtype: DType, g: Geometry, mut args: ScanArgs) -> 
         l.arg(&args);
         unsafe { l.launch(cfg) }?;
     }
-    let k = if wide.is_some() { 0 } else { poly(npt, tpc) };
-    let suffix = if k > 0 {
-        format!("_p{k}")
-    } else {
-        String::new()
-    };
     let name = match wide {
         Some(w) => format!("selective_scan_wide_{tname}_{}", w.name()),
-        None => format!("selective_scan_{tname}_{npt}x{tpc}{suffix}"),
+        None => format!("selective_scan_{tname}_{npt}x{tpc}"),
     };
     let f = gpu.function(module(dtype), &name)?;
     cuda::smem::allow_dynamic_smem(&f, smem)?;
@@ -723,20 +723,22 @@ pub fn cuda(gpu: &Arc<Gpu>, x: &Inputs<'_>, p: Params) -> Result<Outputs<DeviceT
         .return_last_state
         .then(|| DeviceTensor::uninit(gpu, vec![g.batch, g.dim, g.state], DType::F32))
         .transpose()?;
-    cuda_into(gpu, x, p, &mut out, last.as_mut())?;
+    cuda_into(gpu, x, p, &mut out, last.as_mut(), &Tuning::default())?;
     Ok(Outputs {
         out,
         last_state: last,
     })
 }
 
-/// The CUDA implementation into caller-given outputs (tests poison them first).
+/// The CUDA implementation into caller-given outputs (tests poison them first), with the
+/// launch's tuning choices (`Tuning::default()`: the product's rule).
 pub fn cuda_into(
     gpu: &Arc<Gpu>,
     x: &Inputs<'_>,
     p: Params,
     out: &mut DeviceTensor,
     last: Option<&mut DeviceTensor>,
+    tuning: &Tuning,
 ) -> Result<()> {
     let g = geometry(x)?;
     let dtype = x.u.dtype();
@@ -791,7 +793,7 @@ pub fn cuda_into(
         ..ScanArgs::default()
     };
     // The staged inputs are freed when they drop; the stream orders that after the kernel.
-    launch(gpu, dtype, g, args)
+    launch(gpu, dtype, g, args, tuning)
 }
 
 /// Runs on `backend`, returning results where `placement` says.
@@ -897,7 +899,3 @@ pub fn reference(r: &RefInputs<'_>, p: Params) -> (Vec<f64>, Vec<f64>) {
     }
     (out, last)
 }
-
-#[cfg(test)]
-#[path = "selective_scan_tests.rs"]
-mod tests;

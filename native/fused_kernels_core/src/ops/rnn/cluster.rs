@@ -7,8 +7,7 @@
 //! input projection is this module's own kernel, launched just before. Layers that do not fit
 //! (f32 H512 LSTM, say) use the other paths.
 
-use super::cuda::{state_ptrs, type_name};
-use super::Cell;
+use super::common::{cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell};
 use crate::cuda::cluster as cl;
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
@@ -16,7 +15,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::RNN_CLUSTER;
 use crate::operand::Staged;
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::PushKernelArg;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -28,23 +27,6 @@ pub const MAX_LAYERS: usize = 3;
 pub const THREADS: usize = 512;
 const SLICES: usize = 2;
 const GROUP: usize = 8 / SLICES;
-
-thread_local! {
-    /// Tests and benches force split (`Some(true)`) or wavefront (`Some(false)`) groups on
-    /// their own thread; `None`: split wherever the device runs the clusters together.
-    static SPLIT: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Sets this thread's split override (see `SPLIT`).
-#[cfg(test)]
-pub fn force_split(split: Option<bool>) {
-    SPLIT.with(|s| s.set(split));
-}
-
-/// Whether calls on this thread may use split groups, and whether they must.
-pub fn split_override() -> Option<bool> {
-    SPLIT.with(|s| s.get())
-}
 
 /// Cluster sizes tried, largest first (16 needs the non-portable opt-in).
 const CLUSTER_SIZES: [u32; 2] = [16, 8];
@@ -279,43 +261,34 @@ pub fn default_takes(grp: &Group) -> bool {
 
 fn kernel_name(cell: Cell, dtype: DType) -> Result<String> {
     let (tname, _) = type_name(dtype)?;
-    let cname = match cell {
-        Cell::Lstm => "lstm",
-        Cell::Gru => "gru",
-    };
-    Ok(format!("rnn_cluster_{cname}_{tname}"))
+    Ok(format!("rnn_cluster_{}_{tname}", cell_name(cell)))
 }
 
-pub(super) fn smem_limit(gpu: &Gpu) -> Result<usize> {
-    Ok(gpu
-        .ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-        as usize)
-}
-
-/// The chosen cluster size by (device ordinal, kernel name).
-type CtasCache = Mutex<HashMap<(usize, String), Option<usize>>>;
+/// The chosen cluster size by (device ordinal, kernel name, forced size).
+type CtasCache = Mutex<HashMap<(usize, String, Option<usize>), Option<usize>>>;
 static CLUSTER_CTAS: Lazy<CtasCache> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The cluster size this device runs the kernel for `cell`/`dtype` at (None: no clusters).
-/// `FUSED_KERNELS_RNN_CTAS` forces a size (8 or 16) where the device allows it.
-pub fn cluster_ctas(gpu: &Gpu, cell: Cell, dtype: DType) -> Result<Option<usize>> {
+/// `forced` (`Tuning::cluster_ctas`) tries only that size (8 or 16) where the device allows it.
+pub fn cluster_ctas(
+    gpu: &Gpu,
+    cell: Cell,
+    dtype: DType,
+    forced: Option<usize>,
+) -> Result<Option<usize>> {
     if !cl::supported(gpu) {
         return Ok(None);
     }
     let name = kernel_name(cell, dtype)?;
-    let key = (gpu.ordinal, name.clone());
+    let key = (gpu.ordinal, name.clone(), forced);
     if let Some(v) = CLUSTER_CTAS.lock().ok().and_then(|m| m.get(&key).copied()) {
         return Ok(v);
     }
     let f = gpu.function(&RNN_CLUSTER, &name)?;
     let smem = smem_limit(gpu)? as u32;
-    let forced: Option<u32> = std::env::var("FUSED_KERNELS_RNN_CTAS")
-        .ok()
-        .and_then(|v| v.parse().ok());
     let mut found = None;
     for c in CLUSTER_SIZES {
-        if forced.is_some_and(|f| f != c) {
+        if forced.is_some_and(|f| f != c as usize) {
             continue;
         }
         cl::prepare(&f, smem, c)?;
@@ -507,11 +480,7 @@ pub(super) fn run_group(
     for (j, (lay, p)) in grp.layers.iter().zip(params).enumerate() {
         let h = lay.units;
         let sq = DeviceTensor::uninit(gpu, vec![1, seq, h], dtype)?;
-        let states: Vec<DeviceTensor> = cell
-            .state_names()
-            .iter()
-            .map(|_| DeviceTensor::uninit(gpu, vec![1, h], dtype))
-            .collect::<Result<_>>()?;
+        let states = state_buffers(gpu, cell, 1, h, dtype)?;
         let r = &mut a.l[j];
         if lay.input > 0 {
             for (d, w) in r.wi.iter_mut().zip(&p.wi) {

@@ -5,18 +5,18 @@
 //! f32 accumulation. On sm_90+ each step is launched with programmatic dependent launch, so
 //! step t+1's blocks load their weight tile while step t finishes.
 
-use super::{Cell, Geometry};
+use super::common::{
+    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, Geometry, StatePtrs,
+    Tuning,
+};
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
-use crate::error::{arg_error, Result};
+use crate::error::Result;
 use crate::kernels::RNN_MMA;
 use crate::operand::Staged;
-use cudarc::driver::sys::{
-    self, CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig,
-};
+use cudarc::driver::sys::{self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
 use cudarc::driver::{CudaFunction, DeviceRepr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const THREADS: usize = 128;
@@ -25,34 +25,8 @@ const THREADS: usize = 128;
 /// load their weights while step t's run.
 const TWO_PER_SM: usize = 113 * 1024;
 
-/// Benchmark overrides of the tiling (0: the default): the shared-memory budget in bytes
-/// and the m-tiles per block.
-static BUDGET_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
-static MT_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
-
-/// Overrides the tiling for this process (benchmarks; `None` restores the default). The
-/// result does not depend on it: each element's sums run in the same order on every tiling.
-#[cfg(test)]
-pub fn set_tiling_override(smem_budget: Option<usize>, mt: Option<usize>) {
-    BUDGET_OVERRIDE.store(smem_budget.unwrap_or(0), Ordering::Relaxed);
-    MT_OVERRIDE.store(mt.unwrap_or(0), Ordering::Relaxed);
-}
 /// Bytes of one K-chunk row in shared memory (128 bytes of data + 16 of padding).
 const PITCH: usize = 144;
-
-/// `RnnMmaPackArgs` in rnn_mma.cu.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PackArgs {
-    src: [u64; 4],
-    hi: u64,
-    lo: u64,
-    gates: i32,
-    h: i32,
-    un: i32,
-    kp: i32,
-    tiles: i32,
-}
 
 /// `RnnMmaArgs` in rnn_mma.cu.
 #[repr(C)]
@@ -80,8 +54,7 @@ pub(super) struct StepArgs {
     pub stages: i32,
 }
 
-// Safety: plain old data laid out exactly like the CUDA structs.
-unsafe impl DeviceRepr for PackArgs {}
+// Safety: plain old data laid out exactly like the CUDA struct.
 unsafe impl DeviceRepr for StepArgs {}
 
 /// How one layer's step is tiled.
@@ -101,9 +74,11 @@ pub struct Tile {
 
 /// The tiling of one step. m-tiles: 2 (32 batch rows per block) from B128, or from B32 when
 /// single m-tiles would need more than two blocks per multiprocessor, else 1 (measured on an H200,
-/// bench/RESULTS.md: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best; 4 stays
-/// as an override). Weights stay resident when they fit next to two h chunks; h gets as many
-/// chunk slots as the budget leaves (all of K when it fits).
+/// bench/RESULTS.md: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best, so no
+/// 4-tile kernel is built). Weights stay resident when they fit next to two h chunks; h gets as
+/// many chunk slots as the budget leaves (all of K when it fits). `mt_override` (1 or 2) and
+/// `budget_override` (bytes) are the benchmarks' choices (`Tuning::mma_mt`, `mma_smem_budget`).
+#[allow(clippy::too_many_arguments)]
 pub fn tile(
     cell: Cell,
     batch: usize,
@@ -111,36 +86,16 @@ pub fn tile(
     dtype: DType,
     sms: usize,
     smem_limit: usize,
-) -> Tile {
-    let overrides = (
-        MT_OVERRIDE.load(Ordering::Relaxed),
-        BUDGET_OVERRIDE.load(Ordering::Relaxed),
-    );
-    tile_with(cell, batch, h, dtype, sms, smem_limit, overrides)
-}
-
-/// `tile` with the benchmark's overrides given explicitly (m-tiles, shared-memory budget;
-/// 0 = none), so tests of the default rule do not see another test's override.
-pub fn tile_with(
-    cell: Cell,
-    batch: usize,
-    h: usize,
-    dtype: DType,
-    sms: usize,
-    smem_limit: usize,
-    (mt_override, budget_override): (usize, usize),
+    mt_override: Option<usize>,
+    budget_override: Option<usize>,
 ) -> Tile {
     let unit_blocks = h.div_ceil(8);
     let mt = match mt_override {
-        m @ (1 | 2 | 4) => m,
+        Some(m @ (1 | 2)) => m,
         _ if batch >= 32 && (batch >= 128 || batch.div_ceil(16) * unit_blocks > 2 * sms) => 2,
         _ => 1,
     };
-    let budget = match budget_override {
-        0 => TWO_PER_SM,
-        b => b,
-    }
-    .min(smem_limit);
+    let budget = budget_override.unwrap_or(TWO_PER_SM).min(smem_limit);
     let bm = 16 * mt;
     let bn = cell.gates() * 8;
     let kc = 128 / dtype.size();
@@ -165,58 +120,6 @@ pub fn tile_with(
         stages,
         smem_bytes: (stages * a_stage + w).max(red),
     }
-}
-
-fn dim(d: usize) -> Result<i32> {
-    i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
-}
-
-/// Packed recurrent weights: {tiles, G*un, Kp} per plane (f32: tf32 hi and lo planes); also
-/// the layout of the resident kernel's weight slices (`resident.rs`, `un` = its units per block).
-pub(super) struct Packed {
-    pub hi: DeviceTensor,
-    pub lo: Option<DeviceTensor>,
-    pub kp: usize,
-}
-
-/// Packs `wh` in tiles of `un` units (K padded to 128 bytes, zeros past H).
-pub(super) fn pack(
-    gpu: &Arc<Gpu>,
-    wh: &[Staged<'_>],
-    h: usize,
-    dtype: DType,
-    un: usize,
-) -> Result<Packed> {
-    let kc = 128 / dtype.size();
-    let kp = h.div_ceil(kc) * kc;
-    let tiles = h.div_ceil(un);
-    let n = tiles * wh.len() * un * kp;
-    let hi = DeviceTensor::uninit(gpu, vec![n], dtype)?;
-    let lo = match dtype {
-        DType::F32 => Some(DeviceTensor::uninit(gpu, vec![n], dtype)?),
-        _ => None,
-    };
-    let mut a = PackArgs {
-        hi: ptr(&hi),
-        lo: ptr_opt(lo.as_ref()),
-        gates: wh.len() as i32,
-        h: dim(h)?,
-        un: dim(un)?,
-        kp: dim(kp)?,
-        tiles: dim(tiles)?,
-        ..Default::default()
-    };
-    for (s, w) in a.src.iter_mut().zip(wh) {
-        *s = ptr(w);
-    }
-    let name = if dtype == DType::F32 {
-        "rnn_mma_pack_f32"
-    } else {
-        "rnn_mma_pack_b2"
-    };
-    let f = gpu.function(&RNN_MMA, name)?;
-    super::cuda::launch_grid_stride(gpu, &f, n, &a)?;
-    Ok(Packed { hi, lo, kp })
 }
 
 /// Launches one step; `dependent`: with programmatic stream serialization (sm_90+), so the
@@ -267,32 +170,35 @@ pub(super) fn steps(
     reverse: bool,
     seq: &DeviceTensor,
     states: &[DeviceTensor],
+    tuning: &Tuning,
 ) -> Result<()> {
     let (b, t_len) = (g.batch, g.seq);
     let sms = gpu.multiprocessors()? as usize;
-    let smem_limit = gpu
-        .ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-        as usize;
-    let tl = tile(cell, b, h, g.dtype, sms, smem_limit);
-    let (tname, _) = super::cuda::type_name(g.dtype)?;
-    let cname = match cell {
-        Cell::Lstm => "lstm",
-        Cell::Gru => "gru",
-    };
+    let tl = tile(
+        cell,
+        b,
+        h,
+        g.dtype,
+        sms,
+        smem_limit(gpu)?,
+        tuning.mma_mt,
+        tuning.mma_smem_budget,
+    );
+    let (tname, _) = type_name(g.dtype)?;
+    let cname = cell_name(cell);
     let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
     crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
-    let packed = pack(gpu, wh, h, g.dtype, 8)?;
+    let packed = pack_tiles(gpu, wh, h, g.dtype, 8)?;
     let cstate = match cell {
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
         Cell::Gru => None,
     };
-    let super::cuda::StatePtrs {
+    let StatePtrs {
         h0,
         c0,
         h_out,
         c_out,
-    } = super::cuda::state_ptrs(cell, init, states);
+    } = state_ptrs(cell, init, states);
     let es = g.dtype.size();
     let mut a = StepArgs {
         w: ptr(&packed.hi),
@@ -313,7 +219,7 @@ pub(super) fn steps(
     for (p, bb) in a.bias.iter_mut().zip(bias) {
         *p = ptr(bb);
     }
-    let pdl = gpu.compute_capability >= (9, 0) && std::env::var_os("FK_RNN_NO_PDL").is_none();
+    let pdl = gpu.compute_capability >= (9, 0) && !tuning.no_pdl;
     let seq_p = ptr(seq);
     let mut prev: Option<usize> = None;
     for s in 0..t_len {

@@ -7,28 +7,18 @@
 //! 3xTF32 (f32 accuracy; single-pass TF32 with `Precision::Tf32`), bf16/f16 with f32
 //! accumulation, cell state f32 in registers.
 
-use super::mma::pack;
-use super::{Cell, Geometry};
+use super::common::{
+    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, Geometry, StatePtrs,
+    Tuning,
+};
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
 use crate::kernels::RNN_RESIDENT;
 use crate::operand::Staged;
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-/// A benchmark override of the tiling: 10 * mt + nu (0: the rule).
-static TILE_OVERRIDE: AtomicUsize = AtomicUsize::new(0);
-
-/// Forces the tiling `(mt, nu)` for this process where it fits (benchmarks; `None` restores
-/// the rule). The result does not depend on it: every sum runs in the same order.
-#[cfg(test)]
-pub fn set_tile_override(t: Option<(usize, usize)>) {
-    TILE_OVERRIDE.store(t.map_or(0, |(m, n)| 10 * m + n), Ordering::Relaxed);
-}
 
 const THREADS: usize = 256;
 /// `RnnResArgs` in rnn_resident.cu.
@@ -91,7 +81,8 @@ pub fn smem_bytes(cell: Cell, dtype: DType, tf32: bool, h: usize, mt: usize, nu:
 /// smem)` says how many blocks of a tiling fit one multiprocessor. Among those that fit, the
 /// least work per multiprocessor wins (blocks per SM x rows x units per block), then the fewer
 /// blocks per batch tile (fewer arrivals to wait for each step, and h_{t-1} is re-read from L2
-/// once per unit block), then the more blocks. Fitted on an H200 (bench/RESULTS.md, session 3:
+/// once per unit block), then the more blocks; `forced`: only that `(mt, nu)` (benchmarks,
+/// `Tuning::resident_tile`). Fitted on an H200 (bench/RESULTS.md, "rnn":
 /// every tiling timed at B64-B256, H256-H1024; `mt x nu`): LSTM B256 H256 f32 2x2 (32 rows x
 /// 16 units, 128 blocks) 1300 us vs 2x1 (256 blocks) 1335 us; GRU B64 H1024 bf16 2x2 4228 us
 /// vs 2x1 5415 us; B128 H256 1x2 4-13% faster than 1x1; LSTM B256 H256 bf16 1x2 (256 blocks)
@@ -105,14 +96,14 @@ pub fn tile(
     tf32: bool,
     sms: usize,
     smem_limit: usize,
+    forced: Option<(usize, usize)>,
     mut per_sm: impl FnMut(usize, usize, usize) -> usize,
 ) -> Option<Tile> {
     let key = |t: &Tile| (t.blocks().div_ceil(sms) * t.mt * t.nu, t.unit_blocks, t.mt);
-    let forced = TILE_OVERRIDE.load(Ordering::Relaxed);
     let mut best: Option<Tile> = None;
     for mt in [1, 2, 4] {
         for nu in [1, 2] {
-            if forced != 0 && forced != 10 * mt + nu {
+            if forced.is_some_and(|f| f != (mt, nu)) {
                 continue;
             }
             let smem = smem_bytes(cell, dtype, tf32, h, mt, nu);
@@ -136,20 +127,10 @@ pub fn tile(
     best
 }
 
-/// Blocks per multiprocessor by shared memory alone (`sm_smem` bytes per multiprocessor,
-/// 1 KB reserved per block); tests of the tiling rule without a GPU.
-#[cfg(test)]
-pub fn per_sm_by_smem(sm_smem: usize, smem: usize) -> usize {
-    sm_smem / (smem + 1024)
-}
-
 fn kernel_name(cell: Cell, dtype: DType, tf32: bool, mt: usize, nu: usize) -> Result<String> {
-    let (tname, _) = super::cuda::type_name(dtype)?;
+    let (tname, _) = type_name(dtype)?;
     let tname = if tf32 { "tf32" } else { tname };
-    let cname = match cell {
-        Cell::Lstm => "lstm",
-        Cell::Gru => "gru",
-    };
+    let cname = cell_name(cell);
     Ok(format!("rnn_res_{cname}_{tname}_m{mt}_n{nu}"))
 }
 
@@ -162,15 +143,13 @@ pub fn tile_on(
     h: usize,
     dtype: DType,
     tf32: bool,
+    tuning: &Tuning,
 ) -> Result<Option<Tile>> {
     if !gpu.has_tensor_cores() {
         return Ok(None);
     }
     let sms = gpu.multiprocessors()? as usize;
-    let smem_limit = gpu
-        .ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-        as usize;
+    let smem_limit = smem_limit(gpu)?;
     let mut failed = None;
     let t = tile(
         cell,
@@ -180,6 +159,7 @@ pub fn tile_on(
         tf32,
         sms,
         smem_limit,
+        tuning.resident_tile,
         |mt, nu, smem| {
             let occ = kernel_name(cell, dtype, tf32, mt, nu)
                 .and_then(|name| gpu.function(&RNN_RESIDENT, &name))
@@ -206,10 +186,6 @@ pub fn tile_on(
     }
 }
 
-fn dim(d: usize) -> Result<i32> {
-    i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
-}
-
 /// The recurrence of one layer: `xp` {B, T, G*H} f32 (input projection, no bias) to `seq`
 /// and the final states, one cooperative launch. Errors when the layer does not fit.
 #[allow(clippy::too_many_arguments)]
@@ -225,9 +201,10 @@ pub(super) fn run(
     reverse: bool,
     seq: &DeviceTensor,
     states: &[DeviceTensor],
+    tuning: &Tuning,
 ) -> Result<()> {
     let b = g.batch;
-    let tl = tile_on(gpu, cell, b, h, g.dtype, g.tf32)?.ok_or_else(|| {
+    let tl = tile_on(gpu, cell, b, h, g.dtype, g.tf32, tuning)?.ok_or_else(|| {
         arg_error(format!(
             "hidden_kernel: {h} units at batch {b} do not fit the resident tensor-core path on this GPU"
         ))
@@ -249,15 +226,15 @@ pub(super) fn run(
         )));
     }
     // (With tf32 the packed lo plane is not read.)
-    let packed = pack(gpu, wh, h, g.dtype, 8 * tl.nu)?;
+    let packed = pack_tiles(gpu, wh, h, g.dtype, 8 * tl.nu)?;
     let mut counters = DeviceTensor::uninit(gpu, vec![tl.batch_blocks], DType::F32)?;
     counters.fill_bytes(0)?;
-    let super::cuda::StatePtrs {
+    let StatePtrs {
         h0,
         c0,
         h_out,
         c_out,
-    } = super::cuda::state_ptrs(cell, init, states);
+    } = state_ptrs(cell, init, states);
     let mut a = Args {
         w: ptr(&packed.hi),
         wlo: ptr_opt(packed.lo.as_ref()),

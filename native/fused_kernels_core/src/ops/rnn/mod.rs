@@ -5,80 +5,27 @@
 
 mod batched;
 mod cluster;
+mod common;
 mod cpu;
-mod cuda;
+mod dispatch;
 mod mma;
+mod persistent;
 mod resident;
 
-pub use cpu::reference;
+pub use cluster::{
+    cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
+};
+pub use common::{Cell, Geometry, Layer, Path, Tuning};
+pub use dispatch::default_paths;
+pub use mma::{tile as mma_tile, Tile as MmaTile};
+pub use persistent::{plan as persistent_plan, Plan as PersistentPlan};
+pub use resident::{tile as resident_tile, tile_on as resident_tile_on, Tile as ResidentTile};
 
 use super::Backend;
 use crate::dtype::DType;
 use crate::error::{arg_error, Result};
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::fmt_shape;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cell {
-    Lstm,
-    Gru,
-}
-
-impl Cell {
-    pub fn parse(name: &str) -> Result<Cell> {
-        match name {
-            "lstm" => Ok(Cell::Lstm),
-            "gru" => Ok(Cell::Gru),
-            other => Err(arg_error(format!(
-                "cell must be :lstm or :gru, got :{other}"
-            ))),
-        }
-    }
-
-    /// Gates, each with one input kernel and one hidden kernel.
-    pub fn gates(self) -> usize {
-        match self {
-            Cell::Lstm => 4,
-            Cell::Gru => 3,
-        }
-    }
-
-    /// Axon's names, in the order the kernels expect them.
-    pub fn input_names(self) -> &'static [&'static str] {
-        match self {
-            Cell::Lstm => &["wii", "wif", "wig", "wio"],
-            Cell::Gru => &["wir", "wiz", "win"],
-        }
-    }
-    pub fn hidden_names(self) -> &'static [&'static str] {
-        match self {
-            Cell::Lstm => &["whi", "whf", "whg", "who"],
-            Cell::Gru => &["whr", "whz", "whn"],
-        }
-    }
-    pub fn bias_names(self) -> &'static [&'static str] {
-        match self {
-            Cell::Lstm => &["bi", "bf", "bg", "bo"],
-            Cell::Gru => &["br", "bz", "bin", "bhn"],
-        }
-    }
-    /// The state tensors, in the order Axon returns them.
-    pub fn state_names(self) -> &'static [&'static str] {
-        match self {
-            Cell::Lstm => &["c", "h"],
-            Cell::Gru => &["h"],
-        }
-    }
-}
-
-/// One layer's parameters (in `Cell`'s name order) and optional initial state.
-pub struct Layer<'a> {
-    pub input_kernel: Vec<Operand<'a>>,
-    pub hidden_kernel: Vec<Operand<'a>>,
-    pub bias: Vec<Operand<'a>>,
-    /// Empty for zeros, else `[c, h]` (LSTM) or `[h]` (GRU), each `{batch, units}`.
-    pub initial_state: Vec<Operand<'a>>,
-}
 
 /// The arithmetic f32 calls may use on CUDA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -101,30 +48,6 @@ impl Precision {
             other => Err(arg_error(format!(
                 "precision must be :f32 or :tf32, got :{other}"
             ))),
-        }
-    }
-}
-
-/// Sizes of a validated call.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Geometry {
-    pub batch: usize,
-    pub seq: usize,
-    pub features: usize,
-    /// Units of each layer.
-    pub hidden: Vec<usize>,
-    pub dtype: DType,
-    /// An f32 call that allows single-pass TF32 products (`Precision::Tf32`).
-    pub tf32: bool,
-}
-
-impl Geometry {
-    /// Input features of layer `l`.
-    pub fn input_of(&self, l: usize) -> usize {
-        if l == 0 {
-            self.features
-        } else {
-            self.hidden[l - 1]
         }
     }
 }
@@ -250,45 +173,29 @@ pub fn run(
     placement: Placement,
     precision: Precision,
 ) -> Result<Output<Value>> {
-    run_with(
-        backend, cell, x, layers, reverse, placement, None, precision,
-    )
-}
-
-/// `run` with the CUDA path forced (`None`: chosen by batch size), f32-accurate; tests and
-/// benchmarks.
-pub fn run_on(
-    backend: Backend,
-    cell: Cell,
-    x: &Operand<'_>,
-    layers: &[Layer<'_>],
-    reverse: bool,
-    placement: Placement,
-    path: Option<Path>,
-) -> Result<Output<Value>> {
-    run_with(
+    run_tuned(
         backend,
         cell,
         x,
         layers,
         reverse,
         placement,
-        path,
-        Precision::F32,
+        precision,
+        &Tuning::default(),
     )
 }
 
-/// `run_on` with a precision.
+/// `run` with the CUDA path and its tiling chosen by `tuning` (tests and benchmarks).
 #[allow(clippy::too_many_arguments)]
-pub fn run_with(
+pub fn run_tuned(
     backend: Backend,
     cell: Cell,
     x: &Operand<'_>,
     layers: &[Layer<'_>],
     reverse: bool,
     placement: Placement,
-    path: Option<Path>,
     precision: Precision,
+    tuning: &Tuning,
 ) -> Result<Output<Value>> {
     let mut g = geometry(cell, x.shape(), x.dtype(), layers)?;
     g.tf32 = g.dtype == DType::F32 && precision == Precision::Tf32;
@@ -309,7 +216,7 @@ pub fn run_with(
         }
         Backend::Cuda(device) => {
             let gpu = crate::cuda::gpu(device)?;
-            let out = cuda::run(&gpu, cell, &g, x, layers, reverse, path)?;
+            let out = dispatch::run(&gpu, cell, &g, x, layers, reverse, tuning)?;
             let states = out
                 .states
                 .into_iter()
@@ -327,9 +234,19 @@ pub fn run_with(
     }
 }
 
-pub use cluster::{group as cluster_group, Group as ClusterGroup};
-pub use cuda::{plan as cuda_plan, Path, Plan};
-pub use resident::{tile as resident_tile, Tile as ResidentTile};
-
-#[cfg(test)]
-mod tests;
+/// The CUDA path on `gpu` (XLA's FFI handlers pass a `Gpu::on_stream` and XLA's buffers as
+/// `Operand::Device`), results left on the device.
+pub fn cuda_on(
+    gpu: &std::sync::Arc<crate::cuda::Gpu>,
+    cell: Cell,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+) -> Result<Output<crate::cuda::DeviceTensor>> {
+    let g = geometry(cell, x.shape(), x.dtype(), layers)?;
+    let out = dispatch::run(gpu, cell, &g, x, layers, reverse, &Tuning::default())?;
+    Ok(Output {
+        sequence: out.sequence,
+        states: out.states,
+    })
+}

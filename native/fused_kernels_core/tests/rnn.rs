@@ -1,273 +1,15 @@
-use super::cpu::RefLayer;
-use super::cuda::plan;
-use super::*;
-use crate::cuda::timing::time_calls;
-use crate::cuda::{gpu_for_tests, DeviceTensor, Gpu};
-use crate::dtype::{decode_f64, encode_f64};
-use crate::ops::testing::{rel_l2, tolerance, Rng};
-use crate::HostTensor;
-use std::sync::Arc;
+//! LSTM/GRU against the f64 reference on fresh random inputs, every CUDA path forced and the
+//! router's own choice, outputs poisoned; the routing and tiling rules on an H100's numbers.
 
-mod cluster_profile;
+mod support;
 
-/// Bytes of one random layer, owned so operands can borrow them.
-struct LayerBytes {
-    input_kernel: Vec<Vec<u8>>,
-    hidden_kernel: Vec<Vec<u8>>,
-    bias: Vec<Vec<u8>>,
-    initial_state: Vec<Vec<u8>>,
-    inp: usize,
-    h: usize,
-}
-
-struct Case {
-    cell: Cell,
-    batch: usize,
-    seq: usize,
-    features: usize,
-    hidden: Vec<usize>,
-    reverse: bool,
-    with_state: bool,
-    dtype: DType,
-}
-
-fn random_bytes(rng: &mut Rng, n: usize, scale: f64, dt: DType) -> Vec<u8> {
-    let v: Vec<f64> = rng.vec(n).into_iter().map(|x| x * scale).collect();
-    encode_f64(&v, dt)
-}
-
-fn make_layers(rng: &mut Rng, c: &Case) -> Vec<LayerBytes> {
-    let mut inp = c.features;
-    c.hidden
-        .iter()
-        .map(|&h| {
-            let (si, sh) = (0.6 / (inp as f64).sqrt(), 0.6 / (h as f64).sqrt());
-            let g = c.cell.gates();
-            let l = LayerBytes {
-                input_kernel: (0..g)
-                    .map(|_| random_bytes(rng, inp * h, si, c.dtype))
-                    .collect(),
-                hidden_kernel: (0..g)
-                    .map(|_| random_bytes(rng, h * h, sh, c.dtype))
-                    .collect(),
-                bias: (0..4)
-                    .map(|_| random_bytes(rng, h, 0.25, c.dtype))
-                    .collect(),
-                initial_state: if c.with_state {
-                    (0..c.cell.state_names().len())
-                        .map(|_| random_bytes(rng, c.batch * h, 0.5, c.dtype))
-                        .collect()
-                } else {
-                    Vec::new()
-                },
-                inp,
-                h,
-            };
-            inp = h;
-            l
-        })
-        .collect()
-}
-
-fn operands<'a>(l: &'a LayerBytes, batch: usize, dt: DType) -> Layer<'a> {
-    let t = |b: &'a Vec<u8>, shape: Vec<usize>| {
-        Operand::Host(HostTensor::new("p", b, shape, dt).unwrap())
-    };
-    Layer {
-        input_kernel: l
-            .input_kernel
-            .iter()
-            .map(|b| t(b, vec![l.inp, l.h]))
-            .collect(),
-        hidden_kernel: l
-            .hidden_kernel
-            .iter()
-            .map(|b| t(b, vec![l.h, l.h]))
-            .collect(),
-        bias: l.bias.iter().map(|b| t(b, vec![l.h])).collect(),
-        initial_state: l
-            .initial_state
-            .iter()
-            .map(|b| t(b, vec![batch, l.h]))
-            .collect(),
-    }
-}
-
-/// A layer's parameters on the device, for benches that time calls without host copies.
-struct DeviceLayer {
-    input_kernel: Vec<DeviceTensor>,
-    hidden_kernel: Vec<DeviceTensor>,
-    bias: Vec<DeviceTensor>,
-    initial_state: Vec<DeviceTensor>,
-}
-
-impl DeviceLayer {
-    fn operands(&self) -> Layer<'_> {
-        fn ops(v: &[DeviceTensor]) -> Vec<Operand<'_>> {
-            v.iter().map(Operand::Device).collect()
-        }
-        Layer {
-            input_kernel: ops(&self.input_kernel),
-            hidden_kernel: ops(&self.hidden_kernel),
-            bias: ops(&self.bias),
-            initial_state: ops(&self.initial_state),
-        }
-    }
-}
-
-fn upload(gpu: &Arc<Gpu>, bytes: &[u8], shape: Vec<usize>, dt: DType) -> DeviceTensor {
-    DeviceTensor::upload(gpu, &HostTensor::new("p", bytes, shape, dt).unwrap()).unwrap()
-}
-
-fn upload_layers(
-    gpu: &Arc<Gpu>,
-    layers: &[LayerBytes],
-    batch: usize,
-    dt: DType,
-) -> Vec<DeviceLayer> {
-    layers
-        .iter()
-        .map(|l| {
-            let all = |v: &[Vec<u8>], shape: Vec<usize>| {
-                v.iter()
-                    .map(|w| upload(gpu, w, shape.clone(), dt))
-                    .collect()
-            };
-            DeviceLayer {
-                input_kernel: all(&l.input_kernel, vec![l.inp, l.h]),
-                hidden_kernel: all(&l.hidden_kernel, vec![l.h, l.h]),
-                bias: all(&l.bias, vec![l.h]),
-                initial_state: all(&l.initial_state, vec![batch, l.h]),
-            }
-        })
-        .collect()
-}
-
-fn ref_layer(l: &LayerBytes, dt: DType) -> RefLayer {
-    let d = |v: &Vec<Vec<u8>>| v.iter().map(|b| decode_f64(b, dt)).collect();
-    RefLayer {
-        input_kernel: d(&l.input_kernel),
-        hidden_kernel: d(&l.hidden_kernel),
-        bias: d(&l.bias),
-        initial_state: d(&l.initial_state),
-    }
-}
-
-fn host_f64(v: &Value) -> Vec<f64> {
-    match v {
-        Value::Host(t) => decode_f64(&t.data, t.dtype),
-        Value::Device(d) => {
-            let t = d.download().unwrap();
-            decode_f64(&t.data, t.dtype)
-        }
-    }
-}
-
-/// Runs `c` on `backend` and checks the sequence and every final state against the f64
-/// reference; returns the sequence for determinism checks.
-fn check(backend: Backend, c: &Case, seed: u64) -> Vec<f64> {
-    check_on(backend, c, seed, None)
-}
-
-/// `check` with the CUDA path forced (`None`: the default choice by batch size).
-fn check_on(backend: Backend, c: &Case, seed: u64, path: Option<Path>) -> Vec<f64> {
-    check_with(backend, c, seed, path, Precision::F32).0
-}
-
-/// `check_on` with a precision (TF32's tolerance, 1e-3, for f32 with `Precision::Tf32`);
-/// also returns the sequence's rel. L2 error.
-fn check_with(
-    backend: Backend,
-    c: &Case,
-    seed: u64,
-    path: Option<Path>,
-    precision: Precision,
-) -> (Vec<f64>, f64) {
-    let mut rng = Rng::new(seed);
-    let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
-    let layers = make_layers(&mut rng, c);
-    let shape = vec![c.batch, c.seq, c.features];
-    let x = Operand::Host(HostTensor::new("x", &xb, shape, c.dtype).unwrap());
-    let ops: Vec<Layer> = layers
-        .iter()
-        .map(|l| operands(l, c.batch, c.dtype))
-        .collect();
-    if let Backend::Cuda(_) = backend {
-        poison_device_pool(c);
-    }
-    let out = run_with(
-        backend,
-        c.cell,
-        &x,
-        &ops,
-        c.reverse,
-        Placement::Host,
-        path,
-        precision,
-    )
-    .unwrap();
-    let refs: Vec<RefLayer> = layers.iter().map(|l| ref_layer(l, c.dtype)).collect();
-    let (seq, states) = reference(
-        c.cell,
-        &decode_f64(&xb, c.dtype),
-        [c.batch, c.seq, c.features],
-        &refs,
-        c.reverse,
-    );
-    let tol = match (c.dtype, precision) {
-        (DType::F64, _) => tolerance(c.dtype).max(1e-10),
-        (DType::F32, Precision::Tf32) => 1e-3,
-        _ => tolerance(c.dtype),
-    };
-    let got = host_f64(&out.sequence);
-    let err = rel_l2(&got, &seq);
-    let what = format!(
-        "{backend:?} {path:?} {precision:?} {:?} {:?} B{} T{} I{} H{:?} reverse={} state={}",
-        c.cell, c.dtype, c.batch, c.seq, c.features, c.hidden, c.reverse, c.with_state
-    );
-    assert!(err <= tol, "{what}: sequence rel L2 {err:e}");
-    for (l, (gs, rs)) in out.states.iter().zip(&states).enumerate() {
-        for (i, (gv, rv)) in gs.iter().zip(rs).enumerate() {
-            let err = rel_l2(&host_f64(gv), rv);
-            assert!(err <= tol, "{what}: layer {l} state {i} rel L2 {err:e}");
-        }
-    }
-    eprintln!("ok {what}: rel L2 {err:.2e}");
-    (got, err)
-}
-
-/// Fills recently freed device memory with 0xFF (NaN in every type), so outputs that the
-/// stream-ordered allocator hands out next start poisoned.
-fn poison_device_pool(c: &Case) {
-    let Some(gpu) = gpu_for_tests() else { return };
-    let h = c.hidden.iter().max().copied().unwrap_or(1);
-    let n = 4 * c.batch * c.seq * (h + 4 * h) + (1 << 20);
-    let mut t = DeviceTensor::uninit(&gpu, vec![n], DType::F32).unwrap();
-    t.fill_bytes(0xFF).unwrap();
-}
-
-#[allow(clippy::too_many_arguments)]
-fn case(
-    cell: Cell,
-    batch: usize,
-    seq: usize,
-    features: usize,
-    hidden: &[usize],
-    reverse: bool,
-    with_state: bool,
-    dtype: DType,
-) -> Case {
-    Case {
-        cell,
-        batch,
-        seq,
-        features,
-        hidden: hidden.to_vec(),
-        reverse,
-        with_state,
-        dtype,
-    }
-}
+use fused_kernels_core::dtype::encode_f64;
+use fused_kernels_core::operand::{Operand, Placement};
+use fused_kernels_core::ops::rnn::*;
+use fused_kernels_core::ops::Backend;
+use fused_kernels_core::{DType, HostTensor};
+use support::rnn::*;
+use support::{gpu_for_tests, Rng};
 
 #[test]
 fn cpu_matches_f64_reference() {
@@ -375,15 +117,25 @@ fn cuda_batched_matches_f64_reference_with_poisoned_output() {
     // streamed weights with two chunk slots; forced m-tiles), on every 3rd case.
     for (budget, mt) in [
         (Some(227 * 1024), Some(1)),
-        (Some(24 * 1024), Some(4)),
+        (Some(24 * 1024), Some(2)),
         (None, Some(2)),
     ] {
-        mma::set_tiling_override(budget, mt);
+        let tuning = Tuning {
+            path: Some(Path::Batched),
+            mma_mt: mt,
+            mma_smem_budget: budget,
+            ..Tuning::default()
+        };
         for (i, c) in batched_cases().iter().enumerate().skip(1).step_by(3) {
-            check_on(Backend::Cuda(None), c, 300 + i as u64, Some(Path::Batched));
+            check_with(
+                Backend::Cuda(None),
+                c,
+                300 + i as u64,
+                &tuning,
+                Precision::F32,
+            );
         }
     }
-    mma::set_tiling_override(None, None);
     // The cuBLAS-step variant (the fallback before sm_80) on a few of the same cases.
     for (i, c) in batched_cases().iter().enumerate().step_by(4) {
         check_on(
@@ -482,7 +234,7 @@ fn cuda_resident_tf32_opt_in() {
                 Backend::Cuda(None),
                 &c,
                 900 + i as u64,
-                Some(Path::Resident),
+                &forced(Path::Resident),
                 Precision::Tf32,
             );
             assert!(err > 2e-6, "{cell:?}: rel L2 {err:e}: TF32 not taken");
@@ -492,11 +244,17 @@ fn cuda_resident_tf32_opt_in() {
             Backend::Cuda(None),
             &c,
             950,
-            Some(Path::Persistent),
+            &forced(Path::Persistent),
             Precision::Tf32,
         );
         let c = case(cell, 64, 20, 64, &[256], false, true, BF16);
-        check_with(Backend::Cuda(None), &c, 951, None, Precision::Tf32);
+        check_with(
+            Backend::Cuda(None),
+            &c,
+            951,
+            &Tuning::default(),
+            Precision::Tf32,
+        );
     }
 }
 
@@ -520,18 +278,24 @@ fn cuda_resident_is_deterministic() {
     }
 }
 
+/// Blocks per multiprocessor by shared memory alone (`sm_smem` bytes per multiprocessor,
+/// 1 KB reserved per block); tests of the tiling rule without a GPU.
+fn per_sm_by_smem(sm_smem: usize, smem: usize) -> usize {
+    sm_smem / (smem + 1024)
+}
+
 #[test]
 fn resident_tiles_fit_and_stay_resident() {
     use DType::{BF16, F16, F32};
     // An H200/H100: 132 SMs, 228 KB per SM, 227 KB per block; at most 2 blocks per SM by
     // registers (256 threads).
-    let per_sm =
-        |_: usize, _: usize, smem: usize| resident::per_sm_by_smem(228 * 1024, smem).min(2);
+    let per_sm = |_: usize, _: usize, smem: usize| per_sm_by_smem(228 * 1024, smem).min(2);
     for cell in [Cell::Lstm, Cell::Gru] {
         for dt in [F32, BF16, F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048] {
                 for b in [1, 3, 16, 17, 64, 130, 256, 1024] {
-                    let Some(t) = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm)
+                    let Some(t) =
+                        resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm)
                     else {
                         continue;
                     };
@@ -554,7 +318,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Lstm, 64, 1024, BF16),
         (Cell::Gru, 64, 1024, BF16),
     ] {
-        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm);
         assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
     }
     // The measured best tilings (bench/RESULTS.md, session 3).
@@ -569,7 +333,7 @@ fn resident_tiles_fit_and_stay_resident() {
         (Cell::Gru, 64, 1024, BF16, 2, 2),
         (Cell::Lstm, 64, 1024, BF16, 2, 2),
     ] {
-        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, per_sm);
+        let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm);
         assert!(
             t.is_some_and(|t| t.mt == mt && t.nu == nu),
             "{cell:?} B{b} H{h} {dt:?}: {t:?}"
@@ -578,12 +342,33 @@ fn resident_tiles_fit_and_stay_resident() {
     // Every case of the forced-path GPU test fits.
     for c in resident_cases() {
         for &h in &c.hidden {
-            let t = resident_tile(c.cell, c.batch, h, c.dtype, false, 132, 227 * 1024, per_sm);
+            let t = resident_tile(
+                c.cell,
+                c.batch,
+                h,
+                c.dtype,
+                false,
+                132,
+                227 * 1024,
+                None,
+                per_sm,
+            );
             assert!(t.is_some(), "{:?} B{} H{h} {:?}", c.cell, c.batch, c.dtype);
         }
     }
     // Too large for any tiling: f32 H2048 at B256 (16 MB of weights).
-    assert!(resident_tile(Cell::Lstm, 256, 2048, F32, false, 132, 227 * 1024, per_sm).is_none());
+    assert!(resident_tile(
+        Cell::Lstm,
+        256,
+        2048,
+        F32,
+        false,
+        132,
+        227 * 1024,
+        None,
+        per_sm
+    )
+    .is_none());
 }
 
 /// Batch-1 cases for the cluster path (forced): seq 1/60/61/512, hidden 200/256 (and odd
@@ -620,12 +405,10 @@ fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     }
     // Split groups (a cluster per layer) where they fit, and every group as a wavefront.
     for split in [None, Some(false)] {
-        cluster::force_split(split);
         for (i, c) in cluster_cases().iter().enumerate() {
-            check_on(Backend::Cuda(None), c, 500 + i as u64, Some(Path::Cluster));
+            check_cluster(c, 500 + i as u64, split);
         }
     }
-    cluster::force_split(None);
     // The default at batch 1: cluster groups where the weights fit and H <= 256, the
     // persistent kernel for the rest (H512: slower on clusters, and f32 LSTM does not fit).
     for cell in [Cell::Lstm, Cell::Gru] {
@@ -655,18 +438,16 @@ fn cuda_cluster_is_deterministic() {
         ),
     ] {
         for split in [None, Some(false)] {
-            cluster::force_split(split);
-            let a = check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster));
+            let a = check_cluster(&c, 9, split);
             for _ in 0..3 {
                 assert_eq!(
                     a,
-                    check_on(Backend::Cuda(None), &c, 9, Some(Path::Cluster)),
+                    check_cluster(&c, 9, split),
                     "result moved between runs: a race"
                 );
             }
         }
     }
-    cluster::force_split(None);
 }
 
 #[test]
@@ -710,7 +491,7 @@ fn cluster_groups_fit_a_hopper_cta() {
     // Split groups: a cluster per layer, each CTA holding one layer; after the first layer at
     // most 256 inputs and at most 8 unit groups per CTA (a partner warp each).
     let sg = |cell, dt, hidden: &[usize]| {
-        cluster::split_group(cell, dt, hidden, 0, 16, smem).map(|g| g.layers.len())
+        cluster_split_group(cell, dt, hidden, 0, 16, smem).map(|g| g.layers.len())
     };
     for cell in [Cell::Lstm, Cell::Gru] {
         assert_eq!(sg(cell, F32, &[256, 256]), Some(2));
@@ -718,7 +499,7 @@ fn cluster_groups_fit_a_hopper_cta() {
         assert_eq!(sg(cell, F32, &[256]), None);
         assert_eq!(sg(cell, BF16, &[512, 200]), None);
         for h in [1, 7, 64, 200, 256] {
-            let grp = cluster::split_group(cell, F32, &[h, h, h], 0, 16, smem).unwrap();
+            let grp = cluster_split_group(cell, F32, &[h, h, h], 0, 16, smem).unwrap();
             assert!(grp.split && grp.partners && grp.smem_bytes <= smem);
             assert!(grp.xin_len >= 4 * grp.layers[1].ni_in * 2);
         }
@@ -731,7 +512,7 @@ fn mma_tiles_fit_shared_memory() {
         for dt in [DType::F32, DType::BF16, DType::F16] {
             for h in [7, 13, 200, 256, 512, 1020, 1024, 2048, 3000, 8192] {
                 for b in [1, 16, 17, 64, 130, 256, 1024] {
-                    let t = mma::tile_with(cell, b, h, dt, 132, 227 * 1024, (0, 0));
+                    let t = mma_tile(cell, b, h, dt, 132, 227 * 1024, None, None);
                     assert!(
                         t.smem_bytes <= 227 * 1024,
                         "{cell:?} {dt:?} H{h} B{b}: {t:?}"
@@ -753,7 +534,7 @@ fn mma_tiles_fit_shared_memory() {
         (32, 1024, DType::BF16, 1),
         (64, 1024, DType::BF16, 2),
     ] {
-        let t = mma::tile_with(Cell::Lstm, b, h, dt, 132, 227 * 1024, (0, 0));
+        let t = mma_tile(Cell::Lstm, b, h, dt, 132, 227 * 1024, None, None);
         assert!(t.w_resident && t.mt == mt, "B{b} H{h} {dt:?}: {t:?}");
     }
 }
@@ -847,7 +628,7 @@ fn plans_fit_an_h100() {
     for cell in [Cell::Lstm, Cell::Gru] {
         for h in [1, 7, 200, 256, 512, 1024, 1056] {
             for b in [1, 3, 64, 256] {
-                let p = plan(cell, b, h, 132, 227 * 1024, None).unwrap();
+                let p = persistent_plan(cell, b, h, 132, 227 * 1024, None).unwrap();
                 assert!(
                     p.blocks() <= 132 && p.weights_on_chip,
                     "{cell:?} H{h} B{b}: {p:?}"
@@ -856,9 +637,9 @@ fn plans_fit_an_h100() {
                 assert!(p.chunk * p.units <= THREADS_FOR_TESTS);
             }
         }
-        let big = plan(cell, 4, 2048, 132, 227 * 1024, None).unwrap();
+        let big = persistent_plan(cell, 4, 2048, 132, 227 * 1024, None).unwrap();
         assert!(!big.weights_on_chip);
-        assert!(plan(cell, 1, 5000, 132, 227 * 1024, None).is_err());
+        assert!(persistent_plan(cell, 1, 5000, 132, 227 * 1024, None).is_err());
     }
 }
 const THREADS_FOR_TESTS: usize = 256;
@@ -949,186 +730,4 @@ fn rejects_bad_params_naming_them() {
         Precision::F32,
     )
     .is_err());
-}
-
-/// `core_tests rnn::tests::bench --ignored --nocapture`: CUDA events around the whole call
-/// (input projection GEMMs + recurrences; `cuda::timing::time_calls`: median, p10/p90 and
-/// the back-to-back mean), inputs and weights already on the device, median of 100 (30 for
-/// long sequences) after warm-up. Every case runs on every CUDA path that can take it (the
-/// batch-1 cluster path on sm_90+, persistent where its grid fits, batched tensor-core steps,
-/// batched cuBLAS steps, the resident tensor-core kernel where it fits), one JSON line each,
-/// `default` marking what `path: None` runs; `resident_tf32` is the resident kernel under the
-/// opt-in `precision: :tf32` (f32 cases). The shapes come first, then a batch sweep
-/// for the crossover (`FK_RNN_CROSSOVER=0` leaves it out); `FK_RNN_MMA_TILINGS=1` adds the
-/// tensor-core step's other tilings.
-#[test]
-#[ignore]
-fn bench() {
-    let Some(gpu) = gpu_for_tests() else { return };
-    use DType::{BF16, F32};
-    let mut cases: Vec<(usize, usize, usize, usize, usize, DType)> = vec![
-        (1, 60, 288, 256, 2, F32),
-        (1, 60, 288, 512, 2, F32),
-        (64, 60, 288, 256, 2, F32),
-        (256, 60, 288, 256, 2, F32),
-        (1, 60, 288, 256, 2, BF16),
-        (64, 60, 288, 256, 2, BF16),
-        (256, 60, 288, 256, 2, BF16),
-        (64, 512, 1024, 1024, 1, BF16),
-        (64, 60, 288, 512, 2, F32),
-    ];
-    if std::env::var("FK_RNN_BATCH1_EXTRA").as_deref() == Ok("1") {
-        cases.push((1, 60, 288, 512, 2, BF16));
-        cases.push((1, 60, 288, 256, 1, F32));
-        cases.push((1, 60, 288, 256, 3, F32));
-        cases.push((1, 512, 288, 256, 2, F32));
-    }
-    if std::env::var("FK_RNN_CROSSOVER").as_deref() != Ok("0") {
-        for b in [8, 16, 32, 128] {
-            cases.push((b, 60, 288, 256, 2, F32));
-        }
-        for b in [16, 32, 128] {
-            cases.push((b, 60, 288, 256, 2, BF16));
-        }
-        cases.push((16, 60, 288, 512, 2, F32));
-        for b in [16, 64] {
-            cases.push((b, 60, 288, 512, 2, BF16));
-        }
-        for b in [4, 8, 16, 32] {
-            cases.push((b, 512, 1024, 1024, 1, BF16));
-        }
-    }
-    let sms = gpu.multiprocessors().unwrap() as usize;
-    for cell in [Cell::Lstm, Cell::Gru] {
-        for &(b, t, i, h, layers, dt) in &cases {
-            let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
-            let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
-            let mut rng = Rng::new(77);
-            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
-            let lbytes = make_layers(&mut rng, &c);
-            let x = upload(&gpu, &xb, vec![b, t, i], dt);
-            let dev = upload_layers(&gpu, &lbytes, b, dt);
-            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
-            let xo = Operand::Device(&x);
-            let fits = plan(cell, b, h, sms, 227 * 1024, None).is_ok();
-            // What `path: None` runs: the cluster path at batch 1 when the first layer's group
-            // fits and the default takes it, else `Path::choose` per layer.
-            let ctas = super::cluster::cluster_ctas(&gpu, cell, dt).unwrap();
-            let smem = super::cluster::smem_limit(&gpu).unwrap();
-            let cluster_default = b == 1
-                && ctas.is_some_and(|c| {
-                    cluster_group(cell, dt, &vec![h; layers], 0, c, smem)
-                        .is_some_and(|g| super::cluster::default_takes(&g))
-                });
-            let resident_fits = super::resident::tile_on(&gpu, cell, b, h, dt, false)
-                .unwrap()
-                .is_some();
-            let default = if cluster_default {
-                Path::Cluster
-            } else {
-                Path::choose(cell, b, h, dt, fits, resident_fits)
-            };
-            // (path, tiling override of the tensor-core step, label)
-            let mut paths = vec![
-                (Path::Batched, None, None, "batched".to_string()),
-                (
-                    Path::BatchedCublas,
-                    None,
-                    None,
-                    "batched_cublas".to_string(),
-                ),
-            ];
-            if fits {
-                paths.insert(0, (Path::Persistent, None, None, "persistent".to_string()));
-            }
-            if resident_fits {
-                paths.push((Path::Resident, None, None, "resident".to_string()));
-            }
-            // The opt-in `precision: :tf32` (f32 only), to set against cuDNN's TF32 default.
-            if dt == F32
-                && super::resident::tile_on(&gpu, cell, b, h, dt, true)
-                    .unwrap()
-                    .is_some()
-            {
-                paths.push((Path::Resident, None, None, "resident_tf32".to_string()));
-            }
-            // The resident kernel's other tilings that fit (label resident:mMnN).
-            let mut res_tilings = Vec::new();
-            if resident_fits && b >= 64 {
-                let t0 = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
-                for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
-                    super::resident::set_tile_override(Some((mt, nu)));
-                    let t = super::resident::tile_on(&gpu, cell, b, h, dt, false).unwrap();
-                    if t.is_some() && t != t0 {
-                        res_tilings.push((mt, nu));
-                    }
-                }
-                super::resident::set_tile_override(None);
-            }
-            for &(mt, nu) in &res_tilings {
-                paths.push((Path::Resident, None, None, format!("resident:m{mt}n{nu}")));
-            }
-            if b == 1 && ctas.is_some() {
-                paths.insert(0, (Path::Cluster, None, None, "cluster".to_string()));
-            }
-            let tilings = std::env::var("FK_RNN_MMA_TILINGS").as_deref() == Ok("1");
-            if tilings && (b >= 64 || h >= 1024) {
-                let mt0 = mma::tile(cell, b, h, dt, sms, 227 * 1024).mt;
-                paths.push((Path::Batched, Some(227 * 1024), None, "batched:full".into()));
-                for mt in [1, 2, 4] {
-                    if mt != mt0 && 16 * mt <= b {
-                        paths.push((Path::Batched, None, Some(mt), format!("batched:mt{mt}")));
-                    }
-                }
-            }
-            let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
-            for (path, budget, mt, label) in paths {
-                mma::set_tiling_override(budget, mt);
-                let forced = label
-                    .strip_prefix("resident:m")
-                    .and_then(|r| r.split_once('n'))
-                    .and_then(|(m, n)| Some((m.parse().ok()?, n.parse().ok()?)));
-                super::resident::set_tile_override(forced);
-                let reps = if t * h > 100_000 { 30 } else { 100 };
-                let precision = if label == "resident_tf32" {
-                    Precision::Tf32
-                } else {
-                    Precision::F32
-                };
-                let call = |_: usize| {
-                    run_with(
-                        Backend::Cuda(None),
-                        cell,
-                        &xo,
-                        &ops,
-                        false,
-                        Placement::Device,
-                        Some(path),
-                        precision,
-                    )
-                    .map(|_| ())
-                };
-                // A path that cannot take the case (a cluster the driver cannot place) reports
-                // its error instead of a time.
-                let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
-                mma::set_tiling_override(None, None);
-                super::resident::set_tile_override(None);
-                let default =
-                    path == default && budget.is_none() && mt.is_none() && forced.is_none();
-                match timing {
-                    Ok(tm) => println!(
-                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
-                        tm.median_us,
-                        tm.p10_us,
-                        tm.p90_us,
-                        tm.back_to_back_us
-                    ),
-                    Err(e) => println!(
-                        "\n{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"error\":{:?}}}",
-                        e.to_string()
-                    ),
-                }
-            }
-        }
-    }
 }

@@ -1,0 +1,795 @@
+#!/usr/bin/env python3
+"""fused_kernels' XLA FFI handlers under JAX, on the GPU machine.
+
+Loads native/fused_kernels_xla's cdylib (built here in release, carried), registers every
+handler with `jax.ffi.register_ffi_target` (initialize + execute stages) and calls each through
+`jax.ffi.ffi_call` inside `jax.jit`:
+
+  check   outputs against float64 numpy references at the users' shapes and the odd sizes of
+          our test matrix (rel. L2: f32 <= 1e-5, bf16/f16 <= 1e-2); XLA's allocator is filled
+          with NaN before each call so that unwritten output shows;
+  errors  a bad call comes back as a Python exception carrying our message;
+  loop    a jitted lax.fori_loop of 1,000 dependent calls (result fed back), checked against
+          the reference iterated 1,000 times, and its time per call;
+  graphs  the checks again in a child process with XLA command buffers (CUDA graphs) forced on
+          for custom calls, and the optimised HLO searched for our targets inside a command
+          buffer;
+  time    ours vs the same computation in JAX (jax.nn.dot_product_attention, lax.scan GRU and
+          LSTM with the same weights, lax.scan selective scan) at GRU 2x256 window 60 batch 1,
+          attention B1 H4 S60 D64 causal, scan B32 D512 L60 N16: median of per-call wall time
+          (dispatch included) and in-graph time per call (fori_loop of 200).
+
+Build here:  bash bench/gpu/xla_ffi_build.sh       (-> .gpu/xla/libfused_kernels_xla.so)
+Run there:   python3 bench/gpu/xla_ffi.py --out $OUT        (carry [".gpu/xla"])
+"""
+
+import argparse
+import ctypes
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+TARGETS = [
+    "fused_kernels_flash_attention",
+    "fused_kernels_selective_scan",
+    "fused_kernels_layer_norm",
+    "fused_kernels_rms_norm",
+    "fused_kernels_dense",
+    "fused_kernels_mamba_block",
+    "fused_kernels_lstm",
+    "fused_kernels_gru",
+]
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def preload_cuda_libraries():
+    """libnvrtc.so.13 (kernels are compiled at run time) and libcublas.so.13, loaded globally
+    so that the library's dlopen by soname finds them: the toolkit's, else JAX's wheels'."""
+    found = {}
+    for soname in ["libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"]:
+        candidates = [soname]
+        for pattern in [
+            "/usr/local/cuda*/lib64/",
+            "/usr/local/cuda*/targets/*/lib/",
+            os.path.join(sys.prefix, "lib/python3*/site-packages/nvidia/*/lib/"),
+            os.path.join(sys.prefix, "lib/python3*/site-packages/nvidia/cu13/lib/"),
+        ]:
+            candidates += sorted(glob.glob(pattern + soname))
+        try:
+            import site
+
+            for sp in site.getsitepackages() + [site.getusersitepackages()]:
+                candidates += sorted(glob.glob(os.path.join(sp, "nvidia/*/lib/", soname)))
+                candidates += sorted(glob.glob(os.path.join(sp, "nvidia/cu13/lib/", soname)))
+        except Exception:
+            pass
+        for c in candidates:
+            try:
+                ctypes.CDLL(c, mode=ctypes.RTLD_GLOBAL)
+                found[soname] = c
+                break
+            except OSError:
+                continue
+    return found
+
+
+def rel_l2(out, ref):
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        return float("inf")
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+# --------------------------------------------------------------------------------------
+# float64 references (written from the equations in /work/shared/exphil.md and mamba_ssm)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def softplus(x):
+    return np.where(x <= 20.0, np.log1p(np.exp(np.minimum(x, 20.0))), x)
+
+
+def ref_attention(q, k, v, causal, scale=None, window=(-1, -1)):
+    """bshd; causal aligned bottom-right; a row that sees no key outputs 0 and lse +inf."""
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    group = h // kvh
+    scale = scale if scale else 1.0 / math.sqrt(d)
+    out = np.zeros((b, sq, h, d))
+    lse = np.full((b, h, sq), np.inf)
+    left, right = window
+    if causal:
+        right = 0
+    for bi in range(b):
+        for hi in range(h):
+            s = scale * q[bi, :, hi, :] @ k[bi, :, hi // group, :].T
+            i = np.arange(sq)[:, None] + sk - sq
+            j = np.arange(sk)[None, :]
+            mask = np.ones((sq, sk), bool)
+            if left >= 0:
+                mask &= j >= i - left
+            if right >= 0:
+                mask &= j <= i + right
+            s = np.where(mask, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            ok = np.isfinite(m[:, 0])
+            p = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+            den = p.sum(axis=1, keepdims=True)
+            o = np.where(ok[:, None], p @ v[bi, :, hi // group, :] / np.where(den > 0, den, 1), 0)
+            out[bi, :, hi, :] = o
+            lse[bi, hi, ok] = (m[:, 0] + np.log(den[:, 0]))[ok]
+    return out, lse
+
+
+def ref_rnn(cell, x, layers, init=None):
+    """Axon's LSTM/GRU; layers: list of dicts of float64 weights; returns (seq, states)."""
+    seq = x
+    states = []
+    for li, w in enumerate(layers):
+        b, t, _ = seq.shape
+        hdim = w["hidden"][0].shape[0]
+        outs = np.zeros((b, t, hdim))
+        if cell == "gru":
+            h = init[li][0] if init else np.zeros((b, hdim))
+            wir, wiz, win = w["input"]
+            whr, whz, whn = w["hidden"]
+            br, bz, bin_, bhn = w["bias"]
+            for s in range(t):
+                xt = seq[:, s, :]
+                r = sigmoid(xt @ wir + br + h @ whr)
+                z = sigmoid(xt @ wiz + bz + h @ whz)
+                n = np.tanh(xt @ win + bin_ + r * (h @ whn + bhn))
+                h = (1 - z) * n + z * h
+                outs[:, s, :] = h
+            states.append([h])
+        else:
+            c, h = (init[li][0], init[li][1]) if init else (np.zeros((b, hdim)), np.zeros((b, hdim)))
+            wii, wif, wig, wio = w["input"]
+            whi, whf, whg, who = w["hidden"]
+            bi, bf, bg, bo = w["bias"]
+            for s in range(t):
+                xt = seq[:, s, :]
+                i = sigmoid(xt @ wii + bi + h @ whi)
+                f = sigmoid(xt @ wif + bf + h @ whf)
+                g = np.tanh(xt @ wig + bg + h @ whg)
+                o = sigmoid(xt @ wio + bo + h @ who)
+                c = f * c + i * g
+                h = o * np.tanh(c)
+                outs[:, s, :] = h
+            states.append([c, h])
+        seq = outs
+    return seq, states
+
+
+def ref_scan(u, delta, a, bm, cm, d=None, z=None, delta_bias=None, softplus_dt=False, clip=None):
+    """mamba_ssm's selective scan, u/delta/z {batch, seq, dim}, B/C {batch, seq, state}."""
+    bsz, length, dim = u.shape
+    state = a.shape[1]
+    dt = delta + (delta_bias if delta_bias is not None else 0)
+    if softplus_dt:
+        dt = softplus(dt)
+    if clip is not None:
+        dt = np.clip(dt, clip[0], clip[1])
+    x = np.zeros((bsz, dim, state))
+    y = np.zeros((bsz, length, dim))
+    for t in range(length):
+        dtt = dt[:, t, :][:, :, None]
+        x = np.exp(dtt * a[None]) * x + dtt * bm[:, t, None, :] * u[:, t, :, None]
+        y[:, t, :] = np.einsum("bdn,bn->bd", x, cm[:, t, :])
+    out = y + (d * u if d is not None else 0)
+    if z is not None:
+        out = out * silu(z)
+    return out, x
+
+
+def ref_layer_norm(x, gamma, beta, eps):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(v + eps) * gamma + beta
+
+
+def ref_rms_norm(x, w, eps):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
+
+
+def act(name, v):
+    if name == "none":
+        return v
+    if name == "relu":
+        return np.maximum(v, 0)
+    if name == "gelu":
+        return 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+    if name == "silu":
+        return silu(v)
+    if name == "sigmoid":
+        return sigmoid(v)
+    if name == "tanh":
+        return np.tanh(v)
+    raise ValueError(name)
+
+
+def ref_mamba_block(x, w, eps=1e-5, dt_min=0.001, dt_max=0.1, residual=False):
+    bsz, length, hid = x.shape
+    xn = ref_layer_norm(x, w["norm_gamma"], w["norm_beta"], eps)
+    xz = xn @ w["in_kernel"] + w["in_bias"]
+    inner = xz.shape[-1] // 2
+    xs, z = xz[..., :inner], xz[..., inner:]
+    taps = w["conv_kernel"][:, 0, :]  # {k, inner}
+    kk = taps.shape[0]
+    xc = np.zeros_like(xs) + w["conv_bias"]
+    for j in range(kk):
+        shift = kk - 1 - j  # tap j reads x[t + j + 1 - k]
+        if shift < length:
+            xc[:, shift:, :] += taps[j] * xs[:, : length - shift, :]
+    xc = silu(xc)
+    bc = xc @ w["bc_kernel"] + w["bc_bias"]
+    n = bc.shape[-1] // 2
+    r = xc @ w["dt_rank_kernel"] + w["dt_rank_bias"]
+    dt = r @ w["dt_proj_kernel"]
+    y, _ = ref_scan(
+        xc, dt, w["a"], bc[..., :n], bc[..., n:], d=None, z=z,
+        delta_bias=w["dt_proj_bias"], softplus_dt=True, clip=(dt_min, dt_max),
+    )
+    out = y @ w["out_kernel"] + w["out_bias"]
+    return out + x if residual else out
+
+
+# --------------------------------------------------------------------------------------
+# JAX side
+
+
+def setup(lib_path):
+    libs = preload_cuda_libraries()
+    import jax
+
+    lib = ctypes.CDLL(os.path.abspath(lib_path))
+    lib.fused_kernels_xla_registered_on_load.restype = ctypes.c_int
+    on_load = lib.fused_kernels_xla_registered_on_load()
+    how = {}
+    for name in TARGETS:
+        cap = jax.ffi.pycapsule(getattr(lib, name))
+        try:
+            jax.ffi.register_ffi_target(name, {"initialize": cap, "execute": cap}, platform="CUDA")
+            how[name] = "initialize+execute"
+        except Exception as e:  # a JAX that takes one capsule only
+            try:
+                jax.ffi.register_ffi_target(name, cap, platform="CUDA")
+                how[name] = f"execute only ({type(e).__name__}: {str(e)[:80]})"
+            except Exception as e2:
+                how[name] = f"not registered by JAX: {str(e2)[:160]}"
+    return jax, lib, {"preloaded": libs, "registered_on_load": on_load, "registration": how}
+
+
+class Runner:
+    def __init__(self, jax):
+        self.jax = jax
+        import jax.numpy as jnp
+
+        self.jnp = jnp
+        self.cache = {}
+
+    def poison(self):
+        # Fill XLA's allocator with NaN so that an output we fail to write shows as NaN.
+        x = self.jnp.full((64 << 20,), np.nan, dtype=self.jnp.float32)
+        x.block_until_ready()
+        del x
+
+    def call(self, target, args, out_specs, attrs):
+        """jit(ffi_call(target)) over device arrays `args`; out_specs: [(shape, dtype)]."""
+        jax, jnp = self.jax, self.jnp
+        key = (target, tuple((a.shape, str(a.dtype)) for a in args), tuple(out_specs), tuple(sorted(attrs.items())))
+        f = self.cache.get(key)
+        if f is None:
+            outs = [jax.ShapeDtypeStruct(s, d) for s, d in out_specs]
+            call = jax.ffi.ffi_call(target, outs)
+            f = jax.jit(lambda *a: call(*a, **attrs))
+            self.cache[key] = f
+        return f(*args)
+
+
+def f64(rng, *shape, scale=1.0):
+    return rng.uniform(-2, 2, size=shape) * scale
+
+
+def as_dev(jnp, a, dtype="float32"):
+    return jnp.asarray(np.asarray(a, dtype=np.float64).astype(np.float32)).astype(dtype)
+
+
+def rounded(a, dtype):
+    """The values the device sees after converting a float64 array to `dtype`."""
+    import ml_dtypes  # noqa: F401  (jax depends on it)
+
+    return np.asarray(np.asarray(a).astype(np.float32).astype(dtype), dtype=np.float64)
+
+
+def check_all(jax, results):
+    jnp = jax.numpy
+    r = Runner(jax)
+    rng = np.random.default_rng(20261123)
+    fails = 0
+
+    def record(name, err, tol, extra=""):
+        nonlocal fails
+        ok = err <= tol
+        fails += 0 if ok else 1
+        results.append({"check": name, "rel_l2": err, "tol": tol, "ok": ok})
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: rel_l2 {err:.2e} (tol {tol:.0e}) {extra}", flush=True)
+
+    f64s = lambda *s, scale=1.0: f64(rng, *s, scale=scale)  # noqa: E731
+
+    # Attention: the users' shape, odd seqs and head dims, GQA, windows, 16-bit types.
+    cases = [
+        (1, 60, 4, 4, 60, 64, True, "float32", (-1, -1)),
+        (1, 1, 4, 4, 1, 64, True, "float32", (-1, -1)),
+        (2, 61, 4, 2, 61, 40, True, "float32", (-1, -1)),
+        (1, 100, 2, 2, 100, 80, False, "float32", (-1, -1)),
+        (1, 61, 4, 1, 100, 96, True, "float32", (-1, -1)),
+        (1, 100, 4, 4, 100, 64, False, "float32", (16, 0)),
+        (2, 100, 8, 8, 100, 128, True, "bfloat16", (-1, -1)),
+        (1, 61, 4, 4, 61, 64, True, "float16", (-1, -1)),
+        (1, 60, 4, 4, 60, 256, True, "bfloat16", (-1, -1)),
+    ]
+    for b, sq, h, kvh, sk, d, causal, dt, window in cases:
+        q = rounded(f64s(b, sq, h, d), dt)
+        k = rounded(f64s(b, sk, kvh, d), dt)
+        v = rounded(f64s(b, sk, kvh, d), dt)
+        ro, rl = ref_attention(q, k, v, causal, window=window)
+        r.poison()
+        out, lse = r.call(
+            "fused_kernels_flash_attention",
+            [as_dev(jnp, q, dt), as_dev(jnp, k, dt), as_dev(jnp, v, dt)],
+            [((b, sq, h, d), dt), ((b, h, sq), "float32")],
+            {"causal": causal, "layout": "bshd", "window_left": window[0], "window_right": window[1]},
+        )
+        name = f"attention b{b} sq{sq} h{h}/{kvh} sk{sk} d{d} causal={causal} window={window} {dt}"
+        record(name + " out", rel_l2(np.asarray(out, np.float64), ro), TOL[dt])
+        fin = np.isfinite(rl)
+        record(name + " lse", rel_l2(np.asarray(lse, np.float64)[fin], rl[fin]), 1e-5 if dt == "float32" else 1e-3)
+
+    # GRU / LSTM: the production GRU (2x256, window 60, batch 1, input 288), hidden 200/512,
+    # seq 1 and 61, batch 3, given initial state.
+    for cell, b, t, feat, hidden, init in [
+        ("gru", 1, 60, 288, [256, 256], False),
+        ("lstm", 1, 60, 288, [256, 256], False),
+        ("gru", 1, 61, 200, [200], True),
+        ("lstm", 3, 61, 64, [512], True),
+        ("gru", 3, 1, 32, [512, 200], True),
+        ("lstm", 1, 1, 16, [200], False),
+        ("gru", 8, 100, 128, [256], False),
+    ]:
+        gates = 3 if cell == "gru" else 4
+        x = f64s(b, t, feat)
+        layers, operands, init_states = [], [as_dev(jnp, x)], []
+        inp = feat
+        for hd in hidden:
+            w = {
+                "input": [f64s(inp, hd, scale=1 / math.sqrt(inp)) for _ in range(gates)],
+                "hidden": [f64s(hd, hd, scale=1 / math.sqrt(hd)) for _ in range(gates)],
+                "bias": [f64s(hd, scale=0.1) for _ in range(4)],
+            }
+            layers.append(w)
+            operands += [as_dev(jnp, a) for a in w["input"] + w["hidden"] + w["bias"]]
+            if init:
+                st = [f64s(b, hd, scale=0.5) for _ in range(1 if cell == "gru" else 2)]
+                init_states.append(st)
+                operands += [as_dev(jnp, s) for s in st]
+            inp = hd
+        rseq, rstates = ref_rnn(cell, x, layers, init_states if init else None)
+        outs = [((b, t, hidden[-1]), "float32")]
+        for hd in hidden:
+            outs += [((b, hd), "float32")] * (1 if cell == "gru" else 2)
+        r.poison()
+        got = r.call(f"fused_kernels_{cell}", operands, outs,
+                     {"layers": len(hidden), "initial_state": init, "reverse": False})
+        name = f"{cell} b{b} t{t} in{feat} hidden{hidden} init={init}"
+        record(name + " sequence", rel_l2(got[0], rseq), 1e-5)
+        flat = [s for st in rstates for s in st]
+        record(name + " states", max(rel_l2(g, s) for g, s in zip(got[1:], flat)), 1e-5)
+
+    # Selective scan: the users' shape, state 64, seq 1/61/100, every option, 16-bit I/O.
+    for bsz, length, dim, state, opts, dt in [
+        (32, 60, 512, 16, "plain", "float32"),
+        (2, 61, 96, 64, "all", "float32"),
+        (1, 1, 64, 16, "all", "float32"),
+        (3, 100, 128, 64, "dz", "float32"),
+        (2, 61, 256, 16, "all", "bfloat16"),
+        (2, 100, 128, 16, "all", "float16"),
+    ]:
+        u = rounded(f64s(bsz, length, dim), dt)
+        delta = rounded(f64s(bsz, length, dim, scale=0.5), dt)
+        a = -np.exp(f64s(dim, state, scale=0.5))
+        bm = rounded(f64s(bsz, length, state), dt)
+        cm = rounded(f64s(bsz, length, state), dt)
+        d = f64s(dim) if opts in ("all", "dz") else None
+        z = rounded(f64s(bsz, length, dim), dt) if opts in ("all", "dz") else None
+        db = f64s(dim, scale=0.5) if opts == "all" else None
+        sp = opts == "all"
+        ro, rlast = ref_scan(u, delta if sp else np.abs(delta), a, bm, cm, d, z, db, sp)
+        names = ["u", "delta", "a", "b", "c"]
+        args = [as_dev(jnp, u, dt), as_dev(jnp, delta if sp else np.abs(delta), dt), as_dev(jnp, a),
+                as_dev(jnp, bm, dt), as_dev(jnp, cm, dt)]
+        for nm, arr, ty in [("d", d, "float32"), ("z", z, dt), ("delta_bias", db, "float32")]:
+            if arr is not None:
+                names.append(nm)
+                args.append(as_dev(jnp, arr, ty))
+        r.poison()
+        out, last = r.call(
+            "fused_kernels_selective_scan", args,
+            [((bsz, length, dim), dt), ((bsz, dim, state), "float32")],
+            {"operands": ",".join(names), "delta_softplus": sp},
+        )
+        name = f"scan b{bsz} l{length} d{dim} n{state} {opts} {dt}"
+        record(name + " out", rel_l2(out, ro), TOL[dt])
+        record(name + " last_state", rel_l2(last, rlast), TOL[dt])
+
+    # Norms, with and without the fused residual, hidden 200 and 512.
+    for kind, rows, hid, res in [("layer", 60, 256, False), ("layer", 61, 200, True),
+                                 ("rms", 60, 512, False), ("rms", 7, 200, True)]:
+        x = f64s(rows, hid)
+        w = f64s(hid)
+        bb = f64s(hid)
+        resid = f64s(rows, hid) if res else None
+        s = x + resid if res else x
+        eps = 1e-6
+        ref = ref_layer_norm(s, w, bb, eps) if kind == "layer" else ref_rms_norm(s, w, eps)
+        names = ["x", "gamma", "beta"] if kind == "layer" else ["x", "weight"]
+        args = [as_dev(jnp, x), as_dev(jnp, w)] + ([as_dev(jnp, bb)] if kind == "layer" else [])
+        if res:
+            names.append("residual")
+            args.append(as_dev(jnp, resid))
+        outs = [((rows, hid), "float32")] * (2 if res else 1)
+        r.poison()
+        got = r.call(f"fused_kernels_{kind}_norm", args, outs,
+                     {"operands": ",".join(names), "eps": np.float64(eps)})
+        got = got if isinstance(got, (list, tuple)) else [got]
+        record(f"{kind}_norm rows{rows} hidden{hid} residual={res}", rel_l2(got[0], ref), 1e-5)
+        if res:
+            record(f"{kind}_norm rows{rows} hidden{hid} sum", rel_l2(got[1], s), 1e-6)
+
+    # Dense epilogues: the FFN's 60x256x1024 + bias + gelu, swiglu, fused norms, residual.
+    for kind, m, k, n, actn, extra in [
+        ("dense", 60, 256, 1024, "gelu", ["bias"]),
+        ("dense", 61, 200, 512, "silu", ["bias", "residual"]),
+        ("swiglu", 60, 256, 512, "none", ["bias"]),
+        ("rms_norm_dense", 60, 256, 256, "none", []),
+        ("layer_norm_dense", 3, 512, 200, "relu", ["bias"]),
+    ]:
+        x = f64s(m, k)
+        kern = f64s(k, n, scale=1 / math.sqrt(k))
+        ops = {"x": x, "kernel": kern}
+        if kind == "swiglu":
+            ops["kernel_up"] = f64s(k, n, scale=1 / math.sqrt(k))
+        if "bias" in extra:
+            ops["bias"] = f64s(n, scale=0.1)
+            if kind == "swiglu":
+                ops["bias_up"] = f64s(n, scale=0.1)
+        if kind in ("rms_norm_dense", "layer_norm_dense"):
+            ops["gamma"] = f64s(k)
+        if kind == "layer_norm_dense":
+            ops["beta"] = f64s(k)
+        if "residual" in extra:
+            ops["residual"] = f64s(m, n)
+        eps = 1e-6
+        xin = x
+        if kind == "rms_norm_dense":
+            xin = ref_rms_norm(x, ops["gamma"], eps)
+        if kind == "layer_norm_dense":
+            xin = ref_layer_norm(x, ops["gamma"], ops["beta"], eps)
+        acc = xin @ kern + ops.get("bias", 0)
+        if kind == "swiglu":
+            ref = silu(acc) * (xin @ ops["kernel_up"] + ops.get("bias_up", 0))
+        else:
+            ref = act(actn, acc)
+        ref = ref + ops.get("residual", 0)
+        order = [nm for nm in ["x", "kernel", "kernel_up", "bias", "bias_up", "gamma", "beta", "residual"] if nm in ops]
+        r.poison()
+        out = r.call("fused_kernels_dense", [as_dev(jnp, ops[nm]) for nm in order], [((m, n), "float32")],
+                     {"operands": ",".join(order), "kind": kind, "activation": actn, "eps": np.float64(eps)})
+        record(f"dense {kind} {m}x{k}x{n} {actn} {'+'.join(extra)}", rel_l2(out, ref), 1e-5)
+
+    # Mamba block (Edifice's): hidden 256, state 16, inner 512, conv 4, dt_rank 16; odd sizes.
+    for bsz, length, hid, state, inner, rank, residual in [
+        (1, 60, 256, 16, 512, 16, True),
+        (2, 61, 200, 64, 400, 13, False),
+        (1, 1, 256, 16, 512, 16, True),
+    ]:
+        x = f64s(bsz, length, hid)
+        w = {
+            "norm_gamma": f64s(hid), "norm_beta": f64s(hid, scale=0.1),
+            "in_kernel": f64s(hid, 2 * inner, scale=1 / math.sqrt(hid)), "in_bias": f64s(2 * inner, scale=0.1),
+            "conv_kernel": f64s(4, 1, inner, scale=0.5), "conv_bias": f64s(inner, scale=0.1),
+            "bc_kernel": f64s(inner, 2 * state, scale=1 / math.sqrt(inner)), "bc_bias": f64s(2 * state, scale=0.1),
+            "dt_rank_kernel": f64s(inner, rank, scale=1 / math.sqrt(inner)), "dt_rank_bias": f64s(rank, scale=0.1),
+            "dt_proj_kernel": f64s(rank, inner, scale=1 / math.sqrt(rank)), "dt_proj_bias": f64s(inner, scale=0.5),
+            "a": -np.tile(np.arange(1, state + 1, dtype=np.float64), (inner, 1)),
+            "out_kernel": f64s(inner, hid, scale=1 / math.sqrt(inner)), "out_bias": f64s(hid, scale=0.1),
+        }
+        ref = ref_mamba_block(x, w, residual=residual)
+        order = ["x"] + list(w.keys())
+        vals = {"x": x, **w}
+        r.poison()
+        out = r.call("fused_kernels_mamba_block", [as_dev(jnp, vals[nm]) for nm in order],
+                     [((bsz, length, hid), "float32")], {"operands": ",".join(order), "residual": residual})
+        record(f"mamba_block b{bsz} l{length} h{hid} n{state} inner{inner} rank{rank} residual={residual}",
+               rel_l2(out, ref), 1e-5)
+    return fails
+
+
+def check_errors(jax, results):
+    """A bad call raises in Python with our message (not a crash)."""
+    jnp = jax.numpy
+    r = Runner(jax)
+    q = jnp.ones((1, 60, 4, 64), jnp.float32)
+    k = jnp.ones((1, 60, 4, 32), jnp.float32)
+    fails = 0
+    for name, fn, needle in [
+        ("head_dim mismatch", lambda: r.call("fused_kernels_flash_attention", [q, k, k],
+         [((1, 60, 4, 64), "float32"), ((1, 4, 60), "float32")], {"causal": True}), "head_dim 32 differs"),
+        ("unknown attribute", lambda: r.call("fused_kernels_flash_attention", [q, q, q],
+         [((1, 60, 4, 64), "float32"), ((1, 4, 60), "float32")], {"causl": True}), "attribute causl: unknown"),
+        ("negative eps", lambda: r.call("fused_kernels_rms_norm", [jnp.ones((4, 8), jnp.float32), jnp.ones((8,), jnp.float32)],
+         [((4, 8), "float32")], {"eps": np.float64(-1.0)}), "eps must be non-negative"),
+    ]:
+        try:
+            np.asarray(fn())
+            ok, msg = False, "no error raised"
+        except Exception as e:  # XlaRuntimeError or a JaxRuntimeError
+            msg = str(e)
+            ok = needle in msg
+        fails += 0 if ok else 1
+        results.append({"check": "error: " + name, "ok": ok, "message": msg[:300]})
+        print(f"{'ok  ' if ok else 'FAIL'} error: {name}: {msg.splitlines()[0][:200] if msg else ''}", flush=True)
+    return fails
+
+
+def timed(fn, args, reps=100):
+    out = fn(*args)
+    jax_block(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax_block(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def jax_block(x):
+    import jax
+
+    jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+
+
+def loop_check(jax, results):
+    """1,000 dependent calls inside one jitted fori_loop, checked against the reference: each
+    call's query is q0 + 0.01 * (the previous output), so errors do not compound."""
+    jnp, lax = jax.numpy, jax.lax
+    rng = np.random.default_rng(7)
+    b, s, h, d = 1, 60, 4, 64
+    q0 = rng.uniform(-2, 2, (b, s, h, d))
+    k = rng.uniform(-2, 2, (b, s, h, d))
+    v = rng.uniform(-2, 2, (b, s, h, d))
+    call = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                            [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
+
+    @jax.jit
+    def loop(q0, k, v):
+        def body(_, out):
+            out, _lse = call(q0 + 0.01 * out, k, v, causal=True)
+            return out
+        return lax.fori_loop(0, 1000, body, jnp.zeros_like(q0))
+
+    args = [jnp.asarray(q0, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)]
+    got = np.asarray(loop(*args), np.float64)
+    ref = np.zeros_like(q0)
+    for _ in range(1000):
+        ref, _ = ref_attention(q0 + 0.01 * ref, k, v, True)
+    err = rel_l2(got, ref)
+    t = timed(loop, args, reps=20)
+    ok = err <= 1e-5
+    results.append({"check": "fori_loop 1000 attention calls", "rel_l2": err, "tol": 1e-5, "ok": ok,
+                    "us_per_call_in_loop": t / 1000})
+    print(f"{'ok  ' if ok else 'FAIL'} fori_loop of 1000 dependent attention calls: rel_l2 {err:.2e} (tol 1e-5), "
+          f"{t / 1000:.2f} us per call in the loop", flush=True)
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------------------
+# Timing against the same computation in JAX
+
+
+def bench(jax, results):
+    jnp, lax = jax.numpy, jax.lax
+    rng = np.random.default_rng(11)
+    rows = []
+
+    def add(name, ours_fn, ours_args, jax_fn, jax_args, check=None):
+        to = timed(ours_fn, ours_args)
+        tj = timed(jax_fn, jax_args)
+        row = {"case": name, "ours_us": to, "jax_us": tj, "speedup": tj / to}
+        if check is not None:
+            row["agree_rel_l2"] = check
+        rows.append(row)
+        print(f"time {name}: ours {to:8.1f} us, JAX {tj:8.1f} us, JAX/ours {tj / to:5.2f}x"
+              + (f" (outputs agree to {check:.1e})" if check is not None else ""), flush=True)
+
+    def loop_of(fn, n=200):
+        """fn(*args) -> same-shaped first arg, fed back n times in one executable."""
+        @jax.jit
+        def run(*args):
+            return lax.fori_loop(0, n, lambda _, a0: fn(a0, *args[1:]), args[0])
+        return run
+
+    # Attention B1 H4 S60 D64 causal, f32.
+    b, s, h, d = 1, 60, 4, 64
+    q, k, v = (jnp.asarray(rng.uniform(-2, 2, (b, s, h, d)), jnp.float32) for _ in range(3))
+    fa = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                          [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
+    ours = lambda q, k, v: fa(q, k, v, causal=True)[0]  # noqa: E731
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    agree = rel_l2(np.asarray(jax.jit(ours)(q, k, v)), np.asarray(jax.jit(theirs)(q, k, v)))
+    add("attention B1 H4 S60 D64 causal f32, per call", jax.jit(ours), [q, k, v], jax.jit(theirs), [q, k, v], agree)
+    add("attention B1 H4 S60 D64 causal f32, in-graph (x200)", loop_of(ours), [q, k, v], loop_of(theirs), [q, k, v])
+
+    # GRU / LSTM 2x256, window 60, batch 1, input 288, f32: the same weights in a lax.scan.
+    for cell in ["gru", "lstm"]:
+        gates = 3 if cell == "gru" else 4
+        feat, hid, t = 288, 256, 60
+        x = jnp.asarray(rng.uniform(-2, 2, (1, t, feat)), jnp.float32)
+        layers = []
+        inp = feat
+        for _ in range(2):
+            layers.append({
+                "input": [jnp.asarray(rng.uniform(-1, 1, (inp, hid)) / math.sqrt(inp), jnp.float32) for _ in range(gates)],
+                "hidden": [jnp.asarray(rng.uniform(-1, 1, (hid, hid)) / math.sqrt(hid), jnp.float32) for _ in range(gates)],
+                "bias": [jnp.asarray(rng.uniform(-0.1, 0.1, (hid,)), jnp.float32) for _ in range(4)],
+            })
+            inp = hid
+        flat = [a for w in layers for a in w["input"] + w["hidden"] + w["bias"]]
+        nstate = 1 if cell == "gru" else 2
+        outs = [jax.ShapeDtypeStruct((1, t, hid), jnp.float32)] + [jax.ShapeDtypeStruct((1, hid), jnp.float32)] * (2 * nstate)
+        rc = jax.ffi.ffi_call(f"fused_kernels_{cell}", outs)
+        ours = lambda x, *w: rc(x, *w, layers=2)[0]  # noqa: E731
+
+        def theirs(x, *w, cell=cell, gates=gates):
+            seq = x[0]
+            per = 2 * gates + 4
+            for li in range(2):
+                ws = w[li * per:(li + 1) * per]
+                wi, wh, bs = ws[:gates], ws[gates:2 * gates], ws[2 * gates:]
+                wi_cat = jnp.concatenate(wi, axis=1)
+                xp = seq @ wi_cat  # the input projection for every step at once
+                hdim = wh[0].shape[0]
+                if cell == "gru":
+                    def step(hc, xt, wh=wh, bs=bs, hdim=hdim):
+                        h = hc
+                        r = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
+                        z = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
+                        n = jnp.tanh(xt[2 * hdim:] + bs[2] + r * (h @ wh[2] + bs[3]))
+                        h = (1 - z) * n + z * h
+                        return h, h
+                    _, seq = lax.scan(step, jnp.zeros((hdim,), x.dtype), xp)
+                else:
+                    def step(hc, xt, wh=wh, bs=bs, hdim=hdim):
+                        c, h = hc
+                        i = jax.nn.sigmoid(xt[:hdim] + bs[0] + h @ wh[0])
+                        f = jax.nn.sigmoid(xt[hdim:2 * hdim] + bs[1] + h @ wh[1])
+                        g = jnp.tanh(xt[2 * hdim:3 * hdim] + bs[2] + h @ wh[2])
+                        o = jax.nn.sigmoid(xt[3 * hdim:] + bs[3] + h @ wh[3])
+                        c = f * c + i * g
+                        h = o * jnp.tanh(c)
+                        return (c, h), h
+                    z0 = jnp.zeros((hdim,), x.dtype)
+                    _, seq = lax.scan(step, (z0, z0), xp)
+            return seq[None]
+
+        with jax.default_matmul_precision("highest"):
+            agree = rel_l2(np.asarray(jax.jit(ours)(x, *flat)), np.asarray(jax.jit(theirs)(x, *flat)))
+            add(f"{cell} 2x256 window 60 batch 1 f32, per call", jax.jit(ours), [x, *flat], jax.jit(theirs), [x, *flat], agree)
+
+    # Selective scan B32 D512 L60 N16 f32 (plain: delta given, no D/z), lax.scan over time.
+    bsz, length, dim, state = 32, 60, 512, 16
+    u = jnp.asarray(rng.uniform(-2, 2, (bsz, length, dim)), jnp.float32)
+    delta = jnp.asarray(rng.uniform(0, 0.5, (bsz, length, dim)), jnp.float32)
+    a = jnp.asarray(-np.exp(rng.uniform(-1, 1, (dim, state))), jnp.float32)
+    bm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
+    cm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
+    sc = jax.ffi.ffi_call("fused_kernels_selective_scan", [jax.ShapeDtypeStruct((bsz, length, dim), jnp.float32)])
+    ours = lambda u, delta, a, bm, cm: sc(u, delta, a, bm, cm)  # noqa: E731
+
+    def theirs(u, delta, a, bm, cm):
+        def step(x, inp):
+            ut, dt, bt, ct = inp
+            x = jnp.exp(dt[:, :, None] * a[None]) * x + dt[:, :, None] * bt[:, None, :] * ut[:, :, None]
+            return x, jnp.einsum("bdn,bn->bd", x, ct)
+        xs = (jnp.swapaxes(u, 0, 1), jnp.swapaxes(delta, 0, 1), jnp.swapaxes(bm, 0, 1), jnp.swapaxes(cm, 0, 1))
+        _, y = lax.scan(step, jnp.zeros((u.shape[0], u.shape[2], a.shape[1]), u.dtype), xs)
+        return jnp.swapaxes(y, 0, 1)
+
+    args = [u, delta, a, bm, cm]
+    with jax.default_matmul_precision("highest"):
+        agree = rel_l2(np.asarray(jax.jit(ours)(*args)), np.asarray(jax.jit(theirs)(*args)))
+        add("selective scan B32 D512 L60 N16 f32, per call", jax.jit(ours), args, jax.jit(theirs), args, agree)
+        add("selective scan B32 D512 L60 N16 f32, in-graph (x200)", loop_of(ours), args, loop_of(theirs), args)
+    results.extend({"time": r} for r in rows)
+    return 0
+
+
+def graphs_child(args):
+    """Runs in a child with command buffers forced on: the checks again, and the HLO."""
+    dump = os.path.join(args.out, "hlo_command_buffers")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" {GRAPH_FLAGS} --xla_dump_to={dump}").strip()
+    cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--part", "check,errors", "--json",
+           os.path.join(args.out, "xla_ffi_graphs.json")]
+    print(f"== command buffers: XLA_FLAGS='{env['XLA_FLAGS']}'", flush=True)
+    rc = subprocess.call(cmd, env=env)
+    inside = {}
+    for path in glob.glob(os.path.join(dump, "*after_optimizations.txt")):
+        text = open(path, errors="replace").read()
+        for comp in text.split("\n\n"):
+            if "command_buffer" in comp:
+                for t in TARGETS:
+                    if f'custom_call_target="{t}"' in comp:
+                        inside[t] = inside.get(t, 0) + 1
+    print(f"targets found inside command-buffer computations of the optimised HLO: {inside or 'none'}", flush=True)
+    return rc, inside
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lib", default=".gpu/xla/libfused_kernels_xla.so")
+    ap.add_argument("--out", default=os.environ.get("OUT", ".gpu/out"))
+    ap.add_argument("--part", default="check,errors,loop,graphs,time")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    parts = set(args.part.split(","))
+    jax, lib, info = setup(args.lib)
+    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    print(json.dumps(info, indent=1), flush=True)
+    results = []
+    fails = 0
+    if "check" in parts:
+        fails += check_all(jax, results)
+    if "errors" in parts:
+        fails += check_errors(jax, results)
+    if "loop" in parts:
+        fails += loop_check(jax, results)
+    if "time" in parts:
+        fails += bench(jax, results)
+    summary = {"info": info, "jax": jax.__version__, "device": str(jax.devices()[0]), "results": results}
+    if "graphs" in parts:
+        rc, inside = graphs_child(args)
+        summary["graphs"] = {"child_exit": rc, "targets_in_command_buffers": inside}
+        fails += 0 if rc == 0 else 1
+    path = args.json or os.path.join(args.out, "xla_ffi.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(f"{'ALL OK' if fails == 0 else f'{fails} FAILED'}; results in {path}", flush=True)
+    return 0 if fails == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+defmodule FusedKernels.Backbone.Engine do
+  @moduledoc false
+  # The native backbone engine behind `FusedKernels.Backbone` on the native backends: one
+  # NIF resource built at load (weights converted and packed once), one NIF call per window
+  # (`predict`) and per frame (`step`). A stream's state is a resource of the engine that made
+  # it, updated in place by each step.
+
+  alias FusedKernels.{Native, Tensor}
+  alias FusedKernels.Backbone.Spec
+
+  defmodule State do
+    @moduledoc """
+    A backbone stream's state: every layer's recurrent state, held natively and advanced in
+    place by `FusedKernels.Backbone.step/3` (the returned state is this same state). Make one
+    per stream with `FusedKernels.Backbone.init_state/2`; `FusedKernels.Backbone.reset/1`
+    starts it over.
+    """
+    @enforce_keys [:ref, :batch]
+    defstruct [:ref, :batch]
+
+    @type t :: %__MODULE__{ref: reference(), batch: pos_integer()}
+  end
+
+  @doc "The engine resource for `spec` and the checked params map (names → tensors)."
+  def load(%Spec{} = spec, params, backend, device) do
+    spec
+    |> Map.from_struct()
+    |> Native.engine_load(flatten(params, ""), backend, device)
+    |> Native.unwrap!()
+  end
+
+  # "layer/group/name" → triple, for every tensor of the params tree.
+  defp flatten(%{} = m, prefix) when not is_struct(m) do
+    Enum.flat_map(m, fn {k, v} ->
+      flatten(v, if(prefix == "", do: to_string(k), else: prefix <> "/" <> to_string(k)))
+    end)
+  end
+
+  defp flatten(t, name), do: [{name, Tensor.to_native(t)}]
+
+  def predict(ref, window),
+    do:
+      ref |> Native.engine_predict(host_in(window, "window")) |> Native.unwrap!() |> back(window)
+
+  def init_state(ref, batch) do
+    state = ref |> Native.engine_init_state(batch) |> Native.unwrap!()
+    %State{ref: state, batch: batch}
+  end
+
+  def step(ref, %State{ref: s} = state, frame) do
+    out = ref |> Native.engine_step(s, host_in(frame, "frame")) |> Native.unwrap!()
+    {back(out, frame), state}
+  end
+
+  def reset(%State{ref: s} = state) do
+    s |> Native.engine_reset() |> Native.unwrap!()
+    state
+  end
+
+  defp host_in(%FusedKernels.Buffer{} = b, _what), do: FusedKernels.Buffer.download(b)
+
+  defp host_in(t, what) do
+    Tensor.to_native(t)
+  rescue
+    e in ArgumentError ->
+      reraise ArgumentError, "#{what}: #{Exception.message(e)}", __STACKTRACE__
+  end
+
+  defp back(triple, {_, _, _}), do: triple
+  defp back(triple, %FusedKernels.Buffer{}), do: triple
+  defp back(triple, _nx_tensor), do: apply(Tensor, :to_nx, [triple])
+end

@@ -1,0 +1,162 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule FusedKernels.XLA do
+    @moduledoc """
+    Fused ops as XLA FFI custom calls inside EXLA-compiled graphs: no copies, no host round
+    trip, the kernels run on XLA's own stream over XLA's buffers.
+
+    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded, the fused Axon layers emit an
+    `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`. Our `EXLA.CustomCall`
+    implementation lowers it to a `stablehlo.custom_call` (typed FFI, `api_version = 4`,
+    options in `backend_config`) on the CUDA platform, and answers `:skip` elsewhere (the host
+    client, a type or shape the handler does not serve), in which case EXLA compiles the
+    block's default body: the op's pure-Nx implementation. Gradients are the pure-Nx
+    implementation's, through `custom_grad` (the custom call has no derivative of its own).
+
+    ## Loading the handlers into EXLA's process
+
+    The handlers live in a separate shared library, `native/fused_kernels_xla`
+    (`cargo build --release -p fused_kernels_xla` gives
+    `target/release/libfused_kernels_xla.so`). EXLA loads extension libraries with
+    `EXLA.NIF.load_dylib/1` (`dlopen` with `RTLD_NOW | RTLD_GLOBAL`, EXLA's main branch);
+    when the library is loaded it finds XLA's FFI API in the process
+    (`xla::ffi::GetXlaFfiApi()`, exported by EXLA's `libxla_extension.so`) and registers every
+    target for the "CUDA" platform. `load/1` does this; call it once before compiling:
+
+        FusedKernels.XLA.load("/path/to/libfused_kernels_xla.so")
+
+    The library also exports `fused_kernels_xla_register(const XLA_FFI_Api*, const char*
+    platform)` and each handler by its target name, for hosts that hand out the API pointer
+    or register handlers themselves (JAX: `jax.ffi.register_ffi_target`).
+
+    ## Call targets
+
+    `fused_kernels_flash_attention`, `fused_kernels_gru`, `fused_kernels_lstm`,
+    `fused_kernels_selective_scan`, `fused_kernels_mamba_block`, `fused_kernels_dense`,
+    `fused_kernels_layer_norm`, `fused_kernels_rms_norm` (operands, results and attributes:
+    `native/fused_kernels_xla/src/ops.rs`).
+    """
+
+    defmodule Block do
+      @moduledoc """
+      The `Nx.block/4` struct of a fused op lowered to an XLA FFI custom call: the target,
+      its `backend_config` attributes (`{name, MLIR attribute}` pairs), the element type
+      each operand is converted to, and the types the results must have.
+      """
+      @enforce_keys [:target]
+      defstruct [:target, attributes: [], operand_types: [], result_types: []]
+    end
+
+    @doc """
+    Whether the fused layers emit custom-call blocks here: EXLA's `EXLA.CustomCall` protocol
+    is loaded and Nx has `Nx.block/4`.
+    """
+    def available? do
+      Code.ensure_loaded?(EXLA.CustomCall) and function_exported?(Nx, :block, 4)
+    end
+
+    @doc """
+    Loads the handler library into this process through EXLA (`EXLA.NIF.load_dylib/1`); the
+    library registers its targets with XLA as it loads.
+    """
+    def load(path) when is_binary(path) do
+      cond do
+        not File.exists?(path) ->
+          {:error, "#{path} does not exist (cargo build --release -p fused_kernels_xla)"}
+
+        Code.ensure_loaded?(EXLA.NIF) and function_exported?(EXLA.NIF, :load_dylib, 1) ->
+          # apply/3: EXLA is an optional dependency.
+          apply(EXLA.NIF, :load_dylib, [path])
+
+        true ->
+          {:error, "this EXLA has no EXLA.NIF.load_dylib/1 (EXLA's main branch has it)"}
+      end
+    end
+
+    @doc """
+    The output leaves of `op` on `inputs` as one `Nx.block/4` (a list of tensors in the
+    order of `op.output_template/2`'s leaves), or `:skip` when `op` does not lower here.
+
+    `FusedKernels.XLA.Lowering.describe/3` gives the call: the block, the operand tensors
+    in the handler's order and how `inputs` are rebuilt from them (the default body sees
+    only the block's operands).
+    """
+    def run(op, inputs, opts) do
+      with {:ok, %Block{} = block, operands, rebuild} <-
+             FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
+        leaves = inputs |> op.output_template(opts) |> flatten()
+        block = %{block | result_types: Enum.map(leaves, &Nx.type/1)}
+        output = List.to_tuple(Enum.map(leaves, &Nx.template(Nx.shape(&1), Nx.type(&1))))
+
+        default =
+          arity_fun(length(operands), fn args ->
+            args |> rebuild.() |> op.nx_call(opts) |> flatten() |> List.to_tuple()
+          end)
+
+        # apply/3: Nx < 0.12 has no Nx.block (this runs only when `available?/0`).
+        apply(Nx, :block, [block, operands, output, default]) |> Tuple.to_list()
+      end
+    end
+
+    @doc """
+    The `EXLA.CustomCall.call/4` answer for `block`: a spec on the CUDA platform when the
+    operand and result types are the ones the block was planned for, else `:skip`.
+    """
+    def spec(%Block{} = block, out, args, client) do
+      result_types = [out] |> flatten() |> Enum.map(& &1.type)
+
+      cond do
+        platform(client) != :cuda ->
+          :skip
+
+        length(args) != length(block.operand_types) ->
+          :skip
+
+        result_types != block.result_types ->
+          :skip
+
+        true ->
+          # apply/3 keeps this module compilable without EXLA (an optional dependency).
+          {:ok,
+           struct(EXLA.CustomCall.Spec,
+             call_target_name: block.target,
+             attributes: block.attributes,
+             operand_element_types: block.operand_types
+           )}
+      end
+    end
+
+    defp platform(%{platform: p}), do: p
+    defp platform(_), do: nil
+
+    # A fun of arity n + 1 (the block struct, then n operands) calling `f` with the operands.
+    for n <- 1..40 do
+      args = Macro.generate_arguments(n, __MODULE__)
+
+      defp arity_fun(unquote(n), f),
+        do: fn _block, unquote_splicing(args) -> f.(unquote(args)) end
+    end
+
+    defp arity_fun(n, _f),
+      do: raise(ArgumentError, "a fused custom call takes at most 40 operands, got #{n}")
+
+    defp flatten(container), do: Nx.Defn.Composite.flatten_list([container])
+
+    ## MLIR attribute text for `backend_config` (the typed FFI decodes these by type)
+
+    @doc false
+    def attr_bool(b) when is_boolean(b), do: to_string(b)
+    @doc false
+    def attr_int(i) when is_integer(i), do: "#{i} : i64"
+    @doc false
+    def attr_float(x) when is_number(x), do: "#{:erlang.float_to_binary(x / 1, [:short])} : f64"
+    @doc false
+    def attr_string(s) when is_binary(s) do
+      escaped = s |> String.replace("\\", "\\\\") |> String.replace("\"", "\\\"")
+      "\"#{escaped}\""
+    end
+
+    @doc false
+    # The kernels' element types.
+    def served_type?(type), do: type in [{:f, 32}, {:f, 16}, {:bf, 16}]
+  end
+end

@@ -1,0 +1,315 @@
+//! The RNN's CUDA paths timed on the GPU: CUDA events around the whole call (input projection
+//! GEMMs + recurrences; `cuda::timing::time_calls`: median, p10/p90 and the back-to-back
+//! mean), inputs and weights already on the device, median of 100 (30 for long sequences)
+//! after warm-up. Every case runs on every CUDA path that can take it (the batch-1 cluster
+//! path on sm_90+, persistent where its grid fits, batched tensor-core steps, batched cuBLAS
+//! steps, the resident tensor-core kernel where it fits), one JSON line each, `default`
+//! marking what a default call runs; `resident_tf32` is the resident kernel under the opt-in
+//! `precision: :tf32` (f32 cases). The shapes come first, then a batch sweep for the
+//! crossover.
+//!
+//! Usage: rnn [--no-crossover] [--batch1-extra] [--mma-tilings] [--cluster-profile]
+//! [--json FILE]. `--cluster-profile` instead times where the batch-1 cluster call spends
+//! its time (see `cluster_profile`). Lines go to stdout, and to FILE with `--json`.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use fused_kernels_core::cuda::timing::time_calls;
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::operand::{Operand, Placement};
+use fused_kernels_core::ops::rnn::*;
+use fused_kernels_core::ops::Backend;
+use fused_kernels_core::DType;
+use support::cli::{Cli, JsonOut};
+use support::rnn::*;
+use support::{gpu_for_tests, Rng};
+
+fn main() {
+    let cli = Cli::from_env();
+    let mut out = cli.json();
+    if cli.flag("--cluster-profile") {
+        cluster_profile(&mut out);
+    } else {
+        bench(
+            &mut out,
+            cli.flag("--batch1-extra"),
+            !cli.flag("--no-crossover"),
+            cli.flag("--mma-tilings"),
+        );
+    }
+}
+
+fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
+    let Some(gpu) = gpu_for_tests() else { return };
+    use DType::{BF16, F32};
+    let mut cases: Vec<(usize, usize, usize, usize, usize, DType)> = vec![
+        (1, 60, 288, 256, 2, F32),
+        (1, 60, 288, 512, 2, F32),
+        (64, 60, 288, 256, 2, F32),
+        (256, 60, 288, 256, 2, F32),
+        (1, 60, 288, 256, 2, BF16),
+        (64, 60, 288, 256, 2, BF16),
+        (256, 60, 288, 256, 2, BF16),
+        (64, 512, 1024, 1024, 1, BF16),
+        (64, 60, 288, 512, 2, F32),
+    ];
+    if batch1_extra {
+        cases.push((1, 60, 288, 512, 2, BF16));
+        cases.push((1, 60, 288, 256, 1, F32));
+        cases.push((1, 60, 288, 256, 3, F32));
+        cases.push((1, 512, 288, 256, 2, F32));
+    }
+    if crossover {
+        for b in [8, 16, 32, 128] {
+            cases.push((b, 60, 288, 256, 2, F32));
+        }
+        for b in [16, 32, 128] {
+            cases.push((b, 60, 288, 256, 2, BF16));
+        }
+        cases.push((16, 60, 288, 512, 2, F32));
+        for b in [16, 64] {
+            cases.push((b, 60, 288, 512, 2, BF16));
+        }
+        for b in [4, 8, 16, 32] {
+            cases.push((b, 512, 1024, 1024, 1, BF16));
+        }
+    }
+    let sms = gpu.multiprocessors().unwrap() as usize;
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for &(b, t, i, h, layers, dt) in &cases {
+            let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
+            let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
+            let mut rng = Rng::new(77);
+            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
+            let lbytes = make_layers(&mut rng, &c);
+            let x = upload(&gpu, &xb, vec![b, t, i], dt);
+            let dev = upload_layers(&gpu, &lbytes, b, dt);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
+            let xo = Operand::Device(&x);
+            let fits = persistent_plan(cell, b, h, sms, 227 * 1024, None).is_ok();
+            // What a default call runs (the first layer's path).
+            let g = geometry(cell, &[b, t, i], dt, &ops).unwrap();
+            let default = default_paths(&gpu, cell, &g).unwrap()[0];
+            let ctas = cluster_ctas(&gpu, cell, dt, None).unwrap();
+            let none = Tuning::default();
+            let resident_fits = resident_tile_on(&gpu, cell, b, h, dt, false, &none)
+                .unwrap()
+                .is_some();
+            let on = |path: Path| Tuning {
+                path: Some(path),
+                ..Tuning::default()
+            };
+            // (tuning, precision, label)
+            let mut paths = vec![
+                (on(Path::Batched), Precision::F32, "batched".to_string()),
+                (
+                    on(Path::BatchedCublas),
+                    Precision::F32,
+                    "batched_cublas".to_string(),
+                ),
+            ];
+            if fits {
+                paths.insert(
+                    0,
+                    (
+                        on(Path::Persistent),
+                        Precision::F32,
+                        "persistent".to_string(),
+                    ),
+                );
+            }
+            if resident_fits {
+                paths.push((on(Path::Resident), Precision::F32, "resident".to_string()));
+            }
+            // The opt-in `precision: :tf32` (f32 only), to set against cuDNN's TF32 default.
+            if dt == F32
+                && resident_tile_on(&gpu, cell, b, h, dt, true, &none)
+                    .unwrap()
+                    .is_some()
+            {
+                paths.push((
+                    on(Path::Resident),
+                    Precision::Tf32,
+                    "resident_tf32".to_string(),
+                ));
+            }
+            // The resident kernel's other tilings that fit (label resident:mMnN).
+            if resident_fits && b >= 64 {
+                let t0 = resident_tile_on(&gpu, cell, b, h, dt, false, &none).unwrap();
+                for (mt, nu) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
+                    let tuning = Tuning {
+                        resident_tile: Some((mt, nu)),
+                        ..on(Path::Resident)
+                    };
+                    let t = resident_tile_on(&gpu, cell, b, h, dt, false, &tuning).unwrap();
+                    if t.is_some() && t != t0 {
+                        paths.push((tuning, Precision::F32, format!("resident:m{mt}n{nu}")));
+                    }
+                }
+            }
+            if b == 1 && ctas.is_some() {
+                paths.insert(
+                    0,
+                    (on(Path::Cluster), Precision::F32, "cluster".to_string()),
+                );
+            }
+            if mma_tilings && (b >= 64 || h >= 1024) {
+                let mt0 = mma_tile(cell, b, h, dt, sms, 227 * 1024, None, None).mt;
+                let full = Tuning {
+                    mma_smem_budget: Some(227 * 1024),
+                    ..on(Path::Batched)
+                };
+                paths.push((full, Precision::F32, "batched:full".into()));
+                for mt in [1, 2] {
+                    if mt != mt0 && 16 * mt <= b {
+                        let tuning = Tuning {
+                            mma_mt: Some(mt),
+                            ..on(Path::Batched)
+                        };
+                        paths.push((tuning, Precision::F32, format!("batched:mt{mt}")));
+                    }
+                }
+            }
+            let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+            for (tuning, precision, label) in paths {
+                let reps = if t * h > 100_000 { 30 } else { 100 };
+                let call = |_: usize| {
+                    run_tuned(
+                        Backend::Cuda(None),
+                        cell,
+                        &xo,
+                        &ops,
+                        false,
+                        Placement::Device,
+                        precision,
+                        &tuning,
+                    )
+                    .map(|_| ())
+                };
+                // A path that cannot take the case (a cluster the driver cannot place) reports
+                // its error instead of a time.
+                let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
+                let default = tuning == on(default) && precision == Precision::F32;
+                match timing {
+                    Ok(tm) => out.line(&format!(
+                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
+                        tm.median_us,
+                        tm.p10_us,
+                        tm.p90_us,
+                        tm.back_to_back_us
+                    )),
+                    Err(e) => out.line(&format!(
+                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"error\":{:?}}}",
+                        e.to_string()
+                    )),
+                }
+            }
+        }
+    }
+}
+
+/// `core_tests rnn::tests::cluster_profile --ignored --nocapture --test-threads 1`: where the
+/// batch-1 cluster call spends its time. For each case, the whole call (CUDA events, median)
+/// as a wavefront on one cluster and split over a cluster per layer (the default where it
+/// fits), one JSON line each in the bench's format (`bench/gpu/side_rnn.py` reads them), the
+/// host time to queue a call, and the kernel's own counters (`RcArgs::prof`, CTA 0 of the last
+/// layer: cycles of set-up, weight loading, recurrence and thread 0's waits; nanoseconds from
+/// its start to its end).
+fn cluster_profile(out: &mut JsonOut) {
+    let Some(gpu) = gpu_for_tests() else { return };
+    if gpu.compute_capability < (9, 0) {
+        return;
+    }
+    use DType::{BF16, F32};
+    let cases = [
+        (1, 288, 256, 1, F32),
+        (60, 288, 256, 1, F32),
+        (1, 288, 256, 2, F32),
+        (2, 288, 256, 2, F32),
+        (60, 288, 256, 2, F32),
+        (512, 288, 256, 2, F32),
+        (60, 288, 256, 2, BF16),
+        (60, 288, 256, 3, BF16),
+    ];
+    let prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for &(t, i, h, layers, dt) in &cases {
+            let c = case(cell, 1, t, i, &vec![h; layers], false, true, dt);
+            let mut rng = Rng::new(5);
+            let xb = random_bytes(&mut rng, t * i, 1.0, dt);
+            let lbytes = make_layers(&mut rng, &c);
+            let x = upload(&gpu, &xb, vec![1, t, i], dt);
+            let dev = upload_layers(&gpu, &lbytes, 1, dt);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
+            let xo = Operand::Device(&x);
+            let call_with = |tuning: &Tuning| {
+                run_tuned(
+                    Backend::Cuda(None),
+                    cell,
+                    &xo,
+                    &ops,
+                    false,
+                    Placement::Device,
+                    Precision::F32,
+                    tuning,
+                )
+                .map(|_| ())
+            };
+            let reps = if t > 100 { 30 } else { 200 };
+            let head = format!(
+                "\"cell\":\"{}\",\"case\":\"B1 T{t} I{i} H{h} x{layers} {}\"",
+                if cell == Cell::Lstm { "lstm" } else { "gru" },
+                dt.name()
+            );
+            // (split override, path label); the default comes last.
+            for (split, label) in [(Some(false), "cluster:wavefront"), (None, "cluster")] {
+                let tuning = Tuning {
+                    path: Some(Path::Cluster),
+                    split,
+                    ..Tuning::default()
+                };
+                let call = |_: usize| call_with(&tuning);
+                let mut line = format!(
+                    "{{{head},\"path\":\"{label}\",\"default\":{}",
+                    label == "cluster"
+                );
+                match call(0).and_then(|_| time_calls(&gpu, 5, reps, call)) {
+                    Ok(tm) => line += &format!(",\"median_us\":{:.1}", tm.median_us),
+                    Err(e) => line += &format!(",\"error\":{:?}", e.to_string()),
+                }
+                if label == "cluster" {
+                    // Host time to queue one call (no synchronisation inside it).
+                    let mut host: Vec<f64> = (0..50)
+                        .map(|_| {
+                            let t0 = std::time::Instant::now();
+                            let _ = call(0);
+                            t0.elapsed().as_secs_f64() * 1e6
+                        })
+                        .collect();
+                    let _ = gpu.stream.synchronize();
+                    host.sort_by(f64::total_cmp);
+                    line += &format!(",\"host_queue_us\":{:.1}", host[host.len() / 2]);
+                    // The kernel's own counters (one call; download synchronises the stream).
+                    let profiled = Tuning {
+                        cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
+                        ..tuning
+                    };
+                    let counted = call_with(&profiled).and_then(|_| prof.download());
+                    if let Ok(p) = counted {
+                        let n: Vec<u64> = p
+                            .data
+                            .chunks_exact(8)
+                            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+                            .collect();
+                        line += &format!(
+                            ",\"setup_cycles\":{},\"load_cycles\":{},\"loop_cycles\":{},\"wait_cycles\":{},\"kernel_ns\":{},\"steps\":{}",
+                            n[0], n[5], n[1], n[2], n[3], n[4]
+                        );
+                    }
+                }
+                out.line(&format!("{line}}}"));
+            }
+        }
+    }
+}

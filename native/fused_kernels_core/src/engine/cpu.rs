@@ -1,0 +1,536 @@
+//! The CPU executor: walks a plan over buffers allocated once per (batch, seq) shape, with
+//! f32 kernels that allocate nothing. Reductions (norm statistics) in f64; products in f32.
+
+use super::plan::{Act, MambaOp, Op, Plan, Size};
+use crate::ops::dense::erf;
+use crate::ops::rnn::Cell;
+
+/// Whether a call is a whole window (its own rows only, fresh state) or one streamed frame
+/// (state carried in the slots; `frames` counts this frame too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Window,
+    Frame { frames: u64 },
+}
+
+/// Every buffer of a plan for one (batch, seq) shape.
+pub struct Workspace {
+    pub batch: usize,
+    pub seq: usize,
+    pub bufs: Vec<Vec<f32>>,
+    /// The state a window starts from (zeros), reused across windows.
+    pub window_slots: Vec<Vec<f32>>,
+}
+
+impl Workspace {
+    /// `None` when a size overflows `MAX_FLOATS`.
+    pub fn new(plan: &Plan, batch: usize, seq: usize) -> Option<Workspace> {
+        let rows = batch.checked_mul(seq)?;
+        let bufs = plan
+            .buffers
+            .iter()
+            .map(|s| {
+                let n = match *s {
+                    Size::PerRow(w) => w.checked_mul(rows)?,
+                    Size::Fixed(n) => n,
+                };
+                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let window_slots = plan
+            .slots
+            .iter()
+            .map(|&w| {
+                let n = w.checked_mul(batch)?;
+                (n <= super::MAX_FLOATS).then(|| vec![0.0f32; n])
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Workspace {
+            batch,
+            seq,
+            bufs,
+            window_slots,
+        })
+    }
+}
+
+/// Runs every op of `plan`; the input rows must already be in `ws.bufs[plan.input]`.
+pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) {
+    let (b, t) = (ws.batch, ws.seq);
+    let rows = b * t;
+    let bufs = &mut ws.bufs;
+    let w = &plan.weights;
+    for op in &plan.ops {
+        match op {
+            Op::Norm {
+                x,
+                out,
+                gamma,
+                beta,
+                cols,
+                eps,
+            } => {
+                let n = bufs[*out].len() / cols * cols;
+                if x == out {
+                    layer_norm_inplace(&mut bufs[*out][..n], *cols, &w[*gamma], &w[*beta], *eps);
+                } else {
+                    let mut o = std::mem::take(&mut bufs[*out]);
+                    layer_norm(&bufs[*x], &mut o[..n], *cols, &w[*gamma], &w[*beta], *eps);
+                    bufs[*out] = o;
+                }
+            }
+            Op::Dense {
+                x,
+                out,
+                kernel,
+                bias,
+                k,
+                n,
+                act,
+                residual,
+            } => {
+                let mut o = std::mem::take(&mut bufs[*out]);
+                dense(&bufs[*x], rows, *k, *n, &w[*kernel], &w[*bias], &mut o);
+                if *act == Act::Gelu {
+                    o.iter_mut().for_each(|v| *v = gelu(*v));
+                }
+                if let Some(r) = residual {
+                    o.iter_mut().zip(&bufs[*r]).for_each(|(o, r)| *o += r);
+                }
+                bufs[*out] = o;
+            }
+            Op::Rnn {
+                cell,
+                x,
+                out,
+                w_in,
+                w_h,
+                bias,
+                input,
+                hidden,
+                h,
+                c,
+                xp,
+                hp,
+            } => {
+                let mut o = std::mem::take(&mut bufs[*out]);
+                let mut xpb = std::mem::take(&mut bufs[*xp]);
+                let mut hpb = std::mem::take(&mut bufs[*hp]);
+                let mut hs = std::mem::take(&mut slots[*h]);
+                let mut cs = c.map(|c| std::mem::take(&mut slots[c]));
+                rnn(
+                    *cell,
+                    (b, t, *input, *hidden),
+                    &bufs[*x],
+                    (&w[*w_in], &w[*w_h], &w[*bias]),
+                    &mut hs,
+                    cs.as_deref_mut(),
+                    &mut xpb,
+                    &mut hpb,
+                    &mut o,
+                );
+                slots[*h] = hs;
+                if let (Some(c), Some(cs)) = (c, cs) {
+                    slots[*c] = cs;
+                }
+                bufs[*out] = o;
+                bufs[*xp] = xpb;
+                bufs[*hp] = hpb;
+            }
+            Op::Attention {
+                q,
+                k,
+                v,
+                out,
+                heads,
+                head_dim,
+                k_cache,
+                v_cache,
+                scores,
+            } => {
+                let mut o = std::mem::take(&mut bufs[*out]);
+                let mut sc = std::mem::take(&mut bufs[*scores]);
+                let window = plan.spec.window;
+                let hid = heads * head_dim;
+                match mode {
+                    Mode::Window => attention(
+                        (&bufs[*q], &bufs[*k], &bufs[*v]),
+                        (b, t, t, *heads, *head_dim),
+                        window - 1,
+                        &mut sc,
+                        &mut o,
+                    ),
+                    Mode::Frame { frames } => {
+                        for (cache, new) in [(*k_cache, *k), (*v_cache, *v)] {
+                            let cache = &mut slots[cache];
+                            for bi in 0..b {
+                                let rows = &mut cache[bi * window * hid..(bi + 1) * window * hid];
+                                rows.copy_within(hid.., 0);
+                                rows[(window - 1) * hid..]
+                                    .copy_from_slice(&bufs[new][bi * hid..(bi + 1) * hid]);
+                            }
+                        }
+                        let left = (frames.min(window as u64) as usize).max(1) - 1;
+                        attention(
+                            (&bufs[*q], &slots[*k_cache], &slots[*v_cache]),
+                            (b, 1, window, *heads, *head_dim),
+                            left,
+                            &mut sc,
+                            &mut o,
+                        );
+                    }
+                }
+                bufs[*out] = o;
+                bufs[*scores] = sc;
+            }
+            Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t)),
+        }
+    }
+}
+
+fn layer_norm_row(x: &[f32], out: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x
+        .iter()
+        .map(|&v| {
+            let d = v as f64 - mean;
+            d * d
+        })
+        .sum::<f64>()
+        / n;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    for (((o, &v), &g), &be) in out.iter_mut().zip(x).zip(gamma).zip(beta) {
+        *o = ((v as f64 - mean) * inv) as f32 * g + be;
+    }
+}
+
+fn layer_norm(x: &[f32], out: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], eps: f32) {
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        layer_norm_row(xr, or, gamma, beta, eps);
+    }
+}
+
+fn layer_norm_inplace(x: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], eps: f32) {
+    for r in x.chunks_exact_mut(cols) {
+        let n = cols as f64;
+        let mean = r.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = r
+            .iter()
+            .map(|&v| {
+                let d = v as f64 - mean;
+                d * d
+            })
+            .sum::<f64>()
+            / n;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for ((v, &g), &be) in r.iter_mut().zip(gamma).zip(beta) {
+            *v = ((*v as f64 - mean) * inv) as f32 * g + be;
+        }
+    }
+}
+
+/// `out{rows, n} = x{rows, k} · w{k, n} + bias`, four rows at a time so each weight row is
+/// read once per four outputs.
+fn dense(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], bias: &[f32], out: &mut [f32]) {
+    let mut i = 0;
+    while i + 4 <= rows {
+        let (o0, rest) = out[i * n..(i + 4) * n].split_at_mut(n);
+        let (o1, rest) = rest.split_at_mut(n);
+        let (o2, o3) = rest.split_at_mut(n);
+        for o in [&mut *o0, &mut *o1, &mut *o2, &mut *o3] {
+            o.copy_from_slice(bias);
+        }
+        for kk in 0..k {
+            let a = [
+                x[i * k + kk],
+                x[(i + 1) * k + kk],
+                x[(i + 2) * k + kk],
+                x[(i + 3) * k + kk],
+            ];
+            let wr = &w[kk * n..(kk + 1) * n];
+            for j in 0..n {
+                let wv = wr[j];
+                o0[j] += a[0] * wv;
+                o1[j] += a[1] * wv;
+                o2[j] += a[2] * wv;
+                o3[j] += a[3] * wv;
+            }
+        }
+        i += 4;
+    }
+    for i in i..rows {
+        let o = &mut out[i * n..(i + 1) * n];
+        o.copy_from_slice(bias);
+        for (kk, &a) in x[i * k..(i + 1) * k].iter().enumerate() {
+            for (ov, &wv) in o.iter_mut().zip(&w[kk * n..(kk + 1) * n]) {
+                *ov += a * wv;
+            }
+        }
+    }
+}
+
+/// `out{rows, n} = x{rows, k} · w{k, n}` (no bias).
+fn matmul(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], out: &mut [f32]) {
+    for i in 0..rows {
+        let o = &mut out[i * n..(i + 1) * n];
+        o.fill(0.0);
+        for (kk, &a) in x[i * k..(i + 1) * k].iter().enumerate() {
+            for (ov, &wv) in o.iter_mut().zip(&w[kk * n..(kk + 1) * n]) {
+                *ov += a * wv;
+            }
+        }
+    }
+}
+
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+fn silu(v: f32) -> f32 {
+    v / (1.0 + (-v).exp())
+}
+
+/// Axon's :gelu, the exact erf form.
+fn gelu(v: f32) -> f32 {
+    let x = v as f64;
+    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
+}
+
+/// One LSTM/GRU layer over `{b, t, input}` rows with Axon's equations; `hs`/`cs` hold the
+/// state in and out.
+#[allow(clippy::too_many_arguments)]
+fn rnn(
+    cell: Cell,
+    (b, t, inp, h): (usize, usize, usize, usize),
+    x: &[f32],
+    (w_in, w_h, bias): (&[f32], &[f32], &[f32]),
+    hs: &mut [f32],
+    mut cs: Option<&mut [f32]>,
+    xp: &mut [f32],
+    hp: &mut [f32],
+    out: &mut [f32],
+) {
+    let gh = cell.gates() * h;
+    // Input projections of every step with the input biases (GRU's b_hn stays apart).
+    dense(x, b * t, inp, gh, w_in, &bias[..gh], xp);
+    for s in 0..t {
+        matmul(hs, b, h, gh, w_h, hp);
+        for bi in 0..b {
+            let xr = &xp[(bi * t + s) * gh..(bi * t + s + 1) * gh];
+            let hr = &hp[bi * gh..(bi + 1) * gh];
+            let hrow = &mut hs[bi * h..(bi + 1) * h];
+            let orow = &mut out[(bi * t + s) * h..(bi * t + s + 1) * h];
+            match cell {
+                Cell::Lstm => {
+                    let crow = match cs.as_deref_mut() {
+                        Some(c) => &mut c[bi * h..(bi + 1) * h],
+                        None => return,
+                    };
+                    for j in 0..h {
+                        let pre = |k: usize| xr[k * h + j] + hr[k * h + j];
+                        let (i, f) = (sigmoid(pre(0)), sigmoid(pre(1)));
+                        let (g, o) = (pre(2).tanh(), sigmoid(pre(3)));
+                        let c = f * crow[j] + i * g;
+                        crow[j] = c;
+                        hrow[j] = o * c.tanh();
+                        orow[j] = hrow[j];
+                    }
+                }
+                Cell::Gru => {
+                    let bhn = &bias[3 * h..4 * h];
+                    for j in 0..h {
+                        let r = sigmoid(xr[j] + hr[j]);
+                        let z = sigmoid(xr[h + j] + hr[h + j]);
+                        let n = (xr[2 * h + j] + r * (hr[2 * h + j] + bhn[j])).tanh();
+                        hrow[j] = (1.0 - z) * n + z * hrow[j];
+                        orow[j] = hrow[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Causal attention per (batch, head): query i of `tq` sees keys `hi - left ..= hi` with
+/// `hi = i + tk - tq` (FlashAttention's bottom-right alignment), scale 1/sqrt(head_dim).
+fn attention(
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (b, tq, tk, heads, d): (usize, usize, usize, usize, usize),
+    left: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hid = heads * d;
+    let scale = 1.0 / (d as f32).sqrt();
+    for bi in 0..b {
+        for hh in 0..heads {
+            for i in 0..tq {
+                let qr = &q[(bi * tq + i) * hid + hh * d..][..d];
+                let hi = i + tk - tq;
+                let lo = hi.saturating_sub(left);
+                let mut max = f32::NEG_INFINITY;
+                for j in lo..=hi {
+                    let kr = &k[(bi * tk + j) * hid + hh * d..][..d];
+                    let s = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    scores[j - lo] = s;
+                    max = max.max(s);
+                }
+                let mut sum = 0.0f32;
+                for s in &mut scores[..=hi - lo] {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let or = &mut out[(bi * tq + i) * hid + hh * d..][..d];
+                or.fill(0.0);
+                for j in lo..=hi {
+                    let p = scores[j - lo] / sum;
+                    let vr = &v[(bi * tk + j) * hid + hh * d..][..d];
+                    or.iter_mut().zip(vr).for_each(|(o, v)| *o += p * v);
+                }
+            }
+        }
+    }
+}
+
+/// One Mamba block (Edifice's) over `{b, t, hidden}` rows, from and into the conv/ssm state.
+fn mamba(
+    m: &MambaOp,
+    w: &[Vec<f32>],
+    bufs: &mut [Vec<f32>],
+    slots: &mut [Vec<f32>],
+    (b, t): (usize, usize),
+) {
+    let rows = b * t;
+    let (inner, n, km1) = (m.inner, m.state, m.conv - 1);
+    let mut take = |i: usize| std::mem::take(&mut bufs[i]);
+    let (mut xn, mut xz, mut xc, mut bc, mut r, mut dt, mut y, mut out) = (
+        take(m.xn),
+        take(m.xz),
+        take(m.xc),
+        take(m.bc),
+        take(m.r),
+        take(m.dt),
+        take(m.y),
+        take(m.out),
+    );
+    let x = &bufs[m.x];
+    layer_norm(x, &mut xn, m.hidden, &w[m.gamma], &w[m.beta], m.eps);
+    dense(
+        &xn,
+        rows,
+        m.hidden,
+        2 * inner,
+        &w[m.in_kernel],
+        &w[m.in_bias],
+        &mut xz,
+    );
+    let (conv_state, ssm_state) = {
+        let (a, bslots) = slots.split_at_mut(m.ssm_state.max(m.conv_state));
+        if m.conv_state < m.ssm_state {
+            (&mut a[m.conv_state], &mut bslots[0])
+        } else {
+            (&mut bslots[0], &mut a[m.ssm_state])
+        }
+    };
+    // Causal depthwise conv + SiLU; steps before the chunk come from the conv state.
+    let taps = &w[m.conv_taps];
+    let cb = &w[m.conv_bias];
+    for bi in 0..b {
+        for s in 0..t {
+            let row = bi * t + s;
+            let xcr = &mut xc[row * inner..(row + 1) * inner];
+            xcr.copy_from_slice(cb);
+            for j in 0..m.conv {
+                let src = s as isize + j as isize - km1 as isize;
+                let tap = &taps[j * inner..(j + 1) * inner];
+                let input = if src >= 0 {
+                    &xz[(bi * t + src as usize) * 2 * inner..][..inner]
+                } else {
+                    &conv_state[(bi * km1 + (km1 as isize + src) as usize) * inner..][..inner]
+                };
+                xcr.iter_mut()
+                    .zip(tap)
+                    .zip(input)
+                    .for_each(|((o, &tw), &v)| *o += tw * v);
+            }
+            xcr.iter_mut().for_each(|v| *v = silu(*v));
+        }
+        // The new conv state: the last k - 1 conv inputs (reading only indices not yet
+        // overwritten: slot j takes slot j + t when it comes from the old state).
+        for j in 0..km1 {
+            let src = t as isize - km1 as isize + j as isize;
+            let dst = (bi * km1 + j) * inner;
+            if src >= 0 {
+                conv_state[dst..dst + inner]
+                    .copy_from_slice(&xz[(bi * t + src as usize) * 2 * inner..][..inner]);
+            } else {
+                let from = (bi * km1 + (km1 as isize + src) as usize) * inner;
+                conv_state.copy_within(from..from + inner, dst);
+            }
+        }
+    }
+    dense(
+        &xc,
+        rows,
+        inner,
+        2 * n,
+        &w[m.bc_kernel],
+        &w[m.bc_bias],
+        &mut bc,
+    );
+    dense(
+        &xc,
+        rows,
+        inner,
+        m.dt_rank,
+        &w[m.dtr_kernel],
+        &w[m.dtr_bias],
+        &mut r,
+    );
+    matmul(&r, rows, m.dt_rank, inner, &w[m.dtp_kernel], &mut dt);
+    let (a, d, dtb) = (&w[m.a], &w[m.d], &w[m.dtp_bias]);
+    for bi in 0..b {
+        for ch in 0..inner {
+            let hstate = &mut ssm_state[(bi * inner + ch) * n..][..n];
+            let arow = &a[ch * n..(ch + 1) * n];
+            for s in 0..t {
+                let row = bi * t + s;
+                let raw = dt[row * inner + ch] + dtb[ch];
+                let sp = if raw <= 20.0 { raw.exp().ln_1p() } else { raw };
+                let delta = sp.clamp(m.dt_min, m.dt_max);
+                let u = xc[row * inner + ch];
+                let (bm, cm) = bc[row * 2 * n..(row + 1) * 2 * n].split_at(n);
+                let mut acc = 0.0f32;
+                for k in 0..n {
+                    hstate[k] = (delta * arow[k]).exp() * hstate[k] + delta * bm[k] * u;
+                    acc += hstate[k] * cm[k];
+                }
+                let z = xz[row * 2 * inner + inner + ch];
+                y[row * inner + ch] = (acc + d[ch] * u) * silu(z);
+            }
+        }
+    }
+    dense(
+        &y,
+        rows,
+        inner,
+        m.hidden,
+        &w[m.out_kernel],
+        &w[m.out_bias],
+        &mut out,
+    );
+    out.iter_mut().zip(x).for_each(|(o, v)| *o += v);
+    for (i, v) in [
+        (m.xn, xn),
+        (m.xz, xz),
+        (m.xc, xc),
+        (m.bc, bc),
+        (m.r, r),
+        (m.dt, dt),
+        (m.y, y),
+        (m.out, out),
+    ] {
+        bufs[i] = v;
+    }
+}

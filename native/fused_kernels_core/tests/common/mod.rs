@@ -1,0 +1,238 @@
+//! Backbone specs and random params shared by the engine tests, with the names and shapes
+//! `FusedKernels.Backbone.random_params/2` produces.
+#![allow(dead_code)]
+
+use fused_kernels_core::engine::plan::{Kind, Params, Spec};
+use std::collections::BTreeMap;
+
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// Uniform in [-1, 1).
+    pub fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+    pub fn vec(&mut self, n: usize, scale: f32, center: f32) -> Vec<f32> {
+        (0..n).map(|_| center + scale * self.next()).collect()
+    }
+}
+
+pub fn spec(kind: Kind) -> Spec {
+    Spec {
+        kind,
+        embed: 288,
+        hidden: 256,
+        layers: if kind == Kind::Jamba { 6 } else { 2 },
+        window: 60,
+        heads: 4,
+        head_dim: 64,
+        ffn: 256,
+        state: 16,
+        expand: 2,
+        conv: 4,
+        dt_rank: 16,
+        attn_every: 3,
+        norm_eps: 1e-6,
+        mamba_norm_eps: 1e-5,
+    }
+}
+
+/// A smaller spec with odd sizes (fast in debug builds).
+pub fn small(kind: Kind) -> Spec {
+    Spec {
+        embed: 37,
+        hidden: 48,
+        layers: if kind == Kind::Jamba { 3 } else { 2 },
+        window: 16,
+        heads: 3,
+        head_dim: 16,
+        ffn: 40,
+        state: 8,
+        conv: 3,
+        dt_rank: 5,
+        ..spec(kind)
+    }
+}
+
+pub type Named = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+pub fn random_params(s: &Spec, seed: u64) -> Named {
+    let mut r = Rng::new(seed);
+    let mut m = Named::new();
+    let put = |m: &mut Named, r: &mut Rng, name: String, shape: Vec<usize>, scale, center| {
+        let n = shape.iter().product();
+        m.insert(name, (shape, r.vec(n, scale, center)));
+    };
+    let norm = |m: &mut Named, r: &mut Rng, name: &str, n: usize| {
+        put(m, r, format!("{name}/gamma"), vec![n], 0.1, 1.0);
+        put(m, r, format!("{name}/beta"), vec![n], 0.1, 0.0);
+    };
+    let dense = |m: &mut Named, r: &mut Rng, name: &str, i: usize, o: usize| {
+        put(
+            m,
+            r,
+            format!("{name}/kernel"),
+            vec![i, o],
+            1.0 / (i as f32).sqrt(),
+            0.0,
+        );
+        put(m, r, format!("{name}/bias"), vec![o], 0.1, 0.0);
+    };
+    let hid = s.hidden;
+    match s.kind {
+        Kind::Lstm | Kind::Gru => {
+            let (ins, hs, bs): (&[&str], &[&str], &[&str]) = if s.kind == Kind::Lstm {
+                (
+                    &["wii", "wif", "wig", "wio"],
+                    &["whi", "whf", "whg", "who"],
+                    &["bi", "bf", "bg", "bo"],
+                )
+            } else {
+                (
+                    &["wir", "wiz", "win"],
+                    &["whr", "whz", "whn"],
+                    &["br", "bz", "bin", "bhn"],
+                )
+            };
+            norm(&mut m, &mut r, "input_norm", s.embed);
+            for l in 1..=s.layers {
+                let inp = if l == 1 { s.embed } else { hid };
+                for n in ins {
+                    let sc = 1.0 / (inp as f32).sqrt();
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("rnn_{l}/input_kernel/{n}"),
+                        vec![inp, hid],
+                        sc,
+                        0.0,
+                    );
+                }
+                for n in hs {
+                    let sc = 1.0 / (hid as f32).sqrt();
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("rnn_{l}/hidden_kernel/{n}"),
+                        vec![hid, hid],
+                        sc,
+                        0.0,
+                    );
+                }
+                for n in bs {
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("rnn_{l}/bias/{n}"),
+                        vec![hid],
+                        0.1,
+                        0.0,
+                    );
+                }
+                norm(&mut m, &mut r, &format!("rnn_{l}_norm"), hid);
+            }
+        }
+        _ => {
+            dense(&mut m, &mut r, "input_proj", s.embed, hid);
+            let inner = s.expand * hid;
+            for l in 1..=s.layers {
+                let attn =
+                    s.kind == Kind::Attention || (s.kind == Kind::Jamba && s.jamba_attention(l));
+                let prefix = match s.kind {
+                    Kind::Attention => format!("attn_{l}"),
+                    Kind::Mamba => format!("mamba_{l}"),
+                    _ => format!("jamba_{l}"),
+                };
+                if attn {
+                    for p in ["q", "k", "v", "out"] {
+                        dense(&mut m, &mut r, &format!("{prefix}_{p}"), hid, hid);
+                    }
+                    if s.kind == Kind::Attention {
+                        norm(&mut m, &mut r, &format!("{prefix}_norm"), hid);
+                        dense(&mut m, &mut r, &format!("ffn_{l}_up"), hid, s.ffn);
+                        dense(&mut m, &mut r, &format!("ffn_{l}_down"), s.ffn, hid);
+                        norm(&mut m, &mut r, &format!("ffn_{l}_norm"), hid);
+                    } else {
+                        norm(&mut m, &mut r, &format!("{prefix}_attn_norm"), hid);
+                    }
+                } else {
+                    norm(&mut m, &mut r, &format!("{prefix}_norm"), hid);
+                    dense(&mut m, &mut r, &format!("{prefix}_in_proj"), hid, 2 * inner);
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("{prefix}_conv_dw_conv/kernel"),
+                        vec![s.conv, 1, inner],
+                        0.5,
+                        0.0,
+                    );
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("{prefix}_conv_dw_conv/bias"),
+                        vec![inner],
+                        0.1,
+                        0.0,
+                    );
+                    dense(
+                        &mut m,
+                        &mut r,
+                        &format!("{prefix}_ssm_bc_proj"),
+                        inner,
+                        2 * s.state,
+                    );
+                    dense(
+                        &mut m,
+                        &mut r,
+                        &format!("{prefix}_ssm_dt_rank"),
+                        inner,
+                        s.dt_rank,
+                    );
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("{prefix}_ssm_dt_proj/kernel"),
+                        vec![s.dt_rank, inner],
+                        1.0 / (s.dt_rank as f32).sqrt(),
+                        0.0,
+                    );
+                    put(
+                        &mut m,
+                        &mut r,
+                        format!("{prefix}_ssm_dt_proj/bias"),
+                        vec![inner],
+                        1.0,
+                        -3.0,
+                    );
+                    dense(&mut m, &mut r, &format!("{prefix}_out_proj"), inner, hid);
+                }
+            }
+        }
+    }
+    m
+}
+
+pub fn to_params(named: &Named) -> Params {
+    let mut p = Params::new();
+    for (k, (s, v)) in named {
+        p.insert(k.clone(), s.clone(), v.clone());
+    }
+    p
+}
+
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-300)).sqrt()
+}

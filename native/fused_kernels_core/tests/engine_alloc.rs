@@ -1,0 +1,99 @@
+//! The engine's hot path allocates nothing on the host: a counting global allocator sees no
+//! allocation during up to 10,000 streamed frames and 20 windows of shapes already seen.
+
+mod common;
+
+use common::{random_params, small, spec, to_params, Rng};
+use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
+use fused_kernels_core::engine::Engine;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    // Only the measuring thread counts (the test harness allocates on its own threads).
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.with(|c| c.get()) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+        if COUNTING.with(|c| c.get()) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.realloc(ptr, layout, new)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn counted(f: impl FnOnce()) -> usize {
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    ALLOCATIONS.load(Ordering::Relaxed) - before
+}
+
+#[test]
+fn the_hot_path_allocates_nothing() {
+    // The counter sees an allocation made while counting.
+    assert_eq!(counted(|| drop(std::hint::black_box(vec![1u8; 64]))), 1);
+    let gru1 = Spec {
+        layers: 1,
+        ..spec(Kind::Gru)
+    };
+    let specs = [
+        gru1,
+        small(Kind::Gru),
+        small(Kind::Lstm),
+        small(Kind::Attention),
+        small(Kind::Mamba),
+        small(Kind::Jamba),
+    ];
+    for s in specs {
+        let e = Engine::new(Plan::build(s.clone(), to_params(&random_params(&s, 1))).unwrap());
+        let (b, t) = (2, 16);
+        let window = Rng::new(2).vec(b * t * s.embed, 1.0, 0.0);
+        let frame = Rng::new(3).vec(b * s.embed, 1.0, 0.0);
+        let mut out = vec![0.0f32; b * s.hidden];
+        let mut state = e.new_state(b).unwrap();
+        // First calls of each shape allocate their workspaces.
+        e.predict(b, t, |x| x.copy_from_slice(&window), &mut out)
+            .unwrap();
+        e.step(&mut state, |x| x.copy_from_slice(&frame), &mut out)
+            .unwrap();
+        // 10,000 frames where a debug build affords it (the small recurrent specs).
+        let steps = match s.kind {
+            _ if s.hidden >= 256 => 50,
+            Kind::Gru | Kind::Lstm => 10_000,
+            _ => 500,
+        };
+        let n = counted(|| {
+            for _ in 0..steps {
+                e.step(&mut state, |x| x.copy_from_slice(&frame), &mut out)
+                    .unwrap();
+            }
+            for _ in 0..20 {
+                e.predict(b, t, |x| x.copy_from_slice(&window), &mut out)
+                    .unwrap();
+            }
+            state.reset();
+        });
+        assert_eq!(n, 0, "{:?}: {n} allocations on the hot path", s.kind);
+        assert!(out.iter().all(|v| v.is_finite()));
+    }
+}

@@ -1,0 +1,74 @@
+//! What every op's integration test shares: a seeded generator, the error measure and its
+//! tolerances, and the test GPU.
+
+#![allow(dead_code)] // each test binary uses its own subset
+
+pub mod cli;
+pub mod rnn;
+pub mod selective_scan;
+
+use fused_kernels_core::cuda::{gpu, Gpu};
+use fused_kernels_core::DType;
+use std::sync::Arc;
+
+/// A small deterministic generator (xorshift*), seeded per test so failures reproduce;
+/// values are uniform in [-2, 2), never all zero.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
+    }
+    pub fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
+        (r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+    }
+    pub fn vec(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| self.next_f64()).collect()
+    }
+}
+
+/// ‖out − ref‖ / ‖ref‖; NaN anywhere gives infinity.
+pub fn rel_l2(out: &[f64], reference: &[f64]) -> f64 {
+    assert_eq!(out.len(), reference.len());
+    let (mut num, mut den) = (0.0, 0.0);
+    for (o, r) in out.iter().zip(reference) {
+        if o.is_nan() || r.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (o - r) * (o - r);
+        den += r * r;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// The rel. L2 bound of each type.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F64 => 1e-12,
+        DType::F16 | DType::BF16 => 1e-2,
+    }
+}
+
+/// The default GPU, or None (the test skips). Set `FUSED_KERNELS_REQUIRE_GPU=1` on a GPU
+/// machine to make GPU tests fail instead of skip when no device is found.
+pub fn gpu_for_tests() -> Option<Arc<Gpu>> {
+    match gpu(None) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("FUSED_KERNELS_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("FUSED_KERNELS_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            eprintln!("skipping GPU test: {e}");
+            None
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! The backbone engine as NIF resources: `engine_load` builds an engine from a spec map and
+//! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
+//! state resource updated in place) are one call each. Every call that computes runs on a
+//! dirty scheduler.
+
+use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
+use fused_kernels_core::dtype::{decode_f32, encode_f32};
+use fused_kernels_core::engine::plan::{Kind, Params, Plan, Spec};
+use fused_kernels_core::engine::state::State;
+use fused_kernels_core::engine::Engine;
+use fused_kernels_core::error::{arg_error, Error, Result};
+use fused_kernels_core::tensor::fmt_shape;
+use fused_kernels_core::{DType, HostTensor};
+use rustler::types::tuple::{get_tuple, make_tuple};
+use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub struct EngineResource {
+    id: u64,
+    engine: Engine,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for EngineResource {}
+
+/// A stream's state; it belongs to the engine that made it.
+pub struct StateResource {
+    engine_id: u64,
+    state: Mutex<State>,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for StateResource {}
+
+fn field<'a>(map: Term<'a>, key: &str) -> Result<Term<'a>> {
+    let env = map.get_env();
+    let k = rustler::Atom::from_str(env, key).map_err(|_| arg_error("spec: bad key"))?;
+    map.map_get(k.encode(env))
+        .map_err(|_| arg_error(format!("spec: missing field {key}")))
+}
+
+fn usize_field(map: Term<'_>, key: &str) -> Result<usize> {
+    field(map, key)?
+        .decode::<u64>()
+        .map(|v| v as usize)
+        .map_err(|_| arg_error(format!("spec.{key} must be a positive integer")))
+}
+
+fn f64_field(map: Term<'_>, key: &str) -> Result<f64> {
+    let t = field(map, key)?;
+    t.decode::<f64>()
+        .or_else(|_| t.decode::<i64>().map(|i| i as f64))
+        .map_err(|_| arg_error(format!("spec.{key} must be a number")))
+}
+
+fn decode_spec(term: Term<'_>) -> Result<Spec> {
+    let kind = field(term, "kind")?
+        .atom_to_string()
+        .map_err(|_| arg_error("spec.kind must be an atom"))?;
+    Ok(Spec {
+        kind: Kind::parse(&kind)?,
+        embed: usize_field(term, "embed")?,
+        hidden: usize_field(term, "hidden")?,
+        layers: usize_field(term, "layers")?,
+        window: usize_field(term, "window")?,
+        heads: usize_field(term, "heads")?,
+        head_dim: usize_field(term, "head_dim")?,
+        ffn: usize_field(term, "ffn")?,
+        state: usize_field(term, "state")?,
+        expand: usize_field(term, "expand")?,
+        conv: usize_field(term, "conv")?,
+        dt_rank: usize_field(term, "dt_rank")?,
+        attn_every: usize_field(term, "attn_every")?,
+        norm_eps: f64_field(term, "norm_eps")?,
+        mamba_norm_eps: f64_field(term, "mamba_norm_eps")?,
+    })
+}
+
+/// `[{"layer/group/name", {binary, shape, type}}]` → f32 params.
+fn decode_params(term: Term<'_>) -> Result<Params> {
+    let list = decode_list("params", "{name, tensor} pairs", term)?;
+    let mut p = Params::new();
+    for item in list {
+        let parts =
+            get_tuple(item).map_err(|_| arg_error("params must be {name, tensor} pairs"))?;
+        let [name, tensor] = parts[..] else {
+            return Err(arg_error("params must be {name, tensor} pairs"));
+        };
+        let name: String = name
+            .decode()
+            .map_err(|_| arg_error("params: names must be strings"))?;
+        let t = decode_host(&name, tensor)?;
+        p.insert(name, t.shape.clone(), decode_f32(t.bytes, t.dtype));
+    }
+    Ok(p)
+}
+
+/// `engine_load(spec, params, backend, device)` → engine resource.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_load<'a>(
+    env: Env<'a>,
+    spec: Term<'a>,
+    params: Term<'a>,
+    backend: Term<'a>,
+    device: Term<'a>,
+) -> Term<'a> {
+    let result = (|| {
+        let backend = backend
+            .atom_to_string()
+            .map_err(|_| arg_error("backend must be :cpu"))?;
+        if backend != "cpu" {
+            return Err(arg_error(format!(
+                "backend: the engine runs on :cpu, got :{backend}"
+            )));
+        }
+        decode_device(device)?;
+        let plan = Plan::build(decode_spec(spec)?, decode_params(params)?)?;
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(ResourceArc::new(EngineResource {
+            id,
+            engine: Engine::new(plan),
+        })
+        .encode(env))
+    })();
+    reply(env, result)
+}
+
+fn decode_engine(term: Term<'_>) -> Result<ResourceArc<EngineResource>> {
+    term.decode()
+        .map_err(|_| arg_error("handle: not a loaded backbone engine"))
+}
+
+fn decode_state(term: Term<'_>) -> Result<ResourceArc<StateResource>> {
+    term.decode().map_err(|_| {
+        arg_error("state: not a backbone state; make one with init_state(handle, batch)")
+    })
+}
+
+/// Fills the engine's f32 input from the caller's bytes.
+fn fill(x: &HostTensor<'_>, buf: &mut [f32]) {
+    if x.dtype == DType::F32 {
+        for (o, c) in buf.iter_mut().zip(x.bytes.chunks_exact(4)) {
+            *o = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    } else {
+        buf.copy_from_slice(&decode_f32(x.bytes, x.dtype));
+    }
+}
+
+/// Runs `f` on an f32 output of `n` values and returns it as a `{binary, {rows, hidden},
+/// type}` triple in `dtype` (written in place into the binary for f32).
+fn output<'a>(
+    env: Env<'a>,
+    (rows, hidden): (usize, usize),
+    dtype: DType,
+    f: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<Term<'a>> {
+    let n = rows * hidden;
+    let data: Term<'a> = if dtype == DType::F32 {
+        let mut bin = NewBinary::new(env, n * 4);
+        // Safety: any bytes are valid f32 values; the binary is only read after `f`.
+        let (pre, vals, post) = unsafe { bin.as_mut_slice().align_to_mut::<f32>() };
+        if pre.is_empty() && post.is_empty() {
+            f(vals)?;
+        } else {
+            let mut v = vec![0.0f32; n];
+            f(&mut v)?;
+            bin.as_mut_slice()
+                .copy_from_slice(&encode_f32(&v, DType::F32));
+        }
+        bin.into()
+    } else {
+        let mut v = vec![0.0f32; n];
+        f(&mut v)?;
+        let bytes = encode_f32(&v, dtype);
+        NewBinary::from_slice(env, &bytes).into()
+    };
+    Ok(make_tuple(
+        env,
+        &[
+            data,
+            encode_shape(env, &[rows, hidden]),
+            encode_dtype(env, dtype)?,
+        ],
+    ))
+}
+
+fn check_input(x: &HostTensor<'_>, name: &str, want_rank: usize, embed: usize) -> Result<()> {
+    let what = if want_rank == 3 {
+        "{batch, window, embed}"
+    } else {
+        "{batch, embed}"
+    };
+    if x.shape.len() != want_rank || x.shape.last() != Some(&embed) {
+        return Err(arg_error(format!(
+            "{name}: expected a {what} tensor with embed {embed}, got shape {}",
+            fmt_shape(&x.shape)
+        )));
+    }
+    Ok(())
+}
+
+/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let e = decode_engine(engine)?;
+        let x = decode_host("window", window)?;
+        check_input(&x, "window", 3, e.engine.embed())?;
+        let (b, t) = (x.shape[0], x.shape[1]);
+        output(env, (b, e.engine.hidden()), x.dtype, |out| {
+            e.engine.predict(b, t, |buf| fill(&x, buf), out)
+        })
+    })();
+    reply(env, result)
+}
+
+/// `engine_init_state(engine, batch)` → a zero state for `batch` rows.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let e = decode_engine(engine)?;
+        let batch = batch
+            .decode::<u64>()
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| arg_error("batch must be a positive integer"))?;
+        let state = e.engine.new_state(batch as usize)?;
+        Ok(ResourceArc::new(StateResource {
+            engine_id: e.id,
+            state: Mutex::new(state),
+        })
+        .encode(env))
+    })();
+    reply(env, result)
+}
+
+fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, State>> {
+    s.state
+        .lock()
+        .map_err(|_| Error::Cuda("backbone state lock poisoned".into()))
+}
+
+/// `engine_step(engine, state, frame)` → `{batch, hidden}` triple; the state moves on one
+/// frame in place.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let e = decode_engine(engine)?;
+        let s = decode_state(state)?;
+        if s.engine_id != e.id {
+            return Err(arg_error(
+                "state: belongs to another backbone handle; make one with init_state(handle, batch)",
+            ));
+        }
+        let x = decode_host("frame", frame)?;
+        check_input(&x, "frame", 2, e.engine.embed())?;
+        let mut st = lock(&s)?;
+        if x.shape[0] != st.batch {
+            return Err(arg_error(format!(
+                "frame: has {} rows but the state was made for batch {}",
+                x.shape[0], st.batch
+            )));
+        }
+        let batch = st.batch;
+        output(env, (batch, e.engine.hidden()), x.dtype, |out| {
+            e.engine.step(&mut st, |buf| fill(&x, buf), out)
+        })
+    })();
+    reply(env, result)
+}
+
+/// `engine_reset(state)` → `:ok`; the stream starts over (zeros) without reallocating.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_reset<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let s = decode_state(state)?;
+        lock(&s)?.reset();
+        Ok(crate::atoms::ok().encode(env))
+    })();
+    reply(env, result)
+}
+
+/// `engine_state_info(state)` → `{batch, frames}`.
+#[rustler::nif]
+fn engine_state_info<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let s = decode_state(state)?;
+        let st = lock(&s)?;
+        Ok((st.batch as u64, st.frames).encode(env))
+    })();
+    reply(env, result)
+}

@@ -1,0 +1,561 @@
+//! The call targets: operand order, attributes and results of each, and how each maps onto
+//! the core op's CUDA implementation. Operands and results are XLA's device buffers; every
+//! launch goes to XLA's stream.
+//!
+//! Optional operands are named by the string attribute `operands` (comma-separated, in the
+//! order passed), e.g. `"x,kernel,bias"`; without it, an op's required operands in their
+//! listed order. Booleans may come as `i1`/PRED or as 0/1 integers.
+
+use crate::ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE;
+use crate::frame::{Attrs, Decoded};
+use crate::runtime::{arity, Call, OpSpec};
+use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::error::{arg_error, Result};
+use fused_kernels_core::kernels::{self, Kernel};
+use fused_kernels_core::operand::Operand;
+use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan};
+use fused_kernels_core::DType;
+
+/// The operand names of a call: the `operands` attribute (default: `required` in order),
+/// checked against the op's `known` names and the number of buffers passed.
+pub fn operand_names(
+    attrs: &Attrs,
+    count: usize,
+    known: &[&str],
+    required: &[&str],
+) -> Result<Vec<String>> {
+    let default = required.join(",");
+    let list = attrs.str_or("operands", &default)?;
+    let names: Vec<String> = list
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if names.len() != count {
+        return Err(arg_error(format!(
+            "operands: names {} operand(s) ({list}) but {count} were passed",
+            names.len(),
+        )));
+    }
+    for (i, n) in names.iter().enumerate() {
+        if !known.contains(&n.as_str()) {
+            return Err(arg_error(format!(
+                "operands: unknown operand {n:?}; this call takes {}",
+                known.join(", ")
+            )));
+        }
+        if names[..i].contains(n) {
+            return Err(arg_error(format!("operands: {n:?} is named twice")));
+        }
+    }
+    if let Some(r) = required.iter().find(|r| !names.iter().any(|n| n == *r)) {
+        return Err(arg_error(format!("operands: {r:?} is required")));
+    }
+    Ok(names)
+}
+
+/// Operands by name.
+pub struct Named<'t> {
+    names: Vec<String>,
+    ops: Vec<Operand<'t>>,
+}
+
+impl<'t> Named<'t> {
+    pub fn new(
+        attrs: &Attrs,
+        tensors: &'t [DeviceTensor],
+        known: &[&str],
+        required: &[&str],
+    ) -> Result<Named<'t>> {
+        Ok(Named {
+            names: operand_names(attrs, tensors.len(), known, required)?,
+            ops: tensors.iter().map(Operand::Device).collect(),
+        })
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Operand<'t>> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| &self.ops[i])
+    }
+
+    pub fn req(&self, name: &str) -> Result<&Operand<'t>> {
+        self.get(name)
+            .ok_or_else(|| arg_error(format!("operands: {name:?} is required")))
+    }
+}
+
+fn no_preload(_: &Decoded) -> Vec<&'static Kernel> {
+    Vec::new()
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention
+
+/// `fused_kernels_flash_attention`: q, k, v -> out, lse (lse `{batch, heads, seq_q}` f32;
+/// callers that do not want it drop it: it is XLA-owned memory either way).
+/// Attributes: `layout` ("bshd" | "bhsd"), `scale` (absent or <= 0: head_dim^-0.5),
+/// `causal`, `window_left`, `window_right` (-1 unbounded).
+pub const FLASH_ATTENTION: OpSpec = OpSpec {
+    name: "fused_kernels_flash_attention",
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: flash_attention_validate,
+    execute: flash_attention_execute,
+    preload: |_| vec![&kernels::FLASH_ATTENTION],
+};
+
+pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
+    a.only(&["layout", "scale", "causal", "window_left", "window_right"])?;
+    let layout = flash_attention::Layout::parse(a.str_or("layout", "bshd")?)?;
+    let scale = a.float_or("scale", 0.0)?;
+    flash_attention::Params::new(
+        layout,
+        (scale > 0.0).then_some(scale),
+        a.bool_or("causal", false)?,
+        (a.int_or("window_left", -1)?, a.int_or("window_right", -1)?),
+    )
+}
+
+fn flash_attention_validate(d: &Decoded) -> Result<()> {
+    arity("operands (q, k, v)", d.args.len(), &[3])?;
+    arity("results (out, lse)", d.rets.len(), &[2])?;
+    let p = flash_attention_params(&d.attrs)?;
+    let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
+    let g = flash_attention::geometry(
+        (&q.dims, q.dtype),
+        (&k.dims, k.dtype),
+        (&v.dims, v.dtype),
+        p.layout,
+    )?;
+    if d.rets[0].dims != q.dims || d.rets[0].dtype != q.dtype {
+        return Err(arg_error("out: must have the shape and type of q"));
+    }
+    if d.rets[1].dims != g.lse_shape() || d.rets[1].dtype != DType::F32 {
+        return Err(arg_error(format!(
+            "lse: must be f32 {:?} ({{batch, heads, seq_q}})",
+            g.lse_shape()
+        )));
+    }
+    Ok(())
+}
+
+fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
+    let p = flash_attention_params(&c.d.attrs)?;
+    let t = c.args();
+    let mut out = c.tensor(&c.d.rets[0]);
+    let mut lse = c.tensor(&c.d.rets[1]);
+    flash_attention::cuda(&t[0], &t[1], &t[2], &mut out, &mut lse, p)
+}
+
+// ---------------------------------------------------------------------------------------
+// Selective scan
+
+const SCAN_KNOWN: &[&str] = &[
+    "u",
+    "delta",
+    "a",
+    "b",
+    "c",
+    "d",
+    "z",
+    "delta_bias",
+    "initial_state",
+];
+const SCAN_REQUIRED: &[&str] = &["u", "delta", "a", "b", "c"];
+
+/// `fused_kernels_selective_scan`: u, delta, a, b, c [, d, z, delta_bias, initial_state]
+/// (named by `operands`) -> out [, last_state f32 `{batch, channels, state}`].
+/// Attributes: `delta_softplus`, `dt_min` + `dt_max` (clip after softplus, both or neither).
+/// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs scratch: not served here).
+pub const SELECTIVE_SCAN: OpSpec = OpSpec {
+    name: "fused_kernels_selective_scan",
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| {
+        arity("results (out [, last_state])", d.rets.len(), &[1, 2])?;
+        selective_scan_params(&d.attrs, d.rets.len() == 2)?;
+        operand_names(&d.attrs, d.args.len(), SCAN_KNOWN, SCAN_REQUIRED).map(|_| ())
+    },
+    execute: selective_scan_execute,
+    preload: |d| {
+        vec![match d.args.first().map(|b| b.dtype) {
+            Some(DType::F16) => &kernels::SELECTIVE_SCAN_F16,
+            Some(DType::BF16) => &kernels::SELECTIVE_SCAN_BF16,
+            _ => &kernels::SELECTIVE_SCAN_F32,
+        }]
+    },
+};
+
+pub fn selective_scan_params(a: &Attrs, last_state: bool) -> Result<selective_scan::Params> {
+    a.only(&["operands", "delta_softplus", "dt_min", "dt_max"])?;
+    let clip = match (a.get("dt_min"), a.get("dt_max")) {
+        (None, None) => None,
+        (Some(_), Some(_)) => Some((a.float_or("dt_min", 0.0)?, a.float_or("dt_max", 0.0)?)),
+        _ => {
+            return Err(arg_error(
+                "dt_min, dt_max: give both (the clip range) or neither",
+            ))
+        }
+    };
+    selective_scan::Params::new(
+        a.bool_or("delta_softplus", false)?,
+        clip,
+        selective_scan::Discretization::PerChannel,
+        last_state,
+    )
+}
+
+fn selective_scan_execute(c: &Call<'_>) -> Result<()> {
+    let p = selective_scan_params(&c.d.attrs, c.d.rets.len() == 2)?;
+    let t = c.args();
+    let n = Named::new(&c.d.attrs, &t, SCAN_KNOWN, SCAN_REQUIRED)?;
+    let inputs = selective_scan::Inputs {
+        u: n.req("u")?,
+        delta: n.req("delta")?,
+        a: n.req("a")?,
+        b: n.req("b")?,
+        c: n.req("c")?,
+        d: n.get("d"),
+        z: n.get("z"),
+        delta_bias: n.get("delta_bias"),
+        initial_state: n.get("initial_state"),
+    };
+    let mut out = c.tensor(&c.d.rets[0]);
+    let mut last = c.d.rets.get(1).map(|b| c.tensor(b));
+    selective_scan::cuda_into(
+        c.gpu,
+        &inputs,
+        p,
+        &mut out,
+        last.as_mut(),
+        &selective_scan::Tuning::default(),
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// Norms
+
+/// `fused_kernels_layer_norm`: x, gamma, beta [, residual] -> out [, sum] (with a residual,
+/// `sum = x + residual` is normalised and returned too). Attribute `eps` (default 1e-5).
+pub const LAYER_NORM: OpSpec = OpSpec {
+    name: "fused_kernels_layer_norm",
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| norm_validate(d, norm::Kind::Layer),
+    execute: |c| norm_execute(c, norm::Kind::Layer),
+    preload: |_| vec![&kernels::NORM],
+};
+
+/// `fused_kernels_rms_norm`: x, weight [, residual] -> out [, sum]. Attribute `eps`
+/// (default 1e-6).
+pub const RMS_NORM: OpSpec = OpSpec {
+    name: "fused_kernels_rms_norm",
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| norm_validate(d, norm::Kind::Rms),
+    execute: |c| norm_execute(c, norm::Kind::Rms),
+    preload: |_| vec![&kernels::NORM],
+};
+
+type NormNames = (&'static [&'static str], &'static [&'static str], f64);
+
+fn norm_names(kind: norm::Kind) -> NormNames {
+    match kind {
+        norm::Kind::Layer => (
+            &["x", "gamma", "beta", "residual"],
+            &["x", "gamma", "beta"],
+            1e-5,
+        ),
+        norm::Kind::Rms => (&["x", "weight", "residual"], &["x", "weight"], 1e-6),
+    }
+}
+
+fn norm_validate(d: &Decoded, kind: norm::Kind) -> Result<()> {
+    d.attrs.only(&["operands", "eps"])?;
+    let (known, required, eps) = norm_names(kind);
+    norm::Params::new(kind, d.attrs.float_or("eps", eps)?)?;
+    let names = operand_names(&d.attrs, d.args.len(), known, required)?;
+    let residual = names.iter().any(|n| n == "residual");
+    arity(
+        "results (out [, sum with a residual])",
+        d.rets.len(),
+        &[1 + residual as usize],
+    )
+}
+
+fn norm_execute(c: &Call<'_>, kind: norm::Kind) -> Result<()> {
+    let (known, required, eps) = norm_names(kind);
+    let p = norm::Params::new(kind, c.d.attrs.float_or("eps", eps)?)?;
+    let t = c.args();
+    let n = Named::new(&c.d.attrs, &t, known, required)?;
+    let residual = n.get("residual");
+    let inputs = norm::Inputs {
+        x: n.req("x")?,
+        weight: n.req(required[1])?,
+        bias: n.get("beta"),
+        residual,
+    };
+    let mut out = c.tensor(&c.d.rets[0]);
+    let mut sum = c.d.rets.get(1).map(|b| c.tensor(b));
+    norm::cuda_into(c.gpu, &inputs, p, &mut out, sum.as_mut())
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense epilogues
+
+const DENSE_KNOWN: &[&str] = &[
+    "x",
+    "kernel",
+    "kernel_up",
+    "bias",
+    "bias_up",
+    "gamma",
+    "beta",
+    "residual",
+];
+
+/// `fused_kernels_dense`: x, kernel [, kernel_up, bias, bias_up, gamma, beta, residual]
+/// (by `operands`) -> out `{.., units}`. Attributes: `kind` ("dense" | "swiglu" |
+/// "rms_norm_dense" | "layer_norm_dense"), `activation` ("none", "relu", "gelu",
+/// "gelu_tanh", "silu", "sigmoid", "tanh"), `eps`. Norm-fused kinds take row statistics
+/// from XLA's scratch allocator, so this target is not captured into command buffers.
+pub const DENSE: OpSpec = OpSpec {
+    name: "fused_kernels_dense",
+    traits: 0,
+    validate: |d| {
+        arity("results (out)", d.rets.len(), &[1])?;
+        dense_params(&d.attrs)?;
+        operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"]).map(|_| ())
+    },
+    execute: dense_execute,
+    preload: no_preload,
+};
+
+pub fn dense_params(a: &Attrs) -> Result<dense::Params> {
+    a.only(&["operands", "kind", "activation", "eps"])?;
+    dense::Params::new(
+        dense::Kind::parse(a.str_or("kind", "dense")?)?,
+        dense::Activation::parse(a.str_or("activation", "none")?)?,
+        a.float_or("eps", 1e-6)?,
+    )
+}
+
+fn dense_execute(c: &Call<'_>) -> Result<()> {
+    let p = dense_params(&c.d.attrs)?;
+    let t = c.args();
+    let n = Named::new(&c.d.attrs, &t, DENSE_KNOWN, &["x", "kernel"])?;
+    let dev = |name: &str| -> Option<&DeviceTensor> {
+        match n.get(name) {
+            Some(Operand::Device(d)) => Some(*d),
+            _ => None,
+        }
+    };
+    let ops = dense::Operands {
+        x: dev("x").ok_or_else(|| arg_error("operands: \"x\" is required"))?,
+        kernel: dev("kernel").ok_or_else(|| arg_error("operands: \"kernel\" is required"))?,
+        kernel_up: dev("kernel_up"),
+        bias: dev("bias"),
+        bias_up: dev("bias_up"),
+        gamma: dev("gamma"),
+        beta: dev("beta"),
+        residual: dev("residual"),
+    };
+    let mut out = c.tensor(&c.d.rets[0]);
+    dense::cuda(&ops, &mut out, p)
+}
+
+// ---------------------------------------------------------------------------------------
+// Mamba block
+
+const MAMBA_KNOWN: &[&str] = &[
+    "x",
+    "norm_gamma",
+    "norm_beta",
+    "in_kernel",
+    "in_bias",
+    "conv_kernel",
+    "conv_bias",
+    "bc_kernel",
+    "bc_bias",
+    "dt_rank_kernel",
+    "dt_rank_bias",
+    "dt_proj_kernel",
+    "dt_proj_bias",
+    "a",
+    "d",
+    "out_kernel",
+    "out_bias",
+];
+const MAMBA_REQUIRED: &[&str] = &[
+    "x",
+    "norm_gamma",
+    "norm_beta",
+    "in_kernel",
+    "conv_kernel",
+    "bc_kernel",
+    "dt_rank_kernel",
+    "dt_proj_kernel",
+    "a",
+    "out_kernel",
+];
+
+/// `fused_kernels_mamba_block`: Edifice's Mamba block (`MAMBA_KNOWN` by `operands`; weights
+/// f32, the conv kernel `{k, 1, inner}`, `a` `{inner, state}` given explicitly) -> out
+/// (x's shape). Attributes: `eps` (1e-5), `dt_min` (0.001), `dt_max` (0.1), `residual`.
+/// Its intermediates come from XLA's scratch allocator (not captured into command buffers).
+pub const MAMBA_BLOCK: OpSpec = OpSpec {
+    name: "fused_kernels_mamba_block",
+    traits: 0,
+    validate: |d| {
+        arity("results (out)", d.rets.len(), &[1])?;
+        mamba_block_params(&d.attrs)?;
+        operand_names(&d.attrs, d.args.len(), MAMBA_KNOWN, MAMBA_REQUIRED).map(|_| ())
+    },
+    execute: mamba_block_execute,
+    preload: no_preload,
+};
+
+pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
+    a.only(&["operands", "eps", "dt_min", "dt_max", "residual"])?;
+    mamba_block::Params::new(
+        a.float_or("eps", 1e-5)?,
+        a.float_or("dt_min", 0.001)?,
+        a.float_or("dt_max", 0.1)?,
+        selective_scan::Discretization::PerChannel,
+        a.bool_or("residual", false)?,
+    )
+}
+
+fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
+    let p = mamba_block_params(&c.d.attrs)?;
+    let t = c.args();
+    let n = Named::new(&c.d.attrs, &t, MAMBA_KNOWN, MAMBA_REQUIRED)?;
+    let w = mamba_block::Weights {
+        norm_gamma: n.req("norm_gamma")?,
+        norm_beta: n.req("norm_beta")?,
+        in_kernel: n.req("in_kernel")?,
+        in_bias: n.get("in_bias"),
+        conv_kernel: n.req("conv_kernel")?,
+        conv_bias: n.get("conv_bias"),
+        bc_kernel: n.req("bc_kernel")?,
+        bc_bias: n.get("bc_bias"),
+        dt_rank_kernel: n.req("dt_rank_kernel")?,
+        dt_rank_bias: n.get("dt_rank_bias"),
+        dt_proj_kernel: n.req("dt_proj_kernel")?,
+        dt_proj_bias: n.get("dt_proj_bias"),
+        a: Some(n.req("a")?),
+        d: n.get("d"),
+        out_kernel: n.req("out_kernel")?,
+        out_bias: n.get("out_bias"),
+    };
+    let mut out = c.tensor(&c.d.rets[0]);
+    mamba_block::cuda_into(c.gpu, n.req("x")?, &w, p, &mut out)
+}
+
+// ---------------------------------------------------------------------------------------
+// LSTM / GRU
+
+/// `fused_kernels_lstm` / `fused_kernels_gru`: Axon's cells, a stack of `layers` layers.
+/// Operands: x `{batch, seq, features}`, then per layer its input kernels (LSTM wii, wif,
+/// wig, wio; GRU wir, wiz, win), hidden kernels (whi..who; whr, whz, whn), biases (bi, bf,
+/// bg, bo; br, bz, bin, bhn) and, with `initial_state`, its state (c, h; h). Results: the
+/// last layer's sequence, then per layer its final state (c, h; h). Attributes: `layers`
+/// (default 1), `initial_state` (default false: zeros), `reverse`. The recurrence's
+/// temporaries come from XLA's scratch allocator (not captured into command buffers).
+pub const LSTM: OpSpec = OpSpec {
+    name: "fused_kernels_lstm",
+    traits: 0,
+    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Lstm, d.args.len(), d.rets.len()).map(|_| ()),
+    execute: |c| rnn_execute(c, rnn::Cell::Lstm),
+    preload: no_preload,
+};
+
+pub const GRU: OpSpec = OpSpec {
+    name: "fused_kernels_gru",
+    traits: 0,
+    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Gru, d.args.len(), d.rets.len()).map(|_| ()),
+    execute: |c| rnn_execute(c, rnn::Cell::Gru),
+    preload: no_preload,
+};
+
+/// (layers, initial_state, reverse), checked against the operand and result counts.
+pub fn rnn_layout(
+    a: &Attrs,
+    cell: rnn::Cell,
+    operands: usize,
+    results: usize,
+) -> Result<(usize, bool, bool)> {
+    a.only(&["layers", "initial_state", "reverse"])?;
+    let layers = a.int_or("layers", 1)?;
+    if !(1..=64).contains(&layers) {
+        return Err(arg_error(format!("layers must be 1..64, got {layers}")));
+    }
+    let layers = layers as usize;
+    let init = a.bool_or("initial_state", false)?;
+    let states = cell.state_names().len();
+    let per_layer = 2 * cell.gates() + 4 + if init { states } else { 0 };
+    arity(
+        "operands (x, then per layer: input kernels, hidden kernels, biases[, state])",
+        operands,
+        &[1 + layers * per_layer],
+    )?;
+    arity(
+        "results (sequence, then per layer its final state)",
+        results,
+        &[1 + layers * states],
+    )?;
+    Ok((layers, init, a.bool_or("reverse", false)?))
+}
+
+fn rnn_execute(c: &Call<'_>, cell: rnn::Cell) -> Result<()> {
+    let (layers, init, reverse) = rnn_layout(&c.d.attrs, cell, c.d.args.len(), c.d.rets.len())?;
+    let t = c.args();
+    let ops: Vec<Operand<'_>> = t.iter().map(Operand::Device).collect();
+    let g = cell.gates();
+    let states = cell.state_names().len();
+    let per_layer = 2 * g + 4 + if init { states } else { 0 };
+    let take = |from: usize, n: usize| -> Vec<Operand<'_>> {
+        ops[from..from + n]
+            .iter()
+            .map(|o| match o {
+                Operand::Device(d) => Operand::Device(d),
+                Operand::Host(h) => Operand::Host(h.clone()),
+            })
+            .collect()
+    };
+    let stack: Vec<rnn::Layer<'_>> = (0..layers)
+        .map(|l| {
+            let base = 1 + l * per_layer;
+            rnn::Layer {
+                input_kernel: take(base, g),
+                hidden_kernel: take(base + g, g),
+                bias: take(base + 2 * g, 4),
+                initial_state: if init {
+                    take(base + 2 * g + 4, states)
+                } else {
+                    Vec::new()
+                },
+            }
+        })
+        .collect();
+    let out = rnn::cuda_on(c.gpu, cell, &ops[0], &stack, reverse)?;
+    c.copy_to(&out.sequence, &c.d.rets[0], "sequence")?;
+    let names = cell.state_names();
+    for (l, layer_states) in out.states.iter().enumerate() {
+        for (s, t) in layer_states.iter().enumerate() {
+            let what = format!("layer {l} state {}", names[s]);
+            c.copy_to(t, &c.d.rets[1 + l * states + s], &what)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every call target, in registration order.
+pub const ALL: &[&OpSpec] = &[
+    &FLASH_ATTENTION,
+    &SELECTIVE_SCAN,
+    &LAYER_NORM,
+    &RMS_NORM,
+    &DENSE,
+    &MAMBA_BLOCK,
+    &LSTM,
+    &GRU,
+];

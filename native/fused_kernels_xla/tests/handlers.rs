@@ -1,0 +1,453 @@
+//! The FFI boundary without a GPU: C layouts, registration, the metadata query, attribute
+//! decoding, and every error path that must come back as an FFI error (never a panic).
+
+mod support;
+
+use fused_kernels_xla::ffi::{self, code};
+use fused_kernels_xla::frame::{self, Attr};
+use fused_kernels_xla::ops;
+use std::mem::{offset_of, size_of};
+use support::{api, f32s, take_error, AttrValue::*, Frame};
+
+#[test]
+fn layouts_match_the_c_header() {
+    // Offsets as xla/ffi/api/c_api.h lays them out on a 64-bit target.
+    assert_eq!(size_of::<ffi::ExtensionBase>(), 24);
+    assert_eq!(size_of::<ffi::ApiVersion>(), 24);
+    assert_eq!(ffi::ERROR_CREATE_ARGS_STRUCT_SIZE, 28);
+    assert_eq!(size_of::<ffi::Buffer>(), 48);
+    assert_eq!(offset_of!(ffi::Buffer, data), 24);
+    assert_eq!(size_of::<ffi::Args>(), 40);
+    assert_eq!(size_of::<ffi::Attrs>(), 48);
+    assert_eq!(size_of::<ffi::Scalar>(), 16);
+    assert_eq!(size_of::<ffi::Array>(), 24);
+    assert_eq!(offset_of!(ffi::CallFrame, stage), 32);
+    assert_eq!(offset_of!(ffi::CallFrame, attrs), 120);
+    assert_eq!(ffi::CALL_FRAME_STRUCT_SIZE, 168);
+    assert_eq!(offset_of!(ffi::HandlerRegisterArgs, bundle), 48);
+    assert_eq!(ffi::HANDLER_REGISTER_ARGS_STRUCT_SIZE, 84);
+    assert_eq!(ffi::METADATA_STRUCT_SIZE, 36);
+    assert_eq!(size_of::<ffi::MetadataExtension>(), 32);
+    assert_eq!(offset_of!(ffi::Api, error_create), 48);
+    assert_eq!(offset_of!(ffi::Api, handler_register), 72);
+    assert_eq!(offset_of!(ffi::Api, stream_get), 80);
+    assert_eq!(offset_of!(ffi::Api, device_memory_allocate), 120);
+    assert_eq!(offset_of!(ffi::Api, device_memory_free), 128);
+}
+
+#[test]
+fn registration_table_names_every_target_once() {
+    let names: Vec<&str> = fused_kernels_xla::TARGETS.iter().map(|t| t.0).collect();
+    assert_eq!(
+        names,
+        [
+            "fused_kernels_flash_attention",
+            "fused_kernels_selective_scan",
+            "fused_kernels_layer_norm",
+            "fused_kernels_rms_norm",
+            "fused_kernels_dense",
+            "fused_kernels_mamba_block",
+            "fused_kernels_lstm",
+            "fused_kernels_gru",
+        ]
+    );
+    // The exported symbol of each target is the spec of the same name.
+    for ((name, _, traits), spec) in fused_kernels_xla::TARGETS.iter().zip(ops::ALL) {
+        assert_eq!(*name, spec.name);
+        assert_eq!(*traits, spec.traits);
+    }
+    let graphable: Vec<&str> = ops::ALL
+        .iter()
+        .filter(|s| s.traits & ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE != 0)
+        .map(|s| s.name)
+        .collect();
+    // Targets that take XLA scratch stay out of CUDA graphs.
+    assert_eq!(
+        graphable,
+        [
+            "fused_kernels_flash_attention",
+            "fused_kernels_selective_scan",
+            "fused_kernels_layer_norm",
+            "fused_kernels_rms_norm",
+        ]
+    );
+}
+
+#[test]
+fn register_hands_every_handler_to_xla() {
+    let a = api();
+    let refused = unsafe { fused_kernels_xla::fused_kernels_xla_register(&a, c"CUDA".as_ptr()) };
+    assert_eq!(refused, 0);
+    let got = support::REGISTERED.lock().unwrap().clone();
+    for (name, handler, traits) in fused_kernels_xla::TARGETS {
+        let entry = got
+            .iter()
+            .find(|e| e.0 == *name)
+            .unwrap_or_else(|| panic!("{name} not registered"));
+        assert_eq!(entry.1, "CUDA");
+        assert_eq!(entry.2, *handler as usize, "{name}: initialize stage");
+        assert_eq!(entry.3, *handler as usize, "{name}: execute stage");
+        assert_eq!(entry.4, *traits);
+    }
+    // No API: nothing registered, every target reported refused.
+    let n = unsafe {
+        fused_kernels_xla::fused_kernels_xla_register(std::ptr::null(), std::ptr::null())
+    };
+    assert_eq!(n as usize, fused_kernels_xla::TARGETS.len());
+}
+
+#[test]
+fn handlers_answer_the_metadata_query() {
+    let a = api();
+    for (name, handler, traits) in fused_kernels_xla::TARGETS {
+        let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
+        let md = f.metadata_query(ffi::METADATA_STRUCT_SIZE + 8);
+        let err = unsafe { handler(f.ptr()) };
+        assert!(take_error(err).is_none(), "{name}");
+        let md = unsafe { &*md };
+        assert_eq!(
+            (md.api_version.major_version, md.api_version.minor_version),
+            (0, 1)
+        );
+        assert_eq!(md.traits, *traits, "{name}");
+    }
+    // A metadata struct too small to hold the traits is refused, not written past.
+    let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
+    f.metadata_query(ffi::METADATA_STRUCT_SIZE - 4);
+    let e = take_error(unsafe { fused_kernels_xla::fused_kernels_gru(f.ptr()) }).unwrap();
+    assert_eq!(e.code, code::INVALID_ARGUMENT);
+    assert!(e.message.contains("XLA_FFI_Metadata"), "{}", e.message);
+}
+
+#[test]
+fn other_stages_and_null_frames_do_nothing() {
+    let a = api();
+    for stage in [ffi::STAGE_INSTANTIATE, ffi::STAGE_PREPARE] {
+        let mut f = Frame::new(&a, stage, &[f32s(&[1])], &[], &[]);
+        assert!(take_error(unsafe { fused_kernels_xla::fused_kernels_gru(f.ptr()) }).is_none());
+    }
+    assert!(unsafe { fused_kernels_xla::fused_kernels_gru(std::ptr::null_mut()) }.is_null());
+    // Initialize with nothing to preload (the GRU) touches no device.
+    let mut f = Frame::new(&a, ffi::STAGE_INITIALIZE, &[f32s(&[1, 2, 3])], &[], &[]);
+    assert!(take_error(unsafe { fused_kernels_xla::fused_kernels_gru(f.ptr()) }).is_none());
+}
+
+#[test]
+fn attributes_decode_by_type() {
+    let a = api();
+    let f = Frame::new(
+        &a,
+        ffi::STAGE_EXECUTE,
+        &[],
+        &[],
+        &[
+            ("causal", Bool(true)),
+            ("layers", I64(2)),
+            ("layout", Str("bhsd")),
+            ("scale", F32(0.125)),
+            ("eps", F64(1e-6)),
+            ("window", I64s(vec![-1, 0])),
+        ],
+    );
+    let attrs = unsafe { frame::attrs(&f.frame.attrs) }.unwrap();
+    assert_eq!(attrs.get("causal"), Some(&Attr::Bool(true)));
+    assert_eq!(attrs.get("layers"), Some(&Attr::Int(2)));
+    assert_eq!(attrs.get("layout"), Some(&Attr::Str("bhsd".into())));
+    assert_eq!(attrs.get("scale"), Some(&Attr::Float(0.125)));
+    assert_eq!(attrs.get("window"), Some(&Attr::Ints(vec![-1, 0])));
+    assert!(attrs.bool_or("causal", false).unwrap());
+    assert!(attrs.bool_or("absent", true).unwrap());
+    assert_eq!(attrs.int_or("layers", 1).unwrap(), 2);
+    assert_eq!(attrs.float_or("eps", 0.0).unwrap(), 1e-6);
+    // An integer where a number is asked for is accepted; the other way round is not.
+    assert_eq!(attrs.float_or("layers", 0.0).unwrap(), 2.0);
+    let e = attrs.int_or("scale", 0).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("attribute scale: expected an integer"),
+        "{e}"
+    );
+    let e = attrs.str_or("causal", "").unwrap_err();
+    assert!(e.to_string().contains("attribute causal"), "{e}");
+    let e = attrs.only(&["causal"]).unwrap_err();
+    assert!(e.to_string().contains("unknown"), "{e}");
+}
+
+fn call(
+    handler: ffi::Handler,
+    args: &[support::Spec],
+    rets: &[support::Spec],
+    attrs: &[(&'static str, support::AttrValue)],
+) -> Option<support::FakeError> {
+    let a = api();
+    let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, args, rets, attrs);
+    take_error(unsafe { handler(f.ptr()) })
+}
+
+fn invalid(e: Option<support::FakeError>, needle: &str) {
+    let e = e.expect("an error");
+    assert_eq!(e.code, code::INVALID_ARGUMENT, "{}", e.message);
+    assert!(
+        e.message.contains(needle),
+        "{:?} lacks {needle:?}",
+        e.message
+    );
+}
+
+#[test]
+fn flash_attention_errors_name_what_to_fix() {
+    let h = fused_kernels_xla::fused_kernels_flash_attention as ffi::Handler;
+    let q = f32s(&[1, 60, 4, 64]);
+    let lse = f32s(&[1, 4, 60]);
+    invalid(
+        call(h, &[q.clone(), q.clone()], &[q.clone(), lse.clone()], &[]),
+        "fused_kernels_flash_attention: operands (q, k, v): expected 3 entries, got 2",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            std::slice::from_ref(&q),
+            &[],
+        ),
+        "results (out, lse)",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), f32s(&[1, 60, 4, 32]), f32s(&[1, 60, 4, 32])],
+            &[q.clone(), lse.clone()],
+            &[],
+        ),
+        "k: head_dim 32 differs from q's head_dim 64",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            &[q.clone(), lse.clone()],
+            &[("layout", Str("sbhd"))],
+        ),
+        "layout must be :bshd or :bhsd",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            &[q.clone(), lse.clone()],
+            &[("causl", Bool(true))],
+        ),
+        "attribute causl: unknown",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            &[q.clone(), f32s(&[1, 60, 4])],
+            &[],
+        ),
+        "lse: must be f32 [1, 4, 60]",
+    );
+    invalid(
+        call(
+            h,
+            &[q.clone(), q.clone(), q.clone()],
+            &[q.clone(), lse.clone()],
+            &[("window_left", I64(-3))],
+        ),
+        "window must be",
+    );
+    invalid(
+        call(
+            h,
+            &vec![(ffi::dtype::S32, vec![1, 60, 4, 64]); 3],
+            &[q.clone(), lse.clone()],
+            &[],
+        ),
+        "operand 0: element type 4",
+    );
+}
+
+#[test]
+fn well_formed_calls_fail_cleanly_without_a_device() {
+    // Past validation the handler looks for the device; with none (or with these made-up
+    // addresses on a GPU machine) the answer is an FFI error, never a crash.
+    let q = f32s(&[1, 60, 4, 64]);
+    let e = call(
+        fused_kernels_xla::fused_kernels_flash_attention,
+        &[q.clone(), q.clone(), q.clone()],
+        &[q.clone(), f32s(&[1, 4, 60])],
+        &[("causal", Bool(true))],
+    )
+    .expect("an error");
+    assert!(
+        e.code == code::UNAVAILABLE || e.code == code::INVALID_ARGUMENT,
+        "{} {}",
+        e.code,
+        e.message
+    );
+    assert!(
+        e.message.starts_with("fused_kernels_flash_attention: "),
+        "{}",
+        e.message
+    );
+}
+
+#[test]
+fn optional_operands_are_named_and_checked() {
+    let h = fused_kernels_xla::fused_kernels_selective_scan as ffi::Handler;
+    let x = f32s(&[2, 61, 8]);
+    let five = vec![
+        x.clone(),
+        x.clone(),
+        f32s(&[8, 64]),
+        f32s(&[2, 61, 64]),
+        f32s(&[2, 61, 64]),
+    ];
+    let mut six = five.clone();
+    six.push(f32s(&[8]));
+    invalid(
+        call(h, &six, std::slice::from_ref(&x), &[]),
+        "operands: names 5 operand(s)",
+    );
+    invalid(
+        call(
+            h,
+            &six,
+            std::slice::from_ref(&x),
+            &[("operands", Str("u,delta,a,b,c,q"))],
+        ),
+        "unknown operand \"q\"",
+    );
+    invalid(
+        call(
+            h,
+            &six,
+            std::slice::from_ref(&x),
+            &[("operands", Str("u,delta,a,b,b,d"))],
+        ),
+        "\"b\" is named twice",
+    );
+    invalid(
+        call(
+            h,
+            &five,
+            std::slice::from_ref(&x),
+            &[("operands", Str("u,delta,a,b,d"))],
+        ),
+        "\"c\" is required",
+    );
+    invalid(
+        call(
+            h,
+            &five,
+            std::slice::from_ref(&x),
+            &[("dt_min", F64(0.001))],
+        ),
+        "dt_min, dt_max: give both",
+    );
+    invalid(
+        call(h, &five, &[x.clone(), x.clone(), x.clone()], &[]),
+        "results (out [, last_state])",
+    );
+    let h = fused_kernels_xla::fused_kernels_dense as ffi::Handler;
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16])],
+            &[f32s(&[4, 16])],
+            &[("activation", Str("swish"))],
+        ),
+        "activation must be one of",
+    );
+    let h = fused_kernels_xla::fused_kernels_layer_norm as ffi::Handler;
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8]), f32s(&[8]), f32s(&[4, 8])],
+            &[f32s(&[4, 8])],
+            &[("operands", Str("x,gamma,beta,residual"))],
+        ),
+        "results (out [, sum with a residual]): expected 2 entries, got 1",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8]), f32s(&[8])],
+            &[f32s(&[4, 8])],
+            &[("eps", F64(-1.0))],
+        ),
+        "eps must be non-negative",
+    );
+}
+
+#[test]
+fn rnn_counts_follow_layers_and_state() {
+    let h = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
+    let x = f32s(&[1, 60, 288]);
+    // GRU, 2 layers, no initial state: x + 2 x (3 + 3 + 4) operands, sequence + 2 states.
+    let args: Vec<_> = std::iter::once(x.clone())
+        .chain((0..20).map(|_| f32s(&[256, 256])))
+        .collect();
+    invalid(
+        call(
+            h,
+            &args[..20],
+            &[x.clone(), x.clone(), x.clone()],
+            &[("layers", I64(2))],
+        ),
+        "expected 21 entries, got 20",
+    );
+    invalid(
+        call(h, &args, &[x.clone(), x.clone()], &[("layers", I64(2))]),
+        "results (sequence, then per layer its final state): expected 3 entries, got 2",
+    );
+    invalid(
+        call(h, &args, std::slice::from_ref(&x), &[("layers", I64(0))]),
+        "layers must be 1..64",
+    );
+    let h = fused_kernels_xla::fused_kernels_lstm as ffi::Handler;
+    // LSTM, 1 layer with its (c, h): x + 4 + 4 + 4 + 2 operands, sequence + c + h.
+    invalid(
+        call(
+            h,
+            &args[..14],
+            &[x.clone(), x.clone(), x.clone()],
+            &[("initial_state", Bool(true))],
+        ),
+        "expected 15 entries, got 14",
+    );
+}
+
+#[test]
+fn malformed_buffers_are_refused() {
+    let a = api();
+    let mut f = Frame::new(
+        &a,
+        ffi::STAGE_EXECUTE,
+        &[f32s(&[2, 3])],
+        &[f32s(&[2, 3])],
+        &[],
+    );
+    // A negative dimension.
+    unsafe {
+        let b = *f.frame.args.args as *mut ffi::Buffer;
+        *(*b).dims = -2;
+    }
+    let e = take_error(unsafe { fused_kernels_xla::fused_kernels_rms_norm(f.ptr()) }).unwrap();
+    assert_eq!(e.code, code::INVALID_ARGUMENT);
+    assert!(
+        e.message.contains("operand 0: dimension -2"),
+        "{}",
+        e.message
+    );
+    // A frame older than the fields we read.
+    let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
+    f.frame.struct_size = 64;
+    let e = take_error(unsafe { fused_kernels_xla::fused_kernels_rms_norm(f.ptr()) }).unwrap();
+    assert!(
+        e.message.contains("XLA_FFI_CallFrame of 64 bytes"),
+        "{}",
+        e.message
+    );
+}

@@ -1,0 +1,228 @@
+defmodule FusedKernels.BackboneEngineTest do
+  # The native engine behind Backbone on :cpu: one NIF call per window and per frame, the
+  # state a resource advanced in place, batch rows independent, and the API's argument
+  # errors. (Engine vs composed ops: native/fused_kernels_core/tests/engine_cpu.rs; vs the
+  # pure-Nx path and Axon: the :nx tests below and backbone_axon_test.exs.)
+  use ExUnit.Case, async: false
+
+  alias FusedKernels.{Backbone, Bench, Native, TestRef}
+  alias FusedKernels.Backbone.Spec
+
+  defp frame({bin, {b, t, e}, type}, i) do
+    rows = for r <- 0..(b - 1), into: <<>>, do: binary_part(bin, (r * t + i) * e * 4, e * 4)
+    {rows, {b, e}, type}
+  end
+
+  defp row({bin, {_b, t, e}, type}, r),
+    do: {binary_part(bin, r * t * e * 4, t * e * 4), {1, t, e}, type}
+
+  defp assert_close({a, shape, type}, {b, shape, type}, tol) do
+    err = TestRef.rel_l2(TestRef.decode(a, type), TestRef.decode(b, type))
+    assert err <= tol, "rel L2 #{err}"
+  end
+
+  # Calls into FusedKernels.Native (NIFs only, not its Elixir helpers) while `fun` runs,
+  # seen by a tracer process.
+  defp nif_calls(fun) do
+    helpers = [:unwrap!, :status, :loaded?, :load_nif, :__info__, :module_info]
+    tracer = spawn_link(fn -> trace_loop([]) end)
+    :erlang.trace_pattern({Native, :_, :_}, true, [:local])
+    :erlang.trace(self(), true, [:call, {:tracer, tracer}])
+
+    try do
+      fun.()
+    after
+      :erlang.trace(self(), false, [:call])
+      :erlang.trace_pattern({Native, :_, :_}, false, [:local])
+    end
+
+    send(tracer, {:done, self()})
+    assert_receive {:calls, calls}, 5_000
+    for {Native, f, _} <- calls, f not in helpers, do: f
+  end
+
+  defp trace_loop(acc) do
+    receive do
+      {:trace, _, :call, mfa} -> trace_loop([mfa | acc])
+      {:done, from} -> send(from, {:calls, Enum.reverse(acc)})
+    end
+  end
+
+  defp small(kind), do: Spec.new(kind, embed: 24, hidden: 32, heads: 2, head_dim: 16, window: 16)
+
+  for kind <- Spec.kinds() do
+    test "#{kind}: one NIF call per predict and per step" do
+      spec = small(unquote(kind))
+      h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cpu)
+      win = Bench.random_triple({1, spec.window, spec.embed}, {:f, 32})
+      state = Backbone.init_state(h, 1)
+      Backbone.predict(h, win)
+      Backbone.step(h, state, frame(win, 0))
+
+      assert nif_calls(fn -> Backbone.predict(h, win) end) == [:engine_predict]
+      assert nif_calls(fn -> Backbone.step(h, state, frame(win, 1)) end) == [:engine_step]
+    end
+
+    test "#{kind}: batch-8 rows equal eight batch-1 calls, streamed too" do
+      spec = small(unquote(kind))
+      h = Backbone.load(spec, Backbone.random_params(spec, 2), backend: :cpu)
+      win = Bench.random_triple({8, 11, spec.embed}, {:f, 32})
+      {all, {8, 32}, _} = Backbone.predict(h, win)
+
+      for r <- 0..7 do
+        {one, {1, 32}, _} = Backbone.predict(h, row(win, r))
+
+        assert_close(
+          {binary_part(all, r * 32 * 4, 32 * 4), {1, 32}, {:f, 32}},
+          {one, {1, 32}, {:f, 32}},
+          1.0e-6
+        )
+      end
+
+      state = Backbone.init_state(h, 8)
+
+      {streamed, ^state} =
+        Enum.reduce(0..10, {nil, state}, fn i, {_, s} -> Backbone.step(h, s, frame(win, i)) end)
+
+      assert_close(streamed, {all, {8, 32}, {:f, 32}}, 1.0e-5)
+      # reset/2 starts the same stream over.
+      ^state = Backbone.reset(h, state)
+      {first, _} = Backbone.step(h, state, frame(win, 0))
+      h2 = Backbone.load(spec, Backbone.random_params(spec, 2), backend: :cpu)
+      {fresh, _} = Backbone.step(h2, Backbone.init_state(h2, 8), frame(win, 0))
+      assert first == fresh
+    end
+  end
+
+  test "ExPhil's 1-layer GRU, windows 16 and 60, streams like its window" do
+    for window <- [16, 60] do
+      spec = Spec.new(:gru, layers: 1, window: window)
+      h = Backbone.load(spec, Backbone.random_params(spec, 3), backend: :cpu)
+      win = Bench.random_triple({1, window, spec.embed}, {:f, 32})
+      full = Backbone.predict(h, win)
+      assert {_, {1, 256}, {:f, 32}} = full
+
+      {streamed, _} =
+        Enum.reduce(0..(window - 1), {nil, Backbone.init_state(h, 1)}, fn i, {_, s} ->
+          Backbone.step(h, s, frame(win, i))
+        end)
+
+      assert_close(streamed, full, 1.0e-5)
+    end
+  end
+
+  describe "argument errors" do
+    setup do
+      spec = small(:gru)
+      params = Backbone.random_params(spec, 4)
+      %{spec: spec, params: params, h: Backbone.load(spec, params, backend: :cpu)}
+    end
+
+    test "load", %{spec: spec, params: params} do
+      assert_raise ArgumentError, ~r/params must be a map/, fn -> Backbone.load(spec, []) end
+
+      assert_raise ArgumentError, ~r/opts must be a keyword list/, fn ->
+        Backbone.load(spec, params, %{backend: :cpu})
+      end
+
+      assert_raise ArgumentError, ~r/spec must be/, fn -> Backbone.load(:gru, params) end
+
+      junk = put_in(params, ["rnn_1", "bias", "br"], "junk")
+      assert_raise ArgumentError, fn -> Backbone.load(spec, junk, backend: :cpu) end
+
+      assert_raise ArgumentError, ~r/params: expected tensors/, fn ->
+        Backbone.load(spec, junk, backend: :nx)
+      end
+
+      short = put_in(params, ["rnn_1", "bias", "br"], {<<0::32>>, {1}, {:f, 32}})
+
+      assert_raise ArgumentError, ~r/rnn_1\/bias\/br/, fn ->
+        Backbone.load(spec, short, backend: :cpu)
+      end
+
+      state = %{__struct__: Axon.ModelState, data: params}
+      assert %Backbone{} = Backbone.load(spec, state, backend: :cpu)
+    end
+
+    test "init_state and step", %{spec: spec, params: params, h: h} do
+      assert_raise ArgumentError, ~r/batch must be a positive integer/, fn ->
+        Backbone.init_state(h, 0)
+      end
+
+      assert_raise ArgumentError, ~r/batch must be a positive integer/, fn ->
+        Backbone.init_state(h, :one)
+      end
+
+      f = Bench.random_triple({1, spec.embed}, {:f, 32})
+
+      for bad <- [[], [{nil}], %{count: 0, layers: []}, nil] do
+        assert_raise ArgumentError, ~r/state: expected the state init_state/, fn ->
+          Backbone.step(h, bad, f)
+        end
+      end
+
+      other = Backbone.load(spec, params, backend: :cpu)
+      foreign = Backbone.init_state(other, 1)
+      assert_raise ArgumentError, ~r/another backbone/, fn -> Backbone.step(h, foreign, f) end
+
+      state = Backbone.init_state(h, 2)
+      assert_raise ArgumentError, ~r/batch 2/, fn -> Backbone.step(h, state, f) end
+
+      assert_raise ArgumentError, ~r/frame: expected/, fn ->
+        Backbone.step(h, state, Bench.random_triple({2, 1, spec.embed}, {:f, 32}))
+      end
+    end
+
+    test "rank-2 windows and wrong embed", %{spec: spec} do
+      for kind <- Spec.kinds() do
+        s = small(kind)
+        h = Backbone.load(s, Backbone.random_params(s, 5), backend: :cpu)
+
+        assert_raise ArgumentError, ~r/window: expected/, fn ->
+          Backbone.predict(h, Bench.random_triple({1, s.embed}, {:f, 32}))
+        end
+
+        assert_raise ArgumentError, ~r/window: expected/, fn ->
+          Backbone.predict(h, Bench.random_triple({1, 4, s.embed + 1}, {:f, 32}))
+        end
+      end
+
+      _ = spec
+    end
+
+    test "the composed paths check state and rank too" do
+      # The :cuda composition (and :nx) take list/map states; truncated ones are refused
+      # before any layer runs.
+      spec = small(:lstm)
+      h = %Backbone{spec: spec, backend: :cuda, device: 0, weights: %{}}
+      f = Bench.random_triple({1, spec.embed}, {:f, 32})
+      assert_raise ArgumentError, ~r/state: expected/, fn -> Backbone.step(h, [{f, f}], f) end
+      assert_raise ArgumentError, ~r/window: expected/, fn -> Backbone.predict(h, f) end
+
+      spec = small(:jamba)
+      h = %Backbone{spec: spec, backend: :cuda, device: 0, weights: %{}}
+
+      assert_raise ArgumentError, ~r/state: expected/, fn ->
+        Backbone.step(h, %{count: 0, layers: [{:mamba, f, f}]}, f)
+      end
+    end
+  end
+
+  for kind <- Spec.kinds() do
+    @tag :nx
+    test "#{kind}: the engine equals the pure-Nx path on the same params" do
+      spec = small(unquote(kind))
+      params = Backbone.random_params(spec, 6)
+      win = Bench.random_triple({3, 21, spec.embed}, {:f, 32})
+      native = Backbone.predict(Backbone.load(spec, params, backend: :cpu), win)
+
+      nx =
+        Backbone.predict(
+          Backbone.load(spec, params, backend: :nx),
+          apply(FusedKernels.Tensor, :to_nx, [win])
+        )
+
+      assert_close(native, FusedKernels.Tensor.to_native(nx), 1.0e-5)
+    end
+  end
+end
