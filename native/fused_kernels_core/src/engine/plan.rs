@@ -106,7 +106,7 @@ impl Spec {
 
     /// Whether layer `l` (1-based) of a Jamba backbone is an attention layer.
     pub fn jamba_attention(&self, l: usize) -> bool {
-        l % self.attn_every == 0
+        l.is_multiple_of(self.attn_every)
     }
 
     pub fn inner(&self) -> usize {
