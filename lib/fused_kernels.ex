@@ -15,6 +15,7 @@ defmodule FusedKernels do
   `:device_name`, `:compute_capability`, `:memory_total`, `:memory_free`, `:multiprocessors`,
   `:driver_version`, `:nvrtc_version`, `:cublas_available`; without one, `:reason`.
   """
+  @spec info(keyword) :: map
   def info(opts \\ []) do
     case Native.status() do
       :ok ->
@@ -34,8 +35,12 @@ defmodule FusedKernels do
   end
 
   @doc "Sets the directory for compiled kernels (also `config :fused_kernels, cache_dir:`)."
+  @spec set_cache_dir(String.t()) :: :ok
   def set_cache_dir(dir) when is_binary(dir),
     do: dir |> Native.set_cache_dir() |> Native.unwrap!()
+
+  def set_cache_dir(other),
+    do: raise(ArgumentError, "cache dir must be a string path, got: #{inspect(other, limit: 5)}")
 
   if Code.ensure_loaded?(Nx) do
     @doc """
@@ -45,6 +50,7 @@ defmodule FusedKernels do
     Options: `scale` (1.0), `causal` (false; aligned bottom-right when seq_q != seq_k, masked
     entries and fully masked rows are 0), `backend`, `device`, `out: :host | :device`.
     """
+    @spec scaled_softmax(FusedKernels.Tensor.t(), keyword) :: FusedKernels.Tensor.nx()
     defdelegate scaled_softmax(x, opts \\ []), to: FusedKernels.ScaledSoftmax, as: :run
 
     @doc """
@@ -56,12 +62,24 @@ defmodule FusedKernels do
     `:tanh`), `residual`, `backend`, `device`, `out: :host | :device`. `dense(x, kernel, opts)`
     works too.
     """
+    @spec dense(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t() | nil | keyword,
+            keyword
+          ) :: FusedKernels.Tensor.nx()
     defdelegate dense(x, kernel, bias \\ nil, opts \\ []), to: FusedKernels.Dense
 
     @doc """
     SwiGLU: `silu(x · w_gate + bias_gate) * (x · w_up + bias_up)` in one kernel; both products
     share every read of x. Options: `bias_gate`, `bias_up`, `backend`, `device`, `out`.
     """
+    @spec swiglu(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx()
     defdelegate swiglu(x, w_gate, w_up, opts \\ []), to: FusedKernels.Dense
 
     @doc """
@@ -69,12 +87,25 @@ defmodule FusedKernels do
     while the GEMM loads x, so the normalised activations never go to memory. Options: `eps`
     (1.0e-6), `bias`, `activation`, `residual`, `backend`, `device`, `out`.
     """
+    @spec rms_norm_dense(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx()
     defdelegate rms_norm_dense(x, norm_weight, kernel, opts \\ []), to: FusedKernels.Dense
 
     @doc """
     `dense(layer_norm(x) * gamma + beta, kernel)`, the LayerNorm applied while the GEMM loads
     x. Options: `eps` (1.0e-5), `bias`, `activation`, `residual`, `backend`, `device`, `out`.
     """
+    @spec layer_norm_dense(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx()
     defdelegate layer_norm_dense(x, gamma, beta, kernel, opts \\ []), to: FusedKernels.Dense
 
     @doc """
@@ -89,31 +120,50 @@ defmodule FusedKernels do
     `backend`, `device`, `out: :host | :device`. A query row that sees no key gives zeros
     (and lse +inf, as in FlashAttention).
     """
+    @spec flash_attention(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     defdelegate flash_attention(q, k, v, opts \\ []), to: FusedKernels.FlashAttention, as: :run
 
     @doc """
     `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
-    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default), `reverse`
-    (false: process the sequence last to first, outputs at their own positions), `backend`,
+    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; see below),
+    `reverse` (false; true processes the sequence last to first, each output at its own
+    position), `backend`,
     `device`, `out`, `precision` (`:f32`, the default, keeps f32 calls f32-accurate; `:tf32`
     lets the CUDA large-batch path use single-pass TF32 products, ~1e-3 relative error, as
     PyTorch's cuDNN does by default). f32/f16/bf16 (f32 accumulation and cell state).
+
+    The initial state differs from a default `Axon.lstm` model's: Axon draws its initial
+    `{c, h}` at random (`recurrent_initializer: :glorot_uniform`, from a key in the model's
+    params), ours is zeros, so outputs differ (by up to ~0.3 on random weights) unless the
+    states agree. For the same numbers build the Axon model with
+    `recurrent_initializer: :zeros`, or pass Axon's state here as `initial_state: {c, h}`.
     """
-    def lstm(x, params, opts \\ []) when is_map(params),
-      do: FusedKernels.Rnn.run(:lstm, x, params, opts)
+    @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    def lstm(x, params, opts \\ []),
+      do: FusedKernels.Rnn.run_one(:lstm, x, params, opts)
 
     @doc "`Axon.gru` with the given params: `{sequence, {h}}`; options as `lstm/3`."
-    def gru(x, params, opts \\ []) when is_map(params),
-      do: FusedKernels.Rnn.run(:gru, x, params, opts)
+    @spec gru(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    def gru(x, params, opts \\ []),
+      do: FusedKernels.Rnn.run_one(:gru, x, params, opts)
 
     @doc """
     Several LSTM layers in one call (a list of param maps), layer l+1 consuming layer l's
     sequence on the device: `{sequence, [{c, h} per layer]}`; `initial_state` is a list.
     """
+    @spec lstm_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+            {FusedKernels.Tensor.nx(), [tuple]}
     def lstm_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:lstm, x, params_list, opts)
 
     @doc "Several GRU layers in one call: `{sequence, [{h} per layer]}`."
+    @spec gru_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+            {FusedKernels.Tensor.nx(), [tuple]}
     def gru_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:gru, x, params_list, opts)
 
@@ -125,6 +175,14 @@ defmodule FusedKernels do
     `b_discretization` (`:per_channel` | `:mean_dt`), `backend`, `device`, `out`.
     Returns the output, or `{output, last_state}`.
     """
+    @spec selective_scan(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     defdelegate selective_scan(u, delta, a, b, c, opts \\ []),
       to: FusedKernels.SelectiveScan,
       as: :run
@@ -137,13 +195,22 @@ defmodule FusedKernels do
     (`:per_channel` default, or `:mean_dt` for Edifice's pure-Nx checkpoints), `residual`
     (true), `backend`, `device`, `out`.
     """
+    @spec mamba_block(FusedKernels.Tensor.t(), map | struct, keyword) :: FusedKernels.Tensor.nx()
     defdelegate mamba_block(x, params, opts \\ []), to: FusedKernels.MambaBlock, as: :run
 
     @doc "LayerNorm over the last axis (`eps`, `residual: r` -> `{normed, x + r}`)."
+    @spec layer_norm(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t() | nil,
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def layer_norm(x, gamma, beta, opts \\ []),
       do: FusedKernels.Norm.run(:layer_norm, x, gamma, beta, opts)
 
     @doc "RMSNorm over the last axis (`eps`, `residual: r` -> `{normed, x + r}`)."
+    @spec rms_norm(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+            FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def rms_norm(x, weight, opts \\ []),
       do: FusedKernels.Norm.run(:rms_norm, x, weight, nil, opts)
   end

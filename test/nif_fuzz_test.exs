@@ -28,7 +28,8 @@ defmodule FusedKernels.NifFuzzTest do
     assert r.calls == calls
     # Valid calls reach every CPU op (the fuzz is not only exercising the decoders).
     for nif <- ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
-                  stream_shift_append stream_reshape mamba_block_state)a do
+                  stream_shift_append stream_reshape mamba_block_state engine_load
+                  engine_predict engine_init_state engine_step engine_reset engine_state_info)a do
       assert Map.get(r.ok_by_nif, nif, 0) > 0, "no successful #{nif} call in #{calls}"
     end
   end

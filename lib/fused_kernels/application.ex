@@ -3,6 +3,7 @@ defmodule FusedKernels.Application do
   use Application
 
   @impl true
+  @spec start(Application.start_type(), term) :: {:ok, pid} | {:error, term}
   def start(_type, _args) do
     # `config :fused_kernels, cache_dir: "..."` overrides FUSED_KERNELS_CACHE_DIR and the
     # user cache dir for compiled kernels.

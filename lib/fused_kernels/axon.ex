@@ -57,6 +57,7 @@ if Code.ensure_loaded?(Axon) do
     op names, e.g. `[:lstm]`, or node names). Logs what it swapped and what it left; use
     `fuse_with_report/2` to get that as data.
     """
+    @spec fuse(Axon.t(), keyword) :: Axon.t()
     def fuse(%Axon{} = model, opts \\ []) do
       {model, report} = fuse_with_report(model, opts)
 
@@ -69,6 +70,7 @@ if Code.ensure_loaded?(Axon) do
     end
 
     @doc "Like `fuse/2`, returning `{model, %{swapped: [...], left: [...]}}`."
+    @spec fuse_with_report(Axon.t(), keyword) :: {Axon.t(), map}
     def fuse_with_report(%Axon{} = model, opts \\ []) do
       # `ids` (internal): restrict to these node ids, for the builders.
       opts = Keyword.validate!(opts, only: nil, except: [], ids: nil)
@@ -152,6 +154,7 @@ if Code.ensure_loaded?(Axon) do
     @doc false
     # Whether the installed Axon's layer_norm is rsqrt(var + eps) for var < eps too (Axon >= 0.7;
     # 0.6 clips to rsqrt(eps)). Probed once on a row whose variance (1e-6) is under eps (1e-5).
+    @spec same_layer_norm?() :: boolean
     def same_layer_norm? do
       key = {__MODULE__, :same_layer_norm}
 
@@ -179,16 +182,20 @@ if Code.ensure_loaded?(Axon) do
     defp node_name(%Axon.Node{id: id, op_name: op}), do: "#{op}_#{id}"
 
     @doc "`Axon.lstm/3` (random initial state) with `fused: :auto | true | false`."
+    @spec lstm(Axon.t(), pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def lstm(%Axon{} = x, units, opts) when is_integer(units), do: build(:lstm, [x, units], opts)
 
     @doc "`Axon.lstm/4` (given initial state) with `fused:`."
+    @spec lstm(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def lstm(%Axon{} = x, hidden_state, units, opts),
       do: build(:lstm, [x, hidden_state, units], opts)
 
     @doc "`Axon.gru/3` with `fused:`."
+    @spec gru(Axon.t(), pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def gru(%Axon{} = x, units, opts) when is_integer(units), do: build(:gru, [x, units], opts)
 
     @doc "`Axon.gru/4` with `fused:`."
+    @spec gru(Axon.t(), Axon.t() | tuple, pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def gru(%Axon{} = x, hidden_state, units, opts),
       do: build(:gru, [x, hidden_state, units], opts)
 
@@ -205,6 +212,7 @@ if Code.ensure_loaded?(Axon) do
     `units:` (the output width, default heads × head_dim), `use_bias:` (true), `fused:`.
     Every projection is Axon.dense-shaped: `%{"kernel" => {in, out}, "bias" => {out}}`.
     """
+    @spec attention(Axon.t(), keyword) :: Axon.t()
     defdelegate attention(x, opts), to: Builders
 
     @doc """
@@ -218,12 +226,14 @@ if Code.ensure_loaded?(Axon) do
     and Edifice's CUDA path; `:mean_dt` for Edifice's pure-Nx scan), `residual:` (false; Edifice
     adds the residual as its own node), `fused:`.
     """
+    @spec mamba_block(Axon.t(), keyword) :: Axon.t()
     defdelegate mamba_block(x, opts), to: Builders
 
     @doc """
     LayerNorm over the last axis with Axon's parameters ("gamma", "beta"). Options: `name:`,
     `epsilon:` (1e-5), `gamma_initializer:` (:ones), `beta_initializer:` (:zeros), `fused:`.
     """
+    @spec layer_norm(Axon.t(), keyword) :: Axon.t()
     defdelegate layer_norm(x, opts \\ []), to: Builders
 
     @doc """
@@ -231,6 +241,7 @@ if Code.ensure_loaded?(Axon) do
     "bias"). Options: `name:`, `activation:` (nil, :relu, :gelu, :gelu_tanh, :silu, :sigmoid,
     :tanh), `residual:` (an Axon node of the output's shape), `use_bias:`, initializers, `fused:`.
     """
+    @spec dense(Axon.t(), pos_integer, keyword) :: Axon.t()
     defdelegate dense(x, units, opts \\ []), to: Builders
 
     defp build(op, args, opts) do

@@ -17,6 +17,7 @@ defmodule FusedKernels.Backend do
   @cuda_key {__MODULE__, :cuda_available}
 
   @doc "The requested backend, validated."
+  @spec requested(keyword) :: :auto | :cuda | :cpu | :nx
   def requested(opts) do
     # An explicit `backend: nil` (op modules validate their options with a nil default) means
     # "not given".
@@ -31,6 +32,7 @@ defmodule FusedKernels.Backend do
   end
 
   @doc "The device option (nil: the native default)."
+  @spec device(keyword) :: non_neg_integer | nil
   def device(opts) do
     case Keyword.get(opts, :device) || Application.get_env(:fused_kernels, :device) do
       nil ->
@@ -45,6 +47,7 @@ defmodule FusedKernels.Backend do
   end
 
   @doc "Whether the NIF is loaded and a GPU answered (probed once per VM)."
+  @spec cuda_available?() :: boolean
   def cuda_available? do
     case :persistent_term.get(@cuda_key, nil) do
       nil ->
@@ -64,6 +67,7 @@ defmodule FusedKernels.Backend do
   Resolves the backend for a call. `symbolic?` is true when the inputs are `defn`
   expressions, which only the pure-Nx path can take.
   """
+  @spec select(keyword, boolean) :: :cuda | :cpu | :nx
   def select(opts, symbolic? \\ false) do
     case {requested(opts), symbolic?} do
       {b, true} when b in [:auto, :nx] ->
@@ -107,6 +111,7 @@ defmodule FusedKernels.Backend do
   end
 
   @doc "A backend for callers that hold no Nx tensors (native triples or buffers)."
+  @spec select_native(keyword) :: :cuda | :cpu
   def select_native(opts) do
     case select(opts) do
       :nx -> raise ArgumentError, "native calls take backend :auto, :cuda or :cpu, not :nx"

@@ -23,12 +23,14 @@ defmodule FusedKernels.Bench do
   ]
 
   @doc "Every benchmark case of every op."
+  @spec cases() :: [map]
   def cases, do: Enum.flat_map(@case_modules, & &1.bench_cases())
 
   @doc """
   Backends present on this machine, in the order the table shows them. `:cuda` takes host
   tensors in and out (transfers included); `:cuda_resident` keeps input and output on the GPU.
   """
+  @spec available_backends() :: [atom]
   def available_backends do
     [
       FusedKernels.Backend.cuda_available?() && :cuda,
@@ -43,6 +45,7 @@ defmodule FusedKernels.Bench do
   Runs the benchmark. Options: `quick` (fewer runs), `only` (substring of case names),
   `backend` (list of backends), `json` (path to write results), `runs` (timed runs).
   """
+  @spec run(keyword) :: [map]
   def run(opts \\ []) do
     runs = Keyword.get(opts, :runs, if(opts[:quick], do: 20, else: 100))
     backends = Keyword.get(opts, :backend, available_backends())
@@ -102,12 +105,14 @@ defmodule FusedKernels.Bench do
   end
 
   @doc "A `{binary, shape, type}` of uniform values in [-2, 2) (never zeros)."
+  @spec random_triple(tuple, tuple) :: FusedKernels.Tensor.triple()
   def random_triple(shape, type) do
     values = for _ <- 1..Tuple.product(shape), do: :rand.uniform() * 4 - 2
     {encode_values(values, type), shape, type}
   end
 
   @doc "Encodes floats as a native-endian binary of `type` (bf16 by truncation)."
+  @spec encode_values([number], tuple) :: binary
   def encode_values(values, type), do: for(v <- values, into: <<>>, do: encode(v, type))
 
   defp encode(v, {:f, 32}), do: <<v::float-32-native>>
@@ -134,6 +139,7 @@ defmodule FusedKernels.Bench do
       "  #{r.case} [#{r.backend}] median #{fmt(r.median_ms)} ms p95 #{fmt(r.p95_ms)} ms (#{r.runs} runs)"
 
   @doc "The results as a table."
+  @spec table([map]) :: String.t()
   def table(rows) do
     header = [
       "case",
@@ -188,6 +194,7 @@ defmodule FusedKernels.Bench do
   defp fmt(v), do: :erlang.float_to_binary(v * 1.0, decimals: 4)
 
   @doc "One line naming the machine and what the native layer found."
+  @spec machine() :: String.t()
   def machine do
     info = FusedKernels.info()
     cores = :erlang.system_info(:logical_processors_available)
@@ -207,6 +214,7 @@ end
 defmodule FusedKernels.Bench.JSON do
   @moduledoc false
   # A small encoder so `--json` works on Elixir 1.14 without a JSON dependency.
+  @spec encode(term) :: String.t()
   def encode(v) when is_map(v),
     do:
       "{" <>

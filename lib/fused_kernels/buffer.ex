@@ -18,6 +18,7 @@ defmodule FusedKernels.Buffer do
         }
 
   @doc "Uploads a `{binary, shape, type}` triple (or an Nx tensor, when Nx is loaded)."
+  @spec upload(FusedKernels.Tensor.t(), keyword) :: t
   def upload(tensor, opts \\ []) do
     tensor
     |> FusedKernels.Tensor.to_native()
@@ -27,9 +28,14 @@ defmodule FusedKernels.Buffer do
   end
 
   @doc "Copies a buffer back as a `{binary, shape, type}` triple."
+  @spec download(t) :: FusedKernels.Tensor.triple()
   def download(%__MODULE__{ref: ref}), do: ref |> Native.buffer_download() |> Native.unwrap!()
 
+  def download(other),
+    do: raise(ArgumentError, "expected a FusedKernels.Buffer, got: #{inspect(other, limit: 5)}")
+
   @doc false
+  @spec wrap(reference | FusedKernels.Tensor.triple()) :: t | FusedKernels.Tensor.triple()
   def wrap(ref) when is_reference(ref) do
     {shape, type, device} = ref |> Native.buffer_meta() |> Native.unwrap!()
     %__MODULE__{ref: ref, shape: shape, type: type, device: device}

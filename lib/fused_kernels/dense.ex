@@ -18,6 +18,12 @@ defmodule FusedKernels.Dense do
   @common [backend: nil, device: nil, out: :host]
 
   @doc "See `FusedKernels.dense/4`."
+  @spec dense(
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t() | nil | keyword,
+          keyword
+        ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
   def dense(x, kernel, bias \\ nil, opts \\ [])
   def dense(x, kernel, opts, []) when is_list(opts), do: dense(x, kernel, nil, opts)
 
@@ -27,6 +33,8 @@ defmodule FusedKernels.Dense do
   end
 
   @doc "See `FusedKernels.swiglu/4`."
+  @spec swiglu(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+          FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
   def swiglu(x, w_gate, w_up, opts \\ []) do
     opts = options(opts, [bias_gate: nil, bias_up: nil] ++ @common)
 
@@ -42,6 +50,12 @@ defmodule FusedKernels.Dense do
   end
 
   @doc "See `FusedKernels.rms_norm_dense/4`."
+  @spec rms_norm_dense(
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          keyword
+        ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
   def rms_norm_dense(x, norm_weight, kernel, opts \\ []) do
     opts = options(opts, [eps: 1.0e-6, bias: nil, activation: :none, residual: nil] ++ @common)
 
@@ -57,6 +71,13 @@ defmodule FusedKernels.Dense do
   end
 
   @doc "See `FusedKernels.layer_norm_dense/5`."
+  @spec layer_norm_dense(
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          keyword
+        ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
   def layer_norm_dense(x, gamma, beta, kernel, opts \\ []) do
     opts = options(opts, [eps: 1.0e-5, bias: nil, activation: :none, residual: nil] ++ @common)
     ops = %{x: x, kernel: kernel, gamma: gamma, beta: beta, bias: opts[:bias]}
@@ -85,6 +106,11 @@ defmodule FusedKernels.Dense do
           Backend.select_native(opts)
 
         true ->
+          # Tensor.check!/2 exists only when Nx is loaded, as does this branch.
+          for {name, v} <- ops,
+              is_struct(v, Nx.Tensor),
+              do: apply(Tensor, :check!, [to_string(name), v])
+
           symbolic? = Enum.any?(ops, fn {_, v} -> Tensor.symbolic?(v) end)
           Backend.select(opts, symbolic?)
       end
@@ -127,6 +153,7 @@ defmodule FusedKernels.Dense do
     backend, and inside `defn`. `ops` holds the operand slots (`:x`, `:kernel`, `:kernel_up`,
     `:bias`, `:bias_up`, `:gamma`, `:beta`, `:residual`).
     """
+    @spec nx(atom, map, keyword) :: FusedKernels.Tensor.nx()
     def nx(kind, ops, opts) do
       x = ops.x
       type = Nx.type(x)
@@ -230,6 +257,7 @@ defmodule FusedKernels.Dense do
 
     defp x_out_shape(x, n), do: x |> Nx.shape() |> put_elem(Nx.rank(x) - 1, n)
   else
+    @spec nx(atom, map, keyword) :: no_return
     def nx(_kind, _ops, _opts), do: raise(ArgumentError, "backend :nx needs Nx")
   end
 
@@ -258,6 +286,7 @@ defmodule FusedKernels.Dense do
       {"layer_norm_dense 4096^3 bf16", :layer_norm_dense, {4096, 4096, 4096}, {:bf, 16}, []}
     ]
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       Enum.map(@cases, fn {name, kind, {m, k, n} = mkn, type, opts} ->
         %{name: name, shape: mkn, type: type, runner: &runner(&1, kind, {m, k, n}, type, opts)}

@@ -8,6 +8,7 @@ defmodule FusedKernels.FlashAttention do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       layout: {:bshd, {:in, [:bshd, :bhsd]}},
@@ -26,6 +27,9 @@ defmodule FusedKernels.FlashAttention do
   or `FusedKernels.Buffer`s; returns a triple (or a buffer with `out: :device`), or
   `{out, lse}` with `return_lse: true`.
   """
+  @spec native(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+          FusedKernels.Tensor.result()
+          | {FusedKernels.Tensor.result(), FusedKernels.Tensor.result()}
   def native(q, k, v, opts \\ []) do
     opts = options(opts)
     call(Enum.map([q, k, v], &Tensor.to_native/1), Backend.select_native(opts), opts)
@@ -55,7 +59,33 @@ defmodule FusedKernels.FlashAttention do
   defp wrap(out, false), do: Buffer.wrap(out)
 
   if Code.ensure_loaded?(Nx) do
+    # q {b, sq, h, d}, k and v {b, sk, kv_heads, d} (:bshd; :bhsd swaps seq and heads), with
+    # h a multiple of kv_heads: the native geometry's rules, checked for :nx too.
+    defp check_inputs!(q, k, v, layout) do
+      Enum.each([{"q", q}, {"k", k}, {"v", v}], fn {n, t} -> Tensor.check!(n, t, rank: 4) end)
+      {b, h, d} = parts(Nx.shape(q), layout)
+      {_, kvh, _} = parts(Nx.shape(k), layout)
+      k_shape = Nx.shape(k)
+
+      Tensor.check!("k", k, shape: with_parts(layout, b, :_, kvh, d))
+      Tensor.check!("v", v, shape: with_parts(layout, b, elem_seq(k_shape, layout), kvh, d))
+
+      unless rem(h, kvh) == 0 do
+        raise ArgumentError,
+              "k: q's heads (#{h}) must be a multiple of k's heads (#{kvh}) for GQA/MQA"
+      end
+    end
+
+    defp parts({b, _s, h, d}, :bshd), do: {b, h, d}
+    defp parts({b, h, _s, d}, :bhsd), do: {b, h, d}
+    defp elem_seq(shape, :bshd), do: elem(shape, 1)
+    defp elem_seq(shape, :bhsd), do: elem(shape, 2)
+    defp with_parts(:bshd, b, s, h, d), do: {b, s, h, d}
+    defp with_parts(:bhsd, b, s, h, d), do: {b, h, s, d}
+
     @doc "See `FusedKernels.flash_attention/4`."
+    @spec run(FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), FusedKernels.Tensor.t(), keyword) ::
+            FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
     def run(q, k, v, opts) do
       opts = options(opts)
 
@@ -63,6 +93,7 @@ defmodule FusedKernels.FlashAttention do
         native(q, k, v, opts)
       else
         [q, k, v] = Enum.map([q, k, v], &Nx.to_tensor/1)
+        check_inputs!(q, k, v, opts[:layout])
 
         case Backend.select(opts, Enum.any?([q, k, v], &Tensor.symbolic?/1)) do
           :nx ->
@@ -84,6 +115,12 @@ defmodule FusedKernels.FlashAttention do
     The pure-Nx implementation (f32 arithmetic, f64 for f64 inputs; output in q's type);
     works on any Nx backend and inside `defn`.
     """
+    @spec nx(
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def nx(q, k, v, opts \\ []) do
       layout = Keyword.get(opts, :layout, :bshd)
       causal = Keyword.get(opts, :causal, false)
@@ -192,6 +229,7 @@ defmodule FusedKernels.FlashAttention do
     alias FusedKernels.{Bench, FlashAttention}
 
     # {name, q shape (bshd), kv heads, type, opts}; the issue's and ExPhil's shapes.
+    @spec shapes() :: [tuple]
     def shapes do
       [
         {"flash_attention exphil B1 H4 S60 D64 causal f32", {1, 60, 4, 64}, 4, {:f, 32},
@@ -208,6 +246,7 @@ defmodule FusedKernels.FlashAttention do
 
     # The big shapes are timed by the Rust kernel bench (side_flash_attention.py): building
     # their random inputs in Elixir would take minutes.
+    @spec bench_cases() :: [map]
     def bench_cases do
       shapes()
       |> Enum.filter(fn {_, shape, _, _, _} -> Tuple.product(shape) <= 1_000_000 end)

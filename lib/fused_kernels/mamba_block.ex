@@ -27,6 +27,7 @@ defmodule FusedKernels.MambaBlock do
   ]
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       name: {"mamba_block", {"a string such as \"mamba_block_1\"", &is_binary/1}},
@@ -43,6 +44,7 @@ defmodule FusedKernels.MambaBlock do
   (`"\#{name}_in_proj" => %{"kernel" => ..., "bias" => ...}` and so on). Accepts a plain map
   or a struct with a `:data` map (Axon's ModelState).
   """
+  @spec weights(map | struct, String.t()) :: [term]
   def weights(params, name) do
     params = if is_struct(params) and Map.has_key?(params, :data), do: params.data, else: params
 
@@ -62,6 +64,7 @@ defmodule FusedKernels.MambaBlock do
   end
 
   @doc "Natively, with weights as triples or buffers (f32 buffers; no Nx needed)."
+  @spec native(FusedKernels.Tensor.t(), map | struct, keyword) :: FusedKernels.Tensor.result()
   def native(x, params, opts \\ []) do
     opts = options(opts)
     call(x, weights(params, opts[:name]), Backend.select_native(opts), opts)
@@ -72,6 +75,15 @@ defmodule FusedKernels.MambaBlock do
   `conv_state` `{batch, k - 1, inner}` and `ssm_state` `{batch, inner, state}` (f32; zeros at
   the start). Returns `{out, conv_state, ssm_state}`, buffers with `out: :device`.
   """
+  @spec native_state(
+          FusedKernels.Tensor.t(),
+          map | struct,
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          keyword
+        ) ::
+          {FusedKernels.Tensor.result(), FusedKernels.Tensor.result(),
+           FusedKernels.Tensor.result()}
   def native_state(x, params, conv_state, ssm_state, opts \\ []) do
     opts = options(opts)
 
@@ -126,12 +138,16 @@ defmodule FusedKernels.MambaBlock do
 
   if Code.ensure_loaded?(Nx) do
     @doc "See `FusedKernels.mamba_block/3`."
+    @spec run(FusedKernels.Tensor.t(), map | struct, keyword) ::
+            FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
     def run(%Buffer{} = x, params, opts), do: native(x, params, opts)
 
     def run(x, params, opts) do
       opts = options(opts)
       x = Nx.to_tensor(x)
+      Tensor.check!("x", x, rank: 3)
       w = weights(params, opts[:name])
+      for t <- w, is_struct(t, Nx.Tensor), do: Tensor.check!("params", t)
 
       case Backend.select(opts, Enum.any?([x | w], &Tensor.symbolic?/1)) do
         :nx ->
@@ -144,6 +160,7 @@ defmodule FusedKernels.MambaBlock do
     end
 
     @doc "Pure Nx, as a composition of plain Nx ops (f32 inside; works inside `defn`)."
+    @spec nx(FusedKernels.Tensor.nx(), map | struct, keyword) :: FusedKernels.Tensor.nx()
     def nx(x, params, opts \\ []) do
       {out, nil} = nx_with_state(x, params, nil, opts)
       out
@@ -154,6 +171,8 @@ defmodule FusedKernels.MambaBlock do
     earlier conv inputs, `{batch, inner, state}`), for streaming: returns `{out, next_state}`.
     With `nil` the conv sees zero padding and the scan starts from zeros (`{out, nil}`).
     """
+    @spec nx_with_state(FusedKernels.Tensor.nx(), map | struct, tuple | nil, keyword) ::
+            {FusedKernels.Tensor.nx(), tuple | nil}
     def nx_with_state(x, params, state, opts \\ []) do
       opts =
         Keyword.merge(
@@ -271,6 +290,14 @@ defmodule FusedKernels.MambaBlock do
     alias FusedKernels.{Bench, MambaBlock}
 
     @doc "ExPhil's Mamba: hidden 256, state 16, expand 2, conv 4, dt_rank 16, B1 L60."
+    @spec exphil_params(
+            String.t(),
+            pos_integer,
+            pos_integer,
+            pos_integer,
+            pos_integer,
+            pos_integer
+          ) :: map
     def exphil_params(name \\ "mamba_block", h \\ 256, inner \\ 512, n \\ 16, r \\ 16, k \\ 4) do
       t = {:f, 32}
 
@@ -304,6 +331,7 @@ defmodule FusedKernels.MambaBlock do
       }
     end
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       [
         %{

@@ -12,11 +12,15 @@ defmodule FusedKernels.Native do
   `status/0` says why, and every NIF returns `{:error, {:nif_not_loaded, reason}}`.
   """
 
+  @typedoc "A NIF's answer: `{:ok, value}` or `{:error, {kind, message}}`."
+  @type reply :: {:ok, term} | {:error, {atom, String.t()}}
+
   @on_load :load_nif
   @status_key {__MODULE__, :status}
   @stub_key {__MODULE__, :stub_reply}
 
   @doc false
+  @spec load_nif() :: :ok
   def load_nif do
     status =
       case nif_path() do
@@ -57,11 +61,15 @@ defmodule FusedKernels.Native do
   end
 
   @doc "`:ok` when the NIF is loaded, else `{:error, reason}`."
+  @spec status() :: :ok | {:error, String.t()}
   def status, do: :persistent_term.get(@status_key, {:error, "NIF load not attempted"})
 
+  @doc "Whether the NIF is loaded."
+  @spec loaded?() :: boolean
   def loaded?, do: status() == :ok
 
   @doc "Raises for an error tuple; returns the value of `{:ok, value}`."
+  @spec unwrap!(reply) :: term
   def unwrap!({:ok, value}), do: value
   def unwrap!({:error, {:argument, message}}), do: raise(ArgumentError, message)
 
@@ -77,24 +85,32 @@ defmodule FusedKernels.Native do
 
   # NIF stubs, replaced when the library loads.
   @doc false
+  @spec info(term) :: map | reply
   def info(_device), do: not_loaded()
   @doc false
+  @spec set_cache_dir(term) :: reply
   def set_cache_dir(_path), do: not_loaded()
   @doc false
+  @spec buffer_upload(term, term) :: reply
   def buffer_upload(_tensor, _device), do: not_loaded()
   @doc false
+  @spec buffer_download(term) :: reply
   def buffer_download(_buffer), do: not_loaded()
   @doc false
+  @spec buffer_meta(term) :: reply
   def buffer_meta(_buffer), do: not_loaded()
   @doc false
+  @spec cuda_mem_info(term) :: reply
   def cuda_mem_info(_device), do: not_loaded()
   @doc false
+  @spec cuda_synchronize(term) :: reply
   def cuda_synchronize(_device), do: not_loaded()
 
   # The ops. `op/n` runs `op_dirty/n` (a dirty CPU scheduler) for CUDA, and queues `op_async/n`
   # on the library's own worker threads for the CPU backend, waiting here for the reply, so
   # long CPU calls never hold the BEAM's schedulers (see native/fused_kernels_nif/src/jobs.rs).
   @doc false
+  @spec scaled_softmax(term, term, term, term, term, term) :: reply
   def scaled_softmax(x, scale, causal, backend, device, out),
     do:
       dispatch(backend, :scaled_softmax_dirty, :scaled_softmax_async, [
@@ -107,11 +123,14 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec scaled_softmax_dirty(term, term, term, term, term, term) :: reply
   def scaled_softmax_dirty(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
   @doc false
+  @spec scaled_softmax_async(term, term, term, term, term, term) :: reference | reply
   def scaled_softmax_async(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
 
   @doc false
+  @spec dense(term, term, term, term, term, term, term) :: reply
   def dense(kind, operands, activation, eps, backend, device, out),
     do:
       dispatch(backend, :dense_dirty, :dense_async, [
@@ -125,11 +144,14 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec dense_dirty(term, term, term, term, term, term, term) :: reply
   def dense_dirty(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
   @doc false
+  @spec dense_async(term, term, term, term, term, term, term) :: reference | reply
   def dense_async(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
 
   @doc false
+  @spec flash_attention(term, term, term, term, term, term, term, term, term, term, term) :: reply
   def flash_attention(q, k, v, layout, scale, causal, window, return_lse, backend, device, out),
     do:
       dispatch(backend, :flash_attention_dirty, :flash_attention_async, [
@@ -147,6 +169,8 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec flash_attention_dirty(term, term, term, term, term, term, term, term, term, term, term) ::
+          reply
   def flash_attention_dirty(
         _q,
         _k,
@@ -163,6 +187,8 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec flash_attention_async(term, term, term, term, term, term, term, term, term, term, term) ::
+          reference | reply
   def flash_attention_async(
         _q,
         _k,
@@ -179,6 +205,7 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec rnn(term, term, term, term, term, term, term, term) :: reply
   def rnn(cell, x, layers, reverse, backend, device, out, precision),
     do:
       dispatch(backend, :rnn_dirty, :rnn_async, [
@@ -193,14 +220,33 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec rnn_dirty(term, term, term, term, term, term, term, term) :: reply
   def rnn_dirty(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
     do: not_loaded()
 
   @doc false
+  @spec rnn_async(term, term, term, term, term, term, term, term) :: reference | reply
   def rnn_async(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
     do: not_loaded()
 
   @doc false
+  @spec selective_scan(
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term
+        ) :: reply
   def selective_scan(
         u,
         delta,
@@ -238,6 +284,23 @@ defmodule FusedKernels.Native do
         ])
 
   @doc false
+  @spec selective_scan_dirty(
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term
+        ) :: reply
   def selective_scan_dirty(
         _u,
         _delta,
@@ -258,6 +321,23 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec selective_scan_async(
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term
+        ) :: reference | reply
   def selective_scan_async(
         _u,
         _delta,
@@ -278,6 +358,7 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec norm(term, term, term, term, term, term, term, term, term) :: reply
   def norm(kind, x, weight, bias, residual, eps, backend, device, out),
     do:
       dispatch(backend, :norm_dirty, :norm_async, [
@@ -293,14 +374,17 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec norm_dirty(term, term, term, term, term, term, term, term, term) :: reply
   def norm_dirty(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
     do: not_loaded()
 
   @doc false
+  @spec norm_async(term, term, term, term, term, term, term, term, term) :: reference | reply
   def norm_async(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
     do: not_loaded()
 
   @doc false
+  @spec mamba_block(term, term, term, term, term, term, term, term, term, term) :: reply
   def mamba_block(
         x,
         weights,
@@ -328,6 +412,7 @@ defmodule FusedKernels.Native do
         ])
 
   @doc false
+  @spec mamba_block_dirty(term, term, term, term, term, term, term, term, term, term) :: reply
   def mamba_block_dirty(
         _x,
         _weights,
@@ -343,6 +428,8 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec mamba_block_async(term, term, term, term, term, term, term, term, term, term) ::
+          reference | reply
   def mamba_block_async(
         _x,
         _weights,
@@ -358,19 +445,26 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec engine_load(term, term, term, term) :: reply
   def engine_load(_spec, _params, _backend, _device), do: not_loaded()
   @doc false
+  @spec engine_predict(term, term) :: reply
   def engine_predict(_engine, _window), do: not_loaded()
   @doc false
+  @spec engine_init_state(term, term) :: reply
   def engine_init_state(_engine, _batch), do: not_loaded()
   @doc false
+  @spec engine_step(term, term, term) :: reply
   def engine_step(_engine, _state, _frame), do: not_loaded()
   @doc false
+  @spec engine_reset(term, term) :: reply
   def engine_reset(_engine, _state), do: not_loaded()
   @doc false
+  @spec engine_state_info(term) :: reply
   def engine_state_info(_state), do: not_loaded()
 
   @doc false
+  @spec stream_shift_append(term, term, term, term, term) :: reply
   def stream_shift_append(cache, row, backend, device, out),
     do:
       dispatch(backend, :stream_shift_append_dirty, :stream_shift_append_async, [
@@ -382,11 +476,14 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec stream_shift_append_dirty(term, term, term, term, term) :: reply
   def stream_shift_append_dirty(_cache, _row, _backend, _device, _out), do: not_loaded()
   @doc false
+  @spec stream_shift_append_async(term, term, term, term, term) :: reference | reply
   def stream_shift_append_async(_cache, _row, _backend, _device, _out), do: not_loaded()
 
   @doc false
+  @spec stream_reshape(term, term, term, term, term) :: reply
   def stream_reshape(x, shape, backend, device, out),
     do:
       dispatch(backend, :stream_reshape_dirty, :stream_reshape_async, [
@@ -398,11 +495,15 @@ defmodule FusedKernels.Native do
       ])
 
   @doc false
+  @spec stream_reshape_dirty(term, term, term, term, term) :: reply
   def stream_reshape_dirty(_x, _shape, _backend, _device, _out), do: not_loaded()
   @doc false
+  @spec stream_reshape_async(term, term, term, term, term) :: reference | reply
   def stream_reshape_async(_x, _shape, _backend, _device, _out), do: not_loaded()
 
   @doc false
+  @spec mamba_block_state(term, term, term, term, term, term, term, term, term, term, term, term) ::
+          reply
   def mamba_block_state(
         x,
         weights,
@@ -434,6 +535,20 @@ defmodule FusedKernels.Native do
         ])
 
   @doc false
+  @spec mamba_block_state_dirty(
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term
+        ) :: reply
   def mamba_block_state_dirty(
         _x,
         _weights,
@@ -451,6 +566,20 @@ defmodule FusedKernels.Native do
       do: not_loaded()
 
   @doc false
+  @spec mamba_block_state_async(
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term,
+          term
+        ) :: reference | reply
   def mamba_block_state_async(
         _x,
         _weights,

@@ -7,11 +7,21 @@ defmodule FusedKernels.Norm do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts, eps: {1.0e-5, :non_negative}, residual: {nil, :any})
   end
 
   @doc "Natively, with triples or buffers: `kind` is `:layer_norm` or `:rms_norm`."
+  @spec native(
+          :layer_norm | :rms_norm,
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t() | nil,
+          keyword
+        ) ::
+          FusedKernels.Tensor.result()
+          | {FusedKernels.Tensor.result(), FusedKernels.Tensor.result()}
   def native(kind, x, weight, bias, opts \\ []) do
     opts = options(opts)
     call(kind, [x, weight, bias], Backend.select_native(opts), opts, & &1)
@@ -43,6 +53,13 @@ defmodule FusedKernels.Norm do
 
   if Code.ensure_loaded?(Nx) do
     @doc false
+    @spec run(
+            :layer_norm | :rms_norm,
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t() | nil,
+            keyword
+          ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
     def run(kind, x, weight, bias, opts) do
       opts = options(opts)
 
@@ -55,6 +72,7 @@ defmodule FusedKernels.Norm do
             t -> Nx.to_tensor(t)
           end)
 
+        check_inputs!(kind, tensors, opts[:residual])
         symbolic? = Enum.any?(tensors ++ [opts[:residual]], &Tensor.symbolic?/1)
 
         case Backend.select(opts, symbolic?) do
@@ -68,7 +86,33 @@ defmodule FusedKernels.Norm do
       end
     end
 
+    defp check_inputs!(kind, [x, weight, bias], residual) do
+      Tensor.check!("x", x, rank: Enum.to_list(1..8))
+      cols = elem(Nx.shape(x), Nx.rank(x) - 1)
+      Tensor.check!(if(kind == :layer_norm, do: "gamma", else: "weight"), weight, shape: {cols})
+
+      if kind == :rms_norm and bias != nil do
+        raise ArgumentError,
+              "beta: rms_norm takes no bias (RMSNorm only scales by weight); drop beta, or " <>
+                "use kind :layer_norm"
+      end
+
+      Tensor.check!("beta", bias, shape: {cols})
+
+      if is_struct(residual, Nx.Tensor),
+        do: Tensor.check!("residual", residual, shape: Nx.shape(x))
+
+      :ok
+    end
+
     @doc "Pure Nx (f32 statistics; works inside `defn`)."
+    @spec nx(
+            :layer_norm | :rms_norm,
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx() | nil,
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def nx(kind, x, weight, bias, opts \\ []) do
       type = Nx.type(x)
       compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}

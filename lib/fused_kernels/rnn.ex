@@ -18,6 +18,7 @@ defmodule FusedKernels.Rnn do
   }
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       initial_state: {nil, :any},
@@ -31,8 +32,13 @@ defmodule FusedKernels.Rnn do
   `{input_kernels, hidden_kernels, biases, initial_state}` (tensors as given). Raises
   `ArgumentError` naming a missing or misplaced parameter.
   """
+  @spec layer_tensors(:lstm | :gru, [map], [tuple | nil]) :: [{list, list, list, list}]
   def layer_tensors(cell, params_list, states) do
-    {ins, hids, biases, nstate} = Map.fetch!(@names, cell)
+    {ins, hids, biases, nstate} =
+      case Map.fetch(@names, cell) do
+        {:ok, names} -> names
+        :error -> raise ArgumentError, "cell must be :lstm or :gru, got: #{inspect(cell)}"
+      end
 
     unless is_list(states) and length(states) == length(params_list) do
       raise ArgumentError,
@@ -93,6 +99,8 @@ defmodule FusedKernels.Rnn do
   Runs on a native backend with no Nx: tensors are `{binary, shape, type}` triples or
   `FusedKernels.Buffer`s; returns `{sequence, [state_tuple per layer]}`.
   """
+  @spec native(:lstm | :gru, FusedKernels.Tensor.t(), [map], keyword) ::
+          {FusedKernels.Tensor.result(), [tuple]}
   def native(cell, x, params_list, opts \\ []) do
     opts = options(opts)
     states = opts[:initial_state] || List.duplicate(nil, length(params_list))
@@ -127,6 +135,8 @@ defmodule FusedKernels.Rnn do
 
   if Code.ensure_loaded?(Nx) do
     @doc "One layer: see `FusedKernels.lstm/3`."
+    @spec run_one(:lstm | :gru, FusedKernels.Tensor.t(), map, keyword) ::
+            {FusedKernels.Tensor.nx() | FusedKernels.Tensor.result(), tuple}
     def run_one(cell, x, params, opts) when is_map(params), do: run(cell, x, params, opts)
 
     def run_one(_cell, _x, params, _opts),
@@ -137,6 +147,8 @@ defmodule FusedKernels.Rnn do
         )
 
     @doc "A stack: see `FusedKernels.lstm_stack/3`."
+    @spec run_many(:lstm | :gru, FusedKernels.Tensor.t(), [map], keyword) ::
+            {FusedKernels.Tensor.nx() | FusedKernels.Tensor.result(), [tuple]}
     def run_many(cell, x, params, opts) when is_list(params), do: run(cell, x, params, opts)
 
     def run_many(_cell, _x, params, _opts),
@@ -147,6 +159,8 @@ defmodule FusedKernels.Rnn do
         )
 
     @doc false
+    @spec run(:lstm | :gru, FusedKernels.Tensor.t(), map | [map], keyword) ::
+            {FusedKernels.Tensor.nx() | FusedKernels.Tensor.result(), tuple | [tuple]}
     def run(cell, x, params, opts) when is_map(params) do
       opts = Keyword.update(options(opts), :initial_state, nil, &(&1 && [&1]))
       {seq, [state]} = run_stack(cell, x, [params], opts)
@@ -168,8 +182,14 @@ defmodule FusedKernels.Rnn do
 
     defp run_stack(cell, x, params_list, opts) do
       x = Nx.to_tensor(x)
+      Tensor.check!("x", x, rank: 3)
       states = opts[:initial_state] || List.duplicate(nil, length(params_list))
       layers = layer_tensors(cell, params_list, states)
+
+      for {a, b, c, d} <- layers,
+          t <- a ++ b ++ c ++ d,
+          is_struct(t, Nx.Tensor),
+          do: Tensor.check!("params", t)
 
       symbolic? =
         Tensor.symbolic?(x) or
@@ -198,6 +218,8 @@ defmodule FusedKernels.Rnn do
     outputs in the input type; any Nx backend and inside `defn`. `layers` as returned by
     `layer_tensors/3`.
     """
+    @spec nx(:lstm | :gru, FusedKernels.Tensor.nx(), list, boolean) ::
+            {FusedKernels.Tensor.nx(), [tuple]}
     def nx(cell, x, layers, reverse) do
       type = Nx.type(x)
       compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
@@ -237,6 +259,7 @@ defmodule FusedKernels.Rnn do
     @moduledoc false
     alias FusedKernels.{Bench, Rnn}
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       for cell <- [:lstm, :gru],
           {name, {b, t, i}, h, layers, type} <- [
@@ -307,6 +330,7 @@ if Code.ensure_loaded?(Nx) do
     # and inside defn without unrolling. Inputs are f32/f64; `xp` holds x . W per gate.
     import Nx.Defn
 
+    @spec scan(tuple, tuple, keyword) :: {Nx.Tensor.t(), tuple}
     defn scan(args, carry, opts \\ []) do
       {xp, wh, bs} = args
       x0 = elem(xp, 0)

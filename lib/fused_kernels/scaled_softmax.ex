@@ -7,6 +7,7 @@ defmodule FusedKernels.ScaledSoftmax do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts, scale: {1.0, :number}, causal: {false, :boolean})
   end
@@ -15,6 +16,7 @@ defmodule FusedKernels.ScaledSoftmax do
   Runs on a native backend with no Nx involved: `x` is a `{binary, shape, type}` triple or a
   `FusedKernels.Buffer`; returns a triple (or a buffer with `out: :device`).
   """
+  @spec native(FusedKernels.Tensor.t(), keyword) :: FusedKernels.Tensor.result()
   def native(x, opts \\ []) do
     opts = options(opts)
     backend = Backend.select_native(opts)
@@ -36,11 +38,21 @@ defmodule FusedKernels.ScaledSoftmax do
 
   if Code.ensure_loaded?(Nx) do
     @doc "See `FusedKernels.scaled_softmax/2`."
+    @spec run(FusedKernels.Tensor.t(), keyword) ::
+            FusedKernels.Tensor.nx() | FusedKernels.Tensor.result()
     def run(%Buffer{} = x, opts), do: native(x, opts)
 
     def run(x, opts) do
       opts = options(opts)
       x = Nx.to_tensor(x)
+
+      unless Nx.rank(x) in [2, 4] do
+        raise ArgumentError,
+              "x: scaled_softmax takes a 2-D {rows, cols} or 4-D {batch, heads, seq_q, seq_k} " <>
+                "tensor, got shape #{inspect(Nx.shape(x))}"
+      end
+
+      Tensor.check!("x", x)
 
       case Backend.select(opts, Tensor.symbolic?(x)) do
         :nx ->
@@ -53,11 +65,13 @@ defmodule FusedKernels.ScaledSoftmax do
     end
 
     # The op interface of FusedKernels.Axon.Call (fused layers inside graphs).
-    @doc false
+    @behaviour FusedKernels.Op
+
+    @impl FusedKernels.Op
     def fused_call({x}, opts), do: run(x, Keyword.put(opts, :backend, native_backend(opts)))
-    @doc false
+    @impl FusedKernels.Op
     def nx_call({x}, opts), do: nx(x, opts)
-    @doc false
+    @impl FusedKernels.Op
     def output_template({x}, _opts), do: Nx.template(Nx.shape(x), Nx.type(x))
 
     defp native_backend(opts) do
@@ -71,6 +85,7 @@ defmodule FusedKernels.ScaledSoftmax do
     The pure-Nx implementation (f32 arithmetic, output in the input type); works on any Nx
     backend and inside `defn`.
     """
+    @spec nx(FusedKernels.Tensor.nx(), keyword) :: FusedKernels.Tensor.nx()
     def nx(x, opts \\ []) do
       scale = Keyword.get(opts, :scale, 1.0)
       causal = Keyword.get(opts, :causal, false)
@@ -117,6 +132,7 @@ defmodule FusedKernels.ScaledSoftmax do
     @moduledoc false
     alias FusedKernels.{Bench, ScaledSoftmax}
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       [
         {"scaled_softmax exphil scores", {1, 4, 60, 60}, {:f, 32}, [scale: 0.125, causal: true]},

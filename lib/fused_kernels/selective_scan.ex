@@ -7,6 +7,7 @@ defmodule FusedKernels.SelectiveScan do
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
   @doc false
+  @spec options(term) :: keyword
   def options(opts) do
     Options.validate!(opts,
       d: {nil, :any},
@@ -23,6 +24,16 @@ defmodule FusedKernels.SelectiveScan do
   Runs natively with triples or `FusedKernels.Buffer`s (no Nx needed). Returns the output, or
   `{output, last_state}` with `return_last_state: true`.
   """
+  @spec native(
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          FusedKernels.Tensor.t(),
+          keyword
+        ) ::
+          FusedKernels.Tensor.result()
+          | {FusedKernels.Tensor.result(), FusedKernels.Tensor.result()}
   def native(u, delta, a, b, c, opts \\ []) do
     opts = options(opts)
     call([u, delta, a, b, c], Backend.select_native(opts), opts, & &1)
@@ -60,6 +71,14 @@ defmodule FusedKernels.SelectiveScan do
     @max_state 256
 
     @doc "See `FusedKernels.selective_scan/6`."
+    @spec run(
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | FusedKernels.Tensor.result() | tuple
     def run(u, delta, a, b, c, opts \\ []) do
       opts = options(opts)
       tensors = [u, delta, a, b, c]
@@ -69,6 +88,7 @@ defmodule FusedKernels.SelectiveScan do
       else
         tensors = Enum.map(tensors, &to_tensor/1)
         optional = Enum.map([:d, :z, :delta_bias, :initial_state], &opts[&1])
+        check_inputs!(tensors, opts)
         symbolic? = Enum.any?(tensors ++ optional, &Tensor.symbolic?/1)
 
         case Backend.select(opts, symbolic?) do
@@ -82,6 +102,32 @@ defmodule FusedKernels.SelectiveScan do
       end
     end
 
+    # mamba_ssm's shapes (the native geometry's rules), checked before any backend runs.
+    defp check_inputs!([u, delta, a, b, c], opts) do
+      if Enum.all?([u, delta, a, b, c], &is_struct(&1, Nx.Tensor)) do
+        Tensor.check!("u", u, rank: 3)
+        {nb, nl, nd} = Nx.shape(u)
+        Tensor.check!("delta", delta, shape: {nb, nl, nd})
+        Tensor.check!("a", a, shape: {nd, :_})
+        n = elem(Nx.shape(a), 1)
+        bc_shape = if Nx.rank(b) == 4, do: {nb, nl, :_, n}, else: {nb, nl, n}
+        Tensor.check!("b", b, shape: bc_shape)
+        Tensor.check!("c", c, shape: bc_shape)
+
+        for {key, shape} <- [
+              d: {nd},
+              z: {nb, nl, nd},
+              delta_bias: {nd},
+              initial_state: {nb, nd, n}
+            ],
+            t = opts[key],
+            is_struct(t, Nx.Tensor),
+            do: Tensor.check!(Atom.to_string(key), t, shape: shape)
+      end
+
+      :ok
+    end
+
     defp to_tensor(%Buffer{} = b), do: b
     defp to_tensor(t), do: Nx.to_tensor(t)
 
@@ -89,6 +135,14 @@ defmodule FusedKernels.SelectiveScan do
     The pure-Nx implementation (f32 arithmetic; works on any Nx backend and inside `defn`).
     The recurrence runs as a log-depth associative scan over the sequence.
     """
+    @spec nx(
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            FusedKernels.Tensor.nx(),
+            keyword
+          ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
     def nx(u, delta, a, b, c, opts \\ []) do
       type = Nx.type(u)
       compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
@@ -201,6 +255,7 @@ defmodule FusedKernels.SelectiveScan do
     @moduledoc false
     alias FusedKernels.{Bench, SelectiveScan}
 
+    @spec bench_cases() :: [map]
     def bench_cases do
       [
         {"selective_scan B32 D512 L60 N16", {32, 60, 512}, 16},

@@ -19,14 +19,16 @@ defmodule FusedKernels.NifFuzz do
   alias FusedKernels.Native
 
   @cpu_ops ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
-              stream_shift_append stream_reshape mamba_block_state)a
+              stream_shift_append stream_reshape mamba_block_state engine_load engine_predict
+              engine_init_state engine_step engine_reset engine_state_info)a
   @kinds [:argument, :unavailable, :out_of_memory, :compile, :cuda, :nif_not_loaded]
 
   @doc "The NIFs this fuzz calls, by name."
   def nifs,
     do: ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
            stream_shift_append stream_reshape mamba_block_state info buffer_upload
-           buffer_download buffer_meta cuda_mem_info cuda_synchronize)a
+           buffer_download buffer_meta cuda_mem_info cuda_synchronize engine_load
+           engine_predict engine_init_state engine_step engine_reset engine_state_info)a
 
   @doc "Call `i` of run `seed`: `{nif, args, mutations}` (args with the mutations applied)."
   def generate(seed, i, drop \\ []) do
@@ -285,10 +287,58 @@ defmodule FusedKernels.NifFuzz do
     [tensor({a, b}), Enum.random([{b, a}, {a * b}, {1, a, b}])] ++ tail_args()
   end
 
+  defp valid(:engine_load) do
+    {spec, params} = backbone()
+    [Map.from_struct(spec), flat(params), :cpu, nil]
+  end
+
+  defp valid(:engine_predict) do
+    {spec, engine} = engine()
+    [engine, tensor({dim(3), dim(5), spec.embed})]
+  end
+
+  defp valid(:engine_init_state), do: [elem(engine(), 1), dim(3)]
+
+  defp valid(:engine_step) do
+    {spec, engine} = engine()
+    b = dim(3)
+    state = Native.engine_init_state(engine, b) |> Native.unwrap!()
+    [engine, state, tensor({b, spec.embed})]
+  end
+
+  defp valid(nif) when nif in [:engine_reset, :engine_state_info],
+    do: [Native.engine_init_state(elem(engine(), 1), dim(3)) |> Native.unwrap!()]
+
   defp valid(:info), do: [nil]
   defp valid(:buffer_upload), do: [tensor({dim(), dim()}), nil]
   defp valid(nif) when nif in [:buffer_download, :buffer_meta], do: [make_ref()]
   defp valid(nif) when nif in [:cuda_mem_info, :cuda_synchronize], do: [nil]
+
+  # A small recurrent backbone (LSTM or GRU, 1-2 layers) and its params; the draws of
+  # random_params/2 (which seeds :rand itself) do not disturb this call's own stream.
+  defp backbone do
+    kind = Enum.random([:lstm, :gru])
+    # embed or hidden 1 is refused by the engine today ("must have shape {3}, got {1, 3}"),
+    # so the valid calls use 2 and up.
+    overrides = [embed: 1 + dim(5), hidden: 1 + dim(5), layers: dim(2), window: dim(5)]
+    spec = FusedKernels.Backbone.Spec.new(kind, overrides)
+    saved = :rand.export_seed()
+    params = FusedKernels.Backbone.random_params(spec, :rand.uniform(1000))
+    :rand.seed(saved)
+    {spec, params}
+  end
+
+  defp engine do
+    {spec, params} = backbone()
+    {spec, FusedKernels.Backbone.Engine.load(spec, params, :cpu, nil)}
+  end
+
+  defp flat(%{} = m, prefix \\ "") when not is_struct(m) do
+    Enum.flat_map(m, fn {k, v} ->
+      name = if prefix == "", do: to_string(k), else: prefix <> "/" <> to_string(k)
+      if is_map(v), do: flat(v, name), else: [{name, v}]
+    end)
+  end
 
   defp mamba do
     {b, l, h, i, n, r, k} = {dim(2), dim(5), dim(6), dim(6), dim(4), dim(3), Enum.random(2..4)}
@@ -356,7 +406,13 @@ defmodule FusedKernels.NifFuzz do
       fn -> [[2 | 2]] end,
       fn -> [{[2 | 2], [], [], []}] end,
       fn -> List.duplicate(nil, 16) end,
-      fn -> List.duplicate(tensor({1}), 17) end
+      fn -> List.duplicate(tensor({1}), 17) end,
+      # Resources of the wrong kind, and of another engine (stale for this one).
+      fn -> elem(engine(), 1) end,
+      fn -> Native.engine_init_state(elem(engine(), 1), 1) |> Native.unwrap!() end,
+      fn -> [{"rnn_1/bias/bi", tensor({2})} | :tail] end,
+      fn -> [{:not_a_name, tensor({2})}] end,
+      fn -> %{kind: :lstm} end
     ]).()
   end
 end

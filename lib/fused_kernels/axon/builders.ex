@@ -17,6 +17,7 @@ if Code.ensure_loaded?(Axon) do
     @fused_values [:auto, true, false]
 
     @doc false
+    @spec fused_option!(keyword) :: {:auto | boolean, keyword}
     def fused_option!(opts) do
       {fused, opts} = Keyword.pop(opts, :fused, :auto)
 
@@ -28,6 +29,7 @@ if Code.ensure_loaded?(Axon) do
 
     @doc false
     # Runs `op` on `inputs` as the node's `fused:` option says.
+    @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) do
       {fused, opts} = Keyword.pop(opts, :fused, :auto)
       opts = Keyword.delete(opts, :mode)
@@ -58,16 +60,20 @@ if Code.ensure_loaded?(Axon) do
     # Axon calls a layer function with one argument per input plus opts.
     for n <- 1..4 do
       args = Macro.generate_arguments(n, __MODULE__)
+      terms = List.duplicate(quote(do: term), n)
 
       @doc false
+      @spec params_layer(term, unquote_splicing(terms), keyword) :: map
       def params_layer(_x, unquote_splicing(args), opts),
         do: Map.new(Enum.zip(opts[:keys], [unquote_splicing(args)]))
     end
 
     for n <- 1..9 do
       args = Macro.generate_arguments(n, __MODULE__)
+      terms = List.duplicate(quote(do: term), n)
 
       @doc false
+      @spec attention_layer(Nx.Tensor.t(), unquote_splicing(terms), keyword) :: term
       def attention_layer(x, unquote_splicing(args), opts),
         do:
           run(
@@ -77,6 +83,7 @@ if Code.ensure_loaded?(Axon) do
           )
 
       @doc false
+      @spec mamba_layer(Nx.Tensor.t(), unquote_splicing(terms), keyword) :: term
       def mamba_layer(x, unquote_splicing(args), opts) do
         params =
           Map.new(Enum.zip(opts[:layers], [unquote_splicing(args)]), fn {suffix, p} ->
@@ -89,12 +96,18 @@ if Code.ensure_loaded?(Axon) do
     end
 
     @doc false
+    @spec layer_norm_layer(Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), keyword) :: Nx.Tensor.t()
     def layer_norm_layer(x, gamma, beta, opts), do: run(Ops.LayerNorm, {x, gamma, beta}, opts)
 
     # dense: inputs [x, (residual), kernel, (bias)]; the options say which are there.
     @doc false
+    @spec dense_layer(Nx.Tensor.t(), Nx.Tensor.t(), keyword) :: Nx.Tensor.t()
     def dense_layer(x, kernel, opts), do: dense_run([x, kernel], opts)
+    @spec dense_layer(Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), keyword) :: Nx.Tensor.t()
     def dense_layer(x, a, b, opts), do: dense_run([x, a, b], opts)
+
+    @spec dense_layer(Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), Nx.Tensor.t(), keyword) ::
+            Nx.Tensor.t()
     def dense_layer(x, r, kernel, bias, opts), do: dense_run([x, r, kernel, bias], opts)
 
     defp dense_run([x | rest], opts) do
@@ -111,6 +124,7 @@ if Code.ensure_loaded?(Axon) do
     # ---- builders -------------------------------------------------------------------------
 
     @doc false
+    @spec attention(Axon.t(), keyword) :: Axon.t()
     def attention(%Axon{} = x, opts) do
       {fused, opts} = fused_option!(opts)
 
@@ -205,6 +219,7 @@ if Code.ensure_loaded?(Axon) do
     @mamba_layers ~w(norm in_proj conv_dw_conv ssm_bc_proj ssm_dt_rank ssm_dt_proj out_proj)
 
     @doc false
+    @spec mamba_block(Axon.t(), keyword) :: Axon.t()
     def mamba_block(%Axon{} = x, opts) do
       {fused, opts} = fused_option!(opts)
 
@@ -267,6 +282,7 @@ if Code.ensure_loaded?(Axon) do
     end
 
     @doc false
+    @spec layer_norm(Axon.t(), keyword) :: Axon.t()
     def layer_norm(%Axon{} = x, opts) do
       {fused, opts} = fused_option!(opts)
 
@@ -293,6 +309,7 @@ if Code.ensure_loaded?(Axon) do
     @activations [nil, :none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh]
 
     @doc false
+    @spec dense(Axon.t(), pos_integer, keyword) :: Axon.t()
     def dense(%Axon{} = x, units, opts) when is_integer(units) and units > 0 do
       {fused, opts} = fused_option!(opts)
 

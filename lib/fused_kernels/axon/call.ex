@@ -18,6 +18,7 @@ if Code.ensure_loaded?(Nx) do
     require Logger
 
     @doc "Whether this Nx has `Nx.runtime_call/4`."
+    @spec runtime_call?() :: boolean
     def runtime_call? do
       Code.ensure_loaded?(Nx) and function_exported?(Nx, :runtime_call, 4)
     end
@@ -26,6 +27,7 @@ if Code.ensure_loaded?(Nx) do
     The path a fused layer takes here: `:exla` (an XLA FFI custom call, when EXLA's
     `EXLA.CustomCall` is loaded: see `FusedKernels.XLA`), `:runtime_call` or `:nx`.
     """
+    @spec path(keyword) :: :exla | :runtime_call | :nx
     def path(opts \\ []) do
       requested = FusedKernels.Backend.requested(opts)
       native? = requested in [:auto, :cuda, :cpu] and FusedKernels.Native.loaded?()
@@ -38,6 +40,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc "Runs `op` on `inputs` (a tuple of tensors) inside or outside `defn`."
+    @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) when is_tuple(inputs) do
       case path(opts) do
         :exla ->
@@ -157,6 +160,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc false
+    @spec callback(tuple, keyword) :: tuple
     def callback(inputs, opts),
       do: inputs |> opts[:op].fused_call(opts[:op_opts]) |> flatten() |> List.to_tuple()
 

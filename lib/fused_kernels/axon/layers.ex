@@ -10,6 +10,7 @@ if Code.ensure_loaded?(Axon) do
     alias FusedKernels.Axon.Call
 
     @doc "Drop-in for `Axon.Layers.lstm/7`."
+    @spec lstm(Nx.Tensor.t(), tuple, term, map, map, map, keyword) :: {Nx.Tensor.t(), tuple}
     def lstm(input, {c, h}, mask, input_kernel, hidden_kernel, bias, opts \\ []) do
       if fusable?(mask, opts) do
         Call.run(
@@ -23,6 +24,7 @@ if Code.ensure_loaded?(Axon) do
     end
 
     @doc "Drop-in for `Axon.Layers.gru/7`."
+    @spec gru(Nx.Tensor.t(), tuple, term, map, map, map, keyword) :: {Nx.Tensor.t(), tuple}
     def gru(input, {h}, mask, input_kernel, hidden_kernel, bias, opts \\ []) do
       if fusable?(mask, opts) do
         Call.run(__MODULE__.GRU, {input, h, input_kernel, hidden_kernel, bias}, call_opts(opts))
@@ -33,6 +35,7 @@ if Code.ensure_loaded?(Axon) do
 
     @doc false
     # The fused kernels implement tanh/sigmoid and no per-step mask; anything else keeps Axon's path.
+    @spec fusable?(term, keyword) :: boolean
     def fusable?(mask, opts) do
       Keyword.get(opts, :activation, :tanh) == :tanh and
         Keyword.get(opts, :gate, :sigmoid) == :sigmoid and
@@ -53,18 +56,22 @@ if Code.ensure_loaded?(Axon) do
     defp call_opts(opts), do: Keyword.take(opts, [:backend, :device])
 
     defmodule LSTM do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {x, c, h, input_kernel, hidden_kernel, bias} (kernel/bias as Axon's maps)
 
+      @impl FusedKernels.Op
       def fused_call({x, c, h, ik, hk, bias}, opts) do
         params = %{"input_kernel" => ik, "hidden_kernel" => hk, "bias" => bias}
         backend = if opts[:backend] in [nil, :nx], do: :auto, else: opts[:backend]
         FusedKernels.lstm(x, params, Keyword.merge(opts, initial_state: {c, h}, backend: backend))
       end
 
+      @impl FusedKernels.Op
       def nx_call({x, c, h, ik, hk, bias}, _opts),
         do: Axon.Layers.lstm(x, {c, h}, 0, ik, hk, bias, unroll: :static)
 
+      @impl FusedKernels.Op
       def output_template({x, c, h, ik, _hk, _bias}, _opts) do
         {b, t, _} = Nx.shape(x)
         units = elem(Nx.shape(h), 1)
@@ -76,18 +83,22 @@ if Code.ensure_loaded?(Axon) do
     end
 
     defmodule GRU do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {x, h, input_kernel, hidden_kernel, bias}
 
+      @impl FusedKernels.Op
       def fused_call({x, h, ik, hk, bias}, opts) do
         params = %{"input_kernel" => ik, "hidden_kernel" => hk, "bias" => bias}
         backend = if opts[:backend] in [nil, :nx], do: :auto, else: opts[:backend]
         FusedKernels.gru(x, params, Keyword.merge(opts, initial_state: {h}, backend: backend))
       end
 
+      @impl FusedKernels.Op
       def nx_call({x, h, ik, hk, bias}, _opts),
         do: Axon.Layers.gru(x, {h}, 0, ik, hk, bias, unroll: :static)
 
+      @impl FusedKernels.Op
       def output_template({x, h, ik, _hk, _bias}, _opts) do
         {b, t, _} = Nx.shape(x)
         units = elem(Nx.shape(h), 1)

@@ -7,40 +7,48 @@ if Code.ensure_loaded?(Nx) do
 
     @doc false
     # Options for a native call from inside a graph: `:nx` or no backend means "the best native".
+    @spec native_opts(keyword) :: keyword
     def native_opts(opts) do
       backend = if opts[:backend] in [nil, :nx], do: :auto, else: opts[:backend]
       [backend: backend] ++ Keyword.take(opts, [:device])
     end
 
     @doc false
+    @spec cast_all(term, Nx.Type.t()) :: term
     def cast_all(container, type),
       do: Nx.Defn.Composite.traverse(container, &Nx.as_type(&1, type))
 
     defmodule LayerNorm do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {x, gamma, beta}; LayerNorm over the last axis.
       alias FusedKernels.Axon.Ops
 
+      @impl FusedKernels.Op
       def fused_call({x, gamma, beta}, opts) do
         type = Nx.type(x)
         {gamma, beta} = {Nx.as_type(gamma, type), Nx.as_type(beta, type)}
         FusedKernels.layer_norm(x, gamma, beta, [eps: eps(opts)] ++ Ops.native_opts(opts))
       end
 
+      @impl FusedKernels.Op
       def nx_call({x, gamma, beta}, opts),
         do: FusedKernels.Norm.nx(:layer_norm, x, gamma, beta, eps: eps(opts))
 
+      @impl FusedKernels.Op
       def output_template({x, _, _}, _opts), do: Nx.template(Nx.shape(x), Nx.type(x))
 
       defp eps(opts), do: Keyword.get(opts, :epsilon, 1.0e-5)
     end
 
     defmodule Dense do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {%{x:, kernel:, bias: (optional), residual: (optional)}};
       # act(x · kernel + bias) + residual.
       alias FusedKernels.Axon.Ops
 
+      @impl FusedKernels.Op
       def fused_call({ops}, opts) do
         type = Nx.type(ops.x)
         ops = Ops.cast_all(ops, type)
@@ -53,9 +61,11 @@ if Code.ensure_loaded?(Nx) do
         )
       end
 
+      @impl FusedKernels.Op
       def nx_call({ops}, opts),
         do: FusedKernels.Dense.nx(:dense, ops, activation: activation(opts))
 
+      @impl FusedKernels.Op
       def output_template({%{x: x, kernel: k}}, _opts),
         do:
           Nx.template(
@@ -67,11 +77,13 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defmodule Attention do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {x, params}; params by role: "q", "k", "v" (or "qkv" packed) and optionally "out",
       # each %{"kernel" => ..., "bias" => ...} as Axon.dense has them. x {batch, seq, embed}.
       alias FusedKernels.Axon.Ops
 
+      @impl FusedKernels.Op
       def fused_call({x, params}, opts) do
         type = Nx.type(x)
         params = Ops.cast_all(params, type)
@@ -83,6 +95,7 @@ if Code.ensure_loaded?(Nx) do
         })
       end
 
+      @impl FusedKernels.Op
       def nx_call({x, params}, opts) do
         forward(x, params, opts, %{
           dense: fn t, p ->
@@ -92,6 +105,7 @@ if Code.ensure_loaded?(Nx) do
         })
       end
 
+      @impl FusedKernels.Op
       def output_template({x, params}, opts) do
         {b, s, _} = Nx.shape(x)
 
@@ -156,12 +170,14 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defmodule MambaBlock do
+      @behaviour FusedKernels.Op
       @moduledoc false
       # inputs: {x, params}, params keyed by Edifice's layer names ("<name>_norm", ...).
       alias FusedKernels.Axon.Ops
 
       @keys [:name, :eps, :dt_min, :dt_max, :b_discretization, :residual]
 
+      @impl FusedKernels.Op
       def fused_call({x, params}, opts) do
         type = Nx.type(x)
         # The native block takes f32 weights; f32 inside either way (as the pure path).
@@ -172,9 +188,11 @@ if Code.ensure_loaded?(Nx) do
         |> Nx.as_type(type)
       end
 
+      @impl FusedKernels.Op
       def nx_call({x, params}, opts),
         do: FusedKernels.MambaBlock.nx(x, params, Keyword.take(opts, @keys))
 
+      @impl FusedKernels.Op
       def output_template({x, _}, _opts), do: Nx.template(Nx.shape(x), Nx.type(x))
     end
   end

@@ -11,6 +11,7 @@ defmodule Mix.Tasks.Bench do
   @switches [quick: :boolean, only: :string, backend: :keep, json: :string, runs: :integer]
 
   @impl true
+  @spec run([String.t()]) :: [map]
   def run(argv) do
     {opts, _rest, invalid} = OptionParser.parse(argv, strict: @switches)
     if invalid != [], do: Mix.raise("unknown options: #{inspect(invalid)}; see `mix help bench`")

@@ -1,0 +1,148 @@
+defmodule FusedKernels.ContractTest do
+  # One contract on every backend: bad arguments raise ArgumentError naming the argument (the
+  # same on :cpu and :nx), runtime failures FusedKernels.Error; never FunctionClauseError,
+  # KeyError, ArithmeticError or Nx internals.
+  use ExUnit.Case, async: true
+
+  alias FusedKernels.{Native, Norm, Rnn, ScaledSoftmax, SelectiveScan, TestRef}
+
+  defp f32(shape),
+    do: {TestRef.encode(TestRef.random_list(Tuple.product(shape)), {:f, 32}), shape, {:f, 32}}
+
+  test "options: a map, unknown keys and bignums are ArgumentErrors" do
+    x = f32({2, 2})
+
+    assert_raise ArgumentError, ~r/options must be a keyword list/, fn ->
+      ScaledSoftmax.native(x, %{backend: :cpu})
+    end
+
+    assert_raise ArgumentError, ~r/unknown keys \[:bogus\]/, fn ->
+      ScaledSoftmax.native(x, bogus: 1)
+    end
+
+    assert_raise ArgumentError, ~r/scale must be a number/, fn ->
+      ScaledSoftmax.native(x, scale: Integer.pow(10, 400), backend: :cpu)
+    end
+  end
+
+  test "native entry points work without a backend option" do
+    x = f32({2, 4})
+    assert {_, {2, 4}, {:f, 32}} = Norm.native(:rms_norm, x, f32({4}), nil)
+
+    {u, a, b} = {f32({1, 3, 2}), f32({2, 4}), f32({1, 3, 4})}
+    assert {_, {1, 3, 2}, {:f, 32}} = SelectiveScan.native(u, u, a, b, b)
+  end
+
+  test "public functions refuse junk with ArgumentError" do
+    assert_raise ArgumentError, ~r/cache dir must be a string/, fn ->
+      FusedKernels.set_cache_dir(:x)
+    end
+
+    assert_raise ArgumentError, ~r/expected a FusedKernels.Buffer/, fn ->
+      FusedKernels.Buffer.download(:junk)
+    end
+
+    assert_raise ArgumentError, ~r/cell must be :lstm or :gru/, fn ->
+      Rnn.native(:rnn, f32({1, 2, 3}), [%{}])
+    end
+  end
+
+  test "improper lists reach the NIF as ArgumentErrors, not panics" do
+    x = f32({1, 2, 3})
+
+    assert {:error, {:argument, msg}} =
+             Native.rnn(:lstm, x, [2 | 2], false, :cpu, nil, :host, :f32)
+
+    assert msg =~ "params must be a proper list"
+
+    assert {:error, {:argument, _}} = Native.stream_reshape(f32({6}), [2 | 3], :cpu, nil, :host)
+
+    assert {:error, {:argument, _}} =
+             Native.mamba_block(
+               x,
+               [nil | nil],
+               1.0e-5,
+               0.001,
+               0.1,
+               :per_channel,
+               true,
+               :cpu,
+               nil,
+               :host
+             )
+  end
+
+  test "rms_norm refuses beta on the native backends" do
+    x = f32({2, 4})
+
+    assert_raise ArgumentError, ~r/^beta: rms_norm takes no bias/, fn ->
+      Norm.native(:rms_norm, x, f32({4}), f32({4}), backend: :cpu)
+    end
+  end
+
+  test "a 128 GiB LSTM request is refused as out of memory, not an abort" do
+    {t, units} = {2_097_152, 4096}
+    x = {:binary.copy(<<0::32>>, t), {1, t, 1}, {:f, 32}}
+    z = fn shape -> {:binary.copy(<<0::32>>, Tuple.product(shape)), shape, {:f, 32}} end
+
+    layer =
+      {for(_ <- 1..4, do: z.({1, units})), List.duplicate(z.({units, units}), 4),
+       for(_ <- 1..4, do: z.({units})), []}
+
+    assert {:error, {:out_of_memory, msg}} =
+             Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32)
+
+    assert msg =~ "host: rnn"
+
+    assert_raise FusedKernels.Error, ~r/out of memory/, fn ->
+      Native.unwrap!(Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32))
+    end
+  end
+
+  @tag :nx
+  test ":nx refuses integer tensors and names bad shapes like :cpu does" do
+    for backend <- [:nx, :cpu] do
+      assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
+        FusedKernels.scaled_softmax(Nx.iota({2, 2}), backend: backend)
+      end
+
+      assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
+        FusedKernels.rms_norm(Nx.iota({2, 4}), Nx.broadcast(1.0, {4}), backend: backend)
+      end
+
+      assert_raise ArgumentError, ~r/^weight: expected shape \{4\}/, fn ->
+        FusedKernels.rms_norm(Nx.broadcast(1.0, {2, 4}), Nx.broadcast(1.0, {3}), backend: backend)
+      end
+
+      q = Nx.broadcast(0.5, {1, 3, 2, 8})
+
+      assert_raise ArgumentError, ~r/^k: expected shape/, fn ->
+        FusedKernels.flash_attention(q, Nx.broadcast(0.5, {2, 3, 2, 8}), q, backend: backend)
+      end
+
+      u = Nx.broadcast(0.5, {1, 3, 2})
+      a = Nx.broadcast(-1.0, {2, 4})
+
+      assert_raise ArgumentError, ~r/^b: expected shape/, fn ->
+        FusedKernels.selective_scan(
+          u,
+          u,
+          a,
+          Nx.broadcast(0.5, {1, 3, 5}),
+          Nx.broadcast(0.5, {1, 3, 4}),
+          backend: backend
+        )
+      end
+    end
+
+    assert_raise ArgumentError, ~r/^beta: rms_norm takes no bias/, fn ->
+      FusedKernels.Norm.run(
+        :rms_norm,
+        Nx.broadcast(1.0, {2, 4}),
+        Nx.broadcast(1.0, {4}),
+        Nx.broadcast(1.0, {4}),
+        backend: :nx
+      )
+    end
+  end
+end
