@@ -306,7 +306,12 @@ defmodule FusedKernels.NifFuzz do
     [engine, state, tensor({b, spec.embed})]
   end
 
-  defp valid(nif) when nif in [:engine_reset, :engine_state_info],
+  defp valid(:engine_reset) do
+    {_spec, engine} = engine()
+    [engine, Native.engine_init_state(engine, dim(3)) |> Native.unwrap!()]
+  end
+
+  defp valid(:engine_state_info),
     do: [Native.engine_init_state(elem(engine(), 1), dim(3)) |> Native.unwrap!()]
 
   defp valid(:info), do: [nil]
