@@ -11,8 +11,8 @@ pub enum Error {
     /// No usable CUDA (library missing, no device, driver too old); the message says which.
     #[error("CUDA is not available: {0}")]
     Unavailable(String),
-    /// The device ran out of memory.
-    #[error("out of GPU memory: {0}")]
+    /// The device (or, for a CPU buffer sized by the caller, the host) ran out of memory.
+    #[error("out of memory: {0}")]
     OutOfMemory(String),
     /// A kernel failed to compile with NVRTC (a bug in a shipped kernel; the log says where).
     #[error("kernel `{kernel}` failed to compile for {arch}: {log}")]

@@ -3,13 +3,13 @@
 //! CUDA runtime in one place (`cuda`), the kernel sources (`kernels`) and the ops (`ops`),
 //! each with a CPU implementation and a CUDA one.
 
+pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod kernels;
 pub mod operand;
 pub mod ops;
-pub mod parallel;
 pub mod tensor;
 
 pub use dtype::DType;

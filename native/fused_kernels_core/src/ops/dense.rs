@@ -7,11 +7,11 @@
 //! while the GEMM loads x (kernels/dense.cu), so normalised activations never go to memory.
 
 use super::Backend;
+use crate::cpu::pool::for_each_row_chunk;
 use crate::cuda::{self, DeviceTensor};
 use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::operand::{Operand, Placement, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{checked_numel, fmt_shape, HostTensor, OwnedTensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,13 +4,13 @@
 //! last state `{batch, dim, state}` in f32. State sizes up to 256; larger ones are refused.
 
 use super::Backend;
+use crate::cpu::pool::for_each_row_chunk;
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::{Kernel, SELECTIVE_SCAN_BF16, SELECTIVE_SCAN_F16, SELECTIVE_SCAN_F32};
 use crate::operand::{Operand, Placement, Staged, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
