@@ -10,7 +10,7 @@ mod cuda;
 mod mma;
 mod resident;
 
-pub use cpu::reference;
+pub use cpu::{reference, LayerWeights, PreparedRnn, RefLayer, RnnScratch};
 
 use super::Backend;
 use crate::dtype::DType;
