@@ -89,8 +89,10 @@ fn random_net(
 }
 
 /// The f32 copies of a net's weights, owned so `LayerWeights` can borrow them.
+type Owned = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
 struct Weights32 {
-    layers: Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>)>,
+    layers: Vec<Owned>,
 }
 
 fn weights32(net: &Net) -> Weights32 {
@@ -268,7 +270,7 @@ fn caller_errors_are_errors_not_panics() {
             &x,
             2,
             4,
-            Some(&fin[1..].to_vec()),
+            Some(&fin[1..]),
             &mut out,
             &mut fin.clone(),
             &mut scratch
