@@ -2,7 +2,7 @@
 //! against the portable one (forced through an explicit `Isa`), the math functions over a
 //! dense sweep with extremes, and the thread pool under nesting and concurrent callers.
 
-use fused_kernels_core::cpu::gemm::{gemm, Init};
+use fused_kernels_core::cpu::gemm::{gemm, gemm_rhs, Init, Rhs};
 use fused_kernels_core::cpu::gemv::gemv;
 use fused_kernels_core::cpu::math::{apply, Func};
 use fused_kernels_core::cpu::{pool, Isa, PackedB};
@@ -108,8 +108,8 @@ fn gemm_matches_f64_for_odd_shapes_and_every_init() {
                     let b = rng.vec(k * n);
                     let bias = rng.vec(n);
                     let packed = PackedB::new(k, n, &b).unwrap();
-                    for mode in 0..3 {
-                        let mut c = if mode == 2 {
+                    for mode in 0..4 {
+                        let mut c = if mode >= 2 {
                             rng.vec(m * ldc)
                         } else {
                             vec![f32::NAN; m * ldc]
@@ -120,7 +120,13 @@ fn gemm_matches_f64_for_odd_shapes_and_every_init() {
                             1 => Init::Bias(&bias),
                             _ => Init::Accumulate,
                         };
-                        gemm(isa, m, &a, lda, &packed, &mut c, ldc, init);
+                        if mode == 3 {
+                            // B used in place, row-major.
+                            let rhs = Rhs::RowMajor { b: &b, k, n };
+                            gemm_rhs(isa, m, &a, lda, rhs, &mut c, ldc, init);
+                        } else {
+                            gemm(isa, m, &a, lda, &packed, &mut c, ldc, init);
+                        }
                         let want = naive(
                             m,
                             k,
@@ -131,7 +137,7 @@ fn gemm_matches_f64_for_odd_shapes_and_every_init() {
                             &before,
                             ldc,
                             (mode == 1).then_some(&bias[..]),
-                            mode == 2,
+                            mode >= 2,
                         );
                         let got: Vec<f32> = (0..m)
                             .flat_map(|i| c[i * ldc..i * ldc + n].to_vec())

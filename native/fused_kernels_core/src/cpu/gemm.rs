@@ -8,6 +8,7 @@
 //! over the thread pool; every task owns whole columns of C.
 
 use super::packed::{PackedB, NR};
+
 use super::pool::{self, SendPtr};
 use super::simd::Isa;
 
@@ -37,6 +38,32 @@ enum Mode {
     Bias(*const f32),
 }
 
+/// The right-hand matrix of a product.
+#[derive(Clone, Copy, Debug)]
+pub enum Rhs<'a> {
+    /// Packed once (weights held across calls).
+    Packed(&'a PackedB),
+    /// A row-major `{k, n}` matrix used in place (a one-off product, where packing would cost
+    /// a pass over B): full panels are read with row stride n, the last partial panel by a
+    /// narrow scalar tile.
+    RowMajor { b: &'a [f32], k: usize, n: usize },
+}
+
+impl Rhs<'_> {
+    fn k(&self) -> usize {
+        match self {
+            Rhs::Packed(p) => p.k(),
+            Rhs::RowMajor { k, .. } => *k,
+        }
+    }
+    fn n(&self) -> usize {
+        match self {
+            Rhs::Packed(p) => p.n(),
+            Rhs::RowMajor { n, .. } => *n,
+        }
+    }
+}
+
 /// `C = init + A · B` with A `{m, k}` (row stride `lda`), B packed `{k, n}`, C `{m, n}` (row
 /// stride `ldc`). Panics if a slice is too short for its extents (callers size them).
 #[allow(clippy::too_many_arguments)]
@@ -50,7 +77,25 @@ pub fn gemm(
     ldc: usize,
     init: Init<'_>,
 ) {
+    gemm_rhs(isa, m, a, lda, Rhs::Packed(b), c, ldc, init)
+}
+
+/// [`gemm`] with B packed or row-major.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_rhs(
+    isa: Isa,
+    m: usize,
+    a: &[f32],
+    lda: usize,
+    b: Rhs<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    init: Init<'_>,
+) {
     let (k, n) = (b.k(), b.n());
+    if let Rhs::RowMajor { b, .. } = b {
+        assert!(Some(b.len()) == k.checked_mul(n));
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -59,7 +104,7 @@ pub fn gemm(
     if let Init::Bias(bias) = init {
         assert!(bias.len() >= n);
     }
-    let panels = b.panels();
+    let panels = n.div_ceil(NR);
     let macs = m.saturating_mul(n).saturating_mul(k);
     let tasks = if macs >= PARALLEL_MACS {
         pool::threads().min(panels)
@@ -92,7 +137,7 @@ unsafe fn run_panels(
     m: usize,
     a: &[f32],
     lda: usize,
-    b: &PackedB,
+    b: Rhs<'_>,
     c: *mut f32,
     ldc: usize,
     init: Init<'_>,
@@ -113,12 +158,19 @@ unsafe fn run_panels(
                     (0, Init::Bias(bias)) => Mode::Bias(bias.as_ptr().add(col0)),
                     _ => Mode::Add,
                 };
-                let bp = b.panel(p).as_ptr().add(k0 * NR);
+                let (bp, ldb, narrow) = match b {
+                    Rhs::Packed(pb) => (pb.panel(p).as_ptr().add(k0 * NR), NR, false),
+                    Rhs::RowMajor { b, n, .. } => (b.as_ptr().add(k0 * n + col0), n, cols < NR),
+                };
                 for ir in (i0..i1).step_by(MR) {
                     let rows = MR.min(i1 - ir);
                     let ap = a.as_ptr().add(ir * lda + k0);
                     let cp = c.add(ir * ldc + col0);
-                    tile(isa, kc, ap, lda, bp, cp, ldc, rows, cols, mode);
+                    if narrow {
+                        narrow_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
+                    } else {
+                        tile(isa, kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
+                    }
                 }
             }
         }
@@ -137,6 +189,7 @@ unsafe fn tile(
     a: *const f32,
     lda: usize,
     b: *const f32,
+    ldb: usize,
     c: *mut f32,
     ldc: usize,
     rows: usize,
@@ -145,11 +198,40 @@ unsafe fn tile(
 ) {
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
-        avx2::tile(kc, a, lda, b, c, ldc, rows, cols, mode);
+        avx2::tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
         return;
     }
     let _ = isa;
-    portable_tile(kc, a, lda, b, c, ldc, rows, cols, mode);
+    portable_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
+}
+
+/// A tile whose B columns stop before `NR` (the last panel of a row-major B): reads only
+/// `cols` columns.
+#[allow(clippy::too_many_arguments)]
+unsafe fn narrow_tile(
+    kc: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    mode: Mode,
+) {
+    let mut acc = [[0.0f32; NR]; MR];
+    for (i, row) in acc.iter_mut().enumerate().take(rows) {
+        let ar = a.add(i * lda);
+        for kk in 0..kc {
+            let av = *ar.add(kk);
+            let br = b.add(kk * ldb);
+            for (j, v) in row.iter_mut().enumerate().take(cols) {
+                *v += av * *br.add(j);
+            }
+        }
+    }
+    write_tile(&acc, c, ldc, rows, cols, mode);
 }
 
 /// Adds the tile `acc` (row-major `MR × NR`) into C per `mode`, rows and columns clipped.
@@ -181,6 +263,7 @@ unsafe fn portable_tile(
     a: *const f32,
     lda: usize,
     b: *const f32,
+    ldb: usize,
     c: *mut f32,
     ldc: usize,
     rows: usize,
@@ -192,7 +275,7 @@ unsafe fn portable_tile(
         let ar = a.add(i * lda);
         for kk in 0..kc {
             let av = *ar.add(kk);
-            let br = std::slice::from_raw_parts(b.add(kk * NR), NR);
+            let br = std::slice::from_raw_parts(b.add(kk * ldb), NR);
             for j in 0..NR {
                 row[j] += av * br[j];
             }
@@ -213,6 +296,7 @@ mod avx2 {
         a: *const f32,
         lda: usize,
         b: *const f32,
+        ldb: usize,
         c: *mut f32,
         ldc: usize,
         rows: usize,
@@ -223,8 +307,8 @@ mod avx2 {
         let ar: [*const f32; MR] = std::array::from_fn(|i| a.add(i.min(rows - 1) * lda));
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         for kk in 0..kc {
-            let b0 = _mm256_loadu_ps(b.add(kk * NR));
-            let b1 = _mm256_loadu_ps(b.add(kk * NR + 8));
+            let b0 = _mm256_loadu_ps(b.add(kk * ldb));
+            let b1 = _mm256_loadu_ps(b.add(kk * ldb + 8));
             for i in 0..MR {
                 let av = _mm256_broadcast_ss(&*ar[i].add(kk));
                 acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
