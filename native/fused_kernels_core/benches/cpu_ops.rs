@@ -139,6 +139,12 @@ fn rnn(a: &Args, isa: Isa) {
             bias: b,
         })
         .collect();
+    let prep_ms = time(20, || {
+        std::hint::black_box(
+            PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights"),
+        );
+    });
+    report("PreparedRnn::new", prep_ms);
     let rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
     let seq = if a.mode == "step" { 1 } else { a.seq };
     let b = a.batch;
@@ -152,6 +158,55 @@ fn rnn(a: &Args, isa: Isa) {
             .expect("forward");
         std::mem::swap(&mut state, &mut next);
     });
+    let name = format!(
+        "{} {} B{b} T{seq} I{} H{:?}",
+        a.op, a.mode, a.input, a.hidden
+    );
+    // The per-call op API: decode, pack, run, encode.
+    use fused_kernels_core::operand::{Operand, Placement};
+    use fused_kernels_core::ops::rnn::{run, Layer};
+    use fused_kernels_core::ops::Backend;
+    use fused_kernels_core::{DType, HostTensor};
+    let leak = |v: &[f32]| -> &'static [u8] {
+        v.iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .leak()
+    };
+    let t = |v: &[f32], shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
+    };
+    let mut inp = a.input;
+    let layers: Vec<Layer> = owned
+        .iter()
+        .zip(&a.hidden)
+        .map(|((ik, hk, bs), &h)| {
+            let l = Layer {
+                input_kernel: ik.iter().map(|v| t(v, vec![inp, h])).collect(),
+                hidden_kernel: hk.iter().map(|v| t(v, vec![h, h])).collect(),
+                bias: bs.iter().map(|v| t(v, vec![h])).collect(),
+                initial_state: Vec::new(),
+            };
+            inp = h;
+            l
+        })
+        .collect();
+    let xt = t(&x, vec![b, seq, a.input]);
+    let op_ms = time(a.iters.min(50), || {
+        std::hint::black_box(
+            run(
+                Backend::Cpu,
+                cell,
+                &xt,
+                &layers,
+                false,
+                Placement::Host,
+                Default::default(),
+            )
+            .expect("rnn"),
+        );
+    });
+    report(&format!("{name} op API"), op_ms);
     report(
         &format!(
             "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",
@@ -166,6 +221,63 @@ fn rnn(a: &Args, isa: Isa) {
     );
 }
 
+/// The dense row: the prepared form and the per-call op API (bytes in, bytes out).
+fn dense(a: &Args, isa: Isa) {
+    use fused_kernels_core::ops::dense::{
+        self, Activation, DenseWeights, Kind, Operands, Params, PreparedDense,
+    };
+    use fused_kernels_core::{DType, HostTensor};
+    let (m, k, n) = (a.batch * a.seq, a.input, a.hidden[0]);
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let x = rng.vec(m * k, 1.0);
+    let w = rng.vec(k * n, 1.0 / (k as f32).sqrt());
+    let b = rng.vec(n, 0.1);
+    let p = Params::new(Kind::Dense, Activation::Gelu, 0.0).expect("params");
+    let dw = DenseWeights {
+        kernel: &w,
+        kernel_up: None,
+        bias: Some(&b),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+    };
+    let d = PreparedDense::with_isa(p, k, n, dw, isa).expect("prepare");
+    let mut scratch = d.scratch(m).expect("scratch");
+    let mut out = vec![0.0; m * n];
+    let ms = time(a.iters, || {
+        d.forward_into(&x, m, None, &mut out, &mut scratch)
+            .expect("forward");
+    });
+    report(
+        &format!("dense prepared {m}x{k}x{n} +bias +gelu [{}]", isa.name()),
+        ms,
+    );
+    let bytes = |v: &[f32]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    let (xb, wb, bb) = (bytes(&x), bytes(&w), bytes(&b));
+    let t = |bts: &'static [u8], shape: Vec<usize>| {
+        HostTensor::new("t", bts, shape, DType::F32).expect("tensor")
+    };
+    let (xb, wb, bb): (&'static [u8], &'static [u8], &'static [u8]) =
+        (xb.leak(), wb.leak(), bb.leak());
+    let ops = Operands {
+        x: t(xb, vec![m, k]),
+        kernel: t(wb, vec![k, n]),
+        kernel_up: None,
+        bias: Some(t(bb, vec![n])),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+        residual: None,
+    };
+    let ms = time(a.iters, || {
+        std::hint::black_box(dense::cpu(&ops, p).expect("dense"));
+    });
+    report(
+        &format!("dense op API {m}x{k}x{n} +bias +gelu [best isa]"),
+        ms,
+    );
+}
+
 fn main() {
     let a = parse();
     let isa = if a.portable {
@@ -175,6 +287,7 @@ fn main() {
     };
     match a.op.as_str() {
         "lstm" | "gru" => rnn(&a, isa),
+        "dense" => dense(&a, isa),
         other => panic!("unknown op {other}"),
     }
 }

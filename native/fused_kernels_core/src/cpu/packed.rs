@@ -43,14 +43,19 @@ impl PackedB {
             .and_then(|v| v.checked_mul(k))
             .ok_or_else(|| arg_error("packed matrix: size overflows"))?;
         let mut data = alloc_zeroed(len)?;
+        // Row by row, so B is read sequentially and each panel row written as one run.
         let mut col0 = 0;
         for (b, w) in blocks {
-            for c in 0..*w {
-                let col = col0 + c;
-                let (p, j) = (col / NR, col % NR);
-                let panel = &mut data[p * k * NR..(p + 1) * k * NR];
-                for r in 0..k {
-                    panel[r * NR + j] = b[r * w + c];
+            for r in 0..k {
+                let src = &b[r * w..(r + 1) * w];
+                let mut c = 0;
+                while c < *w {
+                    let col = col0 + c;
+                    let (p, j) = (col / NR, col % NR);
+                    let run = (NR - j).min(w - c);
+                    let at = p * k * NR + r * NR + j;
+                    data[at..at + run].copy_from_slice(&src[c..c + run]);
+                    c += run;
                 }
             }
             col0 += w;
