@@ -278,6 +278,53 @@ fn dense(a: &Args, isa: Isa) {
     );
 }
 
+/// The selective scan row through the op API: u, delta `{batch, seq, dim}` (`--input` is
+/// dim, `--hidden` the state size), softplus on dt, the D skip.
+fn scan(a: &Args) {
+    use fused_kernels_core::operand::Operand;
+    use fused_kernels_core::ops::selective_scan::{self, Discretization, Inputs, Params};
+    use fused_kernels_core::{DType, HostTensor};
+    let (b, l, d, n) = (a.batch, a.seq, a.input, a.hidden[0]);
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let leak = |v: Vec<f32>| -> &'static [u8] {
+        v.iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .leak()
+    };
+    let t = |v: Vec<f32>, shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
+    };
+    let u = t(rng.vec(b * l * d, 1.0), vec![b, l, d]);
+    let delta = t(rng.vec(b * l * d, 1.0), vec![b, l, d]);
+    let am = t(
+        rng.vec(d * n, 1.0)
+            .iter()
+            .map(|v| -(v.abs() + 0.5))
+            .collect(),
+        vec![d, n],
+    );
+    let bm = t(rng.vec(b * l * n, 1.0), vec![b, l, n]);
+    let cm = t(rng.vec(b * l * n, 1.0), vec![b, l, n]);
+    let dd = t(rng.vec(d, 1.0), vec![d]);
+    let inputs = Inputs {
+        u: &u,
+        delta: &delta,
+        a: &am,
+        b: &bm,
+        c: &cm,
+        d: Some(&dd),
+        z: None,
+        delta_bias: None,
+        initial_state: None,
+    };
+    let p = Params::new(true, None, Discretization::PerChannel, false).expect("params");
+    let ms = time(a.iters, || {
+        std::hint::black_box(selective_scan::cpu(&inputs, p).expect("scan"));
+    });
+    report(&format!("selective scan op API B{b} L{l} D{d} N{n}"), ms);
+}
+
 fn main() {
     let a = parse();
     let isa = if a.portable {
@@ -288,6 +335,7 @@ fn main() {
     match a.op.as_str() {
         "lstm" | "gru" => rnn(&a, isa),
         "dense" => dense(&a, isa),
+        "scan" => scan(&a),
         other => panic!("unknown op {other}"),
     }
 }
