@@ -3,6 +3,7 @@
 //! rows over packed weights (`gemv`), a blocked GEMM over packed weights (`gemm`), and
 //! vectorised transcendental functions with stated error bounds (`math`).
 
+pub mod arena;
 pub mod gemm;
 pub mod gemv;
 pub mod math;
@@ -13,18 +14,12 @@ pub mod simd;
 pub use packed::PackedB;
 pub use simd::Isa;
 
-use crate::error::{Error, Result};
+pub use arena::Buf;
 
-/// A zeroed `Vec<f32>` of `len`, or `Error::OutOfMemory` when the allocation fails (sizes come
-/// from callers).
-pub fn alloc_zeroed(len: usize) -> Result<Vec<f32>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
-        Error::OutOfMemory(format!(
-            "host: cannot allocate {len} f32 values ({} MiB)",
-            len.saturating_mul(4) >> 20
-        ))
-    })?;
-    v.resize(len, 0.0);
-    Ok(v)
+use crate::error::Result;
+
+/// `len` zeros in a reused buffer ([`arena`]), or `Error::OutOfMemory` when the allocation
+/// fails (sizes come from callers).
+pub fn alloc_zeroed(len: usize) -> Result<Buf> {
+    arena::zeroed(len)
 }

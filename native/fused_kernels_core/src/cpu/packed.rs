@@ -17,7 +17,7 @@ pub const NR: usize = 16;
 pub struct PackedB {
     k: usize,
     n: usize,
-    data: Vec<f32>,
+    data: super::Buf,
 }
 
 impl PackedB {

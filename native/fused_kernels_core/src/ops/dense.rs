@@ -13,7 +13,7 @@ use crate::cpu::math::{apply, Func};
 use crate::cpu::pool::for_each_row_chunk;
 use crate::cpu::{Isa, PackedB};
 use crate::cuda::{self, DeviceTensor};
-use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
+use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{checked_numel, fmt_shape, HostTensor, OwnedTensor};
@@ -432,18 +432,18 @@ pub struct PreparedDense {
     n: usize,
     kernel: PackedB,
     kernel_up: Option<PackedB>,
-    bias: Option<Vec<f32>>,
-    bias_up: Option<Vec<f32>>,
-    gamma: Option<Vec<f32>>,
-    beta: Option<Vec<f32>>,
+    bias: Option<crate::cpu::Buf>,
+    bias_up: Option<crate::cpu::Buf>,
+    gamma: Option<crate::cpu::Buf>,
+    beta: Option<crate::cpu::Buf>,
     isa: Isa,
 }
 
 /// Transient buffers of [`PreparedDense::forward_into`] for up to `rows` rows.
 pub struct DenseScratch {
     rows: usize,
-    normed: Vec<f32>,
-    up: Vec<f32>,
+    normed: crate::cpu::Buf,
+    up: crate::cpu::Buf,
 }
 
 impl PreparedDense {
@@ -482,7 +482,7 @@ impl PreparedDense {
             residual: None,
         };
         geometry(&params, &ops)?;
-        let own = |v: Option<&[f32]>| -> Result<Option<Vec<f32>>> {
+        let own = |v: Option<&[f32]>| -> Result<Option<crate::cpu::Buf>> {
             v.map(|v| {
                 let mut o = crate::cpu::alloc_zeroed(v.len())?;
                 o.copy_from_slice(v);
@@ -700,18 +700,17 @@ pub fn cpu(ops: &Operands<HostTensor<'_>>, p: Params) -> Result<OwnedTensor> {
         let o = ops.try_map(p.kind, |_, h| Ok(decode_f64(h.bytes, dt)))?;
         encode_f64(&cpu_typed(&o, &g, &p), dt)
     } else {
-        let o = ops.try_map(p.kind, |_, h| Ok(decode_f32(h.bytes, dt)))?;
+        let o = ops.try_map(p.kind, |_, h| crate::cpu::arena::decoded(h.bytes, dt))?;
         let (m, k, n) = (g.m, g.k, g.n);
         let mut out = crate::cpu::alloc_zeroed(m.saturating_mul(n))?;
         let mut scratch = DenseScratch::new(p.kind, m, k, n)?;
-        let rm = |b| Product::row_major(b, k, n);
         forward_f32(
             Isa::best(),
             &p,
             (m, k, n),
             &o.x,
-            rm(&o.kernel),
-            o.kernel_up.as_deref().map(rm),
+            Product::row_major(&o.kernel, k, n),
+            o.kernel_up.as_deref().map(|b| Product::row_major(b, k, n)),
             Vectors {
                 bias: o.bias.as_deref(),
                 bias_up: o.bias_up.as_deref(),

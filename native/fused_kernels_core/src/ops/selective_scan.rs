@@ -332,23 +332,23 @@ impl ScanFloat for f64 {
 /// f32 inputs of the production CPU scan (f32, f16, bf16 calls), with A transposed to
 /// `{state, dim}` so eight channels' values of one state index are contiguous.
 struct HostF32 {
-    u: Vec<f32>,
-    delta: Vec<f32>,
-    a_t: Vec<f32>,
-    b: Vec<f32>,
-    c: Vec<f32>,
-    d: Option<Vec<f32>>,
-    z: Option<Vec<f32>>,
-    bias: Option<Vec<f32>>,
-    h0: Option<Vec<f32>>,
+    u: crate::cpu::Buf,
+    delta: crate::cpu::Buf,
+    a_t: crate::cpu::Buf,
+    b: crate::cpu::Buf,
+    c: crate::cpu::Buf,
+    d: Option<crate::cpu::Buf>,
+    z: Option<crate::cpu::Buf>,
+    bias: Option<crate::cpu::Buf>,
+    h0: Option<crate::cpu::Buf>,
     /// Mean over channels of the transformed dt per `(batch, t)` (`MeanDt` only).
-    mdt: Option<Vec<f32>>,
+    mdt: Option<crate::cpu::Buf>,
 }
 
-fn f32_values(op: &Operand<'_>) -> Result<Vec<f32>> {
+fn f32_values(op: &Operand<'_>) -> Result<crate::cpu::Buf> {
     let h = op.on_host()?;
     let v = h.view();
-    Ok(crate::dtype::decode_f32(v.bytes, v.dtype))
+    crate::cpu::arena::decoded(v.bytes, v.dtype)
 }
 
 /// dt after softplus and clip, in f32 (`Params::dt`'s rule).

@@ -25,7 +25,7 @@
 use super::{Cell, Geometry, Layer};
 use crate::cpu::gemm::{gemm, Init};
 use crate::cpu::gemv::gemv;
-use crate::cpu::{alloc_zeroed, Isa, PackedB};
+use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::operand::Operand;
@@ -54,9 +54,9 @@ struct PreparedLayer {
     /// `{units, G·units}`.
     w_h: PackedB,
     /// Added to the input projection: the gate biases (GRU: `br, bz, bin`).
-    bias_in: Vec<f32>,
+    bias_in: Buf,
     /// Added to the recurrent product: zeros for LSTM, `[0, 0, bhn]` for GRU (inside r ⊙ ·).
-    bias_h: Vec<f32>,
+    bias_h: Buf,
 }
 
 /// A stack of LSTM or GRU layers with weights packed once (see the module doc).
@@ -72,15 +72,15 @@ pub struct RnnScratch {
     batch: usize,
     seq: usize,
     /// Input projections of the window, `{batch·seq, G·units}`.
-    xp: Vec<f32>,
+    xp: Buf,
     /// Recurrent products of one step, `{batch, G·units}`.
-    hp: Vec<f32>,
+    hp: Buf,
     /// Sequences of the layers before the last (two, alternating), `{batch·seq, units}`.
-    seq_a: Vec<f32>,
-    seq_b: Vec<f32>,
+    seq_a: Buf,
+    seq_b: Buf,
     /// The state before the first step: h `{batch, units}`; and the running c.
-    h0: Vec<f32>,
-    c: Vec<f32>,
+    h0: Buf,
+    c: Buf,
 }
 
 impl RnnScratch {
@@ -541,8 +541,8 @@ mod avx2 {
     }
 }
 
-fn slices(v: &[Vec<f32>]) -> Vec<&[f32]> {
-    v.iter().map(|x| x.as_slice()).collect()
+fn slices(v: &[Buf]) -> Vec<&[f32]> {
+    v.iter().map(|x| &x[..]).collect()
 }
 
 /// The op API on f32: decodes the operands, prepares, runs.
@@ -553,12 +553,12 @@ fn run_f32(
     layers: &[Layer<'_>],
     reverse: bool,
 ) -> Result<HostOutput> {
-    let host32 = |t: &Operand<'_>| -> Result<Vec<f32>> {
+    let host32 = |t: &Operand<'_>| -> Result<Buf> {
         let staged = t.on_host()?;
         let view = staged.view();
-        Ok(crate::dtype::decode_f32(view.bytes, view.dtype))
+        arena::decoded(view.bytes, view.dtype)
     };
-    let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Vec<f32>>>>();
+    let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
     let mut owned = Vec::with_capacity(layers.len());
     for l in layers {
         owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
