@@ -185,8 +185,8 @@ defmodule FusedKernels.Backbone do
     end)
   end
 
+  # Only :cuda places weights here (the CPU engine takes its params at load).
   defp place_tensor(t, :cuda, device), do: Buffer.upload(t, device: device)
-  defp place_tensor(t, :cpu, _), do: Tensor.to_native(t)
 
   defp call_opts(%__MODULE__{backend: backend, device: device}) do
     out = if backend == :cuda, do: :device, else: :host

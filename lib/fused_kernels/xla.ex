@@ -50,6 +50,7 @@ if Code.ensure_loaded?(Nx) do
     Whether the fused layers emit custom-call blocks here: EXLA's `EXLA.CustomCall` protocol
     is loaded and Nx has `Nx.block/4`.
     """
+    @spec available?() :: boolean
     def available? do
       Code.ensure_loaded?(EXLA.CustomCall) and function_exported?(Nx, :block, 4)
     end
@@ -58,6 +59,7 @@ if Code.ensure_loaded?(Nx) do
     Loads the handler library into this process through EXLA (`EXLA.NIF.load_dylib/1`); the
     library registers its targets with XLA as it loads.
     """
+    @spec load(String.t()) :: :ok | {:error, term}
     def load(path) when is_binary(path) do
       cond do
         not File.exists?(path) ->
@@ -80,6 +82,7 @@ if Code.ensure_loaded?(Nx) do
     in the handler's order and how `inputs` are rebuilt from them (the default body sees
     only the block's operands).
     """
+    @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) do
       with {:ok, %Block{} = block, operands, rebuild} <-
              FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
@@ -101,6 +104,7 @@ if Code.ensure_loaded?(Nx) do
     The `EXLA.CustomCall.call/4` answer for `block`: a spec on the CUDA platform when the
     operand and result types are the ones the block was planned for, else `:skip`.
     """
+    @spec spec(struct, term, term, term) :: term
     def spec(%Block{} = block, out, args, client) do
       result_types = [out] |> flatten() |> Enum.map(& &1.type)
 
@@ -144,12 +148,16 @@ if Code.ensure_loaded?(Nx) do
     ## MLIR attribute text for `backend_config` (the typed FFI decodes these by type)
 
     @doc false
+    @spec attr_bool(boolean) :: String.t()
     def attr_bool(b) when is_boolean(b), do: to_string(b)
     @doc false
+    @spec attr_int(integer) :: String.t()
     def attr_int(i) when is_integer(i), do: "#{i} : i64"
     @doc false
+    @spec attr_float(number) :: String.t()
     def attr_float(x) when is_number(x), do: "#{:erlang.float_to_binary(x / 1, [:short])} : f64"
     @doc false
+    @spec attr_string(String.t()) :: String.t()
     def attr_string(s) when is_binary(s) do
       escaped = s |> String.replace("\\", "\\\\") |> String.replace("\"", "\\\"")
       "\"#{escaped}\""
@@ -157,6 +165,7 @@ if Code.ensure_loaded?(Nx) do
 
     @doc false
     # The kernels' element types.
+    @spec served_type?(term) :: boolean
     def served_type?(type), do: type in [{:f, 32}, {:f, 16}, {:bf, 16}]
   end
 end
