@@ -34,6 +34,10 @@ import subprocess
 import sys
 import time
 
+# The command-buffer check runs in a child process beside this one: with JAX's default
+# preallocation (75% of the GPU) the second process cannot get memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 
 TARGETS = [

@@ -369,10 +369,10 @@ impl Lent<'_> {
             extension_start: null_mut(),
             ctx: self.ctx,
             size: bytes.max(1),
-            // XLA refuses alignments above its allocator's guarantee (tsl's
-            // kAllocatorAlignment, 64 bytes: "Unsupported alignment: 256" on the H100 run);
-            // 64 covers the kernels' 16-byte vector accesses.
-            alignment: 64,
+            // XLA's DeviceMemory_Allocate refuses alignments above 16 bytes ("Unsupported
+            // alignment: 64" and ": 256" on the H100 with JAX 0.11); its BFC allocator hands out
+            // 256-byte aligned blocks anyway, and 16 covers the kernels' vector accesses.
+            alignment: 16,
             data: null_mut(),
         };
         let err = unsafe { alloc(&mut args) };
