@@ -7,10 +7,10 @@ mod common;
 mod support;
 
 use common::{random_params, rel_l2, small, spec, to_params, Rng};
-use support::gpu_for_tests;
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;
+use support::gpu_for_tests;
 
 const KINDS: [Kind; 5] = [
     Kind::Attention,

@@ -7,9 +7,33 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{checked_numel, HostTensor, OwnedTensor};
 use cudarc::driver::CudaSlice;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Device allocations made by this process (uploads included; memory served by a scratch
+/// allocator is not counted): the engine's tests assert that a warmed-up call makes none.
+static DEVICE_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_DEVICE_ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_allocation() {
+    DEVICE_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    THREAD_DEVICE_ALLOCATIONS.with(|c| c.set(c.get() + 1));
+}
+
+/// Device allocations made so far by the whole process.
+pub fn device_allocations() -> u64 {
+    DEVICE_ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// Device allocations made so far by the calling thread (tests running beside others use this).
+pub fn thread_device_allocations() -> u64 {
+    THREAD_DEVICE_ALLOCATIONS.with(|c| c.get())
+}
 
 pub struct DeviceTensor {
     pub gpu: Arc<Gpu>,
@@ -63,8 +87,16 @@ impl DeviceTensor {
             // stay valid for the call.
             return Ok(unsafe { Self::borrowed(gpu, ptr?, shape, dtype) });
         }
+        Self::uninit_owned(gpu, shape, dtype)
+    }
+
+    /// `uninit` that never asks an installed scratch allocator (the allocator itself uses
+    /// this for the memory it hands out).
+    pub fn uninit_owned(gpu: &Arc<Gpu>, shape: Vec<usize>, dtype: DType) -> Result<Self> {
+        let bytes = checked_numel("output", &shape)? * dtype.size();
         gpu.bind()?;
         let data = unsafe { gpu.stream.alloc::<u8>(bytes) }?;
+        count_allocation();
         Ok(DeviceTensor {
             gpu: gpu.clone(),
             shape,
@@ -91,9 +123,18 @@ impl DeviceTensor {
         }
     }
 
+    /// Copies `host` to the device, into memory from the installed scratch allocator when
+    /// there is one (it is then freed with the scratch, like `uninit`'s).
     pub fn upload(gpu: &Arc<Gpu>, host: &HostTensor<'_>) -> Result<Self> {
+        if let Some(ptr) = scratch_alloc(host.bytes.len()) {
+            // Safety: the installed allocator returned that many bytes, valid for the call.
+            let mut t = unsafe { Self::borrowed(gpu, ptr?, host.shape.clone(), host.dtype) };
+            t.copy_from_host(host.bytes)?;
+            return Ok(t);
+        }
         gpu.bind()?;
         let data = gpu.stream.clone_htod(host.bytes)?;
+        count_allocation();
         Ok(DeviceTensor {
             gpu: gpu.clone(),
             shape: host.shape.clone(),
@@ -112,6 +153,50 @@ impl DeviceTensor {
             shape: self.shape.clone(),
             dtype: self.dtype,
         })
+    }
+
+    /// Copies `bytes` (exactly this tensor's size) from the host, queued on this tensor's
+    /// stream; pageable `bytes` are read before this returns.
+    pub fn copy_from_host(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the device: {} bytes for a buffer of {}",
+                bytes.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        Ok(stream.memcpy_htod(bytes, &mut *self.data)?)
+    }
+
+    /// Copies this tensor (exactly `out`'s size) to the host; waits for the work queued
+    /// before it on this tensor's stream, and only that stream.
+    pub fn copy_to_host(&self, out: &mut [u8]) -> Result<()> {
+        if out.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the host: {} bytes from a buffer of {}",
+                out.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        Ok(stream.memcpy_dtoh(&*self.data, out)?)
+    }
+
+    /// Copies `src` (same size) into this tensor, queued on this tensor's stream.
+    pub fn copy_from(&mut self, src: &DeviceTensor) -> Result<()> {
+        if src.data.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "device copy: {} bytes into a buffer of {}",
+                src.data.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        Ok(stream.memcpy_dtod(&*src.data, &mut *self.data)?)
     }
 
     /// Fills every byte with `byte` (tests poison outputs with 0xFF, a NaN in every type).

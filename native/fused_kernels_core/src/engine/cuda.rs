@@ -1,33 +1,82 @@
 //! The GPU executor: the backbone's weights uploaded once (f32, device-resident), every layer
-//! of a window or a frame run from one native call on the device's stream, the streaming
-//! state kept on the device between frames. Each layer is the op the composed path used
-//! (`ops::{norm, dense, rnn, flash_attention, mamba_block, stream_state}` on CUDA), so the
-//! arithmetic is theirs; what this removes is the per-op crossing of the NIF boundary and the
-//! host round trips between layers.
+//! of a window or a frame run from one native call, the streaming state kept on the device
+//! between frames. Each layer is the op the composed path used (the CUDA entry points of
+//! `ops::{norm, dense, rnn, flash_attention, mamba_block, stream_state}` that take a `Gpu`),
+//! so the arithmetic is theirs; what this removes is the per-op crossing of the NIF boundary
+//! and the host round trips between layers.
 //!
-//! Not yet here (design.md "The engine"): per-shape preallocated buffers, the engine's own
-//! stream and CUDA-graph replay. Those need the ops' launches to take a stream and caller
-//! buffers (they allocate their outputs and launch on `Gpu::stream` today).
+//! Each engine runs on a stream of its own (`Gpu::with_new_stream`, its own cuBLAS handle),
+//! so engines on one device neither wait on each other nor on the ops' shared stream. Device
+//! memory is allocated at the first call of a (batch, seq, window-or-frame) shape only: every
+//! buffer the ops ask for during a call comes from that shape's arena (`with_scratch`), whose
+//! slots are handed out in request order. A call makes the same requests in the same order as
+//! the previous call of its shape, so once warmed up it gets the same slots and allocates
+//! nothing; the state is copied back into the state's own buffers after a frame, so no slot
+//! is ever both read as the old state and written as the new one.
+//!
+//! Not yet here (design.md "The engine"): CUDA-graph replay and functions resolved once at
+//! load (the ops look their kernels up per call in the device's module map).
 
 use super::plan::{Kind, Params, Plan, Spec};
-use crate::cuda::{self, DeviceTensor, Gpu};
+use crate::cuda::gemm::ptr;
+use crate::cuda::{self, buffer, DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::operand::{Operand, Placement, Value};
-use crate::ops::{
-    dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state, Backend,
-};
+use crate::kernels::STREAM_STATE;
+use crate::operand::Operand;
+use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
+use cudarc::driver::CudaFunction;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// One shape's device memory, handed out slot by slot in request order.
+struct Arena {
+    slots: Vec<DeviceTensor>,
+    next: usize,
+}
+
+impl Arena {
+    /// The next slot, (re)allocated only when it does not exist yet or is too small.
+    fn take(&mut self, gpu: &Arc<Gpu>, bytes: usize) -> Result<u64> {
+        let i = self.next;
+        self.next += 1;
+        if let Some(t) = self.slots.get(i) {
+            if t.num_bytes() >= bytes {
+                return Ok(ptr(t));
+            }
+        }
+        let t = DeviceTensor::uninit_owned(gpu, vec![bytes.div_ceil(4).max(1)], DType::F32)?;
+        let p = ptr(&t);
+        if i < self.slots.len() {
+            // The old slot was last used by an earlier call; its free is ordered after that
+            // call's work on the engine's stream.
+            self.slots[i] = t;
+        } else {
+            self.slots.push(t);
+        }
+        Ok(p)
+    }
+}
+
+/// (batch, seq, frame) and its arena.
+struct Shape {
+    key: (usize, usize, bool),
+    arena: Arena,
+}
 
 pub struct CudaEngine {
     pub spec: Spec,
+    /// The device seen through the engine's own stream.
     gpu: Arc<Gpu>,
     weights: HashMap<String, DeviceTensor>,
     /// Jamba's parameter-free QK LayerNorm: unit gain, zero shift, `{head_dim}`.
     qk_gamma: DeviceTensor,
     qk_beta: DeviceTensor,
+    /// `stream_shift_append_w4`, looked up once.
+    shift_append: CudaFunction,
+    /// Per shape seen, its arena; calls into one engine serialise here (they share it).
+    shapes: Mutex<Vec<Shape>>,
 }
 
 /// One stream's state on the device: per layer its tensors (RNN `[c, h]`/`[h]` in Axon's
@@ -37,13 +86,6 @@ pub struct CudaState {
     pub batch: usize,
     pub frames: u64,
     layers: Vec<Vec<DeviceTensor>>,
-}
-
-fn device(v: Value) -> Result<DeviceTensor> {
-    match v {
-        Value::Device(t) => Ok(t),
-        Value::Host(_) => Err(Error::Cuda("expected a device result".into())),
-    }
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -56,7 +98,7 @@ fn upload(gpu: &Arc<Gpu>, name: &str, shape: Vec<usize>, v: &[f32]) -> Result<De
 }
 
 fn zeros(gpu: &Arc<Gpu>, shape: Vec<usize>) -> Result<DeviceTensor> {
-    let mut t = DeviceTensor::uninit(gpu, shape, DType::F32)?;
+    let mut t = DeviceTensor::uninit_owned(gpu, shape, DType::F32)?;
     t.fill_bytes(0)?;
     Ok(t)
 }
@@ -87,27 +129,74 @@ enum Stream<'s> {
     },
 }
 
+/// Copies a layer's new state (arena buffers) into the state's own buffers.
+fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
+    if state.len() != new.len() {
+        return Err(Error::Cuda(format!(
+            "a layer returned {} state tensors, expected {}",
+            new.len(),
+            state.len()
+        )));
+    }
+    state
+        .iter_mut()
+        .zip(new)
+        .try_for_each(|(s, n)| s.copy_from(n))
+}
+
 impl CudaEngine {
     /// Checks `params` against `spec` exactly as the CPU plan does, then uploads them.
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         Plan::build(spec.clone(), params.clone())?;
-        let gpu = cuda::gpu(ordinal)?;
+        let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
         let weights = params
             .into_tensors()
             .map(|(name, (shape, v))| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
             .collect::<Result<HashMap<_, _>>>()?;
         let d = spec.head_dim;
-        Ok(CudaEngine {
+        let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
+        let engine = CudaEngine {
             qk_gamma: upload(&gpu, "qk gamma", vec![d], &vec![1.0; d])?,
             qk_beta: upload(&gpu, "qk beta", vec![d], &vec![0.0; d])?,
             spec,
             gpu,
             weights,
-        })
+            shift_append,
+            shapes: Mutex::new(Vec::new()),
+        };
+        engine.gpu.synchronize()?;
+        Ok(engine)
     }
 
-    fn backend(&self) -> Backend {
-        Backend::Cuda(Some(self.gpu.ordinal))
+    /// Runs `f` with every device buffer the ops ask for served by the arena of `key`.
+    fn with_arena<R>(&self, key: (usize, usize, bool), f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let mut shapes = self
+            .shapes
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        let i = match shapes.iter().position(|s| s.key == key) {
+            Some(i) => i,
+            None => {
+                shapes.push(Shape {
+                    key,
+                    arena: Arena {
+                        slots: Vec::new(),
+                        next: 0,
+                    },
+                });
+                shapes.len() - 1
+            }
+        };
+        let arena = &mut shapes[i].arena;
+        arena.next = 0;
+        let gpu = self.gpu.clone();
+        let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
+        buffer::with_scratch(&mut alloc, f)
+    }
+
+    /// A buffer for this call (from the shape's arena).
+    fn buf(&self, shape: Vec<usize>) -> Result<DeviceTensor> {
+        DeviceTensor::uninit(&self.gpu, shape, DType::F32)
     }
 
     fn w(&self, name: &str) -> Result<Operand<'_>> {
@@ -131,7 +220,9 @@ impl CudaEngine {
             residual: None,
         };
         let p = norm::Params::new(norm::Kind::Layer, eps)?;
-        device(norm::run(self.backend(), &inputs, p, Placement::Device)?.0)
+        let mut out = self.buf(x.shape().to_vec())?;
+        norm::cuda_into(&self.gpu, &inputs, p, &mut out, None)?;
+        Ok(out)
     }
 
     fn norm(&self, x: &Operand<'_>, name: &str, eps: f64) -> Result<DeviceTensor> {
@@ -142,25 +233,29 @@ impl CudaEngine {
         self.norm_with(x, &g, &b, eps)
     }
 
+    fn dw(&self, name: &str) -> Result<&DeviceTensor> {
+        self.weights
+            .get(name)
+            .ok_or_else(|| arg_error(format!("params: \"{name}\" is missing")))
+    }
+
     fn dense(
         &self,
-        x: &Operand<'_>,
+        x: &DeviceTensor,
         name: &str,
         gelu: bool,
         residual: Option<&DeviceTensor>,
     ) -> Result<DeviceTensor> {
+        let kernel = self.dw(&format!("{name}/kernel"))?;
         let ops = dense::Operands {
-            x: match x {
-                Operand::Host(h) => Operand::Host(h.clone()),
-                Operand::Device(d) => Operand::Device(d),
-            },
-            kernel: self.w(&format!("{name}/kernel"))?,
+            x,
+            kernel,
             kernel_up: None,
-            bias: Some(self.w(&format!("{name}/bias"))?),
+            bias: Some(self.dw(&format!("{name}/bias"))?),
             bias_up: None,
             gamma: None,
             beta: None,
-            residual: residual.map(Operand::Device),
+            residual,
         };
         let act = if gelu {
             dense::Activation::Gelu
@@ -168,7 +263,13 @@ impl CudaEngine {
             dense::Activation::None
         };
         let p = dense::Params::new(dense::Kind::Dense, act, 0.0)?;
-        device(dense::run(self.backend(), &ops, p, Placement::Device)?)
+        let mut shape = x.shape.clone();
+        if let (Some(last), Some(&n)) = (shape.last_mut(), kernel.shape.last()) {
+            *last = n;
+        }
+        let mut out = self.buf(shape)?;
+        dense::cuda(&ops, &mut out, p)?;
+        Ok(out)
     }
 
     fn cell(&self) -> rnn::Cell {
@@ -204,27 +305,16 @@ impl CudaEngine {
             bias: group("bias", cell.bias_names())?,
             initial_state: init,
         };
-        let out = rnn::run(
-            self.backend(),
-            cell,
-            x,
-            &[layer],
-            false,
-            Placement::Device,
-            rnn::Precision::F32,
-        )?;
+        let out = rnn::cuda_on(&self.gpu, cell, x, &[layer], false)?;
         if let Some(s) = state {
             let new = out
                 .states
                 .into_iter()
                 .next()
-                .ok_or_else(|| Error::Cuda("rnn returned no state".into()))?
-                .into_iter()
-                .map(device)
-                .collect::<Result<Vec<_>>>()?;
-            *s = new;
+                .ok_or_else(|| Error::Cuda("rnn returned no state".into()))?;
+            copy_back(s, &new)?;
         }
-        device(out.sequence)
+        Ok(out.sequence)
     }
 
     fn mamba(&self, prefix: &str, x: &DeviceTensor, stream: Stream<'_>) -> Result<DeviceTensor> {
@@ -262,25 +352,25 @@ impl CudaEngine {
             selective_scan::Discretization::PerChannel,
             true,
         )?;
+        let mut out = self.buf(x.shape.clone())?;
         let x = Operand::Device(x);
         match stream {
-            Stream::Window => device(mamba_block::run(
-                self.backend(),
-                &x,
-                &w,
-                p,
-                Placement::Device,
-            )?),
+            Stream::Window => mamba_block::cuda_into(&self.gpu, &x, &w, p, &mut out)?,
             Stream::Frame { state, .. } => {
-                let (out, (conv, ssm)) = {
+                let next = vec![
+                    self.buf(state[0].shape.clone())?,
+                    self.buf(state[1].shape.clone())?,
+                ];
+                {
                     let (c, s) = (Operand::Device(&state[0]), Operand::Device(&state[1]));
                     let st = mamba_block::State { conv: &c, ssm: &s };
-                    mamba_block::run_stateful(self.backend(), &x, &w, p, &st, Placement::Device)?
-                };
-                *state = vec![device(conv)?, device(ssm)?];
-                device(out)
+                    let nx = Some((&next[0], &next[1]));
+                    mamba_block::cuda_stateful(&self.gpu, &x, &w, p, Some(&st), &mut out, nx)?;
+                }
+                copy_back(state, &next)?;
             }
         }
+        Ok(out)
     }
 
     /// Causal attention of projected q/k/v `{b, t, hidden}` (QK LayerNorm for Jamba); a frame
@@ -316,49 +406,53 @@ impl CudaEngine {
                 true,
                 (left as i64, 0),
             )?;
-            let (o, _) = flash_attention::run(
-                self.backend(),
-                &Operand::Device(&q),
-                &Operand::Device(k),
-                &Operand::Device(v),
-                p,
-                false,
-                Placement::Device,
-            )?;
-            device(o)
+            let mut o = self.buf(q.shape.clone())?;
+            let (b, t, h) = (q.shape[0], q.shape[1], q.shape[2]);
+            let mut lse = self.buf(vec![b, h, t])?;
+            flash_attention::cuda(&q, k, v, &mut o, &mut lse, p)?;
+            Ok(o)
         };
         let a = match stream {
             Stream::Window => fa(&k, &v, s.window - 1)?,
             Stream::Frame { frames, state } => {
                 let shift = |cache: &DeviceTensor, row: &DeviceTensor| -> Result<DeviceTensor> {
-                    device(stream_state::shift_append(
-                        self.backend(),
+                    let dims = stream_state::shift_geometry(
                         &Operand::Device(cache),
                         &Operand::Device(row),
-                        Placement::Device,
-                    )?)
+                    )?;
+                    let out = self.buf(cache.shape.clone())?;
+                    let addrs = (ptr(cache), ptr(row), ptr(&out));
+                    stream_state::shift_append_on(
+                        &self.gpu.stream,
+                        &self.shift_append,
+                        addrs,
+                        dims,
+                    )?;
+                    Ok(out)
                 };
-                let (kc, vc) = (shift(&state[0], &k)?, shift(&state[1], &v)?);
+                let next = vec![shift(&state[0], &k)?, shift(&state[1], &v)?];
                 let left = (frames.min(s.window as u64) as usize).max(1) - 1;
-                let a = fa(&kc, &vc, left)?;
-                *state = vec![kc, vc];
+                let a = fa(&next[0], &next[1], left)?;
+                copy_back(state, &next)?;
                 a
             }
         };
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
-    /// Every layer over `x` `{b, t, embed}` (f32 on the host); returns `{b, t, hidden}`.
+    /// Every layer over `x` `{b, t, embed}` (f32 values copied in from the host); returns
+    /// `{b, t, hidden}`. Runs inside `with_arena`.
     fn forward(
         &self,
-        x: HostTensor<'_>,
+        (b, t, x): (usize, usize, &[f32]),
         mut state: Option<&mut CudaState>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
-        let x = Operand::Host(x);
+        let mut xd = self.buf(vec![b, t, s.embed])?;
+        xd.copy_from_host(&f32_bytes(x))?;
         match s.kind {
             Kind::Lstm | Kind::Gru => {
-                let mut y = self.norm(&x, "input_norm", s.norm_eps)?;
+                let mut y = self.norm(&Operand::Device(&xd), "input_norm", s.norm_eps)?;
                 for l in 1..=s.layers {
                     let st = match layer_stream(&mut state, l) {
                         Stream::Frame { state, .. } => Some(state),
@@ -370,47 +464,35 @@ impl CudaEngine {
                 Ok(y)
             }
             _ => {
-                let mut y = self.dense(&x, "input_proj", false, None)?;
+                let mut y = self.dense(&xd, "input_proj", false, None)?;
                 for l in 1..=s.layers {
                     let stream = layer_stream(&mut state, l);
-                    let yo = Operand::Device(&y);
                     y = match s.kind {
                         Kind::Attention => {
                             let p = |n: &str| format!("attn_{l}_{n}");
                             let (q, k, v) = (
-                                self.dense(&yo, &p("q"), false, None)?,
-                                self.dense(&yo, &p("k"), false, None)?,
-                                self.dense(&yo, &p("v"), false, None)?,
+                                self.dense(&y, &p("q"), false, None)?,
+                                self.dense(&y, &p("k"), false, None)?,
+                                self.dense(&y, &p("v"), false, None)?,
                             );
                             let a = self.attention(q, k, v, false, stream)?;
-                            let x1 =
-                                self.dense(&Operand::Device(&a), &p("out"), false, Some(&y))?;
+                            let x1 = self.dense(&a, &p("out"), false, Some(&y))?;
                             let x1 = self.norm(&Operand::Device(&x1), &p("norm"), s.norm_eps)?;
-                            let f = self.dense(
-                                &Operand::Device(&x1),
-                                &format!("ffn_{l}_up"),
-                                true,
-                                None,
-                            )?;
-                            let x2 = self.dense(
-                                &Operand::Device(&f),
-                                &format!("ffn_{l}_down"),
-                                false,
-                                Some(&x1),
-                            )?;
+                            let f = self.dense(&x1, &format!("ffn_{l}_up"), true, None)?;
+                            let x2 = self.dense(&f, &format!("ffn_{l}_down"), false, Some(&x1))?;
                             self.norm(&Operand::Device(&x2), &format!("ffn_{l}_norm"), s.norm_eps)?
                         }
                         Kind::Jamba if s.jamba_attention(l) => {
                             let p = |n: &str| format!("jamba_{l}_{n}");
-                            let xn = self.norm(&yo, &p("attn_norm"), s.norm_eps)?;
-                            let xo = Operand::Device(&xn);
+                            let xn =
+                                self.norm(&Operand::Device(&y), &p("attn_norm"), s.norm_eps)?;
                             let (q, k, v) = (
-                                self.dense(&xo, &p("q"), false, None)?,
-                                self.dense(&xo, &p("k"), false, None)?,
-                                self.dense(&xo, &p("v"), false, None)?,
+                                self.dense(&xn, &p("q"), false, None)?,
+                                self.dense(&xn, &p("k"), false, None)?,
+                                self.dense(&xn, &p("v"), false, None)?,
                             );
                             let a = self.attention(q, k, v, true, stream)?;
-                            self.dense(&Operand::Device(&a), &p("out"), false, Some(&y))?
+                            self.dense(&a, &p("out"), false, Some(&y))?
                         }
                         Kind::Jamba => self.mamba(&format!("jamba_{l}"), &y, stream)?,
                         _ => self.mamba(&format!("mamba_{l}"), &y, stream)?,
@@ -424,19 +506,25 @@ impl CudaEngine {
     /// The window `{batch, seq, embed}` (f32 values) from zero state; the last position of
     /// every batch row into `out` (`batch * hidden`).
     pub fn predict(&self, batch: usize, seq: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let bytes = f32_bytes(x);
-        let host = HostTensor::new(
-            "window",
-            &bytes,
-            vec![batch, seq, self.spec.embed],
-            DType::F32,
-        )?;
-        let y = self.forward(host, None)?.download()?;
-        let hid = self.spec.hidden;
+        let (emb, hid) = (self.spec.embed, self.spec.hidden);
+        if batch == 0 || seq == 0 {
+            return Err(arg_error(format!(
+                "window: batch and window length must be positive, got {{{batch}, {seq}, {emb}}}"
+            )));
+        }
+        if x.len() != batch * seq * emb || out.len() != batch * hid {
+            return Err(arg_error(
+                "window: must hold batch * seq * embed values and out batch * hidden",
+            ));
+        }
+        let mut y = vec![0u8; batch * seq * hid * 4];
+        self.with_arena((batch, seq, false), || {
+            self.forward((batch, seq, x), None)?.copy_to_host(&mut y)
+        })?;
         for bi in 0..batch {
             let row = (bi * seq + seq - 1) * hid * 4;
             for (j, o) in out[bi * hid..(bi + 1) * hid].iter_mut().enumerate() {
-                let c = &y.data[row + 4 * j..row + 4 * j + 4];
+                let c = &y[row + 4 * j..row + 4 * j + 4];
                 *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
@@ -491,16 +579,19 @@ impl CudaEngine {
                 "state: was not made by init_state of this backbone",
             ));
         }
-        let bytes = f32_bytes(x);
-        let host = HostTensor::new(
-            "frame",
-            &bytes,
-            vec![state.batch, 1, self.spec.embed],
-            DType::F32,
-        )?;
+        let batch = state.batch;
+        if x.len() != batch * self.spec.embed || out.len() != batch * self.spec.hidden {
+            return Err(arg_error(
+                "frame: must hold batch * embed values and out batch * hidden",
+            ));
+        }
+        let mut y = vec![0u8; out.len() * 4];
         state.frames += 1;
-        let y = self.forward(host, Some(state))?.download()?;
-        for (o, c) in out.iter_mut().zip(y.data.chunks_exact(4)) {
+        self.with_arena((batch, 1, true), || {
+            self.forward((batch, 1, x), Some(state))?
+                .copy_to_host(&mut y)
+        })?;
+        for (o, c) in out.iter_mut().zip(y.chunks_exact(4)) {
             *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
         Ok(())
