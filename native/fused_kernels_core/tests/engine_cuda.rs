@@ -124,3 +124,86 @@ fn gpu_batch_rows_are_independent() {
         }
     }
 }
+
+#[test]
+fn gpu_warm_calls_allocate_no_device_memory() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    use fused_kernels_core::cuda::buffer::thread_device_allocations;
+    // ExPhil's GRU: 10,000 frames after a warm-up frame.
+    let s = spec(Kind::Gru);
+    let (_, gpu) = engines(&s, 21);
+    let mut st = gpu.new_state(1).unwrap();
+    let frame = Rng::new(22).vec(s.embed, 1.0, 0.0);
+    let mut out = vec![f32::NAN; s.hidden];
+    gpu.step(&mut st, &frame, &mut out).unwrap();
+    let before = thread_device_allocations();
+    for _ in 0..10_000 {
+        gpu.step(&mut st, &frame, &mut out).unwrap();
+    }
+    assert_eq!(
+        thread_device_allocations() - before,
+        0,
+        "GRU steps allocated"
+    );
+    assert!(out.iter().all(|v| v.is_finite()));
+
+    // Every backbone: warm windows and frames allocate nothing either.
+    for kind in KINDS {
+        let s = small(kind);
+        let (_, gpu) = engines(&s, 23);
+        let (b, t) = (3, 17);
+        let x = Rng::new(24).vec(b * t * s.embed, 1.0, 0.0);
+        let mut st = gpu.new_state(b).unwrap();
+        let mut out = vec![f32::NAN; b * s.hidden];
+        let first = gpu_predict(&gpu, &x, b, t);
+        gpu.step(&mut st, &x[..b * s.embed], &mut out).unwrap();
+        let before = thread_device_allocations();
+        for _ in 0..5 {
+            assert_eq!(
+                gpu_predict(&gpu, &x, b, t),
+                first,
+                "{kind:?}: window changed"
+            );
+            gpu.step(&mut st, &x[..b * s.embed], &mut out).unwrap();
+        }
+        assert_eq!(
+            thread_device_allocations() - before,
+            0,
+            "{kind:?}: warm calls allocated"
+        );
+    }
+}
+
+#[test]
+fn gpu_engines_on_two_threads_match_each_run_alone() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = small(kind);
+        let (b, t) = (2, 13);
+        let run = |e: &CudaEngine, x: &[f32]| (gpu_predict(e, x, b, t), gpu_stream(e, x, b, t));
+        let (_, e1) = engines(&s, 31);
+        let (_, e2) = engines(&s, 32);
+        let x1 = Rng::new(33).vec(b * t * s.embed, 1.0, 0.0);
+        let x2 = Rng::new(34).vec(b * t * s.embed, 1.0, 0.0);
+        let (alone1, alone2) = (run(&e1, &x1), run(&e2, &x2));
+        let (c1, c2) = std::thread::scope(|sc| {
+            let h1 = sc.spawn(|| (0..4).map(|_| run(&e1, &x1)).collect::<Vec<_>>());
+            let h2 = sc.spawn(|| (0..4).map(|_| run(&e2, &x2)).collect::<Vec<_>>());
+            (h1.join().unwrap(), h2.join().unwrap())
+        });
+        for (got, want) in c1
+            .iter()
+            .map(|g| (g, &alone1))
+            .chain(c2.iter().map(|g| (g, &alone2)))
+        {
+            for (g, w) in [(&got.0, &want.0), (&got.1, &want.1)] {
+                let err = rel_l2(g, w);
+                assert!(err <= 1e-6, "{kind:?}: concurrent vs alone rel L2 {err}");
+            }
+        }
+    }
+}
