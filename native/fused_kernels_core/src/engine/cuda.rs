@@ -26,14 +26,22 @@ use crate::kernels::STREAM_STATE;
 use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
-use cudarc::driver::CudaFunction;
+use buffer::PinnedBytes;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaFunction, CudaGraph};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// One shape's device memory, handed out slot by slot in request order.
 struct Arena {
     slots: Vec<DeviceTensor>,
     next: usize,
+    /// Bumped whenever a slot is (re)allocated: graphs captured before hold stale addresses.
+    generation: u64,
+    /// While a graph is captured the arena must not allocate (the graph would keep an
+    /// address that an allocation made outside it could not honour).
+    capturing: bool,
 }
 
 impl Arena {
@@ -46,8 +54,14 @@ impl Arena {
                 return Ok(ptr(t));
             }
         }
+        if self.capturing {
+            return Err(Error::Cuda(format!(
+                "buffer {i} ({bytes} bytes) was not allocated by the warm-up run"
+            )));
+        }
         let t = DeviceTensor::uninit_owned(gpu, vec![bytes.div_ceil(4).max(1)], DType::F32)?;
         let p = ptr(&t);
+        self.generation += 1;
         if i < self.slots.len() {
             // The old slot was last used by an earlier call; its free is ordered after that
             // call's work on the engine's stream.
@@ -59,11 +73,39 @@ impl Arena {
     }
 }
 
-/// (batch, seq, frame) and its arena.
+/// A captured call of one shape: for a window `state` is 0, for a frame it is the id of the
+/// `CudaState` whose buffers the graph reads and writes.
+struct Graph {
+    state: u64,
+    generation: u64,
+    exec: std::result::Result<Exec, String>,
+}
+
+/// An instantiated graph, moved between threads with the engine.
+struct Exec(CudaGraph);
+
+// Safety: a graph and its executable are driver objects of the context, usable from any
+// thread that binds it (`CudaGraph::launch` does); the engine's mutex serialises every use.
+unsafe impl Send for Exec {}
+
+/// Graphs kept per shape (one per window shape; one per stream state of a frame shape).
+const MAX_GRAPHS: usize = 64;
+
+/// (batch, seq, frame): its arena, page-locked input and output, and graphs.
 struct Shape {
     key: (usize, usize, bool),
     arena: Arena,
+    input: PinnedBytes,
+    output: PinnedBytes,
+    /// One eager call has run (modules loaded, every buffer allocated).
+    warm: bool,
+    graphs: Vec<Graph>,
 }
+
+/// `CudaEngine::graphs`' answer for one shape: `(batch, seq, frame, notes)`.
+pub type ShapeGraphs = (usize, usize, bool, Vec<String>);
+
+static STATE_IDS: AtomicU64 = AtomicU64::new(1);
 
 pub struct CudaEngine {
     pub spec: Spec,
@@ -85,6 +127,8 @@ pub struct CudaEngine {
 pub struct CudaState {
     pub batch: usize,
     pub frames: u64,
+    /// Unique per state: the graphs captured for it are found by it.
+    id: u64,
     layers: Vec<Vec<DeviceTensor>>,
 }
 
@@ -168,13 +212,27 @@ impl CudaEngine {
         Ok(engine)
     }
 
-    /// Runs `f` with every device buffer the ops ask for served by the arena of `key`.
-    fn with_arena<R>(&self, key: (usize, usize, bool), f: impl FnOnce() -> Result<R>) -> Result<R> {
+    /// One call of shape `key`: `x` into the shape's page-locked input, the layers (`forward`
+    /// with the arena serving every buffer), the result `{b, t, hidden}` out of the page-locked
+    /// output, handed to `read`. The first call of a shape runs eagerly; the next one captures
+    /// a CUDA graph (for a frame: per state, and for attention only once its cache window is
+    /// full, since the kernels' window arguments change until then) and every later one
+    /// replays it. When capture or instantiation fails, the shape (or state) stays eager and
+    /// `graphs` says why. Only the engine's stream is waited for.
+    fn call(
+        &self,
+        key: (usize, usize, bool),
+        x: &[f32],
+        mut state: Option<&mut CudaState>,
+        read: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        let (b, t, _) = key;
+        let s = &self.spec;
         let mut shapes = self
             .shapes
             .lock()
             .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        let i = match shapes.iter().position(|s| s.key == key) {
+        let i = match shapes.iter().position(|sh| sh.key == key) {
             Some(i) => i,
             None => {
                 shapes.push(Shape {
@@ -182,16 +240,136 @@ impl CudaEngine {
                     arena: Arena {
                         slots: Vec::new(),
                         next: 0,
+                        generation: 0,
+                        capturing: false,
                     },
+                    input: PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?,
+                    output: PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?,
+                    warm: false,
+                    graphs: Vec::new(),
                 });
                 shapes.len() - 1
             }
         };
-        let arena = &mut shapes[i].arena;
+        let sh = &mut shapes[i];
+        if x.len() * 4 != sh.input.len() {
+            return Err(arg_error("x: must hold batch * seq * embed values"));
+        }
+        for (d, v) in sh.input.bytes_mut().chunks_exact_mut(4).zip(x) {
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        let sid = state.as_ref().map_or(0, |st| st.id);
+        let graphable = match (&state, s.kind) {
+            (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
+            _ => true,
+        };
+        let generation = sh.arena.generation;
+        let found = sh.graphs.iter().position(|g| g.state == sid);
+        if let Some(gi) = found {
+            if sh.graphs[gi].generation != generation {
+                sh.graphs.remove(gi);
+            }
+        }
+        let found = sh.graphs.iter().position(|g| g.state == sid);
+        match found.map(|gi| &sh.graphs[gi].exec) {
+            Some(Ok(graph)) if graphable => graph.0.launch()?,
+            None if graphable && sh.warm && sh.graphs.len() < MAX_GRAPHS => {
+                let exec = self.capture(sh, state.as_deref_mut());
+                match &exec {
+                    Ok(graph) => graph.0.launch()?,
+                    Err(_) => self.eager(sh, state)?,
+                }
+                sh.graphs.push(Graph {
+                    state: sid,
+                    generation,
+                    exec,
+                });
+            }
+            _ => self.eager(sh, state)?,
+        }
+        self.gpu.stream.synchronize()?;
+        read(sh.output.bytes());
+        Ok(())
+    }
+
+    /// The layers queued on the engine's stream, every buffer from `sh`'s arena.
+    fn enqueue(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
+        let (b, t, _) = sh.key;
+        let Shape {
+            arena,
+            input,
+            output,
+            ..
+        } = sh;
         arena.next = 0;
         let gpu = self.gpu.clone();
         let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
-        buffer::with_scratch(&mut alloc, f)
+        buffer::with_scratch(&mut alloc, || {
+            let mut xd = self.buf(vec![b, t, self.spec.embed])?;
+            xd.copy_from_pinned(input)?;
+            self.forward(&xd, state)?.copy_to_pinned(output)
+        })
+    }
+
+    fn eager(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
+        self.enqueue(sh, state)?;
+        sh.warm = true;
+        Ok(())
+    }
+
+    /// `enqueue` captured into a graph (nothing runs); the reason when that fails.
+    fn capture(
+        &self,
+        sh: &mut Shape,
+        state: Option<&mut CudaState>,
+    ) -> std::result::Result<Exec, String> {
+        let stream = self.gpu.stream.clone();
+        // Thread-local mode: a call on this thread that a graph cannot hold (an allocation,
+        // a module load) fails the capture instead of being silently left out.
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| format!("begin capture: {}", Error::from(e)))?;
+        sh.arena.capturing = true;
+        let queued = buffer::without_pageable_copies(|| self.enqueue(sh, state));
+        sh.arena.capturing = false;
+        // Always ended, so that the stream leaves capture mode whatever happened.
+        let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+        // A failed capture may leave an error latched on the context; clear it here rather
+        // than fail some later call with it.
+        let _ = self.gpu.ctx.check_err();
+        queued.map_err(|e| format!("capture: {e}"))?;
+        let graph = ended
+            .map_err(|e| format!("end capture / instantiate: {}", Error::from(e)))?
+            .ok_or_else(|| "capture produced no graph".to_string())?;
+        graph
+            .upload()
+            .map_err(|e| format!("graph upload: {}", Error::from(e)))?;
+        Ok(Exec(graph))
+    }
+
+    /// Per shape seen: `(batch, seq, frame, graphs)`, where each graph is `"graph"` when
+    /// replayed or `"eager: why"` when its capture failed; a shape with no entry has run
+    /// eagerly only (its first call, or attention frames before the cache window fills).
+    pub fn graphs(&self) -> Result<Vec<ShapeGraphs>> {
+        let shapes = self
+            .shapes
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        Ok(shapes
+            .iter()
+            .map(|sh| {
+                let (b, t, f) = sh.key;
+                let notes = sh
+                    .graphs
+                    .iter()
+                    .map(|g| match &g.exec {
+                        Ok(_) => "graph".to_string(),
+                        Err(why) => format!("eager: {why}"),
+                    })
+                    .collect();
+                (b, t, f, notes)
+            })
+            .collect())
     }
 
     /// A buffer for this call (from the shape's arena).
@@ -440,19 +618,17 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
-    /// Every layer over `x` `{b, t, embed}` (f32 values copied in from the host); returns
-    /// `{b, t, hidden}`. Runs inside `with_arena`.
+    /// Every layer over `xd` `{b, t, embed}`; returns `{b, t, hidden}`. Runs inside
+    /// `enqueue`.
     fn forward(
         &self,
-        (b, t, x): (usize, usize, &[f32]),
+        xd: &DeviceTensor,
         mut state: Option<&mut CudaState>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
-        let mut xd = self.buf(vec![b, t, s.embed])?;
-        xd.copy_from_host(&f32_bytes(x))?;
         match s.kind {
             Kind::Lstm | Kind::Gru => {
-                let mut y = self.norm(&Operand::Device(&xd), "input_norm", s.norm_eps)?;
+                let mut y = self.norm(&Operand::Device(xd), "input_norm", s.norm_eps)?;
                 for l in 1..=s.layers {
                     let st = match layer_stream(&mut state, l) {
                         Stream::Frame { state, .. } => Some(state),
@@ -464,7 +640,7 @@ impl CudaEngine {
                 Ok(y)
             }
             _ => {
-                let mut y = self.dense(&xd, "input_proj", false, None)?;
+                let mut y = self.dense(xd, "input_proj", false, None)?;
                 for l in 1..=s.layers {
                     let stream = layer_stream(&mut state, l);
                     y = match s.kind {
@@ -517,18 +693,15 @@ impl CudaEngine {
                 "window: must hold batch * seq * embed values and out batch * hidden",
             ));
         }
-        let mut y = vec![0u8; batch * seq * hid * 4];
-        self.with_arena((batch, seq, false), || {
-            self.forward((batch, seq, x), None)?.copy_to_host(&mut y)
-        })?;
-        for bi in 0..batch {
-            let row = (bi * seq + seq - 1) * hid * 4;
-            for (j, o) in out[bi * hid..(bi + 1) * hid].iter_mut().enumerate() {
-                let c = &y[row + 4 * j..row + 4 * j + 4];
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        self.call((batch, seq, false), x, None, |y| {
+            for bi in 0..batch {
+                let row = (bi * seq + seq - 1) * hid * 4;
+                for (j, o) in out[bi * hid..(bi + 1) * hid].iter_mut().enumerate() {
+                    let c = &y[row + 4 * j..row + 4 * j + 4];
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
             }
-        }
-        Ok(())
+        })
     }
 
     pub fn new_state(&self, batch: usize) -> Result<CudaState> {
@@ -556,9 +729,11 @@ impl CudaEngine {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
             frames: 0,
+            id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
         })
     }
@@ -568,7 +743,7 @@ impl CudaEngine {
             t.fill_bytes(0)?;
         }
         state.frames = 0;
-        Ok(())
+        self.gpu.synchronize()
     }
 
     /// One frame (`batch * embed` f32 values) from `state`, which moves on one frame;
@@ -585,15 +760,11 @@ impl CudaEngine {
                 "frame: must hold batch * embed values and out batch * hidden",
             ));
         }
-        let mut y = vec![0u8; out.len() * 4];
         state.frames += 1;
-        self.with_arena((batch, 1, true), || {
-            self.forward((batch, 1, x), Some(state))?
-                .copy_to_host(&mut y)
-        })?;
-        for (o, c) in out.iter_mut().zip(y.chunks_exact(4)) {
-            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        }
-        Ok(())
+        self.call((batch, 1, true), x, Some(state), |y| {
+            for (o, c) in out.iter_mut().zip(y.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        })
     }
 }
