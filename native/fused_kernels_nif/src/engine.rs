@@ -21,8 +21,8 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The executor a backbone was loaded for.
 enum Exec {
-    Cpu(Engine),
-    Cuda(CudaEngine),
+    Cpu(Box<Engine>),
+    Cuda(Box<CudaEngine>),
 }
 
 pub struct EngineResource {
@@ -150,8 +150,8 @@ fn engine_load<'a>(
         let device = decode_device(device)?;
         let (spec, params) = (decode_spec(spec)?, decode_params(params)?);
         let exec = match backend.as_str() {
-            "cpu" => Exec::Cpu(Engine::new(Plan::build(spec, params)?)),
-            "cuda" => Exec::Cuda(CudaEngine::new(spec, params, device)?),
+            "cpu" => Exec::Cpu(Box::new(Engine::new(Plan::build(spec, params)?))),
+            "cuda" => Exec::Cuda(Box::new(CudaEngine::new(spec, params, device)?)),
             other => {
                 return Err(arg_error(format!(
                     "backend: the engine runs on :cpu or :cuda, got :{other}"

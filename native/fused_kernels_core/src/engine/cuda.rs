@@ -119,6 +119,39 @@ pub struct CudaEngine {
     shift_append: CudaFunction,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
+    /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
+    /// never ask cuBLAS to allocate (None without cuBLAS).
+    _blas_workspace: Option<DeviceTensor>,
+}
+
+/// cuBLAS workspace per engine (NVIDIA's recommendation for Hopper).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Gives `gpu`'s cuBLAS handle a workspace of its own; None when cuBLAS is absent.
+fn blas_workspace(gpu: &Arc<Gpu>) -> Result<Option<DeviceTensor>> {
+    if !cuda::probe().is_ok_and(|p| p.cublas_present) {
+        return Ok(None);
+    }
+    let ws = DeviceTensor::uninit_owned(gpu, vec![BLAS_WORKSPACE_BYTES / 4], DType::F32)?;
+    let addr = ptr(&ws);
+    gpu.with_blas(|blas| {
+        // Safety: the handle is the engine's; the workspace outlives every GEMM queued with
+        // it (the engine waits for its stream after each call and owns both).
+        let status = unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                addr as *mut std::ffi::c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+        };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(Error::Cuda(format!(
+                "cublasSetWorkspace failed: {status:?}"
+            )));
+        }
+        Ok(())
+    })?;
+    Ok(Some(ws))
 }
 
 /// One stream's state on the device: per layer its tensors (RNN `[c, h]`/`[h]` in Axon's
@@ -199,6 +232,7 @@ impl CudaEngine {
             .collect::<Result<HashMap<_, _>>>()?;
         let d = spec.head_dim;
         let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
+        let blas_ws = blas_workspace(&gpu)?;
         let engine = CudaEngine {
             qk_gamma: upload(&gpu, "qk gamma", vec![d], &vec![1.0; d])?,
             qk_beta: upload(&gpu, "qk beta", vec![d], &vec![0.0; d])?,
@@ -207,6 +241,7 @@ impl CudaEngine {
             weights,
             shift_append,
             shapes: Mutex::new(Vec::new()),
+            _blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
         Ok(engine)
