@@ -349,3 +349,32 @@ fn engine_state_info<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
     })();
     reply(env, result)
 }
+
+/// `engine_graphs(engine)` → `[{batch, seq, :window | :frame, [note]}]`: per shape the GPU
+/// engine has run, whether its calls replay a CUDA graph (`"graph"`) or run eagerly because
+/// capture failed (`"eager: why"`); `[]` for the CPU engine. Takes the engine's lock, so it
+/// waits for a call in progress: a dirty scheduler.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_graphs<'a>(env: Env<'a>, engine: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let e = decode_engine(engine)?;
+        let rows = match &e.exec {
+            Exec::Cpu(_) => Vec::new(),
+            Exec::Cuda(g) => g.graphs()?,
+        };
+        let rows: Vec<Term<'a>> = rows
+            .into_iter()
+            .map(|(b, t, frame, notes)| {
+                let mode = if frame {
+                    rustler::Atom::from_str(env, "frame")
+                } else {
+                    rustler::Atom::from_str(env, "window")
+                }?;
+                Ok((b as u64, t as u64, mode, notes).encode(env))
+            })
+            .collect::<std::result::Result<_, rustler::Error>>()
+            .map_err(|_| fused_kernels_core::Error::Cuda("encoding the graph list".into()))?;
+        Ok(rows.encode(env))
+    })();
+    reply(env, result)
+}
