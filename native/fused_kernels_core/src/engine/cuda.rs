@@ -88,7 +88,8 @@ struct Exec(CudaGraph);
 // thread that binds it (`CudaGraph::launch` does); the engine's mutex serialises every use.
 unsafe impl Send for Exec {}
 
-/// Graphs kept per shape (one per window shape; one per stream state of a frame shape).
+/// Graphs kept per shape (one per window shape; one per stream state of a frame shape; the
+/// oldest is dropped for a new one beyond this).
 const MAX_GRAPHS: usize = 64;
 
 /// (batch, seq, frame): its arena, page-locked input and output, and graphs.
@@ -258,6 +259,22 @@ impl CudaEngine {
         &self,
         key: (usize, usize, bool),
         x: &[f32],
+        state: Option<&mut CudaState>,
+        read: impl FnOnce(&[u8]),
+    ) -> Result<()> {
+        let r = self.call_inner(key, x, state, read);
+        if r.is_err() {
+            // Work queued before the failure must finish before the next call reuses the
+            // staging and the arena.
+            let _ = self.gpu.stream.synchronize();
+        }
+        r
+    }
+
+    fn call_inner(
+        &self,
+        key: (usize, usize, bool),
+        x: &[f32],
         mut state: Option<&mut CudaState>,
         read: impl FnOnce(&[u8]),
     ) -> Result<()> {
@@ -308,7 +325,11 @@ impl CudaEngine {
         let found = sh.graphs.iter().position(|g| g.state == sid);
         match found.map(|gi| &sh.graphs[gi].exec) {
             Some(Ok(graph)) if graphable => graph.0.launch()?,
-            None if graphable && sh.warm && sh.graphs.len() < MAX_GRAPHS => {
+            None if graphable && sh.warm => {
+                if sh.graphs.len() >= MAX_GRAPHS {
+                    // Oldest first: mostly states that are gone (a live one recaptures).
+                    sh.graphs.remove(0);
+                }
                 let exec = self.capture(sh, state.as_deref_mut());
                 match &exec {
                     Ok(graph) => graph.0.launch()?,
