@@ -25,7 +25,7 @@ x_rnn = rand.({b, t, i}, 1.0)
 zeros = Nx.broadcast(0.0, {b, h})
 
 mamba_params =
-  FusedKernels.MambaBlock.Bench.exphil_params()
+  FusedKernels.Sample.mamba_block_params()
   |> Map.new(fn {l, ps} ->
     {l, Map.new(ps, fn {k, tr} -> {k, FusedKernels.Tensor.to_nx(tr)} end)}
   end)

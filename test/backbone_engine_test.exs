@@ -6,7 +6,7 @@ defmodule FusedKernels.BackboneEngineTest do
   use ExUnit.Case, async: false
   import Bitwise
 
-  alias FusedKernels.{Backbone, Bench, Native, TestRef}
+  alias FusedKernels.{Backbone, Native, Sample, TestRef}
   alias FusedKernels.Backbone.Spec
 
   defp frame({bin, {b, t, e}, type}, i) do
@@ -57,7 +57,7 @@ defmodule FusedKernels.BackboneEngineTest do
     test "#{kind} on #{backend}: one NIF call per predict and per step" do
       spec = small(unquote(kind))
       h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: unquote(backend))
-      win = Bench.random_triple({1, spec.window, spec.embed}, {:f, 32})
+      win = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
       state = Backbone.init_state(h, 1)
       Backbone.predict(h, win)
       Backbone.step(h, state, frame(win, 0))
@@ -71,7 +71,7 @@ defmodule FusedKernels.BackboneEngineTest do
     test "#{kind} on #{backend}: batch-8 rows equal eight batch-1 calls, streamed too" do
       spec = small(unquote(kind))
       h = Backbone.load(spec, Backbone.random_params(spec, 2), backend: unquote(backend))
-      win = Bench.random_triple({8, 11, spec.embed}, {:f, 32})
+      win = Sample.random_triple({8, 11, spec.embed}, {:f, 32})
       {all, {8, 32}, _} = Backbone.predict(h, win)
 
       for r <- 0..7 do
@@ -104,7 +104,7 @@ defmodule FusedKernels.BackboneEngineTest do
     for window <- [16, 60] do
       spec = Spec.new(:gru, layers: 1, window: window)
       h = Backbone.load(spec, Backbone.random_params(spec, 3), backend: :cpu)
-      win = Bench.random_triple({1, window, spec.embed}, {:f, 32})
+      win = Sample.random_triple({1, window, spec.embed}, {:f, 32})
       full = Backbone.predict(h, win)
       assert {_, {1, 256}, {:f, 32}} = full
 
@@ -159,7 +159,7 @@ defmodule FusedKernels.BackboneEngineTest do
         Backbone.init_state(h, :one)
       end
 
-      f = Bench.random_triple({1, spec.embed}, {:f, 32})
+      f = Sample.random_triple({1, spec.embed}, {:f, 32})
 
       for bad <- [[], [{nil}], %{count: 0, layers: []}, nil] do
         assert_raise ArgumentError, ~r/state: expected the state init_state/, fn ->
@@ -175,7 +175,7 @@ defmodule FusedKernels.BackboneEngineTest do
       assert_raise ArgumentError, ~r/batch 2/, fn -> Backbone.step(h, state, f) end
 
       assert_raise ArgumentError, ~r/frame: expected/, fn ->
-        Backbone.step(h, state, Bench.random_triple({2, 1, spec.embed}, {:f, 32}))
+        Backbone.step(h, state, Sample.random_triple({2, 1, spec.embed}, {:f, 32}))
       end
     end
 
@@ -185,11 +185,11 @@ defmodule FusedKernels.BackboneEngineTest do
         h = Backbone.load(s, Backbone.random_params(s, 5), backend: :cpu)
 
         assert_raise ArgumentError, ~r/window: expected/, fn ->
-          Backbone.predict(h, Bench.random_triple({1, s.embed}, {:f, 32}))
+          Backbone.predict(h, Sample.random_triple({1, s.embed}, {:f, 32}))
         end
 
         assert_raise ArgumentError, ~r/window: expected/, fn ->
-          Backbone.predict(h, Bench.random_triple({1, 4, s.embed + 1}, {:f, 32}))
+          Backbone.predict(h, Sample.random_triple({1, 4, s.embed + 1}, {:f, 32}))
         end
       end
 
@@ -200,7 +200,7 @@ defmodule FusedKernels.BackboneEngineTest do
       # The :nx path takes list/map states; truncated ones are refused before any layer runs.
       spec = small(:lstm)
       h = %Backbone{spec: spec, backend: :nx, device: nil, weights: %{}}
-      f = Bench.random_triple({1, spec.embed}, {:f, 32})
+      f = Sample.random_triple({1, spec.embed}, {:f, 32})
       assert_raise ArgumentError, ~r/state: expected/, fn -> Backbone.step(h, [{f, f}], f) end
       assert_raise ArgumentError, ~r/window: expected/, fn -> Backbone.predict(h, f) end
 
@@ -217,7 +217,7 @@ defmodule FusedKernels.BackboneEngineTest do
     spec = small(:jamba)
     h = Backbone.load(spec, Backbone.random_params(spec, 7), backend: :cpu)
     state = Backbone.init_state(h, 2)
-    win = Bench.random_triple({2, 3, spec.embed}, {:f, 32})
+    win = Sample.random_triple({2, 3, spec.embed}, {:f, 32})
     map = Map.from_struct(spec)
 
     junk = [
@@ -273,7 +273,7 @@ defmodule FusedKernels.BackboneEngineTest do
       # backend is slow, so the sizes stay small.
       spec = small(unquote(kind))
       params = Backbone.random_params(spec, 6)
-      win = Bench.random_triple({2, 19, spec.embed}, {:f, 32})
+      win = Sample.random_triple({2, 19, spec.embed}, {:f, 32})
       native = Backbone.predict(Backbone.load(spec, params, backend: :cpu), win)
 
       nx =

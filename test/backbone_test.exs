@@ -27,7 +27,7 @@ defmodule FusedKernels.BackboneTest do
     test "#{kind} on #{backend}: streaming 60 frames equals predict on the window" do
       spec = Spec.new(unquote(kind))
       handle = Backbone.load(spec, Backbone.random_params(spec, 3), backend: unquote(backend))
-      win = FusedKernels.Bench.random_triple({1, spec.window, spec.embed}, {:f, 32})
+      win = FusedKernels.Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
       full = Backbone.predict(handle, win)
       assert {_, {1, 256}, {:f, 32}} = full
       assert_close(stream(handle, win), full, 1.0e-5)
@@ -39,7 +39,7 @@ defmodule FusedKernels.BackboneTest do
     for kind <- [:attention, :jamba, :mamba] do
       spec = Spec.new(kind, window: 5)
       handle = Backbone.load(spec, Backbone.random_params(spec, 4), backend: :cpu)
-      win = FusedKernels.Bench.random_triple({2, 9, spec.embed}, {:f, 32})
+      win = FusedKernels.Sample.random_triple({2, 9, spec.embed}, {:f, 32})
       {bin, {2, 256}, _} = stream(handle, win)
       assert Enum.all?(TestRef.decode(bin, {:f, 32}), &is_float/1)
     end
@@ -59,7 +59,7 @@ defmodule FusedKernels.BackboneTest do
     for kind <- Spec.kinds() do
       spec = Spec.new(kind)
       params = Backbone.random_params(spec, 5)
-      win = FusedKernels.Bench.random_triple({3, 61, spec.embed}, {:f, 32})
+      win = FusedKernels.Sample.random_triple({3, 61, spec.embed}, {:f, 32})
       cpu = Backbone.predict(Backbone.load(spec, params, backend: :cpu), win)
       gpu = Backbone.predict(Backbone.load(spec, params, backend: :cuda), win)
       assert_close(gpu, cpu, 1.0e-5)

@@ -80,6 +80,16 @@ defmodule FusedKernels.ContractTest do
     end
   end
 
+  # On a host with 128 GiB free the request is legitimately served (slowly); not run there.
+  @tag skip:
+         (case File.read("/proc/meminfo") do
+            {:ok, text} ->
+              [_, kib] = Regex.run(~r/MemAvailable:\s+(\d+) kB/, text)
+              if String.to_integer(kib) >= 128 * 1024 * 1024, do: "128 GiB available", else: false
+
+            _ ->
+              false
+          end)
   test "a 128 GiB LSTM request is refused as out of memory, not an abort" do
     {t, units} = {2_097_152, 4096}
     x = {:binary.copy(<<0::32>>, t), {1, t, 1}, {:f, 32}}
@@ -99,50 +109,54 @@ defmodule FusedKernels.ContractTest do
     end
   end
 
-  @tag :nx
-  test ":nx refuses integer tensors and names bad shapes like :cpu does" do
-    for backend <- [:nx, :cpu] do
-      assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
-        FusedKernels.scaled_softmax(Nx.iota({2, 2}), backend: backend)
+  if Code.ensure_loaded?(Nx) do
+    @tag :nx
+    test ":nx refuses integer tensors and names bad shapes like :cpu does" do
+      for backend <- [:nx, :cpu] do
+        assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
+          FusedKernels.scaled_softmax(Nx.iota({2, 2}), backend: backend)
+        end
+
+        assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
+          FusedKernels.rms_norm(Nx.iota({2, 4}), Nx.broadcast(1.0, {4}), backend: backend)
+        end
+
+        assert_raise ArgumentError, ~r/^weight: expected shape \{4\}/, fn ->
+          FusedKernels.rms_norm(Nx.broadcast(1.0, {2, 4}), Nx.broadcast(1.0, {3}),
+            backend: backend
+          )
+        end
+
+        q = Nx.broadcast(0.5, {1, 3, 2, 8})
+
+        assert_raise ArgumentError, ~r/^k: expected shape/, fn ->
+          FusedKernels.flash_attention(q, Nx.broadcast(0.5, {2, 3, 2, 8}), q, backend: backend)
+        end
+
+        u = Nx.broadcast(0.5, {1, 3, 2})
+        a = Nx.broadcast(-1.0, {2, 4})
+
+        assert_raise ArgumentError, ~r/^b: expected shape/, fn ->
+          FusedKernels.selective_scan(
+            u,
+            u,
+            a,
+            Nx.broadcast(0.5, {1, 3, 5}),
+            Nx.broadcast(0.5, {1, 3, 4}),
+            backend: backend
+          )
+        end
       end
 
-      assert_raise ArgumentError, ~r/^x: unsupported type \{:s, (32|64)\}/, fn ->
-        FusedKernels.rms_norm(Nx.iota({2, 4}), Nx.broadcast(1.0, {4}), backend: backend)
-      end
-
-      assert_raise ArgumentError, ~r/^weight: expected shape \{4\}/, fn ->
-        FusedKernels.rms_norm(Nx.broadcast(1.0, {2, 4}), Nx.broadcast(1.0, {3}), backend: backend)
-      end
-
-      q = Nx.broadcast(0.5, {1, 3, 2, 8})
-
-      assert_raise ArgumentError, ~r/^k: expected shape/, fn ->
-        FusedKernels.flash_attention(q, Nx.broadcast(0.5, {2, 3, 2, 8}), q, backend: backend)
-      end
-
-      u = Nx.broadcast(0.5, {1, 3, 2})
-      a = Nx.broadcast(-1.0, {2, 4})
-
-      assert_raise ArgumentError, ~r/^b: expected shape/, fn ->
-        FusedKernels.selective_scan(
-          u,
-          u,
-          a,
-          Nx.broadcast(0.5, {1, 3, 5}),
-          Nx.broadcast(0.5, {1, 3, 4}),
-          backend: backend
+      assert_raise ArgumentError, ~r/^beta: rms_norm takes no bias/, fn ->
+        FusedKernels.Norm.run(
+          :rms_norm,
+          Nx.broadcast(1.0, {2, 4}),
+          Nx.broadcast(1.0, {4}),
+          Nx.broadcast(1.0, {4}),
+          backend: :nx
         )
       end
-    end
-
-    assert_raise ArgumentError, ~r/^beta: rms_norm takes no bias/, fn ->
-      FusedKernels.Norm.run(
-        :rms_norm,
-        Nx.broadcast(1.0, {2, 4}),
-        Nx.broadcast(1.0, {4}),
-        Nx.broadcast(1.0, {4}),
-        backend: :nx
-      )
     end
   end
 end

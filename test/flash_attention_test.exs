@@ -167,7 +167,7 @@ defmodule FusedKernels.FlashAttentionTest do
   @tag :cuda
   test "cuda with device buffers in and out agrees with host tensors" do
     shape = {1, 60, 4, 64}
-    [q, k, v] = for _ <- 1..3, do: FusedKernels.Bench.random_triple(shape, {:bf, 16})
+    [q, k, v] = for _ <- 1..3, do: FusedKernels.Sample.random_triple(shape, {:bf, 16})
     host = FlashAttention.native(q, k, v, backend: :cuda, causal: true)
     [qb, kb, vb] = Enum.map([q, k, v], &FusedKernels.Buffer.upload/1)
 

@@ -194,7 +194,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     test "the Mamba block on every backend matches the plain-Nx composition, both discretizations" do
-      params = MambaBlock.Bench.exphil_params("mamba_block_1", 32, 64, 8, 4, 4)
+      params = FusedKernels.Sample.mamba_block_params("mamba_block_1", 32, 64, 8, 4, 4)
 
       params =
         Map.new(params, fn {k, v} ->

@@ -30,7 +30,7 @@ defmodule FusedKernels.TestRef do
 
   def random_list(n), do: for(_ <- 1..n, do: :rand.uniform() * 4 - 2)
 
-  defdelegate encode(list, type), to: FusedKernels.Bench, as: :encode_values
+  defdelegate encode(list, type), to: FusedKernels.Sample, as: :encode_values
 
   @doc "Checks `ScaledSoftmax.native/2` on `backend` against the f64 reference."
   def assert_softmax_matches(backend, type, shapes) do

@@ -1,7 +1,7 @@
 """PyTorch eager and CUDA-graph side by side with `mix bench`'s backbone rows: the same backbones (LSTM/GRU:
 LayerNorm → cuDNN LSTM/GRU → LayerNorm per layer; attention with SDPA; Mamba / Jamba with the
 scan as an eager loop; last position) with the same weights
-(exported by `mix bench` under FUSED_KERNELS_EXPORT_DIR), checked against our output on an
+(exported by `mix bench --export DIR`; this script reads DIR from FUSED_KERNELS_EXPORT_DIR), checked against our output on an
 exported window, then timed like ours: wall clock around the call until the device is idle,
 input from and output to the host, median of many after warm-up. The CUDA-graph anchor
 captures the window and the frame once (static device input, host copies around the replay)

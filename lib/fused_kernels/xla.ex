@@ -51,6 +51,7 @@ if Code.ensure_loaded?(Nx) do
     `EXLA.CustomCall` implementation was compiled, which happens when EXLA (≥ 0.12) compiles
     before this library (it is an optional dependency: list `:exla` in your deps).
     """
+    @spec available?() :: boolean
     def available? do
       function_exported?(Nx, :block, 4) and Code.ensure_loaded?(EXLA.CustomCall) and
         Code.ensure_loaded?(EXLA.CustomCall.FusedKernels.XLA.Block)
@@ -60,6 +61,7 @@ if Code.ensure_loaded?(Nx) do
     Loads the handler library into this process through EXLA (`EXLA.NIF.load_dylib/1`); the
     library registers its targets with XLA as it loads.
     """
+    @spec load(String.t()) :: :ok | {:error, term}
     def load(path) when is_binary(path) do
       cond do
         not File.exists?(path) ->
@@ -82,6 +84,7 @@ if Code.ensure_loaded?(Nx) do
     in the handler's order and how `inputs` are rebuilt from them (the default body sees
     only the block's operands).
     """
+    @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) do
       with {:ok, %Block{} = block, operands, rebuild} <-
              FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
@@ -103,6 +106,7 @@ if Code.ensure_loaded?(Nx) do
     The `EXLA.CustomCall.call/4` answer for `block`: a spec on the CUDA platform when the
     operand and result types are the ones the block was planned for, else `:skip`.
     """
+    @spec spec(struct, term, term, term) :: term
     def spec(%Block{} = block, out, args, client) do
       result_types = out |> flatten() |> Enum.map(& &1.type)
 
@@ -146,12 +150,16 @@ if Code.ensure_loaded?(Nx) do
     ## MLIR attribute text for `backend_config` (the typed FFI decodes these by type)
 
     @doc false
+    @spec attr_bool(boolean) :: String.t()
     def attr_bool(b) when is_boolean(b), do: to_string(b)
     @doc false
+    @spec attr_int(integer) :: String.t()
     def attr_int(i) when is_integer(i), do: "#{i} : i64"
     @doc false
+    @spec attr_float(number) :: String.t()
     def attr_float(x) when is_number(x), do: "#{:erlang.float_to_binary(x / 1, [:short])} : f64"
     @doc false
+    @spec attr_string(String.t()) :: String.t()
     def attr_string(s) when is_binary(s) do
       escaped = s |> String.replace("\\", "\\\\") |> String.replace("\"", "\\\"")
       "\"#{escaped}\""
@@ -159,6 +167,7 @@ if Code.ensure_loaded?(Nx) do
 
     @doc false
     # The kernels' element types.
+    @spec served_type?(term) :: boolean
     def served_type?(type), do: type in [{:f, 32}, {:f, 16}, {:bf, 16}]
   end
 end

@@ -120,6 +120,7 @@ if Code.ensure_loaded?(Nx) do
 
       @doc false
       # The layer with `impl`'s dense and attention (the EXLA custom-call path lowers each).
+      @spec forward(Nx.Tensor.t(), map, keyword, %{atom => function}) :: Nx.Tensor.t()
       def forward(x, params, opts, impl) do
         {b, s, _} = Nx.shape(x)
         heads = opts[:heads]

@@ -72,5 +72,9 @@ defmodule FusedKernels.Backbone.Engine do
 
   defp back(triple, {_, _, _}), do: triple
   defp back(triple, %FusedKernels.Buffer{}), do: triple
-  defp back(triple, _nx_tensor), do: apply(Tensor, :to_nx, [triple])
+
+  # Nx tensors reach here only when Nx is loaded (host_in/2 refuses them otherwise).
+  if Code.ensure_loaded?(Nx) do
+    defp back(triple, _nx_tensor), do: Tensor.to_nx(triple)
+  end
 end

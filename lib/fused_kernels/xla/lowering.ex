@@ -11,6 +11,7 @@ if Code.ensure_loaded?(Nx) do
     alias FusedKernels.XLA.Block
 
     @doc false
+    @spec describe(module, tuple, keyword) :: {:ok, struct, list, function} | :skip
     def describe(op, inputs, opts)
 
     def describe(FusedKernels.Axon.Ops.LayerNorm, {x, gamma, beta}, opts) do
@@ -233,10 +234,17 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc false
       # The attention kernel alone as an op (inputs {q, k, v}); its block returns out and lse
       # (the handler writes both), the layer keeps out.
+      @behaviour FusedKernels.Op
 
+      @impl FusedKernels.Op
+      def fused_call({q, k, v}, opts),
+        do: FusedKernels.FlashAttention.run(q, k, v, Keyword.put(opts, :return_lse, true))
+
+      @impl FusedKernels.Op
       def nx_call({q, k, v}, opts),
         do: FusedKernels.FlashAttention.nx(q, k, v, Keyword.put(opts, :return_lse, true))
 
+      @impl FusedKernels.Op
       def output_template({q, _k, _v}, opts) do
         {b, s, h, _} =
           if Keyword.get(opts, :layout, :bshd) == :bshd,

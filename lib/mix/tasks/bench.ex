@@ -4,11 +4,22 @@ defmodule Mix.Tasks.Bench do
   Times every case on every backend available here (CUDA, CPU-native, pure Nx when Nx is
   loaded) and prints median/p95/p99 ms, frames per second and the 60-FPS verdict.
 
-      mix bench [--quick] [--only SUBSTRING] [--backend cuda|cuda_resident|cpu|nx ...] [--runs N] [--json PATH]
+      mix bench [--quick] [--only SUBSTRING] [--backend cuda|cuda_resident|cpu|nx ...] [--runs N] [--json PATH] [--export DIR]
+
+  `--export DIR` writes the backbones' params and one output each for
+  `bench/gpu/side_backbone.py`. The cases and the runner live in `bench/` (`bench/bench.exs`,
+  `bench/cases/<op>.exs`), loaded by this task.
   """
   use Mix.Task
 
-  @switches [quick: :boolean, only: :string, backend: :keep, json: :string, runs: :integer]
+  @switches [
+    quick: :boolean,
+    only: :string,
+    backend: :keep,
+    json: :string,
+    runs: :integer,
+    export: :string
+  ]
 
   @impl true
   @spec run([String.t()]) :: [map]
@@ -28,7 +39,11 @@ defmodule Mix.Tasks.Bench do
       |> Keyword.delete(:backend)
       |> then(&if(backends, do: [{:backend, backends} | &1], else: &1))
 
-    FusedKernels.Bench.run(opts)
+    root = Path.expand("../../..", __DIR__)
+    Code.require_file(Path.join(root, "bench/bench.exs"))
+    for file <- Path.wildcard(Path.join(root, "bench/cases/*.exs")), do: Code.require_file(file)
+    # Loaded just above, so not known when this task compiles.
+    apply(FusedKernels.Bench, :run, [opts])
   end
 
   defp parse_backend(name) when name in ["cuda", "cuda_resident", "cpu", "nx"],

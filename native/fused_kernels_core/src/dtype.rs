@@ -86,6 +86,33 @@ pub fn decode_f32(bytes: &[u8], dtype: DType) -> Vec<f32> {
     }
 }
 
+/// Appends `bytes` decoded into f32 to `out` (which should have the capacity: no allocation
+/// then).
+pub fn decode_f32_into(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) {
+    match dtype {
+        DType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        DType::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        DType::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        DType::F64 => {
+            out.extend(bytes.chunks_exact(8).map(|c| {
+                f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
+            }))
+        }
+    }
+}
+
 /// Decodes into f64 (for references).
 pub fn decode_f64(bytes: &[u8], dtype: DType) -> Vec<f64> {
     match dtype {

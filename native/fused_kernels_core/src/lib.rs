@@ -4,6 +4,7 @@
 //! each with a CPU implementation and a CUDA one.
 
 pub mod alloc;
+pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod engine;
@@ -11,7 +12,6 @@ pub mod error;
 pub mod kernels;
 pub mod operand;
 pub mod ops;
-pub mod parallel;
 #[cfg(any(test, feature = "reference"))]
 pub mod reference;
 pub mod tensor;

@@ -30,6 +30,21 @@ fn overflowing_or_huge_requests_are_out_of_memory() {
 /// 128 GiB input projection on the CPU; it must be refused, not abort the process.
 #[test]
 fn rnn_cpu_refuses_a_128_gib_projection() {
+    // On a host with that much memory free the request is legitimately served (slowly).
+    let avail_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            let line = t
+                .lines()
+                .find(|l| l.starts_with("MemAvailable:"))?
+                .to_owned();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib >> 20);
+    if avail_gib >= 128 {
+        eprintln!("skipped: {avail_gib} GiB available, the 128 GiB request would be served");
+        return;
+    }
     let (t, units) = (2_097_152usize, 4096usize);
     let xb = vec![0u8; t * 4];
     let x = Operand::Host(HostTensor::new("x", &xb, vec![1, t, 1], DType::F32).unwrap());

@@ -3,7 +3,6 @@
 use crate::terms::{decode_device, decode_host, encode_host, reply, Buffer};
 use fused_kernels_core::cuda::{self, cache, DeviceTensor};
 use fused_kernels_core::error::{arg_error, Result};
-use fused_kernels_core::parallel::CPU_THREADS;
 use rustler::{Encoder, Env, ResourceArc, Term};
 
 fn put<'a>(env: Env<'a>, map: Term<'a>, key: &str, value: Term<'a>) -> Term<'a> {
@@ -25,7 +24,12 @@ fn info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
         "cache_dir",
         cache::dir().display().to_string().encode(env),
     );
-    m = put(env, m, "cpu_threads", (*CPU_THREADS as u64).encode(env));
+    m = put(
+        env,
+        m,
+        "cpu_threads",
+        (fused_kernels_core::cpu::pool::threads() as u64).encode(env),
+    );
     let stats = rustler::types::map::map_new(env);
     let stats = put(env, stats, "memory_hits", mem_hits.encode(env));
     let stats = put(env, stats, "disk_hits", disk_hits.encode(env));

@@ -7,11 +7,15 @@
 //! while the GEMM loads x (kernels/dense.cu), so normalised activations never go to memory.
 
 use super::Backend;
+use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
+use crate::cpu::gemv::gemv;
+use crate::cpu::math::{apply, Func};
+use crate::cpu::pool::for_each_row_chunk;
+use crate::cpu::{Isa, PackedB};
 use crate::cuda::{self, DeviceTensor};
-use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
+use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::operand::{Operand, Placement, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{checked_numel, fmt_shape, HostTensor, OwnedTensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -346,6 +350,7 @@ impl Elem for f64 {
     }
 }
 
+/// The f64 path (plain loops, f64 norm and epilogue).
 fn cpu_typed<T: Elem>(o: &Operands<Vec<T>>, g: &Geometry, p: &Params) -> Vec<T> {
     let (k, n) = (g.k, g.n);
     let f64s = |v: &Option<Vec<T>>| {
@@ -400,8 +405,294 @@ fn cpu_typed<T: Elem>(o: &Operands<Vec<T>>, g: &Geometry, p: &Params) -> Vec<T> 
     out
 }
 
-/// The CPU implementation: f32 arithmetic for f32/f16/bf16 (norm and epilogue in f64), f64
-/// for f64.
+/// A dense layer's f32 parameters (shapes as in [`geometry`]: kernels `{k, n}` row-major,
+/// biases `{n}`, gamma/beta `{k}`), borrowed.
+#[derive(Clone, Copy, Debug)]
+pub struct DenseWeights<'a> {
+    pub kernel: &'a [f32],
+    pub kernel_up: Option<&'a [f32]>,
+    pub bias: Option<&'a [f32]>,
+    pub bias_up: Option<&'a [f32]>,
+    pub gamma: Option<&'a [f32]>,
+    pub beta: Option<&'a [f32]>,
+}
+
+/// A dense layer with its kernels packed once for the CPU GEMM/GEMV (f32 throughout: norm,
+/// product, vectorised epilogue). The allocation-free form for the backbone engine and for
+/// callers that hold weights:
+///
+/// ```text
+/// let d = PreparedDense::new(params, k, n, DenseWeights { kernel, .. })?;
+/// let mut scratch = d.scratch(max_rows)?;
+/// d.forward_into(x /* {m, k} */, m, residual /* {m, n} */, out /* {m, n} */, &mut scratch)?;
+/// ```
+pub struct PreparedDense {
+    params: Params,
+    k: usize,
+    n: usize,
+    kernel: PackedB,
+    kernel_up: Option<PackedB>,
+    bias: Option<crate::cpu::Buf>,
+    bias_up: Option<crate::cpu::Buf>,
+    gamma: Option<crate::cpu::Buf>,
+    beta: Option<crate::cpu::Buf>,
+    isa: Isa,
+}
+
+/// Transient buffers of [`PreparedDense::forward_into`] for up to `rows` rows.
+pub struct DenseScratch {
+    rows: usize,
+    normed: crate::cpu::Buf,
+    up: crate::cpu::Buf,
+}
+
+impl PreparedDense {
+    /// Checks the shapes (as the op does) and packs the kernels.
+    pub fn new(params: Params, k: usize, n: usize, w: DenseWeights<'_>) -> Result<PreparedDense> {
+        PreparedDense::with_isa(params, k, n, w, Isa::best())
+    }
+
+    /// `new` with the instruction set forced (tests).
+    pub fn with_isa(
+        params: Params,
+        k: usize,
+        n: usize,
+        w: DenseWeights<'_>,
+        isa: Isa,
+    ) -> Result<PreparedDense> {
+        let dt = DType::F32;
+        let sh = |v: Option<&[f32]>, shape: Vec<usize>| -> Result<Option<(Vec<usize>, DType)>> {
+            Ok(v.map(|v| {
+                // A length that does not match the expected shape is reported as a 1-D shape.
+                if v.len() == shape.iter().product::<usize>() {
+                    (shape, dt)
+                } else {
+                    (vec![v.len()], dt)
+                }
+            }))
+        };
+        let ops = Operands {
+            x: (vec![1, k], dt),
+            kernel: sh(Some(w.kernel), vec![k, n])?.unwrap_or((vec![0], dt)),
+            kernel_up: sh(w.kernel_up, vec![k, n])?,
+            bias: sh(w.bias, vec![n])?,
+            bias_up: sh(w.bias_up, vec![n])?,
+            gamma: sh(w.gamma, vec![k])?,
+            beta: sh(w.beta, vec![k])?,
+            residual: None,
+        };
+        geometry(&params, &ops)?;
+        let own = |v: Option<&[f32]>| -> Result<Option<crate::cpu::Buf>> {
+            v.map(|v| {
+                let mut o = crate::cpu::alloc_zeroed(v.len())?;
+                o.copy_from_slice(v);
+                Ok(o)
+            })
+            .transpose()
+        };
+        Ok(PreparedDense {
+            params,
+            k,
+            n,
+            kernel: PackedB::new(k, n, w.kernel)?,
+            kernel_up: w.kernel_up.map(|u| PackedB::new(k, n, u)).transpose()?,
+            bias: own(w.bias)?,
+            bias_up: own(w.bias_up)?,
+            gamma: own(w.gamma)?,
+            beta: own(w.beta)?,
+            isa,
+        })
+    }
+
+    /// Scratch for calls of up to `rows` rows.
+    pub fn scratch(&self, rows: usize) -> Result<DenseScratch> {
+        DenseScratch::new(self.params.kind, rows, self.k, self.n)
+    }
+
+    /// `out = act(norm(x) · W + bias) + residual` (or SwiGLU) for `m` rows; allocates nothing.
+    pub fn forward_into(
+        &self,
+        x: &[f32],
+        m: usize,
+        residual: Option<&[f32]>,
+        out: &mut [f32],
+        scratch: &mut DenseScratch,
+    ) -> Result<()> {
+        if m > scratch.rows {
+            return Err(arg_error(format!(
+                "scratch: made for {} rows, the call has {m}",
+                scratch.rows
+            )));
+        }
+        let b = |p| Product::packed(p, m);
+        forward_f32(
+            self.isa,
+            &self.params,
+            (m, self.k, self.n),
+            x,
+            b(&self.kernel),
+            self.kernel_up.as_ref().map(b),
+            Vectors {
+                bias: self.bias.as_deref(),
+                bias_up: self.bias_up.as_deref(),
+                gamma: self.gamma.as_deref(),
+                beta: self.beta.as_deref(),
+            },
+            residual,
+            out,
+            scratch,
+        )
+    }
+}
+
+impl DenseScratch {
+    fn new(kind: Kind, rows: usize, k: usize, n: usize) -> Result<DenseScratch> {
+        let size = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| arg_error("dense scratch: size overflows"))
+        };
+        Ok(DenseScratch {
+            rows,
+            normed: crate::cpu::alloc_zeroed(if kind.norm() > 0 { size(rows, k)? } else { 0 })?,
+            up: crate::cpu::alloc_zeroed(if kind == Kind::Swiglu {
+                size(rows, n)?
+            } else {
+                0
+            })?,
+        })
+    }
+}
+
+/// How a product reaches B.
+#[derive(Clone, Copy)]
+enum Product<'a> {
+    Gemm(Rhs<'a>),
+    Gemv(&'a PackedB),
+}
+
+impl<'a> Product<'a> {
+    fn packed(p: &'a PackedB, m: usize) -> Product<'a> {
+        if m == 1 {
+            Product::Gemv(p)
+        } else {
+            Product::Gemm(Rhs::Packed(p))
+        }
+    }
+    fn row_major(b: &'a [f32], k: usize, n: usize) -> Product<'a> {
+        Product::Gemm(Rhs::RowMajor { b, k, n })
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Vectors<'a> {
+    bias: Option<&'a [f32]>,
+    bias_up: Option<&'a [f32]>,
+    gamma: Option<&'a [f32]>,
+    beta: Option<&'a [f32]>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product(
+    isa: Isa,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: Product<'_>,
+    c: &mut [f32],
+    bias: Option<&[f32]>,
+) {
+    match b {
+        Product::Gemv(p) => gemv(isa, &a[..k], p, bias, &mut c[..n]),
+        Product::Gemm(rhs) => {
+            let init = bias.map_or(Init::Zero, Init::Bias);
+            gemm_rhs(isa, m, a, k, rhs, c, n, init)
+        }
+    }
+}
+
+/// The f32 dense family on the CPU primitives: the norm into scratch, the product(s) with the
+/// bias fused, then the activation (vectorised), SwiGLU's product and the residual.
+#[allow(clippy::too_many_arguments)]
+fn forward_f32(
+    isa: Isa,
+    p: &Params,
+    (m, k, n): (usize, usize, usize),
+    x: &[f32],
+    w: Product<'_>,
+    w_up: Option<Product<'_>>,
+    v: Vectors<'_>,
+    residual: Option<&[f32]>,
+    out: &mut [f32],
+    scratch: &mut DenseScratch,
+) -> Result<()> {
+    let mk = m.checked_mul(k);
+    let mn = m.checked_mul(n);
+    if Some(x.len()) != mk || Some(out.len()) != mn || residual.is_some_and(|r| Some(r.len()) != mn)
+    {
+        return Err(arg_error(format!(
+            "dense: x must hold {m} x {k} values, out and residual {m} x {n}"
+        )));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let a: &[f32] = if p.kind.norm() > 0 {
+        let normed = &mut scratch.normed[..m * k];
+        for (xr, nr) in x
+            .chunks_exact(k.max(1))
+            .zip(normed.chunks_exact_mut(k.max(1)))
+        {
+            norm_row_f32(xr, p, v.gamma, v.beta, nr);
+        }
+        normed
+    } else {
+        x
+    };
+    product(isa, m, k, n, a, w, out, v.bias);
+    if let (Kind::Swiglu, Some(w_up)) = (p.kind, w_up) {
+        let up = &mut scratch.up[..m * n];
+        product(isa, m, k, n, a, w_up, up, v.bias_up);
+        apply(isa, Func::Silu, out);
+        out.iter_mut().zip(up.iter()).for_each(|(o, u)| *o *= u);
+    } else {
+        match p.activation {
+            Activation::None => {}
+            Activation::Relu => out.iter_mut().for_each(|o| {
+                if !(*o > 0.0 || o.is_nan()) {
+                    *o = 0.0
+                }
+            }),
+            Activation::Gelu => apply(isa, Func::Gelu, out),
+            Activation::GeluTanh => apply(isa, Func::GeluTanh, out),
+            Activation::Silu => apply(isa, Func::Silu, out),
+            Activation::Sigmoid => apply(isa, Func::Sigmoid, out),
+            Activation::Tanh => apply(isa, Func::Tanh, out),
+        }
+    }
+    if let Some(r) = residual {
+        out.iter_mut().zip(r).for_each(|(o, r)| *o += r);
+    }
+    Ok(())
+}
+
+/// One normalised row in f32 (two passes: mean, then the centred second moment).
+fn norm_row_f32(xr: &[f32], p: &Params, g: Option<&[f32]>, b: Option<&[f32]>, out: &mut [f32]) {
+    let k = xr.len() as f32;
+    let mean = if p.kind == Kind::LayerNormDense {
+        xr.iter().sum::<f32>() / k
+    } else {
+        0.0
+    };
+    let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / k;
+    let rstd = 1.0 / (var + p.eps as f32).sqrt();
+    for (i, (o, v)) in out.iter_mut().zip(xr).enumerate() {
+        *o = (v - mean) * rstd * g.map_or(1.0, |g| g[i]) + b.map_or(0.0, |b| b[i]);
+    }
+}
+
+/// The CPU implementation: f32 throughout for f32/f16/bf16 (B used in place, not packed: a
+/// one-off call would spend a pass over W packing it), f64 for f64.
 pub fn cpu(ops: &Operands<HostTensor<'_>>, p: Params) -> Result<OwnedTensor> {
     let g = geometry(&p, &shapes(p.kind, ops, |h| (h.shape.clone(), h.dtype)))?;
     let dt = ops.x.dtype;
@@ -409,8 +700,28 @@ pub fn cpu(ops: &Operands<HostTensor<'_>>, p: Params) -> Result<OwnedTensor> {
         let o = ops.try_map(p.kind, |_, h| Ok(decode_f64(h.bytes, dt)))?;
         encode_f64(&cpu_typed(&o, &g, &p), dt)
     } else {
-        let o = ops.try_map(p.kind, |_, h| Ok(decode_f32(h.bytes, dt)))?;
-        encode_f32(&cpu_typed(&o, &g, &p), dt)
+        let o = ops.try_map(p.kind, |_, h| crate::cpu::arena::decoded(h.bytes, dt))?;
+        let (m, k, n) = (g.m, g.k, g.n);
+        let mut out = crate::cpu::alloc_zeroed(m.saturating_mul(n))?;
+        let mut scratch = DenseScratch::new(p.kind, m, k, n)?;
+        forward_f32(
+            Isa::best(),
+            &p,
+            (m, k, n),
+            &o.x,
+            Product::row_major(&o.kernel, k, n),
+            o.kernel_up.as_deref().map(|b| Product::row_major(b, k, n)),
+            Vectors {
+                bias: o.bias.as_deref(),
+                bias_up: o.bias_up.as_deref(),
+                gamma: o.gamma.as_deref(),
+                beta: o.beta.as_deref(),
+            },
+            o.residual.as_deref(),
+            &mut out,
+            &mut scratch,
+        )?;
+        encode_f32(&out, dt)
     };
     Ok(OwnedTensor {
         data,

@@ -5,13 +5,13 @@
 //! A query row that sees no key outputs zeros and has lse = +inf (as FlashAttention does, so
 //! that `exp(s - lse)` is 0).
 
+use crate::cpu::pool;
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::FLASH_ATTENTION;
 use crate::operand::{Operand, Placement, Value};
-use crate::parallel::CPU_THREADS;
 use crate::tensor::{fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -355,11 +355,11 @@ fn cpu_typed<F: Float>(q: &[F], k: &[F], v: &[F], g: &Geometry, p: &Params) -> (
     let (qs, ks) = (g.q_strides(), g.k_strides());
     let pairs = g.batch * g.heads;
     let group = g.heads / g.kv_heads;
-    let threads = (*CPU_THREADS)
+    let threads = pool::threads()
         .min(pairs)
         .min((pairs * g.sq * g.sk * g.d / (1 << 16)).max(1));
-    // Each thread takes every `threads`-th (batch, head) and returns its rows; the strided
-    // scatter into the output happens after the join.
+    // Each pool task takes every `threads`-th (batch, head) and returns its rows; the strided
+    // scatter into the output happens after the job.
     let work = |first: usize| {
         let mut done = Vec::new();
         for bh in (first..pairs).step_by(threads) {
@@ -377,13 +377,12 @@ fn cpu_typed<F: Float>(q: &[F], k: &[F], v: &[F], g: &Geometry, p: &Params) -> (
     let results: Vec<_> = if threads <= 1 {
         work(0)
     } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads).map(|t| scope.spawn(move || work(t))).collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
-        })
+        let parts = std::sync::Mutex::new(Vec::new());
+        pool::run(threads, &|t| {
+            let done = work(t);
+            parts.lock().unwrap_or_else(|e| e.into_inner()).extend(done);
+        });
+        parts.into_inner().unwrap_or_else(|e| e.into_inner())
     };
     let mut out = vec![F::ZERO; q.len()];
     let mut lse = vec![0.0f32; pairs * g.sq];

@@ -4,13 +4,13 @@
 
 use super::selective_scan::{kernel_type, stage_f32};
 use super::Backend;
+use crate::cpu::pool::for_each_row_chunk;
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::NORM;
 use crate::operand::{Operand, Placement, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;

@@ -2,12 +2,12 @@
 //! Shapes: `{rows, cols}` (one query group) or `{batch, heads, seq_q, seq_k}`.
 
 use super::{Backend, Real};
+use crate::cpu::pool::for_each_row_chunk;
 use crate::cuda::{self, DeviceTensor};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::SCALED_SOFTMAX;
 use crate::operand::{Operand, Placement, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 

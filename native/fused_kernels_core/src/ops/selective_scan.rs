@@ -5,13 +5,13 @@
 
 use super::Backend;
 use crate::alloc::try_zeroed;
+use crate::cpu::pool::{for_each_row_chunk, SendPtr};
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::{Kernel, SELECTIVE_SCAN_BF16, SELECTIVE_SCAN_F16, SELECTIVE_SCAN_F32};
 use crate::operand::{Operand, Placement, Staged, Value};
-use crate::parallel::for_each_row_chunk;
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -330,9 +330,274 @@ impl ScanFloat for f64 {
     }
 }
 
-/// The CPU implementation: channels in parallel, f32 arithmetic (f64 for f64 inputs).
+/// f32 inputs of the production CPU scan (f32, f16, bf16 calls), with A transposed to
+/// `{state, dim}` so eight channels' values of one state index are contiguous.
+struct HostF32 {
+    u: crate::cpu::Buf,
+    delta: crate::cpu::Buf,
+    a_t: crate::cpu::Buf,
+    b: crate::cpu::Buf,
+    c: crate::cpu::Buf,
+    d: Option<crate::cpu::Buf>,
+    z: Option<crate::cpu::Buf>,
+    bias: Option<crate::cpu::Buf>,
+    h0: Option<crate::cpu::Buf>,
+    /// Mean over channels of the transformed dt per `(batch, t)` (`MeanDt` only).
+    mdt: Option<crate::cpu::Buf>,
+}
+
+fn f32_values(op: &Operand<'_>) -> Result<crate::cpu::Buf> {
+    let h = op.on_host()?;
+    let v = h.view();
+    crate::cpu::arena::decoded(v.bytes, v.dtype)
+}
+
+/// dt after softplus and clip, in f32 (`Params::dt`'s rule).
+fn dt_f32(p: &Params, raw: f32) -> f32 {
+    let mut dt = raw;
+    if p.delta_softplus {
+        dt = if dt <= 20.0 {
+            crate::cpu::math::scalar::softplus(dt)
+        } else {
+            dt
+        };
+    }
+    if let Some((lo, hi)) = p.clip {
+        dt = dt.clamp(lo as f32, hi as f32);
+    }
+    dt
+}
+
+/// Channels per vector unit of the f32 scan.
+const LANES: usize = 8;
+
+/// The production CPU scan for f32/f16/bf16: f32 throughout, eight channels at a time (they
+/// are contiguous in u, delta, z and the output), the state of those channels in registers,
+/// `exp(dt·A)` vectorised; (batch, channel block) units spread over the thread pool.
+fn cpu_f32(x: &Inputs<'_>, g: Geometry, p: Params) -> Result<Outputs<OwnedTensor>> {
+    let opt = |o: Option<&Operand<'_>>| o.map(f32_values).transpose();
+    let a = f32_values(x.a)?;
+    let mut a_t = crate::cpu::alloc_zeroed(a.len())?;
+    for d in 0..g.dim {
+        for n in 0..g.state {
+            a_t[n * g.dim + d] = a[d * g.state + n];
+        }
+    }
+    let mut h = HostF32 {
+        u: f32_values(x.u)?,
+        delta: f32_values(x.delta)?,
+        a_t,
+        b: f32_values(x.b)?,
+        c: f32_values(x.c)?,
+        d: opt(x.d)?,
+        z: opt(x.z)?,
+        bias: opt(x.delta_bias)?,
+        h0: opt(x.initial_state)?,
+        mdt: None,
+    };
+    if p.discretization == Discretization::MeanDt {
+        let mut m = crate::cpu::alloc_zeroed(g.batch * g.seq)?;
+        for (row, v) in m.iter_mut().enumerate() {
+            let s: f32 = (0..g.dim)
+                .map(|d| {
+                    dt_f32(
+                        &p,
+                        h.delta[row * g.dim + d] + h.bias.as_ref().map_or(0.0, |b| b[d]),
+                    )
+                })
+                .sum();
+            *v = s / g.dim as f32;
+        }
+        h.mdt = Some(m);
+    }
+    let mut out = crate::cpu::alloc_zeroed(g.batch * g.seq * g.dim)?;
+    let mut last = crate::cpu::alloc_zeroed(g.batch * g.dim * g.state)?;
+    let blocks = g.dim.div_ceil(LANES);
+    let units = g.batch * blocks;
+    let (op, lp) = (SendPtr(out.as_mut_ptr()), SendPtr(last.as_mut_ptr()));
+    let isa = crate::cpu::Isa::best();
+    let tasks = crate::cpu::pool::threads().min(units).max(1);
+    let hr = &h;
+    crate::cpu::pool::run(tasks, &|t| {
+        for unit in (t..units).step_by(tasks) {
+            let (bi, blk) = (unit / blocks, unit % blocks);
+            let d0 = blk * LANES;
+            // Safety: unit (bi, blk) writes only out[(bi, *, d0..d0+8)] and
+            // last[(bi, d0..d0+8, *)], disjoint from every other unit's.
+            unsafe { scan_block(isa, hr, g, &p, bi, d0, op.get(), lp.get()) };
+        }
+    });
+    let dt = x.u.dtype();
+    Ok(Outputs {
+        out: OwnedTensor {
+            data: encode_f32(&out, dt),
+            shape: vec![g.batch, g.seq, g.dim],
+            dtype: dt,
+        },
+        last_state: p.return_last_state.then(|| OwnedTensor {
+            data: encode_f32(&last, DType::F32),
+            shape: vec![g.batch, g.dim, g.state],
+            dtype: DType::F32,
+        }),
+    })
+}
+
+/// Channels `d0 .. d0 + 8` (fewer at the end) of batch row `bi`.
+///
+/// # Safety
+/// `out` and `last` must hold the full outputs; no other thread may write this block's part.
+#[allow(clippy::too_many_arguments)]
+unsafe fn scan_block(
+    isa: crate::cpu::Isa,
+    h: &HostF32,
+    g: Geometry,
+    p: &Params,
+    bi: usize,
+    d0: usize,
+    out: *mut f32,
+    last: *mut f32,
+) {
+    let width = LANES.min(g.dim - d0);
+    let per_group = g.dim / g.groups;
+    // A block inside one group (so B and C are shared by its lanes) can take the vector path.
+    let one_group = d0 / per_group == (d0 + width - 1) / per_group;
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() && width == LANES && one_group && g.state <= MAX_STATE {
+        avx2_scan::block(h, g, p, bi, d0, out, last);
+        return;
+    }
+    let _ = (isa, one_group);
+    for d in d0..d0 + width {
+        scalar_channel(h, g, p, bi, d, out, last);
+    }
+}
+
+/// One channel in scalar f32 (the portable path, and blocks the vector path cannot take).
+unsafe fn scalar_channel(
+    h: &HostF32,
+    g: Geometry,
+    p: &Params,
+    bi: usize,
+    d: usize,
+    out: *mut f32,
+    last: *mut f32,
+) {
+    use crate::cpu::math::scalar::{exp, silu};
+    let n_st = g.state;
+    let grp = d / (g.dim / g.groups);
+    let mut x = [0.0f32; MAX_STATE];
+    let bd = bi * g.dim + d;
+    for (n, xn) in x.iter_mut().enumerate().take(n_st) {
+        *xn = h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n]);
+    }
+    let bias = h.bias.as_ref().map_or(0.0, |b| b[d]);
+    let dskip = h.d.as_ref().map_or(0.0, |v| v[d]);
+    for t in 0..g.seq {
+        let idx = (bi * g.seq + t) * g.dim + d;
+        let dt = dt_f32(p, h.delta[idx] + bias);
+        let uu = h.u[idx];
+        let w = h.mdt.as_ref().map_or(dt, |m| m[bi * g.seq + t]) * uu;
+        let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+        let mut y = 0.0f32;
+        for (n, xn) in x.iter_mut().enumerate().take(n_st) {
+            *xn = exp(dt * h.a_t[n * g.dim + d]) * *xn + w * h.b[bc + n];
+            y += *xn * h.c[bc + n];
+        }
+        let mut r = y + dskip * uu;
+        if let Some(z) = &h.z {
+            r *= silu(z[idx]);
+        }
+        *out.add(idx) = r;
+    }
+    for (n, xn) in x.iter().enumerate().take(n_st) {
+        *last.add(bd * n_st + n) = *xn;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_scan {
+    use super::{Geometry, HostF32, Params, LANES, MAX_STATE};
+    use crate::cpu::math::avx2::{exp, silu, softplus};
+    use std::arch::x86_64::*;
+
+    /// Eight channels `d0..d0+8` (one group) of batch row `bi`: the states `x[n]` of the eight
+    /// channels are one vector each.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn block(
+        h: &HostF32,
+        g: Geometry,
+        p: &Params,
+        bi: usize,
+        d0: usize,
+        out: *mut f32,
+        last: *mut f32,
+    ) {
+        let n_st = g.state;
+        let grp = d0 / (g.dim / g.groups);
+        let mut x = [_mm256_setzero_ps(); MAX_STATE];
+        if let Some(h0) = &h.h0 {
+            let mut buf = [0.0f32; LANES];
+            for (n, xn) in x.iter_mut().enumerate().take(n_st) {
+                for (l, v) in buf.iter_mut().enumerate() {
+                    *v = h0[(bi * g.dim + d0 + l) * n_st + n];
+                }
+                *xn = _mm256_loadu_ps(buf.as_ptr());
+            }
+        }
+        let ld = |v: &[f32], at: usize| _mm256_loadu_ps(v.as_ptr().add(at));
+        let bias = h.bias.as_ref().map_or(_mm256_setzero_ps(), |b| ld(b, d0));
+        let dskip = h.d.as_ref().map_or(_mm256_setzero_ps(), |v| ld(v, d0));
+        let clip = p
+            .clip
+            .map(|(lo, hi)| (_mm256_set1_ps(lo as f32), _mm256_set1_ps(hi as f32)));
+        for t in 0..g.seq {
+            let idx = (bi * g.seq + t) * g.dim + d0;
+            let mut dt = _mm256_add_ps(ld(&h.delta, idx), bias);
+            if p.delta_softplus {
+                // softplus(v) = v above 20 (Params::dt's rule; identical in f32 there).
+                let big = _mm256_cmp_ps::<_CMP_GT_OQ>(dt, _mm256_set1_ps(20.0));
+                dt = _mm256_blendv_ps(softplus(dt), dt, big);
+            }
+            if let Some((lo, hi)) = clip {
+                dt = _mm256_min_ps(_mm256_max_ps(dt, lo), hi);
+            }
+            let uu = ld(&h.u, idx);
+            let wdt = match &h.mdt {
+                Some(m) => _mm256_set1_ps(m[bi * g.seq + t]),
+                None => dt,
+            };
+            let w = _mm256_mul_ps(wdt, uu);
+            let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+            let mut y = _mm256_setzero_ps();
+            for (n, xn) in x.iter_mut().enumerate().take(n_st) {
+                let da = exp(_mm256_mul_ps(dt, ld(&h.a_t, n * g.dim + d0)));
+                let bn = _mm256_set1_ps(h.b[bc + n]);
+                *xn = _mm256_fmadd_ps(da, *xn, _mm256_mul_ps(w, bn));
+                y = _mm256_fmadd_ps(*xn, _mm256_set1_ps(h.c[bc + n]), y);
+            }
+            let mut r = _mm256_fmadd_ps(dskip, uu, y);
+            if let Some(z) = &h.z {
+                r = _mm256_mul_ps(r, silu(ld(z, idx)));
+            }
+            _mm256_storeu_ps(out.add(idx), r);
+        }
+        let mut buf = [0.0f32; LANES];
+        for (n, xn) in x.iter().enumerate().take(n_st) {
+            _mm256_storeu_ps(buf.as_mut_ptr(), *xn);
+            for (l, v) in buf.iter().enumerate() {
+                *last.add((bi * g.dim + d0 + l) * n_st + n) = *v;
+            }
+        }
+    }
+}
+
+/// The CPU implementation: f32 inputs on the vectorised f32 scan ([`cpu_f32`]), f64 inputs
+/// channel by channel in f64.
 pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
     let g = geometry(x)?;
+    if x.u.dtype() != DType::F64 {
+        return cpu_f32(x, g, p);
+    }
     let h = host_inputs(x)?;
     let mdt = (p.discretization == Discretization::MeanDt).then(|| mean_dt(&h, g, p));
     let width = g.seq + g.state;

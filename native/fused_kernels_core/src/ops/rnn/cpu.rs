@@ -1,11 +1,33 @@
-//! CPU backend: the input projection of all timesteps as one GEMM (matrixmultiply), then a
-//! step loop doing one `h . W_h` GEMM for all gates and the fused gate/cell update. f32
-//! arithmetic for f32/f16/bf16 (state and accumulation in f32), f64 for f64.
+//! CPU backend of LSTM/GRU.
+//!
+//! f32, f16 and bf16 calls run in f32 on [`PreparedRnn`]: each layer's gate kernels decoded
+//! and packed once (gates concatenated, i,f,g,o / r,z,n, into one `{in, G·units}` input
+//! matrix and one `{units, G·units}` recurrent matrix, in the panels of [`crate::cpu::gemm`]),
+//! the input projection of the whole window as one GEMM with the bias fused, then per step
+//! one GEMV (batch 1) or GEMM (batch > 1) over the recurrent weights and the fused
+//! vectorised gate/cell update. f64 calls keep an f64 path (plain GEMMs, f64 state).
+//!
+//! The allocation-free API (for the backbone engine and for callers that hold weights):
+//!
+//! ```text
+//! let rnn = PreparedRnn::new(cell, input_size, &[LayerWeights { input_kernel, hidden_kernel, bias }, ..], reverse)?;
+//! let mut scratch = RnnScratch::new(&rnn, max_batch, max_seq)?;
+//! rnn.forward_into(x, batch, seq, init_state, out_seq, final_state, &mut scratch)?;
+//! ```
+//!
+//! `x` is `{batch, seq, input_size}` row-major, `out_seq` `{batch, seq, units_last}`. States
+//! (initial and final) are every layer's state tensors concatenated in layer order, each
+//! layer `[c, h]` (LSTM) or `[h]` (GRU), each `{batch, units}`: [`PreparedRnn::state_len`]
+//! floats. `forward_into` allocates nothing: everything transient lives in the scratch, which
+//! fits any call with batch and seq no larger than it was made for.
 
 use super::common::{Cell, Geometry, Layer};
 use crate::alloc::{count, try_vec};
+use crate::cpu::gemm::{gemm, Init};
+use crate::cpu::gemv::gemv;
+use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
 use crate::dtype::{decode_f64, encode_f64, DType};
-use crate::error::Result;
+use crate::error::{arg_error, Result};
 use crate::operand::Operand;
 use crate::tensor::OwnedTensor;
 
@@ -14,119 +36,638 @@ pub(super) struct HostOutput {
     pub states: Vec<Vec<OwnedTensor>>,
 }
 
-trait Flt:
-    Copy
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
-{
-    fn of(v: f64) -> Self;
-    fn exp(self) -> Self;
-    fn tanh(self) -> Self;
-    fn decode(bytes: &[u8], dtype: DType) -> Vec<Self>;
-    fn encode(values: &[Self], dtype: DType) -> Vec<u8>;
-    /// Row-major `c = a . b` with `a` {m, k} and `b` {k, n}.
-    fn gemm(m: usize, k: usize, n: usize, a: &[Self], b: &[Self], c: &mut [Self]);
+/// One layer's parameters as f32 slices in Axon's layout: per gate (in `Cell`'s name order)
+/// an input kernel `{input, units}` and a hidden kernel `{units, units}`, row-major, and the
+/// four biases `{units}` (`bi, bf, bg, bo` or `br, bz, bin, bhn`).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerWeights<'a> {
+    pub input_kernel: &'a [&'a [f32]],
+    pub hidden_kernel: &'a [&'a [f32]],
+    pub bias: &'a [&'a [f32]],
 }
 
-impl Flt for f32 {
-    fn of(v: f64) -> Self {
-        v as f32
+struct PreparedLayer {
+    input: usize,
+    units: usize,
+    /// `{input, G·units}`, gates side by side.
+    w_in: PackedB,
+    /// `{units, G·units}`.
+    w_h: PackedB,
+    /// Added to the input projection: the gate biases (GRU: `br, bz, bin`).
+    bias_in: Buf,
+    /// Added to the recurrent product: zeros for LSTM, `[0, 0, bhn]` for GRU (inside r ⊙ ·).
+    bias_h: Buf,
+}
+
+/// A stack of LSTM or GRU layers with weights packed once (see the module doc).
+pub struct PreparedRnn {
+    cell: Cell,
+    reverse: bool,
+    layers: Vec<PreparedLayer>,
+    isa: Isa,
+}
+
+/// Transient buffers of [`PreparedRnn::forward_into`], sized for a batch and sequence length.
+pub struct RnnScratch {
+    batch: usize,
+    seq: usize,
+    /// Input projections of the window, `{batch·seq, G·units}`.
+    xp: Buf,
+    /// Recurrent products of one step, `{batch, G·units}`.
+    hp: Buf,
+    /// Sequences of the layers before the last (two, alternating), `{batch·seq, units}`.
+    seq_a: Buf,
+    seq_b: Buf,
+    /// The state before the first step: h `{batch, units}`; and the running c.
+    h0: Buf,
+    c: Buf,
+}
+
+impl RnnScratch {
+    /// Scratch for calls of `rnn` with at most `batch` rows of at most `seq` steps.
+    pub fn new(rnn: &PreparedRnn, batch: usize, seq: usize) -> Result<RnnScratch> {
+        let g = rnn.cell.gates();
+        let max_h = rnn.layers.iter().map(|l| l.units).max().unwrap_or(0);
+        let rows = batch
+            .checked_mul(seq)
+            .ok_or_else(|| arg_error("rnn scratch: batch * seq overflows"))?;
+        let size = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| arg_error("rnn scratch: size overflows"))
+        };
+        let seq_len = if rnn.layers.len() > 1 {
+            size(rows, max_h)?
+        } else {
+            0
+        };
+        let seq_b_len = if rnn.layers.len() > 2 { seq_len } else { 0 };
+        Ok(RnnScratch {
+            batch,
+            seq,
+            xp: alloc_zeroed(size(rows, g * max_h)?)?,
+            hp: alloc_zeroed(size(batch, g * max_h)?)?,
+            seq_a: alloc_zeroed(seq_len)?,
+            seq_b: alloc_zeroed(seq_b_len)?,
+            h0: alloc_zeroed(size(batch, max_h)?)?,
+            c: alloc_zeroed(size(batch, max_h)?)?,
+        })
     }
-    fn exp(self) -> Self {
-        f32::exp(self)
+}
+
+impl PreparedRnn {
+    /// Checks and packs the weights of every layer (`input_size` features into layer 0).
+    pub fn new(
+        cell: Cell,
+        input_size: usize,
+        layers: &[LayerWeights<'_>],
+        reverse: bool,
+    ) -> Result<PreparedRnn> {
+        PreparedRnn::with_isa(cell, input_size, layers, reverse, Isa::best())
     }
-    fn tanh(self) -> Self {
-        f32::tanh(self)
+
+    /// `new` with the instruction set forced (tests compare every path with the portable one).
+    pub fn with_isa(
+        cell: Cell,
+        input_size: usize,
+        layers: &[LayerWeights<'_>],
+        reverse: bool,
+        isa: Isa,
+    ) -> Result<PreparedRnn> {
+        if layers.is_empty() {
+            return Err(arg_error("params: at least one layer is needed"));
+        }
+        let g = cell.gates();
+        let mut input = input_size;
+        let mut out = Vec::with_capacity(layers.len());
+        for (l, w) in layers.iter().enumerate() {
+            let pre = if layers.len() > 1 {
+                format!("layer {l}: ")
+            } else {
+                String::new()
+            };
+            if w.input_kernel.len() != g || w.hidden_kernel.len() != g || w.bias.len() != 4 {
+                return Err(arg_error(format!(
+                    "{pre}expected {g} input kernels, {g} hidden kernels and 4 biases for {cell:?}, got {}, {} and {}",
+                    w.input_kernel.len(),
+                    w.hidden_kernel.len(),
+                    w.bias.len()
+                )));
+            }
+            let units = w.bias[0].len();
+            let bad = |what: &str, i: usize, got: usize, want: Option<usize>| {
+                arg_error(format!(
+                    "{pre}{what} {i} holds {got} values, expected {} (units {units}, input {input})",
+                    want.map_or("an overflowing count".to_string(), |w| w.to_string())
+                ))
+            };
+            for (i, k) in w.input_kernel.iter().enumerate() {
+                if Some(k.len()) != input.checked_mul(units) {
+                    return Err(bad("input kernel", i, k.len(), input.checked_mul(units)));
+                }
+            }
+            for (i, k) in w.hidden_kernel.iter().enumerate() {
+                if Some(k.len()) != units.checked_mul(units) {
+                    return Err(bad("hidden kernel", i, k.len(), units.checked_mul(units)));
+                }
+            }
+            for (i, b) in w.bias.iter().enumerate() {
+                if b.len() != units {
+                    return Err(bad("bias", i, b.len(), Some(units)));
+                }
+            }
+            let w_in = PackedB::from_blocks(input, &blocks(w.input_kernel, units))?;
+            let w_h = PackedB::from_blocks(units, &blocks(w.hidden_kernel, units))?;
+            let mut bias_in = alloc_zeroed(g * units)?;
+            for (k, b) in w.bias[..g].iter().enumerate() {
+                bias_in[k * units..(k + 1) * units].copy_from_slice(b);
+            }
+            let mut bias_h = alloc_zeroed(g * units)?;
+            if cell == Cell::Gru {
+                bias_h[2 * units..].copy_from_slice(w.bias[3]);
+            } else {
+                // LSTM has four gates and four biases: all of them went into bias_in.
+                debug_assert_eq!(g, 4);
+            }
+            out.push(PreparedLayer {
+                input,
+                units,
+                w_in,
+                w_h,
+                bias_in,
+                bias_h,
+            });
+            input = units;
+        }
+        Ok(PreparedRnn {
+            cell,
+            reverse,
+            layers: out,
+            isa,
+        })
     }
-    fn decode(bytes: &[u8], dtype: DType) -> Vec<Self> {
-        crate::dtype::decode_f32(bytes, dtype)
+
+    pub fn cell(&self) -> Cell {
+        self.cell
     }
-    fn encode(values: &[Self], dtype: DType) -> Vec<u8> {
-        crate::dtype::encode_f32(values, dtype)
+    pub fn input_size(&self) -> usize {
+        self.layers[0].input
     }
-    fn gemm(m: usize, k: usize, n: usize, a: &[Self], b: &[Self], c: &mut [Self]) {
-        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-        // Safety: the slices hold the row-major extents asserted above.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.as_ptr(),
-                k as isize,
-                1,
-                b.as_ptr(),
-                n as isize,
-                1,
-                0.0,
-                c.as_mut_ptr(),
-                n as isize,
-                1,
-            )
+    /// Units of each layer.
+    pub fn units(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.iter().map(|l| l.units)
+    }
+    /// Units of the last layer (the width of `out_seq`).
+    pub fn output_size(&self) -> usize {
+        self.layers.last().map_or(0, |l| l.units)
+    }
+    /// Floats of the concatenated state of all layers for `batch` rows.
+    pub fn state_len(&self, batch: usize) -> usize {
+        let per = self.cell.state_names().len();
+        self.layers.iter().map(|l| per * batch * l.units).sum()
+    }
+    /// Bytes of packed weights held.
+    pub fn weight_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.w_in.bytes() + l.w_h.bytes() + 8 * l.bias_in.len())
+            .sum()
+    }
+    /// Scratch for calls with at most `batch` rows of at most `seq` steps.
+    pub fn scratch(&self, batch: usize, seq: usize) -> Result<RnnScratch> {
+        RnnScratch::new(self, batch, seq)
+    }
+
+    /// Runs the stack over `x` (see the module doc for layouts); allocates nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_into(
+        &self,
+        x: &[f32],
+        batch: usize,
+        seq: usize,
+        init_state: Option<&[f32]>,
+        out_seq: &mut [f32],
+        final_state: &mut [f32],
+        scratch: &mut RnnScratch,
+    ) -> Result<()> {
+        let rows = batch
+            .checked_mul(seq)
+            .ok_or_else(|| arg_error("x: batch * seq overflows"))?;
+        let want = |what: &str, got: usize, want: Option<usize>| {
+            if Some(got) == want {
+                Ok(())
+            } else {
+                Err(arg_error(format!(
+                    "{what}: holds {got} values, expected {} (batch {batch}, seq {seq})",
+                    want.map_or("an overflowing count".to_string(), |w| w.to_string())
+                )))
+            }
+        };
+        want("x", x.len(), rows.checked_mul(self.input_size()))?;
+        want(
+            "out_seq",
+            out_seq.len(),
+            rows.checked_mul(self.output_size()),
+        )?;
+        let state_len = self.state_len(batch);
+        want("final_state", final_state.len(), Some(state_len))?;
+        if let Some(s) = init_state {
+            want("init_state", s.len(), Some(state_len))?;
+        }
+        if batch > scratch.batch || seq > scratch.seq {
+            return Err(arg_error(format!(
+                "scratch: made for batch {} and seq {}, the call needs batch {batch} and seq {seq}",
+                scratch.batch, scratch.seq
+            )));
+        }
+        let n_layers = self.layers.len();
+        let per_state = self.cell.state_names().len();
+        let mut state_at = 0;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = layer.units;
+            let st_len = per_state * batch * h;
+            let init = init_state.map(|s| &s[state_at..state_at + st_len]);
+            let fin = &mut final_state[state_at..state_at + st_len];
+            state_at += st_len;
+            // Layer l reads the sequence layer l-1 wrote and writes its own: the last layer
+            // into out_seq, the others into the scratch sequences, alternating.
+            let RnnScratch {
+                xp,
+                hp,
+                seq_a,
+                seq_b,
+                h0,
+                c,
+                ..
+            } = &mut *scratch;
+            let (input, output): (&[f32], &mut [f32]) = match (l, l + 1 == n_layers) {
+                (0, true) => (x, &mut *out_seq),
+                (0, false) => (x, &mut seq_a[..rows * h]),
+                (l, true) if l % 2 == 1 => (&seq_a[..rows * layer.input], &mut *out_seq),
+                (_, true) => (&seq_b[..rows * layer.input], &mut *out_seq),
+                (l, false) if l % 2 == 1 => (&seq_a[..rows * layer.input], &mut seq_b[..rows * h]),
+                (_, false) => (&seq_b[..rows * layer.input], &mut seq_a[..rows * h]),
+            };
+            self.layer(layer, batch, seq, input, init, output, fin, xp, hp, h0, c);
+        }
+        Ok(())
+    }
+
+    /// One layer over the window. `init`/`fin`: this layer's state (`[c, h]` or `[h]`).
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        layer: &PreparedLayer,
+        batch: usize,
+        seq: usize,
+        input: &[f32],
+        init: Option<&[f32]>,
+        out: &mut [f32],
+        fin: &mut [f32],
+        xp: &mut [f32],
+        hp: &mut [f32],
+        h0: &mut [f32],
+        c: &mut [f32],
+    ) {
+        let isa = self.isa;
+        let (h, gh) = (layer.units, self.cell.gates() * layer.units);
+        let bh = batch * h;
+        let (h0, c) = (&mut h0[..bh], &mut c[..bh]);
+        match (self.cell, init) {
+            (Cell::Lstm, Some(s)) => {
+                c.copy_from_slice(&s[..bh]);
+                h0.copy_from_slice(&s[bh..2 * bh]);
+            }
+            (Cell::Gru, Some(s)) => h0.copy_from_slice(&s[..bh]),
+            (_, None) => {
+                c.fill(0.0);
+                h0.fill(0.0);
+            }
+        }
+        if seq == 0 || batch == 0 {
+            self.store_state(fin, c, h0);
+            return;
+        }
+        let rows = batch * seq;
+        let xp = &mut xp[..rows * gh];
+        if rows == 1 {
+            gemv(isa, input, &layer.w_in, Some(&layer.bias_in), xp);
+        } else {
+            gemm(
+                isa,
+                rows,
+                input,
+                layer.input,
+                &layer.w_in,
+                xp,
+                gh,
+                Init::Bias(&layer.bias_in),
+            );
+        }
+        let hp = &mut hp[..batch * gh];
+        let row_stride = seq * h;
+        for s in 0..seq {
+            let ti = if self.reverse { seq - 1 - s } else { s };
+            // The previous h: the initial state, else the row this layer wrote last step.
+            let (prev, lda): (&[f32], usize) = if s == 0 {
+                (h0, h)
+            } else {
+                let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                (&out[tp * h..], row_stride)
+            };
+            if batch == 1 {
+                gemv(isa, &prev[..h], &layer.w_h, Some(&layer.bias_h), hp);
+            } else {
+                gemm(
+                    isa,
+                    batch,
+                    prev,
+                    lda,
+                    &layer.w_h,
+                    hp,
+                    gh,
+                    Init::Bias(&layer.bias_h),
+                );
+            }
+            for b in 0..batch {
+                let x_row = &xp[(b * seq + ti) * gh..(b * seq + ti + 1) * gh];
+                let r_row = &hp[b * gh..(b + 1) * gh];
+                let at = (b * seq + ti) * h;
+                match self.cell {
+                    Cell::Lstm => {
+                        let h_out = &mut out[at..at + h];
+                        lstm_cell(isa, x_row, r_row, &mut c[b * h..(b + 1) * h], h_out);
+                    }
+                    Cell::Gru => {
+                        if s == 0 {
+                            gru_cell(
+                                isa,
+                                x_row,
+                                r_row,
+                                &h0[b * h..(b + 1) * h],
+                                &mut out[at..at + h],
+                            );
+                        } else {
+                            let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                            let pat = (b * seq + tp) * h;
+                            let (prev, cur) = two_rows(out, pat, at, h);
+                            gru_cell(isa, x_row, r_row, prev, cur);
+                        }
+                    }
+                }
+            }
+        }
+        let last = if self.reverse { 0 } else { seq - 1 };
+        for b in 0..batch {
+            let at = (b * seq + last) * h;
+            h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
+        }
+        self.store_state(fin, c, h0);
+    }
+
+    fn store_state(&self, fin: &mut [f32], c: &[f32], h: &[f32]) {
+        match self.cell {
+            Cell::Lstm => {
+                fin[..c.len()].copy_from_slice(c);
+                fin[c.len()..].copy_from_slice(h);
+            }
+            Cell::Gru => fin.copy_from_slice(h),
         }
     }
 }
 
-impl Flt for f64 {
-    fn of(v: f64) -> Self {
-        v
+/// Gate matrices as column blocks of one packed matrix.
+fn blocks<'a>(ks: &[&'a [f32]], units: usize) -> Vec<(&'a [f32], usize)> {
+    ks.iter().map(|k| (*k, units)).collect()
+}
+
+/// Row `a` (read) and row `b` (written) of `buf`, both `len` long; `a != b`.
+fn two_rows(buf: &mut [f32], a: usize, b: usize, len: usize) -> (&[f32], &mut [f32]) {
+    if a < b {
+        let (lo, hi) = buf.split_at_mut(b);
+        (&lo[a..a + len], &mut hi[..len])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a);
+        (&hi[..len], &mut lo[b..b + len])
     }
-    fn exp(self) -> Self {
-        f64::exp(self)
+}
+
+/// LSTM update of one row: pre-activations `x + r` (gates i, f, g, o, each `units` wide),
+/// `c = σ(f) c + σ(i) tanh(g)`, `h = σ(o) tanh(c)` (Axon: no forget bias).
+fn lstm_cell(isa: Isa, x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) {
+    let u = c.len();
+    let mut j = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
+        j = unsafe { avx2::lstm_cell(x, r, c, h) };
     }
-    fn tanh(self) -> Self {
-        f64::tanh(self)
+    let _ = isa;
+    use crate::cpu::math::scalar::{sigmoid, tanh};
+    for j in j..u {
+        let p = |k: usize| x[k * u + j] + r[k * u + j];
+        let cc = sigmoid(p(1)) * c[j] + sigmoid(p(0)) * tanh(p(2));
+        c[j] = cc;
+        h[j] = sigmoid(p(3)) * tanh(cc);
     }
-    fn decode(bytes: &[u8], dtype: DType) -> Vec<Self> {
-        decode_f64(bytes, dtype)
+}
+
+/// GRU update of one row: `r = σ(x_r + hr)`, `z = σ(x_z + hz)`, `n = tanh(x_n + r ⊙ hn)` (hn
+/// already holds `+ bhn`), `h = (1 - z) n + z h_prev`.
+fn gru_cell(isa: Isa, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) {
+    let u = prev.len();
+    let mut j = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // Safety: as for `lstm_cell`.
+        j = unsafe { avx2::gru_cell(x, r, prev, h) };
     }
-    fn encode(values: &[Self], dtype: DType) -> Vec<u8> {
-        encode_f64(values, dtype)
+    let _ = isa;
+    use crate::cpu::math::scalar::{sigmoid, tanh};
+    for j in j..u {
+        let rg = sigmoid(x[j] + r[j]);
+        let z = sigmoid(x[u + j] + r[u + j]);
+        let n = tanh(x[2 * u + j] + rg * r[2 * u + j]);
+        h[j] = (1.0 - z) * n + z * prev[j];
     }
-    fn gemm(m: usize, k: usize, n: usize, a: &[Self], b: &[Self], c: &mut [Self]) {
-        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-        // Safety: as for f32.
-        unsafe {
-            matrixmultiply::dgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.as_ptr(),
-                k as isize,
-                1,
-                b.as_ptr(),
-                n as isize,
-                1,
-                0.0,
-                c.as_mut_ptr(),
-                n as isize,
-                1,
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use crate::cpu::math::avx2::{sigmoid, tanh};
+    use std::arch::x86_64::*;
+
+    /// The whole 8-lane part of `lstm_cell`; returns where the scalar tail starts.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn lstm_cell(x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) -> usize {
+        let u = c.len();
+        let (xp, rp) = (x.as_ptr(), r.as_ptr());
+        let p = |k: usize, j: usize| {
+            _mm256_add_ps(
+                _mm256_loadu_ps(xp.add(k * u + j)),
+                _mm256_loadu_ps(rp.add(k * u + j)),
             )
+        };
+        let mut j = 0;
+        while j + 8 <= u {
+            let i = sigmoid(p(0, j));
+            let f = sigmoid(p(1, j));
+            let g = tanh(p(2, j));
+            let o = sigmoid(p(3, j));
+            let cc = _mm256_fmadd_ps(f, _mm256_loadu_ps(c.as_ptr().add(j)), _mm256_mul_ps(i, g));
+            _mm256_storeu_ps(c.as_mut_ptr().add(j), cc);
+            _mm256_storeu_ps(h.as_mut_ptr().add(j), _mm256_mul_ps(o, tanh(cc)));
+            j += 8;
         }
+        j
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gru_cell(x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) -> usize {
+        let u = prev.len();
+        let (xp, rp) = (x.as_ptr(), r.as_ptr());
+        let ld = |p: *const f32, at: usize| _mm256_loadu_ps(p.add(at));
+        let mut j = 0;
+        while j + 8 <= u {
+            let rg = sigmoid(_mm256_add_ps(ld(xp, j), ld(rp, j)));
+            let z = sigmoid(_mm256_add_ps(ld(xp, u + j), ld(rp, u + j)));
+            let n = tanh(_mm256_fmadd_ps(rg, ld(rp, 2 * u + j), ld(xp, 2 * u + j)));
+            let hp = ld(prev.as_ptr(), j);
+            // (1 - z) n + z h = n + z (h - n)
+            let v = _mm256_fmadd_ps(z, _mm256_sub_ps(hp, n), n);
+            _mm256_storeu_ps(h.as_mut_ptr().add(j), v);
+            j += 8;
+        }
+        j
     }
 }
 
-fn sigmoid<F: Flt>(v: F) -> F {
-    F::of(1.0) / (F::of(1.0) + (F::of(0.0) - v).exp())
+fn slices(v: &[Buf]) -> Vec<&[f32]> {
+    v.iter().map(|x| &x[..]).collect()
 }
 
-fn host<F: Flt>(t: &Operand<'_>) -> Result<Vec<F>> {
+/// The op API on f32: decodes the operands, prepares, runs.
+fn run_f32(
+    cell: Cell,
+    g: &Geometry,
+    x: &Operand<'_>,
+    layers: &[Layer<'_>],
+    reverse: bool,
+) -> Result<HostOutput> {
+    let host32 = |t: &Operand<'_>| -> Result<Buf> {
+        let staged = t.on_host()?;
+        let view = staged.view();
+        arena::decoded(view.bytes, view.dtype)
+    };
+    let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
+    let mut owned = Vec::with_capacity(layers.len());
+    for l in layers {
+        owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
+    }
+    type Refs<'a> = (Vec<&'a [f32]>, Vec<&'a [f32]>, Vec<&'a [f32]>);
+    let refs: Vec<Refs<'_>> = owned
+        .iter()
+        .map(|(i, h, b)| (slices(i), slices(h), slices(b)))
+        .collect();
+    let weights: Vec<LayerWeights<'_>> = refs
+        .iter()
+        .map(|(i, h, b)| LayerWeights {
+            input_kernel: i,
+            hidden_kernel: h,
+            bias: b,
+        })
+        .collect();
+    let rnn = PreparedRnn::new(cell, g.features, &weights, reverse)?;
+    let (b, t) = (g.batch, g.seq);
+    let xs = host32(x)?;
+    let state_len = rnn.state_len(b);
+    let init = if layers.iter().any(|l| !l.initial_state.is_empty()) {
+        let mut s = alloc_zeroed(state_len)?;
+        let mut at = 0;
+        for (l, layer) in layers.iter().enumerate() {
+            let len = cell.state_names().len() * b * g.hidden[l];
+            for (k, t) in layer.initial_state.iter().enumerate() {
+                let v = host32(t)?;
+                s[at + k * v.len()..at + (k + 1) * v.len()].copy_from_slice(&v);
+            }
+            at += len;
+        }
+        Some(s)
+    } else {
+        None
+    };
+    let out_len = b
+        .checked_mul(t)
+        .and_then(|v| v.checked_mul(rnn.output_size()))
+        .ok_or_else(|| arg_error("output: size overflows"))?;
+    let mut out = alloc_zeroed(out_len)?;
+    let mut fin = alloc_zeroed(state_len)?;
+    let mut scratch = rnn.scratch(b, t)?;
+    rnn.forward_into(&xs, b, t, init.as_deref(), &mut out, &mut fin, &mut scratch)?;
+    let mut states = Vec::with_capacity(layers.len());
+    let mut at = 0;
+    for &h in &g.hidden {
+        let mut per = Vec::new();
+        for _ in cell.state_names() {
+            per.push(OwnedTensor {
+                data: crate::dtype::encode_f32(&fin[at..at + b * h], g.dtype),
+                shape: vec![b, h],
+                dtype: g.dtype,
+            });
+            at += b * h;
+        }
+        states.push(per);
+    }
+    Ok(HostOutput {
+        sequence: OwnedTensor {
+            data: crate::dtype::encode_f32(&out, g.dtype),
+            shape: vec![b, t, rnn.output_size()],
+            dtype: g.dtype,
+        },
+        states,
+    })
+}
+
+/// `c = a · b` in f64, row-major `a` {m, k}, `b` {k, n}.
+fn dgemm(m: usize, k: usize, n: usize, a: &[f64], b: &[f64], c: &mut [f64]) {
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    // Safety: the slices hold the row-major extents asserted above.
+    unsafe {
+        matrixmultiply::dgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            k as isize,
+            1,
+            b.as_ptr(),
+            n as isize,
+            1,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        )
+    }
+}
+
+fn sigmoid64(v: f64) -> f64 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+fn host64(t: &Operand<'_>) -> Result<Vec<f64>> {
     let staged = t.on_host()?;
     let view = staged.view();
-    Ok(F::decode(view.bytes, view.dtype))
+    Ok(decode_f64(view.bytes, view.dtype))
 }
 
 /// Gate matrices `{rows, h}` side by side into one `{rows, gates*h}`.
-fn concat_columns<F: Flt>(mats: &[Vec<F>], rows: usize, h: usize) -> Result<Vec<F>> {
+fn concat_columns(mats: &[Vec<f64>], rows: usize, h: usize) -> Result<Vec<f64>> {
     let gh = mats.len() * h;
     let mut out = try_vec(
         "rnn gate weights",
         count("rnn gate weights", &[rows, gh])?,
-        F::of(0.0),
+        0.0,
     )?;
     for (g, m) in mats.iter().enumerate() {
         for r in 0..rows {
@@ -136,46 +677,33 @@ fn concat_columns<F: Flt>(mats: &[Vec<F>], rows: usize, h: usize) -> Result<Vec<
     Ok(out)
 }
 
-fn layer_typed<F: Flt>(
+/// One f64 layer: the input projection as one GEMM, then a GEMM and the cell per step.
+fn layer_f64(
     cell: Cell,
     g: &Geometry,
     l: usize,
-    xin: &[F],
+    xin: &[f64],
     layer: &Layer<'_>,
     reverse: bool,
-) -> Result<(Vec<F>, Vec<Vec<F>>)> {
+) -> Result<(Vec<f64>, Vec<Vec<f64>>)> {
     let (b, t, inp, h) = (g.batch, g.seq, g.input_of(l), g.hidden[l]);
-    let gates = cell.gates();
-    let gh = gates * h;
-    let win = layer
-        .input_kernel
-        .iter()
-        .map(host)
-        .collect::<Result<Vec<Vec<F>>>>()?;
-    let wh = layer
-        .hidden_kernel
-        .iter()
-        .map(host)
-        .collect::<Result<Vec<Vec<F>>>>()?;
-    let bias = layer
-        .bias
-        .iter()
-        .map(host)
-        .collect::<Result<Vec<Vec<F>>>>()?;
+    let gh = cell.gates() * h;
+    let all = |ts: &[Operand<'_>]| ts.iter().map(host64).collect::<Result<Vec<Vec<f64>>>>();
+    let (win, wh, bias) = (
+        all(&layer.input_kernel)?,
+        all(&layer.hidden_kernel)?,
+        all(&layer.bias)?,
+    );
     // The input projection of every timestep is the largest buffer (batch x seq x gates*units).
     let mut xp = try_vec(
         "rnn input projection",
         count("rnn input projection", &[b, t, gh])?,
-        F::of(0.0),
+        0.0,
     )?;
-    F::gemm(b * t, inp, gh, xin, &concat_columns(&win, inp, h)?, &mut xp);
+    dgemm(b * t, inp, gh, xin, &concat_columns(&win, inp, h)?, &mut xp);
     let wh = concat_columns(&wh, h, h)?;
-    let init = layer
-        .initial_state
-        .iter()
-        .map(host)
-        .collect::<Result<Vec<Vec<F>>>>()?;
-    let zeros = try_vec("rnn state", count("rnn state", &[b, h])?, F::of(0.0))?;
+    let init = all(&layer.initial_state)?;
+    let zeros = try_vec("rnn state", count("rnn state", &[b, h])?, 0.0)?;
     let (mut c, mut hs) = match (cell, init.as_slice()) {
         (Cell::Lstm, [c, h]) => (c.clone(), h.clone()),
         (Cell::Gru, [h]) => (zeros.clone(), h.clone()),
@@ -184,17 +712,17 @@ fn layer_typed<F: Flt>(
     let mut seq = try_vec(
         "rnn output sequence",
         count("rnn output sequence", &[b, t, h])?,
-        F::of(0.0),
+        0.0,
     )?;
     let mut hp = try_vec(
         "rnn recurrent projection",
         count("rnn recurrent projection", &[b, gh])?,
-        F::of(0.0),
+        0.0,
     )?;
-    let mut next = try_vec("rnn state", b * h, F::of(0.0))?;
+    let mut next = try_vec("rnn state", b * h, 0.0)?;
     for s in 0..t {
         let ti = if reverse { t - 1 - s } else { s };
-        F::gemm(b, h, gh, &hs, &wh, &mut hp);
+        dgemm(b, h, gh, &hs, &wh, &mut hp);
         for bi in 0..b {
             let x = &xp[(bi * t + ti) * gh..(bi * t + ti + 1) * gh];
             let r = &hp[bi * gh..(bi + 1) * gh];
@@ -202,17 +730,17 @@ fn layer_typed<F: Flt>(
                 let pre = |k: usize| x[k * h + j] + bias[k][j] + r[k * h + j];
                 let v = match cell {
                     Cell::Lstm => {
-                        let (i, f) = (sigmoid(pre(0)), sigmoid(pre(1)));
-                        let (gg, o) = (pre(2).tanh(), sigmoid(pre(3)));
+                        let (i, f) = (sigmoid64(pre(0)), sigmoid64(pre(1)));
+                        let (gg, o) = (pre(2).tanh(), sigmoid64(pre(3)));
                         let cc = f * c[bi * h + j] + i * gg;
                         c[bi * h + j] = cc;
                         o * cc.tanh()
                     }
                     Cell::Gru => {
-                        let (rg, z) = (sigmoid(pre(0)), sigmoid(pre(1)));
+                        let (rg, z) = (sigmoid64(pre(0)), sigmoid64(pre(1)));
                         let n =
                             (x[2 * h + j] + bias[2][j] + rg * (r[2 * h + j] + bias[3][j])).tanh();
-                        (F::of(1.0) - z) * n + z * hs[bi * h + j]
+                        (1.0 - z) * n + z * hs[bi * h + j]
                     }
                 };
                 next[bi * h + j] = v;
@@ -228,22 +756,22 @@ fn layer_typed<F: Flt>(
     Ok((seq, states))
 }
 
-fn run_typed<F: Flt>(
+fn run_f64(
     cell: Cell,
     g: &Geometry,
     x: &Operand<'_>,
     layers: &[Layer<'_>],
     reverse: bool,
 ) -> Result<HostOutput> {
-    let mut input: Vec<F> = host(x)?;
+    let mut input = host64(x)?;
     let mut states = Vec::with_capacity(layers.len());
     for (l, layer) in layers.iter().enumerate() {
-        let (seq, st) = layer_typed(cell, g, l, &input, layer, reverse)?;
+        let (seq, st) = layer_f64(cell, g, l, &input, layer, reverse)?;
         let h = g.hidden[l];
         states.push(
             st.iter()
                 .map(|s| OwnedTensor {
-                    data: F::encode(s, g.dtype),
+                    data: encode_f64(s, g.dtype),
                     shape: vec![g.batch, h],
                     dtype: g.dtype,
                 })
@@ -253,7 +781,7 @@ fn run_typed<F: Flt>(
     }
     Ok(HostOutput {
         sequence: OwnedTensor {
-            data: F::encode(&input, g.dtype),
+            data: encode_f64(&input, g.dtype),
             shape: vec![g.batch, g.seq, *g.hidden.last().unwrap_or(&0)],
             dtype: g.dtype,
         },
@@ -269,7 +797,7 @@ pub(super) fn run(
     reverse: bool,
 ) -> Result<HostOutput> {
     match g.dtype {
-        DType::F64 => run_typed::<f64>(cell, g, x, layers, reverse),
-        _ => run_typed::<f32>(cell, g, x, layers, reverse),
+        DType::F64 => run_f64(cell, g, x, layers, reverse),
+        _ => run_f32(cell, g, x, layers, reverse),
     }
 }

@@ -9,22 +9,23 @@ defmodule FusedKernels.Bench do
 
   @frame_ms 1000 / 60
 
-  # Each op contributes its cases through `bench_cases/0`, returning maps with `:name`,
+  # Each op contributes its cases (bench/cases/<op>.exs) through `bench_cases/1` (the run's
+  # options), returning maps with `:name`,
   # `:shape` (a tuple, for the table), `:type` and `:runner`: `fn backend -> fun | nil end`,
   # where `fun` runs one call synchronously and nil means "not on this backend".
   @case_modules [
-    FusedKernels.ScaledSoftmax.Bench,
-    FusedKernels.Dense.Bench,
-    FusedKernels.Backbone.Bench,
-    FusedKernels.FlashAttention.Bench,
-    FusedKernels.Rnn.Bench,
-    FusedKernels.SelectiveScan.Bench,
-    FusedKernels.MambaBlock.Bench
+    FusedKernels.Bench.ScaledSoftmax,
+    FusedKernels.Bench.Dense,
+    FusedKernels.Bench.Backbone,
+    FusedKernels.Bench.FlashAttention,
+    FusedKernels.Bench.Rnn,
+    FusedKernels.Bench.SelectiveScan,
+    FusedKernels.Bench.MambaBlock
   ]
 
   @doc "Every benchmark case of every op."
-  @spec cases() :: [map]
-  def cases, do: Enum.flat_map(@case_modules, & &1.bench_cases())
+  @spec cases(keyword) :: [map]
+  def cases(opts \\ []), do: Enum.flat_map(@case_modules, & &1.bench_cases(opts))
 
   @doc """
   Backends present on this machine, in the order the table shows them. `:cuda` takes host
@@ -43,7 +44,9 @@ defmodule FusedKernels.Bench do
 
   @doc """
   Runs the benchmark. Options: `quick` (fewer runs), `only` (substring of case names),
-  `backend` (list of backends), `json` (path to write results), `runs` (timed runs).
+  `backend` (list of backends), `json` (path to write results), `runs` (timed runs),
+  `export` (a directory for the backbones' params and outputs, read by
+  bench/gpu/side_backbone.py).
   """
   @spec run(keyword) :: [map]
   def run(opts \\ []) do
@@ -102,26 +105,6 @@ defmodule FusedKernels.Bench do
           sixty_fps: pct(times, 0.95) < @frame_ms
         }
     end
-  end
-
-  @doc "A `{binary, shape, type}` of uniform values in [-2, 2) (never zeros)."
-  @spec random_triple(tuple, tuple) :: FusedKernels.Tensor.triple()
-  def random_triple(shape, type) do
-    values = for _ <- 1..Tuple.product(shape), do: :rand.uniform() * 4 - 2
-    {encode_values(values, type), shape, type}
-  end
-
-  @doc "Encodes floats as a native-endian binary of `type` (bf16 by truncation)."
-  @spec encode_values([number], tuple) :: binary
-  def encode_values(values, type), do: for(v <- values, into: <<>>, do: encode(v, type))
-
-  defp encode(v, {:f, 32}), do: <<v::float-32-native>>
-  defp encode(v, {:f, 64}), do: <<v::float-64-native>>
-  defp encode(v, {:f, 16}), do: <<v::float-16-native>>
-  # bf16: the top half of the f32 bits (truncation is fine for random test data).
-  defp encode(v, {:bf, 16}) do
-    <<hi::16, _::16>> = <<v::float-32-big>>
-    <<hi::16-native>>
   end
 
   defp time_ms(fun) do

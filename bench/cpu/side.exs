@@ -1,0 +1,168 @@
+# The Elixir half of bench/cpu/side.py: times our CPU rows through the public native API (the
+# same calls an application makes, NIF and BEAM included) on the inputs side.py wrote.
+#
+#   FUSED_KERNELS_CPU_THREADS=1 mix run bench/cpu/side.exs DIR
+#
+# A line-oriented server on stdin/stdout, so side.py can interleave our runs with ONNX Runtime
+# and PyTorch: `time ROW N` answers `ms T1 T2 ...` (N per-call wall times), `check ROW`
+# writes DIR/ROW/ours.f32 (the output of one call from the written inputs) and answers `ok`.
+# DIR/ROW/manifest.txt lists `name d1,d2,...` for each NAME.f32 (little-endian f32).
+
+defmodule Side do
+  def load(dir, row) do
+    path = Path.join(dir, row)
+
+    path
+    |> Path.join("manifest.txt")
+    |> File.read!()
+    |> String.split("\n", trim: true)
+    |> Map.new(fn line ->
+      [name, dims] = String.split(line, " ")
+      shape = dims |> String.split(",", trim: true) |> Enum.map(&String.to_integer/1)
+      bin = File.read!(Path.join(path, name <> ".f32"))
+      {name, {bin, List.to_tuple(shape), {:f, 32}}}
+    end)
+  end
+
+  defp rnn_params(t, cell, layers) do
+    {ins, hids, biases} =
+      case cell do
+        :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
+        :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+      end
+
+    for l <- 0..(layers - 1) do
+      pick = fn names -> Map.new(names, &{&1, t["l#{l}_#{&1}"]}) end
+      %{"input_kernel" => pick.(ins), "hidden_kernel" => pick.(hids), "bias" => pick.(biases)}
+    end
+  end
+
+  defp init_state(t, :lstm, layers),
+    do: for(l <- 0..(layers - 1), do: {t["l#{l}_c0"], t["l#{l}_h0"]})
+
+  defp init_state(t, :gru, layers), do: for(l <- 0..(layers - 1), do: {t["l#{l}_h0"]})
+
+  defp cell_of("lstm" <> _), do: :lstm
+  defp cell_of("gru" <> _), do: :gru
+
+  @doc "A closure running one call of `row`; with a carried state for the step rows."
+  def runner(row, t) do
+    case row do
+      "lstm_window" <> _ ->
+        rnn_window(row, t)
+
+      "gru_window" <> _ ->
+        rnn_window(row, t)
+
+      "lstm_step" <> _ ->
+        rnn_step(row, t)
+
+      "gru_step" <> _ ->
+        rnn_step(row, t)
+
+      "attention" <> _ ->
+        fn _ ->
+          FusedKernels.FlashAttention.native(t["q"], t["k"], t["v"], causal: true, backend: :cpu)
+        end
+
+      "dense" <> _ ->
+        fn _ ->
+          FusedKernels.Dense.dense(t["x"], t["kernel"], t["bias"],
+            activation: :gelu,
+            backend: :cpu
+          )
+        end
+
+      "scan" <> _ ->
+        fn _ ->
+          FusedKernels.SelectiveScan.native(t["u"], t["delta"], t["a"], t["b"], t["c"],
+            d: t["d"],
+            delta_softplus: true,
+            backend: :cpu
+          )
+        end
+    end
+  end
+
+  defp rnn_window(row, t) do
+    cell = cell_of(row)
+    params = rnn_params(t, cell, 2)
+    fn _ -> elem(FusedKernels.Rnn.native(cell, t["x"], params, backend: :cpu), 0) end
+  end
+
+  defp rnn_step(row, t) do
+    cell = cell_of(row)
+    params = rnn_params(t, cell, 2)
+    # The state is carried from call to call, as a streaming caller does.
+    fn state ->
+      state = state || init_state(t, cell, 2)
+
+      {seq, states} =
+        FusedKernels.Rnn.native(cell, t["x"], params, initial_state: state, backend: :cpu)
+
+      {seq, states}
+    end
+  end
+
+  def time(run, n) do
+    {_, times} =
+      Enum.reduce(1..n, {nil, []}, fn _, {state, acc} ->
+        t0 = System.monotonic_time(:nanosecond)
+        out = run.(state)
+        dt = System.monotonic_time(:nanosecond) - t0
+        next = if match?({_, [_ | _]}, out), do: elem(out, 1), else: nil
+        {next, [dt / 1.0e6 | acc]}
+      end)
+
+    Enum.reverse(times)
+  end
+
+  def output_binary(out) do
+    case out do
+      {{bin, _, _}, _states} when is_binary(bin) -> bin
+      {bin, _, _} when is_binary(bin) -> bin
+    end
+  end
+
+  def loop(dir, cache) do
+    case IO.gets("") do
+      :eof ->
+        :ok
+
+      line ->
+        {reply, cache} =
+          case String.split(String.trim(line), " ") do
+            ["time", row, n] ->
+              {run, cache} = fetch(dir, row, cache)
+              ms = time(run, String.to_integer(n))
+              {"ms " <> Enum.map_join(ms, " ", &Float.to_string/1), cache}
+
+            ["check", row] ->
+              {run, cache} = fetch(dir, row, cache)
+              File.write!(Path.join([dir, row, "ours.f32"]), output_binary(run.(nil)))
+              {"ok", cache}
+
+            other ->
+              {"error unknown command #{inspect(other)}", cache}
+          end
+
+        IO.puts(reply)
+        loop(dir, cache)
+    end
+  end
+
+  defp fetch(dir, row, cache) do
+    case cache do
+      %{^row => run} ->
+        {run, cache}
+
+      _ ->
+        run = runner(row, load(dir, row))
+        {run, Map.put(cache, row, run)}
+    end
+  end
+end
+
+[dir] = System.argv()
+IO.puts("ready threads=#{FusedKernels.info()[:cpu_threads]}")
+Side.loop(dir, %{})

@@ -1,0 +1,341 @@
+//! Times the CPU ops on their allocation-free prepared forms.
+//!
+//! ```text
+//! cargo bench -p fused_kernels_core --bench cpu_ops -- --op lstm --mode step --threads 1
+//! ```
+//!
+//! Flags: `--op lstm|gru|dense|gemv`, `--mode step|window` (rnn), `--batch`, `--seq`,
+//! `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
+//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path). Prints the median
+//! and the 10th/90th percentiles of per-call wall time in ms.
+
+use fused_kernels_core::cpu::Isa;
+use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
+use std::time::Instant;
+
+struct Args {
+    op: String,
+    mode: String,
+    batch: usize,
+    seq: usize,
+    input: usize,
+    hidden: Vec<usize>,
+    iters: usize,
+    portable: bool,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        op: "lstm".into(),
+        mode: "step".into(),
+        batch: 1,
+        seq: 60,
+        input: 288,
+        hidden: vec![256, 256],
+        iters: 200,
+        portable: false,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let val = || argv.get(i + 1).cloned().unwrap_or_default();
+        let num = |s: String| s.parse::<usize>().expect("a number");
+        match argv[i].as_str() {
+            "--op" => a.op = val(),
+            "--mode" => a.mode = val(),
+            "--batch" => a.batch = num(val()),
+            "--seq" => a.seq = num(val()),
+            "--input" => a.input = num(val()),
+            "--hidden" => a.hidden = val().split(',').map(|s| num(s.to_string())).collect(),
+            "--iters" => a.iters = num(val()),
+            "--threads" => {
+                // Before the pool's first use, which reads it once.
+                std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
+            }
+            "--portable" => {
+                a.portable = true;
+                i += 1;
+                continue;
+            }
+            "--bench" => {
+                i += 1;
+                continue;
+            }
+            other => panic!("unknown flag {other}"),
+        }
+        i += 2;
+    }
+    a
+}
+
+struct Rng(u64);
+impl Rng {
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                self.0 ^= self.0 >> 12;
+                self.0 ^= self.0 << 25;
+                self.0 ^= self.0 >> 27;
+                let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
+                ((r >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * scale
+            })
+            .collect()
+    }
+}
+
+fn report(name: &str, mut ms: Vec<f64>) {
+    ms.sort_by(|a, b| a.total_cmp(b));
+    let q = |p: f64| ms[((ms.len() - 1) as f64 * p) as usize];
+    println!(
+        "{name}: median {:.4} ms (p10 {:.4}, p90 {:.4}, {} calls, {} threads)",
+        q(0.5),
+        q(0.1),
+        q(0.9),
+        ms.len(),
+        fused_kernels_core::cpu::pool::threads()
+    );
+}
+
+fn time(iters: usize, mut f: impl FnMut()) -> Vec<f64> {
+    for _ in 0..iters.div_ceil(10).max(3) {
+        f();
+    }
+    (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect()
+}
+
+fn slices(v: &[Vec<f32>]) -> Vec<&[f32]> {
+    v.iter().map(|x| x.as_slice()).collect()
+}
+
+fn rnn(a: &Args, isa: Isa) {
+    let cell = if a.op == "gru" { Cell::Gru } else { Cell::Lstm };
+    let g = cell.gates();
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let mut inp = a.input;
+    let mut owned = Vec::new();
+    for &h in &a.hidden {
+        let s = 1.0 / (h as f32).sqrt();
+        let ik: Vec<Vec<f32>> = (0..g).map(|_| rng.vec(inp * h, s)).collect();
+        let hk: Vec<Vec<f32>> = (0..g).map(|_| rng.vec(h * h, s)).collect();
+        let b: Vec<Vec<f32>> = (0..4).map(|_| rng.vec(h, 0.1)).collect();
+        owned.push((ik, hk, b));
+        inp = h;
+    }
+    let sl: Vec<[Vec<&[f32]>; 3]> = owned
+        .iter()
+        .map(|(i, h, b)| [slices(i), slices(h), slices(b)])
+        .collect();
+    let lw: Vec<LayerWeights> = sl
+        .iter()
+        .map(|[i, h, b]| LayerWeights {
+            input_kernel: i,
+            hidden_kernel: h,
+            bias: b,
+        })
+        .collect();
+    let prep_ms = time(20, || {
+        std::hint::black_box(
+            PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights"),
+        );
+    });
+    report("PreparedRnn::new", prep_ms);
+    let rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
+    let seq = if a.mode == "step" { 1 } else { a.seq };
+    let b = a.batch;
+    let mut scratch = rnn.scratch(b, seq).expect("scratch");
+    let x = rng.vec(b * seq * a.input, 1.0);
+    let mut out = vec![0.0; b * seq * rnn.output_size()];
+    let mut state = vec![0.0; rnn.state_len(b)];
+    let mut next = vec![0.0; rnn.state_len(b)];
+    let ms = time(a.iters, || {
+        rnn.forward_into(&x, b, seq, Some(&state), &mut out, &mut next, &mut scratch)
+            .expect("forward");
+        std::mem::swap(&mut state, &mut next);
+    });
+    let name = format!(
+        "{} {} B{b} T{seq} I{} H{:?}",
+        a.op, a.mode, a.input, a.hidden
+    );
+    // The per-call op API: decode, pack, run, encode.
+    use fused_kernels_core::operand::{Operand, Placement};
+    use fused_kernels_core::ops::rnn::{run, Layer};
+    use fused_kernels_core::ops::Backend;
+    use fused_kernels_core::{DType, HostTensor};
+    let leak = |v: &[f32]| -> &'static [u8] {
+        v.iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .leak()
+    };
+    let t = |v: &[f32], shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
+    };
+    let mut inp = a.input;
+    let layers: Vec<Layer> = owned
+        .iter()
+        .zip(&a.hidden)
+        .map(|((ik, hk, bs), &h)| {
+            let l = Layer {
+                input_kernel: ik.iter().map(|v| t(v, vec![inp, h])).collect(),
+                hidden_kernel: hk.iter().map(|v| t(v, vec![h, h])).collect(),
+                bias: bs.iter().map(|v| t(v, vec![h])).collect(),
+                initial_state: Vec::new(),
+            };
+            inp = h;
+            l
+        })
+        .collect();
+    let xt = t(&x, vec![b, seq, a.input]);
+    let op_ms = time(a.iters.min(50), || {
+        std::hint::black_box(
+            run(
+                Backend::Cpu,
+                cell,
+                &xt,
+                &layers,
+                false,
+                Placement::Host,
+                Default::default(),
+            )
+            .expect("rnn"),
+        );
+    });
+    report(&format!("{name} op API"), op_ms);
+    report(
+        &format!(
+            "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",
+            a.op,
+            cell,
+            a.mode,
+            a.input,
+            a.hidden,
+            isa.name()
+        ),
+        ms,
+    );
+}
+
+/// The dense row: the prepared form and the per-call op API (bytes in, bytes out).
+fn dense(a: &Args, isa: Isa) {
+    use fused_kernels_core::ops::dense::{
+        self, Activation, DenseWeights, Kind, Operands, Params, PreparedDense,
+    };
+    use fused_kernels_core::{DType, HostTensor};
+    let (m, k, n) = (a.batch * a.seq, a.input, a.hidden[0]);
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let x = rng.vec(m * k, 1.0);
+    let w = rng.vec(k * n, 1.0 / (k as f32).sqrt());
+    let b = rng.vec(n, 0.1);
+    let p = Params::new(Kind::Dense, Activation::Gelu, 0.0).expect("params");
+    let dw = DenseWeights {
+        kernel: &w,
+        kernel_up: None,
+        bias: Some(&b),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+    };
+    let d = PreparedDense::with_isa(p, k, n, dw, isa).expect("prepare");
+    let mut scratch = d.scratch(m).expect("scratch");
+    let mut out = vec![0.0; m * n];
+    let ms = time(a.iters, || {
+        d.forward_into(&x, m, None, &mut out, &mut scratch)
+            .expect("forward");
+    });
+    report(
+        &format!("dense prepared {m}x{k}x{n} +bias +gelu [{}]", isa.name()),
+        ms,
+    );
+    let bytes = |v: &[f32]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    let (xb, wb, bb) = (bytes(&x), bytes(&w), bytes(&b));
+    let t = |bts: &'static [u8], shape: Vec<usize>| {
+        HostTensor::new("t", bts, shape, DType::F32).expect("tensor")
+    };
+    let (xb, wb, bb): (&'static [u8], &'static [u8], &'static [u8]) =
+        (xb.leak(), wb.leak(), bb.leak());
+    let ops = Operands {
+        x: t(xb, vec![m, k]),
+        kernel: t(wb, vec![k, n]),
+        kernel_up: None,
+        bias: Some(t(bb, vec![n])),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+        residual: None,
+    };
+    let ms = time(a.iters, || {
+        std::hint::black_box(dense::cpu(&ops, p).expect("dense"));
+    });
+    report(
+        &format!("dense op API {m}x{k}x{n} +bias +gelu [best isa]"),
+        ms,
+    );
+}
+
+/// The selective scan row through the op API: u, delta `{batch, seq, dim}` (`--input` is
+/// dim, `--hidden` the state size), softplus on dt, the D skip.
+fn scan(a: &Args) {
+    use fused_kernels_core::operand::Operand;
+    use fused_kernels_core::ops::selective_scan::{self, Discretization, Inputs, Params};
+    use fused_kernels_core::{DType, HostTensor};
+    let (b, l, d, n) = (a.batch, a.seq, a.input, a.hidden[0]);
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let leak = |v: Vec<f32>| -> &'static [u8] {
+        v.iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .leak()
+    };
+    let t = |v: Vec<f32>, shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
+    };
+    let u = t(rng.vec(b * l * d, 1.0), vec![b, l, d]);
+    let delta = t(rng.vec(b * l * d, 1.0), vec![b, l, d]);
+    let am = t(
+        rng.vec(d * n, 1.0)
+            .iter()
+            .map(|v| -(v.abs() + 0.5))
+            .collect(),
+        vec![d, n],
+    );
+    let bm = t(rng.vec(b * l * n, 1.0), vec![b, l, n]);
+    let cm = t(rng.vec(b * l * n, 1.0), vec![b, l, n]);
+    let dd = t(rng.vec(d, 1.0), vec![d]);
+    let inputs = Inputs {
+        u: &u,
+        delta: &delta,
+        a: &am,
+        b: &bm,
+        c: &cm,
+        d: Some(&dd),
+        z: None,
+        delta_bias: None,
+        initial_state: None,
+    };
+    let p = Params::new(true, None, Discretization::PerChannel, false).expect("params");
+    let ms = time(a.iters, || {
+        std::hint::black_box(selective_scan::cpu(&inputs, p).expect("scan"));
+    });
+    report(&format!("selective scan op API B{b} L{l} D{d} N{n}"), ms);
+}
+
+fn main() {
+    let a = parse();
+    let isa = if a.portable {
+        Isa::portable()
+    } else {
+        Isa::best()
+    };
+    match a.op.as_str() {
+        "lstm" | "gru" => rnn(&a, isa),
+        "dense" => dense(&a, isa),
+        "scan" => scan(&a),
+        other => panic!("unknown op {other}"),
+    }
+}

@@ -1,0 +1,134 @@
+//! `y = init + x · B` for one row x over a packed B: the batch-1 recurrence and frame path.
+//!
+//! Bound by reading B once from cache or memory, so the AVX2 kernel streams four panels at a
+//! time (eight FMA accumulators, enough to cover the FMA latency) and writes y once. It runs
+//! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) splitting the
+//! panels over threads costs more in wake-up latency than it saves.
+
+use super::packed::{PackedB, NR};
+use super::simd::Isa;
+
+/// `y[j] = init[j] + Σ_k x[k] · B[k, j]` for j < n (`init` absent: zero). Panics if the
+/// lengths disagree with B (callers size them from B).
+pub fn gemv(isa: Isa, x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
+    assert!(x.len() == b.k() && y.len() == b.n());
+    if let Some(i) = init {
+        assert!(i.len() == b.n());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA; lengths checked above.
+        unsafe { avx2::gemv(x, b, init, y) };
+        return;
+    }
+    let _ = isa;
+    portable(x, b, init, y);
+}
+
+/// Writes the `NR`-wide block of panel `p` into y (the padded columns past n dropped).
+#[inline(always)]
+fn store_panel(p: usize, vals: &[f32; NR], init: Option<&[f32]>, y: &mut [f32]) {
+    let c0 = p * NR;
+    let w = NR.min(y.len() - c0);
+    for j in 0..w {
+        y[c0 + j] = vals[j] + init.map_or(0.0, |i| i[c0 + j]);
+    }
+}
+
+fn portable(x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
+    for p in 0..b.panels() {
+        let panel = b.panel(p);
+        let mut acc = [0.0f32; NR];
+        for (xk, row) in x.iter().zip(panel.chunks_exact(NR)) {
+            for j in 0..NR {
+                acc[j] += xk * row[j];
+            }
+        }
+        store_panel(p, &acc, init, y);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{store_panel, PackedB, NR};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn finish(p: usize, lo: __m256, hi: __m256, init: Option<&[f32]>, y: &mut [f32]) {
+        let c0 = p * NR;
+        if c0 + NR <= y.len() {
+            let (mut lo, mut hi) = (lo, hi);
+            if let Some(i) = init {
+                lo = _mm256_add_ps(lo, _mm256_loadu_ps(i.as_ptr().add(c0)));
+                hi = _mm256_add_ps(hi, _mm256_loadu_ps(i.as_ptr().add(c0 + 8)));
+            }
+            _mm256_storeu_ps(y.as_mut_ptr().add(c0), lo);
+            _mm256_storeu_ps(y.as_mut_ptr().add(c0 + 8), hi);
+        } else {
+            let mut buf = [0.0f32; NR];
+            _mm256_storeu_ps(buf.as_mut_ptr(), lo);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(8), hi);
+            store_panel(p, &buf, init, y);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemv(x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
+        let k = b.k();
+        let panels = b.panels();
+        let xp = x.as_ptr();
+        let mut p = 0;
+        while p + 4 <= panels {
+            let ptr = [
+                b.panel(p).as_ptr(),
+                b.panel(p + 1).as_ptr(),
+                b.panel(p + 2).as_ptr(),
+                b.panel(p + 3).as_ptr(),
+            ];
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for kk in 0..k {
+                let xv = _mm256_broadcast_ss(&*xp.add(kk));
+                for q in 0..4 {
+                    let bp = ptr[q].add(kk * NR);
+                    acc[2 * q] = _mm256_fmadd_ps(_mm256_loadu_ps(bp), xv, acc[2 * q]);
+                    acc[2 * q + 1] =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(bp.add(8)), xv, acc[2 * q + 1]);
+                }
+            }
+            for q in 0..4 {
+                finish(p + q, acc[2 * q], acc[2 * q + 1], init, y);
+            }
+            p += 4;
+        }
+        while p < panels {
+            let bp = b.panel(p).as_ptr();
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut kk = 0;
+            while kk + 2 <= k {
+                let x0 = _mm256_broadcast_ss(&*xp.add(kk));
+                let x1 = _mm256_broadcast_ss(&*xp.add(kk + 1));
+                let r0 = bp.add(kk * NR);
+                let r1 = bp.add((kk + 1) * NR);
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(r0), x0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(r0.add(8)), x0, acc[1]);
+                acc[2] = _mm256_fmadd_ps(_mm256_loadu_ps(r1), x1, acc[2]);
+                acc[3] = _mm256_fmadd_ps(_mm256_loadu_ps(r1.add(8)), x1, acc[3]);
+                kk += 2;
+            }
+            if kk < k {
+                let x0 = _mm256_broadcast_ss(&*xp.add(kk));
+                let r0 = bp.add(kk * NR);
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(r0), x0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(r0.add(8)), x0, acc[1]);
+            }
+            finish(
+                p,
+                _mm256_add_ps(acc[0], acc[2]),
+                _mm256_add_ps(acc[1], acc[3]),
+                init,
+                y,
+            );
+            p += 1;
+        }
+    }
+}

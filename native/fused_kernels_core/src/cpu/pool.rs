@@ -1,0 +1,224 @@
+//! One persistent pool of worker threads for every CPU op, so that no call spawns threads.
+//!
+//! The pool holds `threads() - 1` workers; the calling thread is the last participant. Only
+//! one parallel job runs at a time: a caller that finds the pool busy (another BEAM scheduler
+//! thread, or a job nested inside a job) runs its tasks inline on its own thread. So the
+//! number of compute threads stays bounded however many callers there are, and nesting
+//! cannot deadlock.
+
+use once_cell::sync::Lazy;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+
+/// Threads used by CPU ops: `FUSED_KERNELS_CPU_THREADS`, else the machine's parallelism.
+/// Read once, when the first CPU op runs.
+pub fn threads() -> usize {
+    *THREADS
+}
+
+static THREADS: Lazy<usize> = Lazy::new(|| {
+    std::env::var("FUSED_KERNELS_CPU_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        })
+});
+
+/// The task body of the running job with its lifetime erased; valid while `State::job` is
+/// `Some` and until every worker that entered the job has left (`State::inside == 0`).
+#[derive(Clone, Copy)]
+struct Job {
+    f: *const (dyn Fn(usize) + Sync),
+    tasks: usize,
+}
+
+// Safety: the pointee is `Sync` and outlives every use (see `Job`).
+unsafe impl Send for Job {}
+
+struct State {
+    generation: u64,
+    job: Option<Job>,
+    /// Workers currently executing tasks of `job`.
+    inside: usize,
+}
+
+struct Pool {
+    state: Mutex<State>,
+    wake: Condvar,
+    idle: Condvar,
+    next: AtomicUsize,
+    panicked: AtomicBool,
+    /// Held by the one caller whose job the workers serve.
+    submit: Mutex<()>,
+    /// Workers started (fewer than asked if the OS refused some).
+    workers: AtomicUsize,
+}
+
+static POOL: Lazy<&'static Pool> = Lazy::new(|| {
+    let pool: &'static Pool = Box::leak(Box::new(Pool {
+        state: Mutex::new(State {
+            generation: 0,
+            job: None,
+            inside: 0,
+        }),
+        wake: Condvar::new(),
+        idle: Condvar::new(),
+        next: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+        submit: Mutex::new(()),
+        workers: AtomicUsize::new(0),
+    }));
+    let mut started = 0;
+    for i in 0..threads().saturating_sub(1) {
+        let spawned = std::thread::Builder::new()
+            .name(format!("fk-cpu-{i}"))
+            .spawn(move || worker(pool));
+        // A worker that cannot be started leaves a smaller pool, never an error.
+        if spawned.is_ok() {
+            started += 1;
+        }
+    }
+    pool.workers.store(started, Ordering::SeqCst);
+    pool
+});
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn worker(pool: &'static Pool) {
+    let mut seen = 0u64;
+    loop {
+        let job = {
+            let mut st = lock(&pool.state);
+            while st.generation == seen {
+                st = pool.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            seen = st.generation;
+            match st.job {
+                Some(job) => {
+                    st.inside += 1;
+                    job
+                }
+                None => continue,
+            }
+        };
+        // Safety: `job.f` stays valid until `inside` drops back to zero (see `run`).
+        let f = unsafe { &*job.f };
+        if catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, job.tasks, f))).is_err() {
+            pool.panicked.store(true, Ordering::SeqCst);
+        }
+        let mut st = lock(&pool.state);
+        st.inside -= 1;
+        if st.inside == 0 {
+            pool.idle.notify_all();
+        }
+    }
+}
+
+fn run_tasks(next: &AtomicUsize, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= tasks {
+            return;
+        }
+        f(i);
+    }
+}
+
+/// Runs `f(0) .. f(tasks - 1)`, spread over the pool (the caller takes part), and returns
+/// when all are done. Tasks must be independent; their order is unspecified. With one task,
+/// a one-thread pool or a busy pool, everything runs on the calling thread.
+pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    if tasks <= 1 || threads() <= 1 {
+        (0..tasks).for_each(f);
+        return;
+    }
+    let pool: &'static Pool = &POOL;
+    let Ok(_held) = pool.submit.try_lock() else {
+        (0..tasks).for_each(f);
+        return;
+    };
+    if pool.workers.load(Ordering::Relaxed) == 0 {
+        (0..tasks).for_each(f);
+        return;
+    }
+    pool.next.store(0, Ordering::SeqCst);
+    pool.panicked.store(false, Ordering::SeqCst);
+    {
+        let mut st = lock(&pool.state);
+        // Safety: erasing the lifetime is sound because this function does not return before
+        // `job` is cleared and every worker inside it has left.
+        let f_static: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+        st.job = Some(Job { f: f_static, tasks });
+        st.generation = st.generation.wrapping_add(1);
+        pool.wake.notify_all();
+    }
+    let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, tasks, f)));
+    {
+        let mut st = lock(&pool.state);
+        st.job = None;
+        while st.inside > 0 {
+            st = pool.idle.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+    if let Err(p) = mine {
+        std::panic::resume_unwind(p);
+    }
+    if pool.panicked.load(Ordering::SeqCst) {
+        panic!("a CPU pool task panicked");
+    }
+}
+
+/// Below this many elements of work a second thread costs more than it saves.
+const MIN_WORK_PER_THREAD: usize = 1 << 15;
+
+/// Calls `f(first_row, rows_chunk)` over `out` split into whole rows of `row_len`, on the pool
+/// when the work is large enough. Chunks are disjoint, so no locking.
+pub fn for_each_row_chunk<T, F>(out: &mut [T], row_len: usize, f: F)
+where
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync,
+{
+    let rows = out.len() / row_len.max(1);
+    let by_work = (out.len() / MIN_WORK_PER_THREAD).max(1);
+    let parts = threads().min(by_work).min(rows.max(1));
+    if parts <= 1 {
+        f(0, out);
+        return;
+    }
+    let rows_per = rows.div_ceil(parts);
+    let chunk = rows_per * row_len.max(1);
+    let base = SendPtr(out.as_mut_ptr());
+    let len = out.len();
+    run(len.div_ceil(chunk), &|i| {
+        let start = i * chunk;
+        let end = (start + chunk).min(len);
+        // Safety: task i owns elements [start, end), disjoint from every other task's, and
+        // `out` outlives `run`.
+        let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
+        f(i * rows_per, part);
+    });
+}
+
+/// A raw pointer that tasks may share; each task touches only its own disjoint range.
+pub struct SendPtr<T>(pub *mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T: Send> Send for SendPtr<T> {}
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    pub fn get(self) -> *mut T {
+        self.0
+    }
+}

@@ -1,0 +1,424 @@
+//! The CPU primitives against f64: GEMM/GEMV for odd shapes and tails, every SIMD path
+//! against the portable one (forced through an explicit `Isa`), the math functions over a
+//! dense sweep with extremes, and the thread pool under nesting and concurrent callers.
+
+use fused_kernels_core::cpu::gemm::{gemm, gemm_rhs, Init, Rhs};
+use fused_kernels_core::cpu::gemv::gemv;
+use fused_kernels_core::cpu::math::{apply, Func};
+use fused_kernels_core::cpu::{pool, Isa, PackedB};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Rng(u64);
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
+    }
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
+        ((r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
+    assert_eq!(out.len(), reference.len());
+    let (mut num, mut den) = (0.0, 0.0);
+    for (&o, &r) in out.iter().zip(reference) {
+        if !o.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (o as f64 - r) * (o as f64 - r);
+        den += r * r;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Naive f64 `init + A · B` with the same strides.
+#[allow(clippy::too_many_arguments)]
+fn naive(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    c0: &[f32],
+    ldc: usize,
+    bias: Option<&[f32]>,
+    acc: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0; m * n];
+    let mut mag = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = bias.map_or(0.0, |b| b[j] as f64);
+            let mut t = s.abs();
+            if acc {
+                s += c0[i * ldc + j] as f64;
+                t += (c0[i * ldc + j] as f64).abs();
+            }
+            for kk in 0..k {
+                let p = a[i * lda + kk] as f64 * b[kk * n + j] as f64;
+                s += p;
+                t += p.abs();
+            }
+            out[i * n + j] = s;
+            mag[i * n + j] = t;
+        }
+    }
+    (out, mag)
+}
+
+/// f32 summation of k + 2 terms in any order is within (k + 2) u Σ|terms| of the exact sum
+/// (u = 2^-24, first order). Outputs of 64+ elements must also meet the project's f32 rel L2
+/// tolerance (a handful of random dot products can be ill-conditioned; the bound covers them).
+fn check(got: &[f32], want: &(Vec<f64>, Vec<f64>), k: usize, what: &str) {
+    let u = 2f64.powi(-24);
+    for (i, (&g, (&w, &t))) in got.iter().zip(want.0.iter().zip(&want.1)).enumerate() {
+        let err = (g as f64 - w).abs();
+        let bound = (k as f64 + 2.0) * u * t * 1.01;
+        assert!(
+            err <= bound,
+            "{what}: element {i} = {g}, want {w} (err {err:e} > {bound:e})"
+        );
+    }
+    if got.len() >= 64 {
+        let err = rel_l2(got, &want.0);
+        assert!(err <= 1e-5, "{what}: rel L2 {err:e}");
+    }
+}
+
+#[test]
+fn gemm_matches_f64_for_odd_shapes_and_every_init() {
+    let mut rng = Rng::new(11);
+    let ms = [1, 5, 6, 7, 13, 61, 100];
+    let ks = [1, 3, 17, 256, 257, 513];
+    let ns = [1, 15, 16, 17, 33, 65, 200];
+    for isa in Isa::available() {
+        for &m in &ms {
+            for &k in &ks {
+                for &n in &ns {
+                    let (lda, ldc) = (k + (m % 3), n + (k % 2));
+                    let a = rng.vec(m * lda);
+                    let b = rng.vec(k * n);
+                    let bias = rng.vec(n);
+                    let packed = PackedB::new(k, n, &b).unwrap();
+                    for mode in 0..4 {
+                        let mut c = if mode >= 2 {
+                            rng.vec(m * ldc)
+                        } else {
+                            vec![f32::NAN; m * ldc]
+                        };
+                        let before = c.clone();
+                        let init = match mode {
+                            0 => Init::Zero,
+                            1 => Init::Bias(&bias),
+                            _ => Init::Accumulate,
+                        };
+                        if mode == 3 {
+                            // B used in place, row-major.
+                            let rhs = Rhs::RowMajor { b: &b, k, n };
+                            gemm_rhs(isa, m, &a, lda, rhs, &mut c, ldc, init);
+                        } else {
+                            gemm(isa, m, &a, lda, &packed, &mut c, ldc, init);
+                        }
+                        let want = naive(
+                            m,
+                            k,
+                            n,
+                            &a,
+                            lda,
+                            &b,
+                            &before,
+                            ldc,
+                            (mode == 1).then_some(&bias[..]),
+                            mode >= 2,
+                        );
+                        let got: Vec<f32> = (0..m)
+                            .flat_map(|i| c[i * ldc..i * ldc + n].to_vec())
+                            .collect();
+                        let what = format!("{} m{m} k{k} n{n} mode{mode}", isa.name());
+                        check(&got, &want, k, &what);
+                        // The padding between rows is never written.
+                        for i in 0..m {
+                            for j in n..ldc {
+                                let (x, y) = (c[i * ldc + j], before[i * ldc + j]);
+                                assert!(x.to_bits() == y.to_bits(), "wrote past n");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemv_matches_f64_and_gemm_rows() {
+    let mut rng = Rng::new(12);
+    for isa in Isa::available() {
+        for &k in &[1, 2, 3, 200, 255, 288, 512, 1025] {
+            for &n in &[1, 15, 16, 17, 63, 64, 65, 200, 800, 1024] {
+                let x = rng.vec(k);
+                let b = rng.vec(k * n);
+                let init = rng.vec(n);
+                let packed = PackedB::new(k, n, &b).unwrap();
+                for with_init in [false, true] {
+                    let mut y = vec![f32::NAN; n];
+                    gemv(isa, &x, &packed, with_init.then_some(&init[..]), &mut y);
+                    let want = naive(
+                        1,
+                        k,
+                        n,
+                        &x,
+                        k,
+                        &b,
+                        &[],
+                        n,
+                        with_init.then_some(&init[..]),
+                        false,
+                    );
+                    check(&y, &want, k, &format!("{} k{k} n{n}", isa.name()));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packing_blocks_side_by_side_equals_packing_the_concatenation() {
+    let mut rng = Rng::new(13);
+    let (k, w0, w1) = (7, 5, 19);
+    let (b0, b1) = (rng.vec(k * w0), rng.vec(k * w1));
+    let cat: Vec<f32> = (0..k)
+        .flat_map(|r| {
+            let mut row = b0[r * w0..(r + 1) * w0].to_vec();
+            row.extend_from_slice(&b1[r * w1..(r + 1) * w1]);
+            row
+        })
+        .collect();
+    let p = PackedB::from_blocks(k, &[(&b0, w0), (&b1, w1)]).unwrap();
+    let q = PackedB::new(k, w0 + w1, &cat).unwrap();
+    for i in 0..p.panels() {
+        assert_eq!(p.panel(i), q.panel(i));
+    }
+    assert!(PackedB::from_blocks(k, &[(&b0, w0 + 1)]).is_err());
+}
+
+/// The exact values the bounds are checked against.
+fn exact(f: Func, x: f64) -> f64 {
+    let erf = fused_kernels_core::ops::dense::erf;
+    let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
+    match f {
+        Func::Exp => x.exp(),
+        Func::Tanh => x.tanh(),
+        Func::Sigmoid => sig(x),
+        Func::Silu => x * sig(x),
+        Func::Erf => erf(x),
+        Func::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+        Func::GeluTanh => {
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            x * sig(2.0 * u)
+        }
+        Func::Softplus => x.max(0.0) + (-x.abs()).exp().ln_1p(),
+    }
+}
+
+/// (relative bound, range where it holds, absolute bound everywhere else) per the table in
+/// `cpu::math`.
+fn bound(f: Func) -> (f64, f64, f64) {
+    match f {
+        Func::Exp => (4e-7, -87.3, 1.2e-38),
+        Func::Tanh => (6e-7, f64::NEG_INFINITY, 0.0),
+        Func::Sigmoid => (6e-7, -87.0, 1.2e-38),
+        Func::Silu => (8e-7, -87.0, 1.2e-36),
+        Func::Erf => (1e-6, f64::NEG_INFINITY, 3e-7),
+        Func::Gelu => (3e-6, -5.0, 1e-8),
+        Func::GeluTanh => (3e-6, -5.0, 1e-8),
+        Func::Softplus => (6e-7, -87.0, 1.2e-38),
+    }
+}
+
+fn sweep() -> Vec<f32> {
+    let mut xs: Vec<f32> = (-120_000..=120_000).map(|i| i as f32 * 1e-3).collect();
+    for e in -40..=38 {
+        let v = 10f32.powi(e);
+        xs.extend([v, -v, 1.5 * v, -1.5 * v]);
+    }
+    xs.extend([
+        0.0,
+        -0.0,
+        f32::MIN_POSITIVE,
+        -f32::MIN_POSITIVE,
+        88.72,
+        88.73,
+        -87.33,
+        -103.9,
+        -104.1,
+        f32::MAX,
+        f32::MIN,
+    ]);
+    xs
+}
+
+#[test]
+fn math_functions_meet_their_bounds_on_every_path() {
+    let xs = sweep();
+    for isa in Isa::available() {
+        for f in Func::ALL {
+            let mut ys = xs.clone();
+            apply(isa, f, &mut ys);
+            let (rel, from, abs) = bound(f);
+            let mut worst = 0.0f64;
+            for (&x, &y) in xs.iter().zip(&ys) {
+                let want = exact(f, x as f64);
+                if want.is_infinite() || (want.abs() > f32::MAX as f64) {
+                    assert!(
+                        y.is_infinite() && y.signum() as f64 == want.signum(),
+                        "{} {f:?}({x}) = {y}, want {want}",
+                        isa.name()
+                    );
+                    continue;
+                }
+                let err = (y as f64 - want).abs();
+                if (x as f64) >= from && want != 0.0 {
+                    let r = err / want.abs();
+                    // Below the smallest normal f32 only the absolute bound can hold.
+                    if want.abs() >= f32::MIN_POSITIVE as f64 {
+                        worst = worst.max(r);
+                        assert!(
+                            r <= rel,
+                            "{} {f:?}({x}) = {y}, want {want}: rel {r:e} > {rel:e}",
+                            isa.name()
+                        );
+                    } else {
+                        assert!(err <= 1.2e-38, "{} {f:?}({x}) = {y}", isa.name());
+                    }
+                } else {
+                    assert!(
+                        err <= abs.max(rel * want.abs()),
+                        "{} {f:?}({x}) = {y}, want {want}: abs {err:e}",
+                        isa.name()
+                    );
+                }
+            }
+            eprintln!("{} {f:?}: worst rel {worst:e}", isa.name());
+        }
+    }
+}
+
+#[test]
+fn math_functions_define_nan_and_infinities() {
+    for isa in Isa::available() {
+        for f in Func::ALL {
+            let mut v = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+            apply(isa, f, &mut v);
+            assert!(v[0].is_nan(), "{} {f:?}(NaN) = {}", isa.name(), v[0]);
+            let (pinf, ninf) = match f {
+                Func::Exp => (f32::INFINITY, 0.0),
+                Func::Tanh | Func::Erf => (1.0, -1.0),
+                Func::Sigmoid => (1.0, 0.0),
+                Func::Silu | Func::Gelu | Func::GeluTanh | Func::Softplus => {
+                    (f32::INFINITY, f32::NAN)
+                }
+            };
+            assert_eq!(v[1], pinf, "{} {f:?}(inf)", isa.name());
+            if !ninf.is_nan() {
+                assert_eq!(v[2], ninf, "{} {f:?}(-inf)", isa.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_paths_agree_with_the_portable_path() {
+    let xs = sweep();
+    let best = Isa::best();
+    for f in Func::ALL {
+        let (mut a, mut b) = (xs.clone(), xs.clone());
+        apply(Isa::portable(), f, &mut a);
+        apply(best, f, &mut b);
+        let (rel, from, abs) = bound(f);
+        for ((&x, &p), &s) in xs.iter().zip(&a).zip(&b) {
+            if p.is_nan() || s.is_nan() {
+                assert!(
+                    p.is_nan() == s.is_nan() || !x.is_finite(),
+                    "{f:?}({x}) NaN mismatch"
+                );
+                continue;
+            }
+            if p.is_infinite() || s.is_infinite() {
+                assert_eq!(p, s, "{f:?}({x})");
+                continue;
+            }
+            let err = (p as f64 - s as f64).abs();
+            let tol = if x as f64 >= from {
+                2.0 * rel * (p.abs() as f64) + 2.4e-38
+            } else {
+                2.0 * abs.max(rel * p.abs() as f64)
+            };
+            assert!(err <= tol, "{f:?}({x}): portable {p}, {} {s}", best.name());
+        }
+    }
+}
+
+#[test]
+fn pool_runs_every_task_once_nested_and_from_many_callers() {
+    let hits: Vec<AtomicUsize> = (0..1000).map(|_| AtomicUsize::new(0)).collect();
+    pool::run(hits.len(), &|i| {
+        hits[i].fetch_add(1, Ordering::Relaxed);
+    });
+    assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+
+    // A job whose tasks submit jobs of their own: the inner ones run inline.
+    let total = AtomicUsize::new(0);
+    pool::run(8, &|_| {
+        pool::run(10, &|_| {
+            total.fetch_add(1, Ordering::Relaxed);
+        });
+    });
+    assert_eq!(total.load(Ordering::Relaxed), 80);
+
+    // Many threads submitting at once all complete, each with all of its tasks.
+    let sums: Vec<usize> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut done = 0;
+                    for _ in 0..50 {
+                        let n = AtomicUsize::new(0);
+                        pool::run(17 + t, &|i| {
+                            n.fetch_add(i + 1, Ordering::Relaxed);
+                        });
+                        done += n.load(Ordering::Relaxed);
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (t, s) in sums.iter().enumerate() {
+        let n = 17 + t;
+        assert_eq!(*s, 50 * n * (n + 1) / 2);
+    }
+}
+
+#[test]
+fn row_chunks_cover_every_row_once() {
+    let rows = 3000;
+    let mut out = vec![0u32; rows * 64];
+    pool::for_each_row_chunk(&mut out, 64, |first, chunk| {
+        for (r, row) in chunk.chunks_mut(64).enumerate() {
+            row.iter_mut().for_each(|v| *v += (first + r) as u32 + 1);
+        }
+    });
+    for r in 0..rows {
+        assert!(out[r * 64..(r + 1) * 64].iter().all(|&v| v == r as u32 + 1));
+    }
+}
