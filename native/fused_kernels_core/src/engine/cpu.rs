@@ -1,9 +1,9 @@
 //! The CPU executor: walks a plan over buffers allocated once per (batch, seq) shape, with
 //! f32 kernels that allocate nothing. Reductions (norm statistics) in f64; products in f32.
 
-use super::plan::{Act, MambaOp, Op, Plan, Size};
-use crate::error::Result;
-use crate::ops::dense::erf;
+use super::plan::{MambaOp, Op, Plan, Size};
+use crate::error::{arg_error, Result};
+use crate::ops::dense::DenseScratch;
 use crate::ops::rnn::Cell;
 
 /// Whether a call is a whole window (its own rows only, fresh state) or one streamed frame
@@ -21,6 +21,8 @@ pub struct Workspace {
     pub bufs: Vec<Vec<f32>>,
     /// The state a window starts from (zeros), reused across windows.
     pub window_slots: Vec<Vec<f32>>,
+    /// Per `plan.dense`, its scratch for `batch * seq` rows.
+    pub dense: Vec<DenseScratch>,
 }
 
 impl Workspace {
@@ -43,21 +45,30 @@ impl Workspace {
             .iter()
             .map(|&w| super::plan::zeroed(w.checked_mul(batch), "batch"))
             .collect::<Result<Vec<_>>>()?;
+        let rows = rows.ok_or_else(|| arg_error("window: batch * seq overflows"))?;
+        let dense = plan
+            .dense
+            .iter()
+            .map(|d| d.scratch(rows))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Workspace {
             batch,
             seq,
             bufs,
             window_slots,
+            dense,
         })
     }
 }
 
 /// Runs every op of `plan`; the input rows must already be in `ws.bufs[plan.input]`.
-pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) {
+/// Errors only if a prepared op refuses its buffers (sized by the same plan, they fit).
+pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) -> Result<()> {
     let (b, t) = (ws.batch, ws.seq);
     let rows = b * t;
     let bufs = &mut ws.bufs;
     let w = &plan.weights;
+    let mut di = 0;
     for op in &plan.ops {
         match op {
             Op::Norm {
@@ -78,24 +89,16 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                 }
             }
             Op::Dense {
-                x,
-                out,
-                kernel,
-                bias,
-                k,
-                n,
-                act,
-                residual,
+                x, out, residual, ..
             } => {
+                // `plan.dense` holds the dense ops in order, `ws.dense` their scratch.
+                let (d, scratch) = (&plan.dense[di], &mut ws.dense[di]);
+                di += 1;
                 let mut o = std::mem::take(&mut bufs[*out]);
-                dense(&bufs[*x], rows, *k, *n, &w[*kernel], &w[*bias], &mut o);
-                if *act == Act::Gelu {
-                    o.iter_mut().for_each(|v| *v = gelu(*v));
-                }
-                if let Some(r) = residual {
-                    o.iter_mut().zip(&bufs[*r]).for_each(|(o, r)| *o += r);
-                }
+                let r = residual.map(|r| &bufs[r][..]);
+                let done = d.forward_into(&bufs[*x], rows, r, &mut o, scratch);
                 bufs[*out] = o;
+                done?;
             }
             Op::Rnn {
                 cell,
@@ -184,6 +187,7 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
             Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t)),
         }
     }
+    Ok(())
 }
 
 fn layer_norm_row(x: &[f32], out: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
@@ -287,12 +291,6 @@ fn sigmoid(v: f32) -> f32 {
 
 fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
-}
-
-/// Axon's :gelu, the exact erf form.
-fn gelu(v: f32) -> f32 {
-    let x = v as f64;
-    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
 }
 
 /// One LSTM/GRU layer over `{b, t, input}` rows with Axon's equations; `hs`/`cs` hold the

@@ -4,6 +4,7 @@
 //! executor allocates them once per (batch, seq) shape.
 
 use crate::error::{arg_error, Result};
+use crate::ops::dense::{self, PreparedDense};
 use crate::ops::rnn::Cell;
 use crate::tensor::fmt_shape;
 use std::collections::HashMap;
@@ -292,6 +293,8 @@ pub struct Plan {
     pub buffers: Vec<Size>,
     pub slots: Vec<SlotSize>,
     pub ops: Vec<Op>,
+    /// Every `Op::Dense` of `ops`, in order, with its kernel packed for the CPU GEMM.
+    pub dense: Vec<PreparedDense>,
     /// Buffer 0 is the input (`embed` per row); `output` holds the last layer's rows.
     pub input: Buf,
     pub output: Buf,
@@ -529,6 +532,31 @@ impl Builder<'_> {
     }
 }
 
+/// A dense op's kernel and bias packed for `dense::PreparedDense` (f32 GEMM/GEMV, fused
+/// bias, activation and residual).
+fn prepare_dense(
+    weights: &[Vec<f32>],
+    kernel: W,
+    bias: W,
+    (k, n): (usize, usize),
+    act: Act,
+) -> Result<PreparedDense> {
+    let activation = match act {
+        Act::None => dense::Activation::None,
+        Act::Gelu => dense::Activation::Gelu,
+    };
+    let params = dense::Params::new(dense::Kind::Dense, activation, 0.0)?;
+    let w = dense::DenseWeights {
+        kernel: &weights[kernel],
+        kernel_up: None,
+        bias: Some(&weights[bias]),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+    };
+    PreparedDense::new(params, k, n, w)
+}
+
 impl Plan {
     /// Builds the plan, taking every parameter the spec needs out of `params` (checked by
     /// name and shape) and packing it.
@@ -623,11 +651,26 @@ impl Plan {
             ops,
             ..
         } = b;
+        let dense = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Dense {
+                    kernel,
+                    bias,
+                    k,
+                    n,
+                    act,
+                    ..
+                } => Some(prepare_dense(&weights, *kernel, *bias, (*k, *n), *act)),
+                _ => None,
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Plan {
             spec,
             weights,
             buffers,
             slots,
+            dense,
             ops,
             input,
             output: x,
