@@ -4,7 +4,7 @@
 use super::plan::{MambaOp, Op, Plan, Size};
 use crate::error::{arg_error, Result};
 use crate::ops::dense::DenseScratch;
-use crate::ops::rnn::Cell;
+use crate::ops::rnn::RnnScratch;
 
 /// Whether a call is a whole window (its own rows only, fresh state) or one streamed frame
 /// (state carried in the slots; `frames` counts this frame too).
@@ -23,6 +23,8 @@ pub struct Workspace {
     pub window_slots: Vec<Vec<f32>>,
     /// Per `plan.dense`, its scratch for `batch * seq` rows.
     pub dense: Vec<DenseScratch>,
+    /// Per `plan.rnn`, its scratch and the layer's state in and out (`[c, h]` or `[h]`).
+    pub rnn: Vec<(RnnScratch, Vec<f32>, Vec<f32>)>,
 }
 
 impl Workspace {
@@ -51,12 +53,25 @@ impl Workspace {
             .iter()
             .map(|d| d.scratch(rows))
             .collect::<Result<Vec<_>>>()?;
+        let rnn = plan
+            .rnn
+            .iter()
+            .map(|r| {
+                let n = r.state_len(batch);
+                Ok((
+                    r.scratch(batch, seq)?,
+                    super::plan::zeroed(Some(n), "batch")?,
+                    super::plan::zeroed(Some(n), "batch")?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Workspace {
             batch,
             seq,
             bufs,
             window_slots,
             dense,
+            rnn,
         })
     }
 }
@@ -68,7 +83,7 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
     let rows = b * t;
     let bufs = &mut ws.bufs;
     let w = &plan.weights;
-    let mut di = 0;
+    let (mut di, mut ri) = (0, 0);
     for op in &plan.ops {
         match op {
             Op::Norm {
@@ -101,42 +116,32 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                 done?;
             }
             Op::Rnn {
-                cell,
                 x,
                 out,
-                w_in,
-                w_h,
-                bias,
-                input,
                 hidden,
                 h,
                 c,
-                xp,
-                hp,
+                ..
             } => {
-                let mut o = std::mem::take(&mut bufs[*out]);
-                let mut xpb = std::mem::take(&mut bufs[*xp]);
-                let mut hpb = std::mem::take(&mut bufs[*hp]);
-                let mut hs = std::mem::take(&mut slots[*h]);
-                let mut cs = c.map(|c| std::mem::take(&mut slots[c]));
-                rnn(
-                    *cell,
-                    (b, t, *input, *hidden),
-                    &bufs[*x],
-                    (&w[*w_in], &w[*w_h], &w[*bias]),
-                    &mut hs,
-                    cs.as_deref_mut(),
-                    &mut xpb,
-                    &mut hpb,
-                    &mut o,
-                );
-                slots[*h] = hs;
-                if let (Some(c), Some(cs)) = (c, cs) {
-                    slots[*c] = cs;
+                // `plan.rnn` holds the recurrent ops in order, `ws.rnn` their scratch and
+                // state staging; PreparedRnn takes a layer's state as `[c, h]` or `[h]`.
+                let (r, (scratch, st_in, st_out)) = (&plan.rnn[ri], &mut ws.rnn[ri]);
+                ri += 1;
+                let bh = b * hidden;
+                let parts = |c: Option<usize>| match c {
+                    Some(c) => [Some(c), Some(*h)],
+                    None => [Some(*h), None],
+                };
+                for (i, s) in parts(*c).into_iter().flatten().enumerate() {
+                    st_in[i * bh..(i + 1) * bh].copy_from_slice(&slots[s]);
                 }
+                let mut o = std::mem::take(&mut bufs[*out]);
+                let done = r.forward_into(&bufs[*x], b, t, Some(st_in), &mut o, st_out, scratch);
                 bufs[*out] = o;
-                bufs[*xp] = xpb;
-                bufs[*hp] = hpb;
+                done?;
+                for (i, s) in parts(*c).into_iter().flatten().enumerate() {
+                    slots[s].copy_from_slice(&st_out[i * bh..(i + 1) * bh]);
+                }
             }
             Op::Attention {
                 q,
@@ -285,67 +290,8 @@ fn matmul(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], out: &mut [f32]
     }
 }
 
-fn sigmoid(v: f32) -> f32 {
-    1.0 / (1.0 + (-v).exp())
-}
-
 fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
-}
-
-/// One LSTM/GRU layer over `{b, t, input}` rows with Axon's equations; `hs`/`cs` hold the
-/// state in and out.
-#[allow(clippy::too_many_arguments)]
-fn rnn(
-    cell: Cell,
-    (b, t, inp, h): (usize, usize, usize, usize),
-    x: &[f32],
-    (w_in, w_h, bias): (&[f32], &[f32], &[f32]),
-    hs: &mut [f32],
-    mut cs: Option<&mut [f32]>,
-    xp: &mut [f32],
-    hp: &mut [f32],
-    out: &mut [f32],
-) {
-    let gh = cell.gates() * h;
-    // Input projections of every step with the input biases (GRU's b_hn stays apart).
-    dense(x, b * t, inp, gh, w_in, &bias[..gh], xp);
-    for s in 0..t {
-        matmul(hs, b, h, gh, w_h, hp);
-        for bi in 0..b {
-            let xr = &xp[(bi * t + s) * gh..(bi * t + s + 1) * gh];
-            let hr = &hp[bi * gh..(bi + 1) * gh];
-            let hrow = &mut hs[bi * h..(bi + 1) * h];
-            let orow = &mut out[(bi * t + s) * h..(bi * t + s + 1) * h];
-            match cell {
-                Cell::Lstm => {
-                    let crow = match cs.as_deref_mut() {
-                        Some(c) => &mut c[bi * h..(bi + 1) * h],
-                        None => return,
-                    };
-                    for j in 0..h {
-                        let pre = |k: usize| xr[k * h + j] + hr[k * h + j];
-                        let (i, f) = (sigmoid(pre(0)), sigmoid(pre(1)));
-                        let (g, o) = (pre(2).tanh(), sigmoid(pre(3)));
-                        let c = f * crow[j] + i * g;
-                        crow[j] = c;
-                        hrow[j] = o * c.tanh();
-                        orow[j] = hrow[j];
-                    }
-                }
-                Cell::Gru => {
-                    let bhn = &bias[3 * h..4 * h];
-                    for j in 0..h {
-                        let r = sigmoid(xr[j] + hr[j]);
-                        let z = sigmoid(xr[h + j] + hr[h + j]);
-                        let n = (xr[2 * h + j] + r * (hr[2 * h + j] + bhn[j])).tanh();
-                        hrow[j] = (1.0 - z) * n + z * hrow[j];
-                        orow[j] = hrow[j];
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Causal attention per (batch, head): query i of `tq` sees keys `hi - left ..= hi` with

@@ -6,6 +6,7 @@
 use crate::error::{arg_error, Result};
 use crate::ops::dense::{self, PreparedDense};
 use crate::ops::rnn::Cell;
+use crate::ops::rnn::{LayerWeights, PreparedRnn};
 use crate::tensor::fmt_shape;
 use std::collections::HashMap;
 
@@ -295,6 +296,8 @@ pub struct Plan {
     pub ops: Vec<Op>,
     /// Every `Op::Dense` of `ops`, in order, with its kernel packed for the CPU GEMM.
     pub dense: Vec<PreparedDense>,
+    /// Every `Op::Rnn` of `ops`, in order, as a one-layer `PreparedRnn`.
+    pub rnn: Vec<PreparedRnn>,
     /// Buffer 0 is the input (`embed` per row); `output` holds the last layer's rows.
     pub input: Buf,
     pub output: Buf,
@@ -557,6 +560,45 @@ fn prepare_dense(
     PreparedDense::new(params, k, n, w)
 }
 
+/// Gate `g`'s `{rows, h}` matrix out of `{rows, gates * h}` gates side by side.
+fn gate(w: &[f32], rows: usize, gates: usize, h: usize, g: usize) -> Vec<f32> {
+    let gh = gates * h;
+    (0..rows)
+        .flat_map(|r| w[r * gh + g * h..r * gh + (g + 1) * h].iter().copied())
+        .collect()
+}
+
+/// One recurrent layer for `rnn::PreparedRnn` (which packs the gates its own way), from the
+/// plan's side-by-side gate matrices and its four biases in Axon's order.
+fn prepare_rnn(
+    weights: &[Vec<f32>],
+    cell: Cell,
+    (w_in, w_h, bias): (W, W, W),
+    (input, hidden): (usize, usize),
+) -> Result<PreparedRnn> {
+    let g = cell.gates();
+    let split = |w: W, rows: usize, gates: usize| -> Vec<Vec<f32>> {
+        (0..gates)
+            .map(|i| gate(&weights[w], rows, gates, hidden, i))
+            .collect()
+    };
+    let (wi, wh, b) = (
+        split(w_in, input, g),
+        split(w_h, hidden, g),
+        split(bias, 1, cell.bias_names().len()),
+    );
+    fn refs(v: &[Vec<f32>]) -> Vec<&[f32]> {
+        v.iter().map(|m| &m[..]).collect()
+    }
+    let (wi, wh, b) = (refs(&wi), refs(&wh), refs(&b));
+    let layer = LayerWeights {
+        input_kernel: &wi,
+        hidden_kernel: &wh,
+        bias: &b,
+    };
+    PreparedRnn::new(cell, input, &[layer], false)
+}
+
 impl Plan {
     /// Builds the plan, taking every parameter the spec needs out of `params` (checked by
     /// name and shape) and packing it.
@@ -665,12 +707,33 @@ impl Plan {
                 _ => None,
             })
             .collect::<Result<Vec<_>>>()?;
+        let rnn = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Rnn {
+                    cell,
+                    w_in,
+                    w_h,
+                    bias,
+                    input,
+                    hidden,
+                    ..
+                } => Some(prepare_rnn(
+                    &weights,
+                    *cell,
+                    (*w_in, *w_h, *bias),
+                    (*input, *hidden),
+                )),
+                _ => None,
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Plan {
             spec,
             weights,
             buffers,
             slots,
             dense,
+            rnn,
             ops,
             input,
             output: x,
