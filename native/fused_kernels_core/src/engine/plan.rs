@@ -257,9 +257,6 @@ pub enum Op {
         hidden: usize,
         h: Slot,
         c: Option<Slot>,
-        /// Scratch `{rows, gates*hidden}`: input projections, then the recurrent products.
-        xp: Buf,
-        hp: Buf,
     },
     /// Causal multi-head attention with a sliding window. A window attends over its own
     /// rows; a frame appends its k/v rows to the `{batch, window, hidden}` caches first and
@@ -415,8 +412,7 @@ impl Builder<'_> {
             hidden,
         )?;
         let bias = self.packed(&format!("{name}/bias"), cell.bias_names(), 1, hidden)?;
-        let gh = cell.gates() * hidden;
-        let (xp, hp, out) = (self.buf(gh), self.buf(gh), self.buf(hidden));
+        let out = self.buf(hidden);
         let h = self.slot(hidden);
         let c = (cell == Cell::Lstm).then(|| self.slot(hidden));
         self.ops.push(Op::Rnn {
@@ -430,8 +426,6 @@ impl Builder<'_> {
             hidden,
             h,
             c,
-            xp,
-            hp,
         });
         self.norm(&format!("{name}_norm"), out, out, hidden, eps)
             .map(|()| out)
