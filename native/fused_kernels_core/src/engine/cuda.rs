@@ -227,10 +227,27 @@ impl CudaEngine {
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
-        let weights = params
+        let mut weights = params
             .into_tensors()
             .map(|(name, (shape, v))| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
             .collect::<Result<HashMap<_, _>>>()?;
+        // Edifice's fixed A[:, n] = -(n + 1) where the params carry none, uploaded here once:
+        // the block would otherwise upload it per call, which a graph cannot capture.
+        for l in 1..=spec.layers {
+            let prefix = match spec.kind {
+                Kind::Mamba => format!("mamba_{l}"),
+                Kind::Jamba if !spec.jamba_attention(l) => format!("jamba_{l}"),
+                _ => continue,
+            };
+            if let std::collections::hash_map::Entry::Vacant(e) =
+                weights.entry(format!("{prefix}_ssm/a"))
+            {
+                let (inner, n) = (spec.inner(), spec.state);
+                let a: Vec<f32> = (0..inner * n).map(|i| -((i % n) as f32 + 1.0)).collect();
+                let t = upload(&gpu, e.key(), vec![inner, n], &a)?;
+                e.insert(t);
+            }
+        }
         let d = spec.head_dim;
         let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
         let blas_ws = blas_workspace(&gpu)?;
@@ -323,17 +340,35 @@ impl CudaEngine {
             }
         }
         let found = sh.graphs.iter().position(|g| g.state == sid);
-        match found.map(|gi| &sh.graphs[gi].exec) {
-            Some(Ok(graph)) if graphable => graph.0.launch()?,
+        let launch = |g: &Exec| {
+            g.0.launch()
+                .map_err(|e| format!("graph launch: {}", Error::from(e)))
+        };
+        match found {
+            Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
+                let launched = match &sh.graphs[gi].exec {
+                    Ok(g) => launch(g),
+                    Err(why) => Err(why.clone()),
+                };
+                if let Err(why) = launched {
+                    // A failed launch queues nothing: this call and the later ones go eager.
+                    sh.graphs[gi].exec = Err(why);
+                    self.eager(sh, state)?;
+                }
+            }
             None if graphable && sh.warm => {
                 if sh.graphs.len() >= MAX_GRAPHS {
                     // Oldest first: mostly states that are gone (a live one recaptures).
                     sh.graphs.remove(0);
                 }
-                let exec = self.capture(sh, state.as_deref_mut());
-                match &exec {
-                    Ok(graph) => graph.0.launch()?,
-                    Err(_) => self.eager(sh, state)?,
+                let mut exec = self.capture(sh, state.as_deref_mut());
+                if let Ok(g) = &exec {
+                    if let Err(why) = launch(g) {
+                        exec = Err(why);
+                    }
+                }
+                if exec.is_err() {
+                    self.eager(sh, state)?;
                 }
                 sh.graphs.push(Graph {
                     state: sid,
