@@ -14,8 +14,18 @@
 //! nothing; the state is copied back into the state's own buffers after a frame, so no slot
 //! is ever both read as the old state and written as the new one.
 //!
-//! Not yet here (design.md "The engine"): CUDA-graph replay and functions resolved once at
-//! load (the ops look their kernels up per call in the device's module map).
+//! The second call of a shape (and, for frames, of each state) is captured as a CUDA graph
+//! and later calls replay it: input and output go through page-locked staging copied inside
+//! the graph, so a replayed call is one host copy in, one graph launch, one wait on the
+//! engine's stream and one host copy out, and runs none of the ops' host code (their kernel
+//! look-ups in the device's module map, their checks). A capture that fails leaves that shape
+//! eager, with the reason in `graphs`.
+//!
+//! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
+//! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
+//! stream and only touched by work queued there; uploads at load and state creation/reset
+//! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
+//! flight between calls.
 
 use super::plan::{Kind, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
