@@ -260,7 +260,9 @@ impl CudaEngine {
         }
         let d = spec.head_dim;
         let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
-        let blas_ws = blas_workspace(&gpu)?;
+        // Best effort: without a workspace of its own cuBLAS uses its default one, and a GEMM
+        // that cannot be captured then only leaves its shape eager.
+        let blas_ws = blas_workspace(&gpu).ok().flatten();
         let engine = CudaEngine {
             qk_gamma: upload(&gpu, "qk gamma", vec![d], &vec![1.0; d])?,
             qk_beta: upload(&gpu, "qk beta", vec![d], &vec![0.0; d])?,
