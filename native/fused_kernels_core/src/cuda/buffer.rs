@@ -285,7 +285,7 @@ impl DeviceTensor {
             )));
         }
         self.gpu.bind()?;
-        let dst = super::gemm::ptr(self);
+        let dst = self.address();
         // Safety: `dst` holds `src.len()` bytes; `src` is page-locked and outlives the copy
         // (its owner waits for the stream before reusing or freeing it).
         unsafe {
@@ -305,7 +305,7 @@ impl DeviceTensor {
             )));
         }
         self.gpu.bind()?;
-        let src = super::gemm::ptr(self);
+        let src = self.address();
         // Safety: as in `copy_from_pinned`, the other way.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(
@@ -339,6 +339,12 @@ impl DeviceTensor {
         let (ptr, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut *self.data, &stream);
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, len, stream.cu_stream()) }
             .map_err(Error::from)
+    }
+
+    /// The device address (tracking is off, so no event comes with it).
+    fn address(&self) -> u64 {
+        let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&*self.data, &self.gpu.stream);
+        p
     }
 
     pub fn numel(&self) -> usize {
