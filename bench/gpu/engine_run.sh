@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The backbone engine on a GPU, in one call of at most ~9.5 minutes (each step under a timeout): the engine's Rust GPU tests,
+# The backbone engine on a GPU, in one call of at most ~9.5 minutes (each step under a timeout): the engine's Rust GPU tests
+# (GPU vs CPU executor with CUDA graphs replayed, no device allocation after warm-up over 10,000 GRU
+# frames, two engines on two threads; each backbone's graph notes printed to engine_rust.log),
 # the backbone ExUnit tests with
 # :cuda (engine vs CPU engine vs Axon/Nx where carried, streaming vs window, batch rows, one
 # NIF call per predict/step), the backbone rows of `mix bench` (300 runs), the PyTorch eager
@@ -20,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null; fi
 status=0
 echo "== Rust: the engine's GPU executor against its CPU executor"
-timeout 150 .gpu/bin/test_engine_cuda --test-threads=1 2>&1 | tee "$out/engine_rust.log" | tail -8 || status=1
+timeout 150 .gpu/bin/test_engine_cuda --test-threads=1 --nocapture 2>&1 | tee "$out/engine_rust.log" | tail -8 || status=1
 echo "== ExUnit: backbones (:cuda included)"
 timeout 180 mix test --include cuda test/backbone_engine_test.exs test/backbone_test.exs \
   test/backbone_axon_test.exs 2>&1 | tee "$out/engine_exunit.log" | grep -vE '^\s*$' | tail -25 || status=1

@@ -462,6 +462,9 @@ defmodule FusedKernels.Native do
   @doc false
   @spec engine_state_info(term) :: reply
   def engine_state_info(_state), do: not_loaded()
+  @doc false
+  @spec engine_graphs(term) :: reply
+  def engine_graphs(_engine), do: not_loaded()
 
   @doc false
   @spec stream_shift_append(term, term, term, term, term) :: reply

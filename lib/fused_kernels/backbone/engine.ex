@@ -57,6 +57,10 @@ defmodule FusedKernels.Backbone.Engine do
     state
   end
 
+  # Per shape run on the GPU: `{batch, seq, :window | :frame, notes}`, each note "graph"
+  # (replayed) or "eager: why" (capture failed); [] on the CPU.
+  def graphs(ref), do: ref |> Native.engine_graphs() |> Native.unwrap!()
+
   defp host_in(%FusedKernels.Buffer{} = b, _what), do: FusedKernels.Buffer.download(b)
 
   defp host_in(t, what) do

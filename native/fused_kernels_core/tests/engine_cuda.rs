@@ -124,3 +124,185 @@ fn gpu_batch_rows_are_independent() {
         }
     }
 }
+
+#[test]
+fn gpu_warm_calls_allocate_no_device_memory() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    use fused_kernels_core::cuda::buffer::thread_device_allocations;
+    // ExPhil's GRU: 10,000 frames after a warm-up frame.
+    let s = spec(Kind::Gru);
+    let (_, gpu) = engines(&s, 21);
+    let mut st = gpu.new_state(1).unwrap();
+    let frame = Rng::new(22).vec(s.embed, 1.0, 0.0);
+    let mut out = vec![f32::NAN; s.hidden];
+    gpu.step(&mut st, &frame, &mut out).unwrap();
+    let before = thread_device_allocations();
+    for _ in 0..10_000 {
+        gpu.step(&mut st, &frame, &mut out).unwrap();
+    }
+    assert_eq!(
+        thread_device_allocations() - before,
+        0,
+        "GRU steps allocated"
+    );
+    assert!(out.iter().all(|v| v.is_finite()));
+
+    // Every backbone: warm windows and frames allocate nothing either.
+    for kind in KINDS {
+        let s = small(kind);
+        let (_, gpu) = engines(&s, 23);
+        let (b, t) = (3, 17);
+        let x = Rng::new(24).vec(b * t * s.embed, 1.0, 0.0);
+        let mut st = gpu.new_state(b).unwrap();
+        let mut out = vec![f32::NAN; b * s.hidden];
+        let first = gpu_predict(&gpu, &x, b, t);
+        gpu.step(&mut st, &x[..b * s.embed], &mut out).unwrap();
+        let before = thread_device_allocations();
+        for _ in 0..5 {
+            assert_eq!(
+                gpu_predict(&gpu, &x, b, t),
+                first,
+                "{kind:?}: window changed"
+            );
+            gpu.step(&mut st, &x[..b * s.embed], &mut out).unwrap();
+        }
+        assert_eq!(
+            thread_device_allocations() - before,
+            0,
+            "{kind:?}: warm calls allocated"
+        );
+    }
+}
+
+#[test]
+fn gpu_engines_on_two_threads_match_each_run_alone() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = small(kind);
+        let (b, t) = (2, 13);
+        let run = |e: &CudaEngine, x: &[f32]| (gpu_predict(e, x, b, t), gpu_stream(e, x, b, t));
+        let (_, e1) = engines(&s, 31);
+        let (_, e2) = engines(&s, 32);
+        let x1 = Rng::new(33).vec(b * t * s.embed, 1.0, 0.0);
+        let x2 = Rng::new(34).vec(b * t * s.embed, 1.0, 0.0);
+        let (alone1, alone2) = (run(&e1, &x1), run(&e2, &x2));
+        let (c1, c2) = std::thread::scope(|sc| {
+            let h1 = sc.spawn(|| (0..4).map(|_| run(&e1, &x1)).collect::<Vec<_>>());
+            let h2 = sc.spawn(|| (0..4).map(|_| run(&e2, &x2)).collect::<Vec<_>>());
+            (h1.join().unwrap(), h2.join().unwrap())
+        });
+        for (got, want) in c1
+            .iter()
+            .map(|g| (g, &alone1))
+            .chain(c2.iter().map(|g| (g, &alone2)))
+        {
+            for (g, w) in [(&got.0, &want.0), (&got.1, &want.1)] {
+                let err = rel_l2(g, w);
+                assert!(err <= 1e-6, "{kind:?}: concurrent vs alone rel L2 {err}");
+            }
+        }
+    }
+}
+
+/// Frame `i` of every batch row of the window `x` `{b, t, emb}`.
+fn frame(x: &[f32], b: usize, t: usize, emb: usize, i: usize) -> Vec<f32> {
+    (0..b)
+        .flat_map(|bi| x[(bi * t + i) * emb..(bi * t + i + 1) * emb].to_vec())
+        .collect()
+}
+
+#[test]
+fn gpu_graph_replays_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = small(kind);
+        let (cpu, gpu) = engines(&s, 41);
+        // Windows: eager, captured, replayed (t past the attention window).
+        let (b, t) = (3, s.window + 1);
+        let x = Rng::new(42).vec(b * t * s.embed, 1.0, 0.0);
+        let want = cpu_predict(&cpu, &x, b, t);
+        for call in 0..4 {
+            let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &want);
+            assert!(err <= 1e-5, "{kind:?} window call {call}: rel L2 {err}");
+        }
+        // Batch 8 against batch 1, each replayed.
+        let x8 = Rng::new(43).vec(8 * t * s.embed, 1.0, 0.0);
+        let all = (0..3).map(|_| gpu_predict(&gpu, &x8, 8, t)).last().unwrap();
+        for bi in 0..8 {
+            let row = &x8[bi * t * s.embed..(bi + 1) * t * s.embed];
+            let one = (0..3).map(|_| gpu_predict(&gpu, row, 1, t)).last().unwrap();
+            let err = rel_l2(&one, &all[bi * s.hidden..(bi + 1) * s.hidden]);
+            assert!(err <= 1e-5, "{kind:?} row {bi} of 8: {err}");
+        }
+        // Two states streamed in turn (a graph each, past the attention window) against the
+        // CPU engine's window over the same frames.
+        let n = s.window + 12;
+        let (b2, emb) = (2, s.embed);
+        let xa = Rng::new(44).vec(b2 * n * emb, 1.0, 0.0);
+        let xb = Rng::new(45).vec(b2 * n * emb, 1.0, 0.0);
+        let (mut sa, mut sb) = (gpu.new_state(b2).unwrap(), gpu.new_state(b2).unwrap());
+        let (mut oa, mut ob) = (vec![f32::NAN; b2 * s.hidden], vec![f32::NAN; b2 * s.hidden]);
+        for i in 0..n {
+            gpu.step(&mut sa, &frame(&xa, b2, n, emb, i), &mut oa)
+                .unwrap();
+            gpu.step(&mut sb, &frame(&xb, b2, n, emb, i), &mut ob)
+                .unwrap();
+        }
+        for (got, x, name) in [(&oa, &xa, "a"), (&ob, &xb, "b")] {
+            let err = rel_l2(got, &cpu_predict(&cpu, x, b2, n));
+            assert!(err <= 1e-5, "{kind:?} streamed state {name}: rel L2 {err}");
+        }
+        // 60 streamed frames of ExPhil's sizes at batch 8 against the window.
+        let big = spec(kind);
+        let (cpu, gpu) = engines(&big, 46);
+        let (b, t) = (8, 60);
+        let x = Rng::new(47).vec(b * t * big.embed, 1.0, 0.0);
+        let err = rel_l2(&gpu_stream(&gpu, &x, b, t), &cpu_predict(&cpu, &x, b, t));
+        assert!(
+            err <= 1e-5,
+            "{kind:?} b8: 60 streamed frames vs cpu window, rel L2 {err}"
+        );
+    }
+}
+
+#[test]
+fn gpu_graphs_are_captured_for_every_backbone() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    for kind in KINDS {
+        let s = small(kind);
+        let (_, gpu) = engines(&s, 51);
+        let (b, t) = (2, 5);
+        let x = Rng::new(52).vec(b * t * s.embed, 1.0, 0.0);
+        for _ in 0..3 {
+            gpu_predict(&gpu, &x, b, t);
+        }
+        let mut st = gpu.new_state(b).unwrap();
+        let mut out = vec![0.0; b * s.hidden];
+        for i in 0..s.window + 3 {
+            gpu.step(&mut st, &frame(&x, b, t, s.embed, i % t), &mut out)
+                .unwrap();
+        }
+        let notes = gpu.graphs().unwrap();
+        eprintln!("{kind:?} graphs: {notes:?}");
+        assert_eq!(
+            notes.len(),
+            2,
+            "{kind:?}: one window shape and one frame shape"
+        );
+        for (b, t, f, n) in notes {
+            assert_eq!(
+                n,
+                vec!["graph".to_string()],
+                "{kind:?} ({b}, {t}, frame {f})"
+            );
+        }
+    }
+}

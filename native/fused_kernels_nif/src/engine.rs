@@ -21,8 +21,8 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The executor a backbone was loaded for.
 enum Exec {
-    Cpu(Engine),
-    Cuda(CudaEngine),
+    Cpu(Box<Engine>),
+    Cuda(Box<CudaEngine>),
 }
 
 pub struct EngineResource {
@@ -150,8 +150,8 @@ fn engine_load<'a>(
         let device = decode_device(device)?;
         let (spec, params) = (decode_spec(spec)?, decode_params(params)?);
         let exec = match backend.as_str() {
-            "cpu" => Exec::Cpu(Engine::new(Plan::build(spec, params)?)),
-            "cuda" => Exec::Cuda(CudaEngine::new(spec, params, device)?),
+            "cpu" => Exec::Cpu(Box::new(Engine::new(Plan::build(spec, params)?))),
+            "cuda" => Exec::Cuda(Box::new(CudaEngine::new(spec, params, device)?)),
             other => {
                 return Err(arg_error(format!(
                     "backend: the engine runs on :cpu or :cuda, got :{other}"
@@ -346,6 +346,35 @@ fn engine_state_info<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
         let s = decode_state(state)?;
         let st = lock(&s)?;
         Ok((st.batch() as u64, st.frames()).encode(env))
+    })();
+    reply(env, result)
+}
+
+/// `engine_graphs(engine)` → `[{batch, seq, :window | :frame, [note]}]`: per shape the GPU
+/// engine has run, whether its calls replay a CUDA graph (`"graph"`) or run eagerly because
+/// capture failed (`"eager: why"`); `[]` for the CPU engine. Takes the engine's lock, so it
+/// waits for a call in progress: a dirty scheduler.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn engine_graphs<'a>(env: Env<'a>, engine: Term<'a>) -> Term<'a> {
+    let result = (|| {
+        let e = decode_engine(engine)?;
+        let rows = match &e.exec {
+            Exec::Cpu(_) => Vec::new(),
+            Exec::Cuda(g) => g.graphs()?,
+        };
+        let rows: Vec<Term<'a>> = rows
+            .into_iter()
+            .map(|(b, t, frame, notes)| {
+                let mode = if frame {
+                    rustler::Atom::from_str(env, "frame")
+                } else {
+                    rustler::Atom::from_str(env, "window")
+                }?;
+                Ok((b as u64, t as u64, mode, notes).encode(env))
+            })
+            .collect::<std::result::Result<_, rustler::Error>>()
+            .map_err(|_| fused_kernels_core::Error::Cuda("encoding the graph list".into()))?;
+        Ok(rows.encode(env))
     })();
     reply(env, result)
 }

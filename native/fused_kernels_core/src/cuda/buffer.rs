@@ -7,9 +7,117 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{checked_numel, HostTensor, OwnedTensor};
 use cudarc::driver::CudaSlice;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Device allocations made by this process (uploads included; memory served by a scratch
+/// allocator is not counted): the engine's tests assert that a warmed-up call makes none.
+static DEVICE_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_DEVICE_ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+thread_local! {
+    // Set while a CUDA graph is being captured on this thread: copies from or to pageable
+    // host memory cannot be replayed, so they fail (and the capture with them) instead.
+    static CAPTURING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with pageable host copies (`upload`, `download`, `copy_from_host`,
+/// `copy_to_host`) refused on this thread: a graph capture runs the ops inside this.
+pub fn without_pageable_copies<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            CAPTURING.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(CAPTURING.with(|c| c.replace(true)));
+    f()
+}
+
+fn pageable_copies_allowed() -> Result<()> {
+    if CAPTURING.with(|c| c.get()) {
+        return Err(Error::Cuda(
+            "a copy from or to pageable host memory cannot be captured in a CUDA graph".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Page-locked host bytes: copies from and to them can be captured in a CUDA graph.
+pub struct PinnedBytes {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// Safety: plain host memory owned by this value; access goes through `&`/`&mut`.
+unsafe impl Send for PinnedBytes {}
+unsafe impl Sync for PinnedBytes {}
+
+impl PinnedBytes {
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedBytes> {
+        gpu.bind()?;
+        // Safety: a plain page-locked allocation of at least one byte, freed in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1), 0) }? as *mut u8;
+        if ptr.is_null() {
+            return Err(Error::OutOfMemory(format!(
+                "page-locked host allocation of {len} bytes returned null"
+            )));
+        }
+        Ok(PinnedBytes {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // Safety: `len` bytes allocated by `new`, alive while `self` is.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // Safety: as in `bytes`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBytes {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // Safety: allocated by `malloc_host` in `new`, freed once. Copies that read or
+        // write it were waited for by the call that queued them.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+fn count_allocation() {
+    DEVICE_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    THREAD_DEVICE_ALLOCATIONS.with(|c| c.set(c.get() + 1));
+}
+
+/// Device allocations made so far by the whole process.
+pub fn device_allocations() -> u64 {
+    DEVICE_ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// Device allocations made so far by the calling thread (tests running beside others use this).
+pub fn thread_device_allocations() -> u64 {
+    THREAD_DEVICE_ALLOCATIONS.with(|c| c.get())
+}
 
 pub struct DeviceTensor {
     pub gpu: Arc<Gpu>,
@@ -63,8 +171,16 @@ impl DeviceTensor {
             // stay valid for the call.
             return Ok(unsafe { Self::borrowed(gpu, ptr?, shape, dtype) });
         }
+        Self::uninit_owned(gpu, shape, dtype)
+    }
+
+    /// `uninit` that never asks an installed scratch allocator (the allocator itself uses
+    /// this for the memory it hands out).
+    pub fn uninit_owned(gpu: &Arc<Gpu>, shape: Vec<usize>, dtype: DType) -> Result<Self> {
+        let bytes = checked_numel("output", &shape)? * dtype.size();
         gpu.bind()?;
         let data = unsafe { gpu.stream.alloc::<u8>(bytes) }?;
+        count_allocation();
         Ok(DeviceTensor {
             gpu: gpu.clone(),
             shape,
@@ -91,9 +207,19 @@ impl DeviceTensor {
         }
     }
 
+    /// Copies `host` to the device, into memory from the installed scratch allocator when
+    /// there is one (it is then freed with the scratch, like `uninit`'s).
     pub fn upload(gpu: &Arc<Gpu>, host: &HostTensor<'_>) -> Result<Self> {
+        pageable_copies_allowed()?;
+        if let Some(ptr) = scratch_alloc(host.bytes.len()) {
+            // Safety: the installed allocator returned that many bytes, valid for the call.
+            let mut t = unsafe { Self::borrowed(gpu, ptr?, host.shape.clone(), host.dtype) };
+            t.copy_from_host(host.bytes)?;
+            return Ok(t);
+        }
         gpu.bind()?;
         let data = gpu.stream.clone_htod(host.bytes)?;
+        count_allocation();
         Ok(DeviceTensor {
             gpu: gpu.clone(),
             shape: host.shape.clone(),
@@ -105,6 +231,7 @@ impl DeviceTensor {
 
     /// Copies to the host; waits for the work queued before it on the device's stream.
     pub fn download(&self) -> Result<OwnedTensor> {
+        pageable_copies_allowed()?;
         self.gpu.bind()?;
         let data = self.gpu.stream.clone_dtoh(&*self.data)?;
         Ok(OwnedTensor {
@@ -112,6 +239,96 @@ impl DeviceTensor {
             shape: self.shape.clone(),
             dtype: self.dtype,
         })
+    }
+
+    /// Copies `bytes` (exactly this tensor's size) from the host, queued on this tensor's
+    /// stream; pageable `bytes` are read before this returns.
+    pub fn copy_from_host(&mut self, bytes: &[u8]) -> Result<()> {
+        pageable_copies_allowed()?;
+        if bytes.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the device: {} bytes for a buffer of {}",
+                bytes.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        Ok(stream.memcpy_htod(bytes, &mut *self.data)?)
+    }
+
+    /// Copies this tensor (exactly `out`'s size) to the host; waits for the work queued
+    /// before it on this tensor's stream, and only that stream.
+    pub fn copy_to_host(&self, out: &mut [u8]) -> Result<()> {
+        if out.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the host: {} bytes from a buffer of {}",
+                out.len(),
+                self.data.len()
+            )));
+        }
+        pageable_copies_allowed()?;
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        stream.memcpy_dtoh(&*self.data, out)?;
+        Ok(stream.synchronize()?)
+    }
+
+    /// Copies `src` (exactly this tensor's size) in, queued on this tensor's stream (a copy
+    /// a CUDA graph can capture: it reads `src` when it runs).
+    pub fn copy_from_pinned(&mut self, src: &PinnedBytes) -> Result<()> {
+        if src.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the device: {} bytes for a buffer of {}",
+                src.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let dst = self.address();
+        // Safety: `dst` holds `src.len()` bytes; `src` is page-locked and outlives the copy
+        // (its owner waits for the stream before reusing or freeing it).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, src.bytes(), self.gpu.stream.cu_stream())
+        }
+        .map_err(Error::from)
+    }
+
+    /// Copies this tensor (exactly `dst`'s size) out, queued on this tensor's stream (a copy
+    /// a CUDA graph can capture); `dst` holds the bytes once the stream has been waited for.
+    pub fn copy_to_pinned(&self, dst: &mut PinnedBytes) -> Result<()> {
+        if dst.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "copy to the host: {} bytes from a buffer of {}",
+                dst.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let src = self.address();
+        // Safety: as in `copy_from_pinned`, the other way.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                dst.bytes_mut(),
+                src,
+                self.gpu.stream.cu_stream(),
+            )
+        }
+        .map_err(Error::from)
+    }
+
+    /// Copies `src` (same size) into this tensor, queued on this tensor's stream.
+    pub fn copy_from(&mut self, src: &DeviceTensor) -> Result<()> {
+        if src.data.len() != self.data.len() {
+            return Err(Error::Argument(format!(
+                "device copy: {} bytes into a buffer of {}",
+                src.data.len(),
+                self.data.len()
+            )));
+        }
+        self.gpu.bind()?;
+        let stream = self.gpu.stream.clone();
+        Ok(stream.memcpy_dtod(&*src.data, &mut *self.data)?)
     }
 
     /// Fills every byte with `byte` (tests poison outputs with 0xFF, a NaN in every type).
@@ -122,6 +339,12 @@ impl DeviceTensor {
         let (ptr, _sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut *self.data, &stream);
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, len, stream.cu_stream()) }
             .map_err(Error::from)
+    }
+
+    /// The device address (tracking is off, so no event comes with it).
+    fn address(&self) -> u64 {
+        let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&*self.data, &self.gpu.stream);
+        p
     }
 
     pub fn numel(&self) -> usize {

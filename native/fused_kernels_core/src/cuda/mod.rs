@@ -130,9 +130,13 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
         return Ok(g.clone());
     }
     let ctx = CudaContext::new(ordinal)?;
-    // Everything runs on the device's one stream (cuBLAS included), so cudarc's cross-stream
-    // tracking would only cost two event creations per buffer and records per use.
-    // Safety: no second stream exists, so there is no cross-stream hazard to track.
+    // cudarc's cross-stream tracking would cost two event creations per buffer and records
+    // per use. Safety: the ops run on the device's one stream (cuBLAS included); the other
+    // streams are XLA's (`on_stream`: handlers get XLA's buffers, ordered by XLA, and their
+    // temporaries from its scratch) and the backbone engines' (`with_new_stream`: each
+    // engine's weights, state and workspaces are made on its stream, only ever touched by
+    // work queued on it, and host copies in and out wait on that stream), so no buffer is
+    // used on a stream other than the one that wrote it without an explicit ordering.
     unsafe { ctx.disable_event_tracking() };
     let compute_capability = ctx.compute_capability()?;
     if compute_capability < MIN_COMPUTE_CAPABILITY {
@@ -172,6 +176,23 @@ impl Gpu {
             modules: self.modules.clone(),
             blas: OnceCell::new(),
         }
+    }
+
+    /// This device with its work ordered on a new stream of its own (a backbone engine's):
+    /// loaded modules are shared with `self`; the cuBLAS handle is the new value's own, bound
+    /// to the new stream. Nothing orders the new stream after `self.stream`: buffers must be
+    /// made and used on the returned value's stream only (see `gpu` on event tracking).
+    pub fn with_new_stream(&self) -> Result<Gpu> {
+        self.bind()?;
+        Ok(Gpu {
+            ordinal: self.ordinal,
+            stream: self.ctx.new_stream()?,
+            ctx: self.ctx.clone(),
+            compute_capability: self.compute_capability,
+            name: self.name.clone(),
+            modules: self.modules.clone(),
+            blas: OnceCell::new(),
+        })
     }
 
     /// Compiles (or reads from the disk cache) and loads `kernel`'s module now, so that a

@@ -1,10 +1,10 @@
 //! The CPU executor: walks a plan over buffers allocated once per (batch, seq) shape, with
 //! f32 kernels that allocate nothing. Reductions (norm statistics) in f64; products in f32.
 
-use super::plan::{Act, MambaOp, Op, Plan, Size};
-use crate::error::Result;
-use crate::ops::dense::erf;
-use crate::ops::rnn::Cell;
+use super::plan::{MambaOp, Op, Plan, Size};
+use crate::error::{arg_error, Result};
+use crate::ops::dense::DenseScratch;
+use crate::ops::rnn::RnnScratch;
 
 /// Whether a call is a whole window (its own rows only, fresh state) or one streamed frame
 /// (state carried in the slots; `frames` counts this frame too).
@@ -21,6 +21,10 @@ pub struct Workspace {
     pub bufs: Vec<Vec<f32>>,
     /// The state a window starts from (zeros), reused across windows.
     pub window_slots: Vec<Vec<f32>>,
+    /// Per `plan.dense`, its scratch for `batch * seq` rows.
+    pub dense: Vec<DenseScratch>,
+    /// Per `plan.rnn`, its scratch and the layer's state in and out (`[c, h]` or `[h]`).
+    pub rnn: Vec<(RnnScratch, Vec<f32>, Vec<f32>)>,
 }
 
 impl Workspace {
@@ -43,21 +47,43 @@ impl Workspace {
             .iter()
             .map(|&w| super::plan::zeroed(w.checked_mul(batch), "batch"))
             .collect::<Result<Vec<_>>>()?;
+        let rows = rows.ok_or_else(|| arg_error("window: batch * seq overflows"))?;
+        let dense = plan
+            .dense
+            .iter()
+            .map(|d| d.scratch(rows))
+            .collect::<Result<Vec<_>>>()?;
+        let rnn = plan
+            .rnn
+            .iter()
+            .map(|r| {
+                let n = r.state_len(batch);
+                Ok((
+                    r.scratch(batch, seq)?,
+                    super::plan::zeroed(Some(n), "batch")?,
+                    super::plan::zeroed(Some(n), "batch")?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Workspace {
             batch,
             seq,
             bufs,
             window_slots,
+            dense,
+            rnn,
         })
     }
 }
 
 /// Runs every op of `plan`; the input rows must already be in `ws.bufs[plan.input]`.
-pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) {
+/// Errors only if a prepared op refuses its buffers (sized by the same plan, they fit).
+pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) -> Result<()> {
     let (b, t) = (ws.batch, ws.seq);
     let rows = b * t;
     let bufs = &mut ws.bufs;
     let w = &plan.weights;
+    let (mut di, mut ri) = (0, 0);
     for op in &plan.ops {
         match op {
             Op::Norm {
@@ -78,62 +104,44 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                 }
             }
             Op::Dense {
-                x,
-                out,
-                kernel,
-                bias,
-                k,
-                n,
-                act,
-                residual,
+                x, out, residual, ..
             } => {
+                // `plan.dense` holds the dense ops in order, `ws.dense` their scratch.
+                let (d, scratch) = (&plan.dense[di], &mut ws.dense[di]);
+                di += 1;
                 let mut o = std::mem::take(&mut bufs[*out]);
-                dense(&bufs[*x], rows, *k, *n, &w[*kernel], &w[*bias], &mut o);
-                if *act == Act::Gelu {
-                    o.iter_mut().for_each(|v| *v = gelu(*v));
-                }
-                if let Some(r) = residual {
-                    o.iter_mut().zip(&bufs[*r]).for_each(|(o, r)| *o += r);
-                }
+                let r = residual.map(|r| &bufs[r][..]);
+                let done = d.forward_into(&bufs[*x], rows, r, &mut o, scratch);
                 bufs[*out] = o;
+                done?;
             }
             Op::Rnn {
-                cell,
                 x,
                 out,
-                w_in,
-                w_h,
-                bias,
-                input,
                 hidden,
                 h,
                 c,
-                xp,
-                hp,
+                ..
             } => {
-                let mut o = std::mem::take(&mut bufs[*out]);
-                let mut xpb = std::mem::take(&mut bufs[*xp]);
-                let mut hpb = std::mem::take(&mut bufs[*hp]);
-                let mut hs = std::mem::take(&mut slots[*h]);
-                let mut cs = c.map(|c| std::mem::take(&mut slots[c]));
-                rnn(
-                    *cell,
-                    (b, t, *input, *hidden),
-                    &bufs[*x],
-                    (&w[*w_in], &w[*w_h], &w[*bias]),
-                    &mut hs,
-                    cs.as_deref_mut(),
-                    &mut xpb,
-                    &mut hpb,
-                    &mut o,
-                );
-                slots[*h] = hs;
-                if let (Some(c), Some(cs)) = (c, cs) {
-                    slots[*c] = cs;
+                // `plan.rnn` holds the recurrent ops in order, `ws.rnn` their scratch and
+                // state staging; PreparedRnn takes a layer's state as `[c, h]` or `[h]`.
+                let (r, (scratch, st_in, st_out)) = (&plan.rnn[ri], &mut ws.rnn[ri]);
+                ri += 1;
+                let bh = b * hidden;
+                let parts = |c: Option<usize>| match c {
+                    Some(c) => [Some(c), Some(*h)],
+                    None => [Some(*h), None],
+                };
+                for (i, s) in parts(*c).into_iter().flatten().enumerate() {
+                    st_in[i * bh..(i + 1) * bh].copy_from_slice(&slots[s]);
                 }
+                let mut o = std::mem::take(&mut bufs[*out]);
+                let done = r.forward_into(&bufs[*x], b, t, Some(st_in), &mut o, st_out, scratch);
                 bufs[*out] = o;
-                bufs[*xp] = xpb;
-                bufs[*hp] = hpb;
+                done?;
+                for (i, s) in parts(*c).into_iter().flatten().enumerate() {
+                    slots[s].copy_from_slice(&st_out[i * bh..(i + 1) * bh]);
+                }
             }
             Op::Attention {
                 q,
@@ -184,6 +192,7 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
             Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t)),
         }
     }
+    Ok(())
 }
 
 fn layer_norm_row(x: &[f32], out: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
@@ -281,73 +290,8 @@ fn matmul(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], out: &mut [f32]
     }
 }
 
-fn sigmoid(v: f32) -> f32 {
-    1.0 / (1.0 + (-v).exp())
-}
-
 fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())
-}
-
-/// Axon's :gelu, the exact erf form.
-fn gelu(v: f32) -> f32 {
-    let x = v as f64;
-    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
-}
-
-/// One LSTM/GRU layer over `{b, t, input}` rows with Axon's equations; `hs`/`cs` hold the
-/// state in and out.
-#[allow(clippy::too_many_arguments)]
-fn rnn(
-    cell: Cell,
-    (b, t, inp, h): (usize, usize, usize, usize),
-    x: &[f32],
-    (w_in, w_h, bias): (&[f32], &[f32], &[f32]),
-    hs: &mut [f32],
-    mut cs: Option<&mut [f32]>,
-    xp: &mut [f32],
-    hp: &mut [f32],
-    out: &mut [f32],
-) {
-    let gh = cell.gates() * h;
-    // Input projections of every step with the input biases (GRU's b_hn stays apart).
-    dense(x, b * t, inp, gh, w_in, &bias[..gh], xp);
-    for s in 0..t {
-        matmul(hs, b, h, gh, w_h, hp);
-        for bi in 0..b {
-            let xr = &xp[(bi * t + s) * gh..(bi * t + s + 1) * gh];
-            let hr = &hp[bi * gh..(bi + 1) * gh];
-            let hrow = &mut hs[bi * h..(bi + 1) * h];
-            let orow = &mut out[(bi * t + s) * h..(bi * t + s + 1) * h];
-            match cell {
-                Cell::Lstm => {
-                    let crow = match cs.as_deref_mut() {
-                        Some(c) => &mut c[bi * h..(bi + 1) * h],
-                        None => return,
-                    };
-                    for j in 0..h {
-                        let pre = |k: usize| xr[k * h + j] + hr[k * h + j];
-                        let (i, f) = (sigmoid(pre(0)), sigmoid(pre(1)));
-                        let (g, o) = (pre(2).tanh(), sigmoid(pre(3)));
-                        let c = f * crow[j] + i * g;
-                        crow[j] = c;
-                        hrow[j] = o * c.tanh();
-                        orow[j] = hrow[j];
-                    }
-                }
-                Cell::Gru => {
-                    let bhn = &bias[3 * h..4 * h];
-                    for j in 0..h {
-                        let r = sigmoid(xr[j] + hr[j]);
-                        let z = sigmoid(xr[h + j] + hr[h + j]);
-                        let n = (xr[2 * h + j] + r * (hr[2 * h + j] + bhn[j])).tanh();
-                        hrow[j] = (1.0 - z) * n + z * hrow[j];
-                        orow[j] = hrow[j];
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Causal attention per (batch, head): query i of `tq` sees keys `hi - left ..= hi` with

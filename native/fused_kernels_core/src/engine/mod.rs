@@ -91,14 +91,16 @@ impl Engine {
             fill_input(&mut ws.bufs[plan.input]);
             let mut slots = std::mem::take(&mut ws.window_slots);
             slots.iter_mut().for_each(|s| s.fill(0.0));
-            cpu::run(plan, ws, &mut slots, Mode::Window);
+            let done = cpu::run(plan, ws, &mut slots, Mode::Window);
             ws.window_slots = slots;
+            done?;
             let y = &ws.bufs[plan.output];
             for bi in 0..batch {
                 let row = bi * seq + seq - 1;
                 out[bi * hid..(bi + 1) * hid].copy_from_slice(&y[row * hid..(row + 1) * hid]);
             }
-        })
+            Ok(())
+        })?
     }
 
     /// One frame (`batch * embed` values, filled by `fill_input`) from `state`, which is
@@ -128,8 +130,9 @@ impl Engine {
         let frames = state.frames;
         self.with_workspace(batch, 1, |plan, ws| {
             fill_input(&mut ws.bufs[plan.input]);
-            cpu::run(plan, ws, &mut state.slots, Mode::Frame { frames });
+            cpu::run(plan, ws, &mut state.slots, Mode::Frame { frames })?;
             out.copy_from_slice(&ws.bufs[plan.output][..out.len()]);
-        })
+            Ok(())
+        })?
     }
 }

@@ -4,7 +4,9 @@
 //! executor allocates them once per (batch, seq) shape.
 
 use crate::error::{arg_error, Result};
+use crate::ops::dense::{self, PreparedDense};
 use crate::ops::rnn::Cell;
+use crate::ops::rnn::{LayerWeights, PreparedRnn};
 use crate::tensor::fmt_shape;
 use std::collections::HashMap;
 
@@ -255,9 +257,6 @@ pub enum Op {
         hidden: usize,
         h: Slot,
         c: Option<Slot>,
-        /// Scratch `{rows, gates*hidden}`: input projections, then the recurrent products.
-        xp: Buf,
-        hp: Buf,
     },
     /// Causal multi-head attention with a sliding window. A window attends over its own
     /// rows; a frame appends its k/v rows to the `{batch, window, hidden}` caches first and
@@ -292,6 +291,10 @@ pub struct Plan {
     pub buffers: Vec<Size>,
     pub slots: Vec<SlotSize>,
     pub ops: Vec<Op>,
+    /// Every `Op::Dense` of `ops`, in order, with its kernel packed for the CPU GEMM.
+    pub dense: Vec<PreparedDense>,
+    /// Every `Op::Rnn` of `ops`, in order, as a one-layer `PreparedRnn`.
+    pub rnn: Vec<PreparedRnn>,
     /// Buffer 0 is the input (`embed` per row); `output` holds the last layer's rows.
     pub input: Buf,
     pub output: Buf,
@@ -409,8 +412,7 @@ impl Builder<'_> {
             hidden,
         )?;
         let bias = self.packed(&format!("{name}/bias"), cell.bias_names(), 1, hidden)?;
-        let gh = cell.gates() * hidden;
-        let (xp, hp, out) = (self.buf(gh), self.buf(gh), self.buf(hidden));
+        let out = self.buf(hidden);
         let h = self.slot(hidden);
         let c = (cell == Cell::Lstm).then(|| self.slot(hidden));
         self.ops.push(Op::Rnn {
@@ -424,8 +426,6 @@ impl Builder<'_> {
             hidden,
             h,
             c,
-            xp,
-            hp,
         });
         self.norm(&format!("{name}_norm"), out, out, hidden, eps)
             .map(|()| out)
@@ -529,6 +529,70 @@ impl Builder<'_> {
     }
 }
 
+/// A dense op's kernel and bias packed for `dense::PreparedDense` (f32 GEMM/GEMV, fused
+/// bias, activation and residual).
+fn prepare_dense(
+    weights: &[Vec<f32>],
+    kernel: W,
+    bias: W,
+    (k, n): (usize, usize),
+    act: Act,
+) -> Result<PreparedDense> {
+    let activation = match act {
+        Act::None => dense::Activation::None,
+        Act::Gelu => dense::Activation::Gelu,
+    };
+    let params = dense::Params::new(dense::Kind::Dense, activation, 0.0)?;
+    let w = dense::DenseWeights {
+        kernel: &weights[kernel],
+        kernel_up: None,
+        bias: Some(&weights[bias]),
+        bias_up: None,
+        gamma: None,
+        beta: None,
+    };
+    PreparedDense::new(params, k, n, w)
+}
+
+/// Gate `g`'s `{rows, h}` matrix out of `{rows, gates * h}` gates side by side.
+fn gate(w: &[f32], rows: usize, gates: usize, h: usize, g: usize) -> Vec<f32> {
+    let gh = gates * h;
+    (0..rows)
+        .flat_map(|r| w[r * gh + g * h..r * gh + (g + 1) * h].iter().copied())
+        .collect()
+}
+
+/// One recurrent layer for `rnn::PreparedRnn` (which packs the gates its own way), from the
+/// plan's side-by-side gate matrices and its four biases in Axon's order.
+fn prepare_rnn(
+    weights: &[Vec<f32>],
+    cell: Cell,
+    (w_in, w_h, bias): (W, W, W),
+    (input, hidden): (usize, usize),
+) -> Result<PreparedRnn> {
+    let g = cell.gates();
+    let split = |w: W, rows: usize, gates: usize| -> Vec<Vec<f32>> {
+        (0..gates)
+            .map(|i| gate(&weights[w], rows, gates, hidden, i))
+            .collect()
+    };
+    let (wi, wh, b) = (
+        split(w_in, input, g),
+        split(w_h, hidden, g),
+        split(bias, 1, cell.bias_names().len()),
+    );
+    fn refs(v: &[Vec<f32>]) -> Vec<&[f32]> {
+        v.iter().map(|m| &m[..]).collect()
+    }
+    let (wi, wh, b) = (refs(&wi), refs(&wh), refs(&b));
+    let layer = LayerWeights {
+        input_kernel: &wi,
+        hidden_kernel: &wh,
+        bias: &b,
+    };
+    PreparedRnn::new(cell, input, &[layer], false)
+}
+
 impl Plan {
     /// Builds the plan, taking every parameter the spec needs out of `params` (checked by
     /// name and shape) and packing it.
@@ -623,11 +687,47 @@ impl Plan {
             ops,
             ..
         } = b;
+        let dense = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Dense {
+                    kernel,
+                    bias,
+                    k,
+                    n,
+                    act,
+                    ..
+                } => Some(prepare_dense(&weights, *kernel, *bias, (*k, *n), *act)),
+                _ => None,
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rnn = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Rnn {
+                    cell,
+                    w_in,
+                    w_h,
+                    bias,
+                    input,
+                    hidden,
+                    ..
+                } => Some(prepare_rnn(
+                    &weights,
+                    *cell,
+                    (*w_in, *w_h, *bias),
+                    (*input, *hidden),
+                )),
+                _ => None,
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Plan {
             spec,
             weights,
             buffers,
             slots,
+            dense,
+            rnn,
             ops,
             input,
             output: x,
