@@ -53,7 +53,7 @@ impl DType {
         }
     }
 
-    /// The code kernels switch on (see `kernels/common.cuh`); f64 has none.
+    /// The code kernels switch on (see `kernels/include/types.cuh`); f64 has none.
     pub fn kernel_code(self) -> Option<i32> {
         match self {
             DType::F32 => Some(0),

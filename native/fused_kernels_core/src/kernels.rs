@@ -1,7 +1,35 @@
 //! The kernel sources, embedded in the library so the NIF is one self-contained file. Each
-//! op's source is `kernels/<op>.cu`, compiled with `kernels/common.cuh` in front of it.
+//! op's source is `kernels/<op>.cu`; the headers under `kernels/include/` (one per concern)
+//! are handed to NVRTC in memory, so `#include "mma.cuh"` works without a toolkit.
+//!
+//! A program is one kernel *instance*: the runtime compiles a file with `FK_ONLY=<function>`
+//! (see `include/arch.cuh`), so a first call pays only for the functions it launches. CI
+//! compiles each file whole, once per feature level ([`FEATURE_LEVELS`]).
 
-pub const COMMON: &str = include_str!("../kernels/common.cuh");
+/// Every header, by the name the kernels include it under.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("arch.cuh", include_str!("../kernels/include/arch.cuh")),
+    ("types.cuh", include_str!("../kernels/include/types.cuh")),
+    ("reduce.cuh", include_str!("../kernels/include/reduce.cuh")),
+    ("copy.cuh", include_str!("../kernels/include/copy.cuh")),
+    ("mma.cuh", include_str!("../kernels/include/mma.cuh")),
+    ("act.cuh", include_str!("../kernels/include/act.cuh")),
+    (
+        "rnn_cell.cuh",
+        include_str!("../kernels/include/rnn_cell.cuh"),
+    ),
+];
+
+/// The architecture thresholds the kernels' feature guards test (`FK_ARCH >= N`, see
+/// `include/arch.cuh`): code for a GPU is the same PTX as for the highest level at or below its
+/// compute capability, so CI compiles one PTX per level and runs ptxas for each GPU. A test
+/// checks that every threshold in the sources is listed here.
+pub const FEATURE_LEVELS: &[i32] = &[750, 800, 900, 1200];
+
+/// The architectures CI builds every kernel for (ptxas report: no failure, no spill).
+pub const CI_ARCHS: &[&str] = &[
+    "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
+];
 
 #[derive(Debug)]
 pub struct Kernel {
@@ -9,10 +37,75 @@ pub struct Kernel {
     pub body: &'static str,
 }
 
+/// How one program is built beyond its source and architecture (part of the cache key).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Build {
+    /// The one function to compile (`FK_ONLY`); `None` compiles the whole file.
+    pub only: Option<String>,
+    /// Build the code of an older GPU (`FK_CAP`, e.g. (8, 6)): the path that GPU takes,
+    /// compiled for the device at hand.
+    pub cap: Option<(i32, i32)>,
+}
+
+impl Build {
+    /// NVRTC `-D` options.
+    pub fn defines(&self) -> Vec<String> {
+        let mut d = Vec::new();
+        if let Some(f) = &self.only {
+            d.push(format!("-DFK_ONLY={f}"));
+        }
+        if let Some((major, minor)) = self.cap {
+            d.push(format!("-DFK_CAP={}", major * 100 + minor * 10));
+        }
+        d
+    }
+}
+
 impl Kernel {
-    /// The exact text NVRTC compiles (and the cache hashes).
+    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).
     pub fn source(&self) -> String {
-        format!("{COMMON}\n// ---- {}.cu ----\n{}", self.name, self.body)
+        self.body.to_string()
+    }
+
+    /// The feature level whose PTX of this file runs on `arch`: the highest level at or below
+    /// it that this file or a header tests (a level only one file tests, like sm_120's
+    /// register budget, costs the others no extra compile).
+    pub fn feature_level(&self, arch: &str) -> Option<i32> {
+        let n = arch_number(arch)?;
+        FEATURE_LEVELS
+            .iter()
+            .copied()
+            .filter(|l| *l <= n)
+            .filter(|l| {
+                *l == FEATURE_LEVELS[0]
+                    || tests_level(self.body, *l)
+                    || self.headers().iter().any(|h| tests_level(h, *l))
+            })
+            .max()
+    }
+
+    /// The texts of the headers this file includes, directly or through other headers.
+    pub fn headers(&self) -> Vec<&'static str> {
+        let mut found: Vec<&'static str> = Vec::new();
+        let mut todo: Vec<&str> = vec![self.body];
+        while let Some(text) = todo.pop() {
+            for line in text.lines() {
+                let Some(name) = line
+                    .trim()
+                    .strip_prefix("#include \"")
+                    .and_then(|r| r.strip_suffix('"'))
+                else {
+                    continue;
+                };
+                if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
+                    if !found.contains(h) {
+                        found.push(h);
+                        todo.push(h);
+                    }
+                }
+            }
+        }
+        found
     }
 
     /// The architecture NVRTC compiles this kernel for on a device of `arch` (`sm_90` style).
@@ -25,6 +118,27 @@ impl Kernel {
             arch.to_string()
         }
     }
+}
+
+/// The feature level (a [`FEATURE_LEVELS`] entry) whose PTX runs on `arch` (`sm_86` -> 800).
+pub fn feature_level(arch: &str) -> Option<i32> {
+    let n = arch_number(arch)?;
+    FEATURE_LEVELS.iter().copied().filter(|l| *l <= n).max()
+}
+
+/// `sm_86` -> 860 (`__CUDA_ARCH__`'s spelling).
+fn arch_number(arch: &str) -> Option<i32> {
+    let n: i32 = arch
+        .strip_prefix("sm_")?
+        .trim_end_matches('a')
+        .parse()
+        .ok()?;
+    Some(n * 10)
+}
+
+/// Whether `text` has a feature guard at `level`.
+fn tests_level(text: &str, level: i32) -> bool {
+    text.contains(&format!("FK_ARCH >= {level}")) || text.contains(&format!("FK_ARCH < {level}"))
 }
 
 pub const SCALED_SOFTMAX: Kernel = Kernel {
@@ -114,7 +228,7 @@ pub const DENSE_SM90: Kernel = Kernel {
     body: include_str!("../kernels/dense_sm90.cu"),
 };
 
-/// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
+/// Every shipped kernel file; CI compiles each for [`CI_ARCHS`] and reads ptxas's report.
 pub const ALL: &[&Kernel] = &[
     &SCALED_SOFTMAX,
     &DENSE,
@@ -132,3 +246,81 @@ pub const ALL: &[&Kernel] = &[
     &STREAM_STATE,
     &DENSE_SM90,
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `FK_ARCH` threshold in the sources is a feature level, so the per-level PTX CI
+    /// compiles is the code each GPU gets; and nothing tests `__CUDA_ARCH__` directly.
+    #[test]
+    fn feature_guards_are_feature_levels() {
+        let texts = ALL
+            .iter()
+            .map(|k| (k.name, k.body))
+            .chain(HEADERS.iter().copied());
+        for (name, text) in texts {
+            for line in text.lines().filter(|l| l.trim_start().starts_with('#')) {
+                assert!(
+                    !line.contains("__CUDA_ARCH__") || name == "arch.cuh",
+                    "{name}: guard on __CUDA_ARCH__ instead of FK_ARCH: {line}"
+                );
+                if let Some(rest) = line.split("FK_ARCH").nth(1) {
+                    let n: String = rest
+                        .chars()
+                        .skip_while(|c| !c.is_ascii_digit())
+                        .take_while(|c| c.is_ascii_digit())
+                        .collect();
+                    if let Ok(n) = n.parse::<i32>() {
+                        assert!(FEATURE_LEVELS.contains(&n), "{name}: threshold {n}: {line}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn feature_level_of_each_ci_arch() {
+        let levels: Vec<_> = CI_ARCHS.iter().map(|a| feature_level(a).unwrap()).collect();
+        assert_eq!(levels, [750, 800, 800, 800, 900, 900, 1200]);
+        // A file that does not test 1200 runs its 900 PTX on sm_120.
+        // A file that tests no level above sm_75 has one PTX for every GPU; the others one
+        // per level they (or their headers) test.
+        assert_eq!(NORM.feature_level("sm_120"), Some(750));
+        assert_eq!(SELECTIVE_SCAN_F32.feature_level("sm_90"), Some(800));
+        assert_eq!(RNN_CLUSTER.feature_level("sm_120"), Some(900));
+        assert_eq!(DENSE.feature_level("sm_120"), Some(1200));
+        assert_eq!(DENSE.feature_level("sm_90"), Some(800));
+        assert_eq!(DENSE.feature_level("sm_86"), Some(800));
+        assert_eq!(DENSE.feature_level("sm_75"), Some(750));
+        assert_eq!(feature_level("sm_90a"), Some(900));
+        assert_eq!(feature_level("sm_70"), None);
+    }
+
+    #[test]
+    fn headers_are_followed_through_includes() {
+        let names = |k: &Kernel| -> Vec<&str> {
+            let hs = k.headers();
+            HEADERS
+                .iter()
+                .filter(|(_, t)| hs.contains(t))
+                .map(|(n, _)| *n)
+                .collect()
+        };
+        assert_eq!(names(&NORM), ["arch.cuh", "types.cuh", "reduce.cuh"]);
+        assert!(names(&RNN_MMA).contains(&"act.cuh"));
+    }
+
+    #[test]
+    fn build_defines() {
+        let b = Build {
+            only: Some("rnn_mma_lstm_f32_m1_n1".into()),
+            cap: Some((8, 6)),
+        };
+        assert_eq!(
+            b.defines(),
+            ["-DFK_ONLY=rnn_mma_lstm_f32_m1_n1", "-DFK_CAP=860"]
+        );
+        assert!(Build::default().defines().is_empty());
+    }
+}
