@@ -121,9 +121,10 @@ pub fn default_ordinal() -> Result<usize> {
     }
 }
 
-/// The device `ordinal` (or the default one), creating its context on first use.
+/// The device `ordinal` (or the default one), creating its context on first use. (Built with
+/// a `route-as-*` test feature, routed as that GPU: see [`TEST_ROUTE_CAP`].)
 pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
-    gpu_as(ordinal, None)
+    gpu_as(ordinal, TEST_ROUTE_CAP)
 }
 
 /// The device `ordinal`, routing as compute capability `cap` when that is older than the
@@ -493,3 +494,13 @@ pub fn device_info(ordinal: Option<usize>) -> Result<DeviceInfo> {
         device_count: probe.device_count,
     })
 }
+
+/// The capability every device routes as: its own, or, in a build with a `route-as-*` feature
+/// (for the GPU tests of other GPUs' paths only; never in a release), that GPU's.
+pub const TEST_ROUTE_CAP: Option<(i32, i32)> = if cfg!(feature = "route-as-sm75") {
+    Some((7, 5))
+} else if cfg!(feature = "route-as-sm86") {
+    Some((8, 6))
+} else {
+    None
+};
