@@ -2,13 +2,14 @@
 // __CUDA_ARCH__, or lower when the runtime builds a kernel "as" an older GPU (FK_CAP, e.g. 860:
 // the code an RTX 30 runs, compiled for the GPU at hand so it can be checked and timed there).
 // Every feature guard in the kernels reads FK_ARCH, never __CUDA_ARCH__, and the CI compiles one
-// PTX per feature level below (kernels.rs FEATURE_LEVELS), so a new threshold must be added
-// there too.
+// PTX per level (kernels.rs FEATURE_LEVELS), so a new threshold must be added there too.
 //   750: the floor (mma.sync m16n8k8 f16, ldmatrix)
 //   800: cp.async, mma.sync m16n8k16 bf16/f16 and m16n8k8 tf32
 //   900: thread-block clusters, DSMEM, st.async, mbarrier transactions, PDL (griddepcontrol)
-//  1200: consumer Blackwell (RTX 50): no new feature used, but its ptxas spills where Hopper's
-//        does not under some register budgets (a file may set its own there)
+//  1200: consumer Blackwell (RTX 50): no new feature used, but it spills where Hopper does
+//        not under some register budgets (a file may set its own there)
+// (CI also compiles every file at 1000 and 1200 whatever its guards: NVRTC's code differs
+// there; kernels.rs CODEGEN_LEVELS.)
 // wgmma and TMA need Hopper's arch-specific target: FK_SM90A.
 #pragma once
 

@@ -1,13 +1,17 @@
 //! Compiles every shipped kernel file through the runtime's NVRTC path (same sources, headers
 //! and options) without a GPU. Needs libnvrtc.so.13.
 //!
-//! Usage: kernel_ptx OUT_DIR [--kernels a,b] [--jobs N] [--instances] [--cache-out DIR] [sm_XY ...]
+//! Usage: kernel_ptx OUT_DIR [--kernels a,b] [--jobs N] [--direct] [--instances]
+//!        [--cache-out DIR] [sm_XY ...]
 //! (default archs: kernels::CI_ARCHS)
 //!
 //! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
 //! (`Kernel::feature_level`; Hopper's arch-specific files once more for sm_90a), and that PTX
 //! is written as `OUT_DIR/<file>.<sm_XY>.ptx` for each arch, for `ptxas -v` to report on
 //! (.ci/ptxas_report.py). Files compile in parallel (`--jobs`, default: the core count).
+//!
+//! `--direct`: one PTX per arch instead (what the runtime compiles), to check that a level's
+//! PTX reports the same as each arch's own.
 //!
 //! `--instances`: compiles each function of each file on its own for each arch, to a cubin,
 //! as the runtime does on a first call (`FK_ONLY`), and prints the time of each; with
@@ -29,6 +33,7 @@ struct Options {
     jobs: usize,
     instances: bool,
     cache_out: Option<String>,
+    direct: bool,
 }
 
 fn parse() -> Result<Options, String> {
@@ -43,6 +48,7 @@ fn parse() -> Result<Options, String> {
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         instances: false,
         cache_out: None,
+        direct: false,
     };
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -57,6 +63,7 @@ fn parse() -> Result<Options, String> {
                     .map_err(|_| format!("--jobs: not a number: {v}"))?;
             }
             "--instances" => o.instances = true,
+            "--direct" => o.direct = true,
             "--cache-out" => o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?),
             arch if arch.starts_with("sm_") => {
                 if feature_level(arch).is_none() {
@@ -87,10 +94,11 @@ fn run_parallel<J: Sync>(jobs: &[J], workers: usize, f: impl Fn(&J) + Sync) {
     });
 }
 
-/// The PTX target (an `sm_` name NVRTC turns into `compute_`) whose code `arch` runs.
-fn ptx_target(kernel: &Kernel, arch: &str) -> String {
+/// The PTX target (an `sm_` name NVRTC turns into `compute_`) whose code `arch` runs
+/// (`direct`: the arch's own, as the runtime compiles it, to check the levels' equivalence).
+fn ptx_target(kernel: &Kernel, arch: &str, direct: bool) -> String {
     let target = kernel.target_arch(arch);
-    if target.ends_with('a') {
+    if direct || target.ends_with('a') {
         return target;
     }
     let level = kernel.feature_level(arch).unwrap_or(750);
@@ -140,7 +148,7 @@ fn main() -> ExitCode {
     let mut jobs: Vec<(&'static Kernel, String)> = Vec::new();
     for k in &kernels {
         for arch in &o.archs {
-            let t = ptx_target(k, arch);
+            let t = ptx_target(k, arch, o.direct);
             if !jobs.iter().any(|(j, jt)| j.name == k.name && *jt == t) {
                 jobs.push((k, t));
             }
@@ -172,7 +180,7 @@ fn main() -> ExitCode {
     let ptx_of = ptx_of.into_inner().unwrap_or_default();
     for k in &kernels {
         for arch in &o.archs {
-            let t = ptx_target(k, arch);
+            let t = ptx_target(k, arch, o.direct);
             let Some((_, _, ptx)) = ptx_of.iter().find(|(n, pt, _)| *n == k.name && *pt == t)
             else {
                 continue;
@@ -199,7 +207,7 @@ fn main() -> ExitCode {
         let mut jobs: Vec<(&'static Kernel, String, String)> = Vec::new();
         for k in &kernels {
             for arch in &o.archs {
-                let t = ptx_target(k, arch);
+                let t = ptx_target(k, arch, o.direct);
                 if let Some((_, _, ptx)) = ptx_of.iter().find(|(n, pt, _)| *n == k.name && *pt == t)
                 {
                     for f in entries(ptx) {
