@@ -1,8 +1,8 @@
 //! Compiles every shipped kernel file through the runtime's NVRTC path (same sources, headers
 //! and options) without a GPU. Needs libnvrtc.so.13.
 //!
-//! Usage: kernel_ptx OUT_DIR [--kernels a,b] [--jobs N] [--direct] [--instances]
-//!        [--cache-out DIR] [sm_XY ...]
+//! Usage: kernel_ptx [--kernels a,b] [--jobs N] [--direct] [--instances] [--cache-out DIR]
+//!        OUT_DIR [sm_XY ...]   (options in any order)
 //! (default archs: kernels::CI_ARCHS)
 //!
 //! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
@@ -13,7 +13,7 @@
 //! `--direct`: one PTX per arch instead (what the runtime compiles), to check that a level's
 //! PTX reports the same as each arch's own.
 //!
-//! `--instances`: compiles each function of each file on its own for each arch, to a cubin,
+//! `--instances` (implied by `--cache-out`): compiles each function of each file on its own for each arch, to a cubin,
 //! as the runtime does on a first call (`FK_ONLY`), and prints the time of each; with
 //! `--cache-out DIR` the cubins are stored as the runtime's cache entries, so a machine given
 //! that cache directory (same NVRTC version) compiles nothing.
@@ -38,11 +38,9 @@ struct Options {
 
 fn parse() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
-    let out_dir = args
-        .next()
-        .ok_or("usage: kernel_ptx OUT_DIR [options] [sm_XY ...]")?;
+    let mut out_dir = None;
     let mut o = Options {
-        out_dir,
+        out_dir: String::new(),
         archs: Vec::new(),
         only: None,
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -64,16 +62,24 @@ fn parse() -> Result<Options, String> {
             }
             "--instances" => o.instances = true,
             "--direct" => o.direct = true,
-            "--cache-out" => o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?),
+            "--cache-out" => {
+                // The runtime loads one program per function: a cache to ship holds those.
+                o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?);
+                o.instances = true;
+            }
             arch if arch.starts_with("sm_") => {
                 if feature_level(arch).is_none() {
                     return Err(format!("{arch}: older than sm_75 or not an architecture"));
                 }
                 o.archs.push(arch.to_string())
             }
-            other => return Err(format!("unknown argument {other}")),
+            other if other.starts_with("--") || out_dir.is_some() => {
+                return Err(format!("unknown argument {other}"))
+            }
+            dir => out_dir = Some(dir.to_string()),
         }
     }
+    o.out_dir = out_dir.ok_or("usage: kernel_ptx [options] OUT_DIR [sm_XY ...]")?;
     if o.archs.is_empty() {
         o.archs = CI_ARCHS.iter().map(|a| a.to_string()).collect();
     }
