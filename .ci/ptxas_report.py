@@ -1,5 +1,9 @@
-"""Runs `ptxas -v` on every PTX file in a directory and prints one line per kernel function:
-registers, shared memory, stack frame and spills. Exits 1 if anything spills or fails."""
+"""Runs `ptxas -v` on every PTX file in a directory (`<file>.<sm_XY>.ptx`, assembled for sm_XY),
+several at once, and prints one line per kernel function: registers, shared memory, stack frame
+and spills, then a count per architecture. Exits 1 if anything spills or fails."""
+import collections
+import concurrent.futures
+import os
 import pathlib
 import re
 import subprocess
@@ -8,11 +12,22 @@ import sys
 ptxas, ptx_dir = sys.argv[1], pathlib.Path(sys.argv[2])
 failed = False
 rows = []
-for ptx in sorted(ptx_dir.glob("*.ptx")):
+per_arch = collections.defaultdict(lambda: [0, 0, 0])  # kernels, failures, spills
+
+
+def assemble(ptx):
+    arch = ptx.stem.rsplit(".", 1)[1]
+    return subprocess.run([ptxas, "-v", f"-arch={arch}", str(ptx), "-o", "/dev/null"],
+                          capture_output=True, text=True)
+
+
+files = sorted(ptx_dir.glob("*.ptx"))
+with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    results = list(pool.map(assemble, files))
+for ptx, r in zip(files, results):
     kernel, arch = ptx.stem.rsplit(".", 1)
-    r = subprocess.run([ptxas, "-v", f"-arch={arch}", str(ptx), "-o", "/dev/null"],
-                       capture_output=True, text=True)
     if r.returncode != 0:
+        per_arch[arch][1] += 1
         print(f"FAILED ptxas {ptx}:\n{r.stderr}")
         failed = True
         continue
@@ -39,8 +54,13 @@ for ptx in sorted(ptx_dir.glob("*.ptx")):
         spills = i.get("spill_st", 0) + i.get("spill_ld", 0)
         flag = "  SPILLS" if spills else ""
         failed |= spills > 0
+        per_arch[arch][0] += 1
+        per_arch[arch][2] += spills > 0
         rows.append(f"{arch:6} {func:44} regs {i.get('regs', '?'):>3}  smem {i.get('smem', 0):>6} B  "
                     f"stack {i.get('stack', 0):>4} B  spill st/ld {i.get('spill_st', 0)}/{i.get('spill_ld', 0)}{flag}")
 print("\n".join(rows))
+for arch in sorted(per_arch, key=lambda a: int(re.sub(r"\D", "", a))):
+    k, f, sp = per_arch[arch]
+    print(f"{arch:7} {k:4} kernels, {f} failed files, {sp} spilling")
 print(f"ptxas report: {len(rows)} kernel functions, " + ("SPILLS OR FAILURES FOUND" if failed else "no spills"))
 sys.exit(1 if failed else 0)

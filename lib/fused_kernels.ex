@@ -13,7 +13,9 @@ defmodule FusedKernels do
 
   Always has `:nif_loaded`, `:cuda_available` and `:cache_dir`; with a GPU also
   `:device_name`, `:compute_capability`, `:memory_total`, `:memory_free`, `:multiprocessors`,
-  `:driver_version`, `:nvrtc_version`, `:cublas_available`; without one, `:reason`.
+  `:driver_version`, `:nvrtc_version`, `:cublas_available`, `:features` (what the kernels may
+  use here: `:cp_async`, `:mma_bf16_tf32`, `:clusters`, `:pdl`, `:wgmma_tma`, ...) and
+  `:paths` (`{op, kernels it launches here}` pairs); without one, `:reason`.
   """
   @spec info(keyword) :: map
   def info(opts \\ []) do

@@ -17,9 +17,15 @@ defmodule FusedKernels.NativeTest do
             :compute_capability,
             :memory_total,
             :driver_version,
-            :nvrtc_version
+            :nvrtc_version,
+            :route_as,
+            :features,
+            :paths
           ],
           do: assert(Map.has_key?(info, key))
+
+      assert info.features.mma_f16
+      assert {"dense", _} = List.keyfind(info.paths, "dense", 0)
     else
       assert info.reason =~ "CUDA is not available"
     end

@@ -19,26 +19,19 @@
 //                  with 16-byte loads, K split across the block's warps.
 //   dense_ffma_* : f32 on devices without tf32 tensor cores (sm_75).
 
+#include "types.cuh"
+#include "reduce.cuh"
+#include "copy.cuh"
+#include "mma.cuh"
+#include "act.cuh"
+
 #define FK_DENSE_STAGES 4
 #define FK_DENSE_BK_FFMA 8
 #define FK_GEMV_MR 4
 
 // Not inlined: the epilogue runs once per output element, and inlining erff/tanhf at each of a
 // thread's unrolled accumulator positions multiplies code size (and NVRTC time) tenfold.
-__device__ __noinline__ float fk_dense_act(float v, int act) {
-  switch (act) {
-    case 1: return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
-    case 2: return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
-    case 3: {
-      const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-      return 0.5f * v * (1.0f + tanhf(u));
-    }
-    case 4: return v / (1.0f + expf(-v));
-    case 5: return 1.0f / (1.0f + expf(-v));
-    case 6: return tanhf(v);
-    default: return v;
-  }
-}
+__device__ __noinline__ float fk_dense_act(float v, int act) { return fk_act<FkExact>(v, act); }
 
 // The value written at (row, col) from the accumulator(s).
 template <typename T, bool GLU>
@@ -49,7 +42,7 @@ __device__ __noinline__ float fk_dense_epilogue(float acc, float acc_up, long lo
   if (GLU) {
     const float g = acc + (bias ? fk_to_f32(bias[col]) : 0.0f);
     const float u = acc_up + (bias_up ? fk_to_f32(bias_up[col]) : 0.0f);
-    v = g / (1.0f + expf(-g)) * u;
+    v = fk_swiglu<FkExact>(g, u);
   } else {
     v = fk_dense_act(acc + (bias ? fk_to_f32(bias[col]) : 0.0f), act);
   }
@@ -292,7 +285,7 @@ __device__ __forceinline__ void fk_dense_tc(const T* __restrict__ x, const T* __
                                             const T* res, const float2* stats,
                                             T* __restrict__ out, int M, int N, int K, int norm,
                                             int act) {
-#if __CUDA_ARCH__ >= 800
+#if FK_ARCH >= 800
   using L = FkTcLayout<T, GLU, BM, BN>;
   constexpr int BK = L::BK, CH = L::CH, NB = L::NB, AS = L::AS, BS = L::BS, ST = FK_DENSE_STAGES;
   constexpr int NT = (BM / WM) * (BN / WN) * 32, MT = WM / 16, NTL = WN / 8;
@@ -652,9 +645,10 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
   FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, 1)
 #define FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, MINB)                         \
   extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)             \
-      dense_tc_##TN_##_##GN##_##SN(FK_DENSE_ARGS(T)) {                                       \
+      dense_tc_##TN_##_##GN##_##SN(FK_DENSE_ARGS(T)) { \
+    if constexpr (FK_WANT(dense_tc_##TN_##_##GN##_##SN)) { \
     fk_dense_tc<T, GLU, BM, BN, WM, WN, VEC>(FK_DENSE_PASS);                                 \
-  }
+  }}
 #define FK_DENSE_TC_ALL(TN_, T)                                                               \
   FK_DENSE_TC(TN_, T, mm, false, big, 128, 128, 64, 32, true)                                 \
   FK_DENSE_TC(TN_, T, mm, false, small, 64, 64, 32, 32, true)                                 \
@@ -665,21 +659,31 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
   FK_DENSE_TC(TN_, T, glu, true, tiny, 32, 16, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)                                  \
   extern "C" __global__ void __launch_bounds__(256) dense_stats_##TN_(                       \
-      const T *x, float2 *stats, int M, int K, int norm, float eps) {                        \
+      const T *x, float2 *stats, int M, int K, int norm, float eps) { \
+    if constexpr (FK_WANT(dense_stats_##TN_)) { \
     fk_dense_stats<T>(x, stats, M, K, norm, eps);                                            \
-  }                                                                                           \
+  }}                                                                                           \
   extern "C" __global__ void __launch_bounds__(256) dense_gemv_##TN_##_mm(FK_DENSE_ARGS(T)) { \
+    if constexpr (FK_WANT(dense_gemv_##TN_##_mm)) { \
     fk_dense_gemv<T, false>(x, w, w_up, bias, bias_up, g, b, res, out, M, N, K, norm, act, eps); \
-  }                                                                                           \
+  }}                                                                                           \
   extern "C" __global__ void __launch_bounds__(256) dense_gemv_##TN_##_glu(FK_DENSE_ARGS(T)) { \
+    if constexpr (FK_WANT(dense_gemv_##TN_##_glu)) { \
     fk_dense_gemv<T, true>(x, w, w_up, bias, bias_up, g, b, res, out, M, N, K, norm, act, eps); \
-  }
+  }}
 
 // The 16-bit big tile also held to 128 registers for two blocks per SM (f32's 3xTF32 partial
 // sums need ~200 registers, so it runs one block per SM with more ILP per warp).
+// sm_120's ptxas spills the 16-bit big tile under 128 registers: there big2 keeps the plain
+// bound (one block per SM).
+#if FK_ARCH >= 1200
+#define FK_DENSE_BIG2_MINB 1
+#else
+#define FK_DENSE_BIG2_MINB 2
+#endif
 #define FK_DENSE_TC_BIG2(TN_, T)                                                              \
-  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, 2)                           \
-  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, 2)
+  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, FK_DENSE_BIG2_MINB)          \
+  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, FK_DENSE_BIG2_MINB)
 
 FK_DENSE_TC_ALL(f32, float)
 FK_DENSE_TC_ALL(bf16, fk_bf16)
@@ -689,9 +693,10 @@ FK_DENSE_TC_BIG2(f16, fk_f16)
 
 #define FK_DENSE_FFMA(GN, GLU, SN, BM, BN, TM, TNN)                                           \
   extern "C" __global__ void __launch_bounds__((BM / TM) * (BN / TNN))                       \
-      dense_ffma_f32_##GN##_##SN(FK_DENSE_ARGS(float)) {                                     \
+      dense_ffma_f32_##GN##_##SN(FK_DENSE_ARGS(float)) { \
+    if constexpr (FK_WANT(dense_ffma_f32_##GN##_##SN)) { \
     fk_dense_ffma<float, GLU, BM, BN, TM, TNN>(FK_DENSE_PASS);                               \
-  }
+  }}
 FK_DENSE_FFMA(mm, false, big, 128, 128, 8, 8)
 FK_DENSE_FFMA(mm, false, small, 64, 64, 4, 4)
 FK_DENSE_FFMA(glu, true, big, 128, 64, 8, 4)

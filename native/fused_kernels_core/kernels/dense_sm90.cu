@@ -22,6 +22,11 @@
 // Per-row mean/rstd for the norms come from dense_sm90_row_stats (a pass over x writing 2·M
 // floats).
 
+#include "types.cuh"
+#include "reduce.cuh"
+#include "copy.cuh"
+#include "act.cuh"
+
 #define FK90_BM 128
 #define FK90_BK 64
 #define FK90_STAGES 4
@@ -37,7 +42,7 @@ struct __align__(64) Fk90TensorMap {
   unsigned long long opaque[16];
 };
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if FK_SM90A
 
 __device__ __forceinline__ unsigned fk90_smem(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
@@ -178,16 +183,9 @@ __device__ __forceinline__ uint4 fk90_load16(const T* p, long long i) {
   return p ? *reinterpret_cast<const uint4*>(p + i) : make_uint4(0, 0, 0, 0);
 }
 
+// ACT is a template argument here, so the switch folds away.
 template <int ACT>
-__device__ __forceinline__ float fk90_act(float v) {
-  if (ACT == 1) return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
-  if (ACT == 2) return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
-  if (ACT == 3) return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-  if (ACT == 4) return v / (1.0f + __expf(-v));
-  if (ACT == 5) return 1.0f / (1.0f + __expf(-v));
-  if (ACT == 6) return tanhf(v);
-  return v;
-}
+__device__ __forceinline__ float fk90_act(float v) { return fk_act<FkFast>(v, ACT); }
 
 // Row stride (floats) of a consumer's staged accumulator tile: 256 columns + 8 of padding,
 // so the fragment stores of a warp's 8 rows spread over the banks.
@@ -248,7 +246,7 @@ __device__ __forceinline__ void fk90_epilogue(const float* tile, long long row0,
       for (int q = 0; q < 8; ++q) {
         if (GLU) {
           const float g = a[q] + b[q];
-          v[q] = g / (1.0f + __expf(-g)) * (a[128 + q] + bu[q]) + rf[q];
+          v[q] = fk_swiglu<FkFast>(g, a[128 + q] + bu[q]) + rf[q];
         } else {
           v[q] = fk90_act<ACT>(a[q] + b[q]) + rf[q];
         }
@@ -482,16 +480,20 @@ __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, 
       int M, int N, int K, int glu, int act
 
 extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_bf16(FK90_GEMM_PARAMS) {
+  if constexpr (FK_WANT(dense_sm90_bf16)) {
   FK90_BODY(fk_bf16);
-}
+}}
 extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_f16(FK90_GEMM_PARAMS) {
+  if constexpr (FK_WANT(dense_sm90_f16)) {
   FK90_BODY(fk_f16);
-}
+}}
 extern "C" __global__ void dense_sm90_row_stats_bf16(const void* x, float* stats, int M, int K,
                                                      int norm, float eps) {
+  if constexpr (FK_WANT(dense_sm90_row_stats_bf16)) {
   FK90_STATS(fk_bf16);
-}
+}}
 extern "C" __global__ void dense_sm90_row_stats_f16(const void* x, float* stats, int M, int K,
                                                     int norm, float eps) {
+  if constexpr (FK_WANT(dense_sm90_row_stats_f16)) {
   FK90_STATS(fk_f16);
-}
+}}

@@ -19,6 +19,11 @@
 //    shared memory through 16-byte cp.async; S = Q K^T and O += P V on mma.sync m16n8k16 with
 //    ldmatrix fragments; P goes from the S accumulators to A fragments in registers.
 
+#include "types.cuh"
+#include "reduce.cuh"
+#include "copy.cuh"
+#include "mma.cuh"
+
 #define FA_LOG2E 1.4426950408889634f
 
 struct FaArgs {
@@ -149,9 +154,10 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
 #define FA_FFMA(NAME, T, ND, R)                                                               \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
       fa_ffma_##NAME##_##ND##_##R(const T* q, const T* k, const T* v, T* o, float* lse,       \
-                                  const FaArgs a) {                                           \
+                                  const FaArgs a) { \
+    if constexpr (FK_WANT(fa_ffma_##NAME##_##ND##_##R)) { \
     fa_ffma<T, ND, R>(q, k, v, o, lse, a);                                                    \
-  }
+  }}
 #define FA_FFMA_R(NAME, T, ND) FA_FFMA(NAME, T, ND, 1) FA_FFMA(NAME, T, ND, 4)
 #define FA_FFMA_ALL(NAME, T)                                                                  \
   FA_FFMA_R(NAME, T, 1) FA_FFMA_R(NAME, T, 2) FA_FFMA_R(NAME, T, 3) FA_FFMA_R(NAME, T, 4)      \
@@ -164,7 +170,7 @@ FA_FFMA_ALL(bf16, fk_bf16)
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (sm_80+)
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if FK_ARCH >= 800
 
 // Packs two floats into one register of T pairs (for the P operand of O += P V).
 template <typename T> struct FaMma;
@@ -388,9 +394,10 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
 #define FA_MMA(NAME, T, DP, MT, BK)                                                           \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
       fa_mma_##NAME##_##DP##_##MT##_##BK(const T* q, const T* k, const T* v, T* o,            \
-                                         float* lse, const FaArgs a) {                        \
+                                         float* lse, const FaArgs a) { \
+    if constexpr (FK_WANT(fa_mma_##NAME##_##DP##_##MT##_##BK)) { \
     fa_mma<T, DP, MT, BK>(q, k, v, o, lse, a);                                                \
-  }
+  }}
 // Tile shapes per padded head dim (see `mma_config` in flash_attention.rs).
 #define FA_MMA_ALL(NAME, T)                                                                   \
   FA_MMA(NAME, T, 32, 2, 64) FA_MMA(NAME, T, 48, 2, 64) FA_MMA(NAME, T, 64, 2, 64)             \

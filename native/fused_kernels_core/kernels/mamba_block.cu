@@ -4,12 +4,16 @@
 //   dt_proj GEMM -> selective scan (dt_proj bias, softplus and clip fused into its input stage)
 //   out_proj GEMM -> mamba_out_residual (out_proj bias + residual, cast to the block's type)
 
+#include "types.cuh"
+#include "act.cuh"
+
 // y[m, n] += bias[n] over a {rows, cols} f32 matrix.
 extern "C" __global__ void __launch_bounds__(256)
     mamba_add_bias(float* y, const float* bias, long long rows, int cols) {
+  if constexpr (FK_WANT(mamba_add_bias)) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < rows * cols) y[i] += bias[i % cols];
-}
+}}
 
 // xz {batch*seq, 2*inner} (in_proj output without bias); w {k, inner} (tap j multiplies step
 // t - (k-1) + j, Axon's cross-correlation with left padding k-1); prev {batch, k-1, inner}
@@ -18,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     mamba_conv_silu(const float* xz, const float* in_bias, const float* w, const float* conv_bias,
                     const float* prev, float* xc, float* z, int batch, int seq, int inner, int k) {
+  if constexpr (FK_WANT(mamba_conv_silu)) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)batch * seq * inner) return;
   const int c = (int)(i % inner);
@@ -36,13 +41,14 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   xc[i] = acc / (1.0f + expf(-acc));
   z[i] = xz[bt * width + inner + c] + (in_bias ? in_bias[inner + c] : 0.0f);
-}
+}}
 
 // The conv input of the chunk's last k-1 steps (reaching into prev when the chunk is
 // shorter): next {batch, k-1, inner}, the state for the following chunk.
 extern "C" __global__ void __launch_bounds__(256)
     mamba_conv_state(const float* xz, const float* in_bias, const float* prev, float* next,
                      int batch, int seq, int inner, int k) {
+  if constexpr (FK_WANT(mamba_conv_state)) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (long long)batch * (k - 1) * inner) return;
   const int c = (int)(i % inner);
@@ -56,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(256)
   else if (prev)
     v = prev[(b * (k - 1) + (k - 1) + t) * inner + c];
   next[i] = v;
-}
+}}
 
 // out[m, n] = y[m, n] + bias[n] + residual[m, n] (residual may be null), in the block's type.
 template <typename T>
@@ -73,8 +79,9 @@ __device__ __forceinline__ void fk_out_residual(const float* y, const float* bia
 #define FK_OUT_RESIDUAL(NAME, T)                                                              \
   extern "C" __global__ void __launch_bounds__(256) mamba_out_residual_##NAME(                \
       const float* y, const float* bias, const T* residual, T* out, long long rows, int cols) { \
+    if constexpr (FK_WANT(mamba_out_residual_##NAME)) { \
     fk_out_residual<T>(y, bias, residual, out, rows, cols);                                    \
-  }
+  }}
 
 FK_OUT_RESIDUAL(f32, float)
 FK_OUT_RESIDUAL(f16, fk_f16)

@@ -5,6 +5,9 @@
 //   layer_norm: y = (s - mean) / sqrt(var + eps) * gamma + beta
 //   rms_norm:   y = s / sqrt(mean(s^2) + eps) * weight
 
+#include "types.cuh"
+#include "reduce.cuh"
+
 template <typename T>
 __device__ __forceinline__ float fk_norm_in(const T* x, const T* r, int j) {
   return r ? fk_to_f32(x[j]) + fk_to_f32(r[j]) : fk_to_f32(x[j]);
@@ -44,20 +47,23 @@ __device__ __forceinline__ void fk_norm(const T* __restrict__ x, const T* __rest
 #define FK_NORM(NAME, T)                                                                      \
   extern "C" __global__ void __launch_bounds__(128)                                           \
       layer_norm_##NAME(const T* x, const T* r, const float* gamma, const float* beta, T* y,  \
-                        T* sum, long long rows, int cols, float eps) {                        \
+                        T* sum, long long rows, int cols, float eps) { \
+    if constexpr (FK_WANT(layer_norm_##NAME)) { \
     fk_norm<T, T, false>(x, r, gamma, beta, y, sum, rows, cols, eps);                             \
-  }                                                                                           \
+  }}                                                                                           \
   extern "C" __global__ void __launch_bounds__(128)                                           \
       rms_norm_##NAME(const T* x, const T* r, const float* w, T* y, T* sum, long long rows,    \
-                      int cols, float eps) {                                                  \
+                      int cols, float eps) { \
+    if constexpr (FK_WANT(rms_norm_##NAME)) { \
     fk_norm<T, T, true>(x, r, w, nullptr, y, sum, rows, cols, eps);                               \
-  }                                                                                           \
+  }}                                                                                           \
   /* The Mamba block's input norm: f32 out for the f32 GEMM that follows. */                  \
   extern "C" __global__ void __launch_bounds__(128)                                           \
       layer_norm_f32out_##NAME(const T* x, const float* gamma, const float* beta, float* y,   \
-                               long long rows, int cols, float eps) {                         \
+                               long long rows, int cols, float eps) { \
+    if constexpr (FK_WANT(layer_norm_f32out_##NAME)) { \
     fk_norm<T, float, false>(x, nullptr, gamma, beta, y, nullptr, rows, cols, eps);            \
-  }
+  }}
 
 FK_NORM(f32, float)
 FK_NORM(f16, fk_f16)

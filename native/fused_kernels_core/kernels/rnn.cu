@@ -6,6 +6,10 @@
 // is exchanged through a double-buffered f32 buffer in global memory, one grid barrier per
 // step. Gates, cell update and the output write are fused into the same step.
 
+#include "types.cuh"
+#include "copy.cuh"
+#include "rnn_cell.cuh"
+
 #define RNN_THREADS 256
 
 struct RnnArgs {
@@ -160,20 +164,13 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
         const size_t b = b0 + eb;
         float h, cell = 0.0f;
         if (LSTM) {
-          const float i = fk_sigmoid(xg[0] + r[0]);
-          const float f = fk_sigmoid(xg[1] + r[1]);
-          const float gg = tanhf(xg[2] + r[2]);
-          const float o = fk_sigmoid(xg[LSTM ? 3 : 0] + r[LSTM ? 3 : 0]);
           float& cs = cst[(b - b_lo) * U + eu];
-          cell = f * cs + i * gg;
-          cs = cell;
-          h = o * tanhf(cell);
+          h = fk_lstm_cell<FkExact>(xg[0] + r[0], xg[1] + r[1], xg[2] + r[2],
+                                    xg[LSTM ? 3 : 0] + r[LSTM ? 3 : 0], cs);
+          cell = cs;
         } else {
           const float hp = reinterpret_cast<const float*>(hs4)[eb * Hp + ej];
-          const float rg = fk_sigmoid(xg[0] + r[0]);
-          const float z = fk_sigmoid(xg[1] + r[1]);
-          const float n = tanhf(xg[2] + rg * (r[2] + bs[3 * U + eu]));
-          h = (1.0f - z) * n + z * hp;
+          h = fk_gru_cell<FkExact>(xg[0] + r[0], xg[1] + r[1], xg[2], r[2] + bs[3 * U + eu], hp);
         }
         fk_st<T>(a.seq, (b * a.T + t) * H + ej, h);
         hnext[b * Hp + ej] = h;
@@ -190,9 +187,10 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
 
 #define RNN_KERNEL(T, TN, LSTM, CN, BC, WS, WN)                                           \
   extern "C" __global__ void __launch_bounds__(RNN_THREADS, 1)                            \
-      rnn_##CN##_##TN##_b##BC##_##WN(const RnnArgs a) {                                  \
+      rnn_##CN##_##TN##_b##BC##_##WN(const RnnArgs a) { \
+    if constexpr (FK_WANT(rnn_##CN##_##TN##_b##BC##_##WN)) { \
     rnn_recurrence<T, LSTM, BC, WS>(a);                                                   \
-  }
+  }}
 #define RNN_KERNELS_BC(T, TN, LSTM, CN, BC) \
   RNN_KERNEL(T, TN, LSTM, CN, BC, true, smem) RNN_KERNEL(T, TN, LSTM, CN, BC, false, gmem)
 #define RNN_KERNELS_CELL(T, TN, LSTM, CN) \

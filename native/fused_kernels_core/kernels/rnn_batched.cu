@@ -4,6 +4,9 @@
 // kernels once per call into one {rows, G*cols} matrix, and one fused elementwise kernel per
 // step for the gates, the f32 cell update and the output/state writes (Axon's equations).
 
+#include "types.cuh"
+#include "rnn_cell.cuh"
+
 #define RNN_STEP_THREADS 256
 
 // dst[r][g*cols + c] = src[g][r][c]: the per-gate {rows, cols} kernels side by side, so a
@@ -25,8 +28,8 @@ template <typename E> __device__ __forceinline__ void rnn_pack(const RnnPackArgs
   }
 }
 
-extern "C" __global__ void rnn_pack_b2(const RnnPackArgs a) { rnn_pack<unsigned short>(a); }
-extern "C" __global__ void rnn_pack_b4(const RnnPackArgs a) { rnn_pack<unsigned>(a); }
+extern "C" __global__ void rnn_pack_b2(const RnnPackArgs a) { if constexpr (FK_WANT(rnn_pack_b2)) { rnn_pack<unsigned short>(a); }}
+extern "C" __global__ void rnn_pack_b4(const RnnPackArgs a) { if constexpr (FK_WANT(rnn_pack_b4)) { rnn_pack<unsigned>(a); }}
 
 struct RnnStepArgs {
   const float* xp;      // {B, T, G*H} f32 input projection (no bias)
@@ -63,20 +66,14 @@ template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const 
   if (LSTM) {
     const float c_prev =
         a.first ? (a.c0 ? fk_ld<T>(a.c0, i) : 0.0f) : a.c[i];
-    const float ig = fk_sigmoid(pre[0] + rec[0]);
-    const float fg = fk_sigmoid(pre[1] + rec[1]);
-    const float gg = tanhf(pre[2] + rec[2]);
-    const float og = fk_sigmoid(pre[LSTM ? 3 : 0] + rec[LSTM ? 3 : 0]);
-    cell = fg * c_prev + ig * gg;
+    cell = c_prev;
+    h = fk_lstm_cell<FkExact>(pre[0] + rec[0], pre[1] + rec[1], pre[2] + rec[2],
+                              pre[LSTM ? 3 : 0] + rec[LSTM ? 3 : 0], cell);
     a.c[i] = cell;
-    h = og * tanhf(cell);
   } else {
     const float hp = a.hprev ? fk_ld<T>(a.hprev, b * a.hprev_ld + j) : 0.0f;
-    const float r = fk_sigmoid(pre[0] + rec[0]);
-    const float z = fk_sigmoid(pre[1] + rec[1]);
-    // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-    const float n = tanhf(pre[2] + r * (rec[2] + fk_ld<T>(a.bias[3], j)));
-    h = (1.0f - z) * n + z * hp;
+    h = fk_gru_cell<FkExact>(pre[0] + rec[0], pre[1] + rec[1], pre[2],
+                             rec[2] + fk_ld<T>(a.bias[3], j), hp);
   }
   const T hv = fk_from_f32<T>(h);
   reinterpret_cast<T*>(a.seq)[(b * a.T + a.t) * H + j] = hv;
@@ -86,9 +83,10 @@ template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const 
 
 #define RNN_STEP_KERNEL(T, TN, LSTM, CN)                                     \
   extern "C" __global__ void __launch_bounds__(RNN_STEP_THREADS)             \
-      rnn_step_##CN##_##TN(const RnnStepArgs a) {                            \
+      rnn_step_##CN##_##TN(const RnnStepArgs a) { \
+    if constexpr (FK_WANT(rnn_step_##CN##_##TN)) { \
     rnn_step<T, LSTM>(a);                                                    \
-  }
+  }}
 #define RNN_STEP_KERNELS(T, TN) RNN_STEP_KERNEL(T, TN, true, lstm) RNN_STEP_KERNEL(T, TN, false, gru)
 
 RNN_STEP_KERNELS(float, f32)

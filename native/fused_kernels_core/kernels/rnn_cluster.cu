@@ -34,6 +34,10 @@
 // reading buffer b (they read it before sending their own units). The same holds for the
 // mbarrier's next phase.
 
+#include "types.cuh"
+#include "copy.cuh"
+#include "rnn_cell.cuh"
+
 #define RC_MAX_LAYERS 3
 #define RC_THREADS 512
 #define RC_WARPS (RC_THREADS / 32)
@@ -82,12 +86,6 @@ template <> struct RcRaw<float> { typedef float type; };
 template <typename T> __device__ __forceinline__ float rc_round(float v) {
   return fk_to_f32(fk_from_f32<T>(v));
 }
-
-// Gate functions as ex2 + approximate reciprocal on the special-function unit: a few ulp,
-// which the f32 checks against the f64 reference (rel. L2 <= 1e-5 over whole sequences) leave
-// room for, in a short dependent chain (a step's latency is such chains).
-__device__ __forceinline__ float rc_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
-__device__ __forceinline__ float rc_tanh(float x) { return fmaf(2.0f, rc_sigmoid(2.0f * x), -1.0f); }
 
 // Four consecutive-k weights of one column.
 template <typename T> __device__ __forceinline__ float4 rc_w4(const unsigned char* w, int i);
@@ -214,7 +212,7 @@ struct RcProj {
 
 template <typename T>
 __device__ __forceinline__ void rc_project(const RcProj& a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FK_ARCH >= 900
   // The recurrence (launched next, programmatically dependent) may start loading its weights.
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -278,7 +276,7 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
   }
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FK_ARCH >= 900
 __device__ __forceinline__ int rc_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -612,13 +610,13 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
           float v = acc + accx;
 #pragma unroll
           for (int o = 1; o < SL; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-          const float ig = rc_sigmoid(__shfl_sync(0xffffffffu, v, lead));
-          const float fg = rc_sigmoid(__shfl_sync(0xffffffffu, v, lead + SL));
-          const float gg = rc_tanh(__shfl_sync(0xffffffffu, v, lead + 2 * SL));
-          const float og = rc_sigmoid(__shfl_sync(0xffffffffu, v, lead + 3 * SL));
+          const float pi = __shfl_sync(0xffffffffu, v, lead);
+          const float pf = __shfl_sync(0xffffffffu, v, lead + SL);
+          const float pg = __shfl_sync(0xffffffffu, v, lead + 2 * SL);
+          const float po = __shfl_sync(0xffffffffu, v, lead + 3 * SL);
           float* cs = reinterpret_cast<float*>(rc_smem + L.cst_off);
-          cell = fg * cs[u] + ig * gg;
-          h = og * rc_tanh(cell);
+          cell = cs[u];
+          h = fk_lstm_cell<FkFast>(pi, pf, pg, po, cell);
           __syncwarp();
           if (head) cs[u] = cell;
         } else {
@@ -629,12 +627,11 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
             vh += __shfl_xor_sync(0xffffffffu, vh, o);
             vx += __shfl_xor_sync(0xffffffffu, vx, o);
           }
-          const float r = rc_sigmoid(__shfl_sync(0xffffffffu, v, lead));
-          const float z = rc_sigmoid(__shfl_sync(0xffffffffu, v, lead + SL));
+          const float pr = __shfl_sync(0xffffffffu, v, lead);
+          const float pz = __shfl_sync(0xffffffffu, v, lead + SL);
           const float xn = __shfl_sync(0xffffffffu, vx, lead + 2 * SL);
           const float hn = __shfl_sync(0xffffffffu, vh, lead + 2 * SL);
-          const float n = rc_tanh(xn + r * (hn + bs[3 * U + u]));
-          h = (1.0f - z) * n + z * hb[p * L.hb_len + k];
+          h = fk_gru_cell<FkFast>(pr, pz, xn, hn + bs[3 * U + u], hb[p * L.hb_len + k]);
         }
         if (k >= L.h) h = 0.0f;  // padding units stay 0 in every copy
         float hv[Q];
@@ -690,16 +687,18 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
 // with four lanes per gate (bench/RESULTS.md, session 3).
 #define RC_KERNEL(T, TN, LSTM, CN)                                                   \
   extern "C" __global__ void __launch_bounds__(RC_THREADS, 1)                        \
-      rnn_cluster_##CN##_##TN(const __grid_constant__ RcArgs a) {                    \
+      rnn_cluster_##CN##_##TN(const __grid_constant__ RcArgs a) { \
+    if constexpr (FK_WANT(rnn_cluster_##CN##_##TN)) { \
     rc_run<T, LSTM, 2>(a);                                                           \
-  }
+  }}
 #define RC_KERNELS(T, TN)                                                            \
   RC_KERNEL(T, TN, true, lstm)                                                       \
   RC_KERNEL(T, TN, false, gru)                                                       \
   extern "C" __global__ void __launch_bounds__(RC_PT)                                \
-      rnn_cluster_project_##TN(const __grid_constant__ RcProj a) {                   \
+      rnn_cluster_project_##TN(const __grid_constant__ RcProj a) { \
+    if constexpr (FK_WANT(rnn_cluster_project_##TN)) { \
     rc_project<T>(a);                                                                \
-  }
+  }}
 RC_KERNELS(float, f32)
 RC_KERNELS(fk_bf16, bf16)
 RC_KERNELS(fk_f16, f16)

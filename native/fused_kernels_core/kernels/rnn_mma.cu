@@ -20,9 +20,14 @@
 //   state) is read only after the wait. h_{t-1} then streams through a ring of `stages`
 //   K-chunks, up to all of K in flight at once: one round trip to L2, not one per chunk.
 
+#include "types.cuh"
+#include "copy.cuh"
+#include "mma.cuh"
+#include "rnn_cell.cuh"
+
 #define RNN_MMA_THREADS 128
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if FK_ARCH >= 800
 
 // Waits until at most n (run-time) groups are pending; waiting for more than needed is safe,
 // so n is rounded down to one of a few immediates.
@@ -38,12 +43,12 @@ __device__ __forceinline__ void rm_wait_upto(int n) {
 }
 // Programmatic dependent launch (sm_90+; without the launch attribute both are no-ops).
 __device__ __forceinline__ void rm_grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FK_ARCH >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void rm_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FK_ARCH >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
@@ -81,8 +86,8 @@ template <typename E> __device__ __forceinline__ void rm_pack(const RnnMmaPackAr
   }
 }
 
-extern "C" __global__ void rnn_mma_pack_b2(const RnnMmaPackArgs a) { rm_pack<unsigned short>(a); }
-extern "C" __global__ void rnn_mma_pack_f32(const RnnMmaPackArgs a) { rm_pack<unsigned>(a); }
+extern "C" __global__ void rnn_mma_pack_b2(const RnnMmaPackArgs a) { if constexpr (FK_WANT(rnn_mma_pack_b2)) { rm_pack<unsigned short>(a); }}
+extern "C" __global__ void rnn_mma_pack_f32(const RnnMmaPackArgs a) { if constexpr (FK_WANT(rnn_mma_pack_f32)) { rm_pack<unsigned>(a); }}
 
 // ---------------------------------------------------------------------------------------
 // The step.
@@ -329,19 +334,13 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     const size_t bj = (size_t)b * H + j;
     float h, cell = 0.0f;
     if constexpr (LSTM) {
-      const float ig = fk_sigmoid(pre[i][0] + rec[0]);
-      const float fg = fk_sigmoid(pre[i][1] + rec[1]);
-      const float gg = tanhf(pre[i][2] + rec[2]);
-      const float og = fk_sigmoid(pre[i][G - 1] + rec[G - 1]);
-      cell = fg * keep[i] + ig * gg;
+      cell = keep[i];
+      h = fk_lstm_cell<FkExact>(pre[i][0] + rec[0], pre[i][1] + rec[1], pre[i][2] + rec[2],
+                                pre[i][G - 1] + rec[G - 1], cell);
       a.c[bj] = cell;
-      h = og * tanhf(cell);
     } else {
-      const float r_ = fk_sigmoid(pre[i][0] + rec[0]);
-      const float z = fk_sigmoid(pre[i][1] + rec[1]);
-      // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-      const float n = tanhf(pre[i][2] + r_ * (rec[2] + fk_ld<T>(a.bias[3], j)));
-      h = (1.0f - z) * n + z * keep[i];
+      h = fk_gru_cell<FkExact>(pre[i][0] + rec[0], pre[i][1] + rec[1], pre[i][2],
+                               rec[2] + fk_ld<T>(a.bias[3], j), keep[i]);
     }
     const T hv = fk_from_f32<T>(h);
     reinterpret_cast<T*>(a.seq)[((size_t)b * a.T + a.t) * H + j] = hv;
@@ -350,18 +349,20 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
   }
 }
 
-// sm_80's ptxas spills a few bytes in one instantiation under the plain bound; asking for two
-// resident blocks there avoids it (the sm_90 build, the one measured, keeps the plain bound).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+// sm_80's and Blackwell's (sm_100, sm_120) ptxas spill a few bytes in one instantiation under
+// the plain bound; asking for two resident blocks there avoids it (the sm_90 build, the one
+// measured, keeps the plain bound).
+#if FK_ARCH < 900 || FK_ARCH >= 1000
 #define RNN_MMA_BOUNDS __launch_bounds__(RNN_MMA_THREADS, 2)
 #else
 #define RNN_MMA_BOUNDS __launch_bounds__(RNN_MMA_THREADS)
 #endif
 #define RNN_MMA_KERNEL(T, TN, LSTM, CN, MT, NU)                                      \
   extern "C" __global__ void RNN_MMA_BOUNDS                                         \
-      rnn_mma_##CN##_##TN##_m##MT##_n##NU(const RnnMmaArgs a) {                      \
+      rnn_mma_##CN##_##TN##_m##MT##_n##NU(const RnnMmaArgs a) { \
+    if constexpr (FK_WANT(rnn_mma_##CN##_##TN##_m##MT##_n##NU)) { \
     rnn_mma_step<T, LSTM, MT, NU>(a);                                                \
-  }
+  }}
 #define RNN_MMA_TILES(T, TN, LSTM, CN) \
   RNN_MMA_KERNEL(T, TN, LSTM, CN, 1, 1) \
   RNN_MMA_KERNEL(T, TN, LSTM, CN, 2, 1)

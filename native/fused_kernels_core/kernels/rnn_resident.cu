@@ -21,9 +21,14 @@
 // - Each step's input projection and the biases are loaded into registers before the step
 //   waits on its batch tile's counter, so that DRAM latency hides behind the barrier.
 
+#include "types.cuh"
+#include "copy.cuh"
+#include "mma.cuh"
+#include "rnn_cell.cuh"
+
 #define RNN_RES_THREADS 256
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#if FK_ARCH >= 800
 
 struct RnnResArgs {
   const void* w;        // packed Wh {unit blocks, G*UN, Kp} (tf32 hi for f32)
@@ -269,19 +274,13 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
       const size_t bj = (size_t)b * H + j;
       float h;
       if constexpr (LSTM) {
-        const float ig = fk_sigmoid(xv[i][0] + bias[i][0] + pre[0]);
-        const float fg = fk_sigmoid(xv[i][1] + bias[i][1] + pre[1]);
-        const float gg = tanhf(xv[i][2] + bias[i][2] + pre[2]);
-        const float og = fk_sigmoid(xv[i][3] + bias[i][3] + pre[3]);
-        keep[i] = fg * keep[i] + ig * gg;
-        h = og * tanhf(keep[i]);
+        h = fk_lstm_cell<FkExact>(xv[i][0] + bias[i][0] + pre[0], xv[i][1] + bias[i][1] + pre[1],
+                                  xv[i][2] + bias[i][2] + pre[2], xv[i][3] + bias[i][3] + pre[3],
+                                  keep[i]);
         if (last && a.c_out) fk_st<T>(a.c_out, bj, keep[i]);
       } else {
-        const float r_ = fk_sigmoid(xv[i][0] + bias[i][0] + pre[0]);
-        const float z = fk_sigmoid(xv[i][1] + bias[i][1] + pre[1]);
-        // Axon: n = tanh(x.Win + b_in + r * (h.Whn + b_hn)).
-        const float n = tanhf(xv[i][2] + bias[i][2] + r_ * (pre[2] + bhn[i]));
-        h = (1.0f - z) * n + z * keep[i];
+        h = fk_gru_cell<FkExact>(xv[i][0] + bias[i][0] + pre[0], xv[i][1] + bias[i][1] + pre[1],
+                                 xv[i][2] + bias[i][2], pre[2] + bhn[i], keep[i]);
       }
       const T hv = fk_from_f32<T>(h);
       if (!LSTM) keep[i] = fk_to_f32(hv);  // h_{t-1} as the sequence holds it
@@ -303,9 +302,10 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
 // TN tf32: f32 tensors, single-pass TF32 products (the caller's opt-in).
 #define RNN_RES_KERNEL(T, TN, TF, LSTM, CN, MT, NU)                                 \
   extern "C" __global__ void __launch_bounds__(RNN_RES_THREADS, 1)                  \
-      rnn_res_##CN##_##TN##_m##MT##_n##NU(const RnnResArgs a) {                     \
+      rnn_res_##CN##_##TN##_m##MT##_n##NU(const RnnResArgs a) { \
+    if constexpr (FK_WANT(rnn_res_##CN##_##TN##_m##MT##_n##NU)) { \
     rnn_resident<T, LSTM, MT, NU, TF>(a);                                           \
-  }
+  }}
 #define RNN_RES_TILES(T, TN, TF, LSTM, CN) \
   RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 1, 1) \
   RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 2, 1) \

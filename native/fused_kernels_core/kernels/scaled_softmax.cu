@@ -5,9 +5,27 @@
 // (sk <= 32 * K for the warp kernels, sk <= 256 * K for the block kernels); longer rows
 // take the streaming kernel, which reads twice.
 
+#include "types.cuh"
+#include "reduce.cuh"
+#include "act.cuh"
+
+// a % b for a 64-bit a and a positive 32-bit b, in 32-bit operations: the 64-bit remainder is
+// a called subroutine whose register saves ptxas reports as spills (sm_75, sm_100, sm_120).
+__device__ __forceinline__ unsigned fk_mod_u64(unsigned long long a, unsigned b) {
+  unsigned r = (unsigned)(a >> 32) % b;
+  if (r == 0) return (unsigned)a % b;
+  // Long division of (r << 32 | low word) by b, one bit at a time (r < b < 2^31).
+  const unsigned lo = (unsigned)a;
+  for (int i = 31; i >= 0; --i) {
+    r = (r << 1) | ((lo >> i) & 1u);
+    if (r >= b) r -= b;
+  }
+  return r;
+}
+
 __device__ __forceinline__ int fk_softmax_limit(long long row, int sq, int sk, int causal) {
   if (!causal) return sk;
-  const long long q = row % sq;
+  const long long q = fk_mod_u64((unsigned long long)row, (unsigned)sq);
   const long long lim = q + (long long)(sk - sq) + 1;
   return lim < 0 ? 0 : (lim > sk ? sk : (int)lim);
 }
@@ -53,7 +71,7 @@ __device__ __forceinline__ void fk_softmax_row(const T* __restrict__ xr, T* __re
     }
   }
   s = WARP ? fk_warp_sum(s) : fk_block_sum(s, scratch);
-  const float inv = limit > 0 ? 1.0f / s : 0.0f;
+  const float inv = limit > 0 ? fk_rcp_normal(s) : 0.0f;
 #pragma unroll
   for (int c = 0; c < K / V; ++c) {
     const int j0 = (first + stride * c) * V;
@@ -120,15 +138,17 @@ __device__ __forceinline__ void fk_softmax_stream(const T* __restrict__ x, T* __
 #define FK_SOFTMAX_WARP(NAME, T, K, VEC, SUFFIX)                                              \
   extern "C" __global__ void __launch_bounds__(128)                                           \
       scaled_softmax_warp_##NAME##_##K##SUFFIX(const T* x, T* y, long long rows, int sq,     \
-                                               int sk, float scale, int causal) {             \
+                                               int sk, float scale, int causal) { \
+    if constexpr (FK_WANT(scaled_softmax_warp_##NAME##_##K##SUFFIX)) { \
     fk_softmax_warp<T, K, VEC>(x, y, rows, sq, sk, scale, causal);                             \
-  }
+  }}
 #define FK_SOFTMAX_BLOCK(NAME, T, K, VEC, SUFFIX)                                             \
   extern "C" __global__ void __launch_bounds__(256)                                           \
       scaled_softmax_block_##NAME##_##K##SUFFIX(const T* x, T* y, int sq, int sk,            \
-                                                float scale, int causal) {                    \
+                                                float scale, int causal) { \
+    if constexpr (FK_WANT(scaled_softmax_block_##NAME##_##K##SUFFIX)) { \
     fk_softmax_block<T, K, VEC>(x, y, sq, sk, scale, causal);                                  \
-  }
+  }}
 // Scalar variants for every K; 16-byte variants where K holds whole runs (V = 4 for f32,
 // 8 for the 16-bit types).
 #define FK_SOFTMAX_ALL(NAME, T)                                                               \
@@ -148,9 +168,10 @@ __device__ __forceinline__ void fk_softmax_stream(const T* __restrict__ x, T* __
   FK_SOFTMAX_BLOCK(NAME, T, 16, true, _v)                                                     \
   extern "C" __global__ void __launch_bounds__(256)                                           \
       scaled_softmax_stream_##NAME(const T* x, T* y, int sq, int sk, float scale,            \
-                                   int causal) {                                              \
+                                   int causal) { \
+    if constexpr (FK_WANT(scaled_softmax_stream_##NAME)) { \
     fk_softmax_stream<T>(x, y, sq, sk, scale, causal);                                         \
-  }
+  }}
 
 // K = 4 holds a whole run only for f32.
 #define FK_SOFTMAX_WARP4V_f32 FK_SOFTMAX_WARP(f32, float, 4, true, _v)

@@ -22,6 +22,11 @@
 // pass); the layout for long plain f32 scans, several channels per lane, follows in
 // selective_scan_wide.cu (the module is the two files, in that order).
 
+#include "types.cuh"
+#include "reduce.cuh"
+#include "copy.cuh"
+#include "act.cuh"
+
 struct FkScanArgs {
   unsigned long long u, delta, a, b, c, d, z, delta_bias, h0, mean_dt, out, h_last;
   int batch, seq, dim, state, groups;
@@ -468,9 +473,10 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
 // its own module (FK_SCAN_TYPE, set by kernels.rs), so a caller compiles only its type.
 #define FK_SCAN(NAME, T, NPT, TPC, POLY, SUFFIX)                                              \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
-      selective_scan_##NAME##_##NPT##x##TPC##SUFFIX(const FkScanArgs p) {                     \
+      selective_scan_##NAME##_##NPT##x##TPC##SUFFIX(const FkScanArgs p) { \
+    if constexpr (FK_WANT(selective_scan_##NAME##_##NPT##x##TPC##SUFFIX)) { \
     fk_scan<T, NPT, TPC, POLY>(p);                                                             \
-  }
+  }}
 #define FK_SCAN_ALL(NAME, T)                                                                  \
   FK_SCAN(NAME, T, 16, 1, 0, )                                                                \
   FK_SCAN(NAME, T, 8, 2, 0, )                                                                 \
@@ -486,9 +492,10 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
   FK_SCAN(NAME, T, 8, 16, 0, )                                                                \
   FK_SCAN(NAME, T, 16, 16, 0, )                                                               \
   extern "C" __global__ void __launch_bounds__(256) selective_scan_mean_dt_##NAME(            \
-      const FkScanArgs p) {                                                                   \
+      const FkScanArgs p) { \
+    if constexpr (FK_WANT(selective_scan_mean_dt_##NAME)) { \
     fk_scan_mean_dt<T>(p);                                                                     \
-  }
+  }}
 
 #if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_ALL(f32, float)

@@ -298,10 +298,11 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 // compile ~5x longer.
 #define FK_SCAN_WIDE(CPL, NPT, TPC, U)                                                         \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
-      selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) {                      \
+      selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) { \
+    if constexpr (FK_WANT(selective_scan_wide_f32_##CPL##x##NPT##x##TPC)) { \
     if (p.d) fk_scan_wide<CPL, NPT, TPC, true, U>(p);                                          \
     else fk_scan_wide<CPL, NPT, TPC, false, U>(p);                                             \
-  }
+  }}
 
 // f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
 // slower, bench/RESULTS.md), so their modules do not pay its NVRTC time. The time loop is

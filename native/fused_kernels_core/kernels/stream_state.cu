@@ -2,6 +2,8 @@
 // stream_shift_append: out[b, t] = cache[b, t + 1] for t < W - 1, out[b, W - 1] = row[b]
 // (a row is `width` elements); the oldest row drops out, the newest comes in. Elements are
 // moved as raw 4- or 2-byte words, so one kernel serves every type of that size.
+
+#include "types.cuh"
 template <typename W>
 __device__ __forceinline__ void fk_shift_append(const W* cache, const W* row, W* out, int batch,
                                                 int window, int width) {
@@ -18,11 +20,13 @@ __device__ __forceinline__ void fk_shift_append(const W* cache, const W* row, W*
 extern "C" __global__ void __launch_bounds__(256)
     stream_shift_append_w4(const unsigned int* cache, const unsigned int* row, unsigned int* out,
                            int batch, int window, int width) {
+  if constexpr (FK_WANT(stream_shift_append_w4)) {
   fk_shift_append<unsigned int>(cache, row, out, batch, window, width);
-}
+}}
 
 extern "C" __global__ void __launch_bounds__(256)
     stream_shift_append_w2(const unsigned short* cache, const unsigned short* row,
                            unsigned short* out, int batch, int window, int width) {
+  if constexpr (FK_WANT(stream_shift_append_w2)) {
   fk_shift_append<unsigned short>(cache, row, out, batch, window, width);
-}
+}}

@@ -53,7 +53,18 @@ impl DType {
         }
     }
 
-    /// The code kernels switch on (see `kernels/common.cuh`); f64 has none.
+    /// The suffix of this type's kernel instances (`f32`, `f16`, `bf16`); f64 has no kernels,
+    /// and asking for one is the caller's error about argument `arg`.
+    pub fn kernel_suffix(self, arg: &str) -> Result<&'static str> {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => Ok(self.name()),
+            DType::F64 => Err(arg_error(format!(
+                "{arg}: f64 is CPU-only; use f32, f16 or bf16 on CUDA"
+            ))),
+        }
+    }
+
+    /// The code kernels switch on (see `kernels/include/types.cuh`); f64 has none.
     pub fn kernel_code(self) -> Option<i32> {
         match self {
             DType::F32 => Some(0),

@@ -1,7 +1,42 @@
 //! The kernel sources, embedded in the library so the NIF is one self-contained file. Each
-//! op's source is `kernels/<op>.cu`, compiled with `kernels/common.cuh` in front of it.
+//! op's source is `kernels/<op>.cu`; the headers under `kernels/include/` (one per concern)
+//! are handed to NVRTC in memory, so `#include "mma.cuh"` works without a toolkit.
+//!
+//! A program is one kernel *instance*: the runtime compiles a file with `FK_ONLY=<function>`
+//! (see `include/arch.cuh`), so a first call pays only for the functions it launches. CI
+//! compiles each file whole, once per feature level ([`FEATURE_LEVELS`]).
 
-pub const COMMON: &str = include_str!("../kernels/common.cuh");
+/// Every header, by the name the kernels include it under.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("arch.cuh", include_str!("../kernels/include/arch.cuh")),
+    ("types.cuh", include_str!("../kernels/include/types.cuh")),
+    ("reduce.cuh", include_str!("../kernels/include/reduce.cuh")),
+    ("copy.cuh", include_str!("../kernels/include/copy.cuh")),
+    ("mma.cuh", include_str!("../kernels/include/mma.cuh")),
+    ("act.cuh", include_str!("../kernels/include/act.cuh")),
+    (
+        "rnn_cell.cuh",
+        include_str!("../kernels/include/rnn_cell.cuh"),
+    ),
+];
+
+/// The levels at which a file's PTX can change: the thresholds the kernels' feature guards test
+/// (`FK_ARCH >= N`, see `include/arch.cuh`) and those where NVRTC's own code generation changes
+/// ([`CODEGEN_LEVELS`]). Code for a GPU is the PTX of the highest level at or below its compute
+/// capability, so CI compiles one PTX per level and runs ptxas for each GPU. A test checks that
+/// every threshold in the sources is listed here.
+pub const FEATURE_LEVELS: &[i32] = &[750, 800, 900, 1000, 1200];
+
+/// Levels every file is compiled at, guard or not: NVRTC 13 generates different PTX for them
+/// from the same source (measured: compute_86, _89 and _90 give compute_80's PTX byte for byte
+/// for scaled_softmax.cu and rnn_mma.cu where no guard differs; compute_100's and compute_120's
+/// differ in unrolling and scheduling, and only compute_120's spilled in rnn_mma).
+pub const CODEGEN_LEVELS: &[i32] = &[750, 800, 1000, 1200];
+
+/// The architectures CI builds every kernel for (ptxas report: no failure, no spill).
+pub const CI_ARCHS: &[&str] = &[
+    "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
+];
 
 #[derive(Debug)]
 pub struct Kernel {
@@ -9,10 +44,75 @@ pub struct Kernel {
     pub body: &'static str,
 }
 
+/// How one program is built beyond its source and architecture (part of the cache key).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Build {
+    /// The one function to compile (`FK_ONLY`); `None` compiles the whole file.
+    pub only: Option<String>,
+    /// Build the code of an older GPU (`FK_CAP`, e.g. (8, 6)): the path that GPU takes,
+    /// compiled for the device at hand.
+    pub cap: Option<(i32, i32)>,
+}
+
+impl Build {
+    /// NVRTC `-D` options.
+    pub fn defines(&self) -> Vec<String> {
+        let mut d = Vec::new();
+        if let Some(f) = &self.only {
+            d.push(format!("-DFK_ONLY={f}"));
+        }
+        if let Some((major, minor)) = self.cap {
+            d.push(format!("-DFK_CAP={}", major * 100 + minor * 10));
+        }
+        d
+    }
+}
+
 impl Kernel {
-    /// The exact text NVRTC compiles (and the cache hashes).
+    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).
     pub fn source(&self) -> String {
-        format!("{COMMON}\n// ---- {}.cu ----\n{}", self.name, self.body)
+        self.body.to_string()
+    }
+
+    /// The level whose PTX of this file runs on `arch`: the highest level at or below it that
+    /// is a codegen level or that this file or a header it includes tests (a guard only one
+    /// file has, like 900, costs the others no extra compile).
+    pub fn feature_level(&self, arch: &str) -> Option<i32> {
+        let n = arch_number(arch)?;
+        FEATURE_LEVELS
+            .iter()
+            .copied()
+            .filter(|l| *l <= n)
+            .filter(|l| {
+                CODEGEN_LEVELS.contains(l)
+                    || tests_level(self.body, *l)
+                    || self.headers().iter().any(|h| tests_level(h, *l))
+            })
+            .max()
+    }
+
+    /// The texts of the headers this file includes, directly or through other headers.
+    pub fn headers(&self) -> Vec<&'static str> {
+        let mut found: Vec<&'static str> = Vec::new();
+        let mut todo: Vec<&str> = vec![self.body];
+        while let Some(text) = todo.pop() {
+            for line in text.lines() {
+                let Some(name) = line
+                    .trim()
+                    .strip_prefix("#include \"")
+                    .and_then(|r| r.strip_suffix('"'))
+                else {
+                    continue;
+                };
+                if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
+                    if !found.contains(h) {
+                        found.push(h);
+                        todo.push(h);
+                    }
+                }
+            }
+        }
+        found
     }
 
     /// The architecture NVRTC compiles this kernel for on a device of `arch` (`sm_90` style).
@@ -25,6 +125,27 @@ impl Kernel {
             arch.to_string()
         }
     }
+}
+
+/// The feature level (a [`FEATURE_LEVELS`] entry) whose PTX runs on `arch` (`sm_86` -> 800).
+pub fn feature_level(arch: &str) -> Option<i32> {
+    let n = arch_number(arch)?;
+    FEATURE_LEVELS.iter().copied().filter(|l| *l <= n).max()
+}
+
+/// `sm_86` -> 860 (`__CUDA_ARCH__`'s spelling).
+fn arch_number(arch: &str) -> Option<i32> {
+    let n: i32 = arch
+        .strip_prefix("sm_")?
+        .trim_end_matches('a')
+        .parse()
+        .ok()?;
+    Some(n * 10)
+}
+
+/// Whether `text` has a feature guard at `level`.
+fn tests_level(text: &str, level: i32) -> bool {
+    text.contains(&format!("FK_ARCH >= {level}")) || text.contains(&format!("FK_ARCH < {level}"))
 }
 
 pub const SCALED_SOFTMAX: Kernel = Kernel {
@@ -114,7 +235,7 @@ pub const DENSE_SM90: Kernel = Kernel {
     body: include_str!("../kernels/dense_sm90.cu"),
 };
 
-/// Every shipped kernel; CI compiles each for sm_80, sm_89 and sm_90 and reads ptxas's report.
+/// Every shipped kernel file; CI compiles each for [`CI_ARCHS`] and reads ptxas's report.
 pub const ALL: &[&Kernel] = &[
     &SCALED_SOFTMAX,
     &DENSE,

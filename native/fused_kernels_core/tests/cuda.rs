@@ -30,11 +30,26 @@ fn info_and_gpu_agree_with_probe() {
 
 #[test]
 fn key_changes_with_source_arch_and_nvrtc() {
-    let a = entry_path("k", "src", "sm_90", (13, 0));
-    assert_ne!(a, entry_path("k", "src2", "sm_90", (13, 0)));
-    assert_ne!(a, entry_path("k", "src", "sm_80", (13, 0)));
-    assert_ne!(a, entry_path("k", "src", "sm_90", (13, 1)));
-    assert_eq!(a, entry_path("k", "src", "sm_90", (13, 0)));
+    use fused_kernels_core::kernels::Build;
+    let b = Build::default();
+    let a = entry_path("k", "src", "sm_90", (13, 0), &b);
+    assert_ne!(a, entry_path("k", "src2", "sm_90", (13, 0), &b));
+    assert_ne!(a, entry_path("k", "src", "sm_80", (13, 0), &b));
+    assert_ne!(a, entry_path("k", "src", "sm_90", (13, 1), &b));
+    assert_eq!(a, entry_path("k", "src", "sm_90", (13, 0), &b));
+    let one = Build {
+        only: Some("f".into()),
+        cap: None,
+    };
+    let capped = Build {
+        only: Some("f".into()),
+        cap: Some((8, 6)),
+    };
+    assert_ne!(a, entry_path("k", "src", "sm_90", (13, 0), &one));
+    assert_ne!(
+        entry_path("k", "src", "sm_90", (13, 0), &one),
+        entry_path("k", "src", "sm_90", (13, 0), &capped)
+    );
     assert_ne!(fnv1a128(&[b"ab", b"c"]), fnv1a128(&[b"a", b"bc"]));
 }
 

@@ -33,3 +33,10 @@ fn rejects_unknown_types() {
     assert!(DType::from_nx("f", 8).is_err());
     assert_eq!(DType::from_nx("bf", 16).unwrap(), DType::BF16);
 }
+
+#[test]
+fn kernel_suffix_names_the_argument_for_f64() {
+    assert_eq!(DType::BF16.kernel_suffix("x").unwrap(), "bf16");
+    let e = DType::F64.kernel_suffix("q").unwrap_err().to_string();
+    assert!(e.contains("q: f64 is CPU-only"), "{e}");
+}

@@ -54,6 +54,17 @@ fn info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
             m = put(env, m, "driver_version", i.driver_version.encode(env));
             m = put(env, m, "nvrtc_version", i.nvrtc_version.encode(env));
             m = put(env, m, "cublas_available", i.cublas_present.encode(env));
+            if let Ok(g) = decode_device(device).and_then(cuda::gpu) {
+                use fused_kernels_core::ops::routes;
+                m = put(env, m, "route_as", g.route_cap().encode(env));
+                let mut f = rustler::types::map::map_new(env);
+                for (name, on) in routes::features(&g) {
+                    f = put(env, f, name, on.encode(env));
+                }
+                m = put(env, m, "features", f);
+                let paths: Vec<(&str, &str)> = routes::paths(&g);
+                m = put(env, m, "paths", paths.encode(env));
+            }
         }
         Err(e) => {
             m = put(env, m, "cuda_available", false.encode(env));

@@ -1,115 +1,269 @@
-//! Writes the PTX of every shipped kernel for each architecture named on the command line
-//! (default sm_80 sm_89 sm_90) into a directory, through the same NVRTC path and the same
-//! source text the runtime compiles. CI then runs `ptxas -v` on each file for the register,
-//! shared-memory and spill report. Needs libnvrtc.so.13 (no GPU).
+//! Compiles every shipped kernel file through the runtime's NVRTC path (same sources, headers
+//! and options) without a GPU. Needs libnvrtc.so.13.
 //!
-//! Usage: kernel_ptx [--kernels name,name] [--cache-out DIR] OUT_DIR [sm_XY ...]
-//! `--kernels` limits the run to those kernel files (for a quick look while tuning).
-//! `--cache-out DIR` also stores each cubin as the runtime's cache entry in DIR (same NVRTC
-//! version needed), so a fresh GPU machine given that cache directory compiles nothing.
+//! Usage: kernel_ptx [--kernels a,b] [--jobs N] [--direct] [--instances] [--cache-out DIR]
+//!        OUT_DIR [sm_XY ...]   (options in any order)
+//! (default archs: kernels::CI_ARCHS)
+//!
+//! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
+//! (`Kernel::feature_level`; Hopper's arch-specific files once more for sm_90a), and that PTX
+//! is written as `OUT_DIR/<file>.<sm_XY>.ptx` for each arch, for `ptxas -v` to report on
+//! (.ci/ptxas_report.py). Files compile in parallel (`--jobs`, default: the core count).
+//!
+//! `--direct`: one PTX per arch instead (what the runtime compiles), to check that a level's
+//! PTX reports the same as each arch's own.
+//!
+//! `--instances` (implied by `--cache-out`): compiles each function of each file on its own for each arch, to a cubin,
+//! as the runtime does on a first call (`FK_ONLY`), and prints the time of each; with
+//! `--cache-out DIR` the cubins are stored as the runtime's cache entries, so a machine given
+//! that cache directory (same NVRTC version) compiles nothing.
 
 use fused_kernels_core::cuda::cache;
 use fused_kernels_core::cuda::nvrtc::{compile, version, Target};
-use fused_kernels_core::kernels::ALL;
+use fused_kernels_core::kernels::{feature_level, Build, Kernel, ALL, CI_ARCHS};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
 
-fn main() -> ExitCode {
-    const USAGE: &str =
-        "usage: kernel_ptx [--kernels name,name] [--cache-out DIR] OUT_DIR [sm_XY ...]";
-    let mut only: Option<Vec<String>> = None;
-    let mut cache_out: Option<String> = None;
-    let mut positional = Vec::new();
+struct Options {
+    out_dir: String,
+    archs: Vec<String>,
+    only: Option<Vec<String>>,
+    jobs: usize,
+    instances: bool,
+    cache_out: Option<String>,
+    direct: bool,
+}
+
+fn parse() -> Result<Options, String> {
     let mut args = std::env::args().skip(1);
+    let mut out_dir = None;
+    let mut o = Options {
+        out_dir: String::new(),
+        archs: Vec::new(),
+        only: None,
+        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        instances: false,
+        cache_out: None,
+        direct: false,
+    };
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--kernels" | "--cache-out" => {
-                let Some(v) = args.next() else {
-                    eprintln!("{a} needs a value\n{USAGE}");
-                    return ExitCode::from(2);
-                };
-                if a == "--kernels" {
-                    only = Some(v.split(',').map(str::to_string).collect());
-                } else {
-                    cache_out = Some(v);
+            "--kernels" => {
+                let v = args.next().ok_or("--kernels needs a list")?;
+                o.only = Some(v.split(',').map(str::to_string).collect());
+            }
+            "--jobs" => {
+                let v = args.next().ok_or("--jobs needs a number")?;
+                o.jobs = v
+                    .parse()
+                    .map_err(|_| format!("--jobs: not a number: {v}"))?;
+            }
+            "--instances" => o.instances = true,
+            "--direct" => o.direct = true,
+            "--cache-out" => {
+                // The runtime loads one program per function: a cache to ship holds those.
+                o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?);
+                o.instances = true;
+            }
+            arch if arch.starts_with("sm_") => {
+                if feature_level(arch).is_none() {
+                    return Err(format!("{arch}: older than sm_75 or not an architecture"));
                 }
+                o.archs.push(arch.to_string())
             }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return ExitCode::SUCCESS;
+            other if other.starts_with("--") || out_dir.is_some() => {
+                return Err(format!("unknown argument {other}"))
             }
-            _ if a.starts_with("--") => {
-                eprintln!("unknown option {a}\n{USAGE}");
-                return ExitCode::from(2);
-            }
-            _ => positional.push(a),
+            dir => out_dir = Some(dir.to_string()),
         }
     }
-    let mut positional = positional.into_iter();
-    let Some(out_dir) = positional.next() else {
-        eprintln!("{USAGE}");
-        return ExitCode::from(2);
-    };
-    let mut archs: Vec<String> = positional.collect();
-    if archs.is_empty() {
-        archs = ["sm_80", "sm_89", "sm_90"].map(String::from).to_vec();
+    o.out_dir = out_dir.ok_or("usage: kernel_ptx [options] OUT_DIR [sm_XY ...]")?;
+    if o.archs.is_empty() {
+        o.archs = CI_ARCHS.iter().map(|a| a.to_string()).collect();
     }
+    Ok(o)
+}
+
+/// Runs `jobs` on `workers` threads, in order of the list.
+fn run_parallel<J: Sync>(jobs: &[J], workers: usize, f: impl Fn(&J) + Sync) {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..workers.max(1).min(jobs.len().max(1)) {
+            s.spawn(|| {
+                while let Some(j) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    f(j);
+                }
+            });
+        }
+    });
+}
+
+/// The PTX target (an `sm_` name NVRTC turns into `compute_`) whose code `arch` runs
+/// (`direct`: the arch's own, as the runtime compiles it, to check the levels' equivalence).
+fn ptx_target(kernel: &Kernel, arch: &str, direct: bool) -> String {
+    let target = kernel.target_arch(arch);
+    if direct || target.ends_with('a') {
+        return target;
+    }
+    let level = kernel.feature_level(arch).unwrap_or(750);
+    format!("sm_{}", level / 10)
+}
+
+/// The `.entry` (kernel) names in a PTX text.
+fn entries(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|l| l.trim_start().strip_prefix(".visible .entry "))
+        .map(|l| l.split('(').next().unwrap_or("").trim().to_string())
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         eprintln!("libnvrtc.so.13 not found: put the nvidia-cuda-nvrtc wheel's lib dir on LD_LIBRARY_PATH");
         return ExitCode::from(2);
     }
-    if let Err(e) = std::fs::create_dir_all(&out_dir) {
-        eprintln!("cannot create {out_dir}: {e}");
+    if let Err(e) = std::fs::create_dir_all(&o.out_dir) {
+        eprintln!("cannot create {}: {e}", o.out_dir);
         return ExitCode::from(2);
     }
-    let (major, minor) = version().unwrap_or((0, 0));
-    println!("NVRTC {major}.{minor}");
-    let mut failed = false;
-    for kernel in ALL {
-        if only
-            .as_ref()
-            .is_some_and(|o| !o.iter().any(|n| n == kernel.name))
-        {
-            continue;
-        }
-        for device_arch in &archs {
-            let arch = &kernel.target_arch(device_arch);
-            let started = std::time::Instant::now();
-            // Both outputs: the cubin proves the real-architecture build the runtime does.
-            let result =
-                compile(kernel.name, &kernel.source(), arch, Target::Cubin).and_then(|cubin| {
-                    if let Some(dir) = &cache_out {
-                        cache::set_dir(dir.into());
-                        let path =
-                            cache::entry_path(kernel.name, &kernel.source(), arch, (major, minor));
-                        let _ = std::fs::create_dir_all(cache::dir());
-                        if let Err(e) = std::fs::write(&path, &cubin) {
-                            eprintln!("cannot write {}: {e}", path.display());
-                        }
-                    }
-                    compile(kernel.name, &kernel.source(), arch, Target::Ptx)
-                });
-            match result {
-                Ok(ptx) => {
-                    let path = format!("{out_dir}/{}.{arch}.ptx", kernel.name);
-                    if let Err(e) = std::fs::write(&path, ptx) {
-                        eprintln!("cannot write {path}: {e}");
-                        failed = true;
-                    } else {
-                        println!(
-                            "compiled {} for {arch} in {:.0} ms -> {path}",
-                            kernel.name,
-                            started.elapsed().as_secs_f64() * 1e3
-                        );
-                    }
-                }
-                Err(e) => {
-                    eprintln!("FAILED {} for {arch}: {e}", kernel.name);
-                    failed = true;
-                }
+    let nvrtc = version().unwrap_or((0, 0));
+    println!("NVRTC {}.{}, {} jobs", nvrtc.0, nvrtc.1, o.jobs);
+    let kernels: Vec<&'static Kernel> = ALL
+        .iter()
+        .copied()
+        .filter(|k| {
+            o.only
+                .as_ref()
+                .is_none_or(|only| only.iter().any(|n| n == k.name))
+        })
+        .collect();
+    let failed = AtomicUsize::new(0);
+    let started = Instant::now();
+
+    // Whole files, one PTX per (file, target).
+    let mut jobs: Vec<(&'static Kernel, String)> = Vec::new();
+    for k in &kernels {
+        for arch in &o.archs {
+            let t = ptx_target(k, arch, o.direct);
+            if !jobs.iter().any(|(j, jt)| j.name == k.name && *jt == t) {
+                jobs.push((k, t));
             }
         }
     }
-    if failed {
+    let ptx_of: Mutex<Vec<(&'static str, String, String)>> = Mutex::new(Vec::new());
+    run_parallel(&jobs, o.jobs, |(k, target)| {
+        let t0 = Instant::now();
+        match compile(k.name, &k.source(), target, Target::Ptx, &[]) {
+            Ok(ptx) => {
+                let ptx = String::from_utf8_lossy(&ptx).into_owned();
+                println!(
+                    "compiled {} for {} in {:.0} ms ({} kernels)",
+                    k.name,
+                    target.replacen("sm_", "compute_", 1),
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    entries(&ptx).len()
+                );
+                if let Ok(mut p) = ptx_of.lock() {
+                    p.push((k.name, target.clone(), ptx));
+                }
+            }
+            Err(e) => {
+                eprintln!("FAILED {} for {target}: {e}", k.name);
+                failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    });
+    let ptx_of = ptx_of.into_inner().unwrap_or_default();
+    for k in &kernels {
+        for arch in &o.archs {
+            let t = ptx_target(k, arch, o.direct);
+            let Some((_, _, ptx)) = ptx_of.iter().find(|(n, pt, _)| *n == k.name && *pt == t)
+            else {
+                continue;
+            };
+            let path = format!("{}/{}.{}.ptx", o.out_dir, k.name, k.target_arch(arch));
+            if let Err(e) = std::fs::write(&path, ptx) {
+                eprintln!("cannot write {path}: {e}");
+                failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    println!(
+        "PTX of {} files for {} in {:.1} s",
+        kernels.len(),
+        o.archs.join(" "),
+        started.elapsed().as_secs_f64()
+    );
+
+    if o.instances {
+        if let Some(dir) = &o.cache_out {
+            cache::set_dir(dir.into());
+        }
+        // (file, function, arch) for every function of every file.
+        let mut jobs: Vec<(&'static Kernel, String, String)> = Vec::new();
+        for k in &kernels {
+            for arch in &o.archs {
+                let t = ptx_target(k, arch, o.direct);
+                if let Some((_, _, ptx)) = ptx_of.iter().find(|(n, pt, _)| *n == k.name && *pt == t)
+                {
+                    for f in entries(ptx) {
+                        jobs.push((k, f, k.target_arch(arch)));
+                    }
+                }
+            }
+        }
+        let times: Mutex<Vec<(String, String, f64)>> = Mutex::new(Vec::new());
+        let t_all = Instant::now();
+        run_parallel(&jobs, o.jobs, |(k, f, arch)| {
+            let build = Build {
+                only: Some(f.clone()),
+                cap: None,
+            };
+            let t0 = Instant::now();
+            match compile(k.name, &k.source(), arch, Target::Cubin, &build.defines()) {
+                Ok(cubin) => {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    println!("instance {f} ({}.cu) for {arch}: {ms:.0} ms", k.name);
+                    if o.cache_out.is_some() {
+                        let path = cache::entry_path(k.name, &k.source(), arch, nvrtc, &build);
+                        if let Err(e) = cache::write(&path, &cubin) {
+                            eprintln!("cannot write {}: {e}", path.display());
+                        }
+                    }
+                    if let Ok(mut t) = times.lock() {
+                        t.push((k.name.to_string(), f.clone(), ms));
+                    }
+                }
+                Err(e) => {
+                    eprintln!("FAILED instance {f} for {arch}: {e}");
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let mut times = times.into_inner().unwrap_or_default();
+        times.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let total: f64 = times.iter().map(|t| t.2).sum();
+        println!(
+            "{} instances in {:.1} s wall ({:.1} s of compilation); slowest:",
+            times.len(),
+            t_all.elapsed().as_secs_f64(),
+            total / 1e3
+        );
+        for (file, f, ms) in times.iter().take(10) {
+            println!("  {ms:>7.0} ms  {f} ({file}.cu)");
+        }
+    }
+    if failed.load(Ordering::Relaxed) > 0 {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

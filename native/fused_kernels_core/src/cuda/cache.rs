@@ -52,11 +52,35 @@ pub fn fnv1a128(parts: &[&[u8]]) -> u128 {
     h
 }
 
-pub fn entry_path(kernel: &str, source: &str, arch: &str, nvrtc: (i32, i32)) -> PathBuf {
+/// The entry of `kernel`'s file built for `arch` with `build` (its instance and capability
+/// cap): keyed by the source, every header, the options, the architecture and NVRTC's version.
+pub fn entry_path(
+    kernel: &str,
+    source: &str,
+    arch: &str,
+    nvrtc: (i32, i32),
+    build: &crate::kernels::Build,
+) -> PathBuf {
     let options = super::nvrtc::OPTIONS.join(" ");
-    let hash = fnv1a128(&[source.as_bytes(), arch.as_bytes(), options.as_bytes()]);
+    let defines = build.defines().join(" ");
+    let mut parts: Vec<&[u8]> = vec![
+        source.as_bytes(),
+        arch.as_bytes(),
+        options.as_bytes(),
+        defines.as_bytes(),
+    ];
+    for (name, text) in crate::kernels::HEADERS {
+        parts.push(name.as_bytes());
+        parts.push(text.as_bytes());
+    }
+    let hash = fnv1a128(&parts);
+    let instance = build.only.as_deref().unwrap_or("all");
+    let cap = match build.cap {
+        Some((major, minor)) => format!("-as{major}{minor}"),
+        None => String::new(),
+    };
     dir().join(format!(
-        "{kernel}-{arch}-nvrtc{}.{}-{hash:032x}.cubin",
+        "{kernel}-{instance}{cap}-{arch}-nvrtc{}.{}-{hash:032x}.cubin",
         nvrtc.0, nvrtc.1
     ))
 }

@@ -14,7 +14,7 @@ pub mod smem;
 pub mod timing;
 
 use crate::error::{Error, Result};
-use crate::kernels::Kernel;
+use crate::kernels::{Build, Kernel};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
@@ -82,21 +82,32 @@ fn probe_uncached() -> std::result::Result<Probe, String> {
     })
 }
 
+/// One loaded program per (file, function): the cell is filled once, by the first caller;
+/// callers of other functions compile theirs at the same time.
+type ModuleCell = Arc<OnceCell<Arc<CudaModule>>>;
+
 /// One device: its primary context, the stream all our work is ordered on, and the modules
 /// loaded so far. All ops of a device run on its one stream, so work submitted from many
 /// BEAM threads is ordered by the driver and buffers are never read before they are written.
+///
+/// `compute_capability` is what every op routes on. A view made by [`gpu_as`] routes as an
+/// older GPU (e.g. (8, 6) on an H100: no clusters, no wgmma/TMA, no PDL) and builds its
+/// kernels with that GPU's code (`FK_CAP`) for the device's own architecture
+/// (`device_capability`), so the paths other GPUs take can be checked and timed here.
 pub struct Gpu {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub compute_capability: (i32, i32),
+    pub device_capability: (i32, i32),
     pub name: String,
     /// Shared with the `Gpu`s that `on_stream` makes for this device.
-    modules: Arc<Mutex<HashMap<&'static str, Arc<CudaModule>>>>,
+    modules: Arc<Mutex<HashMap<(&'static str, String), ModuleCell>>>,
     blas: OnceCell<std::result::Result<Mutex<CudaBlas>, String>>,
 }
 
-static GPUS: Lazy<Mutex<HashMap<usize, Arc<Gpu>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+type GpuKey = (usize, Option<(i32, i32)>);
+static GPUS: Lazy<Mutex<HashMap<GpuKey, Arc<Gpu>>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The device used when none is named: `FUSED_KERNELS_DEVICE`, else 0.
 pub fn default_ordinal() -> Result<usize> {
@@ -110,8 +121,24 @@ pub fn default_ordinal() -> Result<usize> {
     }
 }
 
-/// The device `ordinal` (or the default one), creating its context on first use.
+/// The device `ordinal` (or the default one), creating its context on first use. (Built with
+/// a `route-as-*` test feature, routed as that GPU: see [`TEST_ROUTE_CAP`].)
 pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
+    gpu_as(ordinal, TEST_ROUTE_CAP)
+}
+
+/// The device `ordinal`, routing as compute capability `cap` when that is older than the
+/// device's own (`None`, or a newer cap: the device as it is). Shares the device's context and
+/// stream; its kernels are separate programs (built with `FK_CAP`).
+pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu>> {
+    if let Some(c) = cap {
+        if c < MIN_COMPUTE_CAPABILITY {
+            return Err(Error::Argument(format!(
+                "route_as: compute capability {}.{} is older than the oldest supported, 7.5",
+                c.0, c.1
+            )));
+        }
+    }
     let probe = probe()?;
     let ordinal = match ordinal {
         Some(o) => o,
@@ -126,8 +153,36 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
     let mut gpus = GPUS
         .lock()
         .map_err(|_| Error::Cuda("device registry lock poisoned".into()))?;
-    if let Some(g) = gpus.get(&ordinal) {
+    if let Some(g) = gpus.get(&(ordinal, cap)) {
         return Ok(g.clone());
+    }
+    if cap.is_some() {
+        let native = match gpus.get(&(ordinal, None)) {
+            Some(g) => g.clone(),
+            None => {
+                drop(gpus);
+                let g = gpu_as(Some(ordinal), None)?;
+                gpus = GPUS
+                    .lock()
+                    .map_err(|_| Error::Cuda("device registry lock poisoned".into()))?;
+                g
+            }
+        };
+        let routed = cap
+            .filter(|c| *c < native.device_capability)
+            .unwrap_or(native.device_capability);
+        let view = Arc::new(Gpu {
+            ordinal,
+            name: native.name.clone(),
+            ctx: native.ctx.clone(),
+            stream: native.stream.clone(),
+            compute_capability: routed,
+            device_capability: native.device_capability,
+            modules: Arc::new(Mutex::new(HashMap::new())),
+            blas: OnceCell::new(),
+        });
+        gpus.insert((ordinal, cap), view.clone());
+        return Ok(view);
     }
     let ctx = CudaContext::new(ordinal)?;
     // cudarc's cross-stream tracking would cost two event creations per buffer and records
@@ -151,10 +206,11 @@ pub fn gpu(ordinal: Option<usize>) -> Result<Arc<Gpu>> {
         stream: ctx.default_stream(),
         ctx,
         compute_capability,
+        device_capability: compute_capability,
         modules: Arc::new(Mutex::new(HashMap::new())),
         blas: OnceCell::new(),
     });
-    gpus.insert(ordinal, g.clone());
+    gpus.insert((ordinal, None), g.clone());
     Ok(g)
 }
 
@@ -172,6 +228,7 @@ impl Gpu {
             stream: unsafe { self.ctx.wrap_borrowed_stream(cu_stream) },
             ctx: self.ctx.clone(),
             compute_capability: self.compute_capability,
+            device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
             blas: OnceCell::new(),
@@ -197,17 +254,24 @@ impl Gpu {
 
     /// Compiles (or reads from the disk cache) and loads `kernel`'s module now, so that a
     /// later launch does not load a module (FFI handlers do this before a CUDA-graph capture).
+    /// The whole file is one program here (every function of it), which `function` then
+    /// serves from.
     pub fn preload(&self, kernel: &Kernel) -> Result<()> {
         self.bind()?;
-        self.module(kernel).map(|_| ())
+        self.module(kernel, "").map(|_| ())
     }
 
     /// `sm_XY` for this device; kernels are compiled for exactly this architecture.
     pub fn arch(&self) -> String {
         format!(
             "sm_{}{}",
-            self.compute_capability.0, self.compute_capability.1
+            self.device_capability.0, self.device_capability.1
         )
+    }
+
+    /// The capability this view routes as, when older than the device's own.
+    pub fn route_cap(&self) -> Option<(i32, i32)> {
+        (self.compute_capability < self.device_capability).then_some(self.compute_capability)
     }
 
     /// Tensor-core (`mma.sync` bf16/f16) paths need sm_80 or newer.
@@ -220,10 +284,10 @@ impl Gpu {
     }
 
     /// The named function of `kernel`, compiling (or reading from the disk cache) and loading
-    /// its module the first time this process asks.
+    /// the program of that one function the first time this process asks.
     pub fn function(&self, kernel: &Kernel, function: &str) -> Result<CudaFunction> {
         self.bind()?;
-        let module = self.module(kernel)?;
+        let module = self.module(kernel, function)?;
         module.load_function(function).map_err(|e| {
             Error::Cuda(format!(
                 "function `{function}` of kernel `{}`: {}",
@@ -233,26 +297,103 @@ impl Gpu {
         })
     }
 
-    fn module(&self, kernel: &Kernel) -> Result<Arc<CudaModule>> {
-        // Held across compilation on purpose: two threads asking for the same new kernel
-        // compile it once.
-        let mut modules = self
-            .modules
-            .lock()
-            .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?;
-        if let Some(m) = modules.get(kernel.name) {
+    /// Compiles (or reads from the disk cache) and loads the programs of `functions` ahead of
+    /// their first call, several at once (one thread per core, at most one per function).
+    /// `progress` gets one line per function as it finishes. Returns the first error.
+    pub fn warmup(
+        &self,
+        functions: &[(&'static Kernel, String)],
+        progress: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        let workers = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(functions.len().max(1));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let errors = Mutex::new(Vec::new());
+        let total = functions.len();
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((kernel, function)) = functions.get(i) else {
+                        break;
+                    };
+                    let started = Instant::now();
+                    let result = self.bind().and_then(|_| self.module(kernel, function));
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    match result {
+                        Ok(_) => progress(&format!(
+                            "[fused_kernels] warmup {}/{total}: {function} ready in {ms:.0} ms",
+                            i + 1
+                        )),
+                        Err(e) => {
+                            progress(&format!(
+                                "[fused_kernels] warmup {}/{total}: {function} failed: {e}",
+                                i + 1
+                            ));
+                            if let Ok(mut errs) = errors.lock() {
+                                errs.push(e);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        match errors.into_inner() {
+            Ok(mut errs) if !errs.is_empty() => Err(errs.remove(0)),
+            Ok(_) => Ok(()),
+            Err(_) => Err(Error::Cuda("warmup error list poisoned".into())),
+        }
+    }
+
+    fn module(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
+        // The registry lock is held only to find the function's cell; compilation runs outside
+        // it, so different functions compile in parallel and one function compiles once.
+        let cell = {
+            let mut modules = self
+                .modules
+                .lock()
+                .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?;
+            modules
+                .entry((kernel.name, function.to_string()))
+                .or_default()
+                .clone()
+        };
+        if let Some(m) = cell.get() {
             cache::STATS.record_memory_hit();
             return Ok(m.clone());
         }
+        if !function.is_empty() {
+            // A preloaded whole file has every function.
+            let whole = self
+                .modules
+                .lock()
+                .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?
+                .get(&(kernel.name, String::new()))
+                .and_then(|c| c.get().cloned());
+            if let Some(m) = whole {
+                cache::STATS.record_memory_hit();
+                return Ok(m);
+            }
+        }
+        cell.get_or_try_init(|| self.load(kernel, function))
+            .cloned()
+    }
+
+    fn load(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
         let arch = kernel.target_arch(&self.arch());
         let source = kernel.source();
+        let build = Build {
+            only: (!function.is_empty()).then(|| function.to_string()),
+            cap: self.route_cap(),
+        };
         let nvrtc_version = probe()?.nvrtc_version;
-        let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version);
+        let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version, &build);
         if let Some(cubin) = cache::read(&path) {
             match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
                 Ok(m) => {
                     cache::STATS.record_disk_hit();
-                    modules.insert(kernel.name, m.clone());
                     return Ok(m);
                 }
                 Err(e) => eprintln!(
@@ -263,22 +404,31 @@ impl Gpu {
             }
         }
         let started = Instant::now();
-        let cubin = nvrtc::compile(kernel.name, &source, &arch, nvrtc::Target::Cubin)?;
+        let cubin = nvrtc::compile(
+            kernel.name,
+            &source,
+            &arch,
+            nvrtc::Target::Cubin,
+            &build.defines(),
+        )?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         cache::STATS.record_compile();
         let stored = match cache::write(&path, &cubin) {
             Ok(()) => format!("cached at {}", path.display()),
             Err(e) => format!("not cached ({e})"),
         };
+        let routed = match build.cap {
+            Some((major, minor)) => format!(" as compute capability {major}.{minor}"),
+            None => String::new(),
+        };
         eprintln!(
-            "[fused_kernels] compiled kernel {} for {arch} with NVRTC {}.{} in {ms:.1} ms; {stored}",
+            "[fused_kernels] compiled {} ({}.cu) for {arch}{routed} with NVRTC {}.{} in {ms:.1} ms; {stored}",
+            if function.is_empty() { "every function" } else { function },
             kernel.name, nvrtc_version.0, nvrtc_version.1
         );
-        let m = self
+        Ok(self
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
-        modules.insert(kernel.name, m.clone());
-        Ok(m)
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?)
     }
 
     /// Runs `f` with this device's cuBLAS handle (created on first use, bound to the device's
@@ -365,3 +515,13 @@ pub fn device_info(ordinal: Option<usize>) -> Result<DeviceInfo> {
         device_count: probe.device_count,
     })
 }
+
+/// The capability every device routes as: its own, or, in a build with a `route-as-*` feature
+/// (for the GPU tests of other GPUs' paths only; never in a release), that GPU's.
+pub const TEST_ROUTE_CAP: Option<(i32, i32)> = if cfg!(feature = "route-as-sm75") {
+    Some((7, 5))
+} else if cfg!(feature = "route-as-sm86") {
+    Some((8, 6))
+} else {
+    None
+};

@@ -86,8 +86,15 @@ impl Program {
     }
 }
 
-/// Compiles a self-contained source (no `#include`) for `arch` (`sm_90` style).
-pub fn compile(name: &str, source: &str, arch: &str, target: Target) -> Result<Vec<u8>> {
+/// Compiles `source` for `arch` (`sm_90` style) with the kernel headers
+/// ([`crate::kernels::HEADERS`]) available to `#include` and the extra `-D` options `defines`.
+pub fn compile(
+    name: &str,
+    source: &str,
+    arch: &str,
+    target: Target,
+    defines: &[String],
+) -> Result<Vec<u8>> {
     let arch_flag = match target {
         Target::Cubin => format!("--gpu-architecture={arch}"),
         Target::Ptx => format!("--gpu-architecture={}", arch.replacen("sm_", "compute_", 1)),
@@ -99,8 +106,20 @@ pub fn compile(name: &str, source: &str, arch: &str, target: Target) -> Result<V
     let cname = to_c(&format!("{name}.cu"))?;
     let opts: Vec<CString> = std::iter::once(arch_flag.as_str())
         .chain(OPTIONS.iter().copied())
+        .chain(defines.iter().map(String::as_str))
         .map(to_c)
         .collect::<Result<_>>()?;
+    let headers = crate::kernels::HEADERS;
+    let header_texts: Vec<CString> = headers
+        .iter()
+        .map(|(_, text)| to_c(text))
+        .collect::<Result<_>>()?;
+    let header_names: Vec<CString> = headers
+        .iter()
+        .map(|(n, _)| to_c(n))
+        .collect::<Result<_>>()?;
+    let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|h| h.as_ptr()).collect();
+    let name_ptrs: Vec<*const c_char> = header_names.iter().map(|h| h.as_ptr()).collect();
     let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
 
     let mut raw: sys::nvrtcProgram = std::ptr::null_mut();
@@ -109,9 +128,9 @@ pub fn compile(name: &str, source: &str, arch: &str, target: Target) -> Result<V
             &mut raw,
             src.as_ptr(),
             cname.as_ptr(),
-            0,
-            std::ptr::null(),
-            std::ptr::null(),
+            headers.len() as i32,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
         )
     })?;
     let program = Program(raw);

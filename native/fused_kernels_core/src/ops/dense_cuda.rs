@@ -57,16 +57,7 @@ pub fn plan(
 ) -> Result<Plan> {
     let glu = p.kind == Kind::Swiglu;
     let gn = if glu { "glu" } else { "mm" };
-    let tname = match dt {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => {
-            return Err(arg_error(
-                "x: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-            ))
-        }
-    };
+    let tname = dt.kernel_suffix("x")?;
     let es = dt.size();
     let ch = 16 / es; // elements per 16-byte copy
     let norm = p.kind.norm() > 0;

@@ -486,16 +486,7 @@ const MMA_SMALL: &[(usize, usize, usize)] = &[(64, 1, 64), (128, 1, 64)];
 /// Picks the kernel: tensor cores for f16/bf16 with head_dim % 8 == 0 on sm_80+, else the
 /// FFMA kernel (all f32 inputs: it meets f32's tolerance).
 pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Result<Plan> {
-    let tname = match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => {
-            return Err(arg_error(
-                "q: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-            ))
-        }
-    };
+    let tname = dtype.kernel_suffix("q")?;
     let bh = g.batch * g.heads;
     if dtype != DType::F32 && tensor_cores && g.d.is_multiple_of(8) {
         let &(dp, mut mt, mut bk) = MMA_CONFIGS
@@ -699,11 +690,7 @@ pub fn run(
         }
         Backend::Cuda(device) => {
             let gpu = cuda::gpu(device)?;
-            if q.dtype() == DType::F64 {
-                return Err(arg_error(
-                    "q: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-                ));
-            }
+            q.dtype().kernel_suffix("q")?;
             let (qd, kd, vd) = (
                 q.on_gpu("q", &gpu)?,
                 k.on_gpu("k", &gpu)?,

@@ -7,6 +7,7 @@ pub mod flash_attention;
 pub mod mamba_block;
 pub mod norm;
 pub mod rnn;
+pub mod routes;
 pub mod scaled_softmax;
 pub mod selective_scan;
 pub mod stream_state;

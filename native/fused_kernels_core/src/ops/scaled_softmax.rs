@@ -116,16 +116,7 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
     if out.shape != x.shape || out.dtype != x.dtype {
         return Err(arg_error("out: must have the shape and type of x"));
     }
-    let tname = match x.dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => {
-            return Err(arg_error(
-                "x: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-            ))
-        }
-    };
+    let tname = x.dtype.kernel_suffix("x")?;
     // 16-byte accesses need every row to start on a 16-byte boundary (buffers are 256-byte
     // aligned) and K to hold whole 16-byte runs.
     let run = 16 / x.dtype.size();

@@ -686,14 +686,7 @@ fn module(dtype: DType) -> &'static Kernel {
 }
 
 pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
-    match dtype {
-        DType::F32 => Ok("f32"),
-        DType::F16 => Ok("f16"),
-        DType::BF16 => Ok("bf16"),
-        DType::F64 => Err(arg_error(format!(
-            "{name}: f64 is CPU-only; use f32, f16 or bf16 on CUDA"
-        ))),
-    }
+    dtype.kernel_suffix(name)
 }
 
 /// States per lane and lanes per channel, from the splits the kernels are instantiated for:

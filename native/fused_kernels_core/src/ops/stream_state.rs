@@ -81,7 +81,7 @@ pub fn shift_append(
             let name = match cache.dtype() {
                 DType::F32 => "stream_shift_append_w4",
                 DType::F16 | DType::BF16 => "stream_shift_append_w2",
-                DType::F64 => return Err(arg_error("cache: f64 is CPU-only")),
+                DType::F64 => return Err(cache.dtype().kernel_suffix("cache").unwrap_err()),
             };
             let f = gpu.function(&STREAM_STATE, name)?;
             let addrs = (ptr(&c), ptr(&r), ptr(&out));

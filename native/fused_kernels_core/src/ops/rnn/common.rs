@@ -209,14 +209,13 @@ pub(super) fn state_ptrs(cell: Cell, init: &[Staged<'_>], states: &[DeviceTensor
 }
 
 pub(super) fn type_name(dtype: DType) -> Result<(&'static str, cudaDataType)> {
-    match dtype {
-        DType::F32 => Ok(("f32", cudaDataType::CUDA_R_32F)),
-        DType::F16 => Ok(("f16", cudaDataType::CUDA_R_16F)),
-        DType::BF16 => Ok(("bf16", cudaDataType::CUDA_R_16BF)),
-        DType::F64 => Err(arg_error(
-            "x: f64 is CPU-only; use f32, f16 or bf16 on CUDA",
-        )),
-    }
+    let suffix = dtype.kernel_suffix("x")?;
+    let cuda = match dtype {
+        DType::F16 => cudaDataType::CUDA_R_16F,
+        DType::BF16 => cudaDataType::CUDA_R_16BF,
+        _ => cudaDataType::CUDA_R_32F,
+    };
+    Ok((suffix, cuda))
 }
 
 /// The cell's name in kernel names.

@@ -1,0 +1,54 @@
+// Activations, in two numerics: FkExact (expf, tanhf, true division: the default of every
+// kernel) and FkFast (ex2 + approximate reciprocal on the special-function unit, tanh as
+// 2·sigmoid(2x) - 1: a few ulp, in a short dependent chain), which the kernels that use it were
+// checked with against the f64 references (rnn_cluster's cells, rel. L2 <= 1e-5 in f32 over
+// whole sequences; dense_sm90's exponentials). Each kernel keeps the numerics it was
+// validated with.
+#pragma once
+
+struct FkExact {
+  static __device__ __forceinline__ float exp(float x) { return expf(x); }
+  static __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+  static __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+};
+struct FkFast {
+  static __device__ __forceinline__ float exp(float x) { return __expf(x); }
+  static __device__ __forceinline__ float sigmoid(float x) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+  }
+  static __device__ __forceinline__ float tanh(float x) {
+    return fmaf(2.0f, sigmoid(2.0f * x), -1.0f);
+  }
+};
+
+__device__ __forceinline__ float fk_sigmoid(float x) { return FkExact::sigmoid(x); }
+
+// The activation codes of ops/dense.rs: 0 identity, 1 relu, 2 gelu (erf), 3 gelu (tanh
+// approximation), 4 silu, 5 sigmoid, 6 tanh. E picks the exponential (silu, sigmoid).
+template <class E> __device__ __forceinline__ float fk_act(float v, int act) {
+  switch (act) {
+    case 1: return v > 0.0f ? v : (v == v ? 0.0f : v);  // relu; NaN stays NaN
+    case 2: return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    case 3: {
+      const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+      return 0.5f * v * (1.0f + tanhf(u));
+    }
+    case 4: return v / (1.0f + E::exp(-v));
+    case 5: return 1.0f / (1.0f + E::exp(-v));
+    case 6: return tanhf(v);
+    default: return v;
+  }
+}
+// SwiGLU's gate: silu(g) · u.
+template <class E> __device__ __forceinline__ float fk_swiglu(float g, float u) {
+  return g / (1.0f + E::exp(-g)) * u;
+}
+
+// 1 / x for a normal, finite x (a softmax sum, >= 1): the approximate reciprocal refined by one
+// Newton step (within an ulp of 1.0f / x). 1.0f / x itself carries a called slow path for
+// denormals whose register saves ptxas reports as spills in register-held rows (sm_75, sm_100).
+__device__ __forceinline__ float fk_rcp_normal(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return fmaf(fmaf(-x, r, 1.0f), r, r);
+}

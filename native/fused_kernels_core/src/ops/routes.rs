@@ -1,0 +1,79 @@
+//! Which CUDA path each op takes on a device, for `FusedKernels.info/0`: read from the same
+//! predicates the ops route on (the capability the device routes as, see `cuda::gpu_as`), so
+//! what it says is what runs.
+
+use crate::cuda::{cluster, Gpu};
+use crate::dtype::DType;
+use crate::ops::{dense::Geometry, dense_sm90};
+
+/// The features the kernels use that depend on the architecture, as this device routes.
+pub fn features(gpu: &Gpu) -> Vec<(&'static str, bool)> {
+    let cc = gpu.compute_capability;
+    vec![
+        ("mma_f16", true),
+        ("cp_async", cc >= (8, 0)),
+        ("mma_bf16_tf32", gpu.has_tensor_cores()),
+        ("clusters", cluster::supported(gpu)),
+        ("pdl", cc >= (9, 0)),
+        ("wgmma_tma", probe_dense_sm90(gpu)),
+    ]
+}
+
+fn probe_dense_sm90(gpu: &Gpu) -> bool {
+    let g = Geometry {
+        m: 1024,
+        k: 1024,
+        n: 1024,
+        out_shape: vec![1024, 1024],
+    };
+    dense_sm90::supports(gpu, DType::BF16, &g)
+}
+
+/// One line per op family: the kernels it launches here.
+pub fn paths(gpu: &Gpu) -> Vec<(&'static str, &'static str)> {
+    let tc = gpu.has_tensor_cores();
+    vec![
+        (
+            "dense",
+            if probe_dense_sm90(gpu) {
+                "f16/bf16: wgmma + TMA (dense_sm90) for M > 4; f32: mma.sync 3xTF32 (dense_tc)"
+            } else if tc {
+                "mma.sync tiles (dense_tc; f32 as 3xTF32), GEMV for M <= 4"
+            } else {
+                "f32: FFMA tiles (dense_ffma); f16/bf16 need sm_80"
+            },
+        ),
+        (
+            "flash_attention",
+            if tc {
+                "mma.sync + ldmatrix (fa_mma)"
+            } else {
+                "FFMA (fa_ffma)"
+            },
+        ),
+        (
+            "lstm/gru, small batch",
+            if cluster::supported(gpu) {
+                "one thread-block cluster, DSMEM + st.async (rnn_cluster)"
+            } else {
+                "persistent cooperative kernel, grid barrier per step (rnn)"
+            },
+        ),
+        (
+            "lstm/gru, large batch",
+            if tc {
+                "tensor-core recurrence (rnn_resident / rnn_mma)"
+            } else {
+                "cuBLAS product + fused gate step (rnn_batched)"
+            },
+        ),
+        (
+            "selective_scan",
+            if gpu.compute_capability >= (8, 0) {
+                "register scan, cp.async staging (selective_scan)"
+            } else {
+                "register scan, synchronous staging (selective_scan)"
+            },
+        ),
+    ]
+}
