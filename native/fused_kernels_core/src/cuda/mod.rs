@@ -246,6 +246,7 @@ impl Gpu {
             stream: self.ctx.new_stream()?,
             ctx: self.ctx.clone(),
             compute_capability: self.compute_capability,
+            device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
             blas: OnceCell::new(),
