@@ -64,6 +64,9 @@ impl Drop for Buf {
 
 /// An empty buffer with capacity for `len` values: the best-fitting free one, else new.
 fn take(len: usize) -> Result<Buf> {
+    // Overcommit lets a huge reservation succeed and OOM-kills the VM when its pages are
+    // touched: refuse what the machine cannot hold before reserving (crate::alloc).
+    crate::alloc::check("CPU buffer", len, std::mem::size_of::<f32>())?;
     let reused = FREE
         .try_with(|f| {
             let mut f = f.borrow_mut();

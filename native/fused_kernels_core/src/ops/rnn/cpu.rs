@@ -27,7 +27,7 @@ use crate::cpu::gemm::{gemm, Init};
 use crate::cpu::gemv::gemv;
 use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
 use crate::dtype::{decode_f64, encode_f64, DType};
-use crate::error::{arg_error, Result};
+use crate::error::{arg_error, Error, Result};
 use crate::operand::Operand;
 use crate::tensor::OwnedTensor;
 
@@ -101,15 +101,22 @@ impl RnnScratch {
             0
         };
         let seq_b_len = if rnn.layers.len() > 2 { seq_len } else { 0 };
-        Ok(RnnScratch {
-            batch,
-            seq,
-            xp: alloc_zeroed(size(rows, g * max_h)?)?,
-            hp: alloc_zeroed(size(batch, g * max_h)?)?,
-            seq_a: alloc_zeroed(seq_len)?,
-            seq_b: alloc_zeroed(seq_b_len)?,
-            h0: alloc_zeroed(size(batch, max_h)?)?,
-            c: alloc_zeroed(size(batch, max_h)?)?,
+        let buffers = || -> Result<RnnScratch> {
+            Ok(RnnScratch {
+                batch,
+                seq,
+                xp: alloc_zeroed(size(rows, g * max_h)?)?,
+                hp: alloc_zeroed(size(batch, g * max_h)?)?,
+                seq_a: alloc_zeroed(seq_len)?,
+                seq_b: alloc_zeroed(seq_b_len)?,
+                h0: alloc_zeroed(size(batch, max_h)?)?,
+                c: alloc_zeroed(size(batch, max_h)?)?,
+            })
+        };
+        // Name the op in the refusal: the caller sized these buffers.
+        buffers().map_err(|e| match e {
+            Error::OutOfMemory(m) => Error::OutOfMemory(format!("rnn scratch: {m}")),
+            other => other,
         })
     }
 }
@@ -798,6 +805,10 @@ pub(super) fn run(
 ) -> Result<HostOutput> {
     match g.dtype {
         DType::F64 => run_f64(cell, g, x, layers, reverse),
-        _ => run_f32(cell, g, x, layers, reverse),
+        // Name the op in a refusal: the caller sized every buffer of the call.
+        _ => run_f32(cell, g, x, layers, reverse).map_err(|e| match e {
+            Error::OutOfMemory(m) if !m.contains("rnn") => Error::OutOfMemory(format!("rnn: {m}")),
+            other => other,
+        }),
     }
 }
