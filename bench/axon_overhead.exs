@@ -14,7 +14,7 @@ Application.ensure_all_started(:nx)
 alias FusedKernels.Axon.{Call, Layers, Ops}
 
 rand = fn shape, scale ->
-  {bin, ^shape, type} = FusedKernels.Bench.random_triple(shape, {:f, 32})
+  {bin, ^shape, type} = FusedKernels.Sample.random_triple(shape, {:f, 32})
   bin |> Nx.from_binary(type) |> Nx.reshape(shape) |> Nx.multiply(scale)
 end
 
