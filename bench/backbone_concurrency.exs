@@ -3,7 +3,7 @@
 # host output back, as in `mix bench`.
 #
 # Usage: mix run bench/backbone_concurrency.exs [cuda|cpu] [JSON_PATH]
-alias FusedKernels.{Backbone, Bench}
+alias FusedKernels.{Backbone, Sample}
 alias FusedKernels.Backbone.Spec
 
 [backend | rest] = System.argv() ++ ["cuda"]
@@ -30,7 +30,7 @@ rows =
       for _ <- 1..n do
         spawn_link(fn ->
           h = Backbone.load(spec, params, backend: backend)
-          x = Bench.random_triple(shape, {:f, 32})
+          x = Sample.random_triple(shape, {:f, 32})
           state = Backbone.init_state(h, 1)
 
           call =
