@@ -66,7 +66,7 @@ impl Drop for Buf {
 fn take(len: usize) -> Result<Buf> {
     // Overcommit lets a huge reservation succeed and OOM-kills the VM when its pages are
     // touched: refuse what the machine cannot hold before reserving (crate::alloc).
-    crate::alloc::check("CPU buffer", len, std::mem::size_of::<f32>())?;
+    crate::alloc::check("buffer", len, std::mem::size_of::<f32>())?;
     let reused = FREE
         .try_with(|f| {
             let mut f = f.borrow_mut();

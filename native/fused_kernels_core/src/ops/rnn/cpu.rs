@@ -113,11 +113,7 @@ impl RnnScratch {
                 c: alloc_zeroed(size(batch, max_h)?)?,
             })
         };
-        // Name the op in the refusal: the caller sized these buffers.
-        buffers().map_err(|e| match e {
-            Error::OutOfMemory(m) => Error::OutOfMemory(format!("rnn scratch: {m}")),
-            other => other,
-        })
+        buffers().map_err(named)
     }
 }
 
@@ -806,9 +802,19 @@ pub(super) fn run(
     match g.dtype {
         DType::F64 => run_f64(cell, g, x, layers, reverse),
         // Name the op in a refusal: the caller sized every buffer of the call.
-        _ => run_f32(cell, g, x, layers, reverse).map_err(|e| match e {
-            Error::OutOfMemory(m) if !m.contains("rnn") => Error::OutOfMemory(format!("rnn: {m}")),
-            other => other,
-        }),
+        _ => run_f32(cell, g, x, layers, reverse).map_err(named),
+    }
+}
+
+/// A refusal names the op ("host: rnn buffer needs ..."): the caller sized every buffer.
+fn named(e: Error) -> Error {
+    match e {
+        Error::OutOfMemory(m) if !m.contains("rnn") => {
+            Error::OutOfMemory(match m.strip_prefix("host: ") {
+                Some(rest) => format!("host: rnn {rest}"),
+                None => format!("rnn: {m}"),
+            })
+        }
+        other => other,
     }
 }
