@@ -175,14 +175,17 @@ fn decode_state(term: Term<'_>) -> Result<ResourceArc<StateResource>> {
     })
 }
 
-/// Fills the engine's f32 input from the caller's bytes.
+/// Fills the engine's f32 input (its workspace, or the GPU engine's page-locked staging)
+/// from the caller's bytes: for f32 with no copy or allocation of its own.
 fn fill(x: &HostTensor<'_>, buf: &mut [f32]) {
     if x.dtype == DType::F32 {
         for (o, c) in buf.iter_mut().zip(x.bytes.chunks_exact(4)) {
             *o = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
         }
     } else {
-        buf.copy_from_slice(&decode_f32(x.bytes, x.dtype));
+        for (o, v) in buf.iter_mut().zip(decode_f32(x.bytes, x.dtype)) {
+            *o = v;
+        }
     }
 }
 
@@ -249,7 +252,7 @@ fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<
         let (b, t) = (x.shape[0], x.shape[1]);
         output(env, (b, e.spec().hidden), x.dtype, |out| match &e.exec {
             Exec::Cpu(engine) => engine.predict(b, t, |buf| fill(&x, buf), out),
-            Exec::Cuda(engine) => engine.predict(b, t, &decode_f32(x.bytes, x.dtype), out),
+            Exec::Cuda(engine) => engine.predict_with(b, t, |buf| fill(&x, buf), out, None),
         })
     })();
     reply(env, result)
@@ -310,7 +313,7 @@ fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<
             match (&e.exec, &mut *st) {
                 (Exec::Cpu(engine), AnyState::Cpu(st)) => engine.step(st, |buf| fill(&x, buf), out),
                 (Exec::Cuda(engine), AnyState::Cuda(st)) => {
-                    engine.step(st, &decode_f32(x.bytes, x.dtype), out)
+                    engine.step_with(st, |buf| fill(&x, buf), out, None)
                 }
                 _ => Err(arg_error("state: belongs to another backbone handle")),
             }

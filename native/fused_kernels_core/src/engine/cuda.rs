@@ -37,11 +37,12 @@ use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaFunction, CudaGraph};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// One shape's device memory, handed out slot by slot in request order.
 struct Arena {
@@ -117,6 +118,45 @@ struct Shape {
 pub type ShapeGraphs = (usize, usize, bool, Vec<String>);
 
 static STATE_IDS: AtomicU64 = AtomicU64::new(1);
+
+/// Where one call's time went (the call-path bench, benches/engine_call.rs, reads it): host
+/// nanoseconds from entry to the shape's staging (`lock_ns`), writing the input into it
+/// (`stage_ns`), launching the graph or queueing the layers (`launch_ns`), waiting for the
+/// engine's stream (`wait_ns`) and reading the output (`read_ns`); for a replayed graph,
+/// `device_ns` between two events queued around its launch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallTimes {
+    pub lock_ns: u64,
+    pub stage_ns: u64,
+    pub launch_ns: u64,
+    pub wait_ns: u64,
+    pub read_ns: u64,
+    pub device_ns: Option<u64>,
+}
+
+/// `CudaEngine::profiler`'s events and the last profiled call's `CallTimes`. Profiling adds
+/// two event records to a replayed call; calls without it record nothing.
+pub struct Profiler {
+    events: (CudaEvent, CudaEvent),
+    pub last: CallTimes,
+}
+
+/// Page-locked staging seen as f32 values (page-aligned, a whole number of values).
+fn pinned_f32_mut(p: &mut PinnedBytes) -> Result<&mut [f32]> {
+    // Safety: any bytes are valid f32 values.
+    match unsafe { p.bytes_mut().align_to_mut::<f32>() } {
+        ([], v, []) => Ok(v),
+        _ => Err(Error::Cuda("page-locked staging is not f32-aligned".into())),
+    }
+}
+
+fn pinned_f32(p: &PinnedBytes) -> Result<&[f32]> {
+    // Safety: as in `pinned_f32_mut`.
+    match unsafe { p.bytes().align_to::<f32>() } {
+        ([], v, []) => Ok(v),
+        _ => Err(Error::Cuda("page-locked staging is not f32-aligned".into())),
+    }
+}
 
 pub struct CudaEngine {
     pub spec: Spec,
@@ -287,11 +327,12 @@ impl CudaEngine {
     fn call(
         &self,
         key: (usize, usize, bool),
-        x: &[f32],
+        fill: impl FnOnce(&mut [f32]),
         state: Option<&mut CudaState>,
-        read: impl FnOnce(&[u8]),
+        read: impl FnOnce(&[f32]),
+        prof: Option<&mut Profiler>,
     ) -> Result<()> {
-        let r = self.call_inner(key, x, state, read);
+        let r = self.call_inner(key, fill, state, read, prof);
         if r.is_err() {
             // Work queued before the failure must finish before the next call reuses the
             // staging and the arena.
@@ -303,10 +344,12 @@ impl CudaEngine {
     fn call_inner(
         &self,
         key: (usize, usize, bool),
-        x: &[f32],
+        fill: impl FnOnce(&mut [f32]),
         mut state: Option<&mut CudaState>,
-        read: impl FnOnce(&[u8]),
+        read: impl FnOnce(&[f32]),
+        mut prof: Option<&mut Profiler>,
     ) -> Result<()> {
+        let t0 = prof.as_ref().map(|_| Instant::now());
         let (b, t, _) = key;
         let s = &self.spec;
         let mut shapes = self
@@ -333,12 +376,11 @@ impl CudaEngine {
             }
         };
         let sh = &mut shapes[i];
-        if x.len() * 4 != sh.input.len() {
-            return Err(arg_error("x: must hold batch * seq * embed values"));
-        }
-        for (d, v) in sh.input.bytes_mut().chunks_exact_mut(4).zip(x) {
-            d.copy_from_slice(&v.to_le_bytes());
-        }
+        let t1 = prof.as_ref().map(|_| Instant::now());
+        // The caller writes the input straight into the page-locked staging (no host copy
+        // of its own, no allocation).
+        fill(pinned_f32_mut(&mut sh.input)?);
+        let t2 = prof.as_ref().map(|_| Instant::now());
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
             (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
@@ -356,12 +398,22 @@ impl CudaEngine {
             g.0.launch()
                 .map_err(|e| format!("graph launch: {}", Error::from(e)))
         };
+        let mut replayed = false;
         match found {
             Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
                 let launched = match &sh.graphs[gi].exec {
-                    Ok(g) => launch(g),
+                    Ok(g) => match prof.as_deref_mut() {
+                        None => launch(g),
+                        Some(p) => {
+                            p.events.0.record(&self.gpu.stream)?;
+                            let l = launch(g);
+                            p.events.1.record(&self.gpu.stream)?;
+                            l
+                        }
+                    },
                     Err(why) => Err(why.clone()),
                 };
+                replayed = launched.is_ok();
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
                     sh.graphs[gi].exec = Err(why);
@@ -390,8 +442,29 @@ impl CudaEngine {
             }
             _ => self.eager(sh, state)?,
         }
+        let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
-        read(sh.output.bytes());
+        let t4 = prof.as_ref().map(|_| Instant::now());
+        read(pinned_f32(&sh.output)?);
+        if let (Some(p), Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) =
+            (prof, t0, t1, t2, t3, t4)
+        {
+            let t5 = Instant::now();
+            let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+            p.last = CallTimes {
+                lock_ns: ns(t0, t1),
+                stage_ns: ns(t1, t2),
+                launch_ns: ns(t2, t3),
+                wait_ns: ns(t3, t4),
+                read_ns: ns(t4, t5),
+                device_ns: if replayed {
+                    let ms = p.events.0.elapsed_ms(&p.events.1)?;
+                    Some((f64::from(ms) * 1e6) as u64)
+                } else {
+                    None
+                },
+            };
+        }
         Ok(())
     }
 
@@ -785,26 +858,38 @@ impl CudaEngine {
     /// The window `{batch, seq, embed}` (f32 values) from zero state; the last position of
     /// every batch row into `out` (`batch * hidden`).
     pub fn predict(&self, batch: usize, seq: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        if x.len() != batch * seq * self.spec.embed {
+            return Err(arg_error("window: must hold batch * seq * embed values"));
+        }
+        self.predict_with(batch, seq, |buf| buf.copy_from_slice(x), out, None)
+    }
+
+    /// `predict` with the window written by `fill` straight into the page-locked staging
+    /// (`batch * seq * embed` values), and with `prof` the call's pieces timed.
+    pub fn predict_with(
+        &self,
+        batch: usize,
+        seq: usize,
+        fill: impl FnOnce(&mut [f32]),
+        out: &mut [f32],
+        prof: Option<&mut Profiler>,
+    ) -> Result<()> {
         let (emb, hid) = (self.spec.embed, self.spec.hidden);
         if batch == 0 || seq == 0 {
             return Err(arg_error(format!(
                 "window: batch and window length must be positive, got {{{batch}, {seq}, {emb}}}"
             )));
         }
-        if x.len() != batch * seq * emb || out.len() != batch * hid {
-            return Err(arg_error(
-                "window: must hold batch * seq * embed values and out batch * hidden",
-            ));
+        if out.len() != batch * hid {
+            return Err(arg_error("out: must hold batch * hidden values"));
         }
-        self.call((batch, seq, false), x, None, |y| {
+        let read = |y: &[f32]| {
             for bi in 0..batch {
-                let row = (bi * seq + seq - 1) * hid * 4;
-                for (j, o) in out[bi * hid..(bi + 1) * hid].iter_mut().enumerate() {
-                    let c = &y[row + 4 * j..row + 4 * j + 4];
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+                let row = (bi * seq + seq - 1) * hid;
+                out[bi * hid..(bi + 1) * hid].copy_from_slice(&y[row..row + hid]);
             }
-        })
+        };
+        self.call((batch, seq, false), fill, None, read, prof)
     }
 
     pub fn new_state(&self, batch: usize) -> Result<CudaState> {
@@ -852,22 +937,46 @@ impl CudaEngine {
     /// One frame (`batch * embed` f32 values) from `state`, which moves on one frame;
     /// `{batch, hidden}` into `out`.
     pub fn step(&self, state: &mut CudaState, x: &[f32], out: &mut [f32]) -> Result<()> {
+        if x.len() != state.batch * self.spec.embed {
+            return Err(arg_error("frame: must hold batch * embed values"));
+        }
+        self.step_with(state, |buf| buf.copy_from_slice(x), out, None)
+    }
+
+    /// `step` with the frame written by `fill` straight into the page-locked staging
+    /// (`batch * embed` values), and with `prof` the call's pieces timed.
+    pub fn step_with(
+        &self,
+        state: &mut CudaState,
+        fill: impl FnOnce(&mut [f32]),
+        out: &mut [f32],
+        prof: Option<&mut Profiler>,
+    ) -> Result<()> {
         if state.layers.len() != self.spec.layers {
             return Err(arg_error(
                 "state: was not made by init_state of this backbone",
             ));
         }
         let batch = state.batch;
-        if x.len() != batch * self.spec.embed || out.len() != batch * self.spec.hidden {
-            return Err(arg_error(
-                "frame: must hold batch * embed values and out batch * hidden",
-            ));
+        if out.len() != batch * self.spec.hidden {
+            return Err(arg_error("out: must hold batch * hidden values"));
         }
         state.frames += 1;
-        self.call((batch, 1, true), x, Some(state), |y| {
-            for (o, c) in out.iter_mut().zip(y.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
+        let read = |y: &[f32]| out.copy_from_slice(&y[..out.len()]);
+        self.call((batch, 1, true), fill, Some(state), read, prof)
+    }
+
+    /// Two events on the engine's context for `*_with(.., Some(profiler))`.
+    pub fn profiler(&self) -> Result<Profiler> {
+        let event = || {
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(Error::from)
+        };
+        Ok(Profiler {
+            events: (event()?, event()?),
+            last: CallTimes::default(),
         })
     }
 }
