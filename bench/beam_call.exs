@@ -4,8 +4,8 @@
 #   normal        engine_state_info on a normal scheduler (decodes a resource, takes a mutex)
 #   dirty_cpu     engine_graphs of a CPU engine (returns []) on a dirty CPU scheduler
 #   job_lane      scaled_softmax of one value through the CPU job lanes (queue, worker, message)
-#   engine_step   Native.engine_step of a CPU engine (1-layer GRU, hidden 256, batch 1): the
-#                 engine's NIF round trip, kernels included
+#   engine_step   Native.engine_step of a CPU engine (1-layer GRU, hidden 256, batch 1) and
+#                 its reply: the engine's NIF round trip, kernels included
 #   backbone_step Backbone.step/3 of the same engine (the public call)
 #
 # Usage: mix run bench/beam_call.exs [--runs N] [--json PATH]
@@ -25,7 +25,18 @@ cases = [
   {"normal", fn -> Native.engine_state_info(state.ref) end},
   {"dirty_cpu", fn -> Native.engine_graphs(h.engine) end},
   {"job_lane", fn -> Native.scaled_softmax(one, 1.0, false, :cpu, nil, :host) end},
-  {"engine_step", fn -> Native.engine_step(h.engine, state.ref, frame) end},
+  {"engine_step",
+   fn ->
+     case Native.engine_step(h.engine, state.ref, frame) do
+       ref when is_reference(ref) ->
+         receive do
+           {^ref, reply} -> reply
+         end
+
+       reply ->
+         reply
+     end
+   end},
   {"backbone_step", fn -> Backbone.step(h, state, frame) end}
 ]
 

@@ -1,7 +1,12 @@
 //! The backbone engine as NIF resources: `engine_load` builds an engine from a spec map and
 //! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
-//! state resource updated in place) are one call each. Every call that computes runs on a
-//! dirty scheduler (DirtyCpu for the CPU executor; the CUDA one waits on its results too).
+//! state resource updated in place) are one call each. Every call that computes runs off the
+//! normal schedulers: `engine_predict`/`engine_step` check their arguments on the normal
+//! scheduler (argument errors come back at once), then the CPU engine's work goes to the
+//! library's job lanes (`jobs`: frames to the short lane, windows to the long one, so a long
+//! window never holds up a frame, and no dirty scheduler is held while it computes; the reply
+//! comes as a `{ref, reply}` message) and the CUDA engine's continues on a dirty CPU scheduler
+//! (`enif_schedule_nif`), which waits for the GPU.
 
 use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
@@ -65,6 +70,8 @@ impl rustler::Resource for EngineResource {}
 /// A stream's state; it belongs to the engine that made it.
 pub struct StateResource {
     engine_id: u64,
+    /// The state's rows (fixed at `init_state`), readable without the lock.
+    batch: usize,
     state: Mutex<AnyState>,
 }
 
@@ -242,9 +249,100 @@ fn check_input(x: &HostTensor<'_>, name: &str, want_rank: usize, embed: usize) -
     Ok(())
 }
 
-/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position.
-#[rustler::nif(schedule = "DirtyCpu")]
+type RawNif = unsafe extern "C" fn(
+    *mut rustler::sys::ErlNifEnv,
+    std::os::raw::c_int,
+    *const rustler::sys::ErlNifTerm,
+) -> rustler::sys::ErlNifTerm;
+
+/// Continues this NIF call as `f(args)` on a dirty CPU scheduler (the caller's process
+/// waits; the reply is `f`'s).
+fn on_dirty<'a>(env: Env<'a>, name: &std::ffi::CStr, f: RawNif, args: &[Term<'a>]) -> Term<'a> {
+    let raw: Vec<rustler::sys::ErlNifTerm> = args.iter().map(|t| t.as_c_arg()).collect();
+    // Safety: `env` is this call's; `raw` are its terms, copied by the runtime before
+    // `enif_schedule_nif` returns; `f` is a NIF function of the arity given.
+    unsafe {
+        Term::new(
+            env,
+            rustler::sys::enif_schedule_nif(
+                env.as_c_arg(),
+                name.as_ptr(),
+                rustler::sys::ERL_NIF_DIRTY_JOB_CPU_BOUND as i32,
+                f,
+                raw.len() as i32,
+                raw.as_ptr(),
+            ),
+        )
+    }
+}
+
+/// A dirty continuation (`on_dirty`) running `$imp(env, args...)`; a panic becomes an
+/// `:internal` error reply.
+macro_rules! dirty_continuation {
+    ($fname:ident, $imp:path, $n:literal) => {
+        unsafe extern "C" fn $fname(
+            env: *mut rustler::sys::ErlNifEnv,
+            argc: std::os::raw::c_int,
+            argv: *const rustler::sys::ErlNifTerm,
+        ) -> rustler::sys::ErlNifTerm {
+            let lifetime = ();
+            // Safety: the runtime calls this with the process' env and `argc` terms.
+            let env = unsafe { Env::new(&lifetime, env) };
+            let raw = unsafe { std::slice::from_raw_parts(argv, argc as usize) };
+            let args: Vec<Term<'_>> = raw.iter().map(|t| unsafe { Term::new(env, *t) }).collect();
+            let run = std::panic::AssertUnwindSafe(|| match <[Term<'_>; $n]>::try_from(args) {
+                Ok(a) => $imp(env, a),
+                Err(_) => crate::jobs::arity_error(env),
+            });
+            std::panic::catch_unwind(run)
+                .unwrap_or_else(|_| {
+                    reply(
+                        env,
+                        Err(Error::Cuda("the engine call panicked (a bug: please report it)".into())),
+                    )
+                })
+                .as_c_arg()
+        }
+    };
+}
+
+dirty_continuation!(predict_dirty, predict_args, 2);
+dirty_continuation!(step_dirty, step_args, 3);
+
+fn predict_args<'a>(env: Env<'a>, [engine, window]: [Term<'a>; 2]) -> Term<'a> {
+    predict(env, engine, window)
+}
+
+fn step_args<'a>(env: Env<'a>, [engine, state, frame]: [Term<'a>; 3]) -> Term<'a> {
+    step(env, engine, state, frame)
+}
+
+/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position; for the
+/// CPU engine a reference, and the reply follows as `{ref, reply}` (see the module doc).
+#[rustler::nif]
 fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
+    let checked = (|| {
+        let e = decode_engine(engine)?;
+        let x = decode_host("window", window)?;
+        check_input(&x, "window", 3, e.spec().embed)?;
+        Ok(matches!(e.exec, Exec::Cpu(_)))
+    })();
+    match checked {
+        Err(err) => reply(env, Err(err)),
+        Ok(true) => crate::jobs::submit_to(
+            env,
+            &[engine, window],
+            |env, args| match args {
+                [e, w] => predict(env, *e, *w),
+                _ => crate::jobs::arity_error(env),
+            },
+            crate::jobs::LaneChoice::Long,
+        ),
+        Ok(false) => on_dirty(env, c"engine_predict", predict_dirty, &[engine, window]),
+    }
+}
+
+fn predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
     let result = (|| {
         let e = decode_engine(engine)?;
         let x = decode_host("window", window)?;
@@ -274,6 +372,7 @@ fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Ter
         };
         Ok(ResourceArc::new(StateResource {
             engine_id: e.id,
+            batch: batch as usize,
             state: Mutex::new(state),
         })
         .encode(env))
@@ -287,28 +386,55 @@ fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, AnyState>> {
         .map_err(|_| Error::Cuda("backbone state lock poisoned".into()))
 }
 
+/// The checks of `engine_step`'s arguments (no lock taken): the engine, its state, the
+/// frame. Whether the engine is the CPU one.
+fn check_step(engine: Term<'_>, state: Term<'_>, frame: Term<'_>) -> Result<bool> {
+    let e = decode_engine(engine)?;
+    let s = decode_state(state)?;
+    if s.engine_id != e.id {
+        return Err(arg_error(
+            "state: belongs to another backbone handle; make one with init_state(handle, batch)",
+        ));
+    }
+    let x = decode_host("frame", frame)?;
+    check_input(&x, "frame", 2, e.spec().embed)?;
+    if x.shape[0] != s.batch {
+        return Err(arg_error(format!(
+            "frame: has {} rows but the state was made for batch {}",
+            x.shape[0], s.batch
+        )));
+    }
+    Ok(matches!(e.exec, Exec::Cpu(_)))
+}
+
 /// `engine_step(engine, state, frame)` → `{batch, hidden}` triple; the state moves on one
-/// frame in place.
-#[rustler::nif(schedule = "DirtyCpu")]
+/// frame in place. For the CPU engine a reference, and the reply follows as `{ref, reply}`
+/// (see the module doc).
+#[rustler::nif]
 fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
+    match check_step(engine, state, frame) {
+        Err(err) => reply(env, Err(err)),
+        Ok(true) => crate::jobs::submit_to(
+            env,
+            &[engine, state, frame],
+            |env, args| match args {
+                [e, s, f] => step(env, *e, *s, *f),
+                _ => crate::jobs::arity_error(env),
+            },
+            crate::jobs::LaneChoice::BySize,
+        ),
+        Ok(false) => on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame]),
+    }
+}
+
+fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
     let result = (|| {
         let e = decode_engine(engine)?;
         let s = decode_state(state)?;
-        if s.engine_id != e.id {
-            return Err(arg_error(
-                "state: belongs to another backbone handle; make one with init_state(handle, batch)",
-            ));
-        }
+        check_step(engine, state, frame)?;
         let x = decode_host("frame", frame)?;
-        check_input(&x, "frame", 2, e.spec().embed)?;
         let mut st = lock(&s)?;
-        let batch = st.batch();
-        if x.shape[0] != batch {
-            return Err(arg_error(format!(
-                "frame: has {} rows but the state was made for batch {batch}",
-                x.shape[0]
-            )));
-        }
+        let batch = s.batch;
         output(env, (batch, e.spec().hidden), x.dtype, |out| {
             match (&e.exec, &mut *st) {
                 (Exec::Cpu(engine), AnyState::Cpu(st)) => engine.step(st, |buf| fill(&x, buf), out),
