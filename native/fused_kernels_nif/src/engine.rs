@@ -2,11 +2,11 @@
 //! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
 //! state resource updated in place) are one call each. Every call that computes runs off the
 //! normal schedulers: `engine_predict`/`engine_step` check their arguments on the normal
-//! scheduler (argument errors come back at once), then the CPU engine's work goes to the
-//! library's job lanes (`jobs`: frames to the short lane, windows to the long one, so a long
-//! window never holds up a frame, and no dirty scheduler is held while it computes; the reply
-//! comes as a `{ref, reply}` message) and the CUDA engine's continues on a dirty CPU scheduler
-//! (`enif_schedule_nif`), which waits for the GPU.
+//! scheduler (argument errors come back at once). Then the CPU engine's windows, and its
+//! frames that run long (`SHORT_CPU_STEP_NS`), go to the library's job lanes (`jobs`: windows
+//! to the long lane, frames by size; no dirty scheduler is held while they compute; the reply
+//! comes as a `{ref, reply}` message), its short frames and every CUDA call continue on a
+//! dirty CPU scheduler (`enif_schedule_nif`; the CUDA engine waits there for the GPU).
 
 use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
@@ -21,6 +21,7 @@ use rustler::types::tuple::{get_tuple, make_tuple};
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -72,6 +73,9 @@ pub struct StateResource {
     engine_id: u64,
     /// The state's rows (fixed at `init_state`), readable without the lock.
     batch: usize,
+    /// How long the CPU engine's last step of this state took (`u64::MAX` before the
+    /// first): where the next one runs (`SHORT_CPU_STEP_NS`).
+    last_step_ns: AtomicU64,
     state: Mutex<AnyState>,
 }
 
@@ -373,6 +377,7 @@ fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Ter
         Ok(ResourceArc::new(StateResource {
             engine_id: e.id,
             batch: batch as usize,
+            last_step_ns: AtomicU64::new(u64::MAX),
             state: Mutex::new(state),
         })
         .encode(env))
@@ -414,6 +419,9 @@ fn check_step(engine: Term<'_>, state: Term<'_>, frame: Term<'_>) -> Result<bool
 fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
     match check_step(engine, state, frame) {
         Err(err) => reply(env, Err(err)),
+        Ok(true) if cpu_step_is_short(state) => {
+            on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame])
+        }
         Ok(true) => crate::jobs::submit_to(
             env,
             &[engine, state, frame],
@@ -427,6 +435,17 @@ fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<
     }
 }
 
+/// A CPU frame whose last run on this state took at most this long continues on a dirty
+/// CPU scheduler instead of the job lanes: the hop there cost 1.4-17 µs against the lanes'
+/// 9-22 µs (bench/beam_call.exs on a loaded 2-core machine), and a call queued behind it on
+/// the dirty schedulers waits at most this long. Longer frames (large batches) and every
+/// window go to the lanes, so a long CPU call never holds a dirty scheduler.
+const SHORT_CPU_STEP_NS: u64 = 200_000;
+
+fn cpu_step_is_short(state: Term<'_>) -> bool {
+    decode_state(state).is_ok_and(|s| s.last_step_ns.load(Ordering::Relaxed) <= SHORT_CPU_STEP_NS)
+}
+
 fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
     let result = (|| {
         let e = decode_engine(engine)?;
@@ -437,7 +456,13 @@ fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) ->
         let batch = s.batch;
         output(env, (batch, e.spec().hidden), x.dtype, |out| {
             match (&e.exec, &mut *st) {
-                (Exec::Cpu(engine), AnyState::Cpu(st)) => engine.step(st, |buf| fill(&x, buf), out),
+                (Exec::Cpu(engine), AnyState::Cpu(st)) => {
+                    let t = Instant::now();
+                    let r = engine.step(st, |buf| fill(&x, buf), out);
+                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    s.last_step_ns.store(ns, Ordering::Relaxed);
+                    r
+                }
                 (Exec::Cuda(engine), AnyState::Cuda(st)) => {
                     engine.step_with(st, |buf| fill(&x, buf), out, None)
                 }
