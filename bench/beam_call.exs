@@ -69,7 +69,11 @@ rows =
   end
 
 if path = opts[:json] do
-  File.write!(path, "[" <> Enum.map_join(rows, ",", fn r ->
-    ~s({"name":"#{r.name}","median_us":#{r.median_us},"p99_us":#{r.p99_us},"runs":#{r.runs}})
-  end) <> "]")
+  File.write!(
+    path,
+    "[" <>
+      Enum.map_join(rows, ",", fn r ->
+        ~s({"name":"#{r.name}","median_us":#{r.median_us},"p99_us":#{r.p99_us},"runs":#{r.runs}})
+      end) <> "]"
+  )
 end

@@ -180,7 +180,10 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
         Ok(g) => eprintln!("{label}: graphs {g:?}"),
         Err(e) => eprintln!("{label}: graphs: {e}"),
     }
-    assert!(y.iter().chain(&y2).all(|v| v.is_finite()), "{label}: output");
+    assert!(
+        y.iter().chain(&y2).all(|v| v.is_finite()),
+        "{label}: output"
+    );
 }
 
 /// A graph of `f`'s work on `gpu`'s stream, instantiated and uploaded.
@@ -332,7 +335,8 @@ fn cpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
     };
     // Windows are slower: fewer of them.
     let wruns = (runs / 4).max(10);
-    let pairs: [(&str, usize, &mut dyn FnMut(), &mut dyn FnMut()); 2] = [
+    type Pair<'a> = (&'a str, usize, &'a mut dyn FnMut(), &'a mut dyn FnMut());
+    let pairs: [Pair; 2] = [
         ("frame", runs, &mut engine_step, &mut direct_step),
         ("window", wruns, &mut engine_predict, &mut direct_predict),
     ];
@@ -371,5 +375,10 @@ fn cpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
             "{{\"bench\":\"engine_call\",\"case\":\"cpu {label}\",\"mode\":\"{mode}\",\"what\":\"overhead\",\"median_us\":{med:.2},\"n\":{n}}}"
         ));
     }
-    assert!(y.iter().chain(&yd).chain(&ye).chain(&yw).all(|v| v.is_finite()));
+    assert!(y
+        .iter()
+        .chain(&yd)
+        .chain(&ye)
+        .chain(&yw)
+        .all(|v| v.is_finite()));
 }

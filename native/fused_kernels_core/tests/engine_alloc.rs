@@ -113,7 +113,12 @@ fn the_gpu_hot_path_allocates_nothing_on_the_host() {
         window: 16,
         ..spec(Kind::Gru)
     };
-    for s in [spec(Kind::Gru), gru1, small(Kind::Attention), small(Kind::Mamba)] {
+    for s in [
+        spec(Kind::Gru),
+        gru1,
+        small(Kind::Attention),
+        small(Kind::Mamba),
+    ] {
         let e = CudaEngine::new(s.clone(), to_params(&random_params(&s, 1)), None).unwrap();
         let (b, t) = (1, s.window);
         let window = Rng::new(2).vec(b * t * s.embed, 1.0, 0.0);
@@ -136,7 +141,12 @@ fn the_gpu_hot_path_allocates_nothing_on_the_host() {
                 e.step_with(&mut state, |x| x.copy_from_slice(&frame), &mut out, None)
                     .unwrap();
                 let q = e
-                    .try_quick_step(&mut state, |x| x.copy_from_slice(&frame), &mut out, u64::MAX)
+                    .try_quick_step(
+                        &mut state,
+                        |x| x.copy_from_slice(&frame),
+                        &mut out,
+                        u64::MAX,
+                    )
                     .unwrap();
                 quick += usize::from(q);
             }
@@ -145,7 +155,11 @@ fn the_gpu_hot_path_allocates_nothing_on_the_host() {
                     .unwrap();
             }
         });
-        assert_eq!(n, 0, "{:?}: {n} host allocations on the GPU hot path", s.kind);
+        assert_eq!(
+            n, 0,
+            "{:?}: {n} host allocations on the GPU hot path",
+            s.kind
+        );
         assert_eq!(quick, 2_000, "{:?}: quick steps declined", s.kind);
         assert!(out.iter().all(|v| v.is_finite()));
     }

@@ -339,7 +339,10 @@ fn gpu_quick_steps_equal_steps() {
             }
             gpu.step(&mut plain, &f, &mut yp).unwrap();
             let err = rel_l2(&yq, &yp);
-            assert!(err <= 1e-6, "{kind:?}: frame {i}: quick vs step rel L2 {err}");
+            assert!(
+                err <= 1e-6,
+                "{kind:?}: frame {i}: quick vs step rel L2 {err}"
+            );
         }
         assert!(taken > 0, "{kind:?}: no quick step was taken in {t} frames");
         // A bound below any replay's time declines.

@@ -304,7 +304,9 @@ macro_rules! dirty_continuation {
                 .unwrap_or_else(|_| {
                     reply(
                         env,
-                        Err(Error::Cuda("the engine call panicked (a bug: please report it)".into())),
+                        Err(Error::Cuda(
+                            "the engine call panicked (a bug: please report it)".into(),
+                        )),
                     )
                 })
                 .as_c_arg()
