@@ -20,12 +20,9 @@
 //!
 //! Usage: engine_call [--runs N] [--cpu-only] [--gpu-only] [--json FILE]
 
-#[path = "../tests/common/mod.rs"]
-mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use common::{random_params, spec, to_params, Rng};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
 use fused_kernels_core::cuda::buffer::PinnedBytes;
 use fused_kernels_core::cuda::{DeviceTensor, Gpu};
@@ -36,8 +33,9 @@ use fused_kernels_core::engine::Engine;
 use fused_kernels_core::DType;
 use std::sync::Arc;
 use std::time::Instant;
+use support::backbone::{random_params, spec, to_params};
 use support::cli::{Cli, JsonOut};
-use support::gpu_for_tests;
+use support::{gpu_for_tests, Rng};
 
 fn main() {
     let cli = Cli::from_env();
@@ -97,8 +95,8 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
         }
     };
     let (emb, hid, seq) = (s.embed, s.hidden, s.window);
-    let frame = Rng::new(2).vec(emb, 1.0, 0.0);
-    let window = Rng::new(3).vec(seq * emb, 1.0, 0.0);
+    let frame = Rng::new(2).vec_f32(emb, 1.0, 0.0);
+    let window = Rng::new(3).vec_f32(seq * emb, 1.0, 0.0);
     let mut y = vec![f32::NAN; hid];
     let mut st = engine.new_state(1).expect("state");
     let mut prof = engine.profiler().expect("events");
@@ -294,8 +292,8 @@ fn cpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
     let engine = Engine::new(plan());
     let direct_plan = plan();
     let (emb, hid, seq) = (s.embed, s.hidden, s.window);
-    let frame = Rng::new(2).vec(emb, 1.0, 0.0);
-    let window = Rng::new(3).vec(seq * emb, 1.0, 0.0);
+    let frame = Rng::new(2).vec_f32(emb, 1.0, 0.0);
+    let window = Rng::new(3).vec_f32(seq * emb, 1.0, 0.0);
     let mut y = vec![f32::NAN; hid];
     let mut st = engine.new_state(1).expect("state");
 

@@ -2,15 +2,15 @@
 //! allocation during up to 10,000 streamed frames and 20 windows of shapes already seen, on
 //! the CPU engine and (with a GPU) on the GPU engine's replayed graphs.
 
-mod common;
 mod support;
 
-use common::{random_params, small, spec, to_params, Rng};
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use support::backbone::{random_params, small, spec, to_params};
+use support::Rng;
 
 struct Counting;
 
@@ -69,8 +69,8 @@ fn the_hot_path_allocates_nothing() {
     for s in specs {
         let e = Engine::new(Plan::build(s.clone(), to_params(&random_params(&s, 1))).unwrap());
         let (b, t) = (2, 16);
-        let window = Rng::new(2).vec(b * t * s.embed, 1.0, 0.0);
-        let frame = Rng::new(3).vec(b * s.embed, 1.0, 0.0);
+        let window = Rng::new(2).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let frame = Rng::new(3).vec_f32(b * s.embed, 1.0, 0.0);
         let mut out = vec![0.0f32; b * s.hidden];
         let mut state = e.new_state(b).unwrap();
         // First calls of each shape allocate their workspaces.
@@ -121,8 +121,8 @@ fn the_gpu_hot_path_allocates_nothing_on_the_host() {
     ] {
         let e = CudaEngine::new(s.clone(), to_params(&random_params(&s, 1)), None).unwrap();
         let (b, t) = (1, s.window);
-        let window = Rng::new(2).vec(b * t * s.embed, 1.0, 0.0);
-        let frame = Rng::new(3).vec(b * s.embed, 1.0, 0.0);
+        let window = Rng::new(2).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let frame = Rng::new(3).vec_f32(b * s.embed, 1.0, 0.0);
         let mut out = vec![0.0f32; b * s.hidden];
         let mut state = e.new_state(b).unwrap();
         // Warm-up: the eager call, the capture, a timed replay (attention replays once its
