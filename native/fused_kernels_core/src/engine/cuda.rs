@@ -373,7 +373,11 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: self.mapped_input(&input),
+                    input_dev: if t > 1 {
+                        self.mapped_input(&input)
+                    } else {
+                        None
+                    },
                     input,
                     output: PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?,
                     warm: false,
@@ -512,11 +516,13 @@ impl CudaEngine {
         })
     }
 
-    /// The device address of the page-locked `input` when the first layer should read it in
-    /// place instead of a copy node putting it in device memory first. A copy node costs
-    /// ~4-5 µs of a frame on an H100 (bench engine_call: a graph of the two staging copies
-    /// completes in 10.3 µs, an empty one in 1.2 µs), while reading a frame or a window over
-    /// the bus inside the first kernel costs a few bus round trips. Only for the recurrent
+    /// The device address of the page-locked `input` when the first layer should read a
+    /// window in place instead of a copy node putting it in device memory first. A copy node
+    /// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies
+    /// completes in 10.3 µs, an empty one in 1.2 µs); reading the window inside the first
+    /// kernel instead took the GRU windows from 240 to 230 µs (2 x 256, window 60) and from
+    /// 73 to 69 µs (1 layer, window 16), but the frames from 70 to 76 and 45 to 51 µs, so
+    /// frames keep the copy (the caller passes only windows here). Only for the recurrent
     /// backbones, whose first layer is a LayerNorm streaming its input rows; the others
     /// start with a GEMM, which would fetch its input over the bus once per output tile.
     /// None (copy) where the driver gives no device address.
