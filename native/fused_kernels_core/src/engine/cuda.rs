@@ -16,10 +16,13 @@
 //!
 //! The second call of a shape (and, for frames, of each state) is captured as a CUDA graph
 //! and later calls replay it: input and output go through page-locked staging copied inside
-//! the graph, so a replayed call is one host copy in, one graph launch, one wait on the
-//! engine's stream and one host copy out, and runs none of the ops' host code (their kernel
-//! look-ups in the device's module map, their checks). A capture that fails leaves that shape
-//! eager, with the reason in `graphs`.
+//! the graph (a recurrent backbone's window is read in place from the staging instead:
+//! `mapped_input`), so a replayed call is the caller writing the input into the staging, one
+//! graph launch, one wait on the engine's stream and one read of the output staging, and runs
+//! none of the ops' host code (their kernel look-ups in the device's module map, their
+//! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
+//! `try_quick_step` replays a frame for a caller that must not block (the NIF on a normal
+//! scheduler) when the engine is free and the frame's graph is known to be quick.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
