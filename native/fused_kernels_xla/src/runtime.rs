@@ -12,7 +12,45 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::null_mut;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What the handlers did in this process: execute-stage calls, those of them that ran while
+/// XLA was capturing the stream into a CUDA graph (a command buffer: the work is recorded
+/// there and replayed later without calling the handler), initialize-stage calls, and the
+/// host time spent inside execute and initialize, in nanoseconds.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct Counters {
+    pub executes: u64,
+    pub captured_executes: u64,
+    pub initializes: u64,
+    pub execute_ns: u64,
+    pub initialize_ns: u64,
+}
+
+static EXECUTES: AtomicU64 = AtomicU64::new(0);
+static CAPTURED_EXECUTES: AtomicU64 = AtomicU64::new(0);
+static INITIALIZES: AtomicU64 = AtomicU64::new(0);
+static EXECUTE_NS: AtomicU64 = AtomicU64::new(0);
+static INITIALIZE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The counters so far.
+pub fn counters() -> Counters {
+    Counters {
+        executes: EXECUTES.load(Ordering::Relaxed),
+        captured_executes: CAPTURED_EXECUTES.load(Ordering::Relaxed),
+        initializes: INITIALIZES.load(Ordering::Relaxed),
+        execute_ns: EXECUTE_NS.load(Ordering::Relaxed),
+        initialize_ns: INITIALIZE_NS.load(Ordering::Relaxed),
+    }
+}
+
+fn add_elapsed(counter: &AtomicU64, since: Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counter.fetch_add(ns, Ordering::Relaxed);
+}
 
 /// One call target: its name, traits, what it runs and which modules to load before a
 /// CUDA-graph capture.
@@ -217,9 +255,20 @@ unsafe fn dispatch(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     if unsafe { answer_metadata(f, op.traits)? } {
         return Ok(());
     }
+    let start = Instant::now();
     match f.stage {
-        ffi::STAGE_EXECUTE => unsafe { execute(f, op) },
-        ffi::STAGE_INITIALIZE => unsafe { initialize(f, op) },
+        ffi::STAGE_EXECUTE => {
+            let r = unsafe { execute(f, op) };
+            EXECUTES.fetch_add(1, Ordering::Relaxed);
+            add_elapsed(&EXECUTE_NS, start);
+            r
+        }
+        ffi::STAGE_INITIALIZE => {
+            let r = unsafe { initialize(f, op) };
+            INITIALIZES.fetch_add(1, Ordering::Relaxed);
+            add_elapsed(&INITIALIZE_NS, start);
+            r
+        }
         _ => Ok(()),
     }
 }
@@ -243,6 +292,9 @@ unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     let stream = unsafe { stream_of(api, f.ctx)? };
     let base = cuda::gpu(Some(ordinal_of(&d)?))?;
     check_context(&base)?;
+    if capturing(stream)? {
+        CAPTURED_EXECUTES.fetch_add(1, Ordering::Relaxed);
+    }
     let gpu = on_stream(&base, stream)?;
     let mut lent = Lent {
         api,
@@ -287,9 +339,21 @@ unsafe fn stream_of(
     Ok(args.stream as cudarc::driver::sys::CUstream)
 }
 
+/// Whether XLA is recording `stream` into a CUDA graph (a command buffer) right now.
+fn capturing(stream: cudarc::driver::sys::CUstream) -> Result<bool> {
+    use cudarc::driver::sys::CUstreamCaptureStatus as S;
+    let mut status = S::CU_STREAM_CAPTURE_STATUS_NONE;
+    unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream, &mut status).result() }
+        .map_err(Error::from)?;
+    Ok(status != S::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// The device holding the call's buffers (XLA binds a handler to one device).
 fn ordinal_of(d: &Decoded) -> Result<usize> {
-    cuda::probe()?;
+    if cuda::probe()?.device_count == 1 {
+        // The only device the process sees holds every buffer XLA passes.
+        return Ok(0);
+    }
     let buf = d
         .args
         .iter()

@@ -451,3 +451,41 @@ fn malformed_buffers_are_refused() {
         e.message
     );
 }
+
+#[test]
+fn counters_count_execute_and_initialize_calls() {
+    let read = || {
+        let mut c = [0u64; 5];
+        let n = unsafe { fused_kernels_xla::fused_kernels_xla_counters(c.as_mut_ptr(), c.len()) };
+        assert_eq!(n, 5);
+        c
+    };
+    // Other tests call handlers on other threads at the same time: compare with >=.
+    let before = read();
+    let h = fused_kernels_xla::fused_kernels_rms_norm as ffi::Handler;
+    // An execute that fails validation still counts as one execute, none under capture.
+    let e = call(h, &[f32s(&[4, 8])], &[f32s(&[4, 8])], &[]);
+    invalid(e, "operands");
+    let a = api();
+    let mut f = Frame::new(&a, ffi::STAGE_INITIALIZE, &[f32s(&[1, 2, 3])], &[], &[]);
+    let gru = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
+    assert!(take_error(unsafe { gru(f.ptr()) }).is_none());
+    let after = read();
+    assert!(after[0] > before[0], "executes {before:?} -> {after:?}");
+    assert!(after[2] > before[2], "initializes {before:?} -> {after:?}");
+    assert!(after[3] >= before[3] && after[4] >= before[4]);
+    // The metadata query is not a call.
+    let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
+    f.metadata_query(ffi::METADATA_STRUCT_SIZE);
+    assert!(take_error(unsafe { h(f.ptr()) }).is_none());
+    // A null output pointer is refused without a write.
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_counters(std::ptr::null_mut(), 5) },
+        0
+    );
+    let mut two = [0u64; 2];
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_counters(two.as_mut_ptr(), 2) },
+        2
+    );
+}
