@@ -61,6 +61,7 @@ GRAPHABLE = [
     "fused_kernels_selective_scan",
     "fused_kernels_layer_norm",
     "fused_kernels_rms_norm",
+    "fused_kernels_dense",
 ]
 COUNTERS = ["executes", "captured_executes", "initializes", "execute_ns", "initialize_ns"]
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT --xla_gpu_graph_min_graph_size=1"
@@ -527,14 +528,20 @@ def check_all(jax, results):
         if res:
             record(f"{kind}_norm rows{rows} hidden{hid} sum", rel_l2(got[1], s), 1e-6)
 
-    # Dense epilogues: the FFN's 60x256x1024 + bias + gelu, swiglu, fused norms, residual.
+    # Dense epilogues: the FFN's 60x256x1024 + bias + gelu, swiglu, fused norms (row
+    # statistics in the stats result; once from XLA's scratch, which a command buffer refuses),
+    # residual.
+    in_graphs = "command_buffer" in os.environ.get("XLA_FLAGS", "")
     for kind, m, k, n, actn, extra in [
         ("dense", 60, 256, 1024, "gelu", ["bias"]),
         ("dense", 61, 200, 512, "silu", ["bias", "residual"]),
         ("swiglu", 60, 256, 512, "none", ["bias"]),
-        ("rms_norm_dense", 60, 256, 256, "none", []),
-        ("layer_norm_dense", 3, 512, 200, "relu", ["bias"]),
+        ("rms_norm_dense", 60, 256, 256, "none", ["stats"]),
+        ("layer_norm_dense", 3, 512, 200, "relu", ["bias", "stats"]),
+        ("layer_norm_dense", 61, 200, 512, "gelu", ["bias"] if in_graphs else ["bias", "scratch"]),
     ]:
+        if in_graphs and "stats" not in extra and kind.endswith("norm_dense"):
+            continue
         x = f64s(m, k)
         kern = f64s(k, n, scale=1 / math.sqrt(k))
         ops = {"x": x, "kernel": kern}
@@ -564,8 +571,10 @@ def check_all(jax, results):
         ref = ref + ops.get("residual", 0)
         order = [nm for nm in ["x", "kernel", "kernel_up", "bias", "bias_up", "gamma", "beta", "residual"] if nm in ops]
         r.poison()
-        out = r.call("fused_kernels_dense", [as_dev(jnp, ops[nm]) for nm in order], [((m, n), "float32")],
+        outs = [((m, n), "float32")] + ([((m, 2), "float32")] if "stats" in extra else [])
+        out = r.call("fused_kernels_dense", [as_dev(jnp, ops[nm]) for nm in order], outs,
                      {"operands": ",".join(order), "kind": kind, "activation": actn, "eps": np.float64(eps)})
+        out = out[0] if "stats" in extra else out
         record(f"dense {kind} {m}x{k}x{n} {actn} {'+'.join(extra)}", rel_l2(out, ref), 1e-5)
 
     # Mamba block (Edifice's): hidden 256, state 16, inner 512, conv 4, dt_rank 16; odd sizes.
@@ -741,6 +750,31 @@ def command_buffer_check(jax, results):
     for _ in range(n):
         r3, _ = ref_scan(r3, delta, a, bm, cm)
     cases.append(("fused_kernels_selective_scan", f_scan, [u, delta, a, bm, cm], r3))
+
+    rows, feat = 60, 256
+    x = rng.uniform(-2, 2, (rows, feat))
+    kern = rng.uniform(-1, 1, (feat, feat)) / math.sqrt(feat)
+    bias = rng.uniform(-0.1, 0.1, (feat,))
+    gamma = rng.uniform(0.5, 1.5, (feat,))
+    dn = jax.ffi.ffi_call("fused_kernels_dense", sds((rows, feat)))
+    dns = jax.ffi.ffi_call("fused_kernels_dense", [sds((rows, feat)), sds((rows, 2))])
+
+    def f_dense(x, kern, bias):
+        for _ in range(n):
+            x = dn(x, kern, bias, operands="x,kernel,bias", activation="tanh")
+        return x
+
+    def f_norm_dense(x, kern, gamma):
+        for _ in range(n):
+            x = dns(x, kern, gamma, operands="x,kernel,gamma", kind="rms_norm_dense", eps=np.float64(1e-6))[0]
+        return x
+
+    r4, r5 = x, x
+    for _ in range(n):
+        r4 = np.tanh(r4 @ kern + bias)
+        r5 = ref_rms_norm(r5, gamma, 1e-6) @ kern
+    cases.append(("fused_kernels_dense", f_dense, [x, kern, bias], r4))
+    cases.append(("fused_kernels_dense (rms_norm_dense, stats result)", f_norm_dense, [x, kern, gamma], r5))
 
     fails = 0
     for target, fn, args, ref in cases:
@@ -928,6 +962,27 @@ def bench(jax, results):
     return 0
 
 
+def command_buffer_refusal(jax, results):
+    """Last in the command-buffer child: a norm-fused dense call without the stats result is
+    refused while XLA records it (its row statistics would live at a baked-in address of
+    XLA's scratch), as a Python exception carrying our message."""
+    jnp = jax.numpy
+    x = jnp.ones((60, 256), jnp.float32)
+    w = jnp.ones((256, 256), jnp.float32) / 256
+    g = jnp.ones((256,), jnp.float32)
+    call = jax.ffi.ffi_call("fused_kernels_dense", jax.ShapeDtypeStruct((60, 256), jnp.float32))
+    try:
+        np.asarray(jax.jit(lambda x, w, g: call(x, w, g, operands="x,kernel,gamma", kind="rms_norm_dense"))(x, w, g))
+        ok, msg = False, "no error raised"
+    except Exception as e:
+        msg = str(e)
+        ok = "need the stats result" in msg
+    results.append({"check": "command buffer: norm-fused dense without stats refused", "ok": ok, "message": msg[:300]})
+    print(f"{'ok  ' if ok else 'FAIL'} command buffer: norm-fused dense without stats refused: "
+          f"{msg.splitlines()[0][:200] if msg else ''}", flush=True)
+    return 0 if ok else 1
+
+
 def bench_chain(jax, results):
     """Device time per attention call (run in the command-buffer child, where the chain of
     200 calls is one CUDA graph): ours vs jax.nn.dot_product_attention."""
@@ -964,7 +1019,7 @@ def graphs_child(args):
     """Runs in a child with command buffers forced on: the checks again, the command-buffer
     proof (the handlers' capture counters) and the attention chain's device time."""
     cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform,
-           "--part", "check,errors,cb,chain", "--json", os.path.join(args.out, "xla_ffi_graphs.json")]
+           "--part", "check,errors,cb,chain,refusal", "--json", os.path.join(args.out, "xla_ffi_graphs.json")]
     # A flag this XLA does not know aborts it: then try the one that matters alone.
     for flags in [GRAPH_FLAGS, "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"]:
         env = dict(os.environ)
@@ -999,7 +1054,8 @@ def main():
     results = []
     fails = 0
     for part, fn in [("check", check_all), ("errors", check_errors), ("loop", loop_check),
-                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain)]:
+                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain),
+                     ("refusal", command_buffer_refusal)]:
         if part not in parts:
             continue
         try:

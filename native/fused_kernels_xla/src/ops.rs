@@ -313,21 +313,49 @@ const DENSE_KNOWN: &[&str] = &[
 ];
 
 /// `fused_kernels_dense`: x, kernel [, kernel_up, bias, bias_up, gamma, beta, residual]
-/// (by `operands`) -> out `{.., units}`. Attributes: `kind` ("dense" | "swiglu" |
-/// "rms_norm_dense" | "layer_norm_dense"), `activation` ("none", "relu", "gelu",
-/// "gelu_tanh", "silu", "sigmoid", "tanh"), `eps`. Norm-fused kinds take row statistics
-/// from XLA's scratch allocator, so this target is not captured into command buffers.
+/// (by `operands`) -> out `{.., units}` [, stats f32 `{rows, 2}`]. Attributes: `kind`
+/// ("dense" | "swiglu" | "rms_norm_dense" | "layer_norm_dense"), `activation` ("none",
+/// "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"), `eps`. The norm-fused kinds
+/// keep each row's statistics in the `stats` result when one is declared (its contents are
+/// a by-product); without it they take them from XLA's scratch allocator, which they refuse
+/// to do while XLA records a command buffer (the address would be baked into the graph).
 pub const DENSE: OpSpec = OpSpec {
     name: "fused_kernels_dense",
-    traits: 0,
-    validate: |d| {
-        arity("results (out)", d.rets.len(), &[1])?;
-        dense_params(&d.attrs)?;
-        operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"]).map(|_| ())
-    },
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: dense_validate,
     execute: dense_execute,
     preload: no_preload,
 };
+
+fn dense_norm(kind: dense::Kind) -> bool {
+    matches!(
+        kind,
+        dense::Kind::RmsNormDense | dense::Kind::LayerNormDense
+    )
+}
+
+fn dense_validate(d: &Decoded) -> Result<()> {
+    arity("results (out [, stats])", d.rets.len(), &[1, 2])?;
+    let p = dense_params(&d.attrs)?;
+    operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"])?;
+    if let Some(stats) = d.rets.get(1) {
+        if !dense_norm(p.kind) {
+            return Err(arg_error(
+                "stats: only the norm-fused kinds (rms_norm_dense, layer_norm_dense) return row statistics",
+            ));
+        }
+        let x = &d.args[0];
+        let rows: usize = x.dims.iter().rev().skip(1).product();
+        if stats.dims != [rows, 2] || stats.dtype != DType::F32 {
+            return Err(arg_error(format!(
+                "stats: must be f32 {{{rows}, 2}} (x's rows), XLA declared {} {:?}",
+                stats.dtype.name(),
+                stats.dims
+            )));
+        }
+    }
+    Ok(())
+}
 
 pub fn dense_params(a: &Attrs) -> Result<dense::Params> {
     a.only(&["operands", "kind", "activation", "eps"])?;
@@ -359,7 +387,14 @@ fn dense_execute(c: &Call<'_>) -> Result<()> {
         residual: dev("residual"),
     };
     let mut out = c.tensor(&c.d.rets[0]);
-    dense::cuda(&ops, &mut out, p)
+    match c.d.rets.get(1) {
+        Some(stats) => c.with_workspace(stats, "stats", || dense::cuda(&ops, &mut out, p)),
+        None if dense_norm(p.kind) && c.capturing()? => Err(arg_error(
+            "stats: inside a command buffer the norm-fused kinds need the stats result \
+             (f32 {rows, 2}) for their row statistics",
+        )),
+        None => dense::cuda(&ops, &mut out, p),
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -81,6 +81,36 @@ impl Call<'_> {
         self.d.args.iter().map(|b| self.tensor(b)).collect()
     }
 
+    /// Whether XLA is recording this call into a command buffer (a CUDA graph).
+    pub fn capturing(&self) -> Result<bool> {
+        capturing(self.stream)
+    }
+
+    /// Runs `f` with the op's temporaries carved out of result `ws` (a workspace the caller
+    /// declared, so that nothing comes from XLA's allocator while it records a CUDA graph):
+    /// a bump allocator over its bytes, 256-byte aligned; asking for more is an error naming
+    /// `what`.
+    pub fn with_workspace<R>(
+        &self,
+        ws: &Buf,
+        what: &str,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let bytes = ws.numel() * ws.dtype.size();
+        let mut used = 0usize;
+        let mut carve = |n: usize| -> Result<u64> {
+            let start = used.div_ceil(256) * 256;
+            let end = start.checked_add(n).filter(|e| *e <= bytes).ok_or_else(|| {
+                arg_error(format!(
+                    "{what}: the call needs more than its {bytes} bytes ({start} used, {n} more asked)"
+                ))
+            })?;
+            used = end;
+            Ok(ws.data + start as u64)
+        };
+        with_scratch(&mut carve, f)
+    }
+
     /// Copies `src` (a temporary the op made) into result `dst`, on XLA's stream.
     pub fn copy_to(&self, src: &DeviceTensor, dst: &Buf, what: &str) -> Result<()> {
         if src.shape != dst.dims || src.dtype != dst.dtype {

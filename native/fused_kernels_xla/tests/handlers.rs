@@ -61,7 +61,8 @@ fn registration_table_names_every_target_once() {
         .filter(|s| s.traits & ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE != 0)
         .map(|s| s.name)
         .collect();
-    // Targets that take XLA scratch stay out of CUDA graphs.
+    // Targets that take XLA scratch stay out of CUDA graphs (dense's norm kinds keep their
+    // row statistics in a result instead).
     assert_eq!(
         graphable,
         [
@@ -69,6 +70,7 @@ fn registration_table_names_every_target_once() {
             "fused_kernels_selective_scan",
             "fused_kernels_layer_norm",
             "fused_kernels_rms_norm",
+            "fused_kernels_dense",
         ]
     );
 }
@@ -359,6 +361,37 @@ fn optional_operands_are_named_and_checked() {
             &[("activation", Str("swish"))],
         ),
         "activation must be one of",
+    );
+    // The stats result: only for the norm-fused kinds, f32 {rows, 2}.
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16])],
+            &[f32s(&[4, 16]), f32s(&[4, 2])],
+            &[],
+        ),
+        "only the norm-fused kinds",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[2, 3, 8]), f32s(&[8, 16]), f32s(&[8])],
+            &[f32s(&[2, 3, 16]), f32s(&[3, 2])],
+            &[
+                ("kind", Str("rms_norm_dense")),
+                ("operands", Str("x,kernel,gamma")),
+            ],
+        ),
+        "stats: must be f32 {6, 2}",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16])],
+            &[f32s(&[4, 16]), f32s(&[4, 2]), f32s(&[4, 2])],
+            &[],
+        ),
+        "results (out [, stats])",
     );
     let h = fused_kernels_xla::fused_kernels_layer_norm as ffi::Handler;
     invalid(
