@@ -168,7 +168,7 @@ fn find_in_loaded_objects() -> *mut libc::c_void {
 }
 
 /// Copies the handlers' counters (`runtime::Counters`: executes, captured executes,
-/// initializes, execute ns, initialize ns) into `out`, which holds `len` u64s; returns how
+/// initializes, execute ns, initialize ns, op ns) into `out`, which holds `len` u64s; returns how
 /// many were written. Tests read it to see that a target ran inside a command buffer.
 ///
 /// # Safety
@@ -185,6 +185,7 @@ pub unsafe extern "C" fn fused_kernels_xla_counters(out: *mut u64, len: usize) -
         c.initializes,
         c.execute_ns,
         c.initialize_ns,
+        c.op_ns,
     ];
     let n = len.min(values.len());
     for (i, v) in values.iter().take(n).enumerate() {
