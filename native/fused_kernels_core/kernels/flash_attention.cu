@@ -63,6 +63,15 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   const T* kb = k + b * a.k_sb + kvh * a.k_sh;
   const T* vb = v + b * a.k_sb + kvh * a.k_sh;
 
+  // Unrolled so that each thread has several global loads in flight at once (a rolled loop
+  // waits out the memory latency once per element).
+#pragma unroll 8
+  for (int e = threadIdx.x; e < BM * DP; e += 128) {
+    const int r = e / DP, c = e % DP;
+    Qs[e] = (q0 + r < a.sq && c < a.d) ? fk_to_f32(qb[(q0 + r) * a.q_ss + c]) * a.scale_log2
+                                       : 0.0f;
+  }
+
   float acc[R][ND], m[R], l[R];
   int lo[R], hi[R];
 #pragma unroll
@@ -76,23 +85,9 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   }
 
   const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
-  const int kfirst = (klo / BK) * BK;
-  for (int kt = kfirst; kt <= khi; kt += BK) {
+  for (int kt = (klo / BK) * BK; kt <= khi; kt += BK) {
     __syncthreads();
-    // The Q tile loads with the first K/V tile (one memory round trip less per block: at a
-    // short sequence the block's time is mostly these round trips). Unrolled so that each
-    // thread has many global loads in flight at once (a rolled loop waits out the memory
-    // latency once per element).
-    if (kt == kfirst) {
 #pragma unroll 8
-      for (int e = threadIdx.x; e < BM * DP; e += 128) {
-        const int r = e / DP, c = e % DP;
-        Qs[e] = (q0 + r < a.sq && c < a.d)
-                    ? fk_to_f32(qb[(q0 + r) * a.q_ss + c]) * a.scale_log2
-                    : 0.0f;
-      }
-    }
-#pragma unroll 16
     for (int e = threadIdx.x; e < BK * DP; e += 128) {
       const int r = e / DP, c = e % DP;
       const bool in = kt + r < a.sk && c < a.d;
@@ -109,7 +104,6 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
     for (int r = 0; r < R; ++r) s[r] = 0.0f;
     const float* kr = Ks + lane * kp;
     const float* qw = Qs + warp * R * DP;
-#pragma unroll 8
     for (int c = 0; c < a.d; ++c) {
       const float kc = kr[c];
 #pragma unroll
@@ -128,7 +122,6 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
       for (int i = 0; i < ND; ++i) acc[r][i] *= alpha;
     }
     const int kn = min(BK, a.sk - kt);
-#pragma unroll 8
     for (int jj = 0; jj < kn; ++jj) {
       const float* vr = Vs + jj * DP + lane;
 #pragma unroll

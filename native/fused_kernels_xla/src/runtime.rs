@@ -85,11 +85,6 @@ impl Call<'_> {
         self.d.args.iter().map(|b| self.tensor(b)).collect()
     }
 
-    /// Whether XLA is recording this call into a command buffer (a CUDA graph).
-    pub fn capturing(&self) -> Result<bool> {
-        capturing(self.stream)
-    }
-
     /// Runs `f` with the op's temporaries carved out of result `ws` (a workspace the caller
     /// declared, so that nothing comes from XLA's allocator while it records a CUDA graph):
     /// a bump allocator over its bytes, 256-byte aligned; asking for more is an error naming

@@ -61,8 +61,8 @@ fn registration_table_names_every_target_once() {
         .filter(|s| s.traits & ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE != 0)
         .map(|s| s.name)
         .collect();
-    // Targets that take XLA scratch stay out of CUDA graphs (dense's norm kinds keep their
-    // row statistics in a result instead).
+    // Targets that take XLA scratch stay out of CUDA graphs (dense's norm kinds return their
+    // row statistics as a result instead).
     assert_eq!(
         graphable,
         [
@@ -362,7 +362,7 @@ fn optional_operands_are_named_and_checked() {
         ),
         "activation must be one of",
     );
-    // The stats result: only for the norm-fused kinds, f32 {rows, 2}.
+    // The stats result: exactly for the norm-fused kinds, f32 {rows, 2}.
     invalid(
         call(
             h,
@@ -370,7 +370,19 @@ fn optional_operands_are_named_and_checked() {
             &[f32s(&[4, 16]), f32s(&[4, 2])],
             &[],
         ),
-        "only the norm-fused kinds",
+        "results (out)",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16]), f32s(&[8])],
+            &[f32s(&[4, 16])],
+            &[
+                ("kind", Str("rms_norm_dense")),
+                ("operands", Str("x,kernel,gamma")),
+            ],
+        ),
+        "results (out, stats",
     );
     invalid(
         call(
@@ -389,9 +401,9 @@ fn optional_operands_are_named_and_checked() {
             h,
             &[f32s(&[4, 8]), f32s(&[8, 16])],
             &[f32s(&[4, 16]), f32s(&[4, 2]), f32s(&[4, 2])],
-            &[],
+            &[("kind", Str("layer_norm_dense"))],
         ),
-        "results (out [, stats])",
+        "results (out, stats",
     );
     let h = fused_kernels_xla::fused_kernels_layer_norm as ffi::Handler;
     invalid(
