@@ -4,7 +4,7 @@
 //! cargo bench -p fused_kernels_core --bench cpu_ops -- --op lstm --mode step --threads 1
 //! ```
 //!
-//! Flags: `--op lstm|gru|dense|gemv`, `--mode step|window` (rnn), `--batch`, `--seq`,
+//! Flags: `--op lstm|gru|dense|scan|attention`, `--mode step|window` (rnn), `--batch`, `--seq`,
 //! `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
 //! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path). Prints the median
 //! and the 10th/90th percentiles of per-call wall time in ms.
@@ -325,6 +325,40 @@ fn scan(a: &Args) {
     report(&format!("selective scan op API B{b} L{l} D{d} N{n}"), ms);
 }
 
+/// Attention through the op API (bytes in, bytes out): q, k, v `{batch, seq, heads, d}`
+/// (`--hidden heads,d`), causal, on the chosen instruction set.
+fn attention(a: &Args, isa: Isa) {
+    use fused_kernels_core::ops::flash_attention::{cpu_on, Layout, Params};
+    use fused_kernels_core::{DType, HostTensor};
+    let (b, s) = (a.batch, a.seq);
+    let (h, d) = match a.hidden[..] {
+        [h, d] => (h, d),
+        _ => (4, 64),
+    };
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let leak = |v: Vec<f32>| -> &'static [u8] {
+        v.iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .leak()
+    };
+    let shape = vec![b, s, h, d];
+    let t = |v: Vec<f32>| HostTensor::new("t", leak(v), shape.clone(), DType::F32).expect("t");
+    let n = b * s * h * d;
+    let (q, k, v) = (t(rng.vec(n, 1.0)), t(rng.vec(n, 1.0)), t(rng.vec(n, 1.0)));
+    let p = Params::new(Layout::Bshd, None, true, (-1, -1)).expect("params");
+    let ms = time(a.iters, || {
+        std::hint::black_box(cpu_on(isa, &q, &k, &v, p).expect("attention"));
+    });
+    report(
+        &format!(
+            "attention op API B{b} S{s} H{h} D{d} causal [{}]",
+            isa.name()
+        ),
+        ms,
+    );
+}
+
 fn main() {
     let a = parse();
     let isa = if a.portable {
@@ -336,6 +370,7 @@ fn main() {
         "lstm" | "gru" => rnn(&a, isa),
         "dense" => dense(&a, isa),
         "scan" => scan(&a),
+        "attention" => attention(&a, isa),
         other => panic!("unknown op {other}"),
     }
 }

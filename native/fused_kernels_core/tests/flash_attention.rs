@@ -5,10 +5,10 @@
 
 mod support;
 
+use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::dtype::{decode_f64, encode_f64};
 use fused_kernels_core::kernels::FLASH_ATTENTION;
 use fused_kernels_core::ops::flash_attention::*;
-use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::Result;
 use fused_kernels_core::{DType, HostTensor};
 use support::flash_attention::*;
@@ -59,7 +59,11 @@ fn cpu_every_isa_matches_f64_reference_at_odd_sizes() {
             (40, 1000, 1000),
         ] {
             // The long sequence causal only (the debug-build reference is slow).
-            let masks = if sq == 1000 { &MASKS[1..2] } else { &MASKS[..2] };
+            let masks = if sq == 1000 {
+                &MASKS[1..2]
+            } else {
+                &MASKS[..2]
+            };
             for &mask in masks {
                 let case = Case {
                     dt: DType::F32,

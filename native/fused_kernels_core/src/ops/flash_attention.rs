@@ -366,6 +366,31 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
     }
 
+    /// `acc[..8W] = acc · f + Σ_j s[j] · v[j * stride ..][..8W]`, W registers of acc.
+    #[inline(always)]
+    unsafe fn columns<const W: usize>(
+        (acc, v): (*mut f32, *const f32),
+        f: f32,
+        s: &[f32],
+        stride: usize,
+    ) {
+        let fv = _mm256_set1_ps(f);
+        let mut a = [_mm256_setzero_ps(); W];
+        for (i, ai) in a.iter_mut().enumerate() {
+            *ai = _mm256_mul_ps(_mm256_loadu_ps(acc.add(8 * i)), fv);
+        }
+        for (j, &e) in s.iter().enumerate() {
+            let row = v.add(j * stride);
+            let ev = _mm256_set1_ps(e);
+            for (i, ai) in a.iter_mut().enumerate() {
+                *ai = _mm256_fmadd_ps(ev, _mm256_loadu_ps(row.add(8 * i)), *ai);
+            }
+        }
+        for (i, ai) in a.iter().enumerate() {
+            _mm256_storeu_ps(acc.add(8 * i), *ai);
+        }
+    }
+
     impl RowOps<f32> for Avx2 {
         #[inline(always)]
         unsafe fn scores(self, q: &[f32], k: *const f32, stride: usize, scale: f32, s: &mut [f32]) {
@@ -380,22 +405,35 @@ mod avx2 {
                 t
             };
             let mut j = 0;
-            // Four keys per pass: each q vector is loaded once for four FMAs.
-            while j + 4 <= s.len() {
-                let r: [*const f32; 4] = std::array::from_fn(|i| k.add((j + i) * stride));
-                let mut a = [_mm256_setzero_ps(); 4];
+            // Eight keys per pass: each q vector is loaded once for eight FMAs, and the eight
+            // sums are reduced together (horizontal adds) into one vector of scores.
+            while j + 8 <= s.len() {
+                let r: [*const f32; 8] = std::array::from_fn(|i| k.add((j + i) * stride));
+                let mut a = [_mm256_setzero_ps(); 8];
                 let mut c = 0;
                 while c < full {
                     let qv = _mm256_loadu_ps(qp.add(c));
-                    for i in 0..4 {
+                    for i in 0..8 {
                         a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[i].add(c)), a[i]);
                     }
                     c += 8;
                 }
-                for i in 0..4 {
-                    s[j + i] = (hsum(a[i]) + tail(r[i])) * scale;
+                let h01 = _mm256_hadd_ps(a[0], a[1]);
+                let h23 = _mm256_hadd_ps(a[2], a[3]);
+                let h45 = _mm256_hadd_ps(a[4], a[5]);
+                let h67 = _mm256_hadd_ps(a[6], a[7]);
+                let t0 = _mm256_hadd_ps(h01, h23);
+                let t1 = _mm256_hadd_ps(h45, h67);
+                let sum = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(t0, t1),
+                    _mm256_permute2f128_ps::<0x31>(t0, t1),
+                );
+                let mut v = [0.0f32; 8];
+                _mm256_storeu_ps(v.as_mut_ptr(), sum);
+                for i in 0..8 {
+                    s[j + i] = (v[i] + tail(r[i])) * scale;
                 }
-                j += 4;
+                j += 8;
             }
             while j < s.len() {
                 let row = k.add(j * stride);
@@ -419,27 +457,30 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn accumulate(self, acc: &mut [f32], f: f32, s: &[f32], v: *const f32, stride: usize) {
+        unsafe fn accumulate(
+            self,
+            acc: &mut [f32],
+            f: f32,
+            s: &[f32],
+            v: *const f32,
+            stride: usize,
+        ) {
             let d = acc.len();
             let ap = acc.as_mut_ptr();
-            let fv = _mm256_set1_ps(f);
-            // 64 columns (eight registers) at a time, every key row streamed past them.
+            // Up to 64 columns (eight registers) at a time, every key row streamed past them.
             let mut c0 = 0;
             while c0 + 8 <= d {
                 let w = ((d - c0) / 8).min(8);
-                let mut a = [_mm256_setzero_ps(); 8];
-                for (i, ai) in a.iter_mut().enumerate().take(w) {
-                    *ai = _mm256_mul_ps(_mm256_loadu_ps(ap.add(c0 + 8 * i)), fv);
-                }
-                for (j, &e) in s.iter().enumerate() {
-                    let row = v.add(j * stride + c0);
-                    let ev = _mm256_set1_ps(e);
-                    for (i, ai) in a.iter_mut().enumerate().take(w) {
-                        *ai = _mm256_fmadd_ps(ev, _mm256_loadu_ps(row.add(8 * i)), *ai);
-                    }
-                }
-                for (i, ai) in a.iter().enumerate().take(w) {
-                    _mm256_storeu_ps(ap.add(c0 + 8 * i), *ai);
+                let at = (ap.add(c0), v.add(c0));
+                match w {
+                    8 => columns::<8>(at, f, s, stride),
+                    7 => columns::<7>(at, f, s, stride),
+                    6 => columns::<6>(at, f, s, stride),
+                    5 => columns::<5>(at, f, s, stride),
+                    4 => columns::<4>(at, f, s, stride),
+                    3 => columns::<3>(at, f, s, stride),
+                    2 => columns::<2>(at, f, s, stride),
+                    _ => columns::<1>(at, f, s, stride),
                 }
                 c0 += 8 * w;
             }
@@ -510,7 +551,11 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
             let bm = s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a });
             // The first block, or a larger maximum: rescale what was summed so far.
             let f = if bm > m {
-                let f = if m == F::NEG_INF { F::ZERO } else { (m - bm).exp() };
+                let f = if m == F::NEG_INF {
+                    F::ZERO
+                } else {
+                    (m - bm).exp()
+                };
                 m = bm;
                 f
             } else {
