@@ -4,10 +4,11 @@
 //! cargo bench -p fused_kernels_core --bench cpu_ops -- --op lstm --mode step --threads 1
 //! ```
 //!
-//! Flags: `--op lstm|gru|dense|scan|attention`, `--mode step|window` (rnn), `--batch`, `--seq`,
-//! `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
-//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path). Prints the median
-//! and the 10th/90th percentiles of per-call wall time in ms.
+//! Flags: `--op lstm|gru|dense|scan|attention|math`, `--mode step|window` (rnn), `--batch`,
+//! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
+//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
+//! avx2+fma|avx512f` (force a level the CPU has). Prints the median and the 10th/90th
+//! percentiles of per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
@@ -22,6 +23,7 @@ struct Args {
     hidden: Vec<usize>,
     iters: usize,
     portable: bool,
+    isa: Option<String>,
 }
 
 fn parse() -> Args {
@@ -34,6 +36,7 @@ fn parse() -> Args {
         hidden: vec![256, 256],
         iters: 200,
         portable: false,
+        isa: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -48,6 +51,7 @@ fn parse() -> Args {
             "--input" => a.input = num(val()),
             "--hidden" => a.hidden = val().split(',').map(|s| num(s.to_string())).collect(),
             "--iters" => a.iters = num(val()),
+            "--isa" => a.isa = Some(val()),
             "--threads" => {
                 // Before the pool's first use, which reads it once.
                 std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
@@ -359,18 +363,37 @@ fn attention(a: &Args, isa: Isa) {
     );
 }
 
+/// Each element-wise function of `cpu::math` over `--seq` × 1024 values, in place.
+fn math(a: &Args, isa: Isa) {
+    use fused_kernels_core::cpu::math::{apply, Func};
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let x = rng.vec(a.seq * 1024, 8.0);
+    let mut y = x.clone();
+    for f in Func::ALL {
+        let ms = time(a.iters, || {
+            y.copy_from_slice(&x);
+            apply(isa, f, &mut y);
+        });
+        report(&format!("math {f:?} x{} [{}]", x.len(), isa.name()), ms);
+    }
+}
+
 fn main() {
     let a = parse();
-    let isa = if a.portable {
-        Isa::portable()
-    } else {
-        Isa::best()
+    let isa = match (&a.isa, a.portable) {
+        (_, true) => Isa::portable(),
+        (Some(name), _) => Isa::available()
+            .into_iter()
+            .find(|i| i.name() == name)
+            .unwrap_or_else(|| panic!("--isa {name}: not on this CPU")),
+        (None, false) => Isa::best(),
     };
     match a.op.as_str() {
         "lstm" | "gru" => rnn(&a, isa),
         "dense" => dense(&a, isa),
         "scan" => scan(&a),
         "attention" => attention(&a, isa),
+        "math" => math(&a, isa),
         other => panic!("unknown op {other}"),
     }
 }
