@@ -533,11 +533,14 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
         let at = b * qs.sb + i * qs.ss + h * qs.sh;
         let q = std::slice::from_raw_parts(c.q.add(at), d);
         let o = std::slice::from_raw_parts_mut(c.out.add(at), d);
-        let lse = c.lse.add(bh * g.sq + i);
+        // No lse wanted (the engine's attention): a null pointer.
+        let lse = (!c.lse.is_null()).then(|| c.lse.add(bh * g.sq + i));
         let (lo, hi) = g.visible(p, i);
         if lo > hi {
             o.iter_mut().for_each(|v| *v = F::ZERO);
-            *lse = f32::INFINITY;
+            if let Some(lse) = lse {
+                *lse = f32::INFINITY;
+            }
             continue;
         }
         acc.iter_mut().for_each(|v| *v = F::ZERO);
@@ -569,7 +572,9 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
         for (ov, a) in o.iter_mut().zip(acc.iter()) {
             *ov = *a * inv;
         }
-        *lse = (m + l.ln()).to_f64() as f32;
+        if let Some(lse) = lse {
+            *lse = (m + l.ln()).to_f64() as f32;
+        }
     }
 }
 
@@ -586,7 +591,7 @@ fn cpu_typed<F: Float>(
     g: &Geometry,
     p: &Params,
     out: &mut [F],
-    lse: &mut [f32],
+    lse: Option<&mut [f32]>,
 ) {
     let blocks = g.sq.div_ceil(ROW_BLOCK);
     let units = g.batch * g.heads * blocks;
@@ -604,7 +609,7 @@ fn cpu_typed<F: Float>(
         k: k.as_ptr(),
         v: v.as_ptr(),
         out: out.as_mut_ptr(),
-        lse: lse.as_mut_ptr(),
+        lse: lse.map_or(std::ptr::null_mut(), |l| l.as_mut_ptr()),
     });
     let f32_vector = std::mem::size_of::<F>() == 4 && isa.is_avx2();
     let work = |t: usize| {
@@ -641,6 +646,28 @@ impl<T: Copy> SendPtr<T> {
     }
 }
 
+/// The f32 kernel on caller-held buffers (the engine's attention): `out` has q's length and
+/// `lse`, when given, `{batch, heads, seq_q}`. Panics if a length disagrees with `g`.
+pub fn cpu_f32_into(
+    isa: Isa,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    g: &Geometry,
+    p: &Params,
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) {
+    let (nq, nk) = (
+        g.batch * g.sq * g.heads * g.d,
+        g.batch * g.sk * g.kv_heads * g.d,
+    );
+    assert!(q.len() == nq && out.len() == nq && k.len() == nk && v.len() == nk);
+    assert!(g.d <= MAX_HEAD_DIM && g.heads % g.kv_heads == 0);
+    if let Some(l) = &lse {
+        assert!(l.len() == g.batch * g.heads * g.sq);
+    }
+    cpu_typed(isa, (q, k, v), g, p, out, lse);
+}
+
 /// The CPU implementation: f32 arithmetic for f32/f16/bf16, f64 for f64. Returns (out, lse).
 pub fn cpu(
     q: &HostTensor<'_>,
@@ -671,14 +698,14 @@ pub fn cpu_on(
             let dec = |t: &HostTensor<'_>| decode_f64(t.bytes, DType::F64);
             let (qv, kv, vv) = (dec(q), dec(k), dec(v));
             let mut out = crate::alloc::try_zeroed::<f64>("flash_attention output", &[qv.len()])?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, &mut lse);
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
             encode_f64(&out, DType::F64)
         }
         dt => {
             let dec = |t: &HostTensor<'_>| arena::decoded(t.bytes, t.dtype);
             let (qv, kv, vv) = (dec(q)?, dec(k)?, dec(v)?);
             let mut out = arena::zeroed(qv.len())?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, &mut lse);
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
             crate::dtype::encode_f32(&out, dt)
         }
     };

@@ -9,7 +9,7 @@
 use super::norm;
 use super::selective_scan::{
     self, kernel_type, scan_f32_into, scan_f64, stage_f32, Discretization,
-    Geometry as ScanGeometry, HostInputs, ScanArgs, SlicesF32,
+    Geometry as ScanGeometry, HostInputs, Initial, ScanArgs, SlicesF32,
 };
 use super::Backend;
 use crate::alloc::{self, count};
@@ -344,7 +344,8 @@ impl Elem for f32 {
             d: s.d,
             z: Some(s.z),
             delta_bias: s.delta_bias,
-            h0: s.h0,
+            h0: s.h0.map_or(Initial::Zero, Initial::From),
+            bc_stride: g.state,
         };
         scan_f32_into(Isa::best(), &ins, g, p, &mut y, &mut last)?;
         Ok((y, last))

@@ -342,7 +342,11 @@ struct HostF32<'a> {
     d: Option<&'a [f32]>,
     z: Option<&'a [f32]>,
     bias: Option<&'a [f32]>,
-    h0: Option<&'a [f32]>,
+    /// The initial state `{batch, dim, state}` (it may be the `last` output itself: each unit
+    /// reads its channels' state before it writes them).
+    h0: Option<SendPtr<f32>>,
+    /// Elements from one (row, group)'s B (and C) to the next's.
+    bc_stride: usize,
     /// Mean over channels of the transformed dt per `(batch, t)` (`MeanDt` only).
     mdt: Option<&'a [f32]>,
 }
@@ -358,7 +362,19 @@ pub(crate) struct SlicesF32<'a> {
     pub(crate) d: Option<&'a [f32]>,
     pub(crate) z: Option<&'a [f32]>,
     pub(crate) delta_bias: Option<&'a [f32]>,
-    pub(crate) h0: Option<&'a [f32]>,
+    pub(crate) h0: Initial<'a>,
+    /// Elements from one (row, group)'s B and C to the next's (`state` when B and C are
+    /// `{batch, seq, groups, state}`; `2 * state` for the Mamba block's B-then-C rows).
+    pub(crate) bc_stride: usize,
+}
+
+/// Where the f32 scan's initial state comes from.
+#[derive(Clone, Copy)]
+pub(crate) enum Initial<'a> {
+    Zero,
+    From(&'a [f32]),
+    /// What the `last` output holds (a stream's state advanced in place).
+    InLast,
 }
 
 fn f32_values(op: &Operand<'_>) -> Result<crate::cpu::Buf> {
@@ -437,7 +453,8 @@ fn cpu_f32(x: &Inputs<'_>, g: Geometry, p: Params) -> Result<Outputs<OwnedTensor
         d: d.as_deref(),
         z: z.as_deref(),
         delta_bias: bias.as_deref(),
-        h0: h0.as_deref(),
+        h0: h0.as_deref().map_or(Initial::Zero, Initial::From),
+        bc_stride: g.state,
     };
     scan_f32_into(crate::cpu::Isa::best(), &ins, g, p, &mut out, &mut last)?;
     Ok(outputs(
@@ -494,7 +511,15 @@ pub(crate) fn scan_f32_into(
         d: x.d,
         z: x.z,
         bias: x.delta_bias,
-        h0: x.h0,
+        h0: match x.h0 {
+            Initial::Zero => None,
+            Initial::From(h0) => {
+                assert!(h0.len() == last.len());
+                Some(SendPtr(h0.as_ptr().cast_mut()))
+            }
+            Initial::InLast => Some(SendPtr(last.as_mut_ptr())),
+        },
+        bc_stride: x.bc_stride,
         mdt: mdt.as_deref(),
     };
     let blocks = g.dim.div_ceil(LANES);
@@ -560,7 +585,7 @@ unsafe fn scalar_channel(
     let mut x = [0.0f32; MAX_STATE];
     let bd = bi * g.dim + d;
     for (n, xn) in x.iter_mut().enumerate().take(n_st) {
-        *xn = h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n]);
+        *xn = h.h0.map_or(0.0, |h0| *h0.get().add(bd * n_st + n));
     }
     let bias = h.bias.as_ref().map_or(0.0, |b| b[d]);
     let dskip = h.d.as_ref().map_or(0.0, |v| v[d]);
@@ -569,7 +594,7 @@ unsafe fn scalar_channel(
         let dt = dt_f32(p, h.delta[idx] + bias);
         let uu = h.u[idx];
         let w = h.mdt.as_ref().map_or(dt, |m| m[bi * g.seq + t]) * uu;
-        let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+        let bc = ((bi * g.seq + t) * g.groups + grp) * h.bc_stride;
         let mut y = 0.0f32;
         for (n, xn) in x.iter_mut().enumerate().take(n_st) {
             *xn = exp(dt * h.a_t[n * g.dim + d]) * *xn + w * h.b[bc + n];
@@ -607,11 +632,11 @@ mod avx2_scan {
         let n_st = g.state;
         let grp = d0 / (g.dim / g.groups);
         let mut x = [_mm256_setzero_ps(); MAX_STATE];
-        if let Some(h0) = &h.h0 {
+        if let Some(h0) = h.h0 {
             let mut buf = [0.0f32; LANES];
             for (n, xn) in x.iter_mut().enumerate().take(n_st) {
                 for (l, v) in buf.iter_mut().enumerate() {
-                    *v = h0[(bi * g.dim + d0 + l) * n_st + n];
+                    *v = *h0.get().add((bi * g.dim + d0 + l) * n_st + n);
                 }
                 *xn = _mm256_loadu_ps(buf.as_ptr());
             }
@@ -639,7 +664,7 @@ mod avx2_scan {
                 None => dt,
             };
             let w = _mm256_mul_ps(wdt, uu);
-            let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+            let bc = ((bi * g.seq + t) * g.groups + grp) * h.bc_stride;
             let mut y = _mm256_setzero_ps();
             for (n, xn) in x.iter_mut().enumerate().take(n_st) {
                 let da = exp(_mm256_mul_ps(dt, ld(h.a_t, n * g.dim + d0)));
