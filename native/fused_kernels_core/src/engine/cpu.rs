@@ -162,7 +162,6 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                 head_dim,
                 k_cache,
                 v_cache,
-                ..
             } => {
                 let mut o = std::mem::take(&mut bufs[*out]);
                 let window = plan.spec.window;
