@@ -661,7 +661,7 @@ pub fn cpu_f32_into(
         g.batch * g.sk * g.kv_heads * g.d,
     );
     assert!(q.len() == nq && out.len() == nq && k.len() == nk && v.len() == nk);
-    assert!(g.d <= MAX_HEAD_DIM && g.heads % g.kv_heads == 0);
+    assert!(g.d <= MAX_HEAD_DIM && g.heads.is_multiple_of(g.kv_heads));
     if let Some(l) = &lse {
         assert!(l.len() == g.batch * g.heads * g.sq);
     }
