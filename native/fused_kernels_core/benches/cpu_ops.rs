@@ -113,6 +113,14 @@ fn time(iters: usize, mut f: impl FnMut()) -> Vec<f64> {
         .collect()
 }
 
+/// The values' little-endian bytes, kept for the rest of the run (tensors borrow them).
+fn leak(v: Vec<f32>) -> &'static [u8] {
+    v.iter()
+        .flat_map(|f| f.to_le_bytes())
+        .collect::<Vec<u8>>()
+        .leak()
+}
+
 fn slices(v: &[Vec<f32>]) -> Vec<&[f32]> {
     v.iter().map(|x| x.as_slice()).collect()
 }
@@ -290,12 +298,6 @@ fn scan(a: &Args) {
     use fused_kernels_core::{DType, HostTensor};
     let (b, l, d, n) = (a.batch, a.seq, a.input, a.hidden[0]);
     let mut rng = Rng(0x9E3779B97F4A7C15);
-    let leak = |v: Vec<f32>| -> &'static [u8] {
-        v.iter()
-            .flat_map(|f| f.to_le_bytes())
-            .collect::<Vec<u8>>()
-            .leak()
-    };
     let t = |v: Vec<f32>, shape: Vec<usize>| {
         Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
     };
@@ -340,12 +342,6 @@ fn attention(a: &Args, isa: Isa) {
         _ => (4, 64),
     };
     let mut rng = Rng(0x9E3779B97F4A7C15);
-    let leak = |v: Vec<f32>| -> &'static [u8] {
-        v.iter()
-            .flat_map(|f| f.to_le_bytes())
-            .collect::<Vec<u8>>()
-            .leak()
-    };
     let shape = vec![b, s, h, d];
     let t = |v: Vec<f32>| HostTensor::new("t", leak(v), shape.clone(), DType::F32).expect("t");
     let n = b * s * h * d;
