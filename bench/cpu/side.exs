@@ -84,15 +84,17 @@ defmodule Side do
     end
   end
 
+  # The weights are prepared once (FusedKernels.Rnn.prepare/3), as ONNX Runtime's session
+  # prepares them when it loads.
   defp rnn_window(row, t) do
     cell = cell_of(row)
-    params = rnn_params(t, cell, 2)
+    params = FusedKernels.Rnn.prepare(cell, rnn_params(t, cell, 2), backend: :cpu)
     fn _ -> elem(FusedKernels.Rnn.native(cell, t["x"], params, backend: :cpu), 0) end
   end
 
   defp rnn_step(row, t) do
     cell = cell_of(row)
-    params = rnn_params(t, cell, 2)
+    params = FusedKernels.Rnn.prepare(cell, rnn_params(t, cell, 2), backend: :cpu)
     # The state is carried from call to call, as a streaming caller does.
     fn state ->
       state = state || init_state(t, cell, 2)

@@ -230,6 +230,29 @@ defmodule FusedKernels.Native do
     do: not_loaded()
 
   @doc false
+  @spec rnn_prepare(term, term) :: reply
+  def rnn_prepare(_cell, _layers), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared(term, term, term, term) :: reply
+  def rnn_prepared(prepared, x, initial_state, reverse),
+    do:
+      dispatch(:cpu, :rnn_prepared_dirty, :rnn_prepared_async, [
+        prepared,
+        x,
+        initial_state,
+        reverse
+      ])
+
+  @doc false
+  @spec rnn_prepared_dirty(term, term, term, term) :: reply
+  def rnn_prepared_dirty(_prepared, _x, _initial_state, _reverse), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared_async(term, term, term, term) :: reference | reply
+  def rnn_prepared_async(_prepared, _x, _initial_state, _reverse), do: not_loaded()
+
+  @doc false
   @spec selective_scan(
           term,
           term,

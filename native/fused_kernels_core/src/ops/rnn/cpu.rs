@@ -29,7 +29,8 @@ use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Error, Result};
 use crate::operand::Operand;
-use crate::tensor::OwnedTensor;
+use crate::tensor::{HostTensor, OwnedTensor};
+use std::sync::Mutex;
 
 pub(super) struct HostOutput {
     pub sequence: OwnedTensor,
@@ -252,6 +253,31 @@ impl PreparedRnn {
         final_state: &mut [f32],
         scratch: &mut RnnScratch,
     ) -> Result<()> {
+        self.forward_dir(
+            x,
+            batch,
+            seq,
+            init_state,
+            out_seq,
+            final_state,
+            scratch,
+            self.reverse,
+        )
+    }
+
+    /// `forward_into` with the direction given per call (the op API's `reverse:` option).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_dir(
+        &self,
+        x: &[f32],
+        batch: usize,
+        seq: usize,
+        init_state: Option<&[f32]>,
+        out_seq: &mut [f32],
+        final_state: &mut [f32],
+        scratch: &mut RnnScratch,
+        reverse: bool,
+    ) -> Result<()> {
         let rows = batch
             .checked_mul(seq)
             .ok_or_else(|| arg_error("x: batch * seq overflows"))?;
@@ -310,7 +336,9 @@ impl PreparedRnn {
                 (l, false) if l % 2 == 1 => (&seq_a[..rows * layer.input], &mut seq_b[..rows * h]),
                 (_, false) => (&seq_b[..rows * layer.input], &mut seq_a[..rows * h]),
             };
-            self.layer(layer, batch, seq, input, init, output, fin, xp, hp, h0, c);
+            self.layer(
+                layer, reverse, batch, seq, input, init, output, fin, xp, hp, h0, c,
+            );
         }
         Ok(())
     }
@@ -320,6 +348,7 @@ impl PreparedRnn {
     fn layer(
         &self,
         layer: &PreparedLayer,
+        reverse: bool,
         batch: usize,
         seq: usize,
         input: &[f32],
@@ -369,12 +398,12 @@ impl PreparedRnn {
         let hp = &mut hp[..batch * gh];
         let row_stride = seq * h;
         for s in 0..seq {
-            let ti = if self.reverse { seq - 1 - s } else { s };
+            let ti = if reverse { seq - 1 - s } else { s };
             // The previous h: the initial state, else the row this layer wrote last step.
             let (prev, lda): (&[f32], usize) = if s == 0 {
                 (h0, h)
             } else {
-                let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                let tp = if reverse { ti + 1 } else { ti - 1 };
                 (&out[tp * h..], row_stride)
             };
             if batch == 1 {
@@ -410,7 +439,7 @@ impl PreparedRnn {
                                 &mut out[at..at + h],
                             );
                         } else {
-                            let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                            let tp = if reverse { ti + 1 } else { ti - 1 };
                             let pat = (b * seq + tp) * h;
                             let (prev, cur) = two_rows(out, pat, at, h);
                             gru_cell(isa, x_row, r_row, prev, cur);
@@ -419,7 +448,7 @@ impl PreparedRnn {
                 }
             }
         }
-        let last = if self.reverse { 0 } else { seq - 1 };
+        let last = if reverse { 0 } else { seq - 1 };
         for b in 0..batch {
             let at = (b * seq + last) * h;
             h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
@@ -548,86 +577,428 @@ fn slices(v: &[Buf]) -> Vec<&[f32]> {
     v.iter().map(|x| &x[..]).collect()
 }
 
-/// The op API on f32: decodes the operands, prepares, runs.
-fn run_f32(
-    cell: Cell,
-    g: &Geometry,
-    x: &Operand<'_>,
-    layers: &[Layer<'_>],
-    reverse: bool,
-) -> Result<HostOutput> {
-    let host32 = |t: &Operand<'_>| -> Result<Buf> {
-        let staged = t.on_host()?;
-        let view = staged.view();
-        arena::decoded(view.bytes, view.dtype)
-    };
-    let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
-    let mut owned = Vec::with_capacity(layers.len());
-    for l in layers {
-        owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
-    }
-    type Refs<'a> = (Vec<&'a [f32]>, Vec<&'a [f32]>, Vec<&'a [f32]>);
-    let refs: Vec<Refs<'_>> = owned
-        .iter()
-        .map(|(i, h, b)| (slices(i), slices(h), slices(b)))
-        .collect();
-    let weights: Vec<LayerWeights<'_>> = refs
-        .iter()
-        .map(|(i, h, b)| LayerWeights {
-            input_kernel: i,
-            hidden_kernel: h,
-            bias: b,
+/// The op API's weights prepared once (`FusedKernels.Rnn.prepare/3` holds one in a NIF
+/// resource): the packed stack, the element type its calls take and return, and the scratch
+/// reused from call to call, so a prepared call decodes and packs nothing and, once the
+/// scratch has grown to the call's batch and length, allocates nothing.
+pub struct PreparedCall {
+    rnn: PreparedRnn,
+    dtype: DType,
+    scratch: Mutex<Option<CallScratch>>,
+}
+
+/// The f32 staging of one call: x, the initial and final states, the output sequence.
+struct CallScratch {
+    rnn: RnnScratch,
+    x: Buf,
+    init: Buf,
+    out: Buf,
+    fin: Buf,
+}
+
+impl CallScratch {
+    fn new(rnn: &PreparedRnn, batch: usize, seq: usize) -> Result<CallScratch> {
+        let rows = batch
+            .checked_mul(seq)
+            .ok_or_else(|| arg_error("x: batch * seq overflows"))?;
+        let size = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| arg_error("x: the call's size overflows"))
+        };
+        let state = rnn.state_len(batch);
+        Ok(CallScratch {
+            rnn: rnn.scratch(batch, seq)?,
+            x: alloc_zeroed(size(rows, rnn.input_size())?)?,
+            init: alloc_zeroed(state)?,
+            out: alloc_zeroed(size(rows, rnn.output_size())?)?,
+            fin: alloc_zeroed(state)?,
         })
-        .collect();
-    let rnn = PreparedRnn::new(cell, g.features, &weights, reverse)?;
-    let (b, t) = (g.batch, g.seq);
-    let xs = host32(x)?;
-    let state_len = rnn.state_len(b);
-    let init = if layers.iter().any(|l| !l.initial_state.is_empty()) {
-        let mut s = alloc_zeroed(state_len)?;
-        let mut at = 0;
-        for (l, layer) in layers.iter().enumerate() {
-            let len = cell.state_names().len() * b * g.hidden[l];
-            for (k, t) in layer.initial_state.iter().enumerate() {
-                let v = host32(t)?;
-                s[at + k * v.len()..at + (k + 1) * v.len()].copy_from_slice(&v);
-            }
-            at += len;
-        }
-        Some(s)
-    } else {
-        None
-    };
-    let out_len = b
-        .checked_mul(t)
-        .and_then(|v| v.checked_mul(rnn.output_size()))
-        .ok_or_else(|| arg_error("output: size overflows"))?;
-    let mut out = alloc_zeroed(out_len)?;
-    let mut fin = alloc_zeroed(state_len)?;
-    let mut scratch = rnn.scratch(b, t)?;
-    rnn.forward_into(&xs, b, t, init.as_deref(), &mut out, &mut fin, &mut scratch)?;
-    let mut states = Vec::with_capacity(layers.len());
-    let mut at = 0;
-    for &h in &g.hidden {
-        let mut per = Vec::new();
-        for _ in cell.state_names() {
-            per.push(OwnedTensor {
-                data: crate::dtype::encode_f32(&fin[at..at + b * h], g.dtype),
-                shape: vec![b, h],
-                dtype: g.dtype,
-            });
-            at += b * h;
-        }
-        states.push(per);
     }
-    Ok(HostOutput {
-        sequence: OwnedTensor {
-            data: crate::dtype::encode_f32(&out, g.dtype),
-            shape: vec![b, t, rnn.output_size()],
-            dtype: g.dtype,
-        },
-        states,
-    })
+    fn fits(&self, batch: usize, seq: usize) -> bool {
+        batch <= self.rnn.batch && seq <= self.rnn.seq
+    }
+}
+
+/// A shape for an error message.
+fn shape_of(t: &HostTensor<'_>) -> String {
+    crate::tensor::fmt_shape(&t.shape)
+}
+
+impl PreparedCall {
+    /// Checks the layers as the op does (shapes, one element type, f32/f16/bf16) and packs
+    /// them. Initial states are per call, not part of the weights: `layers` carries none.
+    pub fn new(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
+        if layers.iter().any(|l| !l.initial_state.is_empty()) {
+            return Err(arg_error(
+                "initial_state: give it per call, not when preparing the weights",
+            ));
+        }
+        PreparedCall::packed(cell, layers, true)
+    }
+
+    /// Packs `layers` (their initial states ignored); `check`: validate the shapes first (the
+    /// op API has validated them already, against the call's batch).
+    fn packed(cell: Cell, layers: &[Layer<'_>], check: bool) -> Result<PreparedCall> {
+        let first = layers
+            .first()
+            .ok_or_else(|| arg_error("params: at least one layer is needed"))?;
+        let k0 = first.input_kernel.first().ok_or_else(|| {
+            arg_error(format!(
+                "params: \"input_kernel\" must hold {} tensors ({:?}), got 0",
+                cell.gates(),
+                cell.input_names()
+            ))
+        })?;
+        let features = match k0.shape() {
+            [f, _] => *f,
+            s => {
+                return Err(arg_error(format!(
+                    "params: \"input_kernel\" \"{}\" must be {{input, units}}, got {}",
+                    cell.input_names()[0],
+                    crate::tensor::fmt_shape(s)
+                )))
+            }
+        };
+        let dtype = k0.dtype();
+        if dtype == DType::F64 {
+            return Err(arg_error(
+                "params: f64 weights run unprepared (the prepared CPU path computes in f32)",
+            ));
+        }
+        if check {
+            super::geometry(cell, &[1, 1, features], dtype, layers)?;
+        }
+        let host32 = |t: &Operand<'_>| -> Result<Buf> {
+            let staged = t.on_host()?;
+            let view = staged.view();
+            arena::decoded(view.bytes, view.dtype)
+        };
+        let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
+        let mut owned = Vec::with_capacity(layers.len());
+        for l in layers {
+            owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
+        }
+        type Refs<'a> = (Vec<&'a [f32]>, Vec<&'a [f32]>, Vec<&'a [f32]>);
+        let refs: Vec<Refs<'_>> = owned
+            .iter()
+            .map(|(i, h, b)| (slices(i), slices(h), slices(b)))
+            .collect();
+        let weights: Vec<LayerWeights<'_>> = refs
+            .iter()
+            .map(|(i, h, b)| LayerWeights {
+                input_kernel: i,
+                hidden_kernel: h,
+                bias: b,
+            })
+            .collect();
+        let rnn = PreparedRnn::new(cell, features, &weights, false).map_err(named)?;
+        Ok(PreparedCall {
+            rnn,
+            dtype,
+            scratch: Mutex::new(None),
+        })
+    }
+
+    pub fn cell(&self) -> Cell {
+        self.cell_of()
+    }
+    fn cell_of(&self) -> Cell {
+        self.rnn.cell
+    }
+    /// The element type of the weights, which every call's tensors must share.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn input_size(&self) -> usize {
+        self.rnn.input_size()
+    }
+    /// Units of each layer.
+    pub fn units(&self) -> Vec<usize> {
+        self.rnn.units().collect()
+    }
+
+    /// Checks a call's `x` (`{batch, seq, features}` in the weights' type) and initial state
+    /// (per layer none or the cell's state tensors `{batch, units}`); returns `(batch, seq)`.
+    pub fn check(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+    ) -> Result<(usize, usize)> {
+        let cell = self.cell_of();
+        let [batch, seq, features] = x.shape[..] else {
+            return Err(arg_error(format!(
+                "x: expected a 3-D {{batch, seq, features}} tensor, got shape {}",
+                shape_of(x)
+            )));
+        };
+        if features != self.input_size() {
+            return Err(arg_error(format!(
+                "x: has {features} features but the prepared params take {}",
+                self.input_size()
+            )));
+        }
+        if x.dtype != self.dtype {
+            return Err(arg_error(format!(
+                "x: has type {} but the params were prepared as {}; pass every tensor in one type",
+                x.dtype.name(),
+                self.dtype.name()
+            )));
+        }
+        let layers = self.rnn.layers.len();
+        if !init.is_empty() && init.len() != layers {
+            return Err(arg_error(format!(
+                "initial_state: expected one state per layer ({layers}), got {}",
+                init.len()
+            )));
+        }
+        for (l, (st, units)) in init.iter().zip(self.rnn.units()).enumerate() {
+            let pre = if layers > 1 {
+                format!("layer {l}: ")
+            } else {
+                String::new()
+            };
+            if st.is_empty() {
+                continue;
+            }
+            if st.len() != cell.state_names().len() {
+                return Err(arg_error(format!(
+                    "{pre}initial_state must be {{{}}} for {cell:?}, got {} tensors",
+                    cell.state_names().join(", "),
+                    st.len()
+                )));
+            }
+            for (t, n) in st.iter().zip(cell.state_names()) {
+                if t.shape != [batch, units] || t.dtype != self.dtype {
+                    return Err(arg_error(format!(
+                        "{pre}\"initial_state\" \"{n}\" must be {{{batch}, {units}}} of type {}, got {} of type {}",
+                        self.dtype.name(),
+                        shape_of(t),
+                        t.dtype.name()
+                    )));
+                }
+            }
+        }
+        Ok((batch, seq))
+    }
+
+    /// Bytes of the outputs of a `{batch, seq, _}` call: the sequence `{batch, seq, units of
+    /// the last layer}`, then each state tensor `{batch, units}` (layer order, the cell's
+    /// state order).
+    pub fn output_shapes(&self, batch: usize, seq: usize) -> (Vec<usize>, Vec<Vec<usize>>) {
+        let per = self.cell_of().state_names().len();
+        let states = self
+            .rnn
+            .units()
+            .flat_map(|u| std::iter::repeat_n(vec![batch, u], per))
+            .collect();
+        (vec![batch, seq, self.rnn.output_size()], states)
+    }
+
+    /// Runs one call: `x` and `init` checked by [`PreparedCall::check`], the outputs written
+    /// into `seq_out` and `states_out` (byte slices of the [`PreparedCall::output_shapes`]
+    /// sizes, in the weights' type). Allocates nothing once the scratch fits the call.
+    pub fn run_into(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+        reverse: bool,
+        seq_out: &mut [u8],
+        states_out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let (batch, seq) = self.check(x, init)?;
+        let (seq_shape, state_shapes) = self.output_shapes(batch, seq);
+        let size = self.dtype.size();
+        let want = |s: &[usize]| s.iter().product::<usize>() * size;
+        if seq_out.len() != want(&seq_shape)
+            || states_out.len() != state_shapes.len()
+            || states_out
+                .iter()
+                .zip(&state_shapes)
+                .any(|(o, s)| o.len() != want(s))
+        {
+            return Err(arg_error(
+                "outputs: the buffers do not match output_shapes (a bug in the caller)",
+            ));
+        }
+        // A second caller on the same handle while one runs gets scratch of its own.
+        let mut guard = self.scratch.try_lock().ok();
+        let mut own = None;
+        let slot: &mut Option<CallScratch> = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut own,
+        };
+        if !slot.as_ref().is_some_and(|s| s.fits(batch, seq)) {
+            let (b, t) = slot.as_ref().map_or((batch, seq), |s| {
+                (s.rnn.batch.max(batch), s.rnn.seq.max(seq))
+            });
+            *slot = None;
+            *slot = Some(CallScratch::new(&self.rnn, b, t).map_err(named)?);
+        }
+        let Some(sc) = slot.as_mut() else {
+            return Err(arg_error("rnn: scratch missing (a bug)"));
+        };
+        let rows = batch * seq;
+        let xs = &mut sc.x[..rows * self.input_size()];
+        decode_into(x.bytes, self.dtype, xs);
+        let state_len = self.rnn.state_len(batch);
+        let has_init = init.iter().any(|s| !s.is_empty());
+        if has_init {
+            let mut at = 0;
+            for (st, units) in init.iter().zip(self.rnn.units()) {
+                let per = self.cell_of().state_names().len() * batch * units;
+                let dst = &mut sc.init[at..at + per];
+                if st.is_empty() {
+                    dst.fill(0.0);
+                } else {
+                    for (k, t) in st.iter().enumerate() {
+                        let n = batch * units;
+                        decode_into(t.bytes, self.dtype, &mut dst[k * n..(k + 1) * n]);
+                    }
+                }
+                at += per;
+            }
+        }
+        let out = &mut sc.out[..rows * self.rnn.output_size()];
+        let fin = &mut sc.fin[..state_len];
+        self.rnn.forward_dir(
+            xs,
+            batch,
+            seq,
+            has_init.then(|| &sc.init[..state_len]),
+            out,
+            fin,
+            &mut sc.rnn,
+            reverse,
+        )?;
+        encode_into(out, self.dtype, seq_out);
+        let mut at = 0;
+        for o in states_out.iter_mut() {
+            let n = o.len() / size;
+            encode_into(&fin[at..at + n], self.dtype, o);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// [`PreparedCall::run_into`] into fresh tensors.
+    pub fn run(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+        reverse: bool,
+    ) -> Result<(OwnedTensor, Vec<Vec<OwnedTensor>>)> {
+        let (batch, seq) = self.check(x, init)?;
+        let (seq_shape, state_shapes) = self.output_shapes(batch, seq);
+        let size = self.dtype.size();
+        let bytes = |s: &[usize]| -> Result<Vec<u8>> {
+            let n = s.iter().try_fold(size, |a, d| a.checked_mul(*d));
+            let n = n.ok_or_else(|| arg_error("output: size overflows"))?;
+            try_vec("rnn output", n, 0u8).map_err(named)
+        };
+        let mut seq_out = bytes(&seq_shape)?;
+        let mut states: Vec<Vec<u8>> = state_shapes
+            .iter()
+            .map(|s| bytes(s))
+            .collect::<Result<_>>()?;
+        let mut refs: Vec<&mut [u8]> = states.iter_mut().map(|v| &mut v[..]).collect();
+        self.run_into(x, init, reverse, &mut seq_out, &mut refs)?;
+        let per = self.cell_of().state_names().len();
+        let mut tensors = states
+            .into_iter()
+            .zip(state_shapes)
+            .map(|(data, shape)| OwnedTensor {
+                data,
+                shape,
+                dtype: self.dtype,
+            });
+        let grouped = (0..self.rnn.layers.len())
+            .map(|_| tensors.by_ref().take(per).collect())
+            .collect();
+        Ok((
+            OwnedTensor {
+                data: seq_out,
+                shape: seq_shape,
+                dtype: self.dtype,
+            },
+            grouped,
+        ))
+    }
+}
+
+/// `bytes` of `dtype` decoded into `out` (same element count).
+fn decode_into(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    use half::{bf16, f16};
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::F64 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32;
+            }
+        }
+    }
+}
+
+/// `values` encoded as `dtype` into `out` (same element count).
+fn encode_into(values: &[f32], dtype: DType, out: &mut [u8]) {
+    use half::{bf16, f16};
+    match dtype {
+        DType::F32 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(4)) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
+                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
+                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::F64 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(8)) {
+                c.copy_from_slice(&(*v as f64).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// The op API on f32/f16/bf16: prepares and runs once ([`PreparedCall`], so a prepared and an
+/// unprepared call compute the same values the same way).
+fn run_f32(cell: Cell, x: &Operand<'_>, layers: &[Layer<'_>], reverse: bool) -> Result<HostOutput> {
+    let call = PreparedCall::packed(cell, layers, false)?;
+    let staged_x = x.on_host()?;
+    let staged_init = layers
+        .iter()
+        .map(|l| {
+            l.initial_state
+                .iter()
+                .map(|t| t.on_host())
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let init: Vec<Vec<HostTensor<'_>>> = staged_init
+        .iter()
+        .map(|l| l.iter().map(|s| s.view()).collect())
+        .collect();
+    let (sequence, states) = call.run(&staged_x.view(), &init, reverse)?;
+    Ok(HostOutput { sequence, states })
 }
 
 /// `c = a · b` in f64, row-major `a` {m, k}, `b` {k, n}.
@@ -802,7 +1173,7 @@ pub(super) fn run(
     match g.dtype {
         DType::F64 => run_f64(cell, g, x, layers, reverse),
         // Name the op in a refusal: the caller sized every buffer of the call.
-        _ => run_f32(cell, g, x, layers, reverse).map_err(named),
+        _ => run_f32(cell, x, layers, reverse).map_err(named),
     }
 }
 
