@@ -66,12 +66,9 @@ defmodule Side do
         end
 
       "dense" <> _ ->
-        fn _ ->
-          FusedKernels.Dense.dense(t["x"], t["kernel"], t["bias"],
-            activation: :gelu,
-            backend: :cpu
-          )
-        end
+        # Prepared once, as for the RNN rows.
+        kernel = FusedKernels.Dense.prepare(t["kernel"], t["bias"], backend: :cpu)
+        fn _ -> FusedKernels.Dense.dense(t["x"], kernel, activation: :gelu, backend: :cpu) end
 
       "scan" <> _ ->
         fn _ ->

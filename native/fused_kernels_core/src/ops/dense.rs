@@ -518,6 +518,19 @@ impl PreparedDense {
         out: &mut [f32],
         scratch: &mut DenseScratch,
     ) -> Result<()> {
+        self.forward_act(self.params, x, m, residual, out, scratch)
+    }
+
+    /// `forward_into` with the activation given per call (the op API's `activation:`).
+    fn forward_act(
+        &self,
+        params: Params,
+        x: &[f32],
+        m: usize,
+        residual: Option<&[f32]>,
+        out: &mut [f32],
+        scratch: &mut DenseScratch,
+    ) -> Result<()> {
         if m > scratch.rows {
             return Err(arg_error(format!(
                 "scratch: made for {} rows, the call has {m}",
@@ -527,7 +540,7 @@ impl PreparedDense {
         let b = |p| Product::packed(p, m);
         forward_f32(
             self.isa,
-            &self.params,
+            &params,
             (m, self.k, self.n),
             x,
             b(&self.kernel),
@@ -560,6 +573,182 @@ impl DenseScratch {
                 0
             })?,
         })
+    }
+}
+
+/// A dense kernel (and bias) of the op API prepared once (`FusedKernels.Dense.prepare/3` holds
+/// one in a NIF resource): packed for the CPU GEMM/GEMV, with the element type its calls take
+/// and scratch reused from call to call, so a call decodes and packs no weights and, once the
+/// scratch fits its rows, allocates nothing.
+pub struct PreparedDenseCall {
+    dense: PreparedDense,
+    dtype: DType,
+    scratch: std::sync::Mutex<Option<DenseCallScratch>>,
+}
+
+/// The f32 staging of one call.
+struct DenseCallScratch {
+    rows: usize,
+    dense: DenseScratch,
+    x: crate::cpu::Buf,
+    residual: crate::cpu::Buf,
+    out: crate::cpu::Buf,
+}
+
+impl PreparedDenseCall {
+    /// Checks the kernel `{k, n}` and bias `{n}` (one type, f32/f16/bf16) and packs them.
+    pub fn new(kernel: &HostTensor<'_>, bias: Option<&HostTensor<'_>>) -> Result<PreparedDenseCall> {
+        let dt = kernel.dtype;
+        if dt == DType::F64 {
+            return Err(arg_error(
+                "kernel: f64 weights run unprepared (the prepared CPU path computes in f32)",
+            ));
+        }
+        let k = match kernel.shape[..] {
+            [k, _] => k,
+            _ => {
+                return Err(arg_error(format!(
+                    "kernel: expected a 2-D {{k, n}} tensor, got shape {}",
+                    crate::tensor::fmt_shape(&kernel.shape)
+                )))
+            }
+        };
+        let params = Params::new(Kind::Dense, Activation::None, 0.0)?;
+        let ops = Operands {
+            x: (vec![1, k], dt),
+            kernel: (kernel.shape.clone(), dt),
+            kernel_up: None,
+            bias: bias.map(|b| (b.shape.clone(), b.dtype)),
+            bias_up: None,
+            gamma: None,
+            beta: None,
+            residual: None,
+        };
+        let g = geometry(&params, &ops)?;
+        let w = crate::cpu::arena::decoded(kernel.bytes, dt)?;
+        let b = bias
+            .map(|b| crate::cpu::arena::decoded(b.bytes, dt))
+            .transpose()?;
+        let weights = DenseWeights {
+            kernel: &w,
+            kernel_up: None,
+            bias: b.as_deref(),
+            bias_up: None,
+            gamma: None,
+            beta: None,
+        };
+        Ok(PreparedDenseCall {
+            dense: PreparedDense::new(params, g.k, g.n, weights)?,
+            dtype: dt,
+            scratch: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The element type every call's tensors must share.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Checks a call's x (`{..., k}`) and residual (the output's shape), both in the
+    /// weights' type; returns the output shape (x's leading dims + n).
+    pub fn check(&self, x: &HostTensor<'_>, residual: Option<&HostTensor<'_>>) -> Result<Vec<usize>> {
+        let (k, n) = (self.dense.k, self.dense.n);
+        if x.shape.last() != Some(&k) {
+            return Err(arg_error(format!(
+                "x: expected last dimension {k} (the prepared kernel's rows), got shape {}",
+                crate::tensor::fmt_shape(&x.shape)
+            )));
+        }
+        let mut out = x.shape.clone();
+        if let Some(last) = out.last_mut() {
+            *last = n;
+        }
+        for (name, t) in [("x", Some(x)), ("residual", residual)] {
+            if let Some(t) = t {
+                if t.dtype != self.dtype {
+                    return Err(arg_error(format!(
+                        "{name}: has type {} but the kernel was prepared as {}; pass every tensor in one type",
+                        t.dtype.name(),
+                        self.dtype.name()
+                    )));
+                }
+            }
+        }
+        if let Some(r) = residual {
+            if r.shape != out {
+                return Err(arg_error(format!(
+                    "residual: expected shape {}, got {}",
+                    crate::tensor::fmt_shape(&out),
+                    crate::tensor::fmt_shape(&r.shape)
+                )));
+            }
+        }
+        Ok(out)
+    }
+
+    /// `out = act(x · kernel + bias) + residual` into `out` (bytes of the output shape in the
+    /// weights' type). Allocates nothing once the scratch fits the call's rows.
+    pub fn run_into(
+        &self,
+        x: &HostTensor<'_>,
+        residual: Option<&HostTensor<'_>>,
+        activation: Activation,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let shape = self.check(x, residual)?;
+        let (k, n) = (self.dense.k, self.dense.n);
+        let m = shape[..shape.len() - 1].iter().product::<usize>();
+        let mn = m
+            .checked_mul(n)
+            .ok_or_else(|| arg_error("output: size overflows"))?;
+        if Some(out.len()) != mn.checked_mul(self.dtype.size()) {
+            return Err(arg_error(
+                "out: the buffer does not match the output shape (a bug in the caller)",
+            ));
+        }
+        let params = Params::new(Kind::Dense, activation, 0.0)?;
+        // A second caller on the same handle while one runs gets scratch of its own.
+        let mut guard = self.scratch.try_lock().ok();
+        let mut own = None;
+        let slot: &mut Option<DenseCallScratch> = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut own,
+        };
+        if !slot.as_ref().is_some_and(|s| s.rows >= m) {
+            let rows = slot.as_ref().map_or(m, |s| s.rows.max(m));
+            let size = |c: usize| {
+                rows.checked_mul(c)
+                    .ok_or_else(|| arg_error("x: the call's size overflows"))
+            };
+            *slot = None;
+            *slot = Some(DenseCallScratch {
+                rows,
+                dense: self.dense.scratch(rows)?,
+                x: crate::cpu::alloc_zeroed(size(k)?)?,
+                residual: crate::cpu::alloc_zeroed(if residual.is_some() { size(n)? } else { 0 })?,
+                out: crate::cpu::alloc_zeroed(size(n)?)?,
+            });
+        }
+        let Some(sc) = slot.as_mut() else {
+            return Err(arg_error("dense: scratch missing (a bug)"));
+        };
+        if residual.is_some() && sc.residual.len() < mn {
+            sc.residual = crate::cpu::alloc_zeroed(sc.rows * n)?;
+        }
+        let xs = &mut sc.x[..m * k];
+        crate::dtype::decode_f32_slice(x.bytes, self.dtype, xs);
+        let res = match residual {
+            Some(r) => {
+                let rs = &mut sc.residual[..mn];
+                crate::dtype::decode_f32_slice(r.bytes, self.dtype, rs);
+                Some(&*rs)
+            }
+            None => None,
+        };
+        let o = &mut sc.out[..mn];
+        self.dense.forward_act(params, xs, m, res, o, &mut sc.dense)?;
+        crate::dtype::encode_f32_slice(o, self.dtype, out);
+        Ok(())
     }
 }
 

@@ -26,7 +26,7 @@ use crate::alloc::{count, try_vec};
 use crate::cpu::gemm::{gemm, Init};
 use crate::cpu::gemv::gemv;
 use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
-use crate::dtype::{decode_f64, encode_f64, DType};
+use crate::dtype::{decode_f32_slice, decode_f64, encode_f32_slice, encode_f64, DType};
 use crate::error::{arg_error, Error, Result};
 use crate::operand::Operand;
 use crate::tensor::{HostTensor, OwnedTensor};
@@ -839,7 +839,7 @@ impl PreparedCall {
         };
         let rows = batch * seq;
         let xs = &mut sc.x[..rows * self.input_size()];
-        decode_into(x.bytes, self.dtype, xs);
+        decode_f32_slice(x.bytes, self.dtype, xs);
         let state_len = self.rnn.state_len(batch);
         let has_init = init.iter().any(|s| !s.is_empty());
         if has_init {
@@ -852,7 +852,7 @@ impl PreparedCall {
                 } else {
                     for (k, t) in st.iter().enumerate() {
                         let n = batch * units;
-                        decode_into(t.bytes, self.dtype, &mut dst[k * n..(k + 1) * n]);
+                        decode_f32_slice(t.bytes, self.dtype, &mut dst[k * n..(k + 1) * n]);
                     }
                 }
                 at += per;
@@ -870,11 +870,11 @@ impl PreparedCall {
             &mut sc.rnn,
             reverse,
         )?;
-        encode_into(out, self.dtype, seq_out);
+        encode_f32_slice(out, self.dtype, seq_out);
         let mut at = 0;
         for o in states_out.iter_mut() {
             let n = o.len() / size;
-            encode_into(&fin[at..at + n], self.dtype, o);
+            encode_f32_slice(&fin[at..at + n], self.dtype, o);
             at += n;
         }
         Ok(())
@@ -922,60 +922,6 @@ impl PreparedCall {
             },
             grouped,
         ))
-    }
-}
-
-/// `bytes` of `dtype` decoded into `out` (same element count).
-fn decode_into(bytes: &[u8], dtype: DType, out: &mut [f32]) {
-    use half::{bf16, f16};
-    match dtype {
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::F64 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
-                *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32;
-            }
-        }
-    }
-}
-
-/// `values` encoded as `dtype` into `out` (same element count).
-fn encode_into(values: &[f32], dtype: DType, out: &mut [u8]) {
-    use half::{bf16, f16};
-    match dtype {
-        DType::F32 => {
-            for (v, c) in values.iter().zip(out.chunks_exact_mut(4)) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
-                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
-            }
-        }
-        DType::BF16 => {
-            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
-                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
-            }
-        }
-        DType::F64 => {
-            for (v, c) in values.iter().zip(out.chunks_exact_mut(8)) {
-                c.copy_from_slice(&(*v as f64).to_le_bytes());
-            }
-        }
     }
 }
 
