@@ -597,7 +597,10 @@ struct DenseCallScratch {
 
 impl PreparedDenseCall {
     /// Checks the kernel `{k, n}` and bias `{n}` (one type, f32/f16/bf16) and packs them.
-    pub fn new(kernel: &HostTensor<'_>, bias: Option<&HostTensor<'_>>) -> Result<PreparedDenseCall> {
+    pub fn new(
+        kernel: &HostTensor<'_>,
+        bias: Option<&HostTensor<'_>>,
+    ) -> Result<PreparedDenseCall> {
         let dt = kernel.dtype;
         if dt == DType::F64 {
             return Err(arg_error(
@@ -651,7 +654,11 @@ impl PreparedDenseCall {
 
     /// Checks a call's x (`{..., k}`) and residual (the output's shape), both in the
     /// weights' type; returns the output shape (x's leading dims + n).
-    pub fn check(&self, x: &HostTensor<'_>, residual: Option<&HostTensor<'_>>) -> Result<Vec<usize>> {
+    pub fn check(
+        &self,
+        x: &HostTensor<'_>,
+        residual: Option<&HostTensor<'_>>,
+    ) -> Result<Vec<usize>> {
         let (k, n) = (self.dense.k, self.dense.n);
         if x.shape.last() != Some(&k) {
             return Err(arg_error(format!(
@@ -746,7 +753,8 @@ impl PreparedDenseCall {
             None => None,
         };
         let o = &mut sc.out[..mn];
-        self.dense.forward_act(params, xs, m, res, o, &mut sc.dense)?;
+        self.dense
+            .forward_act(params, xs, m, res, o, &mut sc.dense)?;
         crate::dtype::encode_f32_slice(o, self.dtype, out);
         Ok(())
     }

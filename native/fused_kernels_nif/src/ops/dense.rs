@@ -138,7 +138,11 @@ fn dense_prepared_call<'a>(
         let data: Term<'a> = bin.into();
         Ok(make_tuple(
             env,
-            &[data, encode_shape(env, &shape), encode_dtype(env, call.dtype())?],
+            &[
+                data,
+                encode_shape(env, &shape),
+                encode_dtype(env, call.dtype())?,
+            ],
         ))
     })();
     reply(env, result)

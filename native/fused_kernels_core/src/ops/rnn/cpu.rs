@@ -24,13 +24,17 @@
 use super::common::{Cell, Geometry, Layer};
 use crate::alloc::{count, try_vec};
 use crate::cpu::gemm::{gemm, Init};
-use crate::cpu::gemv::gemv;
+use crate::cpu::gemv::{gemv, gemv_cols};
+use crate::cpu::packed::NR;
+use crate::cpu::pool::{self, SendPtr};
 use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
 use crate::dtype::{decode_f32_slice, decode_f64, encode_f32_slice, encode_f64, DType};
 use crate::error::{arg_error, Error, Result};
 use crate::operand::Operand;
 use crate::tensor::{HostTensor, OwnedTensor};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 pub(super) struct HostOutput {
     pub sequence: OwnedTensor,
@@ -58,6 +62,50 @@ struct PreparedLayer {
     bias_in: Buf,
     /// Added to the recurrent product: zeros for LSTM, `[0, 0, bhn]` for GRU (inside r ⊙ ·).
     bias_h: Buf,
+    /// How the batch-1 time loop has been running ([`LoopTimes`]).
+    times: LoopTimes,
+}
+
+/// Measured cost of a layer's batch-1 time loop on one thread and split over the pool.
+///
+/// A split step waits at a barrier for its partner thread: on an idle machine that costs
+/// well under a microsecond and the split wins; on a loaded one (other processes holding the
+/// cores) a partner that is not running costs a scheduler time slice per step, and one thread
+/// wins by far. Both paths compute the same values (whole 4-panel groups, see
+/// `split_tasks`), so the choice is made by measuring: each window runs the path that has
+/// been faster per step, and now and then the other one, to follow the machine.
+#[derive(Default)]
+struct LoopTimes {
+    /// Nanoseconds per step, moving averages; 0 = not measured yet.
+    serial: AtomicU64,
+    split: AtomicU64,
+    windows: AtomicU64,
+}
+
+/// One window in this many runs the path that has been slower.
+const EXPLORE_EVERY: u64 = 32;
+
+impl LoopTimes {
+    fn prefer_split(&self) -> bool {
+        let n = self.windows.fetch_add(1, Ordering::Relaxed);
+        let (serial, split) = (
+            self.serial.load(Ordering::Relaxed),
+            self.split.load(Ordering::Relaxed),
+        );
+        match (serial, split) {
+            (_, 0) => true,
+            (0, _) => false,
+            _ => (split < serial) != (n % EXPLORE_EVERY == EXPLORE_EVERY - 1),
+        }
+    }
+
+    fn record(&self, split: bool, ns: u64, steps: usize) {
+        let per = (ns / steps.max(1) as u64).max(1);
+        let slot = if split { &self.split } else { &self.serial };
+        let old = slot.load(Ordering::Relaxed);
+        let new = if old == 0 { per } else { (3 * old + per) / 4 };
+        slot.store(new.max(1), Ordering::Relaxed);
+    }
 }
 
 /// A stack of LSTM or GRU layers with weights packed once (see the module doc).
@@ -199,6 +247,7 @@ impl PreparedRnn {
                 w_h,
                 bias_in,
                 bias_h,
+                times: LoopTimes::default(),
             });
             input = units;
         }
@@ -396,6 +445,19 @@ impl PreparedRnn {
             );
         }
         let hp = &mut hp[..batch * gh];
+        let timed = batch == 1 && split_tasks(h, seq, pool::threads()) > 1;
+        let start = timed.then(Instant::now);
+        if timed && layer.times.prefer_split() {
+            if self.split_steps(layer, reverse, seq, xp, hp, h0, c, out) {
+                if let Some(t0) = start {
+                    layer
+                        .times
+                        .record(true, t0.elapsed().as_nanos() as u64, seq);
+                }
+                self.store_state(fin, c, &out[last_row(reverse, seq) * h..][..h]);
+                return;
+            }
+        }
         let row_stride = seq * h;
         for s in 0..seq {
             let ti = if reverse { seq - 1 - s } else { s };
@@ -427,12 +489,13 @@ impl PreparedRnn {
                 match self.cell {
                     Cell::Lstm => {
                         let h_out = &mut out[at..at + h];
-                        lstm_cell(isa, x_row, r_row, &mut c[b * h..(b + 1) * h], h_out);
+                        lstm_cell(isa, h, x_row, r_row, &mut c[b * h..(b + 1) * h], h_out);
                     }
                     Cell::Gru => {
                         if s == 0 {
                             gru_cell(
                                 isa,
+                                h,
                                 x_row,
                                 r_row,
                                 &h0[b * h..(b + 1) * h],
@@ -442,18 +505,97 @@ impl PreparedRnn {
                             let tp = if reverse { ti + 1 } else { ti - 1 };
                             let pat = (b * seq + tp) * h;
                             let (prev, cur) = two_rows(out, pat, at, h);
-                            gru_cell(isa, x_row, r_row, prev, cur);
+                            gru_cell(isa, h, x_row, r_row, prev, cur);
                         }
                     }
                 }
             }
         }
-        let last = if reverse { 0 } else { seq - 1 };
+        if let Some(t0) = start {
+            layer
+                .times
+                .record(false, t0.elapsed().as_nanos() as u64, seq);
+        }
+        let last = last_row(reverse, seq);
         for b in 0..batch {
             let at = (b * seq + last) * h;
             h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
         }
         self.store_state(fin, c, h0);
+    }
+
+    /// The batch-1 time loop split over the pool: task t owns units `u0..u1` (whole panels)
+    /// of every gate, computes their recurrent products and updates them, and one barrier per
+    /// step publishes the new h row before any task reads it. Returns false, computing
+    /// nothing, where the split does not apply or the pool cannot give its threads now.
+    #[allow(clippy::too_many_arguments)]
+    fn split_steps(
+        &self,
+        layer: &PreparedLayer,
+        reverse: bool,
+        seq: usize,
+        xp: &[f32],
+        hp: &mut [f32],
+        h0: &[f32],
+        c: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let h = layer.units;
+        let tasks = split_tasks(h, seq, pool::threads());
+        if tasks < 2 {
+            return false;
+        }
+        let (isa, cell, g) = (self.isa, self.cell, self.cell.gates());
+        let per = h / tasks;
+        let barrier = pool::Barrier::new(tasks);
+        let (hp_ptr, c_ptr, out_ptr) = (
+            SendPtr(hp.as_mut_ptr()),
+            SendPtr(c.as_mut_ptr()),
+            SendPtr(out.as_mut_ptr()),
+        );
+        let (hp_len, out_len) = (hp.len(), out.len());
+        let task = |t: usize| {
+            let (u0, u1) = (t * per, (t + 1) * per);
+            for s in 0..seq {
+                let ti = if reverse { seq - 1 - s } else { s };
+                let tp = if reverse { ti + 1 } else { ti.wrapping_sub(1) };
+                // Safety: every task reads the whole previous h row (written before the last
+                // barrier, or h0) and writes only units u0..u1 of hp, c and the current row;
+                // `out` outlives the job and the ranges are in bounds (h = tasks * per).
+                unsafe {
+                    let prev: &[f32] = if s == 0 {
+                        h0
+                    } else {
+                        std::slice::from_raw_parts(out_ptr.get().add(tp * h), h)
+                    };
+                    debug_assert!(ti * h + h <= out_len && g * h <= hp_len);
+                    for k in 0..g {
+                        let at = k * h + u0;
+                        let y = std::slice::from_raw_parts_mut(hp_ptr.get().add(at), per);
+                        gemv_cols(
+                            isa,
+                            prev,
+                            &layer.w_h,
+                            at / NR,
+                            Some(&layer.bias_h[at..at + per]),
+                            y,
+                        );
+                    }
+                    let x_row = &xp[ti * g * h + u0..(ti + 1) * g * h];
+                    let r_row = std::slice::from_raw_parts(hp_ptr.get().add(u0), g * h - u0);
+                    let cur = std::slice::from_raw_parts_mut(out_ptr.get().add(ti * h + u0), per);
+                    match cell {
+                        Cell::Lstm => {
+                            let cs = std::slice::from_raw_parts_mut(c_ptr.get().add(u0), per);
+                            lstm_cell(isa, h, x_row, r_row, cs, cur);
+                        }
+                        Cell::Gru => gru_cell(isa, h, x_row, r_row, &prev[u0..u1], cur),
+                    }
+                }
+                barrier.wait();
+            }
+        };
+        pool::run_together(tasks, &task)
     }
 
     fn store_state(&self, fin: &mut [f32], c: &[f32], h: &[f32]) {
@@ -465,6 +607,32 @@ impl PreparedRnn {
             Cell::Gru => fin.copy_from_slice(h),
         }
     }
+}
+
+/// The row of the last step of a window.
+fn last_row(reverse: bool, seq: usize) -> usize {
+    if reverse {
+        0
+    } else {
+        seq - 1
+    }
+}
+
+/// Threads for a batch-1 time loop of `units` over `seq` steps: each thread's share must be
+/// whole groups of four panels of every gate (the GEMV's main loop, so a split computes every
+/// column exactly as one thread does), and a window must be long enough to pay for waking
+/// the pool. One step (a streamed frame) stays on the calling thread.
+fn split_tasks(units: usize, seq: usize, threads: usize) -> usize {
+    const MIN_STEPS: usize = 4;
+    const GROUP: usize = 4 * NR;
+    if seq < MIN_STEPS {
+        return 1;
+    }
+    let mut t = threads.min(units / GROUP);
+    while t > 1 && (units % t != 0 || (units / t) % GROUP != 0) {
+        t -= 1;
+    }
+    t.max(1)
 }
 
 /// Gate matrices as column blocks of one packed matrix.
@@ -483,42 +651,46 @@ fn two_rows(buf: &mut [f32], a: usize, b: usize, len: usize) -> (&[f32], &mut [f
     }
 }
 
-/// LSTM update of one row: pre-activations `x + r` (gates i, f, g, o, each `units` wide),
-/// `c = σ(f) c + σ(i) tanh(g)`, `h = σ(o) tanh(c)` (Axon: no forget bias).
-fn lstm_cell(isa: Isa, x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) {
+/// LSTM update of `c.len()` units of one row: pre-activations `x + r` (gates i, f, g, o, gate
+/// k of unit j at `k * gs + j`), `c = σ(f) c + σ(i) tanh(g)`, `h = σ(o) tanh(c)` (Axon: no
+/// forget bias).
+fn lstm_cell(isa: Isa, gs: usize, x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) {
     let u = c.len();
+    assert!(h.len() == u && x.len() >= 3 * gs + u && r.len() >= 3 * gs + u);
     let mut j = 0;
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
-        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
-        j = unsafe { avx2::lstm_cell(x, r, c, h) };
+        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA; lengths checked above.
+        j = unsafe { avx2::lstm_cell(gs, x, r, c, h) };
     }
     let _ = isa;
     use crate::cpu::math::scalar::{sigmoid, tanh};
     for j in j..u {
-        let p = |k: usize| x[k * u + j] + r[k * u + j];
+        let p = |k: usize| x[k * gs + j] + r[k * gs + j];
         let cc = sigmoid(p(1)) * c[j] + sigmoid(p(0)) * tanh(p(2));
         c[j] = cc;
         h[j] = sigmoid(p(3)) * tanh(cc);
     }
 }
 
-/// GRU update of one row: `r = σ(x_r + hr)`, `z = σ(x_z + hz)`, `n = tanh(x_n + r ⊙ hn)` (hn
-/// already holds `+ bhn`), `h = (1 - z) n + z h_prev`.
-fn gru_cell(isa: Isa, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) {
+/// GRU update of `prev.len()` units of one row (gate k of unit j at `k * gs + j`):
+/// `r = σ(x_r + hr)`, `z = σ(x_z + hz)`, `n = tanh(x_n + r ⊙ hn)` (hn already holds `+ bhn`),
+/// `h = (1 - z) n + z h_prev`.
+fn gru_cell(isa: Isa, gs: usize, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) {
     let u = prev.len();
+    assert!(h.len() == u && x.len() >= 2 * gs + u && r.len() >= 2 * gs + u);
     let mut j = 0;
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // Safety: as for `lstm_cell`.
-        j = unsafe { avx2::gru_cell(x, r, prev, h) };
+        j = unsafe { avx2::gru_cell(gs, x, r, prev, h) };
     }
     let _ = isa;
     use crate::cpu::math::scalar::{sigmoid, tanh};
     for j in j..u {
         let rg = sigmoid(x[j] + r[j]);
-        let z = sigmoid(x[u + j] + r[u + j]);
-        let n = tanh(x[2 * u + j] + rg * r[2 * u + j]);
+        let z = sigmoid(x[gs + j] + r[gs + j]);
+        let n = tanh(x[2 * gs + j] + rg * r[2 * gs + j]);
         h[j] = (1.0 - z) * n + z * prev[j];
     }
 }
@@ -530,13 +702,19 @@ mod avx2 {
 
     /// The whole 8-lane part of `lstm_cell`; returns where the scalar tail starts.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn lstm_cell(x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) -> usize {
+    pub unsafe fn lstm_cell(
+        gs: usize,
+        x: &[f32],
+        r: &[f32],
+        c: &mut [f32],
+        h: &mut [f32],
+    ) -> usize {
         let u = c.len();
         let (xp, rp) = (x.as_ptr(), r.as_ptr());
         let p = |k: usize, j: usize| {
             _mm256_add_ps(
-                _mm256_loadu_ps(xp.add(k * u + j)),
-                _mm256_loadu_ps(rp.add(k * u + j)),
+                _mm256_loadu_ps(xp.add(k * gs + j)),
+                _mm256_loadu_ps(rp.add(k * gs + j)),
             )
         };
         let mut j = 0;
@@ -554,15 +732,15 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gru_cell(x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) -> usize {
+    pub unsafe fn gru_cell(gs: usize, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) -> usize {
         let u = prev.len();
         let (xp, rp) = (x.as_ptr(), r.as_ptr());
         let ld = |p: *const f32, at: usize| _mm256_loadu_ps(p.add(at));
         let mut j = 0;
         while j + 8 <= u {
             let rg = sigmoid(_mm256_add_ps(ld(xp, j), ld(rp, j)));
-            let z = sigmoid(_mm256_add_ps(ld(xp, u + j), ld(rp, u + j)));
-            let n = tanh(_mm256_fmadd_ps(rg, ld(rp, 2 * u + j), ld(xp, 2 * u + j)));
+            let z = sigmoid(_mm256_add_ps(ld(xp, gs + j), ld(rp, gs + j)));
+            let n = tanh(_mm256_fmadd_ps(rg, ld(rp, 2 * gs + j), ld(xp, 2 * gs + j)));
             let hp = ld(prev.as_ptr(), j);
             // (1 - z) n + z h = n + z (h - n)
             let v = _mm256_fmadd_ps(z, _mm256_sub_ps(hp, n), n);
