@@ -167,7 +167,7 @@ unsafe fn run_panels(
                     let ap = a.as_ptr().add(ir * lda + k0);
                     let cp = c.add(ir * ldc + col0);
                     if narrow {
-                        narrow_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
+                        scalar_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
                     } else {
                         tile(isa, kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
                     }
@@ -202,13 +202,13 @@ unsafe fn tile(
         return;
     }
     let _ = isa;
-    portable_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
+    scalar_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
 }
 
-/// A tile whose B columns stop before `NR` (the last panel of a row-major B): reads only
-/// `cols` columns.
+/// The scalar tile: the portable path, and the last panel of a row-major B whose columns
+/// stop before `NR` (it reads only `cols` columns of each B row).
 #[allow(clippy::too_many_arguments)]
-unsafe fn narrow_tile(
+unsafe fn scalar_tile(
     kc: usize,
     a: *const f32,
     lda: usize,
@@ -225,9 +225,9 @@ unsafe fn narrow_tile(
         let ar = a.add(i * lda);
         for kk in 0..kc {
             let av = *ar.add(kk);
-            let br = b.add(kk * ldb);
-            for (j, v) in row.iter_mut().enumerate().take(cols) {
-                *v += av * *br.add(j);
+            let br = std::slice::from_raw_parts(b.add(kk * ldb), cols);
+            for (v, bv) in row.iter_mut().zip(br) {
+                *v += av * bv;
             }
         }
     }
@@ -255,33 +255,6 @@ unsafe fn write_tile(
             *cr.add(j) = base + v;
         }
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-unsafe fn portable_tile(
-    kc: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    rows: usize,
-    cols: usize,
-    mode: Mode,
-) {
-    let mut acc = [[0.0f32; NR]; MR];
-    for (i, row) in acc.iter_mut().enumerate().take(rows) {
-        let ar = a.add(i * lda);
-        for kk in 0..kc {
-            let av = *ar.add(kk);
-            let br = std::slice::from_raw_parts(b.add(kk * ldb), NR);
-            for j in 0..NR {
-                row[j] += av * br[j];
-            }
-        }
-    }
-    write_tile(&acc, c, ldc, rows, cols, mode);
 }
 
 #[cfg(target_arch = "x86_64")]
