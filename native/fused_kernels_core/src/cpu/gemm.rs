@@ -7,6 +7,7 @@
 //! packing of A: rows are read sequentially, six streams). Large products split their panels
 //! over the thread pool; every task owns whole columns of C.
 
+use super::math::{apply, Func};
 use super::packed::{PackedB, NR};
 
 use super::pool::{self, SendPtr};
@@ -92,6 +93,23 @@ pub fn gemm_rhs(
     ldc: usize,
     init: Init<'_>,
 ) {
+    gemm_act(isa, m, a, lda, b, c, ldc, init, None)
+}
+
+/// [`gemm_rhs`] followed by `act` on every element of C, applied by the thread that computed
+/// the columns while they are still in its cache (a dense layer's activation epilogue).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_act(
+    isa: Isa,
+    m: usize,
+    a: &[f32],
+    lda: usize,
+    b: Rhs<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    init: Init<'_>,
+    act: Option<Func>,
+) {
     let (k, n) = (b.k(), b.n());
     if let Rhs::RowMajor { b, .. } = b {
         assert!(Some(b.len()) == k.checked_mul(n));
@@ -118,6 +136,15 @@ pub fn gemm_rhs(
         // Safety: task t writes only the columns of panels p0..p1 of C, disjoint from every
         // other task's; the extents were checked above.
         unsafe { run_panels(isa, m, a, lda, b, cp.get(), ldc, init, p0, p1) };
+        if let Some(f) = act {
+            let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
+            for i in 0..m {
+                // Safety: as above; row i's columns c0..c1 belong to this task.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(cp.get().add(i * ldc + c0), c1 - c0) };
+                apply(isa, f, row);
+            }
+        }
     };
     if tasks <= 1 {
         body(0);

@@ -7,7 +7,7 @@
 //! while the GEMM loads x (kernels/dense.cu), so normalised activations never go to memory.
 
 use super::Backend;
-use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
+use crate::cpu::gemm::{gemm_act, Init, Rhs};
 use crate::cpu::gemv::gemv;
 use crate::cpu::math::{apply, Func};
 use crate::cpu::pool::for_each_row_chunk;
@@ -798,12 +798,18 @@ fn product(
     b: Product<'_>,
     c: &mut [f32],
     bias: Option<&[f32]>,
+    act: Option<Func>,
 ) {
     match b {
-        Product::Gemv(p) => gemv(isa, &a[..k], p, bias, &mut c[..n]),
+        Product::Gemv(p) => {
+            gemv(isa, &a[..k], p, bias, &mut c[..n]);
+            if let Some(f) = act {
+                apply(isa, f, &mut c[..n]);
+            }
+        }
         Product::Gemm(rhs) => {
             let init = bias.map_or(Init::Zero, Init::Bias);
-            gemm_rhs(isa, m, a, k, rhs, c, n, init)
+            gemm_act(isa, m, a, k, rhs, c, n, init, act)
         }
     }
 }
@@ -846,25 +852,28 @@ fn forward_f32(
     } else {
         x
     };
-    product(isa, m, k, n, a, w, out, v.bias);
     if let (Kind::Swiglu, Some(w_up)) = (p.kind, w_up) {
+        product(isa, m, k, n, a, w, out, v.bias, Some(Func::Silu));
         let up = &mut scratch.up[..m * n];
-        product(isa, m, k, n, a, w_up, up, v.bias_up);
-        apply(isa, Func::Silu, out);
+        product(isa, m, k, n, a, w_up, up, v.bias_up, None);
         out.iter_mut().zip(up.iter()).for_each(|(o, u)| *o *= u);
     } else {
-        match p.activation {
-            Activation::None => {}
-            Activation::Relu => out.iter_mut().for_each(|o| {
+        // The activation runs in the product's epilogue, on the threads that computed C.
+        let act = match p.activation {
+            Activation::None | Activation::Relu => None,
+            Activation::Gelu => Some(Func::Gelu),
+            Activation::GeluTanh => Some(Func::GeluTanh),
+            Activation::Silu => Some(Func::Silu),
+            Activation::Sigmoid => Some(Func::Sigmoid),
+            Activation::Tanh => Some(Func::Tanh),
+        };
+        product(isa, m, k, n, a, w, out, v.bias, act);
+        if p.activation == Activation::Relu {
+            out.iter_mut().for_each(|o| {
                 if !(*o > 0.0 || o.is_nan()) {
                     *o = 0.0
                 }
-            }),
-            Activation::Gelu => apply(isa, Func::Gelu, out),
-            Activation::GeluTanh => apply(isa, Func::GeluTanh, out),
-            Activation::Silu => apply(isa, Func::Silu, out),
-            Activation::Sigmoid => apply(isa, Func::Sigmoid, out),
-            Activation::Tanh => apply(isa, Func::Tanh, out),
+            });
         }
     }
     if let Some(r) = residual {
