@@ -659,16 +659,29 @@ impl PreparedDenseCall {
         x: &HostTensor<'_>,
         residual: Option<&HostTensor<'_>>,
     ) -> Result<Vec<usize>> {
+        self.rows(x, residual)?;
+        Ok(self.out_shape(x))
+    }
+
+    fn out_shape(&self, x: &HostTensor<'_>) -> Vec<usize> {
+        let mut out = x.shape.clone();
+        if let Some(last) = out.last_mut() {
+            *last = self.dense.n;
+        }
+        out
+    }
+
+    /// [`PreparedDenseCall::check`] without building the shape: the rows of x.
+    fn rows(&self, x: &HostTensor<'_>, residual: Option<&HostTensor<'_>>) -> Result<usize> {
         let (k, n) = (self.dense.k, self.dense.n);
-        if x.shape.last() != Some(&k) {
+        let Some((&last, lead)) = x.shape.split_last() else {
+            return Err(arg_error("x: needs at least one dimension (features)"));
+        };
+        if last != k {
             return Err(arg_error(format!(
                 "x: expected last dimension {k} (the prepared kernel's rows), got shape {}",
                 crate::tensor::fmt_shape(&x.shape)
             )));
-        }
-        let mut out = x.shape.clone();
-        if let Some(last) = out.last_mut() {
-            *last = n;
         }
         for (name, t) in [("x", Some(x)), ("residual", residual)] {
             if let Some(t) = t {
@@ -682,15 +695,15 @@ impl PreparedDenseCall {
             }
         }
         if let Some(r) = residual {
-            if r.shape != out {
+            if r.shape.split_last() != Some((&n, lead)) {
                 return Err(arg_error(format!(
                     "residual: expected shape {}, got {}",
-                    crate::tensor::fmt_shape(&out),
+                    crate::tensor::fmt_shape(&self.out_shape(x)),
                     crate::tensor::fmt_shape(&r.shape)
                 )));
             }
         }
-        Ok(out)
+        Ok(lead.iter().product())
     }
 
     /// `out = act(x · kernel + bias) + residual` into `out` (bytes of the output shape in the
@@ -702,9 +715,8 @@ impl PreparedDenseCall {
         activation: Activation,
         out: &mut [u8],
     ) -> Result<()> {
-        let shape = self.check(x, residual)?;
+        let m = self.rows(x, residual)?;
         let (k, n) = (self.dense.k, self.dense.n);
-        let m = shape[..shape.len() - 1].iter().product::<usize>();
         let mn = m
             .checked_mul(n)
             .ok_or_else(|| arg_error("output: size overflows"))?;

@@ -930,17 +930,21 @@ impl PreparedCall {
             )));
         }
         for (l, (st, units)) in init.iter().zip(self.rnn.units()).enumerate() {
-            let pre = if layers > 1 {
-                format!("layer {l}: ")
-            } else {
-                String::new()
-            };
             if st.is_empty() {
                 continue;
             }
+            // Only an error formats the prefix: a call allocates nothing.
+            let pre = || {
+                if layers > 1 {
+                    format!("layer {l}: ")
+                } else {
+                    String::new()
+                }
+            };
             if st.len() != cell.state_names().len() {
                 return Err(arg_error(format!(
-                    "{pre}initial_state must be {{{}}} for {cell:?}, got {} tensors",
+                    "{}initial_state must be {{{}}} for {cell:?}, got {} tensors",
+                    pre(),
                     cell.state_names().join(", "),
                     st.len()
                 )));
@@ -948,7 +952,8 @@ impl PreparedCall {
             for (t, n) in st.iter().zip(cell.state_names()) {
                 if t.shape != [batch, units] || t.dtype != self.dtype {
                     return Err(arg_error(format!(
-                        "{pre}\"initial_state\" \"{n}\" must be {{{batch}, {units}}} of type {}, got {} of type {}",
+                        "{}\"initial_state\" \"{n}\" must be {{{batch}, {units}}} of type {}, got {} of type {}",
+                        pre(),
                         self.dtype.name(),
                         shape_of(t),
                         t.dtype.name()
@@ -984,15 +989,17 @@ impl PreparedCall {
         states_out: &mut [&mut [u8]],
     ) -> Result<()> {
         let (batch, seq) = self.check(x, init)?;
-        let (seq_shape, state_shapes) = self.output_shapes(batch, seq);
         let size = self.dtype.size();
-        let want = |s: &[usize]| s.iter().product::<usize>() * size;
-        if seq_out.len() != want(&seq_shape)
-            || states_out.len() != state_shapes.len()
+        let per = self.cell_of().state_names().len();
+        let seq_bytes = batch
+            .checked_mul(seq)
+            .and_then(|r| r.checked_mul(self.rnn.output_size() * size));
+        let mut units = self.rnn.units().flat_map(|u| std::iter::repeat_n(u, per));
+        if Some(seq_out.len()) != seq_bytes
+            || states_out.len() != per * self.rnn.layers.len()
             || states_out
                 .iter()
-                .zip(&state_shapes)
-                .any(|(o, s)| o.len() != want(s))
+                .any(|o| Some(o.len()) != units.next().map(|u| batch * u * size))
         {
             return Err(arg_error(
                 "outputs: the buffers do not match output_shapes (a bug in the caller)",
