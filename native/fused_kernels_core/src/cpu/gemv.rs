@@ -21,7 +21,7 @@ pub fn gemv(isa: Isa, x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32
 pub fn gemv_cols(isa: Isa, x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32]>, y: &mut [f32]) {
     let c0 = p0 * NR;
     assert!(x.len() == b.k() && c0 + y.len() <= b.n());
-    assert!(y.len() % NR == 0 || c0 + y.len() == b.n());
+    assert!(y.len().is_multiple_of(NR) || c0 + y.len() == b.n());
     if let Some(i) = init {
         assert!(i.len() == y.len());
     }

@@ -463,7 +463,7 @@ impl PreparedDenseCall {
             Some(s) => s,
             None => &mut own,
         };
-        if !slot.as_ref().is_some_and(|s| s.rows >= m) {
+        if slot.as_ref().is_none_or(|s| s.rows < m) {
             let rows = slot.as_ref().map_or(m, |s| s.rows.max(m));
             let size = |c: usize| {
                 rows.checked_mul(c)

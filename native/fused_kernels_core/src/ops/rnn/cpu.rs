@@ -447,16 +447,17 @@ impl PreparedRnn {
         let hp = &mut hp[..batch * gh];
         let timed = batch == 1 && split_tasks(h, seq, pool::threads()) > 1;
         let start = timed.then(Instant::now);
-        if timed && layer.times.prefer_split() {
-            if self.split_steps(layer, reverse, seq, xp, hp, h0, c, out) {
-                if let Some(t0) = start {
-                    layer
-                        .times
-                        .record(true, t0.elapsed().as_nanos() as u64, seq);
-                }
-                self.store_state(fin, c, &out[last_row(reverse, seq) * h..][..h]);
-                return;
+        if timed
+            && layer.times.prefer_split()
+            && self.split_steps(layer, reverse, seq, xp, hp, h0, c, out)
+        {
+            if let Some(t0) = start {
+                layer
+                    .times
+                    .record(true, t0.elapsed().as_nanos() as u64, seq);
             }
+            self.store_state(fin, c, &out[last_row(reverse, seq) * h..][..h]);
+            return;
         }
         let row_stride = seq * h;
         for s in 0..seq {
@@ -629,7 +630,7 @@ fn split_tasks(units: usize, seq: usize, threads: usize) -> usize {
         return 1;
     }
     let mut t = threads.min(units / GROUP);
-    while t > 1 && (units % t != 0 || (units / t) % GROUP != 0) {
+    while t > 1 && (!units.is_multiple_of(t) || !(units / t).is_multiple_of(GROUP)) {
         t -= 1;
     }
     t.max(1)
@@ -1012,7 +1013,7 @@ impl PreparedCall {
             Some(s) => s,
             None => &mut own,
         };
-        if !slot.as_ref().is_some_and(|s| s.fits(batch, seq)) {
+        if slot.as_ref().is_none_or(|s| !s.fits(batch, seq)) {
             let (b, t) = slot.as_ref().map_or((batch, seq), |s| {
                 (s.rnn.batch.max(batch), s.rnn.seq.max(seq))
             });
