@@ -231,6 +231,61 @@ defmodule FusedKernels.RnnTest do
     end
 
     @tag :nx
+    test "prepared params answer as the plain ones on every backend, one layer and stacks" do
+      backends = [:nx, :cpu] ++ if(FusedKernels.Backend.cuda_available?(), do: [:cuda], else: [])
+
+      for cell <- [:lstm, :gru], backend <- backends, reverse <- [false, true] do
+        {b, t, i, hs} = {2, 9, 6, [128, 64]}
+        x = rand_t({b, t, i}, {:f, 32})
+
+        ps =
+          Enum.zip([i | hs], hs)
+          |> Enum.map(fn {inp, h} -> to_nx_params(params(cell, inp, h, {:f, 32})) end)
+
+        st = Enum.map(hs, &states_of(cell, b, &1, {:f, 32}))
+        opts = [backend: backend, reverse: reverse, initial_state: st]
+
+        {stack, one} =
+          if cell == :lstm,
+            do: {&FusedKernels.lstm_stack/3, &FusedKernels.lstm/3},
+            else: {&FusedKernels.gru_stack/3, &FusedKernels.gru/3}
+
+        prepared = Rnn.prepare(cell, ps, backend: backend)
+        assert prepared.backend == backend and is_reference(prepared.ref) == (backend == :cpu)
+        {seq, states} = stack.(x, ps, opts)
+        {pseq, pstates} = stack.(x, prepared, opts)
+        # Bit for bit: the same kernels run on the same values.
+        assert Nx.to_binary(pseq) == Nx.to_binary(seq), "#{cell} #{backend} reverse=#{reverse}"
+
+        for {s1, s2} <- Enum.zip(states, pstates),
+            {a, e} <- Enum.zip(Tuple.to_list(s1), Tuple.to_list(s2)),
+            do: assert(Nx.to_binary(a) == Nx.to_binary(e))
+
+        one_opts = Keyword.put(opts, :initial_state, hd(st))
+        p1 = Rnn.prepare(cell, hd(ps), backend: backend)
+        {seq1, st1} = one.(x, hd(ps), one_opts)
+        {pseq1, pst1} = one.(x, p1, one_opts)
+        assert Nx.to_binary(pseq1) == Nx.to_binary(seq1)
+
+        assert Enum.map(Tuple.to_list(pst1), &Nx.to_binary/1) ==
+                 Enum.map(Tuple.to_list(st1), &Nx.to_binary/1)
+
+        assert_raise ArgumentError, ~r/params: prepared for a stack of 2 layers/, fn ->
+          one.(x, prepared, backend: backend)
+        end
+      end
+
+      # Prepared on :nx, it also runs inside defn.
+      x = rand_t({2, 4, 3}, {:f, 32})
+      p = to_nx_params(params(:gru, 3, 5, {:f, 32}))
+      prepared = Rnn.prepare(:gru, p, backend: :nx)
+      f = Nx.Defn.jit(fn x -> FusedKernels.gru(x, prepared) end)
+      {seq, {h}} = f.(x)
+      {want_seq, {want_h}} = FusedKernels.gru(x, p, backend: :nx)
+      assert rel(seq, want_seq) <= 1.0e-6 and rel(h, want_h) <= 1.0e-6
+    end
+
+    @tag :nx
     test "lstm/3 and gru/3 return Axon's shapes and work inside defn" do
       x = rand_t({2, 4, 3}, {:f, 32})
       p = to_nx_params(params(:gru, 3, 5, {:f, 32}))
