@@ -208,7 +208,7 @@ fn rnn(a: &Args, isa: Isa) {
     });
     report(&format!("{name} op API"), op_ms);
     // The op API with weights prepared once (`Rnn.prepare/3`): bytes in, bytes out.
-    let prepared = fused_kernels_core::ops::rnn::PreparedCall::new(cell, &layers).expect("prepare");
+    let prepared = fused_kernels_core::ops::rnn::prepare_cpu(cell, &layers).expect("prepare");
     let xh = HostTensor::new("x", leak(&x), vec![b, seq, a.input], DType::F32).expect("x");
     let mut seq_out = vec![0u8; b * seq * rnn.output_size() * 4];
     let per = cell.state_names().len();

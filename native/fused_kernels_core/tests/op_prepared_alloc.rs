@@ -5,7 +5,7 @@
 
 use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::dense::{self, Activation, Kind, Operands, Params, PreparedDenseCall};
-use fused_kernels_core::ops::rnn::{Cell, Layer, PreparedCall};
+use fused_kernels_core::ops::rnn::{prepare_cpu, Cell, Layer};
 use fused_kernels_core::{DType, HostTensor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell as StdCell;
@@ -128,7 +128,7 @@ fn prepared_rnn_calls_allocate_nothing() {
             }
             inp = h;
         }
-        let call = PreparedCall::new(cell, &layers(&store, None, g, hs.len(), dtype)).unwrap();
+        let call = prepare_cpu(cell, &layers(&store, None, g, hs.len(), dtype)).unwrap();
         for (batch, seq) in [(1usize, 1usize), (1, 60), (3, 7)] {
             let x = rng.bytes(batch * seq * i, 1.0, dtype);
             let states: Vec<Vec<Stored>> = hs

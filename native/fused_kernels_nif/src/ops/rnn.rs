@@ -5,7 +5,7 @@ use crate::terms::{
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::Operand;
-use fused_kernels_core::ops::rnn::{run, Cell, Layer, Precision, PreparedCall};
+use fused_kernels_core::ops::rnn::{prepare_cpu, run, Cell, Layer, Precision, PreparedCall};
 use rustler::types::tuple::{get_tuple, make_tuple};
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 
@@ -109,7 +109,7 @@ fn rnn_prepare<'a>(env: Env<'a>, cell: Term<'a>, layers: Term<'a>) -> Term<'a> {
             .into_iter()
             .map(decode_layer)
             .collect::<Result<Vec<_>>>()?;
-        let prepared = PreparedCall::new(cell, &layers)?;
+        let prepared = prepare_cpu(cell, &layers)?;
         Ok(ResourceArc::new(PreparedRnnResource(prepared)).encode(env))
     })();
     reply(env, result)

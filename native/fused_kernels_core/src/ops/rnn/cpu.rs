@@ -804,20 +804,9 @@ fn shape_of(t: &HostTensor<'_>) -> String {
 }
 
 impl PreparedCall {
-    /// Checks the layers as the op does (shapes, one element type, f32/f16/bf16) and packs
-    /// them. Initial states are per call, not part of the weights: `layers` carries none.
-    pub fn new(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
-        if layers.iter().any(|l| !l.initial_state.is_empty()) {
-            return Err(arg_error(
-                "initial_state: give it per call, not when preparing the weights",
-            ));
-        }
-        PreparedCall::packed(cell, layers, true)
-    }
-
-    /// Packs `layers` (their initial states ignored); `check`: validate the shapes first (the
-    /// op API has validated them already, against the call's batch).
-    fn packed(cell: Cell, layers: &[Layer<'_>], check: bool) -> Result<PreparedCall> {
+    /// The input features and element type of `layers` (from the first input kernel), refusing
+    /// f64 (the prepared path computes in f32).
+    pub(super) fn layout_of(cell: Cell, layers: &[Layer<'_>]) -> Result<(usize, DType)> {
         let first = layers
             .first()
             .ok_or_else(|| arg_error("params: at least one layer is needed"))?;
@@ -844,9 +833,12 @@ impl PreparedCall {
                 "params: f64 weights run unprepared (the prepared CPU path computes in f32)",
             ));
         }
-        if check {
-            super::geometry(cell, &[1, 1, features], dtype, layers)?;
-        }
+        Ok((features, dtype))
+    }
+
+    /// Packs `layers` (shapes validated by the caller; initial states ignored).
+    pub(super) fn packed(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
+        let (features, dtype) = PreparedCall::layout_of(cell, layers)?;
         let host32 = |t: &Operand<'_>| -> Result<Buf> {
             let staged = t.on_host()?;
             let view = staged.view();
@@ -1114,7 +1106,7 @@ impl PreparedCall {
 /// The op API on f32/f16/bf16: prepares and runs once ([`PreparedCall`], so a prepared and an
 /// unprepared call compute the same values the same way).
 fn run_f32(cell: Cell, x: &Operand<'_>, layers: &[Layer<'_>], reverse: bool) -> Result<HostOutput> {
-    let call = PreparedCall::packed(cell, layers, false)?;
+    let call = PreparedCall::packed(cell, layers)?;
     let staged_x = x.on_host()?;
     let staged_init = layers
         .iter()

@@ -164,6 +164,20 @@ pub fn geometry(
     Ok(g)
 }
 
+/// The op API's weights prepared once for the CPU (`FusedKernels.Rnn.prepare/3`): checks the
+/// layers as a call does (shapes, one element type, f32/f16/bf16) and packs them. Initial
+/// states are per call, not part of the weights: `layers` carries none.
+pub fn prepare_cpu(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
+    if layers.iter().any(|l| !l.initial_state.is_empty()) {
+        return Err(arg_error(
+            "initial_state: give it per call, not when preparing the weights",
+        ));
+    }
+    let (features, dtype) = PreparedCall::layout_of(cell, layers)?;
+    geometry(cell, &[1, 1, features], dtype, layers)?;
+    PreparedCall::packed(cell, layers)
+}
+
 /// Runs the stack on `backend`, returning results where `placement` says.
 pub fn run(
     backend: Backend,
