@@ -2,8 +2,9 @@
 //!
 //! Bound by reading B once from cache or memory, so the AVX2 kernel streams four panels at a
 //! time (eight FMA accumulators, enough to cover the FMA latency) and writes y once. It runs
-//! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) splitting the
-//! panels over threads costs more in wake-up latency than it saves.
+//! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) waking threads
+//! for one product costs more than it saves. A window's time loop, whose threads stay awake
+//! from step to step, splits the columns itself ([`gemv_cols`] per thread).
 
 use super::packed::{PackedB, NR};
 use super::simd::Isa;
