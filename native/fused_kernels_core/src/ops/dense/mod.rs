@@ -494,6 +494,17 @@ impl PreparedDenseCall {
             }
             None => None,
         };
+        // f32 on a little-endian machine: the product writes straight into the caller's
+        // bytes when they are aligned for f32 (a BEAM binary is), saving a pass over C.
+        if self.dtype == DType::F32 && cfg!(target_endian = "little") {
+            // Safety: every bit pattern is a valid f32 and a valid u8.
+            let (head, direct, tail) = unsafe { out.align_to_mut::<f32>() };
+            if head.is_empty() && tail.is_empty() && direct.len() == mn {
+                return self
+                    .dense
+                    .forward_act(params, xs, m, res, direct, &mut sc.dense);
+            }
+        }
         let o = &mut sc.out[..mn];
         self.dense
             .forward_act(params, xs, m, res, o, &mut sc.dense)?;
