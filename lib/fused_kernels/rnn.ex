@@ -33,7 +33,7 @@ defmodule FusedKernels.Rnn do
     call runs on `params`.
     """
     @enforce_keys [:cell, :backend, :layers, :stack?, :params]
-    defstruct [:cell, :backend, :device, :layers, :stack?, :params, :ref]
+    defstruct [:cell, :backend, :device, :layers, :stack?, :params, :ref, row_macs: 0]
 
     @type t :: %__MODULE__{
             cell: :lstm | :gru,
@@ -42,7 +42,8 @@ defmodule FusedKernels.Rnn do
             layers: pos_integer,
             stack?: boolean,
             params: [map],
-            ref: reference | nil
+            ref: reference | nil,
+            row_macs: non_neg_integer
           }
   end
 
@@ -176,11 +177,29 @@ defmodule FusedKernels.Rnn do
       layers: length(list),
       stack?: stack?,
       params: list,
-      ref: ref
+      ref: ref,
+      row_macs: row_macs(layers)
     }
   end
 
   defp first_kernel([{[k | _], _, _, _} | _]), do: k
+
+  # Multiply-adds per row of x (one timestep of one batch row) over every layer's weights.
+  defp row_macs(layers) do
+    layers
+    |> Enum.map(fn {[ki | _] = ins, _, _, _} ->
+      {inp, units} = shape_of(ki)
+      (inp + units) * units * length(ins)
+    end)
+    |> Enum.sum()
+  end
+
+  defp shape_of(%Buffer{shape: shape}), do: shape
+  defp shape_of({_, shape, _}), do: shape
+
+  if Code.ensure_loaded?(Nx) do
+    defp shape_of(%Nx.Tensor{} = t), do: Nx.shape(t)
+  end
 
   defp type_of(%Buffer{type: type}), do: type
   defp type_of({_, _, type}), do: type
@@ -264,10 +283,21 @@ defmodule FusedKernels.Rnn do
     end
   end
 
-  defp call_prepared(ref, x, states, opts) do
+  # Below this many multiply-adds (about 0.1 ms here) a prepared call runs on a dirty
+  # scheduler directly: a streamed step then skips the hand-over to the library's worker
+  # threads, and it is too short to keep a dirty scheduler from other callers.
+  @short_macs 4_194_304
+
+  defp call_prepared(%Prepared{ref: ref, row_macs: row_macs}, x, states, opts) do
+    nif =
+      case x do
+        {_, {b, t, _}, _} when b * t * row_macs <= @short_macs -> &Native.rnn_prepared_dirty/4
+        _ -> &Native.rnn_prepared/4
+      end
+
     {seq, states} =
       ref
-      |> Native.rnn_prepared(x, states, opts[:reverse])
+      |> nif.(x, states, opts[:reverse])
       |> Native.unwrap!()
 
     {Buffer.wrap(seq),
@@ -289,8 +319,8 @@ defmodule FusedKernels.Rnn do
       {:params, opts} ->
         native(cell, x, p.params, opts)
 
-      {:native, ref} ->
-        call_prepared(ref, Tensor.to_native(x), prepared_states(cell, p, opts), opts)
+      {:native, _ref} ->
+        call_prepared(p, Tensor.to_native(x), prepared_states(cell, p, opts), opts)
     end
   end
 
@@ -394,12 +424,12 @@ defmodule FusedKernels.Rnn do
         {:params, opts} ->
           run_stack(cell, x, p.params, opts)
 
-        {:native, ref} ->
+        {:native, _ref} ->
           states = prepared_states(cell, p, opts)
 
           case x do
             %Buffer{} ->
-              call_prepared(ref, Tensor.to_native(x), states, opts)
+              call_prepared(p, Tensor.to_native(x), states, opts)
 
             x ->
               x = Nx.to_tensor(x)
@@ -412,7 +442,7 @@ defmodule FusedKernels.Rnn do
                     "params: prepared for :cpu, which cannot run inside defn; prepare them with backend: :nx there"
                   )
 
-              {seq, states} = call_prepared(ref, Tensor.to_native(x), states, opts)
+              {seq, states} = call_prepared(p, Tensor.to_native(x), states, opts)
               {Tensor.to_nx(seq), Enum.map(states, &tuple_map(&1, fn t -> Tensor.to_nx(t) end))}
           end
       end
