@@ -62,11 +62,12 @@ defmodule FusedKernels do
 
     Options: `activation` (`:none`, `:relu`, `:gelu`, `:gelu_tanh`, `:silu`, `:sigmoid`,
     `:tanh`), `residual`, `backend`, `device`, `out: :host | :device`. `dense(x, kernel, opts)`
-    works too.
+    works too, and so does a kernel (with its bias) prepared once by
+    `FusedKernels.Dense.prepare/3` in the kernel's place.
     """
     @spec dense(
             FusedKernels.Tensor.t(),
-            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t() | FusedKernels.Dense.Prepared.t(),
             FusedKernels.Tensor.t() | nil | keyword,
             keyword
           ) :: FusedKernels.Tensor.nx()
@@ -144,27 +145,33 @@ defmodule FusedKernels do
     params), ours is zeros, so outputs differ (by up to ~0.3 on random weights) unless the
     states agree. For the same numbers build the Axon model with
     `recurrent_initializer: :zeros`, or pass Axon's state here as `initial_state: {c, h}`.
+
+    `params` may also be prepared once by `FusedKernels.Rnn.prepare/3` (weights packed for the
+    CPU kernels once instead of on every call; the same results).
     """
-    @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    @spec lstm(FusedKernels.Tensor.t(), map | FusedKernels.Rnn.Prepared.t(), keyword) ::
+            {FusedKernels.Tensor.nx(), tuple}
     def lstm(x, params, opts \\ []),
       do: FusedKernels.Rnn.run_one(:lstm, x, params, opts)
 
     @doc "`Axon.gru` with the given params: `{sequence, {h}}`; options as `lstm/3`."
-    @spec gru(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    @spec gru(FusedKernels.Tensor.t(), map | FusedKernels.Rnn.Prepared.t(), keyword) ::
+            {FusedKernels.Tensor.nx(), tuple}
     def gru(x, params, opts \\ []),
       do: FusedKernels.Rnn.run_one(:gru, x, params, opts)
 
     @doc """
     Several LSTM layers in one call (a list of param maps), layer l+1 consuming layer l's
     sequence on the device: `{sequence, [{c, h} per layer]}`; `initial_state` is a list.
+    `params_list` may be prepared once by `FusedKernels.Rnn.prepare/3`.
     """
-    @spec lstm_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+    @spec lstm_stack(FusedKernels.Tensor.t(), [map] | FusedKernels.Rnn.Prepared.t(), keyword) ::
             {FusedKernels.Tensor.nx(), [tuple]}
     def lstm_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:lstm, x, params_list, opts)
 
     @doc "Several GRU layers in one call: `{sequence, [{h} per layer]}`."
-    @spec gru_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+    @spec gru_stack(FusedKernels.Tensor.t(), [map] | FusedKernels.Rnn.Prepared.t(), keyword) ::
             {FusedKernels.Tensor.nx(), [tuple]}
     def gru_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:gru, x, params_list, opts)

@@ -230,6 +230,52 @@ defmodule FusedKernels.Native do
     do: not_loaded()
 
   @doc false
+  @spec dense_prepare(term, term) :: reply
+  def dense_prepare(_kernel, _bias), do: not_loaded()
+
+  @doc false
+  @spec dense_prepared(term, term, term, term) :: reply
+  def dense_prepared(prepared, x, residual, activation),
+    do:
+      dispatch(:cpu, :dense_prepared_dirty, :dense_prepared_async, [
+        prepared,
+        x,
+        residual,
+        activation
+      ])
+
+  @doc false
+  @spec dense_prepared_dirty(term, term, term, term) :: reply
+  def dense_prepared_dirty(_prepared, _x, _residual, _activation), do: not_loaded()
+
+  @doc false
+  @spec dense_prepared_async(term, term, term, term) :: reference | reply
+  def dense_prepared_async(_prepared, _x, _residual, _activation), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepare(term, term) :: reply
+  def rnn_prepare(_cell, _layers), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared(term, term, term, term) :: reply
+  def rnn_prepared(prepared, x, initial_state, reverse),
+    do:
+      dispatch(:cpu, :rnn_prepared_dirty, :rnn_prepared_async, [
+        prepared,
+        x,
+        initial_state,
+        reverse
+      ])
+
+  @doc false
+  @spec rnn_prepared_dirty(term, term, term, term) :: reply
+  def rnn_prepared_dirty(_prepared, _x, _initial_state, _reverse), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared_async(term, term, term, term) :: reference | reply
+  def rnn_prepared_async(_prepared, _x, _initial_state, _reverse), do: not_loaded()
+
+  @doc false
   @spec selective_scan(
           term,
           term,
