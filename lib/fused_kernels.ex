@@ -44,6 +44,68 @@ defmodule FusedKernels do
   def set_cache_dir(other),
     do: raise(ArgumentError, "cache dir must be a string path, got: #{inspect(other, limit: 5)}")
 
+  @doc """
+  Compiles every kernel program the runtime may load on the given GPU architectures into a
+  kernel cache directory, ahead of time and without a GPU (NVRTC only), so that first calls
+  there compile nothing. Each entry is keyed like the runtime's (kernel, function, source and
+  headers, options, architecture, NVRTC version): a machine with the same NVRTC major.minor
+  that uses this directory as its cache reads them; a different NVRTC ignores them. Entries
+  already there are kept. Prints one line per program; takes minutes for a cold directory.
+
+  Options:
+    * `archs` - list like `["sm_90", "sm_120"]`; default: the local GPU's (raises without one)
+    * `cache_dir` - default: the runtime's cache directory (`info()[:cache_dir]`)
+    * `route_as` - `"sm_86"`: the programs of a GPU routed as that older one (the
+      `route-as-*` test builds); default `nil`
+    * `jobs` - compilations at once; default: the number of schedulers
+
+  Returns `%{compiled: n, present: n, failed: [String.t()], bytes: n}`.
+  """
+  @spec prefill(keyword) :: %{
+          compiled: non_neg_integer,
+          present: non_neg_integer,
+          failed: [String.t()],
+          bytes: non_neg_integer
+        }
+  def prefill(opts \\ []) do
+    opts = Keyword.validate!(opts, [:archs, :cache_dir, :route_as, :jobs])
+
+    archs =
+      case Keyword.get(opts, :archs) do
+        nil -> [local_arch!()]
+        archs when is_list(archs) -> archs
+        other -> raise ArgumentError, "archs must be a list like [\"sm_90\"], got: #{inspect(other)}"
+      end
+
+    dir = Keyword.get_lazy(opts, :cache_dir, fn -> info()[:cache_dir] end)
+
+    if not is_binary(dir) do
+      raise ArgumentError, "cache_dir must be a string path, got: #{inspect(dir, limit: 5)}"
+    end
+
+    jobs = Keyword.get(opts, :jobs, System.schedulers_online())
+    route_as = Keyword.get(opts, :route_as)
+
+    archs
+    |> Native.kernel_prefill(route_as, dir, jobs)
+    |> Native.unwrap!()
+  end
+
+  @doc "`\"sm_XY\"` of the local GPU (or `device:`), or `nil` without one."
+  @spec local_arch(keyword) :: String.t() | nil
+  def local_arch(opts \\ []) do
+    case info(opts) do
+      %{cuda_available: true, compute_capability: {major, minor}} -> "sm_#{major}#{minor}"
+      _ -> nil
+    end
+  end
+
+  defp local_arch! do
+    local_arch() ||
+      raise ArgumentError,
+            "no GPU here (#{info()[:reason]}): give the architectures, e.g. archs: [\"sm_90\"]"
+  end
+
   if Code.ensure_loaded?(Nx) do
     @doc """
     `softmax(scale * x)` over the last axis of a `{rows, cols}` or
