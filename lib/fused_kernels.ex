@@ -72,9 +72,14 @@ defmodule FusedKernels do
 
     archs =
       case Keyword.get(opts, :archs) do
-        nil -> [local_arch!()]
-        archs when is_list(archs) -> archs
-        other -> raise ArgumentError, "archs must be a list like [\"sm_90\"], got: #{inspect(other)}"
+        nil ->
+          [local_arch!()]
+
+        archs when is_list(archs) ->
+          archs
+
+        other ->
+          raise ArgumentError, "archs must be a list like [\"sm_90\"], got: #{inspect(other)}"
       end
 
     dir = Keyword.get_lazy(opts, :cache_dir, fn -> info()[:cache_dir] end)
@@ -90,6 +95,63 @@ defmodule FusedKernels do
     |> Native.kernel_prefill(route_as, dir, jobs)
     |> Native.unwrap!()
   end
+
+  @warmup_ops ~w(lstm gru dense flash_attention scaled_softmax selective_scan layer_norm rms_norm mamba_block)a
+
+  @doc """
+  Compiles (or reads from the kernel cache) and loads ahead of time the GPU kernels that
+  first calls would otherwise compile, printing one line per kernel:
+
+    * a list of ops (#{inspect(@warmup_ops)}): every kernel program those ops may launch on
+      this GPU (each path their router may pick here, every type), several at once;
+    * a `FusedKernels.Backbone` handle on `:cuda`: exactly what its windows and frames launch
+      (one zero window and one frame are run through the engine; the handle's states are not
+      touched). Other backends have nothing to compile.
+
+  Options: `device`. Returns `:ok`; raises `FusedKernels.Error` when a kernel does not compile
+  or there is no GPU.
+  """
+  @spec warmup([atom] | struct, keyword) :: :ok
+  def warmup(ops_or_backbone, opts \\ [])
+
+  def warmup(ops, opts) when is_list(ops) do
+    Enum.each(ops, fn op ->
+      if op not in @warmup_ops do
+        raise ArgumentError,
+              "warmup: unknown op #{inspect(op)}; known: #{inspect(@warmup_ops)}"
+      end
+    end)
+
+    device = FusedKernels.Backend.device(opts)
+
+    ops
+    |> Enum.map(&Atom.to_string/1)
+    |> Native.kernel_warmup(device)
+    |> Native.unwrap!()
+
+    :ok
+  end
+
+  def warmup(%{__struct__: FusedKernels.Backbone, backend: :cuda, spec: spec} = handle, _opts) do
+    window =
+      {:binary.copy(<<0.0::float-32-native>>, spec.window * spec.embed),
+       {1, spec.window, spec.embed}, {:f, 32}}
+
+    frame = {:binary.copy(<<0.0::float-32-native>>, spec.embed), {1, spec.embed}, {:f, 32}}
+    _ = FusedKernels.Backbone.predict(handle, window)
+    state = FusedKernels.Backbone.init_state(handle, 1)
+    _ = FusedKernels.Backbone.step(handle, state, frame)
+    :ok
+  end
+
+  def warmup(%{__struct__: FusedKernels.Backbone}, _opts), do: :ok
+
+  def warmup(other, _opts),
+    do:
+      raise(
+        ArgumentError,
+        "warmup takes a list of ops or a FusedKernels.Backbone handle, got: #{inspect(other, limit: 5)}"
+      )
 
   @doc "`\"sm_XY\"` of the local GPU (or `device:`), or `nil` without one."
   @spec local_arch(keyword) :: String.t() | nil

@@ -40,6 +40,12 @@ defmodule Mix.Tasks.FusedKernels.Prefill do
       Mix.raise("the fused_kernels NIF did not load: #{inspect(FusedKernels.Native.status())}")
     end
 
+    if archs == [] and FusedKernels.local_arch() == nil do
+      Mix.raise(
+        "no GPU here (#{FusedKernels.info()[:reason]}): name the architectures, e.g. --arch sm_90"
+      )
+    end
+
     dir =
       opts[:cache] || Application.get_env(:fused_kernels, :cache_dir) ||
         FusedKernels.info()[:cache_dir]

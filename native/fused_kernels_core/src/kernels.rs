@@ -253,3 +253,46 @@ pub const ALL: &[&Kernel] = &[
     &STREAM_STATE,
     &DENSE_SM90,
 ];
+
+/// The ops `FusedKernels.warmup/1` takes, each with the kernel files it may launch from (any
+/// path the router picks on some GPU); what `files_of` reads.
+pub const OP_FILES: &[(&str, &[&Kernel])] = &[
+    ("scaled_softmax", &[&SCALED_SOFTMAX]),
+    ("dense", &[&DENSE, &DENSE_SM90]),
+    ("flash_attention", &[&FLASH_ATTENTION]),
+    (
+        "rnn",
+        &[&RNN, &RNN_BATCHED, &RNN_CLUSTER, &RNN_MMA, &RNN_RESIDENT],
+    ),
+    (
+        "selective_scan",
+        &[
+            &SELECTIVE_SCAN_F32,
+            &SELECTIVE_SCAN_F16,
+            &SELECTIVE_SCAN_BF16,
+        ],
+    ),
+    ("norm", &[&NORM]),
+    ("mamba_block", &[&MAMBA_BLOCK, &STREAM_STATE]),
+];
+
+/// The kernel files `op` may launch from (`lstm`/`gru` are `rnn`'s, `layer_norm`/`rms_norm`
+/// `norm`'s; `mamba_block` also launches dense, norm and selective_scan kernels).
+pub fn files_of(op: &str) -> Option<Vec<&'static Kernel>> {
+    let family = match op {
+        "lstm" | "gru" => "rnn",
+        "layer_norm" | "rms_norm" => "norm",
+        other => other,
+    };
+    let mut files: Vec<&'static Kernel> = OP_FILES
+        .iter()
+        .find(|(name, _)| *name == family)?
+        .1
+        .to_vec();
+    if family == "mamba_block" {
+        for dep in ["dense", "norm", "selective_scan"] {
+            files.extend(files_of(dep).unwrap_or_default());
+        }
+    }
+    Some(files)
+}

@@ -208,3 +208,41 @@ fn kernel_prefill<'a>(
     })();
     reply(env, result)
 }
+
+/// Compiles (or reads from the cache dir) and loads, on `device`, every kernel program the
+/// ops named in `ops` (strings: `"lstm"`, `"dense"`, ...) may launch there, several at once,
+/// printing one line per program. Returns the number of programs.
+#[rustler::nif(schedule = "DirtyIo")]
+fn kernel_warmup<'a>(env: Env<'a>, ops: Term<'a>, device: Term<'a>) -> Term<'a> {
+    let result = (|| -> Result<Term<'a>> {
+        let names: Vec<String> = crate::terms::decode_list("ops", "a list of op names", ops)?
+            .into_iter()
+            .map(|o| {
+                o.decode::<String>()
+                    .map_err(|_| arg_error("ops must be op names"))
+            })
+            .collect::<Result<_>>()?;
+        let mut files: Vec<&'static fused_kernels_core::kernels::Kernel> = Vec::new();
+        for name in &names {
+            let of = fused_kernels_core::kernels::files_of(name).ok_or_else(|| {
+                arg_error(format!(
+                    "ops: unknown op {name:?}; warmup knows lstm, gru, dense, flash_attention, \
+                     scaled_softmax, selective_scan, layer_norm, rms_norm, mamba_block"
+                ))
+            })?;
+            for f in of {
+                if !files.iter().any(|k| k.name == f.name) {
+                    files.push(f);
+                }
+            }
+        }
+        let gpu = cuda::gpu(decode_device(device)?)?;
+        let programs: Vec<_> = cache::programs(&files, &gpu.arch(), gpu.route_cap())?
+            .into_iter()
+            .map(|p| (p.kernel, p.function))
+            .collect();
+        gpu.warmup(&programs, &|line| eprintln!("{line}"))?;
+        Ok((programs.len() as u64).encode(env))
+    })();
+    reply(env, result)
+}
