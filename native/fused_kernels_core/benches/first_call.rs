@@ -7,10 +7,9 @@
 //! (compiles, disk hits). Shapes are ExPhil's (embed 288, hidden 256, window 60, f32).
 //! bench/gpu/first_call.sh runs every case with a cold and with a pre-filled cache.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
-use common::{random_params, spec, to_params, Rng};
 use fused_kernels_core::cuda::{self, cache};
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::Kind;
@@ -21,6 +20,8 @@ use fused_kernels_core::ops::{
 };
 use fused_kernels_core::{DType, HostTensor};
 use std::time::Instant;
+use support::backbone::{random_params, spec, to_params};
+use support::Rng;
 
 const CASES: &[&str] = &[
     "lstm",
@@ -41,7 +42,7 @@ const CASES: &[&str] = &[
 fn host(rng: &mut Rng, shape: Vec<usize>, scale: f32, center: f32) -> Operand<'static> {
     let n: usize = shape.iter().product();
     let bytes: Vec<u8> = rng
-        .vec(n, scale, center)
+        .vec_f32(n, scale, center)
         .iter()
         .flat_map(|f| f.to_le_bytes())
         .collect();
@@ -179,7 +180,7 @@ fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
             let params = to_params(&random_params(&s, 3));
             let (embed, hidden, window) = (s.embed, s.hidden, s.window);
             let engine = CudaEngine::new(s, params, None)?;
-            let x = rng.vec(window * embed, 1.0, 0.0);
+            let x = rng.vec_f32(window * embed, 1.0, 0.0);
             let mut out = vec![f32::NAN; hidden];
             // A window, then a frame: what a bot's first call and first step pay.
             Box::new(move || {

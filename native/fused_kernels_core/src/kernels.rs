@@ -93,26 +93,10 @@ impl Kernel {
 
     /// The texts of the headers this file includes, directly or through other headers.
     pub fn headers(&self) -> Vec<&'static str> {
-        let mut found: Vec<&'static str> = Vec::new();
-        let mut todo: Vec<&str> = vec![self.body];
-        while let Some(text) = todo.pop() {
-            for line in text.lines() {
-                let Some(name) = line
-                    .trim()
-                    .strip_prefix("#include \"")
-                    .and_then(|r| r.strip_suffix('"'))
-                else {
-                    continue;
-                };
-                if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
-                    if !found.contains(h) {
-                        found.push(h);
-                        todo.push(h);
-                    }
-                }
-            }
-        }
-        found
+        included_headers(self.body)
+            .into_iter()
+            .map(|(_, text)| text)
+            .collect()
     }
 
     /// The architecture NVRTC compiles this kernel for on a device of `arch` (`sm_90` style).
@@ -125,6 +109,31 @@ impl Kernel {
             arch.to_string()
         }
     }
+}
+
+/// The headers (name, text) that `source` includes, directly or through other headers, in
+/// the order first met: everything of [`HEADERS`] NVRTC reads for it.
+pub fn included_headers(source: &str) -> Vec<(&'static str, &'static str)> {
+    let mut found: Vec<(&'static str, &'static str)> = Vec::new();
+    let mut todo: Vec<&str> = vec![source];
+    while let Some(text) = todo.pop() {
+        for line in text.lines() {
+            let Some(name) = line
+                .trim()
+                .strip_prefix("#include \"")
+                .and_then(|r| r.strip_suffix('"'))
+            else {
+                continue;
+            };
+            if let Some(&(n, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
+                if !found.iter().any(|(f, _)| *f == n) {
+                    found.push((n, h));
+                    todo.push(h);
+                }
+            }
+        }
+    }
+    found
 }
 
 /// The feature level (a [`FEATURE_LEVELS`] entry) whose PTX runs on `arch` (`sm_86` -> 800).

@@ -2,7 +2,7 @@
 //! and options) without a GPU. Needs libnvrtc.so.13.
 //!
 //! Usage: kernel_ptx [--kernels a,b] [--jobs N] [--direct] [--instances] [--cache-out DIR]
-//!        [--as sm_XY] [OUT_DIR] [sm_XY ...]   (options in any order)
+//!        [--as sm_XY] [--prune] [OUT_DIR] [sm_XY ...]   (options in any order)
 //! (default archs: kernels::CI_ARCHS)
 //!
 //! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
@@ -18,7 +18,10 @@
 //! own to a cubin as a first call does, `FK_ONLY`), stored under the runtime's cache key, so a
 //! machine given that directory as `FUSED_KERNELS_CACHE_DIR` (same NVRTC version) compiles
 //! nothing. `--as sm_XY` builds the programs of a device routed as that older GPU (the
-//! `route-as-*` test builds). Entries already in DIR are kept. Prints each program's time.
+//! `route-as-*` test builds). Entries already in DIR are kept (so a copy of an older cache
+//! recompiles only the kernels whose sources changed); `--prune` then deletes the `.cubin`
+//! files in DIR that none of these programs uses (stale sources, other archs or NVRTCs).
+//! Prints each program's time.
 //!
 //! `--instances`: the same into `OUT_DIR/cache`, for the per-program compile times.
 
@@ -39,6 +42,7 @@ struct Options {
     instances: bool,
     cache_out: Option<String>,
     route_as: Option<(i32, i32)>,
+    prune: bool,
     direct: bool,
 }
 
@@ -53,6 +57,7 @@ fn parse() -> Result<Options, String> {
         instances: false,
         cache_out: None,
         route_as: None,
+        prune: false,
         direct: false,
     };
     while let Some(a) = args.next() {
@@ -69,6 +74,7 @@ fn parse() -> Result<Options, String> {
             }
             "--instances" => o.instances = true,
             "--direct" => o.direct = true,
+            "--prune" => o.prune = true,
             "--cache-out" => o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?),
             "--as" => {
                 let v = args.next().ok_or("--as needs an architecture like sm_86")?;
@@ -244,6 +250,9 @@ fn prefill(o: &Options, kernels: &[&'static Kernel], dir: PathBuf) -> ExitCode {
         started.elapsed().as_secs_f64(),
         dir.display()
     );
+    let nvrtc = version().unwrap_or((0, 0));
+    let keep: std::collections::HashSet<String> =
+        programs.iter().map(|p| p.entry_name(nvrtc)).collect();
     let report = match cache::prefill(&dir, &programs, o.jobs, &|line| println!("{line}")) {
         Ok(r) => r,
         Err(e) => {
@@ -265,6 +274,19 @@ fn prefill(o: &Options, kernels: &[&'static Kernel], dir: PathBuf) -> ExitCode {
     );
     for (what, ms) in times.iter().take(10) {
         println!("  {ms:>7.0} ms  {what}");
+    }
+    if o.prune {
+        let mut pruned = 0;
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".cubin") && !keep.contains(&name) {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => pruned += 1,
+                    Err(e) => eprintln!("cannot remove {name}: {e}"),
+                }
+            }
+        }
+        println!("pruned {pruned} entries no program uses");
     }
     for f in &report.failed {
         eprintln!("FAILED {f}");

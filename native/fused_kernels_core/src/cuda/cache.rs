@@ -57,7 +57,9 @@ pub fn fnv1a128(parts: &[&[u8]]) -> u128 {
 }
 
 /// The entry of `kernel`'s file built for `arch` with `build` (its instance and capability
-/// cap): keyed by the source, every header, the options, the architecture and NVRTC's version.
+/// cap): keyed by the source, the headers it includes, the options, the architecture and
+/// NVRTC's version. (Only the headers it includes: a change to another leaves its entries
+/// valid, so a pre-filled cache stays mostly current across edits.)
 pub fn entry_path(
     kernel: &str,
     source: &str,
@@ -84,7 +86,7 @@ pub fn entry_name(
         options.as_bytes(),
         defines.as_bytes(),
     ];
-    for (name, text) in crate::kernels::HEADERS {
+    for (name, text) in crate::kernels::included_headers(source) {
         parts.push(name.as_bytes());
         parts.push(text.as_bytes());
     }
