@@ -5,6 +5,8 @@
 //! per process): `first_call CASE`, or `first_call --list`. Prints one line per case: the
 //! context's creation, the first call, the second (warm) call, and the kernel-cache counters
 //! (compiles, disk hits). Shapes are ExPhil's (embed 288, hidden 256, window 60, f32).
+//! `first_call backbone_X --runs N` then times N windows and N frames of that backbone
+//! (median and p99 µs per call, host in and out: the engine's numbers on this route).
 //! bench/gpu/first_call.sh runs every case with a cold and with a pre-filled cache.
 
 #[path = "../tests/support/mod.rs"]
@@ -48,6 +50,68 @@ fn host(rng: &mut Rng, shape: Vec<usize>, scale: f32, center: f32) -> Operand<'s
         .collect();
     let bytes: &'static [u8] = bytes.leak();
     Operand::Host(HostTensor::new("t", bytes, shape, DType::F32).expect("host tensor"))
+}
+
+fn kind_of(case: &str) -> Option<Kind> {
+    Some(match case.strip_prefix("backbone_")? {
+        "lstm" => Kind::Lstm,
+        "gru" => Kind::Gru,
+        "attention" => Kind::Attention,
+        "mamba" => Kind::Mamba,
+        "jamba" => Kind::Jamba,
+        _ => return None,
+    })
+}
+
+/// Median and p99 of `runs` calls of `f`, in µs.
+fn time_us(runs: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    let mut t = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64() * 1e6);
+    }
+    t.sort_by(f64::total_cmp);
+    let at = |q: f64| t[((t.len() - 1) as f64 * q).round() as usize];
+    Ok((at(0.5), at(0.99)))
+}
+
+/// `runs` windows and `runs` frames of the backbone `kind` at ExPhil's sizes, batch 1.
+fn time_backbone(kind: Kind, runs: usize) -> Result<String> {
+    let s = spec(kind);
+    let mut rng = Rng::new(11);
+    let params = to_params(&random_params(&s, 5));
+    let (embed, hidden, window) = (s.embed, s.hidden, s.window);
+    let engine = CudaEngine::new(s, params, None)?;
+    let x = rng.vec_f32(window * embed, 1.0, 0.0);
+    let mut out = vec![f32::NAN; hidden];
+    // Warm: the first call of a shape runs eagerly, the second captures its graph.
+    for _ in 0..3 {
+        engine.predict(1, window, &x, &mut out)?;
+    }
+    let (wm, w99) = time_us(runs, || engine.predict(1, window, &x, &mut out))?;
+    let mut st = engine.new_state(1)?;
+    for i in 0..window + 3 {
+        engine.step(
+            &mut st,
+            &x[(i % window) * embed..(i % window + 1) * embed],
+            &mut out,
+        )?;
+    }
+    let mut i = 0;
+    let (fm, f99) = time_us(runs, || {
+        i = (i + 1) % window;
+        engine.step(&mut st, &x[i * embed..(i + 1) * embed], &mut out)
+    })?;
+    let graphs = engine
+        .graphs()?
+        .into_iter()
+        .map(|(b, t, f, notes)| format!("({b}, {t}, frame {f}): {}", notes.join("; ")))
+        .collect::<Vec<_>>()
+        .join(" | ");
+    Ok(format!(
+        "window {wm:.0} µs (p99 {w99:.0}), frame {fm:.0} µs (p99 {f99:.0}) over {runs}; graphs {graphs}"
+    ))
 }
 
 /// One call of the op or backbone named `case` (built once, called twice).
@@ -164,18 +228,11 @@ fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
             })
         }
         other => {
-            let kind = match other.strip_prefix("backbone_") {
-                Some("lstm") => Kind::Lstm,
-                Some("gru") => Kind::Gru,
-                Some("attention") => Kind::Attention,
-                Some("mamba") => Kind::Mamba,
-                Some("jamba") => Kind::Jamba,
-                _ => {
-                    return Err(fused_kernels_core::error::arg_error(format!(
-                        "unknown case {other}; --list lists them"
-                    )))
-                }
-            };
+            let kind = kind_of(other).ok_or_else(|| {
+                fused_kernels_core::error::arg_error(format!(
+                    "unknown case {other}; --list lists them"
+                ))
+            })?;
             let s = spec(kind);
             let params = to_params(&random_params(&s, 3));
             let (embed, hidden, window) = (s.embed, s.hidden, s.window);
@@ -193,7 +250,13 @@ fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
 }
 
 fn main() {
-    let arg = std::env::args().nth(1).unwrap_or_default();
+    let args: Vec<String> = std::env::args().collect();
+    let arg = args.get(1).cloned().unwrap_or_default();
+    let runs: Option<usize> = args
+        .iter()
+        .position(|a| a == "--runs")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
     if arg == "--list" || arg.is_empty() {
         println!("{}", CASES.join(" "));
         return;
@@ -222,6 +285,15 @@ fn main() {
             println!(
                 "{arg}: context {ctx_ms:.0} ms, first call {first:.0} ms (setup {setup:.0}), second {second:.1} ms, {compiles} programs compiled, {disk} read from the cache dir"
             );
+            if let (Some(n), Some(kind)) = (runs.filter(|n| *n > 0), kind_of(&arg)) {
+                match time_backbone(kind, n) {
+                    Ok(line) => println!("{arg}: {line}"),
+                    Err(e) => {
+                        println!("{arg}: timing FAILED {e}");
+                        std::process::exit(1);
+                    }
+                }
+            }
         }
         Err(e) => {
             println!("{arg}: FAILED {e}");
