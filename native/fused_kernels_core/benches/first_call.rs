@@ -135,7 +135,8 @@ fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
                 hidden_kernel: (0..g)
                     .map(|_| host(&mut rng, vec![h, h], 0.06, 0.0))
                     .collect(),
-                bias: (0..g).map(|_| host(&mut rng, vec![h], 0.1, 0.0)).collect(),
+                // Axon's GRU has 4 biases (br, bz, bin, bhn), its LSTM one per gate.
+                bias: (0..4).map(|_| host(&mut rng, vec![h], 0.1, 0.0)).collect(),
                 initial_state: Vec::new(),
             };
             Box::new(move || {
