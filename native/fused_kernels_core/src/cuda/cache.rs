@@ -2,7 +2,7 @@
 //! architecture, the NVRTC version and a hash of the exact source and options, so a changed
 //! kernel, a different GPU or a new NVRTC never loads a stale cubin.
 
-use super::nvrtc;
+use crate::cuda::nvrtc;
 use crate::error::{Error, Result};
 use crate::kernels::{Build, Kernel};
 use once_cell::sync::Lazy;
@@ -78,7 +78,7 @@ pub fn entry_name(
     nvrtc: (i32, i32),
     build: &Build,
 ) -> String {
-    let options = super::nvrtc::OPTIONS.join(" ");
+    let options = nvrtc::OPTIONS.join(" ");
     let defines = build.defines().join(" ");
     let mut parts: Vec<&[u8]> = vec![
         source.as_bytes(),
@@ -226,7 +226,8 @@ pub fn programs(
     arch: &str,
     cap: Option<(i32, i32)>,
 ) -> Result<Vec<Program>> {
-    if capability_of(arch).is_none_or(|c| c < super::MIN_COMPUTE_CAPABILITY) {
+    // (No feature level below sm_75: the oldest architecture the kernels are written for.)
+    if capability_of(arch).is_none() || crate::kernels::feature_level(arch).is_none() {
         return Err(Error::Argument(format!(
             "arch must be sm_75 or newer, like sm_90, got {arch:?}"
         )));
