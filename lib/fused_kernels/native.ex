@@ -91,6 +91,12 @@ defmodule FusedKernels.Native do
   @spec set_cache_dir(term) :: reply
   def set_cache_dir(_path), do: not_loaded()
   @doc false
+  @spec kernel_prefill(term, term, term, term) :: reply
+  def kernel_prefill(_archs, _route_as, _dir, _jobs), do: not_loaded()
+  @doc false
+  @spec kernel_warmup(term, term) :: reply
+  def kernel_warmup(_ops, _device), do: not_loaded()
+  @doc false
   @spec buffer_upload(term, term) :: reply
   def buffer_upload(_tensor, _device), do: not_loaded()
   @doc false
