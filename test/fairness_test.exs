@@ -29,7 +29,12 @@ defmodule FusedKernels.FairnessTest do
 
   defp short_call do
     x = {f32(4), {2, 2}, {:f, 32}}
-    {us, result} = :timer.tc(fn -> Native.scaled_softmax(x, 1.0, false, :cpu, nil, :host) end)
+
+    {us, result} =
+      :timer.tc(fn ->
+        Native.scaled_softmax(%{x: x}, %{scale: 1.0, causal: false, backend: :cpu, out: :host})
+      end)
+
     assert {:ok, {_, {2, 2}, {:f, 32}}} = result
     div(us, 1000)
   end
