@@ -236,9 +236,13 @@ defmodule FusedKernels.NifFuzz do
   defp inputs(map) do
     Map.new(map, fn
       {k, {bin, _, _} = t} when is_binary(bin) ->
-        if cuda?() and :rand.uniform(2) == 1,
-          do: {k, Native.unwrap!(Native.buffer_upload(t, nil))},
-          else: {k, t}
+        with true <- cuda?() and :rand.uniform(2) == 1,
+             {:ok, buffer} <- Native.buffer_upload(t, nil) do
+          {k, buffer}
+        else
+          # No GPU (a dry run of the :cuda fuzz): the host tensor stays.
+          _ -> {k, t}
+        end
 
       {k, %{} = nested} ->
         {k, inputs(nested)}
@@ -433,9 +437,21 @@ defmodule FusedKernels.NifFuzz do
     {spec, params}
   end
 
+  # An engine on the fuzz's backend; a :cuda engine the GPU refuses (or no GPU) falls back to
+  # :cpu, so the engine NIFs still get a live resource (engine_load's own valid calls are
+  # checked, and counted as refused, on :cuda).
   defp engine do
     {spec, params} = backbone()
-    {spec, FusedKernels.Backbone.Engine.load(spec, params, backend(), nil)}
+
+    engine =
+      try do
+        FusedKernels.Backbone.Engine.load(spec, params, backend(), nil)
+      rescue
+        _ in [ArgumentError, FusedKernels.Error] ->
+          FusedKernels.Backbone.Engine.load(spec, params, :cpu, nil)
+      end
+
+    {spec, engine}
   end
 
   defp flat(%{} = m, prefix \\ "") when not is_struct(m) do
