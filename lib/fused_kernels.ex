@@ -142,8 +142,9 @@ defmodule FusedKernels do
     The initial state differs from a default `Axon.lstm` model's: Axon draws its initial
     `{c, h}` at random (`recurrent_initializer: :glorot_uniform`, from a key in the model's
     params), ours is zeros, so outputs differ (by up to ~0.3 on random weights) unless the
-    states agree. For the same numbers build the Axon model with
-    `recurrent_initializer: :zeros`, or pass Axon's state here as `initial_state: {c, h}`.
+    states agree. For the same numbers pass Axon's state here, `initial_state:
+    FusedKernels.Axon.initial_state(model, params, inputs, layer_name)` (Axon computes it), or
+    build the Axon model with `recurrent_initializer: :zeros`.
     """
     @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
     def lstm(x, params, opts \\ []),
