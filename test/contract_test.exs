@@ -189,4 +189,26 @@ defmodule FusedKernels.ContractTest do
       end
     end
   end
+
+  unless Code.ensure_loaded?(Nx) do
+    # A build that asked for Nx (config require_nx: true, or Nx in the deps) but compiles
+    # before it must fail, not ship without the Nx-facing API.
+    test "asking for Nx when it is absent is a compile error, not a silent native-only build" do
+      source =
+        "lib/fused_kernels/tensor.ex"
+        |> File.read!()
+        |> String.replace(
+          "defmodule FusedKernels.Tensor do",
+          "defmodule FusedKernels.TensorProbe do"
+        )
+
+      Application.put_env(:fused_kernels, :require_nx, true)
+
+      try do
+        assert_raise CompileError, ~r/Nx was requested/, fn -> Code.compile_string(source) end
+      after
+        Application.delete_env(:fused_kernels, :require_nx)
+      end
+    end
+  end
 end
