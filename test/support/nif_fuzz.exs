@@ -59,18 +59,18 @@ defmodule FusedKernels.NifFuzz do
     {nif, args, Enum.map(kept, &elem(&1, 0))}
   end
 
-  # The places a mutation can hit: a whole argument, or one field of an argument that is a map.
+  # The places a mutation can hit: a whole argument, or a field of an argument that is a map,
+  # at any depth (a Mamba block's weights map inside its inputs), as `{position, path}`.
   defp slots(args) do
     args
     |> Enum.with_index()
-    |> Enum.flat_map(fn
-      {%{} = map, pos} when not is_struct(map) ->
-        [{pos, :whole} | for(key <- Enum.sort(Map.keys(map)), do: {pos, key})]
-
-      {_, pos} ->
-        [{pos, :whole}]
-    end)
+    |> Enum.flat_map(fn {arg, pos} -> for path <- paths(arg), do: {pos, path} end)
   end
+
+  defp paths(%{} = map) when not is_struct(map),
+    do: [[] | for(k <- Enum.sort(Map.keys(map)), p <- paths(map[k]), do: [k | p])]
+
+  defp paths(_leaf), do: [[]]
 
   defp mutation do
     case :rand.uniform(10) do
@@ -80,20 +80,22 @@ defmodule FusedKernels.NifFuzz do
     end
   end
 
-  defp mutate(args, {{pos, slot}, what}) do
-    List.update_at(args, pos, fn arg ->
-      case {slot, what} do
-        {:whole, {:junk, value}} -> value
-        {:whole, _} when is_map(arg) and not is_struct(arg) -> Map.put(arg, :bogus, 1)
-        {:whole, _} -> arg
-        {key, :drop_field} when is_map(arg) -> Map.delete(arg, key)
-        {_key, :extra_field} when is_map(arg) -> Map.put(arg, :bogus, 1)
-        {key, {:junk, value}} when is_map(arg) -> Map.put(arg, key, value)
-        # An earlier mutation replaced this map as a whole.
-        _ -> arg
-      end
-    end)
-  end
+  defp mutate(args, {{pos, path}, what}),
+    do: List.update_at(args, pos, &mutate_at(&1, path, what))
+
+  defp mutate_at(_arg, [], {:junk, value}), do: value
+  defp mutate_at(%{} = map, [], _what) when not is_struct(map), do: Map.put(map, :bogus, 1)
+  defp mutate_at(arg, [], _what), do: arg
+  defp mutate_at(%{} = map, [key], :drop_field) when not is_struct(map), do: Map.delete(map, key)
+
+  defp mutate_at(%{} = map, [_key], :extra_field) when not is_struct(map),
+    do: Map.put(map, :bogus, 1)
+
+  defp mutate_at(%{} = map, [key | rest], what) when is_map_key(map, key) and not is_struct(map),
+    do: Map.put(map, key, mutate_at(map[key], rest, what))
+
+  # An earlier mutation replaced or removed what this path led to.
+  defp mutate_at(arg, _path, _what), do: arg
 
   @doc """
   Runs one call and checks the contract: `:ok`, `{:error_reply, kind}` or `{:bad, why}`.
@@ -186,8 +188,7 @@ defmodule FusedKernels.NifFuzz do
   defp show(ref) when is_reference(ref), do: "make_ref()"
   defp show(pid) when is_pid(pid), do: "self()"
 
-  defp show([h | t]) when not is_list(t), do: "[#{show(h)} | #{show(t)}]"
-  defp show(list) when is_list(list), do: "[" <> Enum.map_join(list, ", ", &show/1) <> "]"
+  defp show(list) when is_list(list), do: "[" <> show_items(list) <> "]"
 
   defp show(%{} = map) when not is_struct(map),
     do: "%{" <> Enum.map_join(map, ", ", fn {k, v} -> "#{show(k)} => #{show(v)}" end) <> "}"
@@ -196,6 +197,12 @@ defmodule FusedKernels.NifFuzz do
     do: "{" <> Enum.map_join(Tuple.to_list(tuple), ", ", &show/1) <> "}"
 
   defp show(other), do: inspect(other, limit: :infinity, printable_limit: :infinity)
+
+  # The items of a list, proper or not (`[1, 2 | 3]`).
+  defp show_items([]), do: ""
+  defp show_items([h]), do: show(h)
+  defp show_items([h | t]) when is_list(t), do: show(h) <> ", " <> show_items(t)
+  defp show_items([h | t]), do: show(h) <> " | " <> show(t)
 
   # ------------------------------------------------------------------ valid calls
 
