@@ -3,7 +3,11 @@ defmodule FusedKernels.Native do
   The NIF, loaded when this module loads. Needs no Nx.
 
   Tensors cross as `{binary, shape_tuple, type}` triples (Nx's type tuples) or as device
-  buffer references. Every function returns `{:ok, value}` or
+  buffer references. An op takes two maps, its tensors and its options, e.g.
+  `scaled_softmax(%{x: x}, %{scale: 1.0, causal: false, backend: :cpu, device: nil, out:
+  :host})`; a missing, misspelt or ill-typed key is an `:argument` error naming it (optional
+  tensors and `device` may be left out; `rnn` and `dense` still take positional arguments).
+  Every function returns `{:ok, value}` or
   `{:error, {kind, message}}` with kind `:argument`, `:unavailable`, `:out_of_memory`,
   `:compile`, `:cuda` or `:nif_not_loaded`; `unwrap!/1` raises `ArgumentError` for
   `:argument` and `FusedKernels.Error` for the rest.
