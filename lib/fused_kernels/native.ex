@@ -110,29 +110,6 @@ defmodule FusedKernels.Native do
   @spec cuda_synchronize(term) :: reply
   def cuda_synchronize(_device), do: not_loaded()
 
-  # The engine (FusedKernels.Backbone.Engine): one NIF call per window and per frame.
-  @doc false
-  @spec engine_load(term, term, term, term) :: reply
-  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
-  @doc false
-  @spec engine_predict(term, term) :: reply
-  def engine_predict(_engine, _window), do: not_loaded()
-  @doc false
-  @spec engine_init_state(term, term) :: reply
-  def engine_init_state(_engine, _batch), do: not_loaded()
-  @doc false
-  @spec engine_step(term, term, term) :: reply
-  def engine_step(_engine, _state, _frame), do: not_loaded()
-  @doc false
-  @spec engine_reset(term, term) :: reply
-  def engine_reset(_engine, _state), do: not_loaded()
-  @doc false
-  @spec engine_state_info(term) :: reply
-  def engine_state_info(_state), do: not_loaded()
-  @doc false
-  @spec engine_graphs(term) :: reply
-  def engine_graphs(_engine), do: not_loaded()
-
   # The ops. `op(...)` runs `op_dirty(...)` (a dirty CPU scheduler) for CUDA, and queues
   # `op_async(...)` on the library's own worker threads for the CPU backend, waiting here for
   # the reply, so long CPU calls never hold the BEAM's schedulers (see
@@ -178,6 +155,28 @@ defmodule FusedKernels.Native do
     @spec unquote(async)(unquote_splicing(terms)) :: reference | reply
     def unquote(async)(unquote_splicing(unused)), do: not_loaded()
   end
+
+  @doc false
+  @spec engine_load(term, term, term, term) :: reply
+  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
+  @doc false
+  @spec engine_predict(term, term) :: reply
+  def engine_predict(_engine, _window), do: not_loaded()
+  @doc false
+  @spec engine_init_state(term, term) :: reply
+  def engine_init_state(_engine, _batch), do: not_loaded()
+  @doc false
+  @spec engine_step(term, term, term) :: reply
+  def engine_step(_engine, _state, _frame), do: not_loaded()
+  @doc false
+  @spec engine_reset(term, term) :: reply
+  def engine_reset(_engine, _state), do: not_loaded()
+  @doc false
+  @spec engine_state_info(term) :: reply
+  def engine_state_info(_state), do: not_loaded()
+  @doc false
+  @spec engine_graphs(term) :: reply
+  def engine_graphs(_engine), do: not_loaded()
 
   # Junk options (not a map) go to the dirty NIF, which refuses them.
   defp backend_of(%{backend: backend}), do: backend
