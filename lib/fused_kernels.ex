@@ -132,7 +132,8 @@ defmodule FusedKernels do
 
     @doc """
     `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
-    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; see below),
+    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; Axon's own
+    from `FusedKernels.Axon.initial_state/4`; see below),
     `reverse` (false; true processes the sequence last to first, each output at its own
     position), `backend`,
     `device`, `out`, `precision` (`:f32`, the default, keeps f32 calls f32-accurate; `:tf32`
@@ -142,9 +143,8 @@ defmodule FusedKernels do
     The initial state differs from a default `Axon.lstm` model's: Axon draws its initial
     `{c, h}` at random (`recurrent_initializer: :glorot_uniform`, from a key in the model's
     params), ours is zeros, so outputs differ (by up to ~0.3 on random weights) unless the
-    states agree. For the same numbers pass Axon's state here, `initial_state:
-    FusedKernels.Axon.initial_state(model, params, inputs, layer_name)` (Axon computes it), or
-    build the Axon model with `recurrent_initializer: :zeros`.
+    states agree. For the same numbers build the Axon model with
+    `recurrent_initializer: :zeros`, or pass Axon's state here as `initial_state: {c, h}`.
     """
     @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
     def lstm(x, params, opts \\ []),
