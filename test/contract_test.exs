@@ -100,6 +100,30 @@ defmodule FusedKernels.ContractTest do
              Native.flash_attention(%{q: q, k: q, v: q}, %{fa | layout: "bshd"})
 
     assert {:error, {:argument, "v is missing"}} = Native.flash_attention(%{q: q, k: q}, fa)
+
+    # Every op with typed arguments, on both dispatch paths (CPU jobs, dirty NIF).
+    for {nif, first} <- [
+          scaled_softmax: "x",
+          flash_attention: "q",
+          selective_scan: "u",
+          norm: "x",
+          mamba_block: "x",
+          mamba_block_state: "x",
+          stream_shift_append: "cache",
+          stream_reshape: "x"
+        ],
+        backend <- [:cpu, :cuda] do
+      options = %{backend: backend, out: :host}
+      assert {:error, {:argument, msg}} = apply(Native, nif, [%{}, options])
+      assert msg == "#{first} is missing"
+      assert {:error, {:argument, msg}} = apply(Native, nif, [:junk, options])
+      assert msg =~ ~r/^inputs must be a map with the keys #{first}\b/
+
+      assert {:error, {:argument, msg}} =
+               apply(Native, nif, [%{String.to_atom(first) => 1, y: 2}, options])
+
+      assert msg =~ ~r/^inputs: unknown key :y/
+    end
   end
 
   test "rms_norm refuses beta on the native backends" do
