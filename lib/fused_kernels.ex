@@ -257,7 +257,8 @@ defmodule FusedKernels do
 
     @doc """
     `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
-    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; see below),
+    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; Axon's own
+    from `FusedKernels.Axon.initial_state/4`; see below),
     `reverse` (false; true processes the sequence last to first, each output at its own
     position), `backend`,
     `device`, `out`, `precision` (`:f32`, the default, keeps f32 calls f32-accurate; `:tf32`
