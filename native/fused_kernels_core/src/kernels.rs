@@ -230,6 +230,11 @@ pub const STREAM_STATE: Kernel = Kernel {
     body: include_str!("../kernels/stream_state.cu"),
 };
 
+pub const ENGINE_RNN: Kernel = Kernel {
+    name: "engine_rnn",
+    body: include_str!("../kernels/engine_rnn.cu"),
+};
+
 pub const DENSE_SM90: Kernel = Kernel {
     name: "dense_sm90",
     body: include_str!("../kernels/dense_sm90.cu"),
@@ -252,4 +257,5 @@ pub const ALL: &[&Kernel] = &[
     &MAMBA_BLOCK,
     &STREAM_STATE,
     &DENSE_SM90,
+    &ENGINE_RNN,
 ];

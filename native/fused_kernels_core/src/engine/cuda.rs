@@ -27,18 +27,18 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
-use super::plan::{Kind, Params, Plan, Spec};
+use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::kernels::STREAM_STATE;
+use crate::kernels::{ENGINE_RNN, STREAM_STATE};
 use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaFunction, CudaGraph};
+use cudarc::driver::{CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -128,6 +128,9 @@ pub struct CudaEngine {
     qk_beta: DeviceTensor,
     /// `stream_shift_append_w4`, looked up once.
     shift_append: CudaFunction,
+    /// LSTM/GRU: the one-launch-per-layer frame kernel and its weights (None for the other
+    /// backbones, or where the kernel could not be built: frames then run the layer ops).
+    rnn_frame: Option<RnnFrame>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
@@ -232,11 +235,112 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
         .try_for_each(|(s, n)| s.copy_from(n))
 }
 
+/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`)
+/// and warps per block (`FK_ER_WARPS`).
+const FRAME_UNITS: usize = 8;
+const FRAME_MAX_BATCH: usize = 8;
+const FRAME_WARPS: usize = 8;
+/// Shared memory the frame kernel may use without an opt-in, on every GPU.
+const FRAME_SMEM: usize = 48 << 10;
+
+/// One layer's weights for `engine_rnn_frame_f32`: the input and hidden kernels blocked by
+/// `FRAME_UNITS` units (`{blocks, rows, gates, units}`, zero past `hidden`), the biases in
+/// Axon's order.
+struct FrameLayer {
+    wi: DeviceTensor,
+    wh: DeviceTensor,
+    bias: DeviceTensor,
+    input: usize,
+}
+
+struct RnnFrame {
+    f: CudaFunction,
+    layers: Vec<FrameLayer>,
+    /// One zeroed ticket per layer (the kernel's last-block count; it resets its own).
+    tickets: DeviceTensor,
+}
+
+/// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
+fn block_units(w: &[f32], rows: usize, gates: usize, h: usize) -> Vec<f32> {
+    let blocks = h.div_ceil(FRAME_UNITS);
+    let width = gates * FRAME_UNITS;
+    let mut out = vec![0.0f32; blocks * rows * width];
+    for blk in 0..blocks {
+        for k in 0..rows {
+            for g in 0..gates {
+                for u in 0..FRAME_UNITS {
+                    let j = blk * FRAME_UNITS + u;
+                    if j < h {
+                        out[(blk * rows + k) * width + g * FRAME_UNITS + u] =
+                            w[k * gates * h + g * h + j];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+impl RnnFrame {
+    /// The blocked weights of every RNN layer of `plan`, uploaded; None for backbones without
+    /// RNN layers or where the kernel cannot be built on this device.
+    fn new(gpu: &Arc<Gpu>, plan: &Plan) -> Result<Option<RnnFrame>> {
+        if !matches!(plan.spec.kind, Kind::Lstm | Kind::Gru) {
+            return Ok(None);
+        }
+        let Ok(f) = gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32") else {
+            return Ok(None);
+        };
+        let mut layers = Vec::new();
+        for op in &plan.ops {
+            if let Op::Rnn {
+                cell,
+                w_in,
+                w_h,
+                bias,
+                input,
+                hidden,
+                ..
+            } = op
+            {
+                let (g, h) = (cell.gates(), *hidden);
+                let blocks = h.div_ceil(FRAME_UNITS);
+                let width = g * FRAME_UNITS;
+                let wi = block_units(&plan.weights[*w_in], *input, g, h);
+                let wh = block_units(&plan.weights[*w_h], h, g, h);
+                layers.push(FrameLayer {
+                    wi: upload(gpu, "frame wi", vec![blocks * input, width], &wi)?,
+                    wh: upload(gpu, "frame wh", vec![blocks * h, width], &wh)?,
+                    bias: upload(gpu, "frame bias", vec![4 * h], &plan.weights[*bias])?,
+                    input: *input,
+                });
+            }
+        }
+        let tickets = zeros(gpu, vec![layers.len().max(1)])?;
+        Ok(Some(RnnFrame { f, layers, tickets }))
+    }
+
+    /// Dynamic shared memory of a layer's launch at `batch` (kernels/engine_rnn.cu).
+    fn smem(batch: usize, input: usize, hidden: usize) -> usize {
+        4 * (batch * (input + hidden) + FRAME_WARPS * batch * 64)
+    }
+
+    /// Whether every layer of a frame of `batch` rows runs on the frame kernel.
+    fn takes(&self, batch: usize, hidden: usize) -> bool {
+        batch <= FRAME_MAX_BATCH
+            && self
+                .layers
+                .iter()
+                .all(|l| Self::smem(batch, l.input, hidden) <= FRAME_SMEM)
+    }
+}
+
 impl CudaEngine {
     /// Checks `params` against `spec` exactly as the CPU plan does, then uploads them.
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
-        Plan::build(spec.clone(), params.clone())?;
+        let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
+        let rnn_frame = RnnFrame::new(&gpu, &plan)?;
         let mut weights = params
             .into_tensors()
             .map(|(name, (shape, v))| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
@@ -270,6 +374,7 @@ impl CudaEngine {
             gpu,
             weights,
             shift_append,
+            rnn_frame,
             shapes: Mutex::new(Vec::new()),
             _blas_workspace: blas_ws,
         };
@@ -721,6 +826,83 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
+    /// An LSTM/GRU frame `xd` `{b, 1, embed}`: one `engine_rnn_frame_f32` launch per layer,
+    /// each reading the previous one's normalised output (the first normalises the frame
+    /// itself), updating its state in place. Returns the last layer's `{b, 1, hidden}`.
+    fn rnn_frame(
+        &self,
+        rf: &RnnFrame,
+        xd: &DeviceTensor,
+        st: &mut CudaState,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let (b, h) = (st.batch, s.hidden);
+        let lstm = s.kind == Kind::Lstm;
+        let mut x = ptr(xd);
+        let mut out = None;
+        for (l, lay) in rf.layers.iter().enumerate() {
+            let h_new = self.buf(vec![b, h])?;
+            let c_new = self.buf(vec![b, h])?;
+            let y = self.buf(vec![b, 1, h])?;
+            // Axon's order: LSTM [c, h], GRU [h].
+            let state = &st.layers[l];
+            let (hp, cp) = if lstm {
+                (ptr(&state[1]), ptr(&state[0]))
+            } else {
+                (ptr(&state[0]), 0u64)
+            };
+            let (ig, ib) = if l == 0 {
+                (
+                    ptr(self.dw("input_norm/gamma")?),
+                    ptr(self.dw("input_norm/beta")?),
+                )
+            } else {
+                (0u64, 0u64)
+            };
+            let name = format!("rnn_{}_norm", l + 1);
+            let g = ptr(self.dw(&format!("{name}/gamma"))?);
+            let be = ptr(self.dw(&format!("{name}/beta"))?);
+            let (wi, wh, bias) = (ptr(&lay.wi), ptr(&lay.wh), ptr(&lay.bias));
+            let (hn, cn, yp) = (ptr(&h_new), ptr(&c_new), ptr(&y));
+            let ticket = ptr(&rf.tickets) + 4 * l as u64;
+            let eps = s.norm_eps as f32;
+            let (bi, ii, hi, li) = (b as i32, lay.input as i32, h as i32, lstm as i32);
+            let mut launch = self.gpu.stream.launch_builder(&rf.f);
+            launch
+                .arg(&x)
+                .arg(&ig)
+                .arg(&ib)
+                .arg(&eps)
+                .arg(&wi)
+                .arg(&wh)
+                .arg(&bias)
+                .arg(&hp)
+                .arg(&cp)
+                .arg(&hn)
+                .arg(&cn)
+                .arg(&g)
+                .arg(&be)
+                .arg(&eps)
+                .arg(&yp)
+                .arg(&ticket)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&hi)
+                .arg(&li);
+            let cfg = LaunchConfig {
+                grid_dim: (h.div_ceil(FRAME_UNITS) as u32, 1, 1),
+                block_dim: ((FRAME_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: RnnFrame::smem(b, lay.input, h) as u32,
+            };
+            // Safety: the kernel's parameters in order; every address is a weight, a state
+            // tensor or an arena buffer of this engine, alive in its stream's order.
+            unsafe { launch.launch(cfg) }?;
+            x = yp;
+            out = Some(y);
+        }
+        out.ok_or_else(|| arg_error("params: at least one layer is needed"))
+    }
+
     /// Every layer over `xd` `{b, t, embed}`; returns `{b, t, hidden}`. Runs inside
     /// `enqueue`.
     fn forward(
@@ -731,6 +913,11 @@ impl CudaEngine {
         let s = &self.spec;
         match s.kind {
             Kind::Lstm | Kind::Gru => {
+                if let (Some(rf), Some(st)) = (&self.rnn_frame, state.as_deref_mut()) {
+                    if rf.takes(st.batch, s.hidden) {
+                        return self.rnn_frame(rf, xd, st);
+                    }
+                }
                 let mut y = self.norm(&Operand::Device(xd), "input_norm", s.norm_eps)?;
                 for l in 1..=s.layers {
                     let st = match layer_stream(&mut state, l) {
