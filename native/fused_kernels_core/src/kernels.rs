@@ -235,6 +235,11 @@ pub const ENGINE_RNN: Kernel = Kernel {
     body: include_str!("../kernels/engine_rnn.cu"),
 };
 
+pub const ENGINE_FRAME: Kernel = Kernel {
+    name: "engine_frame",
+    body: include_str!("../kernels/engine_frame.cu"),
+};
+
 pub const DENSE_SM90: Kernel = Kernel {
     name: "dense_sm90",
     body: include_str!("../kernels/dense_sm90.cu"),
@@ -258,4 +263,5 @@ pub const ALL: &[&Kernel] = &[
     &STREAM_STATE,
     &DENSE_SM90,
     &ENGINE_RNN,
+    &ENGINE_FRAME,
 ];

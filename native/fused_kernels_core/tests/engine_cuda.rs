@@ -350,3 +350,50 @@ fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
         }
     }
 }
+
+#[test]
+fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // The frame kernels' head sizes (40, 80, 96), windows that are not multiples of anything
+    // (61), odd widths (embed 37, ffn 200), batch rows to their limit (8) and past it (9: the
+    // layer ops serve those frames); past the window, so the caches slide and graphs replay.
+    for kind in [Kind::Attention, Kind::Jamba] {
+        for (i, (heads, head_dim, window, embed, b)) in [
+            (5, 40, 61, 37, 1),
+            (3, 80, 16, 288, 3),
+            (2, 96, 60, 61, 8),
+            (3, 16, 16, 37, 9),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                heads,
+                head_dim,
+                hidden: heads * head_dim,
+                window,
+                embed,
+                ffn: 200,
+                layers: if kind == Kind::Jamba { 3 } else { 2 },
+                ..spec(kind)
+            };
+            let (cpu, gpu) = engines(&s, 80 + i as u64);
+            let t = window + 5;
+            let x = Rng::new(90 + i as u64).vec(b * t * embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let first = gpu_stream(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
+            assert!(
+                err <= 1e-5,
+                "{kind:?} {heads}x{head_dim} w{window} e{embed} b{b}: {t} frames vs cpu window, rel L2 {err}"
+            );
+            assert_eq!(
+                gpu_stream(&gpu, &x, b, t),
+                first,
+                "{kind:?} {heads}x{head_dim} b{b}: frames changed between runs"
+            );
+        }
+    }
+}

@@ -1,0 +1,208 @@
+// The backbone engine's frame kernels for the attention and Jamba backbones: one time step of a
+// few batch rows, where each launch is short and the number of launches is the cost.
+//
+// engine_gemv_f32: out = act(LN?(x) · W + bias) (+ LN?(res)). The LayerNorms of the input and
+//   of the residual are applied on the fly (every block normalises the rows it needs in shared
+//   memory; a row is a few hundred values), so a post-norm block needs no norm launches: the
+//   layer after a norm reads the un-normalised rows and the norm's parameters. W is the dense
+//   kernel as the params give it, {k, n} row-major: block j owns columns [16j, 16j + 16), and
+//   each half-warp reads 64 contiguous bytes of a row; the 16 warps split the rows and meet in
+//   shared memory.
+// engine_attn_frame_f32: one (head, batch row) per block. Appends the frame's k/v row to the
+//   {batch, window, heads, head_dim} caches (the oldest row drops out: the block owns its
+//   head's slice of the cache and rewrites it shifted, in place), optionally after the
+//   parameter-free QK LayerNorm of Jamba, then attends the frame's q over the newest `valid`
+//   rows (FlashAttention's causal sliding window for the last position), softmax in f32.
+//
+// Arithmetic: f32, exact exponentials, LayerNorm as kernels/norm.cu (two passes, warp sums).
+
+#include "types.cuh"
+#include "reduce.cuh"
+#include "act.cuh"
+
+#define FK_EG_THREADS 512
+#define FK_EG_WARPS (FK_EG_THREADS / 32)
+#define FK_EG_COLS 16
+#define FK_EG_MAXB 8
+#define FK_EG_UNROLL 8
+
+// Mean and 1/sqrt(var + eps) of `n` values of `row` (one warp; every lane gets them).
+__device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, int lane,
+                                            float& mean, float& inv) {
+  float s = 0.0f;
+  for (int j = lane; j < n; j += 32) s += row[j];
+  mean = fk_warp_sum(s) / n;
+  float q = 0.0f;
+  for (int j = lane; j < n; j += 32) {
+    const float v = row[j] - mean;
+    q += v * v;
+  }
+  inv = rsqrtf(fk_warp_sum(q) / n + eps);
+}
+
+// x {batch, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
+// act: the activation codes of act.cuh. res {batch, n} added after the activation (nullptr:
+// none), LayerNormed first with rg/rb (nullptr: as is). out {batch, n}. Dynamic shared memory:
+// 4·batch·k bytes.
+extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
+    engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
+                    const float* __restrict__ xb, const float* __restrict__ w,
+                    const float* __restrict__ bias, const float* __restrict__ res,
+                    const float* __restrict__ rg, const float* __restrict__ rb,
+                    float* __restrict__ out, int batch, int k, int n, float eps, int act) {
+  if constexpr (FK_WANT(engine_gemv_f32)) {
+    extern __shared__ float fk_eg_xs[];  // {batch, k}
+    __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
+    __shared__ float rstat[FK_EG_MAXB][2];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
+    if (res && rg) {
+      for (int b = warp; b < batch; b += FK_EG_WARPS) {
+        float mean, inv;
+        fk_eg_stats(res + (long long)b * n, n, eps, lane, mean, inv);
+        if (lane == 0) {
+          rstat[b][0] = mean;
+          rstat[b][1] = inv;
+        }
+      }
+    }
+    __syncthreads();
+    if (xg) {
+      for (int b = warp; b < batch; b += FK_EG_WARPS) {
+        float* row = fk_eg_xs + b * k;
+        float mean, inv;
+        fk_eg_stats(row, k, eps, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < k; j += 32) row[j] = (row[j] - mean) * inv * xg[j] + xb[j];
+      }
+      __syncthreads();
+    }
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
+    float acc[FK_EG_MAXB];
+#pragma unroll
+    for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
+    int r = 2 * warp + half;
+    for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
+      float wv[FK_EG_UNROLL];
+#pragma unroll
+      for (int i = 0; i < FK_EG_UNROLL; ++i)
+        wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
+#pragma unroll
+      for (int b = 0; b < FK_EG_MAXB; ++b) {
+        if (b < batch) {
+#pragma unroll
+          for (int i = 0; i < FK_EG_UNROLL; ++i)
+            acc[b] = fmaf(fk_eg_xs[b * k + r + i * step], wv[i], acc[b]);
+        }
+      }
+    }
+    for (; r < k; r += step) {
+      const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
+#pragma unroll
+      for (int b = 0; b < FK_EG_MAXB; ++b)
+        if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], wv, acc[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < FK_EG_MAXB; ++b)
+      if (b < batch) red[2 * warp + half][b][c] = acc[b];
+    __syncthreads();
+    if (tid < batch * FK_EG_COLS) {
+      const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;
+      const int j = blockIdx.x * FK_EG_COLS + cc;
+      if (j < n) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2 * FK_EG_WARPS; ++i) s += red[i][b][cc];
+        s = fk_act<FkExact>(s + bias[j], act);
+        if (res) {
+          float rv = res[(long long)b * n + j];
+          if (rg) rv = (rv - rstat[b][0]) * rstat[b][1] * rg[j] + rb[j];
+          s += rv;
+        }
+        out[(long long)b * n + j] = s;
+      }
+    }
+  }
+}
+
+#define FK_EA_THREADS 128
+#define FK_EA_WARPS (FK_EA_THREADS / 32)
+
+// qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
+// head_dim}: shifted by one row in place, the frame's k/v rows appended last. out {batch,
+// hidden}. valid: how many of the newest rows the query sees (1..window). qk_norm: LayerNorm of
+// q and k over head_dim (unit gain, zero shift, eps 1e-6) before anything else. Grid (heads,
+// batch). Dynamic shared memory: 4·(2·window·head_dim + head_dim + window) bytes.
+extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
+    engine_attn_frame_f32(const float* __restrict__ qkv, float* kc, float* vc,
+                          float* __restrict__ out, int heads, int head_dim, int window,
+                          int valid, int qk_norm, float scale) {
+  if constexpr (FK_WANT(engine_attn_frame_f32)) {
+    extern __shared__ float fk_ea_smem[];
+    const int d = head_dim, hidden = heads * head_dim;
+    float* ks = fk_ea_smem;            // {window, d}
+    float* vs = ks + window * d;       // {window, d}
+    float* qs = vs + window * d;       // {d}
+    float* p = qs + d;                 // {window}
+    __shared__ float scratch[FK_EA_WARPS];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* row = qkv + (long long)b * 3 * hidden + h * d;
+    const long long base = (long long)b * window * hidden + h * d;  // cache row t at + t·hidden
+    for (int i = tid; i < d; i += FK_EA_THREADS) {
+      qs[i] = row[i];
+      ks[(window - 1) * d + i] = row[hidden + i];
+      vs[(window - 1) * d + i] = row[2 * hidden + i];
+    }
+    for (int i = tid; i < (window - 1) * d; i += FK_EA_THREADS) {
+      const int t = i / d, j = i - t * d;
+      ks[i] = kc[base + (long long)(t + 1) * hidden + j];
+      vs[i] = vc[base + (long long)(t + 1) * hidden + j];
+    }
+    __syncthreads();
+    if (qk_norm && warp < 2) {
+      float* v = warp == 0 ? qs : ks + (window - 1) * d;
+      float mean, inv;
+      fk_eg_stats(v, d, 1e-6f, lane, mean, inv);
+      __syncwarp();
+      for (int j = lane; j < d; j += 32) v[j] = (v[j] - mean) * inv;
+    }
+    __syncthreads();
+    // Every block has read its own slice only: write it back shifted.
+    for (int i = tid; i < window * d; i += FK_EA_THREADS) {
+      const int t = i / d, j = i - t * d;
+      kc[base + (long long)t * hidden + j] = ks[i];
+      vc[base + (long long)t * hidden + j] = vs[i];
+    }
+    const int first = window - valid;
+    for (int t = first + warp; t < window; t += FK_EA_WARPS) {
+      float s = 0.0f;
+      for (int j = lane; j < d; j += 32) s = fmaf(qs[j], ks[t * d + j], s);
+      s = fk_warp_sum(s);
+      if (lane == 0) p[t] = s * scale;
+    }
+    __syncthreads();
+    float m = FK_NEG_INF;
+    for (int t = first + tid; t < window; t += FK_EA_THREADS) m = fmaxf(m, p[t]);
+    m = fk_block_max(m, scratch);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int t = first + tid; t < window; t += FK_EA_THREADS) {
+      const float e = expf(p[t] - m);
+      p[t] = e;
+      sum += e;
+    }
+    sum = fk_block_sum(sum, scratch);
+    __syncthreads();
+    const float rs = 1.0f / sum;
+    for (int j = tid; j < d; j += FK_EA_THREADS) {
+      float o = 0.0f;
+      for (int t = first; t < window; ++t) o = fmaf(p[t], vs[t * d + j], o);
+      out[(long long)b * hidden + h * d + j] = o * rs;
+    }
+  }
+}
