@@ -1,5 +1,5 @@
-// The backbone engine's frame kernels for the attention and Jamba backbones: one time step of a
-// few batch rows, where each launch is short and the number of launches is the cost.
+// The backbone engine's frame kernels for the attention, Mamba and Jamba backbones: one time
+// step of a few batch rows, where each launch is short and the number of launches is the cost.
 //
 // engine_gemv_f32: out = act(LN?(x) · W + bias) (+ LN?(res)). The LayerNorms of the input and
 //   of the residual are applied on the fly (every block normalises the rows it needs in shared
@@ -13,6 +13,9 @@
 //   head's slice of the cache and rewrites it shifted, in place), optionally after the
 //   parameter-free QK LayerNorm of Jamba, then attends the frame's q over the newest `valid`
 //   rows (FlashAttention's causal sliding window for the last position), softmax in f32.
+// engine_mamba_conv_f32 / engine_mamba_scan_f32: the Mamba block's element-wise stages of one
+//   frame around its GEMVs (in_proj, B|C|dt-rank as one, out_proj): the conv, then dt, the
+//   scan step, the gate and both states.
 //
 // Arithmetic: f32, exact exponentials, LayerNorm as kernels/norm.cu (two passes, warp sums).
 
@@ -204,5 +207,68 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
       for (int t = first; t < window; ++t) o = fmaf(p[t], vs[t * d + j], o);
       out[(long long)b * hidden + h * d + j] = o * rs;
     }
+  }
+}
+
+#define FK_EM_THREADS 256
+
+// Mamba, one frame: the causal depthwise conv of the frame's x part over the conv state, then
+// SiLU. xz {batch, 2·inner} (in_proj output, bias included: x | z); w {k, inner} (tap j
+// multiplies step t - (k-1) + j); conv_state {batch, k-1, inner}: the conv inputs of the k-1
+// frames before (read only; engine_mamba_scan_f32 moves it on). xc {batch, inner}.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+    engine_mamba_conv_f32(const float* __restrict__ xz, const float* __restrict__ w,
+                          const float* __restrict__ conv_bias,
+                          const float* __restrict__ conv_state, float* __restrict__ xc,
+                          int batch, int inner, int k) {
+  if constexpr (FK_WANT(engine_mamba_conv_f32)) {
+    const int i = blockIdx.x * FK_EM_THREADS + threadIdx.x;
+    if (i >= batch * inner) return;
+    const int b = i / inner, c = i - b * inner;
+    float acc = conv_bias[c];
+    for (int j = 0; j < k - 1; ++j)
+      acc += w[j * inner + c] * conv_state[((long long)b * (k - 1) + j) * inner + c];
+    acc += w[(k - 1) * inner + c] * xz[(long long)b * 2 * inner + c];
+    xc[i] = acc / (1.0f + expf(-acc));
+  }
+}
+
+// Mamba, one frame: per (batch row, channel) the dt projection (softplus, clipped to
+// [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:
+// h = exp(dt·A)·h + dt·B·u, y = C·h + D·u), the SiLU(z) gate, and both states moved on in
+// place (each thread owns its channel of them). xz {batch, 2·inner}; xc {batch, inner} (u);
+// bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt {rank, inner}, b_dt
+// {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1, inner}; ssm_state
+// {batch, inner, state}; y {batch, inner}.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+    engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
+                          const float* __restrict__ bcr, const float* __restrict__ w_dt,
+                          const float* __restrict__ b_dt, const float* __restrict__ a,
+                          const float* __restrict__ d, float* conv_state, float* ssm_state,
+                          float* __restrict__ y, int batch, int inner, int state, int rank,
+                          int k, float dt_min, float dt_max) {
+  if constexpr (FK_WANT(engine_mamba_scan_f32)) {
+    const int i = blockIdx.x * FK_EM_THREADS + threadIdx.x;
+    if (i >= batch * inner) return;
+    const int b = i / inner, c = i - b * inner;
+    const float* row = bcr + (long long)b * (2 * state + rank);
+    float raw = 0.0f;
+    for (int r = 0; r < rank; ++r) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw += b_dt[c];
+    const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
+    const float delta = fminf(fmaxf(sp, dt_min), dt_max);
+    const float u = xc[i];
+    float* h = ssm_state + ((long long)b * inner + c) * state;
+    float acc = 0.0f;
+    for (int n = 0; n < state; ++n) {
+      const float hn = expf(delta * a[(long long)c * state + n]) * h[n] + delta * row[n] * u;
+      h[n] = hn;
+      acc += hn * row[state + n];
+    }
+    const float z = xz[(long long)b * 2 * inner + inner + c];
+    y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
+    float* cs = conv_state + (long long)b * (k - 1) * inner + c;
+    for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
+    cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
   }
 }

@@ -397,3 +397,52 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
         }
     }
 }
+
+#[test]
+fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // The Mamba frame kernels at odd widths (hidden 200, inner 400 or 600), state 64, conv 2
+    // and 5, dt_rank 13, batch rows to the frame kernels' limit (8) and past it (9).
+    for kind in [Kind::Mamba, Kind::Jamba] {
+        for (i, (hidden, state, conv, dt_rank, expand, b)) in [
+            (200, 64, 4, 13, 2, 1),
+            (48, 16, 2, 5, 3, 3),
+            (200, 16, 5, 16, 3, 8),
+            (48, 8, 3, 5, 2, 9),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                hidden,
+                heads: 4,
+                head_dim: hidden / 4,
+                embed: 37,
+                state,
+                conv,
+                dt_rank,
+                expand,
+                window: 16,
+                layers: if kind == Kind::Jamba { 3 } else { 2 },
+                ..spec(kind)
+            };
+            let (cpu, gpu) = engines(&s, 100 + i as u64);
+            let t = 21;
+            let x = Rng::new(110 + i as u64).vec(b * t * s.embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let first = gpu_stream(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
+            assert!(
+                err <= 1e-5,
+                "{kind:?} h{hidden} n{state} k{conv} r{dt_rank} b{b}: {t} frames vs cpu window, rel L2 {err}"
+            );
+            assert_eq!(
+                gpu_stream(&gpu, &x, b, t),
+                first,
+                "{kind:?} h{hidden} b{b}: frames changed between runs"
+            );
+        }
+    }
+}

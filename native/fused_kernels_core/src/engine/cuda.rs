@@ -338,10 +338,12 @@ impl RnnFrame {
     }
 }
 
-/// The attention/Jamba frame kernels (kernels/engine_frame.cu).
+/// The attention/Mamba/Jamba frame kernels (kernels/engine_frame.cu).
 struct FrameFns {
     gemv: CudaFunction,
     attn: CudaFunction,
+    conv: CudaFunction,
+    scan: CudaFunction,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -359,12 +361,15 @@ struct Rows {
 
 impl FrameFns {
     fn new(gpu: &Arc<Gpu>, kind: Kind) -> Option<FrameFns> {
-        if !matches!(kind, Kind::Attention | Kind::Jamba) {
+        if !matches!(kind, Kind::Attention | Kind::Mamba | Kind::Jamba) {
             return None;
         }
+        let f = |name: &str| gpu.function(&ENGINE_FRAME, name).ok();
         Some(FrameFns {
-            gemv: gpu.function(&ENGINE_FRAME, "engine_gemv_f32").ok()?,
-            attn: gpu.function(&ENGINE_FRAME, "engine_attn_frame_f32").ok()?,
+            gemv: f("engine_gemv_f32")?,
+            attn: f("engine_attn_frame_f32")?,
+            conv: f("engine_mamba_conv_f32")?,
+            scan: f("engine_mamba_scan_f32")?,
         })
     }
 
@@ -374,43 +379,93 @@ impl FrameFns {
 
     /// Whether a frame of `batch` rows runs on the frame kernels.
     fn takes(s: &Spec, batch: usize) -> bool {
-        let widest = s.embed.max(s.hidden).max(s.ffn);
+        let widest = match s.kind {
+            Kind::Attention => s.embed.max(s.hidden).max(s.ffn),
+            _ => s.embed.max(s.hidden).max(s.inner()),
+        };
         batch <= FRAME_MAX_BATCH
             && 4 * batch * widest + GEMV_STATIC_SMEM <= FRAME_SMEM
-            && Self::attn_smem(s) <= FRAME_SMEM
+            && (s.kind == Kind::Mamba || Self::attn_smem(s) <= FRAME_SMEM)
     }
 }
 
-/// Each attention layer's q, k and v kernels `{hidden, hidden}` side by side as one
-/// `{hidden, 3 hidden}` kernel (`{prefix}_qkv/kernel`, bias `{3 hidden}`), for frames.
-fn concat_qkv(
+/// Dense kernels `{rows, n_i}` side by side as one `{rows, sum n_i}` kernel, with their biases.
+fn side_by_side(
+    host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+    rows: usize,
+    names: &[String],
+) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+    let get = |n: &str| {
+        host.get(n)
+            .map(|(shape, v)| (shape, v))
+            .ok_or_else(|| arg_error(format!("params: \"{n}\" is missing")))
+    };
+    let mut widths = Vec::with_capacity(names.len());
+    for n in names {
+        let (shape, _) = get(&format!("{n}/kernel"))?;
+        match shape[..] {
+            [r, w] if r == rows => widths.push(w),
+            _ => {
+                return Err(arg_error(format!(
+                    "params: \"{n}/kernel\" must have {rows} rows"
+                )))
+            }
+        }
+    }
+    let total: usize = widths.iter().sum();
+    let (mut kernel, mut bias) = (vec![0.0f32; rows * total], Vec::with_capacity(total));
+    let mut at = 0;
+    for (n, &w) in names.iter().zip(&widths) {
+        let (_, k) = get(&format!("{n}/kernel"))?;
+        for r in 0..rows {
+            kernel[r * total + at..r * total + at + w].copy_from_slice(&k[r * w..(r + 1) * w]);
+        }
+        bias.extend_from_slice(get(&format!("{n}/bias"))?.1);
+        at += w;
+    }
+    Ok((kernel, bias, total))
+}
+
+/// For frames: each attention layer's q, k and v kernels as one `{hidden, 3 hidden}` kernel
+/// (`{prefix}_qkv`), each Mamba block's B|C and dt-rank projections as one `{inner, 2 state +
+/// dt_rank}` kernel (`{prefix}_bcdt`), with their biases.
+fn concat_frame_kernels(
     spec: &Spec,
     host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
 ) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
-    let h = spec.hidden;
     let mut out = Vec::new();
     for l in 1..=spec.layers {
-        let prefix = match spec.kind {
-            Kind::Attention => format!("attn_{l}"),
-            Kind::Jamba if spec.jamba_attention(l) => format!("jamba_{l}"),
+        let (prefix, rows, parts, name) = match spec.kind {
+            Kind::Attention => (
+                format!("attn_{l}"),
+                spec.hidden,
+                &["q", "k", "v"][..],
+                "qkv",
+            ),
+            Kind::Jamba if spec.jamba_attention(l) => (
+                format!("jamba_{l}"),
+                spec.hidden,
+                &["q", "k", "v"][..],
+                "qkv",
+            ),
+            Kind::Jamba => (
+                format!("jamba_{l}"),
+                spec.inner(),
+                &["ssm_bc_proj", "ssm_dt_rank"][..],
+                "bcdt",
+            ),
+            Kind::Mamba => (
+                format!("mamba_{l}"),
+                spec.inner(),
+                &["ssm_bc_proj", "ssm_dt_rank"][..],
+                "bcdt",
+            ),
             _ => continue,
         };
-        let get = |n: &str| {
-            host.get(&format!("{prefix}_{n}"))
-                .map(|(_, v)| v)
-                .ok_or_else(|| arg_error(format!("params: \"{prefix}_{n}\" is missing")))
-        };
-        let (mut kernel, mut bias) = (vec![0.0f32; h * 3 * h], Vec::with_capacity(3 * h));
-        for (g, part) in ["q", "k", "v"].iter().enumerate() {
-            let k = get(&format!("{part}/kernel"))?;
-            for r in 0..h {
-                kernel[r * 3 * h + g * h..r * 3 * h + (g + 1) * h]
-                    .copy_from_slice(&k[r * h..(r + 1) * h]);
-            }
-            bias.extend_from_slice(get(&format!("{part}/bias"))?);
-        }
-        out.push((format!("{prefix}_qkv/kernel"), vec![h, 3 * h], kernel));
-        out.push((format!("{prefix}_qkv/bias"), vec![3 * h], bias));
+        let names: Vec<String> = parts.iter().map(|p| format!("{prefix}_{p}")).collect();
+        let (kernel, bias, total) = side_by_side(host, rows, &names)?;
+        out.push((format!("{prefix}_{name}/kernel"), vec![rows, total], kernel));
+        out.push((format!("{prefix}_{name}/bias"), vec![total], bias));
     }
     Ok(out)
 }
@@ -425,7 +480,7 @@ impl CudaEngine {
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
         let qkv = if frame.is_some() {
-            concat_qkv(&spec, &host)?
+            concat_frame_kernels(&spec, &host)?
         } else {
             Vec::new()
         };
@@ -995,7 +1050,7 @@ impl CudaEngine {
     }
 
     /// `engine_gemv_f32` over `batch` rows of `x` (`k` wide): `act(LN?(x) · {name}/kernel +
-    /// {name}/bias) (+ LN?(res))`, `{batch, 1, n}`.
+    /// {name}/bias) (+ LN?(res))`, `{batch, 1, n}`; `eps` is both norms'.
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -1007,6 +1062,7 @@ impl CudaEngine {
         n: usize,
         act: dense::Activation,
         res: Option<Rows>,
+        eps: f32,
     ) -> Result<DeviceTensor> {
         let out = self.buf(vec![batch, 1, n])?;
         let w = ptr(self.dw(&format!("{name}/kernel"))?);
@@ -1016,7 +1072,6 @@ impl CudaEngine {
         let (rg, rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
         let op = ptr(&out);
         let (bi, ki, ni) = (batch as i32, k as i32, n as i32);
-        let eps = self.spec.norm_eps as f32;
         let code = act.code();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
         l.arg(&x.ptr)
@@ -1089,10 +1144,112 @@ impl CudaEngine {
         Ok(out)
     }
 
-    /// An attention or Jamba frame `xd` `{b, 1, embed}` on the frame kernels: every dense
-    /// one `engine_gemv_f32` (q, k and v as one, over the kernels concatenated at load),
+    /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
+    /// as one GEMV, the conv, B|C|dt-rank as one GEMV, the scan step (which also moves both
+    /// states of layer `l`, 0-based, on), out_proj with the residual: five launches.
+    fn mamba_frame(
+        &self,
+        ff: &FrameFns,
+        prefix: &str,
+        x: &DeviceTensor,
+        st: &mut CudaState,
+        l: usize,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let (b, hid, inner, n, r, k) = (st.batch, s.hidden, s.inner(), s.state, s.dt_rank, s.conv);
+        let p = |name: &str| format!("{prefix}_{name}");
+        let wp = |name: &str| -> Result<u64> { Ok(ptr(self.dw(&p(name))?)) };
+        let none = dense::Activation::None;
+        let xin = Rows {
+            ptr: ptr(x),
+            norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
+        };
+        let eps = s.mamba_norm_eps as f32;
+        let xz = self.gemv(ff, b, xin, hid, &p("in_proj"), 2 * inner, none, None, eps)?;
+        let xc = self.buf(vec![b, inner])?;
+        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
+        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
+        let elementwise = LaunchConfig {
+            grid_dim: ((b * inner).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let (pxz, w, cb, pxc) = (
+                ptr(&xz),
+                wp("conv_dw_conv/kernel")?,
+                wp("conv_dw_conv/bias")?,
+                ptr(&xc),
+            );
+            let mut launch = self.gpu.stream.launch_builder(&ff.conv);
+            launch
+                .arg(&pxz)
+                .arg(&w)
+                .arg(&cb)
+                .arg(&conv_state)
+                .arg(&pxc)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&ki);
+            // Safety: the kernel's parameters in order; weights, state and arena buffers of
+            // this engine, alive in its stream's order.
+            unsafe { launch.launch(elementwise) }?;
+        }
+        let raw = Rows {
+            ptr: ptr(&xc),
+            norm: None,
+        };
+        let bcr = self.gemv(ff, b, raw, inner, &p("bcdt"), 2 * n + r, none, None, eps)?;
+        let y = self.buf(vec![b, inner])?;
+        {
+            let d = self.dw(&p("ssm/d")).map_or(0, ptr);
+            let (pxz, pxc, pbcr, wdt, bdt, a, py) = (
+                ptr(&xz),
+                ptr(&xc),
+                ptr(&bcr),
+                wp("ssm_dt_proj/kernel")?,
+                wp("ssm_dt_proj/bias")?,
+                wp("ssm/a")?,
+                ptr(&y),
+            );
+            let (dt_min, dt_max) = (0.001f32, 0.1f32);
+            let mut launch = self.gpu.stream.launch_builder(&ff.scan);
+            launch
+                .arg(&pxz)
+                .arg(&pxc)
+                .arg(&pbcr)
+                .arg(&wdt)
+                .arg(&bdt)
+                .arg(&a)
+                .arg(&d)
+                .arg(&conv_state)
+                .arg(&ssm_state)
+                .arg(&py)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&ki)
+                .arg(&dt_min)
+                .arg(&dt_max);
+            // Safety: as above.
+            unsafe { launch.launch(elementwise) }?;
+        }
+        let yr = Rows {
+            ptr: ptr(&y),
+            norm: None,
+        };
+        let res = Rows {
+            ptr: ptr(x),
+            norm: None,
+        };
+        self.gemv(ff, b, yr, inner, &p("out_proj"), hid, none, Some(res), eps)
+    }
+
+    /// An attention, Mamba or Jamba frame `xd` `{b, 1, embed}` on the frame kernels: every
+    /// dense one `engine_gemv_f32` (q, k and v as one, over the kernels concatenated at load),
     /// each attention one `engine_attn_frame_f32` that also moves the caches on, the post-norms
-    /// applied by the launches that read their rows; the Mamba layers run the block's ops.
+    /// applied by the launches that read their rows, each Mamba block five launches.
     fn attention_frame(
         &self,
         ff: &FrameFns,
@@ -1112,7 +1269,8 @@ impl CudaEngine {
             ptr: ptr(t),
             norm: None,
         };
-        let mut y = self.gemv(ff, b, raw(xd), s.embed, "input_proj", hid, none, None)?;
+        let eps = s.norm_eps as f32;
+        let mut y = self.gemv(ff, b, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
         for l in 1..=s.layers {
@@ -1125,34 +1283,54 @@ impl CudaEngine {
             };
             if s.kind == Kind::Attention {
                 let p = |n: &str| format!("attn_{l}_{n}");
-                let qkv = self.gemv(ff, b, input, hid, &p("qkv"), 3 * hid, none, None)?;
+                let qkv = self.gemv(ff, b, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = self.attn_frame(ff, &qkv, st, l - 1, false)?;
-                let x1 = self.gemv(ff, b, raw(&a), hid, &p("out"), hid, none, Some(input))?;
+                let x1 = self.gemv(ff, b, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
                     ptr: ptr(&x1),
                     norm: norm(&p("norm"))?,
                 };
                 let up = format!("ffn_{l}_up");
-                let f = self.gemv(ff, b, x1n, hid, &up, s.ffn, dense::Activation::Gelu, None)?;
+                let f = self.gemv(
+                    ff,
+                    b,
+                    x1n,
+                    hid,
+                    &up,
+                    s.ffn,
+                    dense::Activation::Gelu,
+                    None,
+                    eps,
+                )?;
                 let down = format!("ffn_{l}_down");
-                y = self.gemv(ff, b, raw(&f), s.ffn, &down, hid, none, Some(x1n))?;
+                y = self.gemv(ff, b, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
                 y_norm = Some(format!("ffn_{l}_norm"));
-            } else if s.jamba_attention(l) {
+            } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
                 let p = |n: &str| format!("jamba_{l}_{n}");
                 let xn = Rows {
                     ptr: ptr(&y),
                     norm: norm(&p("attn_norm"))?,
                 };
-                let qkv = self.gemv(ff, b, xn, hid, &p("qkv"), 3 * hid, none, None)?;
+                let qkv = self.gemv(ff, b, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = self.attn_frame(ff, &qkv, st, l - 1, true)?;
-                y = self.gemv(ff, b, raw(&a), hid, &p("out"), hid, none, Some(raw(&y)))?;
+                y = self.gemv(
+                    ff,
+                    b,
+                    raw(&a),
+                    hid,
+                    &p("out"),
+                    hid,
+                    none,
+                    Some(raw(&y)),
+                    eps,
+                )?;
             } else {
-                let frames = st.frames;
-                let stream = Stream::Frame {
-                    frames,
-                    state: &mut st.layers[l - 1],
+                let prefix = if s.kind == Kind::Mamba {
+                    "mamba"
+                } else {
+                    "jamba"
                 };
-                y = self.mamba(&format!("jamba_{l}"), &y, stream)?;
+                y = self.mamba_frame(ff, &format!("{prefix}_{l}"), &y, st, l - 1)?;
             }
         }
         match y_norm {
