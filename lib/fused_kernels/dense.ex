@@ -7,7 +7,7 @@ defmodule FusedKernels.Dense do
 
   Operands are Nx tensors, `FusedKernels.Buffer`s or `{binary, shape, type}` triples, all of
   x's type. With Nx tensors the result is an Nx tensor; otherwise a triple (or a buffer with
-  `out: :device`). Native side: `native/fused_kernels_core/src/ops/dense.rs`,
+  `out: :device`). Native side: `native/fused_kernels_core/src/ops/dense/`,
   `kernels/dense.cu`.
   """
 

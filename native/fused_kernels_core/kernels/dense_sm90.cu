@@ -1,7 +1,7 @@
 // FK_ARCH_SPECIFIC: compiled for sm_90a on compute capability 9.0 (wgmma, setmaxnreg); on
 // any other architecture the kernels below are empty stubs that the host never launches.
 //
-// Hopper dense GEMM with the fused epilogues of ops/dense.rs, for f16/bf16 (f32 accumulation):
+// Hopper dense GEMM with the fused epilogues of ops/dense/, for f16/bf16 (f32 accumulation):
 //   out = act(norm(x) · W + bias) + residual          (dense, rms_norm_dense, layer_norm_dense)
 //   out = silu(x · Wg + bg) ⊙ (x · Wu + bu) + residual (swiglu: both products share each A tile)
 // x {M, K} and W {K, N} row-major; K % 8 == 0 and N % 8 == 0 (TMA needs 16-byte row strides).

@@ -18,8 +18,9 @@
 // Inputs come through a 2- or 3-stage cp.async ring (the layout and copies of selective_scan.cu;
 // 16-byte copies from cursors set up once where every row allows them), one __syncthreads per
 // chunk. The loop keeps the next step's shared loads in flight while it computes this one.
-// With a dt pass or a z gate this layout measured slower than the other (session 4,
-// bench/RESULTS.md), so it has neither.
+// It has neither a dt pass nor a z gate: with them it was slower than the one-channel-per-lane
+// layout (H200, B8 D2048 L4096 N16 f32 with d+z+bias+softplus: 1,220 µs against 855 µs), so the
+// launch routes those scans there.
 
 // Which of its group's CPL channels lane `part` ends up with in fk_wide_reduce: each halving
 // round keeps the upper half where the round's mask bit of `part` is set.
@@ -67,8 +68,8 @@ __device__ __forceinline__ const void* fk_ptr(unsigned long long a) {
 // (vec_x and vec_bc): its first row's global and shared byte addresses are worked out once per
 // kernel and advanced by a chunk per issue. fk_scan_issue works them out again per chunk and
 // per array: ~380 instructions per warp per 32-step chunk, 17 % of the long scan's
-// instructions (ncu, bench/RESULTS.md session 5); with the cursors it took 424.9 µs instead
-// of 476.9 at the same 32-step chunks on an H200.
+// instructions (ncu); with the cursors the long f32 scan (B8 D2048 L4096 N16) took 424.9 µs
+// instead of 476.9 at the same 32-step chunks on an H200.
 template <typename T, int CPB, int NP>
 struct FkWideCopy {
   static constexpr int VX = CPB * (int)sizeof(T) / 16, VB = NP * (int)sizeof(T) / 16;
@@ -292,10 +293,10 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 }
 
 // selective_scan_wide_f32_<CPL>x<NPT>x<TPC>: whether D is given is a template argument,
-// picked once per launch. Only the split the launch uses is compiled: 2x4x4. The others
-// measured on the long f32 scan (bench/RESULTS.md, session 4: 2x8x2 529 µs, 4x4x4 566 µs,
-// 1x4x4 605 µs, polynomial shares slower everywhere, against 496 µs) made each module's NVRTC
-// compile ~5x longer.
+// picked once per launch. Only the split the launch uses is compiled: 2x4x4, the fastest on
+// the long f32 scan (H200, B8 D2048 L4096 N16: 496 µs against 2x8x2 529 µs, 4x4x4 566 µs,
+// 1x4x4 605 µs; a polynomial share of the exponentials was slower in every split). Compiling
+// the others too made each module's NVRTC compile ~5x longer.
 #define FK_SCAN_WIDE(CPL, NPT, TPC, U)                                                         \
   extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
       selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) { \
@@ -306,8 +307,8 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 
 // f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
 // slower, bench/RESULTS.md), so their modules do not pay its NVRTC time. The time loop is
-// unrolled 8 steps deep: 1.3 % faster than 4 on the long scan (H100: 404.2 / 403.5 µs
-// against 409.1 / 411.8 µs, session 5).
+// unrolled 8 steps deep: 1.3 % faster than 4 on the long scan (H100, two runs each: 404.2 /
+// 403.5 µs against 409.1 / 411.8 µs).
 #if defined(FK_SCAN_TYPE_F32)
 FK_SCAN_WIDE(2, 4, 4, 8)
 #endif

@@ -8,8 +8,8 @@ mod support;
 use fused_kernels_core::cuda::DeviceTensor;
 use fused_kernels_core::DType;
 
+use fused_kernels_core::ops::dense::sm90::*;
 use fused_kernels_core::ops::dense::{self, Activation, Kind, Params};
-use fused_kernels_core::ops::dense_sm90::*;
 use support::dense_sm90::*;
 use support::Rng;
 

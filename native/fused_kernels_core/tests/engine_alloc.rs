@@ -1,14 +1,15 @@
 //! The engine's hot path allocates nothing on the host: a counting global allocator sees no
 //! allocation during up to 10,000 streamed frames and 20 windows of shapes already seen.
 
-mod common;
+mod support;
 
-use common::{random_params, small, spec, to_params, Rng};
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use support::backbone::{random_params, small, spec, to_params};
+use support::Rng;
 
 struct Counting;
 
@@ -67,8 +68,8 @@ fn the_hot_path_allocates_nothing() {
     for s in specs {
         let e = Engine::new(Plan::build(s.clone(), to_params(&random_params(&s, 1))).unwrap());
         let (b, t) = (2, 16);
-        let window = Rng::new(2).vec(b * t * s.embed, 1.0, 0.0);
-        let frame = Rng::new(3).vec(b * s.embed, 1.0, 0.0);
+        let window = Rng::new(2).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let frame = Rng::new(3).vec_f32(b * s.embed, 1.0, 0.0);
         let mut out = vec![0.0f32; b * s.hidden];
         let mut state = e.new_state(b).unwrap();
         // First calls of each shape allocate their workspaces.

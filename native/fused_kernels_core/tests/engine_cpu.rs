@@ -2,16 +2,16 @@
 //! same layers composed from the ops' own CPU paths (which the op tests check against f64
 //! references); streamed frames equal the window; batch rows are independent.
 
-mod common;
+mod support;
 
-use common::{random_params, rel_l2, small, spec, to_params, Named, Rng};
+use fused_kernels_core::engine::cuda::MambaLayer;
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;
 use fused_kernels_core::operand::{Operand, Placement, Value};
-use fused_kernels_core::ops::{
-    dense, flash_attention, mamba_block, norm, rnn, selective_scan, Backend,
-};
+use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, Backend};
 use fused_kernels_core::{DType, HostTensor};
+use support::backbone::{random_params, small, spec, to_params, Named};
+use support::{rel_l2, Rng};
 
 const KINDS: [Kind; 5] = [
     Kind::Attention,
@@ -157,53 +157,14 @@ fn ref_attention(s: &Spec, q: &[f32], k: &[f32], v: &[f32], (b, t): (usize, usiz
 fn ref_mamba(r: &Ref, s: &Spec, prefix: &str, x: &[f32], shape: &[usize]) -> Vec<f32> {
     let xb = bytes(x);
     let x = host(&xb, shape);
-    let o = |n: &str| r.op(&format!("{prefix}_{n}"));
-    let (g, be) = (o("norm/gamma"), o("norm/beta"));
-    let (ik, ib, ck, cb) = (
-        o("in_proj/kernel"),
-        o("in_proj/bias"),
-        o("conv_dw_conv/kernel"),
-        o("conv_dw_conv/bias"),
-    );
-    let (bk, bb, rk, rb) = (
-        o("ssm_bc_proj/kernel"),
-        o("ssm_bc_proj/bias"),
-        o("ssm_dt_rank/kernel"),
-        o("ssm_dt_rank/bias"),
-    );
-    let (dk, db, ok, ob) = (
-        o("ssm_dt_proj/kernel"),
-        o("ssm_dt_proj/bias"),
-        o("out_proj/kernel"),
-        o("out_proj/bias"),
-    );
-    let w = mamba_block::Weights {
-        norm_gamma: &g,
-        norm_beta: &be,
-        in_kernel: &ik,
-        in_bias: Some(&ib),
-        conv_kernel: &ck,
-        conv_bias: Some(&cb),
-        bc_kernel: &bk,
-        bc_bias: Some(&bb),
-        dt_rank_kernel: &rk,
-        dt_rank_bias: Some(&rb),
-        dt_proj_kernel: &dk,
-        dt_proj_bias: Some(&db),
-        a: None,
-        d: None,
-        out_kernel: &ok,
-        out_bias: Some(&ob),
-    };
-    let p = mamba_block::Params::new(
-        s.mamba_norm_eps,
-        0.001,
-        0.1,
-        selective_scan::Discretization::PerChannel,
-        true,
-    )
+    // The test params carry no `ssm/a`, `ssm/d`: the block's defaults (Edifice's A, no skip).
+    let layer = MambaLayer::lookup(prefix, |n| match r.named.contains_key(n) {
+        true => Ok(r.op(n)),
+        false => Err(format!("params: {n} is missing")),
+    })
     .unwrap();
-    values(mamba_block::run(Backend::Cpu, &x, &w, p, Placement::Host).unwrap())
+    let p = MambaLayer::params(s).unwrap();
+    values(mamba_block::run(Backend::Cpu, &x, &layer.weights(), p, Placement::Host).unwrap())
 }
 
 fn ref_rnn(r: &Ref, s: &Spec, l: usize, x: &[f32], shape: &[usize]) -> Vec<f32> {
@@ -316,7 +277,7 @@ fn predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
 fn check_window(s: &Spec, b: usize, t: usize, seed: u64) {
     let named = random_params(s, seed);
     let e = engine(s, &named);
-    let x = Rng::new(seed + 100).vec(b * t * s.embed, 1.0, 0.0);
+    let x = Rng::new(seed + 100).vec_f32(b * t * s.embed, 1.0, 0.0);
     let want = last_rows(&reference(s, &named, &x, (b, t)), (b, t, s.hidden));
     // Twice: the second call reuses the workspace (stale buffers must not leak in).
     for _ in 0..2 {
@@ -370,7 +331,7 @@ fn streamed_frames_equal_the_window() {
         for (s, b, t) in [(small(kind), 2, 16), (spec(kind), 1, 60)] {
             let named = random_params(&s, 7);
             let e = engine(&s, &named);
-            let x = Rng::new(8).vec(b * t * s.embed, 1.0, 0.0);
+            let x = Rng::new(8).vec_f32(b * t * s.embed, 1.0, 0.0);
             let err = rel_l2(&stream(&e, &x, b, t), &predict(&e, &x, b, t));
             assert!(err <= 1e-5, "{kind:?}: streamed vs window rel L2 {err}");
             // After reset the stream starts over.
@@ -382,7 +343,7 @@ fn streamed_frames_equal_the_window() {
 fn reset_starts_the_stream_over() {
     let s = small(Kind::Jamba);
     let e = engine(&s, &random_params(&s, 9));
-    let x = Rng::new(10).vec(2 * s.embed, 1.0, 0.0);
+    let x = Rng::new(10).vec_f32(2 * s.embed, 1.0, 0.0);
     let mut st = e.new_state(2).unwrap();
     let (mut a, mut b) = (vec![0.0; 2 * s.hidden], vec![0.0; 2 * s.hidden]);
     e.step(&mut st, |buf| buf.copy_from_slice(&x), &mut a)
@@ -403,7 +364,7 @@ fn batch_rows_are_independent() {
         let s = small(kind);
         let e = engine(&s, &random_params(&s, 11));
         let t = 9;
-        let x = Rng::new(12).vec(8 * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(12).vec_f32(8 * t * s.embed, 1.0, 0.0);
         let all = predict(&e, &x, 8, t);
         for bi in 0..8 {
             let one = predict(&e, &x[bi * t * s.embed..(bi + 1) * t * s.embed], 1, t);

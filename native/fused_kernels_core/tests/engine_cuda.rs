@@ -3,14 +3,13 @@
 //! rows against single rows, reset. Skipped without a GPU (fails with
 //! FUSED_KERNELS_REQUIRE_GPU=1).
 
-mod common;
 mod support;
 
-use common::{random_params, rel_l2, small, spec, to_params, Rng};
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
 use fused_kernels_core::engine::Engine;
-use support::gpu_for_tests;
+use support::backbone::{random_params, small, spec, to_params};
+use support::{gpu_for_tests, rel_l2, Rng};
 
 const KINDS: [Kind; 5] = [
     Kind::Attention,
@@ -72,7 +71,7 @@ fn gpu_windows_match_the_cpu_engine() {
     }
     for (i, (s, b, t)) in cases.into_iter().enumerate() {
         let (cpu, gpu) = engines(&s, i as u64 + 1);
-        let x = Rng::new(i as u64 + 50).vec(b * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(i as u64 + 50).vec_f32(b * t * s.embed, 1.0, 0.0);
         let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &cpu_predict(&cpu, &x, b, t));
         assert!(
             err <= 1e-5,
@@ -91,7 +90,7 @@ fn gpu_frames_equal_the_window_and_reset_starts_over() {
         let s = spec(kind);
         let (_, gpu) = engines(&s, 7);
         let (b, t) = (2, 60);
-        let x = Rng::new(8).vec(b * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(8).vec_f32(b * t * s.embed, 1.0, 0.0);
         let err = rel_l2(&gpu_stream(&gpu, &x, b, t), &gpu_predict(&gpu, &x, b, t));
         assert!(err <= 1e-5, "{kind:?}: streamed vs window rel L2 {err}");
 
@@ -115,7 +114,7 @@ fn gpu_batch_rows_are_independent() {
         let s = small(kind);
         let (_, gpu) = engines(&s, 11);
         let t = 9;
-        let x = Rng::new(12).vec(8 * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(12).vec_f32(8 * t * s.embed, 1.0, 0.0);
         let all = gpu_predict(&gpu, &x, 8, t);
         for bi in 0..8 {
             let one = gpu_predict(&gpu, &x[bi * t * s.embed..(bi + 1) * t * s.embed], 1, t);
@@ -135,7 +134,7 @@ fn gpu_warm_calls_allocate_no_device_memory() {
     let s = spec(Kind::Gru);
     let (_, gpu) = engines(&s, 21);
     let mut st = gpu.new_state(1).unwrap();
-    let frame = Rng::new(22).vec(s.embed, 1.0, 0.0);
+    let frame = Rng::new(22).vec_f32(s.embed, 1.0, 0.0);
     let mut out = vec![f32::NAN; s.hidden];
     gpu.step(&mut st, &frame, &mut out).unwrap();
     let before = thread_device_allocations();
@@ -154,7 +153,7 @@ fn gpu_warm_calls_allocate_no_device_memory() {
         let s = small(kind);
         let (_, gpu) = engines(&s, 23);
         let (b, t) = (3, 17);
-        let x = Rng::new(24).vec(b * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(24).vec_f32(b * t * s.embed, 1.0, 0.0);
         let mut st = gpu.new_state(b).unwrap();
         let mut out = vec![f32::NAN; b * s.hidden];
         let first = gpu_predict(&gpu, &x, b, t);
@@ -187,8 +186,8 @@ fn gpu_engines_on_two_threads_match_each_run_alone() {
         let run = |e: &CudaEngine, x: &[f32]| (gpu_predict(e, x, b, t), gpu_stream(e, x, b, t));
         let (_, e1) = engines(&s, 31);
         let (_, e2) = engines(&s, 32);
-        let x1 = Rng::new(33).vec(b * t * s.embed, 1.0, 0.0);
-        let x2 = Rng::new(34).vec(b * t * s.embed, 1.0, 0.0);
+        let x1 = Rng::new(33).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let x2 = Rng::new(34).vec_f32(b * t * s.embed, 1.0, 0.0);
         let (alone1, alone2) = (run(&e1, &x1), run(&e2, &x2));
         let (c1, c2) = std::thread::scope(|sc| {
             let h1 = sc.spawn(|| (0..4).map(|_| run(&e1, &x1)).collect::<Vec<_>>());
@@ -225,14 +224,14 @@ fn gpu_graph_replays_match_the_cpu_engine() {
         let (cpu, gpu) = engines(&s, 41);
         // Windows: eager, captured, replayed (t past the attention window).
         let (b, t) = (3, s.window + 1);
-        let x = Rng::new(42).vec(b * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(42).vec_f32(b * t * s.embed, 1.0, 0.0);
         let want = cpu_predict(&cpu, &x, b, t);
         for call in 0..4 {
             let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &want);
             assert!(err <= 1e-5, "{kind:?} window call {call}: rel L2 {err}");
         }
         // Batch 8 against batch 1, each replayed.
-        let x8 = Rng::new(43).vec(8 * t * s.embed, 1.0, 0.0);
+        let x8 = Rng::new(43).vec_f32(8 * t * s.embed, 1.0, 0.0);
         let all = (0..3).map(|_| gpu_predict(&gpu, &x8, 8, t)).last().unwrap();
         for bi in 0..8 {
             let row = &x8[bi * t * s.embed..(bi + 1) * t * s.embed];
@@ -244,8 +243,8 @@ fn gpu_graph_replays_match_the_cpu_engine() {
         // CPU engine's window over the same frames.
         let n = s.window + 12;
         let (b2, emb) = (2, s.embed);
-        let xa = Rng::new(44).vec(b2 * n * emb, 1.0, 0.0);
-        let xb = Rng::new(45).vec(b2 * n * emb, 1.0, 0.0);
+        let xa = Rng::new(44).vec_f32(b2 * n * emb, 1.0, 0.0);
+        let xb = Rng::new(45).vec_f32(b2 * n * emb, 1.0, 0.0);
         let (mut sa, mut sb) = (gpu.new_state(b2).unwrap(), gpu.new_state(b2).unwrap());
         let (mut oa, mut ob) = (vec![f32::NAN; b2 * s.hidden], vec![f32::NAN; b2 * s.hidden]);
         for i in 0..n {
@@ -262,7 +261,7 @@ fn gpu_graph_replays_match_the_cpu_engine() {
         let big = spec(kind);
         let (cpu, gpu) = engines(&big, 46);
         let (b, t) = (8, 60);
-        let x = Rng::new(47).vec(b * t * big.embed, 1.0, 0.0);
+        let x = Rng::new(47).vec_f32(b * t * big.embed, 1.0, 0.0);
         let err = rel_l2(&gpu_stream(&gpu, &x, b, t), &cpu_predict(&cpu, &x, b, t));
         assert!(
             err <= 1e-5,
@@ -280,7 +279,7 @@ fn gpu_graphs_are_captured_for_every_backbone() {
         let s = small(kind);
         let (_, gpu) = engines(&s, 51);
         let (b, t) = (2, 5);
-        let x = Rng::new(52).vec(b * t * s.embed, 1.0, 0.0);
+        let x = Rng::new(52).vec_f32(b * t * s.embed, 1.0, 0.0);
         for _ in 0..3 {
             gpu_predict(&gpu, &x, b, t);
         }

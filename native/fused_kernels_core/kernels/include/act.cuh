@@ -23,7 +23,7 @@ struct FkFast {
 
 __device__ __forceinline__ float fk_sigmoid(float x) { return FkExact::sigmoid(x); }
 
-// The activation codes of ops/dense.rs: 0 identity, 1 relu, 2 gelu (erf), 3 gelu (tanh
+// The activation codes of ops/dense/common.rs: 0 identity, 1 relu, 2 gelu (erf), 3 gelu (tanh
 // approximation), 4 silu, 5 sigmoid, 6 tanh. E picks the exponential (silu, sigmoid).
 template <class E> __device__ __forceinline__ float fk_act(float v, int act) {
   switch (act) {

@@ -850,40 +850,9 @@ impl CudaEngine {
     }
 
     fn mamba(&self, prefix: &str, x: &DeviceTensor, stream: Stream<'_>) -> Result<DeviceTensor> {
-        let o = |n: &str| self.w(&format!("{prefix}_{n}"));
-        let (g, be) = (o("norm/gamma")?, o("norm/beta")?);
-        let (ik, ib) = (o("in_proj/kernel")?, o("in_proj/bias")?);
-        let (ck, cb) = (o("conv_dw_conv/kernel")?, o("conv_dw_conv/bias")?);
-        let (bk, bb) = (o("ssm_bc_proj/kernel")?, o("ssm_bc_proj/bias")?);
-        let (rk, rb) = (o("ssm_dt_rank/kernel")?, o("ssm_dt_rank/bias")?);
-        let (dk, db) = (o("ssm_dt_proj/kernel")?, o("ssm_dt_proj/bias")?);
-        let (ok, ob) = (o("out_proj/kernel")?, o("out_proj/bias")?);
-        let (a, d) = (o("ssm/a").ok(), o("ssm/d").ok());
-        let w = mamba_block::Weights {
-            norm_gamma: &g,
-            norm_beta: &be,
-            in_kernel: &ik,
-            in_bias: Some(&ib),
-            conv_kernel: &ck,
-            conv_bias: Some(&cb),
-            bc_kernel: &bk,
-            bc_bias: Some(&bb),
-            dt_rank_kernel: &rk,
-            dt_rank_bias: Some(&rb),
-            dt_proj_kernel: &dk,
-            dt_proj_bias: Some(&db),
-            a: a.as_ref(),
-            d: d.as_ref(),
-            out_kernel: &ok,
-            out_bias: Some(&ob),
-        };
-        let p = mamba_block::Params::new(
-            self.spec.mamba_norm_eps,
-            0.001,
-            0.1,
-            selective_scan::Discretization::PerChannel,
-            true,
-        )?;
+        let layer = MambaLayer::lookup(prefix, |n| self.w(n))?;
+        let w = layer.weights();
+        let p = MambaLayer::params(&self.spec)?;
         let mut out = self.buf(x.shape.clone())?;
         let x = Operand::Device(x);
         match stream {
@@ -1497,5 +1466,85 @@ impl CudaEngine {
                 *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         })
+    }
+}
+
+/// The names of one Mamba layer's parameters after its `{prefix}_`, as
+/// `FusedKernels.Backbone.random_params/2` (and Edifice) name them, in the order
+/// [`MambaLayer::weights`] reads them.
+const MAMBA_NAMES: [&str; 14] = [
+    "norm/gamma",
+    "norm/beta",
+    "in_proj/kernel",
+    "in_proj/bias",
+    "conv_dw_conv/kernel",
+    "conv_dw_conv/bias",
+    "ssm_bc_proj/kernel",
+    "ssm_bc_proj/bias",
+    "ssm_dt_rank/kernel",
+    "ssm_dt_rank/bias",
+    "ssm_dt_proj/kernel",
+    "ssm_dt_proj/bias",
+    "out_proj/kernel",
+    "out_proj/bias",
+];
+
+/// One Mamba layer's parameters looked up by the backbone's names: how the engine turns a
+/// layer's params into the block op's weights. Public so that the tests' composed reference
+/// names the weights the same way rather than by a copy of the list.
+pub struct MambaLayer<'a> {
+    named: Vec<Operand<'a>>,
+    a: Option<Operand<'a>>,
+    d: Option<Operand<'a>>,
+}
+
+impl<'a> MambaLayer<'a> {
+    /// Looks up `{prefix}_{name}` for every required name (the first one `get` refuses is the
+    /// error) and the optional `ssm/a` and `ssm/d`.
+    pub fn lookup<E>(
+        prefix: &str,
+        mut get: impl FnMut(&str) -> std::result::Result<Operand<'a>, E>,
+    ) -> std::result::Result<MambaLayer<'a>, E> {
+        let named = MAMBA_NAMES
+            .iter()
+            .map(|n| get(&format!("{prefix}_{n}")))
+            .collect::<std::result::Result<Vec<_>, E>>()?;
+        let a = get(&format!("{prefix}_ssm/a")).ok();
+        let d = get(&format!("{prefix}_ssm/d")).ok();
+        Ok(MambaLayer { named, a, d })
+    }
+
+    pub fn weights(&self) -> mamba_block::Weights<'_> {
+        let o = &self.named;
+        mamba_block::Weights {
+            norm_gamma: &o[0],
+            norm_beta: &o[1],
+            in_kernel: &o[2],
+            in_bias: Some(&o[3]),
+            conv_kernel: &o[4],
+            conv_bias: Some(&o[5]),
+            bc_kernel: &o[6],
+            bc_bias: Some(&o[7]),
+            dt_rank_kernel: &o[8],
+            dt_rank_bias: Some(&o[9]),
+            dt_proj_kernel: &o[10],
+            dt_proj_bias: Some(&o[11]),
+            a: self.a.as_ref(),
+            d: self.d.as_ref(),
+            out_kernel: &o[12],
+            out_bias: Some(&o[13]),
+        }
+    }
+
+    /// The block's settings in a backbone: the spec's norm eps, Edifice's dt clamp to
+    /// [0.001, 0.1], per-channel discretisation, the residual added.
+    pub fn params(spec: &Spec) -> Result<mamba_block::Params> {
+        mamba_block::Params::new(
+            spec.mamba_norm_eps,
+            0.001,
+            0.1,
+            selective_scan::Discretization::PerChannel,
+            true,
+        )
     }
 }

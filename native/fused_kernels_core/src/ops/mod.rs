@@ -2,7 +2,6 @@
 //! point (`run`) that stages operands on the chosen backend.
 
 pub mod dense;
-pub mod dense_sm90;
 pub mod flash_attention;
 pub mod mamba_block;
 pub mod norm;

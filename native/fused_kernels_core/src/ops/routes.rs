@@ -4,7 +4,7 @@
 
 use crate::cuda::{cluster, Gpu};
 use crate::dtype::DType;
-use crate::ops::{dense::Geometry, dense_sm90};
+use crate::ops::dense::{sm90 as dense_sm90, Geometry};
 
 /// The features the kernels use that depend on the architecture, as this device routes.
 pub fn features(gpu: &Gpu) -> Vec<(&'static str, bool)> {

@@ -5,8 +5,8 @@ use fused_kernels_core::cuda::{DeviceTensor, Gpu};
 use fused_kernels_core::dtype::{decode_f64, encode_f64};
 use fused_kernels_core::{DType, HostTensor};
 
+use fused_kernels_core::ops::dense::sm90::*;
 use fused_kernels_core::ops::dense::{Activation, Geometry, Kind, Operands, Params};
-use fused_kernels_core::ops::dense_sm90::*;
 use fused_kernels_core::reference::dense::{reference_epilogue, reference_products};
 use std::sync::Arc;
 

@@ -1,8 +1,9 @@
-//! What every op's integration test shares: a seeded generator, the error measure and its
-//! tolerances, and the test GPU.
+//! What every integration test shares: a seeded generator, the error measure and its
+//! tolerances (f64 and f32 alike), the test GPU, and the backbones the engine tests build.
 
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod backbone;
 pub mod cli;
 pub mod dense;
 pub mod dense_sm90;
@@ -15,7 +16,7 @@ use fused_kernels_core::DType;
 use std::sync::Arc;
 
 /// A small deterministic generator (xorshift*), seeded per test so failures reproduce;
-/// values are uniform in [-2, 2), never all zero.
+/// values are uniform, never all zero.
 pub struct Rng(u64);
 
 impl Rng {
@@ -29,16 +30,24 @@ impl Rng {
         let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
         (r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
     }
+    /// `n` values uniform in [-2, 2).
     pub fn vec(&mut self, n: usize) -> Vec<f64> {
         (0..n).map(|_| self.next_f64()).collect()
     }
+    /// `n` f32 values uniform in [center - scale, center + scale).
+    pub fn vec_f32(&mut self, n: usize, scale: f32, center: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| center + scale * (self.next_f64() / 2.0) as f32)
+            .collect()
+    }
 }
 
-/// ‖out − ref‖ / ‖ref‖; NaN anywhere gives infinity.
-pub fn rel_l2(out: &[f64], reference: &[f64]) -> f64 {
+/// ‖out − ref‖ / ‖ref‖ in f64, for f64 or f32 on either side; NaN anywhere gives infinity.
+pub fn rel_l2<O: Copy + Into<f64>, R: Copy + Into<f64>>(out: &[O], reference: &[R]) -> f64 {
     assert_eq!(out.len(), reference.len());
     let (mut num, mut den) = (0.0, 0.0);
-    for (o, r) in out.iter().zip(reference) {
+    for (&o, &r) in out.iter().zip(reference) {
+        let (o, r): (f64, f64) = (o.into(), r.into());
         if o.is_nan() || r.is_nan() {
             return f64::INFINITY;
         }

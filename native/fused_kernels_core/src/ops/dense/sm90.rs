@@ -7,7 +7,7 @@
 //! each row's mean and rstd (2·M floats) that the kernel applies while the A tile sits in
 //! shared memory.
 
-use super::dense::{Geometry, Kind, Operands, Params};
+use super::common::{Activation, Geometry, Kind, Operands, Params};
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
@@ -160,7 +160,7 @@ pub fn cuda(
     let (gamma, beta) = (ptr_opt(ops.gamma), ptr_opt(ops.beta));
     let (bias, bias_up) = (ptr_opt(ops.bias), ptr_opt(ops.bias_up.filter(|_| glu)));
     let (res, out_ptr) = (ptr_opt(ops.residual), ptr(out));
-    let act = super::dense::Activation::ALL
+    let act = Activation::ALL
         .iter()
         .position(|a| *a == p.activation)
         .unwrap_or(0) as i32;

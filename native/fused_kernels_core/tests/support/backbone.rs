@@ -1,27 +1,9 @@
-//! Backbone specs and random params shared by the engine tests, with the names and shapes
-//! `FusedKernels.Backbone.random_params/2` produces.
-#![allow(dead_code)]
+//! The backbones the engine tests build: specs (the ExPhil sizes and a small odd-sized one)
+//! and random params with the names and shapes `FusedKernels.Backbone.random_params/2` gives.
 
+use super::Rng;
 use fused_kernels_core::engine::plan::{Kind, Params, Spec};
 use std::collections::BTreeMap;
-
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    /// Uniform in [-1, 1).
-    pub fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-    }
-    pub fn vec(&mut self, n: usize, scale: f32, center: f32) -> Vec<f32> {
-        (0..n).map(|_| center + scale * self.next()).collect()
-    }
-}
 
 pub fn spec(kind: Kind) -> Spec {
     Spec {
@@ -67,7 +49,7 @@ pub fn random_params(s: &Spec, seed: u64) -> Named {
     let mut m = Named::new();
     let put = |m: &mut Named, r: &mut Rng, name: String, shape: Vec<usize>, scale, center| {
         let n = shape.iter().product();
-        m.insert(name, (shape, r.vec(n, scale, center)));
+        m.insert(name, (shape, r.vec_f32(n, scale, center)));
     };
     let norm = |m: &mut Named, r: &mut Rng, name: &str, n: usize| {
         put(m, r, format!("{name}/gamma"), vec![n], 0.1, 1.0);
@@ -224,15 +206,4 @@ pub fn to_params(named: &Named) -> Params {
         p.insert(k.clone(), s.clone(), v.clone());
     }
     p
-}
-
-pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-300)).sqrt()
 }

@@ -5,7 +5,8 @@
 //!   fill the device with; a norm kind first runs `dense_stats_*` (per-row mean/rstd).
 //! - f32 on sm_75 → `dense_ffma_*`.
 
-use super::{geometry, shapes, Geometry, Kind, Operands, Params};
+use super::common::{geometry, shapes, Geometry, Kind, Operands, Params};
+use super::sm90;
 use crate::cuda::gemm::ptr;
 use crate::cuda::DeviceTensor;
 use crate::dtype::DType;
@@ -165,9 +166,9 @@ pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) ->
     ];
     let aligned =
         present.iter().flatten().all(|t| ptr(t).is_multiple_of(16)) && ptr(out).is_multiple_of(16);
-    // Hopper (9.0) f16/bf16 problems that fill the device: the wgmma kernel (dense_sm90.rs).
-    if aligned && crate::ops::dense_sm90::takes(&gpu, dt, &g, p.kind) {
-        return crate::ops::dense_sm90::cuda(ops, out, p, &g);
+    // Hopper (9.0) f16/bf16 problems that fill the device: the wgmma kernel (sm90.rs).
+    if aligned && sm90::takes(&gpu, dt, &g, p.kind) {
+        return sm90::cuda(ops, out, p, &g);
     }
     let sms = gpu.multiprocessors()? as usize;
     let plan = plan(&g, &p, dt, gpu.compute_capability, sms, aligned)?;
