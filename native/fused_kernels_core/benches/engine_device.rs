@@ -15,17 +15,16 @@
 //! [--batch B] [--warm N] [--iters N] [--profile-last N] [--json FILE]. One JSON line per
 //! (case, what).
 
-#[path = "../tests/common/mod.rs"]
-mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use common::{random_params, spec, to_params, Rng};
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Spec};
 use std::time::Instant;
+use support::backbone::{random_params, spec, to_params};
 use support::cli::Cli;
 use support::gpu_for_tests;
+use support::Rng;
 
 fn case(name: &str) -> Option<Spec> {
     let kind = match name {
@@ -97,7 +96,7 @@ fn main() {
         };
         let t = s.window;
         let mut rng = Rng::new(2);
-        let x = rng.vec(batch * t * s.embed, 1.0, 0.0);
+        let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
         let mut y = vec![f32::NAN; batch * s.hidden];
         let mut row = |w: &str, times: Vec<f64>, y: &[f32]| {
             let (med, p99) = stats(times);
@@ -128,7 +127,9 @@ fn main() {
             // Past the cache window: attention frames replay a graph only from there.
             let w = warm.unwrap_or(s.window + 20);
             let mut st = e.new_state(batch).expect("state");
-            let frames: Vec<Vec<f32>> = (0..8).map(|_| rng.vec(batch * s.embed, 1.0, 0.0)).collect();
+            let frames: Vec<Vec<f32>> = (0..8)
+                .map(|_| rng.vec_f32(batch * s.embed, 1.0, 0.0))
+                .collect();
             let mut times = Vec::with_capacity(iters);
             for i in 0..w + iters {
                 let f = &frames[i % frames.len()];

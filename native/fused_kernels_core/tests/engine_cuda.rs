@@ -332,7 +332,7 @@ fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
             };
             let (cpu, gpu) = engines(&s, 60 + i as u64);
             let t = 61;
-            let x = Rng::new(70 + i as u64).vec(b * t * embed, 1.0, 0.0);
+            let x = Rng::new(70 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
             let want = cpu_predict(&cpu, &x, b, t);
             let first = gpu_stream(&gpu, &x, b, t);
             let err = rel_l2(&first, &want);
@@ -380,7 +380,7 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
             };
             let (cpu, gpu) = engines(&s, 80 + i as u64);
             let t = window + 5;
-            let x = Rng::new(90 + i as u64).vec(b * t * embed, 1.0, 0.0);
+            let x = Rng::new(90 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
             let want = cpu_predict(&cpu, &x, b, t);
             let first = gpu_stream(&gpu, &x, b, t);
             let err = rel_l2(&first, &want);
@@ -429,7 +429,7 @@ fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
             };
             let (cpu, gpu) = engines(&s, 100 + i as u64);
             let t = 21;
-            let x = Rng::new(110 + i as u64).vec(b * t * s.embed, 1.0, 0.0);
+            let x = Rng::new(110 + i as u64).vec_f32(b * t * s.embed, 1.0, 0.0);
             let want = cpu_predict(&cpu, &x, b, t);
             let first = gpu_stream(&gpu, &x, b, t);
             let err = rel_l2(&first, &want);
