@@ -58,6 +58,20 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i. Its first
+    // FK_EG_UNROLL rows are loaded before anything else: they depend on nothing, so their
+    // round trips overlap the loads and norms of x.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
+    const int r0 = 2 * warp + half;
+    float pf[FK_EG_UNROLL];
+#pragma unroll
+    for (int i = 0; i < FK_EG_UNROLL; ++i) {
+      const int r = r0 + i * step;
+      pf[i] = valid && r < k ? __ldg(w + (long long)r * n + col) : 0.0f;
+    }
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -80,15 +94,19 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
       }
       __syncthreads();
     }
-    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
-    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
-    const int col = blockIdx.x * FK_EG_COLS + c;
-    const bool valid = col < n;
-    const int step = 2 * FK_EG_WARPS;
     float acc[FK_EG_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
-    int r = 2 * warp + half;
+#pragma unroll
+    for (int i = 0; i < FK_EG_UNROLL; ++i) {
+      const int r = r0 + i * step;
+      if (r < k) {
+#pragma unroll
+        for (int b = 0; b < FK_EG_MAXB; ++b)
+          if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], pf[i], acc[b]);
+      }
+    }
+    int r = r0 + FK_EG_UNROLL * step;
     for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
       float wv[FK_EG_UNROLL];
 #pragma unroll
@@ -132,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
   }
 }
 
-#define FK_EA_THREADS 128
+#define FK_EA_THREADS 256
 #define FK_EA_WARPS (FK_EA_THREADS / 32)
 
 // qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
@@ -161,10 +179,23 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
       ks[(window - 1) * d + i] = row[hidden + i];
       vs[(window - 1) * d + i] = row[2 * hidden + i];
     }
-    for (int i = tid; i < (window - 1) * d; i += FK_EA_THREADS) {
-      const int t = i / d, j = i - t * d;
-      ks[i] = kc[base + (long long)(t + 1) * hidden + j];
-      vs[i] = vc[base + (long long)(t + 1) * hidden + j];
+    // The cache rows move as 4-float vectors where head_dim allows it (every address below is
+    // then a multiple of 4 floats); either way, all of a thread's loads are independent.
+    const bool vec = (d & 3) == 0;
+    if (vec) {
+      const int d4 = d >> 2;
+      for (int i = tid; i < (window - 1) * d4; i += FK_EA_THREADS) {
+        const int t = i / d4, j = i - t * d4;
+        const long long g = base + (long long)(t + 1) * hidden + 4 * j;
+        reinterpret_cast<float4*>(ks)[i] = *reinterpret_cast<const float4*>(kc + g);
+        reinterpret_cast<float4*>(vs)[i] = *reinterpret_cast<const float4*>(vc + g);
+      }
+    } else {
+      for (int i = tid; i < (window - 1) * d; i += FK_EA_THREADS) {
+        const int t = i / d, j = i - t * d;
+        ks[i] = kc[base + (long long)(t + 1) * hidden + j];
+        vs[i] = vc[base + (long long)(t + 1) * hidden + j];
+      }
     }
     __syncthreads();
     if (qk_norm && warp < 2) {
@@ -176,10 +207,20 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     }
     __syncthreads();
     // Every block has read its own slice only: write it back shifted.
-    for (int i = tid; i < window * d; i += FK_EA_THREADS) {
-      const int t = i / d, j = i - t * d;
-      kc[base + (long long)t * hidden + j] = ks[i];
-      vc[base + (long long)t * hidden + j] = vs[i];
+    if (vec) {
+      const int d4 = d >> 2;
+      for (int i = tid; i < window * d4; i += FK_EA_THREADS) {
+        const int t = i / d4, j = i - t * d4;
+        const long long g = base + (long long)t * hidden + 4 * j;
+        *reinterpret_cast<float4*>(kc + g) = reinterpret_cast<const float4*>(ks)[i];
+        *reinterpret_cast<float4*>(vc + g) = reinterpret_cast<const float4*>(vs)[i];
+      }
+    } else {
+      for (int i = tid; i < window * d; i += FK_EA_THREADS) {
+        const int t = i / d, j = i - t * d;
+        kc[base + (long long)t * hidden + j] = ks[i];
+        vc[base + (long long)t * hidden + j] = vs[i];
+      }
     }
     const int first = window - valid;
     for (int t = first + warp; t < window; t += FK_EA_WARPS) {

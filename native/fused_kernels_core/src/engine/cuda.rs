@@ -242,7 +242,7 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
 /// and warps per block (`FK_ER_WARPS`).
 const FRAME_UNITS: usize = 8;
 const FRAME_MAX_BATCH: usize = 8;
-const FRAME_WARPS: usize = 8;
+const FRAME_WARPS: usize = 16;
 /// Shared memory the frame kernel may use without an opt-in, on every GPU.
 const FRAME_SMEM: usize = 48 << 10;
 
@@ -259,6 +259,9 @@ struct FrameLayer {
 struct RnnFrame {
     f: CudaFunction,
     layers: Vec<FrameLayer>,
+    /// The dynamic shared memory a launch may use: opted in at load up to what batch
+    /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
+    smem_limit: usize,
     /// One zeroed ticket per layer (the kernel's last-block count; it resets its own).
     tickets: DeviceTensor,
 }
@@ -320,7 +323,23 @@ impl RnnFrame {
             }
         }
         let tickets = zeros(gpu, vec![layers.len().max(1)])?;
-        Ok(Some(RnnFrame { f, layers, tickets }))
+        let widest = layers
+            .iter()
+            .map(|l| Self::smem(FRAME_MAX_BATCH, l.input, plan.spec.hidden))
+            .max()
+            .unwrap_or(0);
+        let smem_limit =
+            if widest > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, widest).is_ok() {
+                widest
+            } else {
+                FRAME_SMEM
+            };
+        Ok(Some(RnnFrame {
+            f,
+            layers,
+            smem_limit,
+            tickets,
+        }))
     }
 
     /// Dynamic shared memory of a layer's launch at `batch` (kernels/engine_rnn.cu).
@@ -334,7 +353,7 @@ impl RnnFrame {
             && self
                 .layers
                 .iter()
-                .all(|l| Self::smem(batch, l.input, hidden) <= FRAME_SMEM)
+                .all(|l| Self::smem(batch, l.input, hidden) <= self.smem_limit)
     }
 }
 
@@ -349,7 +368,7 @@ struct FrameFns {
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
 const GEMV_COLS: usize = 16;
 const GEMV_STATIC_SMEM: usize = 16448;
-const ATTN_THREADS: u32 = 128;
+const ATTN_THREADS: u32 = 256;
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
 /// fly, the norm's gamma and beta.
