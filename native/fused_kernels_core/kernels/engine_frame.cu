@@ -32,15 +32,17 @@
 // Mean and 1/sqrt(var + eps) of `n` values of `row` (one warp; every lane gets them).
 __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, int lane,
                                             float& mean, float& inv) {
+  // 1/n within an ulp, without true division's slow path (its register saves spill on sm_120).
+  const float rn = fk_rcp_normal((float)n);
   float s = 0.0f;
   for (int j = lane; j < n; j += 32) s += row[j];
-  mean = fk_warp_sum(s) / n;
+  mean = fk_warp_sum(s) * rn;
   float q = 0.0f;
   for (int j = lane; j < n; j += 32) {
     const float v = row[j] - mean;
     q += v * v;
   }
-  inv = rsqrtf(fk_warp_sum(q) / n + eps);
+  inv = rsqrtf(fk_warp_sum(q) * rn + eps);
 }
 
 // x {batch, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
@@ -311,5 +313,87 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
     float* cs = conv_state + (long long)b * (k - 1) * inner + c;
     for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
     cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+  }
+}
+
+#define FK_EW_THREADS 256
+#define FK_EW_WARPS (FK_EW_THREADS / 32)
+
+// Causal sliding-window attention of a short window from one fused q|k|v projection, one
+// (head, batch row) per block: K and V of the head in shared memory (K with an odd pitch, so the
+// lanes' rows fall in distinct banks), one warp per query row: its scores one key per lane, the
+// softmax with warp reductions, the output one column per lane. Query i sees keys
+// max(0, i - left) ..= i (FlashAttention's causal window (left, 0)). qkv {batch, seq, 3·hidden}
+// (q | k | v, head h at h·head_dim of each); out {batch, seq, hidden}. qk_norm: LayerNorm of q
+// and k over head_dim first (unit gain, zero shift, eps 1e-6). Grid (heads, batch). Dynamic
+// shared memory: 4·(seq·(2·head_dim + 1) + warps·(head_dim + seq)) bytes.
+extern "C" __global__ void __launch_bounds__(FK_EW_THREADS)
+    engine_attn_window_f32(const float* __restrict__ qkv, float* __restrict__ out, int seq,
+                           int heads, int head_dim, int left, int qk_norm, float scale) {
+  if constexpr (FK_WANT(engine_attn_window_f32)) {
+    extern __shared__ float fk_ew_smem[];
+    const int d = head_dim, hidden = heads * head_dim, kp = d | 1;
+    float* ks = fk_ew_smem;           // {seq, kp}
+    float* vs = ks + seq * kp;        // {seq, d}
+    float* qw = vs + seq * d;         // {warps, d}
+    float* pw = qw + FK_EW_WARPS * d; // {warps, seq}
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* base = qkv + (long long)b * seq * 3 * hidden + h * d;
+    for (int i = tid; i < seq * d; i += FK_EW_THREADS) {
+      const int t = i / d, j = i - t * d;
+      ks[t * kp + j] = base[(long long)t * 3 * hidden + hidden + j];
+      vs[i] = base[(long long)t * 3 * hidden + 2 * hidden + j];
+    }
+    __syncthreads();
+    if (qk_norm) {
+      for (int t = warp; t < seq; t += FK_EW_WARPS) {
+        float* row = ks + t * kp;
+        float mean, inv;
+        fk_eg_stats(row, d, 1e-6f, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < d; j += 32) row[j] = (row[j] - mean) * inv;
+      }
+      __syncthreads();
+    }
+    float* q = qw + warp * d;
+    float* p = pw + warp * seq;
+    for (int i = warp; i < seq; i += FK_EW_WARPS) {
+      for (int j = lane; j < d; j += 32) q[j] = base[(long long)i * 3 * hidden + j];
+      __syncwarp();
+      if (qk_norm) {
+        float mean, inv;
+        fk_eg_stats(q, d, 1e-6f, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < d; j += 32) q[j] = (q[j] - mean) * inv;
+        __syncwarp();
+      }
+      const int lo = left < 0 ? 0 : max(0, i - left);
+      float m = FK_NEG_INF;
+      for (int t = lo + lane; t <= i; t += 32) {
+        const float* kr = ks + t * kp;
+        float s = 0.0f;
+        for (int j = 0; j < d; ++j) s = fmaf(q[j], kr[j], s);
+        s *= scale;
+        p[t] = s;
+        m = fmaxf(m, s);
+      }
+      m = fk_warp_max(m);
+      float sum = 0.0f;
+      for (int t = lo + lane; t <= i; t += 32) {
+        const float e = expf(p[t] - m);
+        p[t] = e;
+        sum += e;
+      }
+      sum = fk_warp_sum(sum);
+      __syncwarp();
+      const float rs = fk_rcp_normal(sum);  // sum >= 1: the max term is exp(0)
+      for (int j = lane; j < d; j += 32) {
+        float o = 0.0f;
+        for (int t = lo; t <= i; ++t) o = fmaf(p[t], vs[t * d + j], o);
+        out[((long long)b * seq + i) * hidden + h * d + j] = o * rs;
+      }
+      __syncwarp();
+    }
   }
 }

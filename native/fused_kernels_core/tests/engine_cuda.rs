@@ -355,9 +355,10 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // The frame kernels' head sizes (40, 80, 96), windows that are not multiples of anything
-    // (61), odd widths (embed 37, ffn 200), batch rows to their limit (8) and past it (9: the
-    // layer ops serve those frames); past the window, so the caches slide and graphs replay.
+    // The frame and window attention kernels' head sizes (40, 80, 96), windows that are not
+    // multiples of anything (61), odd widths (embed 37, ffn 200), batch rows to the frame
+    // kernels' limit (8) and past it (9: the layer ops serve those frames); past the window,
+    // so the caches slide, the window's first rows see fewer keys, and graphs replay.
     for kind in [Kind::Attention, Kind::Jamba] {
         for (i, (heads, head_dim, window, embed, b)) in [
             (5, 40, 61, 37, 1),
@@ -388,6 +389,14 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
                 err <= 1e-5,
                 "{kind:?} {heads}x{head_dim} w{window} e{embed} b{b}: {t} frames vs cpu window, rel L2 {err}"
             );
+            // The window itself (eager, captured, replayed) on the window attention kernel.
+            for call in 0..3 {
+                let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &want);
+                assert!(
+                    err <= 1e-5,
+                    "{kind:?} {heads}x{head_dim} w{window} b{b} window call {call}: rel L2 {err}"
+                );
+            }
             assert_eq!(
                 gpu_stream(&gpu, &x, b, t),
                 first,

@@ -363,6 +363,7 @@ struct FrameFns {
     attn: CudaFunction,
     conv: CudaFunction,
     scan: CudaFunction,
+    attn_window: CudaFunction,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -389,7 +390,14 @@ impl FrameFns {
             attn: f("engine_attn_frame_f32")?,
             conv: f("engine_mamba_conv_f32")?,
             scan: f("engine_mamba_scan_f32")?,
+            attn_window: f("engine_attn_window_f32")?,
         })
+    }
+
+    /// `engine_attn_window_f32`'s dynamic shared memory for a window of `seq` rows.
+    fn window_smem(s: &Spec, seq: usize) -> usize {
+        let d = s.head_dim;
+        4 * (seq * (2 * d + 1) + 8 * (d + seq))
     }
 
     fn attn_smem(s: &Spec) -> usize {
@@ -1132,6 +1140,53 @@ impl CudaEngine {
         Ok(out)
     }
 
+    /// A window's attention (`x` `{b, t, hidden}`, the layer's input) as one GEMM over the
+    /// q|k|v kernels joined at load (`qkv` names them) and one `engine_attn_window_f32`;
+    /// None where that kernel does not take it (a frame, no frame kernels, a window too long
+    /// for its shared memory): the caller runs q, k, v and FlashAttention instead.
+    fn window_attention(
+        &self,
+        stream: &Stream<'_>,
+        x: &DeviceTensor,
+        qkv: &str,
+        qk_norm: bool,
+    ) -> Option<Result<DeviceTensor>> {
+        let s = &self.spec;
+        let ff = self.frame.as_ref()?;
+        let (b, t) = (x.shape[0], x.shape[1]);
+        if !matches!(stream, Stream::Window) || FrameFns::window_smem(s, t) > FRAME_SMEM {
+            return None;
+        }
+        Some((|| {
+            let qkv = self.dense(x, qkv, false, None)?;
+            let out = self.buf(vec![b, t, s.hidden])?;
+            let (pq, po) = (ptr(&qkv), ptr(&out));
+            let (ti, hi, di) = (t as i32, s.heads as i32, s.head_dim as i32);
+            let left = s.window as i32 - 1;
+            let qn = qk_norm as i32;
+            let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+            let mut launch = self.gpu.stream.launch_builder(&ff.attn_window);
+            launch
+                .arg(&pq)
+                .arg(&po)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&di)
+                .arg(&left)
+                .arg(&qn)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (s.heads as u32, b as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: FrameFns::window_smem(s, t) as u32,
+            };
+            // Safety: the kernel's parameters in order; arena buffers of this engine, alive
+            // in its stream's order.
+            unsafe { launch.launch(cfg) }?;
+            Ok(out)
+        })())
+    }
+
     /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
     /// as one GEMV, the conv, B|C|dt-rank as one GEMV, the scan step (which also moves both
     /// states of layer `l`, 0-based, on), out_proj with the residual: five launches.
@@ -1365,12 +1420,17 @@ impl CudaEngine {
                     y = match s.kind {
                         Kind::Attention => {
                             let p = |n: &str| format!("attn_{l}_{n}");
-                            let (q, k, v) = (
-                                self.dense(&y, &p("q"), false, None)?,
-                                self.dense(&y, &p("k"), false, None)?,
-                                self.dense(&y, &p("v"), false, None)?,
-                            );
-                            let a = self.attention(q, k, v, false, stream)?;
+                            let a = match self.window_attention(&stream, &y, &p("qkv"), false) {
+                                Some(a) => a?,
+                                None => {
+                                    let (q, k, v) = (
+                                        self.dense(&y, &p("q"), false, None)?,
+                                        self.dense(&y, &p("k"), false, None)?,
+                                        self.dense(&y, &p("v"), false, None)?,
+                                    );
+                                    self.attention(q, k, v, false, stream)?
+                                }
+                            };
                             let x1 = self.dense(&a, &p("out"), false, Some(&y))?;
                             let x1 = self.norm(&Operand::Device(&x1), &p("norm"), s.norm_eps)?;
                             let f = self.dense(&x1, &format!("ffn_{l}_up"), true, None)?;
@@ -1381,12 +1441,17 @@ impl CudaEngine {
                             let p = |n: &str| format!("jamba_{l}_{n}");
                             let xn =
                                 self.norm(&Operand::Device(&y), &p("attn_norm"), s.norm_eps)?;
-                            let (q, k, v) = (
-                                self.dense(&xn, &p("q"), false, None)?,
-                                self.dense(&xn, &p("k"), false, None)?,
-                                self.dense(&xn, &p("v"), false, None)?,
-                            );
-                            let a = self.attention(q, k, v, true, stream)?;
+                            let a = match self.window_attention(&stream, &xn, &p("qkv"), true) {
+                                Some(a) => a?,
+                                None => {
+                                    let (q, k, v) = (
+                                        self.dense(&xn, &p("q"), false, None)?,
+                                        self.dense(&xn, &p("k"), false, None)?,
+                                        self.dense(&xn, &p("v"), false, None)?,
+                                    );
+                                    self.attention(q, k, v, true, stream)?
+                                }
+                            };
                             self.dense(&a, &p("out"), false, Some(&y))?
                         }
                         Kind::Jamba => self.mamba(&format!("jamba_{l}"), &y, stream)?,
