@@ -416,6 +416,9 @@ impl FrameFns {
     }
 }
 
+/// A named host tensor: name, shape, values.
+type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Dense kernels `{rows, n_i}` side by side as one `{rows, sum n_i}` kernel, with their biases.
 fn side_by_side(
     host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
@@ -459,7 +462,7 @@ fn side_by_side(
 fn concat_frame_kernels(
     spec: &Spec,
     host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+) -> Result<Vec<NamedTensor>> {
     let mut out = Vec::new();
     for l in 1..=spec.layers {
         let (prefix, rows, parts, name) = match spec.kind {
