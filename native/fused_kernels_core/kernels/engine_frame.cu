@@ -1,7 +1,7 @@
 // The backbone engine's frame kernels for the attention, Mamba and Jamba backbones: one time
 // step of a few batch rows, where each launch is short and the number of launches is the cost.
 //
-// engine_gemv_f32: out = act(LN?(x) · W + bias) (+ LN?(res)). The LayerNorms of the input and
+// engine_gemv_f32: out = act(LN?(x) · W + bias) (+ LN?(res)), 8 rows per block. The LayerNorms of the input and
 //   of the residual are applied on the fly (every block normalises the rows it needs in shared
 //   memory; a row is a few hundred values), so a post-norm block needs no norm launches: the
 //   layer after a norm reads the un-normalised rows and the norm's parameters. W is the dense
@@ -45,35 +45,27 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
   inv = rsqrtf(fk_warp_sum(q) * rn + eps);
 }
 
-// x {batch, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
-// act: the activation codes of act.cuh. res {batch, n} added after the activation (nullptr:
-// none), LayerNormed first with rg/rb (nullptr: as is). out {batch, n}. Dynamic shared memory:
-// 4·batch·k bytes.
+// x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
+// act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
+// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. Grid (column blocks,
+// row blocks of FK_EG_MAXB rows). Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
 extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
                     const float* __restrict__ xb, const float* __restrict__ w,
                     const float* __restrict__ bias, const float* __restrict__ res,
                     const float* __restrict__ rg, const float* __restrict__ rb,
-                    float* __restrict__ out, int batch, int k, int n, float eps, int act) {
+                    float* __restrict__ out, int rows, int k, int n, float eps, int act) {
   if constexpr (FK_WANT(engine_gemv_f32)) {
+    // This block's rows.
+    const long long row0 = (long long)blockIdx.y * FK_EG_MAXB;
+    const int batch = min(FK_EG_MAXB, rows - (int)row0);
+    x += row0 * k;
+    out += row0 * n;
+    if (res) res += row0 * n;
     extern __shared__ float fk_eg_xs[];  // {batch, k}
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i. Its first
-    // FK_EG_UNROLL rows are loaded before anything else: they depend on nothing, so their
-    // round trips overlap the loads and norms of x.
-    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
-    const int col = blockIdx.x * FK_EG_COLS + c;
-    const bool valid = col < n;
-    const int step = 2 * FK_EG_WARPS;
-    const int r0 = 2 * warp + half;
-    float pf[FK_EG_UNROLL];
-#pragma unroll
-    for (int i = 0; i < FK_EG_UNROLL; ++i) {
-      const int r = r0 + i * step;
-      pf[i] = valid && r < k ? __ldg(w + (long long)r * n + col) : 0.0f;
-    }
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -96,19 +88,15 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
       }
       __syncthreads();
     }
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
     float acc[FK_EG_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < FK_EG_UNROLL; ++i) {
-      const int r = r0 + i * step;
-      if (r < k) {
-#pragma unroll
-        for (int b = 0; b < FK_EG_MAXB; ++b)
-          if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], pf[i], acc[b]);
-      }
-    }
-    int r = r0 + FK_EG_UNROLL * step;
+    int r = 2 * warp + half;
     for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
       float wv[FK_EG_UNROLL];
 #pragma unroll
@@ -276,13 +264,14 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
   }
 }
 
-// Mamba, one frame: per (batch row, channel) the dt projection (softplus, clipped to
+// Mamba, one frame: per (batch row, channel), one warp: the dt projection (softplus, clipped to
 // [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:
-// h = exp(dt·A)·h + dt·B·u, y = C·h + D·u), the SiLU(z) gate, and both states moved on in
-// place (each thread owns its channel of them). xz {batch, 2·inner}; xc {batch, inner} (u);
-// bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt {rank, inner}, b_dt
-// {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1, inner}; ssm_state
-// {batch, inner, state}; y {batch, inner}.
+// h = exp(dt·A)·h + dt·B·u, y = C·h + D·u) with the state across the lanes, the SiLU(z) gate,
+// and both states moved on in place (the warp owns its channel of them). xz {batch, 2·inner};
+// xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt
+// {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1,
+// inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks of FK_EM_THREADS / 32
+// channels.
 extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
     engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
                           const float* __restrict__ bcr, const float* __restrict__ w_dt,
@@ -291,28 +280,32 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
                           float* __restrict__ y, int batch, int inner, int state, int rank,
                           int k, float dt_min, float dt_max) {
   if constexpr (FK_WANT(engine_mamba_scan_f32)) {
-    const int i = blockIdx.x * FK_EM_THREADS + threadIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
     if (i >= batch * inner) return;
     const int b = i / inner, c = i - b * inner;
     const float* row = bcr + (long long)b * (2 * state + rank);
     float raw = 0.0f;
-    for (int r = 0; r < rank; ++r) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
-    raw += b_dt[c];
+    for (int r = lane; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw = fk_warp_sum(raw) + b_dt[c];
     const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
     const float delta = fminf(fmaxf(sp, dt_min), dt_max);
     const float u = xc[i];
     float* h = ssm_state + ((long long)b * inner + c) * state;
     float acc = 0.0f;
-    for (int n = 0; n < state; ++n) {
+    for (int n = lane; n < state; n += 32) {
       const float hn = expf(delta * a[(long long)c * state + n]) * h[n] + delta * row[n] * u;
       h[n] = hn;
       acc += hn * row[state + n];
     }
-    const float z = xz[(long long)b * 2 * inner + inner + c];
-    y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
-    float* cs = conv_state + (long long)b * (k - 1) * inner + c;
-    for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
-    cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+    acc = fk_warp_sum(acc);
+    if (lane == 0) {
+      const float z = xz[(long long)b * 2 * inner + inner + c];
+      y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
+      float* cs = conv_state + (long long)b * (k - 1) * inner + c;
+      for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
+      cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+    }
   }
 }
 

@@ -5,16 +5,11 @@
 // layer; at batch 1 the per-launch cost, not arithmetic, is what a frame is made of.
 //
 // Work split: block u owns units [8u, 8u + 8) of every gate. Its weights are packed at load
-// (engine/cuda.rs) as {rows, gates, 8} per block (the input kernel's rows, then the hidden
-// kernel's), so one row of a block is gates·8 contiguous floats: lane l of every warp reads
-// column l (gate l / 8, unit l % 8) of rows warp, warp + warps, ... and keeps one partial sum
-// per batch row for the input and one for the hidden part (GRU needs h·Whn apart:
-// n = tanh(xn + r·(hn + b_hn))). The warps' partials meet in shared memory; threads (b, c)
-// finish unit 8u + c of row b.
-//
-// A frame is latency-bound: each lane's first FK_ER_PF rows of both kernels are loaded into
-// registers before anything else (they depend on nothing), so their L2/HBM round trips overlap
-// the loads of x and h and the input norm; wider layers continue with 8 rows in flight.
+// (engine/cuda.rs) as {rows, gates, 8} per block (rows = inputs, then hidden), so one row of a
+// block is gates·8 contiguous floats: lane l of every warp reads column l (gate l / 8, unit
+// l % 8) of rows warp, warp + warps, ... and keeps one partial sum per batch row for the input
+// and one for the hidden part (GRU needs h·Whn apart: n = tanh(xn + r·(hn + b_hn))). The warps'
+// partials meet in shared memory; threads (b, c) finish unit 8u + c of row b.
 //
 // The last block to finish (a device-wide ticket, reset by that block for the next launch) then
 // normalises the new h rows into `y`, the next layer's input, and copies the new state over the
@@ -30,8 +25,7 @@
 
 #define FK_ER_UNITS 8
 #define FK_ER_MAXB 8
-#define FK_ER_THREADS 512
-#define FK_ER_PF 16
+#define FK_ER_THREADS 256
 #define FK_ER_WARPS (FK_ER_THREADS / 32)
 
 // LayerNorm of `n` values of `row` in place (one warp; `lane` its lane).
@@ -50,21 +44,23 @@ __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* g
   for (int j = lane; j < n; j += 32) row[j] = (row[j] - mean) * inv * gamma[j] + beta[j];
 }
 
-// Rows k0, k0 + warps, ... of packed weights `w` (this block's, {rows, gates·8}) against the
-// vectors `v` ({batch, rows}, shared memory), added into acc[b]; 8 rows in flight per warp.
+// Partial sums of `rows` rows of packed weights `w` (this block's, {rows, gates·8}) against the
+// vectors `v` ({batch, rows}, shared memory), into acc[b].
 __device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const float* v, int rows,
-                                           int k0, int width, int lane, int batch,
+                                           int width, int lane, int warp, int batch,
                                            float (&acc)[FK_ER_MAXB]) {
-  int k = k0;
-  for (; k + 7 * FK_ER_WARPS < rows; k += 8 * FK_ER_WARPS) {
-    float wv[8];
+  if (lane >= width) return;
+  int k = warp;
+  // Four rows in flight per warp: independent loads, then the FMAs.
+  for (; k + 3 * FK_ER_WARPS < rows; k += 4 * FK_ER_WARPS) {
+    float wv[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) wv[i] = __ldg(w + (long long)(k + i * FK_ER_WARPS) * width + lane);
+    for (int i = 0; i < 4; ++i) wv[i] = __ldg(w + (long long)(k + i * FK_ER_WARPS) * width + lane);
 #pragma unroll
     for (int b = 0; b < FK_ER_MAXB; ++b) {
       if (b < batch) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[b] = fmaf(v[b * rows + k + i * FK_ER_WARPS], wv[i], acc[b]);
+        for (int i = 0; i < 4; ++i) acc[b] = fmaf(v[b * rows + k + i * FK_ER_WARPS], wv[i], acc[b]);
       }
     }
   }
@@ -73,31 +69,6 @@ __device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const fl
 #pragma unroll
     for (int b = 0; b < FK_ER_MAXB; ++b)
       if (b < batch) acc[b] = fmaf(v[b * rows + k], wv, acc[b]);
-  }
-}
-
-// The first FK_ER_PF rows warp, warp + warps, ... of `w` into registers (0 past `rows`).
-__device__ __forceinline__ void fk_er_prefetch(const float* __restrict__ w, int rows, int width,
-                                               int lane, int warp, float (&pf)[FK_ER_PF]) {
-#pragma unroll
-  for (int i = 0; i < FK_ER_PF; ++i) {
-    const int k = warp + i * FK_ER_WARPS;
-    pf[i] = k < rows ? __ldg(w + (long long)k * width + lane) : 0.0f;
-  }
-}
-
-// acc[b] += the prefetched rows against v ({batch, rows}).
-__device__ __forceinline__ void fk_er_dot_pf(const float (&pf)[FK_ER_PF], const float* v,
-                                             int rows, int warp, int batch,
-                                             float (&acc)[FK_ER_MAXB]) {
-#pragma unroll
-  for (int i = 0; i < FK_ER_PF; ++i) {
-    const int k = warp + i * FK_ER_WARPS;
-    if (k < rows) {
-#pragma unroll
-      for (int b = 0; b < FK_ER_MAXB; ++b)
-        if (b < batch) acc[b] = fmaf(v[b * rows + k], pf[i], acc[b]);
-    }
   }
 }
 
@@ -123,15 +94,6 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS)
     float* hs = xs + batch * in;             // {batch, hidden}
     float* red = hs + batch * hidden;        // {warps, batch, 2, 32}
     __shared__ unsigned int last;
-    const long long blk = blockIdx.x;
-    const float* wib = wi + blk * in * width;
-    const float* whb = wh + blk * hidden * width;
-    const bool col = lane < width;
-    float pi[FK_ER_PF], ph[FK_ER_PF];
-    if (col) {
-      fk_er_prefetch(wib, in, width, lane, warp, pi);
-      fk_er_prefetch(whb, hidden, width, lane, warp, ph);
-    }
     for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = x[i];
     for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = h[i];
     __syncthreads();
@@ -143,13 +105,9 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS)
     float ax[FK_ER_MAXB], ah[FK_ER_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_ER_MAXB; ++b) ax[b] = ah[b] = 0.0f;
-    if (col) {
-      fk_er_dot_pf(pi, xs, in, warp, batch, ax);
-      fk_er_dot_pf(ph, hs, hidden, warp, batch, ah);
-      const int k0 = warp + FK_ER_PF * FK_ER_WARPS;
-      fk_er_gemv(wib, xs, in, k0, width, lane, batch, ax);
-      fk_er_gemv(whb, hs, hidden, k0, width, lane, batch, ah);
-    }
+    const long long blk = blockIdx.x;
+    fk_er_gemv(wi + blk * in * width, xs, in, width, lane, warp, batch, ax);
+    fk_er_gemv(wh + blk * hidden * width, hs, hidden, width, lane, warp, batch, ah);
 #pragma unroll
     for (int b = 0; b < FK_ER_MAXB; ++b) {
       if (b < batch) {

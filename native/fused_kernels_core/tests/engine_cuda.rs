@@ -355,10 +355,11 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // The frame and window attention kernels' head sizes (40, 80, 96), windows that are not
-    // multiples of anything (61), odd widths (embed 37, ffn 200), batch rows to the frame
-    // kernels' limit (8) and past it (9: the layer ops serve those frames); past the window,
-    // so the caches slide, the window's first rows see fewer keys, and graphs replay.
+    // The frame and window attention kernels' head sizes (40, 80, 96; 96 at t 65 is too long
+    // for the window kernel's shared memory: the layer ops serve that window), windows that
+    // are not multiples of anything (61), odd widths (embed 37, ffn 200), batch rows up to a
+    // GEMV block's 8 and past it (9); past the window, so the caches slide, the window's first
+    // rows see fewer keys, and graphs replay.
     for kind in [Kind::Attention, Kind::Jamba] {
         for (i, (heads, head_dim, window, embed, b)) in [
             (5, 40, 61, 37, 1),
@@ -411,8 +412,9 @@ fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // The Mamba frame kernels at odd widths (hidden 200, inner 400 or 600), state 64, conv 2
-    // and 5, dt_rank 13, batch rows to the frame kernels' limit (8) and past it (9).
+    // The Mamba frame kernels at odd widths (hidden 200, inner 400 or 600), state 64 (two
+    // state entries per lane), conv 2 and 5, dt_rank 13, batch rows up to a GEMV block's 8 and
+    // past it (9).
     for kind in [Kind::Mamba, Kind::Jamba] {
         for (i, (hidden, state, conv, dt_rank, expand, b)) in [
             (200, 64, 4, 13, 2, 1),

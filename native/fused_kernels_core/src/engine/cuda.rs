@@ -239,10 +239,11 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
 }
 
 /// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`)
-/// and warps per block (`FK_ER_WARPS`).
+/// and warps per block (`FK_ER_WARPS`); the batch-row limit is also `engine_gemv_f32`'s rows per
+/// block (`FK_EG_MAXB`).
 const FRAME_UNITS: usize = 8;
 const FRAME_MAX_BATCH: usize = 8;
-const FRAME_WARPS: usize = 16;
+const FRAME_WARPS: usize = 8;
 /// Shared memory the frame kernel may use without an opt-in, on every GPU.
 const FRAME_SMEM: usize = 48 << 10;
 
@@ -404,15 +405,20 @@ impl FrameFns {
         4 * (2 * s.window * s.head_dim + s.head_dim + s.window)
     }
 
-    /// Whether a frame of `batch` rows runs on the frame kernels.
-    fn takes(s: &Spec, batch: usize) -> bool {
+    /// Whether a frame (`frame`) or a window of `t` rows runs on these kernels (`gemv_forward`):
+    /// every frame and the attention and Jamba windows, where the rows fit in shared memory.
+    fn takes(s: &Spec, t: usize, frame: bool) -> bool {
         let widest = match s.kind {
             Kind::Attention => s.embed.max(s.hidden).max(s.ffn),
             _ => s.embed.max(s.hidden).max(s.inner()),
         };
-        batch <= FRAME_MAX_BATCH
-            && 4 * batch * widest + GEMV_STATIC_SMEM <= FRAME_SMEM
-            && (s.kind == Kind::Mamba || Self::attn_smem(s) <= FRAME_SMEM)
+        let attn = match (s.kind, frame) {
+            (Kind::Mamba, true) => true,
+            (Kind::Mamba, false) => false,
+            (_, true) => Self::attn_smem(s) <= FRAME_SMEM,
+            (_, false) => Self::window_smem(s, t) <= FRAME_SMEM,
+        };
+        4 * FRAME_MAX_BATCH * widest + GEMV_STATIC_SMEM <= FRAME_SMEM && attn
     }
 }
 
@@ -1048,13 +1054,13 @@ impl CudaEngine {
         out.ok_or_else(|| arg_error("params: at least one layer is needed"))
     }
 
-    /// `engine_gemv_f32` over `batch` rows of `x` (`k` wide): `act(LN?(x) · {name}/kernel +
-    /// {name}/bias) (+ LN?(res))`, `{batch, 1, n}`; `eps` is both norms'.
+    /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
+    /// {name}/kernel + {name}/bias) (+ LN?(res))`, `{b, t, n}`; `eps` is both norms'.
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         ff: &FrameFns,
-        batch: usize,
+        (b, t): (usize, usize),
         x: Rows,
         k: usize,
         name: &str,
@@ -1063,14 +1069,15 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
-        let out = self.buf(vec![batch, 1, n])?;
+        let rows = b * t;
+        let out = self.buf(vec![b, t, n])?;
         let w = ptr(self.dw(&format!("{name}/kernel"))?);
         let bias = ptr(self.dw(&format!("{name}/bias"))?);
         let (xg, xb) = x.norm.unwrap_or((0, 0));
         let rp = res.map_or(0, |r| r.ptr);
         let (rg, rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
         let op = ptr(&out);
-        let (bi, ki, ni) = (batch as i32, k as i32, n as i32);
+        let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
         let code = act.code();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
         l.arg(&x.ptr)
@@ -1082,15 +1089,19 @@ impl CudaEngine {
             .arg(&rg)
             .arg(&rb)
             .arg(&op)
-            .arg(&bi)
+            .arg(&ri)
             .arg(&ki)
             .arg(&ni)
             .arg(&eps)
             .arg(&code);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(GEMV_COLS) as u32, 1, 1),
+            grid_dim: (
+                n.div_ceil(GEMV_COLS) as u32,
+                rows.div_ceil(FRAME_MAX_BATCH) as u32,
+                1,
+            ),
             block_dim: (512, 1, 1),
-            shared_mem_bytes: (4 * batch * k) as u32,
+            shared_mem_bytes: (4 * rows.min(FRAME_MAX_BATCH) * k) as u32,
         };
         // Safety: the kernel's parameters in order; every address is a weight or an arena
         // buffer of this engine, alive in its stream's order.
@@ -1143,51 +1154,41 @@ impl CudaEngine {
         Ok(out)
     }
 
-    /// A window's attention (`x` `{b, t, hidden}`, the layer's input) as one GEMM over the
-    /// q|k|v kernels joined at load (`qkv` names them) and one `engine_attn_window_f32`;
-    /// None where that kernel does not take it (a frame, no frame kernels, a window too long
-    /// for its shared memory): the caller runs q, k, v and FlashAttention instead.
-    fn window_attention(
+    /// A window's causal sliding-window attention over `qkv` `{b, t, 3 hidden}` (q | k | v):
+    /// one `engine_attn_window_f32`; `{b, t, hidden}`.
+    fn attn_window(
         &self,
-        stream: &Stream<'_>,
-        x: &DeviceTensor,
-        qkv: &str,
+        ff: &FrameFns,
+        qkv: &DeviceTensor,
+        (b, t): (usize, usize),
         qk_norm: bool,
-    ) -> Option<Result<DeviceTensor>> {
+    ) -> Result<DeviceTensor> {
         let s = &self.spec;
-        let ff = self.frame.as_ref()?;
-        let (b, t) = (x.shape[0], x.shape[1]);
-        if !matches!(stream, Stream::Window) || FrameFns::window_smem(s, t) > FRAME_SMEM {
-            return None;
-        }
-        Some((|| {
-            let qkv = self.dense(x, qkv, false, None)?;
-            let out = self.buf(vec![b, t, s.hidden])?;
-            let (pq, po) = (ptr(&qkv), ptr(&out));
-            let (ti, hi, di) = (t as i32, s.heads as i32, s.head_dim as i32);
-            let left = s.window as i32 - 1;
-            let qn = qk_norm as i32;
-            let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-            let mut launch = self.gpu.stream.launch_builder(&ff.attn_window);
-            launch
-                .arg(&pq)
-                .arg(&po)
-                .arg(&ti)
-                .arg(&hi)
-                .arg(&di)
-                .arg(&left)
-                .arg(&qn)
-                .arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (s.heads as u32, b as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: FrameFns::window_smem(s, t) as u32,
-            };
-            // Safety: the kernel's parameters in order; arena buffers of this engine, alive
-            // in its stream's order.
-            unsafe { launch.launch(cfg) }?;
-            Ok(out)
-        })())
+        let out = self.buf(vec![b, t, s.hidden])?;
+        let (pq, po) = (ptr(qkv), ptr(&out));
+        let (ti, hi, di) = (t as i32, s.heads as i32, s.head_dim as i32);
+        let left = s.window as i32 - 1;
+        let qn = qk_norm as i32;
+        let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+        let mut launch = self.gpu.stream.launch_builder(&ff.attn_window);
+        launch
+            .arg(&pq)
+            .arg(&po)
+            .arg(&ti)
+            .arg(&hi)
+            .arg(&di)
+            .arg(&left)
+            .arg(&qn)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, b as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: FrameFns::window_smem(s, t) as u32,
+        };
+        // Safety: the kernel's parameters in order; arena buffers of this engine, alive in its
+        // stream's order.
+        unsafe { launch.launch(cfg) }?;
+        Ok(out)
     }
 
     /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
@@ -1211,7 +1212,17 @@ impl CudaEngine {
             norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
         };
         let eps = s.mamba_norm_eps as f32;
-        let xz = self.gemv(ff, b, xin, hid, &p("in_proj"), 2 * inner, none, None, eps)?;
+        let xz = self.gemv(
+            ff,
+            (b, 1),
+            xin,
+            hid,
+            &p("in_proj"),
+            2 * inner,
+            none,
+            None,
+            eps,
+        )?;
         let xc = self.buf(vec![b, inner])?;
         let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
         let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
@@ -1245,7 +1256,17 @@ impl CudaEngine {
             ptr: ptr(&xc),
             norm: None,
         };
-        let bcr = self.gemv(ff, b, raw, inner, &p("bcdt"), 2 * n + r, none, None, eps)?;
+        let bcr = self.gemv(
+            ff,
+            (b, 1),
+            raw,
+            inner,
+            &p("bcdt"),
+            2 * n + r,
+            none,
+            None,
+            eps,
+        )?;
         let y = self.buf(vec![b, inner])?;
         {
             let d = self.dw(&p("ssm/d")).map_or(0, ptr);
@@ -1259,6 +1280,12 @@ impl CudaEngine {
                 ptr(&y),
             );
             let (dt_min, dt_max) = (0.001f32, 0.1f32);
+            // One warp per (batch row, channel), 8 to a block.
+            let warps = LaunchConfig {
+                grid_dim: ((b * inner).div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut launch = self.gpu.stream.launch_builder(&ff.scan);
             launch
                 .arg(&pxz)
@@ -1279,7 +1306,7 @@ impl CudaEngine {
                 .arg(&dt_min)
                 .arg(&dt_max);
             // Safety: as above.
-            unsafe { launch.launch(elementwise) }?;
+            unsafe { launch.launch(warps) }?;
         }
         let yr = Rows {
             ptr: ptr(&y),
@@ -1289,21 +1316,34 @@ impl CudaEngine {
             ptr: ptr(x),
             norm: None,
         };
-        self.gemv(ff, b, yr, inner, &p("out_proj"), hid, none, Some(res), eps)
+        self.gemv(
+            ff,
+            (b, 1),
+            yr,
+            inner,
+            &p("out_proj"),
+            hid,
+            none,
+            Some(res),
+            eps,
+        )
     }
 
-    /// An attention, Mamba or Jamba frame `xd` `{b, 1, embed}` on the frame kernels: every
-    /// dense one `engine_gemv_f32` (q, k and v as one, over the kernels concatenated at load),
-    /// each attention one `engine_attn_frame_f32` that also moves the caches on, the post-norms
-    /// applied by the launches that read their rows, each Mamba block five launches.
-    fn attention_frame(
+    /// An attention, Mamba or Jamba frame (`st`: its state) or an attention or Jamba window
+    /// `xd` `{b, t, embed}` on the engine's own kernels: every dense one `engine_gemv_f32` (q,
+    /// k and v as one, over the kernels joined at load), the post-norms applied by the launches
+    /// that read their rows, each attention one `engine_attn_frame_f32` (which also moves the
+    /// caches on) or `engine_attn_window_f32`, each Mamba block of a frame five launches (of a
+    /// window: the block's ops).
+    fn gemv_forward(
         &self,
         ff: &FrameFns,
         xd: &DeviceTensor,
-        st: &mut CudaState,
+        mut st: Option<&mut CudaState>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
-        let (b, hid) = (st.batch, s.hidden);
+        let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
+        let bt = (b, t);
         let none = dense::Activation::None;
         let norm = |name: &str| -> Result<Option<(u64, u64)>> {
             Ok(Some((
@@ -1316,7 +1356,7 @@ impl CudaEngine {
             norm: None,
         };
         let eps = s.norm_eps as f32;
-        let mut y = self.gemv(ff, b, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
+        let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
         for l in 1..=s.layers {
@@ -1329,9 +1369,12 @@ impl CudaEngine {
             };
             if s.kind == Kind::Attention {
                 let p = |n: &str| format!("attn_{l}_{n}");
-                let qkv = self.gemv(ff, b, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
-                let a = self.attn_frame(ff, &qkv, st, l - 1, false)?;
-                let x1 = self.gemv(ff, b, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
+                let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, false)?,
+                    None => self.attn_window(ff, &qkv, bt, false)?,
+                };
+                let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
                     ptr: ptr(&x1),
                     norm: norm(&p("norm"))?,
@@ -1339,7 +1382,7 @@ impl CudaEngine {
                 let up = format!("ffn_{l}_up");
                 let f = self.gemv(
                     ff,
-                    b,
+                    bt,
                     x1n,
                     hid,
                     &up,
@@ -1349,7 +1392,7 @@ impl CudaEngine {
                     eps,
                 )?;
                 let down = format!("ffn_{l}_down");
-                y = self.gemv(ff, b, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
+                y = self.gemv(ff, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
                 y_norm = Some(format!("ffn_{l}_norm"));
             } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
                 let p = |n: &str| format!("jamba_{l}_{n}");
@@ -1357,11 +1400,14 @@ impl CudaEngine {
                     ptr: ptr(&y),
                     norm: norm(&p("attn_norm"))?,
                 };
-                let qkv = self.gemv(ff, b, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
-                let a = self.attn_frame(ff, &qkv, st, l - 1, true)?;
+                let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, true)?,
+                    None => self.attn_window(ff, &qkv, bt, true)?,
+                };
                 y = self.gemv(
                     ff,
-                    b,
+                    bt,
                     raw(&a),
                     hid,
                     &p("out"),
@@ -1376,7 +1422,11 @@ impl CudaEngine {
                 } else {
                     "jamba"
                 };
-                y = self.mamba_frame(ff, &format!("{prefix}_{l}"), &y, st, l - 1)?;
+                let prefix = format!("{prefix}_{l}");
+                y = match st.as_deref_mut() {
+                    Some(st) => self.mamba_frame(ff, &prefix, &y, st, l - 1)?,
+                    None => self.mamba(&prefix, &y, Stream::Window)?,
+                };
             }
         }
         match y_norm {
@@ -1412,9 +1462,9 @@ impl CudaEngine {
                 Ok(y)
             }
             _ => {
-                if let (Some(ff), Some(st)) = (&self.frame, state.as_deref_mut()) {
-                    if FrameFns::takes(s, st.batch) {
-                        return self.attention_frame(ff, xd, st);
+                if let Some(ff) = &self.frame {
+                    if FrameFns::takes(s, xd.shape[1], state.is_some()) {
+                        return self.gemv_forward(ff, xd, state);
                     }
                 }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
@@ -1423,17 +1473,12 @@ impl CudaEngine {
                     y = match s.kind {
                         Kind::Attention => {
                             let p = |n: &str| format!("attn_{l}_{n}");
-                            let a = match self.window_attention(&stream, &y, &p("qkv"), false) {
-                                Some(a) => a?,
-                                None => {
-                                    let (q, k, v) = (
-                                        self.dense(&y, &p("q"), false, None)?,
-                                        self.dense(&y, &p("k"), false, None)?,
-                                        self.dense(&y, &p("v"), false, None)?,
-                                    );
-                                    self.attention(q, k, v, false, stream)?
-                                }
-                            };
+                            let (q, k, v) = (
+                                self.dense(&y, &p("q"), false, None)?,
+                                self.dense(&y, &p("k"), false, None)?,
+                                self.dense(&y, &p("v"), false, None)?,
+                            );
+                            let a = self.attention(q, k, v, false, stream)?;
                             let x1 = self.dense(&a, &p("out"), false, Some(&y))?;
                             let x1 = self.norm(&Operand::Device(&x1), &p("norm"), s.norm_eps)?;
                             let f = self.dense(&x1, &format!("ffn_{l}_up"), true, None)?;
@@ -1444,17 +1489,12 @@ impl CudaEngine {
                             let p = |n: &str| format!("jamba_{l}_{n}");
                             let xn =
                                 self.norm(&Operand::Device(&y), &p("attn_norm"), s.norm_eps)?;
-                            let a = match self.window_attention(&stream, &xn, &p("qkv"), true) {
-                                Some(a) => a?,
-                                None => {
-                                    let (q, k, v) = (
-                                        self.dense(&xn, &p("q"), false, None)?,
-                                        self.dense(&xn, &p("k"), false, None)?,
-                                        self.dense(&xn, &p("v"), false, None)?,
-                                    );
-                                    self.attention(q, k, v, true, stream)?
-                                }
-                            };
+                            let (q, k, v) = (
+                                self.dense(&xn, &p("q"), false, None)?,
+                                self.dense(&xn, &p("k"), false, None)?,
+                                self.dense(&xn, &p("v"), false, None)?,
+                            );
+                            let a = self.attention(q, k, v, true, stream)?;
                             self.dense(&a, &p("out"), false, Some(&y))?
                         }
                         Kind::Jamba => self.mamba(&format!("jamba_{l}"), &y, stream)?,
