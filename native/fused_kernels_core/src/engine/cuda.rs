@@ -361,10 +361,10 @@ impl RnnFrame {
 /// The attention/Mamba/Jamba frame kernels (kernels/engine_frame.cu).
 struct FrameFns {
     gemv: CudaFunction,
-    attn: CudaFunction,
-    conv: CudaFunction,
-    scan: CudaFunction,
-    attn_window: CudaFunction,
+    /// Attention/Jamba: the frame's and the window's attention.
+    attn: Option<(CudaFunction, CudaFunction)>,
+    /// Mamba/Jamba: the frame's conv and scan step.
+    mamba: Option<(CudaFunction, CudaFunction)>,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -385,14 +385,41 @@ impl FrameFns {
         if !matches!(kind, Kind::Attention | Kind::Mamba | Kind::Jamba) {
             return None;
         }
+        // Only the functions this backbone launches are compiled (each is a program of its
+        // own on a first call); any that cannot be leaves the backbone on the layer ops.
         let f = |name: &str| gpu.function(&ENGINE_FRAME, name).ok();
+        let pair = |wanted: bool, a: &str, b: &str| -> Option<Option<_>> {
+            if wanted {
+                Some(Some((f(a)?, f(b)?)))
+            } else {
+                Some(None)
+            }
+        };
         Some(FrameFns {
             gemv: f("engine_gemv_f32")?,
-            attn: f("engine_attn_frame_f32")?,
-            conv: f("engine_mamba_conv_f32")?,
-            scan: f("engine_mamba_scan_f32")?,
-            attn_window: f("engine_attn_window_f32")?,
+            attn: pair(
+                kind != Kind::Mamba,
+                "engine_attn_frame_f32",
+                "engine_attn_window_f32",
+            )?,
+            mamba: pair(
+                kind != Kind::Attention,
+                "engine_mamba_conv_f32",
+                "engine_mamba_scan_f32",
+            )?,
         })
+    }
+
+    fn attn(&self) -> Result<&(CudaFunction, CudaFunction)> {
+        self.attn
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
+    }
+
+    fn mamba(&self) -> Result<&(CudaFunction, CudaFunction)> {
+        self.mamba
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
     }
 
     /// `engine_attn_window_f32`'s dynamic shared memory for a window of `seq` rows.
@@ -1132,7 +1159,7 @@ impl CudaEngine {
         let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
         let qn = qk_norm as i32;
         let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let mut launch = self.gpu.stream.launch_builder(&ff.attn);
+        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.0);
         launch
             .arg(&q)
             .arg(&kc)
@@ -1170,7 +1197,7 @@ impl CudaEngine {
         let left = s.window as i32 - 1;
         let qn = qk_norm as i32;
         let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let mut launch = self.gpu.stream.launch_builder(&ff.attn_window);
+        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.1);
         launch
             .arg(&pq)
             .arg(&po)
@@ -1238,7 +1265,7 @@ impl CudaEngine {
                 wp("conv_dw_conv/bias")?,
                 ptr(&xc),
             );
-            let mut launch = self.gpu.stream.launch_builder(&ff.conv);
+            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.0);
             launch
                 .arg(&pxz)
                 .arg(&w)
@@ -1286,7 +1313,7 @@ impl CudaEngine {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.gpu.stream.launch_builder(&ff.scan);
+            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.1);
             launch
                 .arg(&pxz)
                 .arg(&pxc)
