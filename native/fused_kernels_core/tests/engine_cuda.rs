@@ -355,11 +355,10 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // The frame and window attention kernels' head sizes (40, 80, 96; 96 at t 65 is too long
-    // for the window kernel's shared memory: the layer ops serve that window), windows that
-    // are not multiples of anything (61), odd widths (embed 37, ffn 200), batch rows up to a
-    // GEMV block's 8 and past it (9); past the window, so the caches slide, the window's first
-    // rows see fewer keys, and graphs replay.
+    // The frame and window attention kernels' head sizes (40, 80, 96), windows that are not
+    // multiples of anything (61), odd widths (embed 37, ffn 200), batch rows up to a GEMV
+    // block's 8 and past it (9); frames past the window, so the caches slide and graphs
+    // replay; windows of both routes (over 64 rows: the layer ops).
     for kind in [Kind::Attention, Kind::Jamba] {
         for (i, (heads, head_dim, window, embed, b)) in [
             (5, 40, 61, 37, 1),
@@ -390,13 +389,19 @@ fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
                 err <= 1e-5,
                 "{kind:?} {heads}x{head_dim} w{window} e{embed} b{b}: {t} frames vs cpu window, rel L2 {err}"
             );
-            // The window itself (eager, captured, replayed) on the window attention kernel.
+            // The window itself (eager, captured, replayed): past 64 rows on the layer ops, up
+            // to 64 on the GEMV and the window attention kernel.
+            let tw = (64 / b).clamp(1, t);
+            let xw = Rng::new(95 + i as u64).vec_f32(b * tw * embed, 1.0, 0.0);
+            let want_w = cpu_predict(&cpu, &xw, b, tw);
             for call in 0..3 {
-                let err = rel_l2(&gpu_predict(&gpu, &x, b, t), &want);
-                assert!(
-                    err <= 1e-5,
-                    "{kind:?} {heads}x{head_dim} w{window} b{b} window call {call}: rel L2 {err}"
-                );
+                for (xs, tt, want) in [(&x, t, &want), (&xw, tw, &want_w)] {
+                    let err = rel_l2(&gpu_predict(&gpu, xs, b, tt), want);
+                    assert!(
+                        err <= 1e-5,
+                        "{kind:?} {heads}x{head_dim} w{window} b{b} t{tt} window call {call}: rel L2 {err}"
+                    );
+                }
             }
             assert_eq!(
                 gpu_stream(&gpu, &x, b, t),

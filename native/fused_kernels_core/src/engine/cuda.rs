@@ -371,6 +371,12 @@ struct FrameFns {
 const GEMV_COLS: usize = 16;
 const GEMV_STATIC_SMEM: usize = 16448;
 const ATTN_THREADS: u32 = 256;
+/// The most rows (batch × window) a window runs on the GEMV and the window attention kernel.
+/// Measured on the H100 (engine_device, ExPhil's attention backbone): a batch-1 window of 60
+/// takes 126 µs there against 157-165 on the layer ops, a batch-8 window 307 against 209 (the
+/// GEMV re-reads its weights per 8 rows and the window attention runs each query row on one
+/// warp); Jamba 314 against 321 and 572 against 479.
+const GEMV_WINDOW_ROWS: usize = 64;
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
 /// fly, the norm's gamma and beta.
@@ -432,9 +438,13 @@ impl FrameFns {
         4 * (2 * s.window * s.head_dim + s.head_dim + s.window)
     }
 
-    /// Whether a frame (`frame`) or a window of `t` rows runs on these kernels (`gemv_forward`):
-    /// every frame and the attention and Jamba windows, where the rows fit in shared memory.
-    fn takes(s: &Spec, t: usize, frame: bool) -> bool {
+    /// Whether a frame (`frame`) or a window of `b` × `t` rows runs on these kernels
+    /// (`gemv_forward`): every frame, and the attention and Jamba windows of at most
+    /// `GEMV_WINDOW_ROWS` rows, where the rows fit in shared memory.
+    fn takes(s: &Spec, (b, t): (usize, usize), frame: bool) -> bool {
+        if !frame && b * t > GEMV_WINDOW_ROWS {
+            return false;
+        }
         let widest = match s.kind {
             Kind::Attention => s.embed.max(s.hidden).max(s.ffn),
             _ => s.embed.max(s.hidden).max(s.inner()),
@@ -1490,7 +1500,7 @@ impl CudaEngine {
             }
             _ => {
                 if let Some(ff) = &self.frame {
-                    if FrameFns::takes(s, xd.shape[1], state.is_some()) {
+                    if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
                         return self.gemv_forward(ff, xd, state);
                     }
                 }
