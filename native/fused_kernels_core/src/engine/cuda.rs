@@ -445,6 +445,10 @@ impl FrameFns {
         if !frame && b * t > GEMV_WINDOW_ROWS {
             return false;
         }
+        // Grid rows: the GEMV's row blocks and the frame attention's batch rows.
+        if (b * t).div_ceil(FRAME_MAX_BATCH) > 65535 || b > 65535 {
+            return false;
+        }
         let widest = match s.kind {
             Kind::Attention => s.embed.max(s.hidden).max(s.ffn),
             _ => s.embed.max(s.hidden).max(s.inner()),
