@@ -239,6 +239,16 @@ pub const STREAM_STATE: Kernel = Kernel {
     body: include_str!("../kernels/stream_state.cu"),
 };
 
+pub const ENGINE_RNN: Kernel = Kernel {
+    name: "engine_rnn",
+    body: include_str!("../kernels/engine_rnn.cu"),
+};
+
+pub const ENGINE_FRAME: Kernel = Kernel {
+    name: "engine_frame",
+    body: include_str!("../kernels/engine_frame.cu"),
+};
+
 pub const DENSE_SM90: Kernel = Kernel {
     name: "dense_sm90",
     body: include_str!("../kernels/dense_sm90.cu"),
@@ -261,6 +271,8 @@ pub const ALL: &[&Kernel] = &[
     &MAMBA_BLOCK,
     &STREAM_STATE,
     &DENSE_SM90,
+    &ENGINE_RNN,
+    &ENGINE_FRAME,
 ];
 
 /// The ops `FusedKernels.warmup/1` takes, each with the kernel files it may launch from (any
