@@ -96,7 +96,16 @@ struct Graph {
     /// Host nanoseconds from launch to the stream's completion at its last replay
     /// (`u64::MAX` before the first): `try_quick_step` replays only graphs known to be quick.
     last_ns: u64,
+    /// Captures tried for this graph (see `CAPTURE_ATTEMPTS`).
+    attempts: u32,
 }
+
+/// Captures tried per graph before its shape (or state) stays eager. More than one because a
+/// capture can be invalidated by another engine's work on other threads at the same moment
+/// (seen on the H100 with four engines loading and capturing at once:
+/// CUDA_ERROR_STREAM_CAPTURE_INVALIDATED on one shape in a few runs, never alone); a later
+/// call, outside that moment, captures it.
+const CAPTURE_ATTEMPTS: u32 = 3;
 
 /// An instantiated graph, moved between threads with the engine.
 struct Exec(CudaGraph);
@@ -765,6 +774,22 @@ impl CudaEngine {
                     self.eager(sh, state)?;
                 }
             }
+            Some(gi) if graphable && sh.warm && sh.graphs[gi].attempts < CAPTURE_ATTEMPTS => {
+                // An earlier capture of this graph failed: try again.
+                let mut exec = self.capture(sh, state.as_deref_mut());
+                if let Ok(g) = &exec {
+                    if let Err(why) = launch(g) {
+                        exec = Err(why);
+                    }
+                }
+                if exec.is_err() {
+                    self.eager(sh, state)?;
+                }
+                let g = &mut sh.graphs[gi];
+                g.exec = exec;
+                g.attempts += 1;
+                g.last_ns = u64::MAX;
+            }
             None if graphable && sh.warm => {
                 if sh.graphs.len() >= MAX_GRAPHS {
                     // Oldest first: mostly states that are gone (a live one recaptures).
@@ -784,6 +809,7 @@ impl CudaEngine {
                     generation,
                     exec,
                     last_ns: u64::MAX,
+                    attempts: 1,
                 });
             }
             _ => self.eager(sh, state)?,
