@@ -10,6 +10,7 @@ use fused_kernels_core::DType;
 
 use fused_kernels_core::ops::dense::sm90::*;
 use fused_kernels_core::ops::dense::{self, Activation, Kind, Params};
+use support::dense::KINDS;
 use support::dense_sm90::*;
 use support::Rng;
 
