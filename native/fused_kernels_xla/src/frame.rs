@@ -102,7 +102,7 @@ pub struct Decoded {
     pub attrs: Attrs,
 }
 
-fn dtype_of(code: c_int, what: &str) -> Result<DType> {
+fn dtype_of(code: c_int, what: &dyn std::fmt::Display) -> Result<DType> {
     match code {
         ffi::dtype::F32 => Ok(DType::F32),
         ffi::dtype::F16 => Ok(DType::F16),
@@ -116,7 +116,7 @@ fn dtype_of(code: c_int, what: &str) -> Result<DType> {
 
 /// # Safety
 /// `p` must be null or point to an `XLA_FFI_Buffer` XLA owns for this call.
-unsafe fn buffer(p: *mut c_void, what: &str) -> Result<Buf> {
+unsafe fn buffer(p: *mut c_void, what: &dyn std::fmt::Display) -> Result<Buf> {
     if p.is_null() {
         return Err(arg_error(format!("{what}: null buffer")));
     }
@@ -151,6 +151,15 @@ unsafe fn buffer(p: *mut c_void, what: &str) -> Result<Buf> {
     })
 }
 
+/// "operand 3": an entry's name for error messages.
+struct Entry<'a>(&'a str, usize);
+
+impl std::fmt::Display for Entry<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.0, self.1)
+    }
+}
+
 /// # Safety
 /// `types`/`ptrs` must hold `n` entries XLA owns for this call.
 unsafe fn buffers(
@@ -164,7 +173,8 @@ unsafe fn buffers(
     }
     (0..n as usize)
         .map(|i| {
-            let name = format!("{what} {i}");
+            // Formatted only into an error message (this runs on every call).
+            let name = Entry(what, i);
             if unsafe { *types.add(i) } != ffi::BUFFER {
                 return Err(arg_error(format!("{name}: not a buffer")));
             }

@@ -167,6 +167,33 @@ fn find_in_loaded_objects() -> *mut libc::c_void {
     found
 }
 
+/// Copies the handlers' counters (`runtime::Counters`: executes, captured executes,
+/// initializes, execute ns, initialize ns, op ns) into `out`, which holds `len` u64s; returns how
+/// many were written. Tests read it to see that a target ran inside a command buffer.
+///
+/// # Safety
+/// `out` must be null or point to `len` writable u64s.
+#[no_mangle]
+pub unsafe extern "C" fn fused_kernels_xla_counters(out: *mut u64, len: usize) -> usize {
+    if out.is_null() {
+        return 0;
+    }
+    let c = runtime::counters();
+    let values = [
+        c.executes,
+        c.captured_executes,
+        c.initializes,
+        c.execute_ns,
+        c.initialize_ns,
+        c.op_ns,
+    ];
+    let n = len.min(values.len());
+    for (i, v) in values.iter().take(n).enumerate() {
+        unsafe { *out.add(i) = *v };
+    }
+    n
+}
+
 static REGISTERED_ON_LOAD: AtomicI32 = AtomicI32::new(0);
 
 /// Registers every target for "CUDA" with the XLA this process holds, if any. Runs when the

@@ -9,12 +9,17 @@
 use crate::ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE;
 use crate::frame::{Attrs, Decoded};
 use crate::runtime::{arity, Call, OpSpec};
+use cudarc::driver::CudaFunction;
 use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::error::Error;
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::kernels::{self, Kernel};
 use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan};
 use fused_kernels_core::DType;
+use once_cell::sync::Lazy;
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// The operand names of a call: the `operands` attribute (default: `required` in order),
 /// checked against the op's `known` names and the number of buffers passed.
@@ -140,12 +145,58 @@ fn flash_attention_validate(d: &Decoded) -> Result<()> {
     Ok(())
 }
 
+/// (device ordinal, kernel function name) -> the loaded function and the device's SM count:
+/// the handler launches through the op's launch layer on raw addresses, so a call costs one
+/// map lookup and the launch (no tensors, no module lookup, no device query).
+type AttentionFunctions = HashMap<(usize, String), CudaFunction>;
+
+static ATTENTION_FUNCTIONS: Lazy<Mutex<AttentionFunctions>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
     let p = flash_attention_params(&c.d.attrs)?;
-    let t = c.args();
-    let mut out = c.tensor(&c.d.rets[0]);
-    let mut lse = c.tensor(&c.d.rets[1]);
-    flash_attention::cuda(&t[0], &t[1], &t[2], &mut out, &mut lse, p)
+    let [q, k, v] = [&c.d.args[0], &c.d.args[1], &c.d.args[2]];
+    let g = flash_attention::geometry(
+        (&q.dims, q.dtype),
+        (&k.dims, k.dtype),
+        (&v.dims, v.dtype),
+        p.layout,
+    )?;
+    let sms = sm_count(c)?;
+    let plan = flash_attention::plan(&g, q.dtype, c.gpu.has_tensor_cores(), sms)?;
+    let key = (c.gpu.ordinal, plan.function.clone());
+    let cached = ATTENTION_FUNCTIONS
+        .lock()
+        .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
+        .get(&key)
+        .cloned();
+    let f = match cached {
+        Some(f) => f,
+        None => {
+            let f = flash_attention::function(c.gpu, &plan)?;
+            ATTENTION_FUNCTIONS
+                .lock()
+                .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
+                .insert(key, f.clone());
+            f
+        }
+    };
+    let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
+    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+}
+
+/// The device's SM count (asked of the driver once per device).
+fn sm_count(c: &Call<'_>) -> Result<usize> {
+    static SMS: Lazy<Mutex<HashMap<usize, usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+    let mut map = SMS
+        .lock()
+        .map_err(|_| Error::Cuda("SM count cache lock poisoned".into()))?;
+    if let Some(n) = map.get(&c.gpu.ordinal) {
+        return Ok(*n);
+    }
+    let n = c.gpu.multiprocessors()?.max(1) as usize;
+    map.insert(c.gpu.ordinal, n);
+    Ok(n)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -313,21 +364,52 @@ const DENSE_KNOWN: &[&str] = &[
 ];
 
 /// `fused_kernels_dense`: x, kernel [, kernel_up, bias, bias_up, gamma, beta, residual]
-/// (by `operands`) -> out `{.., units}`. Attributes: `kind` ("dense" | "swiglu" |
-/// "rms_norm_dense" | "layer_norm_dense"), `activation` ("none", "relu", "gelu",
-/// "gelu_tanh", "silu", "sigmoid", "tanh"), `eps`. Norm-fused kinds take row statistics
-/// from XLA's scratch allocator, so this target is not captured into command buffers.
+/// (by `operands`) -> out `{.., units}`, and for the norm-fused kinds also stats f32
+/// `{rows, 2}`. Attributes: `kind` ("dense" | "swiglu" | "rms_norm_dense" |
+/// "layer_norm_dense"), `activation` ("none", "relu", "gelu", "gelu_tanh", "silu",
+/// "sigmoid", "tanh"), `eps`. The norm-fused kinds keep each row's statistics in `stats` (a
+/// by-product), so that no call takes XLA scratch: scratch is not allowed while XLA records
+/// a command buffer (its address would be baked into the graph).
 pub const DENSE: OpSpec = OpSpec {
     name: "fused_kernels_dense",
-    traits: 0,
-    validate: |d| {
-        arity("results (out)", d.rets.len(), &[1])?;
-        dense_params(&d.attrs)?;
-        operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"]).map(|_| ())
-    },
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: dense_validate,
     execute: dense_execute,
     preload: no_preload,
 };
+
+fn dense_norm(kind: dense::Kind) -> bool {
+    matches!(
+        kind,
+        dense::Kind::RmsNormDense | dense::Kind::LayerNormDense
+    )
+}
+
+fn dense_validate(d: &Decoded) -> Result<()> {
+    let p = dense_params(&d.attrs)?;
+    if dense_norm(p.kind) {
+        arity(
+            "results (out, stats: the norm-fused kinds return their row statistics)",
+            d.rets.len(),
+            &[2],
+        )?;
+    } else {
+        arity("results (out)", d.rets.len(), &[1])?;
+    }
+    operand_names(&d.attrs, d.args.len(), DENSE_KNOWN, &["x", "kernel"])?;
+    if let Some(stats) = d.rets.get(1) {
+        let x = &d.args[0];
+        let rows: usize = x.dims.iter().rev().skip(1).product();
+        if stats.dims != [rows, 2] || stats.dtype != DType::F32 {
+            return Err(arg_error(format!(
+                "stats: must be f32 {{{rows}, 2}} (x's rows), XLA declared {} {:?}",
+                stats.dtype.name(),
+                stats.dims
+            )));
+        }
+    }
+    Ok(())
+}
 
 pub fn dense_params(a: &Attrs) -> Result<dense::Params> {
     a.only(&["operands", "kind", "activation", "eps"])?;
@@ -359,7 +441,10 @@ fn dense_execute(c: &Call<'_>) -> Result<()> {
         residual: dev("residual"),
     };
     let mut out = c.tensor(&c.d.rets[0]);
-    dense::cuda(&ops, &mut out, p)
+    match c.d.rets.get(1) {
+        Some(stats) => c.with_workspace(stats, "stats", || dense::cuda(&ops, &mut out, p)),
+        None => dense::cuda(&ops, &mut out, p),
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -12,7 +12,49 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::null_mut;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// What the handlers did in this process: execute-stage calls, those of them that ran while
+/// XLA was capturing the stream into a CUDA graph (a command buffer: the work is recorded
+/// there and replayed later without calling the handler), initialize-stage calls, and the
+/// host time spent inside execute and initialize, and inside the ops' own code within
+/// execute (the rest is decoding the frame and finding the device and stream), in ns.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct Counters {
+    pub executes: u64,
+    pub captured_executes: u64,
+    pub initializes: u64,
+    pub execute_ns: u64,
+    pub initialize_ns: u64,
+    pub op_ns: u64,
+}
+
+static EXECUTES: AtomicU64 = AtomicU64::new(0);
+static CAPTURED_EXECUTES: AtomicU64 = AtomicU64::new(0);
+static INITIALIZES: AtomicU64 = AtomicU64::new(0);
+static EXECUTE_NS: AtomicU64 = AtomicU64::new(0);
+static INITIALIZE_NS: AtomicU64 = AtomicU64::new(0);
+static OP_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The counters so far.
+pub fn counters() -> Counters {
+    Counters {
+        executes: EXECUTES.load(Ordering::Relaxed),
+        captured_executes: CAPTURED_EXECUTES.load(Ordering::Relaxed),
+        initializes: INITIALIZES.load(Ordering::Relaxed),
+        execute_ns: EXECUTE_NS.load(Ordering::Relaxed),
+        initialize_ns: INITIALIZE_NS.load(Ordering::Relaxed),
+        op_ns: OP_NS.load(Ordering::Relaxed),
+    }
+}
+
+fn add_elapsed(counter: &AtomicU64, since: Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counter.fetch_add(ns, Ordering::Relaxed);
+}
 
 /// One call target: its name, traits, what it runs and which modules to load before a
 /// CUDA-graph capture.
@@ -41,6 +83,31 @@ impl Call<'_> {
 
     pub fn args(&self) -> Vec<DeviceTensor> {
         self.d.args.iter().map(|b| self.tensor(b)).collect()
+    }
+
+    /// Runs `f` with the op's temporaries carved out of result `ws` (a workspace the caller
+    /// declared, so that nothing comes from XLA's allocator while it records a CUDA graph):
+    /// a bump allocator over its bytes, 256-byte aligned; asking for more is an error naming
+    /// `what`.
+    pub fn with_workspace<R>(
+        &self,
+        ws: &Buf,
+        what: &str,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let bytes = ws.numel() * ws.dtype.size();
+        let mut used = 0usize;
+        let mut carve = |n: usize| -> Result<u64> {
+            let start = used.div_ceil(256) * 256;
+            let end = start.checked_add(n).filter(|e| *e <= bytes).ok_or_else(|| {
+                arg_error(format!(
+                    "{what}: the call needs more than its {bytes} bytes ({start} used, {n} more asked)"
+                ))
+            })?;
+            used = end;
+            Ok(ws.data + start as u64)
+        };
+        with_scratch(&mut carve, f)
     }
 
     /// Copies `src` (a temporary the op made) into result `dst`, on XLA's stream.
@@ -217,9 +284,20 @@ unsafe fn dispatch(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     if unsafe { answer_metadata(f, op.traits)? } {
         return Ok(());
     }
+    let start = Instant::now();
     match f.stage {
-        ffi::STAGE_EXECUTE => unsafe { execute(f, op) },
-        ffi::STAGE_INITIALIZE => unsafe { initialize(f, op) },
+        ffi::STAGE_EXECUTE => {
+            let r = unsafe { execute(f, op) };
+            EXECUTES.fetch_add(1, Ordering::Relaxed);
+            add_elapsed(&EXECUTE_NS, start);
+            r
+        }
+        ffi::STAGE_INITIALIZE => {
+            let r = unsafe { initialize(f, op) };
+            INITIALIZES.fetch_add(1, Ordering::Relaxed);
+            add_elapsed(&INITIALIZE_NS, start);
+            r
+        }
         _ => Ok(()),
     }
 }
@@ -243,6 +321,9 @@ unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     let stream = unsafe { stream_of(api, f.ctx)? };
     let base = cuda::gpu(Some(ordinal_of(&d)?))?;
     check_context(&base)?;
+    if capturing(stream)? {
+        CAPTURED_EXECUTES.fetch_add(1, Ordering::Relaxed);
+    }
     let gpu = on_stream(&base, stream)?;
     let mut lent = Lent {
         api,
@@ -254,7 +335,9 @@ unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
         d: &d,
         stream,
     };
+    let start = Instant::now();
     let result = with_scratch(&mut |bytes| lent.allocate(bytes), || (op.execute)(&call));
+    add_elapsed(&OP_NS, start);
     // The op's work is enqueued on XLA's stream; XLA's allocator is ordered on that stream,
     // so the blocks go back now (what jaxlib's own scratch allocators do).
     let freed = lent.free_all();
@@ -287,9 +370,21 @@ unsafe fn stream_of(
     Ok(args.stream as cudarc::driver::sys::CUstream)
 }
 
+/// Whether XLA is recording `stream` into a CUDA graph (a command buffer) right now.
+fn capturing(stream: cudarc::driver::sys::CUstream) -> Result<bool> {
+    use cudarc::driver::sys::CUstreamCaptureStatus as S;
+    let mut status = S::CU_STREAM_CAPTURE_STATUS_NONE;
+    unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream, &mut status).result() }
+        .map_err(Error::from)?;
+    Ok(status != S::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// The device holding the call's buffers (XLA binds a handler to one device).
 fn ordinal_of(d: &Decoded) -> Result<usize> {
-    cuda::probe()?;
+    if cuda::probe()?.device_count == 1 {
+        // The only device the process sees holds every buffer XLA passes.
+        return Ok(0);
+    }
     let buf = d
         .args
         .iter()

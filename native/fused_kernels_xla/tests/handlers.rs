@@ -61,7 +61,8 @@ fn registration_table_names_every_target_once() {
         .filter(|s| s.traits & ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE != 0)
         .map(|s| s.name)
         .collect();
-    // Targets that take XLA scratch stay out of CUDA graphs.
+    // Targets that take XLA scratch stay out of CUDA graphs (dense's norm kinds return their
+    // row statistics as a result instead).
     assert_eq!(
         graphable,
         [
@@ -69,6 +70,7 @@ fn registration_table_names_every_target_once() {
             "fused_kernels_selective_scan",
             "fused_kernels_layer_norm",
             "fused_kernels_rms_norm",
+            "fused_kernels_dense",
         ]
     );
 }
@@ -360,6 +362,49 @@ fn optional_operands_are_named_and_checked() {
         ),
         "activation must be one of",
     );
+    // The stats result: exactly for the norm-fused kinds, f32 {rows, 2}.
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16])],
+            &[f32s(&[4, 16]), f32s(&[4, 2])],
+            &[],
+        ),
+        "results (out)",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16]), f32s(&[8])],
+            &[f32s(&[4, 16])],
+            &[
+                ("kind", Str("rms_norm_dense")),
+                ("operands", Str("x,kernel,gamma")),
+            ],
+        ),
+        "results (out, stats",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[2, 3, 8]), f32s(&[8, 16]), f32s(&[8])],
+            &[f32s(&[2, 3, 16]), f32s(&[3, 2])],
+            &[
+                ("kind", Str("rms_norm_dense")),
+                ("operands", Str("x,kernel,gamma")),
+            ],
+        ),
+        "stats: must be f32 {6, 2}",
+    );
+    invalid(
+        call(
+            h,
+            &[f32s(&[4, 8]), f32s(&[8, 16])],
+            &[f32s(&[4, 16]), f32s(&[4, 2]), f32s(&[4, 2])],
+            &[("kind", Str("layer_norm_dense"))],
+        ),
+        "results (out, stats",
+    );
     let h = fused_kernels_xla::fused_kernels_layer_norm as ffi::Handler;
     invalid(
         call(
@@ -449,5 +494,43 @@ fn malformed_buffers_are_refused() {
         e.message.contains("XLA_FFI_CallFrame of 64 bytes"),
         "{}",
         e.message
+    );
+}
+
+#[test]
+fn counters_count_execute_and_initialize_calls() {
+    let read = || {
+        let mut c = [0u64; 6];
+        let n = unsafe { fused_kernels_xla::fused_kernels_xla_counters(c.as_mut_ptr(), c.len()) };
+        assert_eq!(n, 6);
+        c
+    };
+    // Other tests call handlers on other threads at the same time: compare with >=.
+    let before = read();
+    let h = fused_kernels_xla::fused_kernels_rms_norm as ffi::Handler;
+    // An execute that fails validation still counts as one execute, none under capture.
+    let e = call(h, &[f32s(&[4, 8])], &[f32s(&[4, 8])], &[]);
+    invalid(e, "operands");
+    let a = api();
+    let mut f = Frame::new(&a, ffi::STAGE_INITIALIZE, &[f32s(&[1, 2, 3])], &[], &[]);
+    let gru = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
+    assert!(take_error(unsafe { gru(f.ptr()) }).is_none());
+    let after = read();
+    assert!(after[0] > before[0], "executes {before:?} -> {after:?}");
+    assert!(after[2] > before[2], "initializes {before:?} -> {after:?}");
+    assert!(after[3] >= before[3] && after[4] >= before[4]);
+    // The metadata query is not a call.
+    let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
+    f.metadata_query(ffi::METADATA_STRUCT_SIZE);
+    assert!(take_error(unsafe { h(f.ptr()) }).is_none());
+    // A null output pointer is refused without a write.
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_counters(std::ptr::null_mut(), 5) },
+        0
+    );
+    let mut two = [0u64; 2];
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_counters(two.as_mut_ptr(), 2) },
+        2
     );
 }
