@@ -91,6 +91,12 @@ defmodule FusedKernels.Native do
   @spec set_cache_dir(term) :: reply
   def set_cache_dir(_path), do: not_loaded()
   @doc false
+  @spec kernel_prefill(term, term, term, term) :: reply
+  def kernel_prefill(_archs, _route_as, _dir, _jobs), do: not_loaded()
+  @doc false
+  @spec kernel_warmup(term, term) :: reply
+  def kernel_warmup(_ops, _device), do: not_loaded()
+  @doc false
   @spec buffer_upload(term, term) :: reply
   def buffer_upload(_tensor, _device), do: not_loaded()
   @doc false
@@ -228,6 +234,52 @@ defmodule FusedKernels.Native do
   @spec rnn_async(term, term, term, term, term, term, term, term) :: reference | reply
   def rnn_async(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
     do: not_loaded()
+
+  @doc false
+  @spec dense_prepare(term, term) :: reply
+  def dense_prepare(_kernel, _bias), do: not_loaded()
+
+  @doc false
+  @spec dense_prepared(term, term, term, term) :: reply
+  def dense_prepared(prepared, x, residual, activation),
+    do:
+      dispatch(:cpu, :dense_prepared_dirty, :dense_prepared_async, [
+        prepared,
+        x,
+        residual,
+        activation
+      ])
+
+  @doc false
+  @spec dense_prepared_dirty(term, term, term, term) :: reply
+  def dense_prepared_dirty(_prepared, _x, _residual, _activation), do: not_loaded()
+
+  @doc false
+  @spec dense_prepared_async(term, term, term, term) :: reference | reply
+  def dense_prepared_async(_prepared, _x, _residual, _activation), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepare(term, term) :: reply
+  def rnn_prepare(_cell, _layers), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared(term, term, term, term) :: reply
+  def rnn_prepared(prepared, x, initial_state, reverse),
+    do:
+      dispatch(:cpu, :rnn_prepared_dirty, :rnn_prepared_async, [
+        prepared,
+        x,
+        initial_state,
+        reverse
+      ])
+
+  @doc false
+  @spec rnn_prepared_dirty(term, term, term, term) :: reply
+  def rnn_prepared_dirty(_prepared, _x, _initial_state, _reverse), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared_async(term, term, term, term) :: reference | reply
+  def rnn_prepared_async(_prepared, _x, _initial_state, _reverse), do: not_loaded()
 
   @doc false
   @spec selective_scan(
@@ -448,13 +500,13 @@ defmodule FusedKernels.Native do
   @spec engine_load(term, term, term, term) :: reply
   def engine_load(_spec, _params, _backend, _device), do: not_loaded()
   @doc false
-  @spec engine_predict(term, term) :: reply
+  @spec engine_predict(term, term) :: reference | reply
   def engine_predict(_engine, _window), do: not_loaded()
   @doc false
   @spec engine_init_state(term, term) :: reply
   def engine_init_state(_engine, _batch), do: not_loaded()
   @doc false
-  @spec engine_step(term, term, term) :: reply
+  @spec engine_step(term, term, term) :: reference | reply
   def engine_step(_engine, _state, _frame), do: not_loaded()
   @doc false
   @spec engine_reset(term, term) :: reply
