@@ -21,8 +21,6 @@
 //! graph launch, one wait on the engine's stream and one read of the output staging, and runs
 //! none of the ops' host code (their kernel look-ups in the device's module map, their
 //! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
-//! `try_quick_step` replays a frame for a caller that must not block (the NIF on a normal
-//! scheduler) when the engine is free and the frame's graph is known to be quick.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -93,9 +91,6 @@ struct Graph {
     state: u64,
     generation: u64,
     exec: std::result::Result<Exec, String>,
-    /// Host nanoseconds from launch to the stream's completion at its last replay
-    /// (`u64::MAX` before the first): `try_quick_step` replays only graphs known to be quick.
-    last_ns: u64,
     /// Captures tried for this graph (see `CAPTURE_ATTEMPTS`).
     attempts: u32,
 }
@@ -749,10 +744,10 @@ impl CudaEngine {
             g.0.launch()
                 .map_err(|e| format!("graph launch: {}", Error::from(e)))
         };
-        let mut replayed = None;
+        // Whether this call replayed a graph (the profile's device time is that replay's).
+        let mut replayed = false;
         match found {
             Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
-                let started = Instant::now();
                 let launched = match &sh.graphs[gi].exec {
                     Ok(g) => match prof.as_deref_mut() {
                         None => launch(g),
@@ -765,9 +760,7 @@ impl CudaEngine {
                     },
                     Err(why) => Err(why.clone()),
                 };
-                if launched.is_ok() {
-                    replayed = Some((gi, started));
-                }
+                replayed = launched.is_ok();
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
                     sh.graphs[gi].exec = Err(why);
@@ -788,7 +781,6 @@ impl CudaEngine {
                 let g = &mut sh.graphs[gi];
                 g.exec = exec;
                 g.attempts += 1;
-                g.last_ns = u64::MAX;
             }
             None if graphable && sh.warm => {
                 if sh.graphs.len() >= MAX_GRAPHS {
@@ -808,7 +800,6 @@ impl CudaEngine {
                     state: sid,
                     generation,
                     exec,
-                    last_ns: u64::MAX,
                     attempts: 1,
                 });
             }
@@ -816,9 +807,6 @@ impl CudaEngine {
         }
         let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
-        if let Some((gi, started)) = replayed {
-            sh.graphs[gi].last_ns = started.elapsed().as_nanos() as u64;
-        }
         let t4 = prof.as_ref().map(|_| Instant::now());
         read(pinned_f32(&sh.output)?);
         if let (Some(p), Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) =
@@ -832,7 +820,7 @@ impl CudaEngine {
                 launch_ns: ns(t2, t3),
                 wait_ns: ns(t3, t4),
                 read_ns: ns(t4, t5),
-                device_ns: if replayed.is_some() {
+                device_ns: if replayed {
                     let ms = p.events.0.elapsed_ms(&p.events.1)?;
                     Some((f64::from(ms) * 1e6) as u64)
                 } else {
@@ -1813,78 +1801,6 @@ impl CudaEngine {
         state.frames += 1;
         let read = |y: &[f32]| out.copy_from_slice(&y[..out.len()]);
         self.call((batch, 1, true), fill, Some(state), read, prof)
-    }
-
-    /// `step_with`, but only when it is sure to be quick, for a caller that must not block
-    /// (the NIF on a normal scheduler): the engine is free (`try_lock`), this state's frame
-    /// graph is captured and current, and its last replay took at most `max_ns` from launch
-    /// to completion. Then the graph is replayed and waited for by spinning on the stream
-    /// (no sleep, no wake-up), and the answer is `true`. Otherwise nothing is done, the state
-    /// is untouched, and the answer is `false`: the caller runs `step_with` where it may
-    /// block. A frame's replay time is the same call after call, so the bound holds unless
-    /// the GPU is suddenly shared; a replay that ran long is recorded and sends the next
-    /// frames the slow way.
-    pub fn try_quick_step(
-        &self,
-        state: &mut CudaState,
-        fill: impl FnOnce(&mut [f32]),
-        out: &mut [f32],
-        max_ns: u64,
-    ) -> Result<bool> {
-        let s = &self.spec;
-        if state.layers.len() != s.layers || out.len() != state.batch * s.hidden {
-            return Ok(false);
-        }
-        // Attention frames replay only once their cache window is full (see `call`).
-        if matches!(s.kind, Kind::Attention | Kind::Jamba) && state.frames + 1 < s.window as u64 {
-            return Ok(false);
-        }
-        let Ok(mut shapes) = self.shapes.try_lock() else {
-            return Ok(false);
-        };
-        let key = (state.batch, 1, true);
-        let Some(sh) = shapes.iter_mut().find(|sh| sh.key == key) else {
-            return Ok(false);
-        };
-        let Shape {
-            arena,
-            input,
-            output,
-            graphs,
-            ..
-        } = sh;
-        let Some(g) = graphs.iter_mut().find(|g| g.state == state.id) else {
-            return Ok(false);
-        };
-        let Ok(exec) = &g.exec else {
-            return Ok(false);
-        };
-        if g.generation != arena.generation || g.last_ns > max_ns {
-            return Ok(false);
-        }
-        fill(pinned_f32_mut(input)?);
-        let started = Instant::now();
-        if exec.0.launch().is_err() {
-            // Nothing was queued; `step_with` retries and records why.
-            return Ok(false);
-        }
-        state.frames += 1;
-        let stream = self.gpu.stream.cu_stream();
-        loop {
-            // Safety: the engine's stream, alive while the engine is; the context is bound
-            // to this thread (the launch bound it).
-            match unsafe { cudarc::driver::sys::cuStreamQuery(stream) } {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => break,
-                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
-                e => {
-                    let _ = self.gpu.stream.synchronize();
-                    return Err(Error::Cuda(format!("waiting for a frame: {e:?}")));
-                }
-            }
-        }
-        g.last_ns = started.elapsed().as_nanos() as u64;
-        out.copy_from_slice(&pinned_f32(output)?[..out.len()]);
-        Ok(true)
     }
 
     /// Two events on the engine's context for `*_with(.., Some(profiler))`.
