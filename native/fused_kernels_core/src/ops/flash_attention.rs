@@ -290,6 +290,10 @@ impl_float!(f64);
 
 /// The vector work of the row loop: scores, exponentials, weighted sums of value rows.
 trait RowOps<F: Float>: Copy {
+    /// Keys `scores` takes at once: a block is scored rounded up to a multiple of this where
+    /// the keys past its end exist (their scores are then dropped), so no key is left to the
+    /// one-at-a-time tail.
+    const KEY_GROUP: usize;
     /// `s[j] = scale · (q · rows[j])` for the `s.len()` rows at `k`, `k + stride`, ...
     ///
     /// # Safety
@@ -309,6 +313,8 @@ trait RowOps<F: Float>: Copy {
 struct Portable;
 
 impl<F: Float> RowOps<F> for Portable {
+    const KEY_GROUP: usize = 1;
+
     unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]) {
         for (j, sj) in s.iter_mut().enumerate() {
             let row = std::slice::from_raw_parts(k.add(j * stride), q.len());
@@ -392,6 +398,8 @@ mod avx2 {
     }
 
     impl RowOps<f32> for Avx2 {
+        const KEY_GROUP: usize = 8;
+
         #[inline(always)]
         unsafe fn scores(self, q: &[f32], k: *const f32, stride: usize, scale: f32, s: &mut [f32]) {
             let d = q.len();
@@ -548,9 +556,13 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
         let mut j0 = lo as usize;
         while j0 <= hi as usize {
             let n = KEY_BLOCK.min(hi as usize + 1 - j0);
-            let s = &mut s[..n];
             let krow = kbase + j0 * ks.ss;
-            ops.scores(q, c.k.add(krow), ks.ss, scale, s);
+            let scored = n
+                .next_multiple_of(O::KEY_GROUP)
+                .min(KEY_BLOCK)
+                .min(g.sk - j0);
+            ops.scores(q, c.k.add(krow), ks.ss, scale, &mut s[..scored]);
+            let s = &mut s[..n];
             let bm = s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a });
             // The first block, or a larger maximum: rescale what was summed so far.
             let f = if bm > m {
@@ -686,27 +698,91 @@ pub fn cpu_on(
     v: &HostTensor<'_>,
     p: Params,
 ) -> Result<(OwnedTensor, OwnedTensor)> {
+    let (out, lse) = cpu_impl(isa, q, k, v, p, true)?;
+    let lse = lse.ok_or_else(|| arg_error("flash_attention: lse missing"))?;
+    Ok((out, lse))
+}
+
+/// `bytes` as f32 values in place, where they are f32 on a little-endian target and 4-byte
+/// aligned (BEAM binaries of this size are; a misaligned one is decoded instead).
+fn f32_in_place(bytes: &[u8], dtype: DType) -> Option<&[f32]> {
+    if dtype != DType::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    // Safety: every bit pattern is a valid f32; `align_to` puts only aligned whole elements
+    // in the middle part.
+    let (pre, mid, post) = unsafe { bytes.align_to::<f32>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// An f32 view of an input: its own bytes, or a decoded copy.
+enum F32Input<'a> {
+    InPlace(&'a [f32]),
+    Decoded(arena::Buf),
+}
+
+impl F32Input<'_> {
+    fn values(&self) -> &[f32] {
+        match self {
+            F32Input::InPlace(v) => v,
+            F32Input::Decoded(b) => b,
+        }
+    }
+}
+
+fn f32_input<'a>(t: &HostTensor<'a>) -> Result<F32Input<'a>> {
+    Ok(match f32_in_place(t.bytes, t.dtype) {
+        Some(v) => F32Input::InPlace(v),
+        None => F32Input::Decoded(arena::decoded(t.bytes, t.dtype)?),
+    })
+}
+
+/// The CPU call: inputs read in place where they are aligned f32, the output written once
+/// into the bytes returned (f32), `lse` computed only when wanted.
+fn cpu_impl(
+    isa: Isa,
+    q: &HostTensor<'_>,
+    k: &HostTensor<'_>,
+    v: &HostTensor<'_>,
+    p: Params,
+    want_lse: bool,
+) -> Result<(OwnedTensor, Option<OwnedTensor>)> {
     let g = geometry(
         (&q.shape, q.dtype),
         (&k.shape, k.dtype),
         (&v.shape, v.dtype),
         p.layout,
     )?;
-    let mut lse = arena::zeroed(g.batch * g.heads * g.sq)?;
+    let mut lse = if want_lse {
+        Some(arena::zeroed(g.batch * g.heads * g.sq)?)
+    } else {
+        None
+    };
     let data = match q.dtype {
         DType::F64 => {
             let dec = |t: &HostTensor<'_>| decode_f64(t.bytes, DType::F64);
             let (qv, kv, vv) = (dec(q), dec(k), dec(v));
             let mut out = crate::alloc::try_zeroed::<f64>("flash_attention output", &[qv.len()])?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, lse.as_deref_mut());
             encode_f64(&out, DType::F64)
         }
         dt => {
-            let dec = |t: &HostTensor<'_>| arena::decoded(t.bytes, t.dtype);
-            let (qv, kv, vv) = (dec(q)?, dec(k)?, dec(v)?);
-            let mut out = arena::zeroed(qv.len())?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
-            crate::dtype::encode_f32(&out, dt)
+            // Decoded copies only where the bytes cannot be read in place.
+            let (qi, ki, vi) = (f32_input(q)?, f32_input(k)?, f32_input(v)?);
+            let (qv, kv, vv) = (qi.values(), ki.values(), vi.values());
+            let n = qv.len();
+            let mut bytes = crate::alloc::try_zeroed::<u8>("flash_attention output", &[n * 4])?;
+            // Safety: as in `f32_in_place`; f32 output written straight into the result's
+            // bytes when they are aligned (the allocator's are).
+            let (pre, direct, _) = unsafe { bytes.align_to_mut::<f32>() };
+            if dt == DType::F32 && pre.is_empty() && direct.len() == n {
+                cpu_typed(isa, (qv, kv, vv), &g, &p, direct, lse.as_deref_mut());
+                bytes
+            } else {
+                let mut out = arena::zeroed(n)?;
+                cpu_typed(isa, (qv, kv, vv), &g, &p, &mut out, lse.as_deref_mut());
+                crate::dtype::encode_f32(&out, dt)
+            }
         }
     };
     Ok((
@@ -715,7 +791,7 @@ pub fn cpu_on(
             shape: q.shape.clone(),
             dtype: q.dtype,
         },
-        OwnedTensor::from_f32(&lse, g.lse_shape(), DType::F32),
+        lse.map(|l| OwnedTensor::from_f32(&l, g.lse_shape(), DType::F32)),
     ))
 }
 
@@ -973,8 +1049,9 @@ pub fn run(
                 return Err(arg_error("out: the :cpu backend returns host tensors only"));
             }
             let (qh, kh, vh) = (q.on_host()?, k.on_host()?, v.on_host()?);
-            let (out, lse) = cpu(&qh.view(), &kh.view(), &vh.view(), p)?;
-            Ok((Value::Host(out), return_lse.then_some(Value::Host(lse))))
+            let (qv, kv, vv) = (qh.view(), kh.view(), vh.view());
+            let (out, lse) = cpu_impl(Isa::best(), &qv, &kv, &vv, p, return_lse)?;
+            Ok((Value::Host(out), lse.map(Value::Host)))
         }
         Backend::Cuda(device) => {
             let gpu = cuda::gpu(device)?;
