@@ -299,6 +299,8 @@ trait RowOps<F: Float>: Copy {
     /// # Safety
     /// Each row must hold `q.len()` readable values.
     unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]);
+    /// The largest of `s` (-inf for none; NaN-free scores assumed, as in the row loop).
+    fn max(self, s: &[F]) -> F;
     /// `s[j] = exp(s[j] - m)`, returning the sum.
     fn exp_sum(self, s: &mut [F], m: F) -> F;
     /// `acc = acc · f + Σ_j s[j] · rows[j]` over the rows at `v`, `v + stride`, ...
@@ -333,6 +335,10 @@ impl<F: Float> RowOps<F> for Portable {
             }
             *sj = t * scale;
         }
+    }
+
+    fn max(self, s: &[F]) -> F {
+        s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a })
     }
 
     fn exp_sum(self, s: &mut [F], m: F) -> F {
@@ -436,10 +442,15 @@ mod avx2 {
                     _mm256_permute2f128_ps::<0x20>(t0, t1),
                     _mm256_permute2f128_ps::<0x31>(t0, t1),
                 );
-                let mut v = [0.0f32; 8];
-                _mm256_storeu_ps(v.as_mut_ptr(), sum);
-                for i in 0..8 {
-                    s[j + i] = (v[i] + tail(r[i])) * scale;
+                if full == d {
+                    let scaled = _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(s.as_mut_ptr().add(j), scaled);
+                } else {
+                    let mut v = [0.0f32; 8];
+                    _mm256_storeu_ps(v.as_mut_ptr(), sum);
+                    for i in 0..8 {
+                        s[j + i] = (v[i] + tail(r[i])) * scale;
+                    }
                 }
                 j += 8;
             }
@@ -457,11 +468,49 @@ mod avx2 {
         }
 
         #[inline(always)]
+        fn max(self, s: &[f32]) -> f32 {
+            // Safety: an `Avx2` exists only behind an AVX2 `Isa` (see `cpu_typed`); loads stay
+            // inside `s`.
+            unsafe {
+                let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut chunks = s.chunks_exact(8);
+                for c in &mut chunks {
+                    mv = _mm256_max_ps(mv, _mm256_loadu_ps(c.as_ptr()));
+                }
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+                lanes
+                    .iter()
+                    .chain(chunks.remainder())
+                    .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a })
+            }
+        }
+
+        /// Subtract, exponentiate and sum in one pass over the vectors; the tail is padded
+        /// with -inf, whose exponential is 0.
+        #[inline(always)]
         fn exp_sum(self, s: &mut [f32], m: f32) -> f32 {
-            s.iter_mut().for_each(|v| *v -= m);
-            // Safety: an `Avx2` exists only behind an AVX2 `Isa` (see `cpu_typed`).
-            unsafe { math::avx2::apply(math::Func::Exp, s) };
-            s.iter().sum()
+            // Safety: as in `max`.
+            unsafe {
+                let mv = _mm256_set1_ps(m);
+                let mut acc = _mm256_setzero_ps();
+                let mut chunks = s.chunks_exact_mut(8);
+                for c in &mut chunks {
+                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+                    _mm256_storeu_ps(c.as_mut_ptr(), e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                let tail = chunks.into_remainder();
+                if !tail.is_empty() {
+                    let mut buf = [f32::NEG_INFINITY; 8];
+                    buf[..tail.len()].copy_from_slice(tail);
+                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv));
+                    _mm256_storeu_ps(buf.as_mut_ptr(), e);
+                    tail.copy_from_slice(&buf[..tail.len()]);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                hsum(acc)
+            }
         }
 
         #[inline(always)]
@@ -563,7 +612,7 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
                 .min(g.sk - j0);
             ops.scores(q, c.k.add(krow), ks.ss, scale, &mut s[..scored]);
             let s = &mut s[..n];
-            let bm = s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a });
+            let bm = ops.max(s);
             // The first block, or a larger maximum: rescale what was summed so far.
             let f = if bm > m {
                 let f = if m == F::NEG_INF {
