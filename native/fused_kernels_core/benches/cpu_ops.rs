@@ -219,6 +219,23 @@ fn rnn(a: &Args, isa: Isa) {
         );
     });
     report(&format!("{name} op API"), op_ms);
+    // The op API with weights prepared once (`Rnn.prepare/3`): bytes in, bytes out.
+    let prepared = fused_kernels_core::ops::rnn::prepare_cpu(cell, &layers).expect("prepare");
+    let xh = HostTensor::new("x", leak(&x), vec![b, seq, a.input], DType::F32).expect("x");
+    let mut seq_out = vec![0u8; b * seq * rnn.output_size() * 4];
+    let per = cell.state_names().len();
+    let mut st: Vec<Vec<u8>> = a
+        .hidden
+        .iter()
+        .flat_map(|&h| std::iter::repeat_n(vec![0u8; b * h * 4], per))
+        .collect();
+    let prepared_ms = time(a.iters, || {
+        let mut refs: Vec<&mut [u8]> = st.iter_mut().map(|v| &mut v[..]).collect();
+        prepared
+            .run_into(&xh, &[], false, &mut seq_out, &mut refs)
+            .expect("prepared call");
+    });
+    report(&format!("{name} prepared op API"), prepared_ms);
     report(
         &format!(
             "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",
