@@ -308,6 +308,32 @@ trait RowOps<F: Float>: Copy {
     /// # Safety
     /// Each row must hold `acc.len()` readable values.
     unsafe fn accumulate(self, acc: &mut [F], f: F, s: &[F], v: *const F, stride: usize);
+    /// [`RowOps::scores`] for two query rows against the same keys (each key row read once
+    /// where the vector path can).
+    ///
+    /// # Safety
+    /// As `scores`.
+    unsafe fn scores2(self, q: [&[F]; 2], k: *const F, stride: usize, scale: F, s: [&mut [F]; 2]) {
+        let [s0, s1] = s;
+        self.scores(q[0], k, stride, scale, s0);
+        self.scores(q[1], k, stride, scale, s1);
+    }
+    /// [`RowOps::accumulate`] for two rows over the same value rows.
+    ///
+    /// # Safety
+    /// As `accumulate`.
+    unsafe fn accumulate2(
+        self,
+        acc: [&mut [F]; 2],
+        f: [F; 2],
+        s: [&[F]; 2],
+        v: *const F,
+        stride: usize,
+    ) {
+        let [a0, a1] = acc;
+        self.accumulate(a0, f[0], s[0], v, stride);
+        self.accumulate(a1, f[1], s[1], v, stride);
+    }
 }
 
 /// Plain Rust (f64, and the reference the vector path is tested against).
@@ -400,6 +426,36 @@ mod avx2 {
         }
         for (i, ai) in a.iter().enumerate() {
             _mm256_storeu_ps(acc.add(8 * i), *ai);
+        }
+    }
+
+    /// Two rows of `columns`: `acc_r[..8W] = acc_r · f_r + Σ_j s_r[j] · v[j * stride ..]`.
+    #[inline(always)]
+    unsafe fn columns2<const W: usize>(
+        (acc0, acc1, v): (*mut f32, *mut f32, *const f32),
+        f: [f32; 2],
+        s: [&[f32]; 2],
+        stride: usize,
+    ) {
+        let (f0, f1) = (_mm256_set1_ps(f[0]), _mm256_set1_ps(f[1]));
+        let mut a = [_mm256_setzero_ps(); W];
+        let mut b = [_mm256_setzero_ps(); W];
+        for i in 0..W {
+            a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc0.add(8 * i)), f0);
+            b[i] = _mm256_mul_ps(_mm256_loadu_ps(acc1.add(8 * i)), f1);
+        }
+        for (j, (&e0, &e1)) in s[0].iter().zip(s[1]).enumerate() {
+            let row = v.add(j * stride);
+            let (x0, x1) = (_mm256_set1_ps(e0), _mm256_set1_ps(e1));
+            for i in 0..W {
+                let vv = _mm256_loadu_ps(row.add(8 * i));
+                a[i] = _mm256_fmadd_ps(x0, vv, a[i]);
+                b[i] = _mm256_fmadd_ps(x1, vv, b[i]);
+            }
+        }
+        for i in 0..W {
+            _mm256_storeu_ps(acc0.add(8 * i), a[i]);
+            _mm256_storeu_ps(acc1.add(8 * i), b[i]);
         }
     }
 
@@ -513,6 +569,90 @@ mod avx2 {
             }
         }
 
+        /// Four keys by two rows per pass (eight accumulators): each key vector is loaded
+        /// once for both rows. Head dims off a multiple of 8 take the one-row path.
+        #[inline(always)]
+        unsafe fn scores2(
+            self,
+            q: [&[f32]; 2],
+            k: *const f32,
+            stride: usize,
+            scale: f32,
+            s: [&mut [f32]; 2],
+        ) {
+            let d = q[0].len();
+            let [s0, s1] = s;
+            if d % 8 != 0 {
+                self.scores(q[0], k, stride, scale, s0);
+                self.scores(q[1], k, stride, scale, s1);
+                return;
+            }
+            let n = s0.len();
+            let (q0, q1) = (q[0].as_ptr(), q[1].as_ptr());
+            let sv = _mm_set1_ps(scale);
+            let mut j = 0;
+            while j + 4 <= n {
+                let r: [*const f32; 4] = std::array::from_fn(|i| k.add((j + i) * stride));
+                let mut a = [_mm256_setzero_ps(); 4];
+                let mut b = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < d {
+                    let (x0, x1) = (_mm256_loadu_ps(q0.add(c)), _mm256_loadu_ps(q1.add(c)));
+                    for i in 0..4 {
+                        let kv = _mm256_loadu_ps(r[i].add(c));
+                        a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
+                        b[i] = _mm256_fmadd_ps(x1, kv, b[i]);
+                    }
+                    c += 8;
+                }
+                let four = |a: [__m256; 4]| {
+                    let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                    let t = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+                    _mm_mul_ps(t, sv)
+                };
+                _mm_storeu_ps(s0.as_mut_ptr().add(j), four(a));
+                _mm_storeu_ps(s1.as_mut_ptr().add(j), four(b));
+                j += 4;
+            }
+            if j < n {
+                let kt = k.add(j * stride);
+                self.scores(q[0], kt, stride, scale, &mut s0[j..]);
+                self.scores(q[1], kt, stride, scale, &mut s1[j..]);
+            }
+        }
+
+        /// Two rows' accumulators, 32 columns at a time (eight registers), every value row
+        /// loaded once for both. Head dims off a multiple of 8 take the one-row path.
+        #[inline(always)]
+        unsafe fn accumulate2(
+            self,
+            acc: [&mut [f32]; 2],
+            f: [f32; 2],
+            s: [&[f32]; 2],
+            v: *const f32,
+            stride: usize,
+        ) {
+            let [a0, a1] = acc;
+            let d = a0.len();
+            if d % 8 != 0 {
+                self.accumulate(a0, f[0], s[0], v, stride);
+                self.accumulate(a1, f[1], s[1], v, stride);
+                return;
+            }
+            let (p0, p1) = (a0.as_mut_ptr(), a1.as_mut_ptr());
+            let mut c0 = 0;
+            while c0 < d {
+                let at = (p0.add(c0), p1.add(c0), v.add(c0));
+                match ((d - c0) / 8).min(4) {
+                    4 => columns2::<4>(at, f, s, stride),
+                    3 => columns2::<3>(at, f, s, stride),
+                    2 => columns2::<2>(at, f, s, stride),
+                    _ => columns2::<1>(at, f, s, stride),
+                }
+                c0 += 8 * ((d - c0) / 8).min(4);
+            }
+        }
+
         #[inline(always)]
         unsafe fn accumulate(
             self,
@@ -584,9 +724,75 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
     let kbase = b * ks.sb + kh * ks.sh;
     let scale = F::from_f64(g.scale(p));
     let mut s = [F::ZERO; KEY_BLOCK];
+    let mut s2 = [F::ZERO; KEY_BLOCK];
     let mut acc = [F::ZERO; MAX_HEAD_DIM];
-    let acc = &mut acc[..d];
-    for i in rows {
+    let mut acc2 = [F::ZERO; MAX_HEAD_DIM];
+    let (acc, acc2) = (&mut acc[..d], &mut acc2[..d]);
+    let mut i = rows.start;
+    while i < rows.end {
+        // Two rows that both see keys go together over the union of their key ranges, each
+        // masking the keys outside its own (every key and value row read once for both).
+        let pair = (i + 1 < rows.end).then(|| (g.visible(p, i), g.visible(p, i + 1)));
+        if let Some((r0, r1)) = pair.filter(|(r0, r1)| r0.0 <= r0.1 && r1.0 <= r1.1) {
+            let at = [i, i + 1].map(|i| b * qs.sb + i * qs.ss + h * qs.sh);
+            let qv = at.map(|a| std::slice::from_raw_parts(c.q.add(a), d));
+            let vis = [r0, r1];
+            let (lo, hi) = (r0.0.min(r1.0) as usize, r0.1.max(r1.1) as usize);
+            acc.iter_mut().for_each(|v| *v = F::ZERO);
+            acc2.iter_mut().for_each(|v| *v = F::ZERO);
+            let (mut m, mut l) = ([F::NEG_INF; 2], [F::ZERO; 2]);
+            let mut j0 = lo;
+            while j0 <= hi {
+                let n = KEY_BLOCK.min(hi + 1 - j0);
+                let krow = kbase + j0 * ks.ss;
+                let scored = n
+                    .next_multiple_of(O::KEY_GROUP)
+                    .min(KEY_BLOCK)
+                    .min(g.sk - j0);
+                let (sa, sb) = (&mut s[..scored], &mut s2[..scored]);
+                ops.scores2(qv, c.k.add(krow), ks.ss, scale, [sa, sb]);
+                let mut f = [F::from_f64(1.0); 2];
+                for (r, sr) in [&mut s[..n], &mut s2[..n]].into_iter().enumerate() {
+                    let (rlo, rhi) = vis[r];
+                    let first = (rlo - j0 as i64).clamp(0, n as i64) as usize;
+                    let end = (rhi + 1 - j0 as i64).clamp(0, n as i64) as usize;
+                    sr[..first].iter_mut().for_each(|v| *v = F::NEG_INF);
+                    sr[end..].iter_mut().for_each(|v| *v = F::NEG_INF);
+                    let bm = ops.max(sr);
+                    if bm == F::NEG_INF {
+                        // No key of this block is the row's: zero weights, nothing rescaled.
+                        sr.iter_mut().for_each(|v| *v = F::ZERO);
+                        continue;
+                    }
+                    if bm > m[r] {
+                        f[r] = if m[r] == F::NEG_INF {
+                            F::ZERO
+                        } else {
+                            (m[r] - bm).exp()
+                        };
+                        m[r] = bm;
+                    }
+                    l[r] = l[r] * f[r] + ops.exp_sum(sr, m[r]);
+                }
+                let sums = [&s[..n], &s2[..n]];
+                ops.accumulate2([&mut *acc, &mut *acc2], f, sums, c.v.add(krow), ks.ss);
+                j0 += n;
+            }
+            for (r, a) in [&*acc, &*acc2].into_iter().enumerate() {
+                let o = std::slice::from_raw_parts_mut(c.out.add(at[r]), d);
+                let inv = F::from_f64(1.0) / l[r];
+                for (ov, x) in o.iter_mut().zip(a.iter()) {
+                    *ov = *x * inv;
+                }
+                if !c.lse.is_null() {
+                    *c.lse.add(bh * g.sq + i + r) = (m[r] + l[r].ln()).to_f64() as f32;
+                }
+            }
+            i += 2;
+            continue;
+        }
+        i += 1;
+        let i = i - 1;
         let at = b * qs.sb + i * qs.ss + h * qs.sh;
         let q = std::slice::from_raw_parts(c.q.add(at), d);
         let o = std::slice::from_raw_parts_mut(c.out.add(at), d);
