@@ -582,7 +582,7 @@ mod avx2 {
         ) {
             let d = q[0].len();
             let [s0, s1] = s;
-            if d % 8 != 0 {
+            if !d.is_multiple_of(8) {
                 self.scores(q[0], k, stride, scale, s0);
                 self.scores(q[1], k, stride, scale, s1);
                 return;
@@ -634,7 +634,7 @@ mod avx2 {
         ) {
             let [a0, a1] = acc;
             let d = a0.len();
-            if d % 8 != 0 {
+            if !d.is_multiple_of(8) {
                 self.accumulate(a0, f[0], s[0], v, stride);
                 self.accumulate(a1, f[1], s[1], v, stride);
                 return;
