@@ -180,6 +180,8 @@ defmodule Backbones do
   def export(dir, kinds) do
     out = Path.join(dir, "backbone")
     File.mkdir_p!(out)
+    # Spec names the kinds: loaded first, so that their atoms exist for to_existing_atom.
+    Code.ensure_loaded!(Spec)
 
     for kind <- kinds, reduce: %{} do
       acc ->
