@@ -224,6 +224,10 @@ unsafe fn norm_row_portable(
 
 /// erfc(z) for z ≥ 0 as `t · exp(-z² + P(t))`, `t = 1 / (1 + z/2)` (the Chebyshev fit of
 /// Numerical Recipes' `erfcc`, fractional error < 1.2e-7 in exact arithmetic).
+/// Beyond this erfc(z) < 4.2e-37, under every bound in the table above: it is taken as 0
+/// (below it e^(-z²) stays a normal f32).
+const ERFC_ZERO: f32 = 9.0;
+
 const ERFC_P: [f32; 10] = [
     -1.265_512_2,
     1.000_023_7,
@@ -265,7 +269,7 @@ const ATANH_SERIES: [f32; 9] = [
 
 /// The portable scalar functions (also the tails of the vector paths' callers).
 pub mod scalar {
-    use super::{ERFC_P, ERF_SERIES};
+    use super::{ERFC_P, ERFC_ZERO, ERF_SERIES};
 
     pub fn exp(x: f32) -> f32 {
         x.exp()
@@ -282,8 +286,11 @@ pub mod scalar {
     fn poly(c: &[f32], x: f32) -> f32 {
         c.iter().rev().fold(0.0, |acc, &k| acc * x + k)
     }
-    /// erfc(z) for z ≥ 0.
+    /// erfc(z) for z ≥ 0; 0 beyond `ERFC_ZERO` (see the vector form).
     fn erfc_pos(z: f32) -> f32 {
+        if z > ERFC_ZERO {
+            return 0.0;
+        }
         let t = 1.0 / (1.0 + 0.5 * z);
         t * (-z * z + poly(&ERFC_P, t)).exp()
     }
@@ -322,7 +329,7 @@ mod lanes {
     //! The vector functions written once over a lane type ([`V`]); `avx2` and `avx512`
     //! instantiate them for 8 and 16 lanes inside their `#[target_feature]` functions, where
     //! everything here is inlined.
-    use super::{Func, NormKind, ATANH_SERIES, ERFC_P, ERF_SERIES};
+    use super::{Func, NormKind, ATANH_SERIES, ERFC_P, ERFC_ZERO, ERF_SERIES};
     use std::arch::x86_64::*;
 
     /// A vector of f32 lanes with the operations the functions need. Every method requires
@@ -593,12 +600,18 @@ mod lanes {
         x.div(splat::<T>(1.0).add(e))
     }
 
-    /// erfc(z) for z ≥ 0 (see `ERFC_P`).
+    /// erfc(z) for z ≥ 0 (see `ERFC_P`); 0 beyond `ERFC_ZERO`. The fit is evaluated at
+    /// min(z, ERFC_ZERO) so that no lane computes a subnormal e^(-z²): x86 cores take
+    /// microcode assists on subnormal results, which made a gelu over large inputs 2x slower
+    /// (a prepared 60 x 256 x 1024 dense + gelu: ~280 µs of gelu for all-positive inputs
+    /// against ~126 µs for normal ones, on the 2-core EPYC). NaN stays NaN (`min` returns
+    /// its second operand when one is NaN).
     #[inline(always)]
     unsafe fn erfc_pos<T: V>(z: T) -> T {
-        let t = splat::<T>(1.0).div(splat::<T>(0.5).fmadd(z, splat(1.0)));
-        let arg = z.fnmadd(z, poly(&ERFC_P, t));
-        t.mul(exp(arg))
+        let zc = splat::<T>(ERFC_ZERO).min(z);
+        let t = splat::<T>(1.0).div(splat::<T>(0.5).fmadd(zc, splat(1.0)));
+        let arg = zc.fnmadd(zc, poly(&ERFC_P, t));
+        T::select(splat::<T>(ERFC_ZERO).lt(z), splat(0.0), t.mul(exp(arg)))
     }
 
     #[inline(always)]
