@@ -22,7 +22,12 @@ fn main() {
     // (name, b, h, kvh, s, d, dtype, causal)
     let shapes: &[(&str, usize, usize, usize, usize, usize, DType, bool)] = &[
         ("a_f32", 1, 4, 4, 60, 64, DType::F32, true),
+        ("a_f32_b8", 8, 4, 4, 60, 64, DType::F32, true),
+        ("a_f32_s32", 1, 4, 4, 32, 64, DType::F32, true),
+        ("a_f32_s128_d32", 1, 4, 4, 128, 32, DType::F32, true),
+        ("a_f32_s61_d96", 2, 4, 4, 61, 96, DType::F32, false),
         ("a_bf16", 1, 4, 4, 60, 64, DType::BF16, true),
+        ("a_bf16_d40", 1, 4, 4, 60, 40, DType::BF16, true),
         ("b_f16", 1, 8, 8, 512, 64, DType::F16, false),
         ("c_bf16", 4, 16, 16, 4096, 128, DType::BF16, false),
         ("c_bf16_causal", 4, 16, 16, 4096, 128, DType::BF16, true),
@@ -60,8 +65,16 @@ fn main() {
         let chosen = plan(&g, dt, gpu.has_tensor_cores(), sms).unwrap();
         // What `plan` picks, then the alternatives it passed over for this shape.
         let alternatives: &[&str] = match name {
-            "a_f32" => &["fa_ffma_f32_2_4"],
-            "a_bf16" => &["fa_ffma_bf16_2_1", "fa_mma_bf16_64_2_64"],
+            "a_f32" | "a_f32_b8" => &["fa_ffma_f32_2_1", "fa_ffma_f32_2_4"],
+            "a_f32_s32" => &["fa_ffma_f32_2_1", "fa_short_f32_2_2"],
+            "a_f32_s128_d32" => &["fa_ffma_f32_1_1", "fa_ffma_f32_1_4"],
+            "a_f32_s61_d96" => &["fa_ffma_f32_3_1"],
+            "a_bf16" => &[
+                "fa_ffma_bf16_2_1",
+                "fa_mma_bf16_64_2_64",
+                "fa_short_bf16_2_2",
+            ],
+            "a_bf16_d40" => &["fa_ffma_bf16_2_1"],
             "b_f16" => &["fa_mma_f16_64_2_64", "fa_ffma_f16_2_1"],
             "c_bf16" | "c_bf16_causal" => &["fa_mma_bf16_128_1_64"],
             "d_f16" => &["fa_mma_f16_64_1_64"],
@@ -82,7 +95,7 @@ fn main() {
             // Back to back (in `Timing`): launches queue behind each other, so launch latency
             // is hidden.
             let t = time_calls(&gpu, 20, reps, call).unwrap();
-            let (median, b2b) = (t.median_us, t.back_to_back_us);
+            let (median, p90, b2b) = (t.median_us, t.p90_us, t.back_to_back_us);
             let kernel = &kplan.function;
             let name = if variant == 0 {
                 name.to_string()
@@ -91,7 +104,7 @@ fn main() {
             };
             let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
             let line = format!(
-            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
+            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"p90_us\":{p90:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
             dt.name(),
             median,
             flops / (median * 1e-6) / 1e12
