@@ -313,7 +313,7 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
 }
 
 #define FA_SHORT(NAME, T, ND, KC)                                                             \
-  extern "C" __global__ void __launch_bounds__(128)                                           \
+  extern "C" __global__ void __launch_bounds__(128, 1)                                        \
       fa_short_##NAME##_##ND##_##KC(const T* q, const T* k, const T* v, T* o, float* lse,     \
                                     const FaArgs a) {                                         \
     if constexpr (FK_WANT(fa_short_##NAME##_##ND##_##KC)) {                                   \

@@ -213,7 +213,8 @@ fn short_sequences_take_the_short_kernel_at_its_edges() {
     assert_eq!(name(128, 128, 32, DType::F32), "fa_short_f32_1_4");
     assert_eq!(name(61, 61, 96, DType::F32), "fa_short_f32_3_2");
     assert_eq!(name(256, 20, 64, DType::F32), "fa_short_f32_2_1");
-    assert_eq!(name(60, 60, 40, DType::BF16), "fa_short_bf16_2_2");
+    assert_eq!(name(60, 60, 36, DType::BF16), "fa_short_bf16_2_2");
+    assert_eq!(name(60, 60, 64, DType::F16), "fa_mma_f16_64_1_64");
     // Past the edges: more keys than the chunks hold, more rows, a head too wide.
     assert!(name(129, 129, 32, DType::F32).starts_with("fa_ffma"));
     assert!(name(65, 65, 64, DType::F32).starts_with("fa_ffma"));
@@ -230,7 +231,7 @@ fn cuda_short_kernel_edges() {
     let mut rng = Rng::new(21);
     let mut n = 0;
     // Sequences at each chunk edge (1, 32, 33, 64, 128), more queries than keys and the
-    // reverse, head dims 40/64/96/192 and 1, batch 3; every mask (GQA, MQA, windows).
+    // reverse, every head dim the kernel takes, batch 3; every mask (GQA, MQA, windows).
     for dt in [DType::F32, DType::BF16] {
         for (d, seqs) in [
             (
@@ -249,6 +250,11 @@ fn cuda_short_kernel_edges() {
             (96, &[(33, 64), (64, 64)][..]),
             (192, &[(17, 32)][..]),
             (1, &[(9, 9)][..]),
+            // Not multiples of 8 (bf16 takes this kernel, not the tensor cores); 38: f32 rows
+            // that are not 16-byte aligned (element loads).
+            (36, &[(1, 1), (60, 60), (33, 64)][..]),
+            (38, &[(61, 61)][..]),
+            (100, &[(17, 32)][..]),
         ] {
             for &(sq, sk) in seqs {
                 for &mask in MASKS {
