@@ -7,6 +7,13 @@
 # and PyTorch: `time ROW N` answers `ms T1 T2 ...` (N per-call wall times), `check ROW`
 # writes DIR/ROW/ours.f32 (the output of one call from the written inputs) and answers `ok`.
 # DIR/ROW/manifest.txt lists `name d1,d2,...` for each NAME.f32 (little-endian f32).
+#
+# Backbone rows (`backbone_KIND_window`, `backbone_KIND_frame`): `backbones KIND,...` builds
+# each backbone's CPU engine from `Backbone.random_params/2` and writes, for the PyTorch side,
+# DIR/backbone/KIND_params.{json,bin} (`Backbone.export_params/2`), KIND_window.bin (one
+# window), KIND_out.bin (our predict on it) and KIND_frame_out.bin (our step from a fresh
+# state on the window's last frame); then answers `ok`. The frame row times `step` with the
+# state carried, after a window's worth of frames (the attention cache full).
 
 defmodule Side do
   def load(dir, row) do
@@ -137,6 +144,9 @@ defmodule Side do
               ms = time(run, String.to_integer(n))
               {"ms " <> Enum.map_join(ms, " ", &Float.to_string/1), cache}
 
+            ["backbones", kinds] ->
+              {"ok", Map.merge(cache, Backbones.export(dir, String.split(kinds, ",")))}
+
             ["check", row] ->
               {run, cache} = fetch(dir, row, cache)
               File.write!(Path.join([dir, row, "ours.f32"]), output_binary(run.(nil)))
@@ -159,6 +169,45 @@ defmodule Side do
       _ ->
         run = runner(row, load(dir, row))
         {run, Map.put(cache, row, run)}
+    end
+  end
+end
+
+defmodule Backbones do
+  alias FusedKernels.{Backbone, Sample}
+  alias FusedKernels.Backbone.Spec
+
+  @doc "Exports each backbone (see the header) and returns its two timing runners by row."
+  def export(dir, kinds) do
+    out = Path.join(dir, "backbone")
+    File.mkdir_p!(out)
+
+    for kind <- kinds, reduce: %{} do
+      acc ->
+        kind = String.to_existing_atom(kind)
+        spec = Spec.new(kind)
+        params = Backbone.random_params(spec, 1)
+        Backbone.export_params(params, Path.join(out, "#{kind}_params"))
+        {bin, _, _} = win = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
+        frame_bytes = spec.embed * 4
+
+        frame =
+          {binary_part(bin, byte_size(bin) - frame_bytes, frame_bytes), {1, spec.embed}, {:f, 32}}
+
+        h = Backbone.load(spec, params, backend: :cpu)
+        {y, _, _} = Backbone.predict(h, win)
+        {{fy, _, _}, _} = Backbone.step(h, Backbone.init_state(h, 1), frame)
+        File.write!(Path.join(out, "#{kind}_window.bin"), bin)
+        File.write!(Path.join(out, "#{kind}_out.bin"), y)
+        File.write!(Path.join(out, "#{kind}_frame_out.bin"), fy)
+        # The engine's state is a resource advanced in place by each step.
+        state = Backbone.init_state(h, 1)
+        for _ <- 1..spec.window, do: Backbone.step(h, state, frame)
+
+        Map.merge(acc, %{
+          "backbone_#{kind}_window" => fn _ -> Backbone.predict(h, win) end,
+          "backbone_#{kind}_frame" => fn _ -> elem(Backbone.step(h, state, frame), 0) end
+        })
     end
   end
 end

@@ -11,6 +11,13 @@ through nn.LSTM/nn.GRU, scaled_dot_product_attention, matmul+gelu and a selectiv
 (mamba_ssm's selective_scan_ref). Outputs are checked against ONNX Runtime (PyTorch for the
 scan, which has no ONNX Runtime row), then the three are timed in interleaved rounds; the
 table prints median ms per call and ours / best. Options: --rounds, --threads 1,2, --rows.
+
+--backbones gru,lstm,attention,mamba,jamba (or `all`) adds the backbone rows: our CPU engine
+(`Backbone.load(..., backend: :cpu)`, predict per window, step per frame with the state
+carried) against the same backbone with the same weights in PyTorch (the modules of
+bench/gpu/side_backbone.py on the CPU) and, for windows, in ONNX Runtime (that module through
+torch.onnx.export, where it exports). Outputs are checked against PyTorch (window, and a frame
+from a fresh state); PyTorch's frame is timed from a state a window's worth of frames in.
 """
 
 import argparse
@@ -19,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -347,6 +355,92 @@ class Ours:
         self.p.wait()
 
 
+# ---------------------------------------------------------------- backbones
+
+BACKBONES = ["gru", "lstm", "attention", "mamba", "jamba"]
+BACKBONE_CALLS = {"window": {"gru": 20, "lstm": 20, "attention": 20, "mamba": 5, "jamba": 3},
+                  "frame": {"gru": 200, "lstm": 200, "attention": 100, "mamba": 50, "jamba": 30}}
+
+
+class Backbones:
+    """PyTorch (and ONNX Runtime for windows) runners of the backbones side.exs exported."""
+
+    def __init__(self, dir_, kinds, threads):
+        import torch
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+        import side_backbone as sb
+
+        torch.set_num_threads(threads)
+        self.torch, self.dir, self.threads = torch, os.path.join(dir_, "backbone"), threads
+        self.mods, self.wins, self.onnx = {}, {}, {}
+        for kind in kinds:
+            p = sb.load(kind, self.dir)
+            if kind in sb.GATES:
+                # Plain tensors, not trainable parameters: the ONNX export takes them as constants.
+                self.mods[kind] = sb.Backbone(kind, p).eval().requires_grad_(False)
+            else:
+                self.mods[kind] = sb.Seq(kind, p, device="cpu")
+            self.wins[kind] = torch.from_numpy(self.read(kind, "window").reshape(1, 60, 288))
+
+    def read(self, kind, what):
+        return np.fromfile(os.path.join(self.dir, f"{kind}_{what}.bin"), dtype="<f4")
+
+    def fresh(self, kind):
+        m = self.mods[kind]
+        return m.init_state() if hasattr(m, "init_state") else None
+
+    def checks(self, kind):
+        """rel L2 of ours vs PyTorch: (window, frame from a fresh state)."""
+        m, torch = self.mods[kind], self.torch
+        with torch.inference_mode():
+            win = m(self.wins[kind])[0].numpy()
+            frame = m(self.wins[kind][:, -1:], self.fresh(kind))[0].numpy()
+        return rel_l2(self.read(kind, "out"), win), rel_l2(self.read(kind, "frame_out"), frame)
+
+    def torch_runner(self, kind, mode):
+        m, torch, x = self.mods[kind], self.torch, self.wins[kind]
+        if mode == "window":
+            def run(state):
+                with torch.inference_mode():
+                    return m(x)[0].numpy(), None
+            return run
+        frame = x[:, -1:]
+        with torch.inference_mode():
+            state = self.fresh(kind)
+            for _ in range(60):
+                _, state = m(frame, state)
+
+        def run(_):
+            with torch.inference_mode():
+                return m(frame, state)[0].numpy(), None
+        return run
+
+    def onnx_runner(self, kind):
+        """The window through ONNX Runtime, or (None, why not)."""
+        import onnxruntime as ort
+        torch, m = self.torch, self.mods[kind]
+
+        class Window(torch.nn.Module):
+            def forward(self, x):
+                return m(x)[0]
+
+        path = os.path.join(self.dir, f"{kind}.onnx")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        try:
+            with torch.inference_mode():
+                torch.onnx.export(Window(), (self.wins[kind],), path, input_names=["x"],
+                                  output_names=["y"], opset_version=17, dynamo=False)
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = self.threads
+            so.inter_op_num_threads = 1
+            s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # an exporter that cannot take the module: report, keep torch
+            return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        feeds = {"x": self.wins[kind].numpy()}
+        out = s.run(None, feeds)[0]
+        return (lambda state: (s.run(None, feeds)[0], None)), rel_l2(self.read(kind, "out"), out)
+
+
 def time_py(run, n):
     state, out = None, []
     for _ in range(n):
@@ -366,8 +460,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--backbones", default="", help="gru,lstm,attention,mamba,jamba or all")
     args = ap.parse_args()
-    rows_sel = args.rows.split(",")
+    rows_sel = [r for r in args.rows.split(",") if r]
+    kinds = BACKBONES if args.backbones == "all" else [k for k in args.backbones.split(",") if k]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rng = np.random.default_rng(20261123)
     rows = make_inputs(rng)
@@ -389,6 +485,25 @@ def main():
             tch = Torch(rows, threads) if torch_version else None
             print(f"\n== {threads} thread(s); ours: {ours.ready}")
             runners = {}
+            if kinds:
+                ours.ask(f"backbones {','.join(kinds)}")
+                bb = Backbones(dir_, kinds, threads)
+                for kind in kinds:
+                    ew, ef = bb.checks(kind)
+                    onnx_run, onnx_note = bb.onnx_runner(kind)
+                    note = (f", onnxruntime window {onnx_note:.1e}" if onnx_run
+                            else f"; no onnxruntime row ({onnx_note})")
+                    bad = "" if max(ew, ef) <= 1e-4 else "  <-- MISMATCH"
+                    print(f"check backbone {kind}: rel L2 ours vs pytorch: window {ew:.1e}, "
+                          f"frame {ef:.1e}{note}{bad}")
+                    for mode in ["window", "frame"]:
+                        row = f"backbone_{kind}_{mode}"
+                        CALLS[row] = BACKBONE_CALLS[mode][kind]
+                        impls = {"ours": None, "pytorch": bb.torch_runner(kind, mode)}
+                        if mode == "window" and onnx_run:
+                            impls["onnxruntime"] = onnx_run
+                        runners[row] = impls
+            row_order = rows_sel + [r for r in runners if r.startswith("backbone_")]
             for row in rows_sel:
                 impls = {"ours": None}
                 if ort.has(row):
@@ -410,18 +525,18 @@ def main():
                           + ("" if ok else "  <-- MISMATCH"))
             samples = {}
             for r in range(args.rounds):
-                for row in rows_sel:
+                for row in row_order:
                     n = CALLS[row]
                     for name, run in runners[row].items():
                         ms = ours.time(row, n) if name == "ours" else time_py(run, n)
                         samples.setdefault((row, name), []).extend(ms[1:] if r == 0 else ms)
             ours.close()
-            print(f"{'row':<12} {'ours':>9} {'onnxrt':>9} {'pytorch':>9} {'ours/best':>9}   (median ms per call)")
-            for row in rows_sel:
+            print(f"{'row':<24} {'ours':>9} {'onnxrt':>9} {'pytorch':>9} {'ours/best':>9}   (median ms per call)")
+            for row in row_order:
                 med = {name: float(np.median(samples[(row, name)])) for name in runners[row]}
                 best = min(v for k, v in med.items() if k != "ours") if len(med) > 1 else float("nan")
                 cell = lambda k: f"{med[k]:9.3f}" if k in med else f"{'-':>9}"
-                print(f"{row:<12} {cell('ours')} {cell('onnxruntime')} {cell('pytorch')} {med['ours'] / best:9.2f}")
+                print(f"{row:<24} {cell('ours')} {cell('onnxruntime')} {cell('pytorch')} {med['ours'] / best:9.2f}")
                 results[(threads, row)] = med
     return 0
 

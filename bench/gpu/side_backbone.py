@@ -7,7 +7,8 @@ input from and output to the host, median of many after warm-up. The CUDA-graph 
 captures the window and the frame once (static device input, host copies around the replay)
 and checks the replayed window against our output too.
 
-Usage: FUSED_KERNELS_EXPORT_DIR=DIR python3 bench/gpu/side_backbone.py BENCH_JSON"""
+Usage: FUSED_KERNELS_EXPORT_DIR=DIR python3 bench/gpu/side_backbone.py BENCH_JSON
+(bench/cpu/side.py imports the modules for its CPU backbone rows.)"""
 import json
 import os
 import sys
@@ -15,19 +16,15 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import wall_ms  # noqa: E402
-
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
-DIR = os.environ["FUSED_KERNELS_EXPORT_DIR"]
 GATES = {"lstm": (["wii", "wif", "wig", "wio"], ["whi", "whf", "whg", "who"], ["bi", "bf", "bg", "bo"]),
          "gru": (["wir", "wiz", "win"], ["whr", "whz", "whn"], ["br", "bz", "bin", "bhn"])}
 
 
-def load(kind):
-    index = json.load(open(f"{DIR}/{kind}_params.json"))
-    data = open(f"{DIR}/{kind}_params.bin", "rb").read()
+def load(kind, dir_):
+    index = json.load(open(f"{dir_}/{kind}_params.json"))
+    data = open(f"{dir_}/{kind}_params.bin", "rb").read()
     t = {}
     for name, (off, shape) in index.items():
         n = int(np.prod(shape))
@@ -85,8 +82,9 @@ class Seq:
     scan as a plain loop over time), a window forward and a one-frame step with KV caches of the
     last 60 frames and Mamba (conv, SSM) state, the same maths as FusedKernels.Backbone."""
 
-    def __init__(self, kind, p, window=60, heads=4, hidden=256):
-        self.kind, self.p, self.window, self.heads, self.hidden = kind, {k: v.cuda() for k, v in p.items()}, window, heads, hidden
+    def __init__(self, kind, p, window=60, heads=4, hidden=256, device="cuda"):
+        self.kind, self.p, self.window, self.heads, self.hidden = kind, {k: v.to(device) for k, v in p.items()}, window, heads, hidden
+        self.device = device
         if kind == "attention":
             self.plan = [("attn", str(l)) for l in (1, 2)]
         elif kind == "mamba":
@@ -160,7 +158,7 @@ class Seq:
         return x[:, -1], (count, new)
 
     def init_state(self, b=1):
-        z = lambda *s: torch.zeros(*s, device="cuda")
+        z = lambda *s: torch.zeros(*s, device=self.device)
         return (0, [(z(b, self.window, self.heads, 64), z(b, self.window, self.heads, 64)) if k != "mamba"
                     else (z(b, 3, 512), z(b, 512, 16)) for k, _ in self.plan])
 
@@ -185,38 +183,47 @@ def replay(g, static_in, static_out, host_in):
     return static_out.cpu()
 
 
-rows = json.load(open(sys.argv[1]))["rows"]
-ours = {(r["case"], r["backend"]): r for r in rows}
-print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'torch graph':>12} {'eager/ours':>10} {'graph/ours':>10}   max|ours-torch| eager, graph")
-for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:
-    if not os.path.exists(f"{DIR}/{kind}_params.json"):
-        continue
-    m = Backbone(kind, load(kind)).cuda().eval() if kind in GATES else Seq(kind, load(kind))
-    win = np.fromfile(f"{DIR}/{kind}_window.bin", dtype="<f4").reshape(1, 60, 288)
-    ref = np.fromfile(f"{DIR}/{kind}_out.bin", dtype="<f4")
-    host_win = torch.from_numpy(win).pin_memory()
-    host_frame = host_win[:, -1:].clone().pin_memory()
-    with torch.no_grad():
-        got = m(host_win.cuda())[0].cpu().numpy().ravel()
-        diff = float(np.abs(got - ref).max())
-        _, state = m(host_frame.cuda()) if kind in GATES else m(host_frame.cuda(), m.init_state())
-        graphs = {}
-        try:
-            static_win, static_frame = host_win.cuda(), host_frame.cuda()
-            gw, out_w = graphed(lambda x: m(x)[0], static_win)
-            gf, out_f = graphed(lambda x: m(x, state)[0], static_frame)
-            gdiff = float(np.abs(replay(gw, static_win, out_w, host_win).numpy().ravel() - ref).max())
-            graphs = {"window": lambda: replay(gw, static_win, out_w, host_win),
-                      "frame": lambda: replay(gf, static_frame, out_f, host_frame)}
-        except Exception as e:  # report, keep the eager rows
-            print(f"{kind}: CUDA graph capture failed: {e}")
-            gdiff = float("nan")
-        for mode, fn in [("window", lambda: m(host_win.cuda())[0].cpu()),
-                         ("frame", lambda: m(host_frame.cuda(), state)[0].cpu())]:
-            t = wall_ms(fn, warm=20, rep=300) * 1e3
-            tg = wall_ms(graphs[mode], warm=20, rep=300) * 1e3 if mode in graphs else float("nan")
-            r = ours.get((f"backbone {kind} {mode}", "cuda"))
-            mine = r["median_ms"] * 1e3 if r else float("nan")
-            print(json.dumps(dict(case=f"backbone {kind} {mode}", ours_us=mine, torch_us=t, torch_graph_us=tg,
-                                  ratio=t / mine, graph_ratio=tg / mine, max_abs_diff=diff, graph_max_abs_diff=gdiff)))
-            print(f"{kind + ' ' + mode:24} {mine:9.1f} us {t:9.1f} us {tg:9.1f} us {t / mine:9.2f}x {tg / mine:9.2f}x   {diff:.2e}, {gdiff:.2e}")
+def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from timing import wall_ms
+
+    DIR = os.environ["FUSED_KERNELS_EXPORT_DIR"]
+    rows = json.load(open(sys.argv[1]))["rows"]
+    ours = {(r["case"], r["backend"]): r for r in rows}
+    print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'torch graph':>12} {'eager/ours':>10} {'graph/ours':>10}   max|ours-torch| eager, graph")
+    for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:
+        if not os.path.exists(f"{DIR}/{kind}_params.json"):
+            continue
+        m = Backbone(kind, load(kind, DIR)).cuda().eval() if kind in GATES else Seq(kind, load(kind, DIR))
+        win = np.fromfile(f"{DIR}/{kind}_window.bin", dtype="<f4").reshape(1, 60, 288)
+        ref = np.fromfile(f"{DIR}/{kind}_out.bin", dtype="<f4")
+        host_win = torch.from_numpy(win).pin_memory()
+        host_frame = host_win[:, -1:].clone().pin_memory()
+        with torch.no_grad():
+            got = m(host_win.cuda())[0].cpu().numpy().ravel()
+            diff = float(np.abs(got - ref).max())
+            _, state = m(host_frame.cuda()) if kind in GATES else m(host_frame.cuda(), m.init_state())
+            graphs = {}
+            try:
+                static_win, static_frame = host_win.cuda(), host_frame.cuda()
+                gw, out_w = graphed(lambda x: m(x)[0], static_win)
+                gf, out_f = graphed(lambda x: m(x, state)[0], static_frame)
+                gdiff = float(np.abs(replay(gw, static_win, out_w, host_win).numpy().ravel() - ref).max())
+                graphs = {"window": lambda: replay(gw, static_win, out_w, host_win),
+                          "frame": lambda: replay(gf, static_frame, out_f, host_frame)}
+            except Exception as e:  # report, keep the eager rows
+                print(f"{kind}: CUDA graph capture failed: {e}")
+                gdiff = float("nan")
+            for mode, fn in [("window", lambda: m(host_win.cuda())[0].cpu()),
+                             ("frame", lambda: m(host_frame.cuda(), state)[0].cpu())]:
+                t = wall_ms(fn, warm=20, rep=300) * 1e3
+                tg = wall_ms(graphs[mode], warm=20, rep=300) * 1e3 if mode in graphs else float("nan")
+                r = ours.get((f"backbone {kind} {mode}", "cuda"))
+                mine = r["median_ms"] * 1e3 if r else float("nan")
+                print(json.dumps(dict(case=f"backbone {kind} {mode}", ours_us=mine, torch_us=t, torch_graph_us=tg,
+                                      ratio=t / mine, graph_ratio=tg / mine, max_abs_diff=diff, graph_max_abs_diff=gdiff)))
+                print(f"{kind + ' ' + mode:24} {mine:9.1f} us {t:9.1f} us {tg:9.1f} us {t / mine:9.2f}x {tg / mine:9.2f}x   {diff:.2e}, {gdiff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

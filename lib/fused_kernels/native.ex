@@ -448,13 +448,13 @@ defmodule FusedKernels.Native do
   @spec engine_load(term, term, term, term) :: reply
   def engine_load(_spec, _params, _backend, _device), do: not_loaded()
   @doc false
-  @spec engine_predict(term, term) :: reply
+  @spec engine_predict(term, term) :: reference | reply
   def engine_predict(_engine, _window), do: not_loaded()
   @doc false
   @spec engine_init_state(term, term) :: reply
   def engine_init_state(_engine, _batch), do: not_loaded()
   @doc false
-  @spec engine_step(term, term, term) :: reply
+  @spec engine_step(term, term, term) :: reference | reply
   def engine_step(_engine, _state, _frame), do: not_loaded()
   @doc false
   @spec engine_reset(term, term) :: reply

@@ -71,7 +71,7 @@ defmodule FusedKernels.NifFuzz do
 
   defp call(nif, args) do
     try do
-      apply(Native, nif, args)
+      Native |> apply(nif, args) |> job_reply(nif)
     rescue
       e -> {:bad, "raised #{inspect(e.__struct__)}: #{Exception.message(e)}"}
     catch
@@ -91,6 +91,18 @@ defmodule FusedKernels.NifFuzz do
         {:bad, "unexpected reply #{inspect(other, limit: 10)}"}
     end
   end
+
+  # The CPU engine's predict/step run on the job lanes: the NIF answers a reference and the
+  # reply follows as `{ref, reply}` (it always comes; a missing one is a failure here).
+  defp job_reply(ref, nif) when is_reference(ref) and nif in [:engine_predict, :engine_step] do
+    receive do
+      {^ref, reply} -> reply
+    after
+      60_000 -> {:no_job_reply, nif}
+    end
+  end
+
+  defp job_reply(reply, _nif), do: reply
 
   @doc """
   Runs calls `from..to-1` of `seed` over `concurrency` processes; returns counts per outcome

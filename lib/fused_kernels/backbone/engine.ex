@@ -38,9 +38,13 @@ defmodule FusedKernels.Backbone.Engine do
 
   defp flatten(t, name), do: [{name, Tensor.to_native(t)}]
 
-  def predict(ref, window),
-    do:
-      ref |> Native.engine_predict(host_in(window, "window")) |> Native.unwrap!() |> back(window)
+  def predict(ref, window) do
+    ref
+    |> Native.engine_predict(host_in(window, "window"))
+    |> await()
+    |> Native.unwrap!()
+    |> back(window)
+  end
 
   def init_state(ref, batch) do
     state = ref |> Native.engine_init_state(batch) |> Native.unwrap!()
@@ -48,9 +52,20 @@ defmodule FusedKernels.Backbone.Engine do
   end
 
   def step(ref, %State{ref: s} = state, frame) do
-    out = ref |> Native.engine_step(s, host_in(frame, "frame")) |> Native.unwrap!()
+    out = ref |> Native.engine_step(s, host_in(frame, "frame")) |> await() |> Native.unwrap!()
     {back(out, frame), state}
   end
+
+  # The CPU engine's calls run on the library's job lanes: the NIF answers a reference and
+  # the reply follows as `{ref, reply}` (it always comes, errors and panics included). The
+  # CUDA engine's reply, and every argument error, is the NIF's own answer.
+  defp await(ref) when is_reference(ref) do
+    receive do
+      {^ref, reply} -> reply
+    end
+  end
+
+  defp await(reply), do: reply
 
   def reset(ref, %State{ref: s} = state) do
     ref |> Native.engine_reset(s) |> Native.unwrap!()

@@ -4,10 +4,11 @@
 //! cargo bench -p fused_kernels_core --bench cpu_ops -- --op lstm --mode step --threads 1
 //! ```
 //!
-//! Flags: `--op lstm|gru|dense|gemv`, `--mode step|window` (rnn), `--batch`, `--seq`,
-//! `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
-//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path). Prints the median
-//! and the 10th/90th percentiles of per-call wall time in ms.
+//! Flags: `--op lstm|gru|dense|scan|attention|math`, `--mode step|window` (rnn), `--batch`,
+//! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
+//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
+//! avx2+fma|avx512f` (force a level the CPU has). Prints the median and the 10th/90th
+//! percentiles of per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
@@ -22,6 +23,7 @@ struct Args {
     hidden: Vec<usize>,
     iters: usize,
     portable: bool,
+    isa: Option<String>,
 }
 
 fn parse() -> Args {
@@ -34,6 +36,7 @@ fn parse() -> Args {
         hidden: vec![256, 256],
         iters: 200,
         portable: false,
+        isa: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -48,6 +51,7 @@ fn parse() -> Args {
             "--input" => a.input = num(val()),
             "--hidden" => a.hidden = val().split(',').map(|s| num(s.to_string())).collect(),
             "--iters" => a.iters = num(val()),
+            "--isa" => a.isa = Some(val()),
             "--threads" => {
                 // Before the pool's first use, which reads it once.
                 std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
@@ -107,6 +111,14 @@ fn time(iters: usize, mut f: impl FnMut()) -> Vec<f64> {
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect()
+}
+
+/// The values' little-endian bytes, kept for the rest of the run (tensors borrow them).
+fn leak(v: Vec<f32>) -> &'static [u8] {
+    v.iter()
+        .flat_map(|f| f.to_le_bytes())
+        .collect::<Vec<u8>>()
+        .leak()
 }
 
 fn slices(v: &[Vec<f32>]) -> Vec<&[f32]> {
@@ -286,12 +298,6 @@ fn scan(a: &Args) {
     use fused_kernels_core::{DType, HostTensor};
     let (b, l, d, n) = (a.batch, a.seq, a.input, a.hidden[0]);
     let mut rng = Rng(0x9E3779B97F4A7C15);
-    let leak = |v: Vec<f32>| -> &'static [u8] {
-        v.iter()
-            .flat_map(|f| f.to_le_bytes())
-            .collect::<Vec<u8>>()
-            .leak()
-    };
     let t = |v: Vec<f32>, shape: Vec<usize>| {
         Operand::Host(HostTensor::new("t", leak(v), shape, DType::F32).expect("tensor"))
     };
@@ -325,17 +331,65 @@ fn scan(a: &Args) {
     report(&format!("selective scan op API B{b} L{l} D{d} N{n}"), ms);
 }
 
+/// Attention through the op API (bytes in, bytes out): q, k, v `{batch, seq, heads, d}`
+/// (`--hidden heads,d`), causal, on the chosen instruction set.
+fn attention(a: &Args, isa: Isa) {
+    use fused_kernels_core::ops::flash_attention::{cpu_on, Layout, Params};
+    use fused_kernels_core::{DType, HostTensor};
+    let (b, s) = (a.batch, a.seq);
+    let (h, d) = match a.hidden[..] {
+        [h, d] => (h, d),
+        _ => (4, 64),
+    };
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let shape = vec![b, s, h, d];
+    let t = |v: Vec<f32>| HostTensor::new("t", leak(v), shape.clone(), DType::F32).expect("t");
+    let n = b * s * h * d;
+    let (q, k, v) = (t(rng.vec(n, 1.0)), t(rng.vec(n, 1.0)), t(rng.vec(n, 1.0)));
+    let p = Params::new(Layout::Bshd, None, true, (-1, -1)).expect("params");
+    let ms = time(a.iters, || {
+        std::hint::black_box(cpu_on(isa, &q, &k, &v, p).expect("attention"));
+    });
+    report(
+        &format!(
+            "attention op API B{b} S{s} H{h} D{d} causal [{}]",
+            isa.name()
+        ),
+        ms,
+    );
+}
+
+/// Each element-wise function of `cpu::math` over `--seq` × 1024 values, in place.
+fn math(a: &Args, isa: Isa) {
+    use fused_kernels_core::cpu::math::{apply, Func};
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let x = rng.vec(a.seq * 1024, 8.0);
+    let mut y = x.clone();
+    for f in Func::ALL {
+        let ms = time(a.iters, || {
+            y.copy_from_slice(&x);
+            apply(isa, f, &mut y);
+        });
+        report(&format!("math {f:?} x{} [{}]", x.len(), isa.name()), ms);
+    }
+}
+
 fn main() {
     let a = parse();
-    let isa = if a.portable {
-        Isa::portable()
-    } else {
-        Isa::best()
+    let isa = match (&a.isa, a.portable) {
+        (_, true) => Isa::portable(),
+        (Some(name), _) => Isa::available()
+            .into_iter()
+            .find(|i| i.name() == name)
+            .unwrap_or_else(|| panic!("--isa {name}: not on this CPU")),
+        (None, false) => Isa::best(),
     };
     match a.op.as_str() {
         "lstm" | "gru" => rnn(&a, isa),
         "dense" => dense(&a, isa),
         "scan" => scan(&a),
+        "attention" => attention(&a, isa),
+        "math" => math(&a, isa),
         other => panic!("unknown op {other}"),
     }
 }

@@ -422,3 +422,22 @@ fn row_chunks_cover_every_row_once() {
         assert!(out[r * 64..(r + 1) * 64].iter().all(|&v| v == r as u32 + 1));
     }
 }
+
+/// The dispatcher's levels: portable first, each level implying the ones below, and the best
+/// last. Prints them (`--nocapture`) so a run on another CPU shows what was picked.
+#[test]
+fn simd_levels_are_ordered_and_the_best_is_picked() {
+    let levels = Isa::available();
+    let names: Vec<&str> = levels.iter().map(|i| i.name()).collect();
+    println!(
+        "SIMD levels on this CPU: {names:?}; picked: {}",
+        Isa::best().name()
+    );
+    assert_eq!(levels[0], Isa::portable());
+    assert_eq!(*levels.last().unwrap(), Isa::best());
+    for isa in &levels {
+        if isa.is_avx512() {
+            assert!(isa.is_avx2(), "AVX-512 takes the AVX2 paths too");
+        }
+    }
+}

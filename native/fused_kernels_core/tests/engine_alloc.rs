@@ -1,5 +1,6 @@
 //! The engine's hot path allocates nothing on the host: a counting global allocator sees no
-//! allocation during up to 10,000 streamed frames and 20 windows of shapes already seen.
+//! allocation during up to 10,000 streamed frames and 20 windows of shapes already seen, on
+//! the CPU engine and (with a GPU) on the GPU engine's replayed graphs.
 
 mod support;
 
@@ -95,6 +96,80 @@ fn the_hot_path_allocates_nothing() {
             state.reset();
         });
         assert_eq!(n, 0, "{:?}: {n} allocations on the hot path", s.kind);
+        assert!(out.iter().all(|v| v.is_finite()));
+    }
+}
+
+#[test]
+fn the_gpu_hot_path_allocates_nothing_on_the_host() {
+    if support::gpu_for_tests().is_none() {
+        return;
+    }
+    use fused_kernels_core::engine::cuda::CudaEngine;
+    // ExPhil's GRU and the 1-layer window-16 GRU, as the NIF calls them (the caller fills
+    // the page-locked staging): replayed frames (`step_with` and the quick path) and windows.
+    let gru1 = Spec {
+        layers: 1,
+        window: 16,
+        ..spec(Kind::Gru)
+    };
+    for s in [
+        spec(Kind::Gru),
+        gru1,
+        small(Kind::Attention),
+        small(Kind::Mamba),
+    ] {
+        let e = CudaEngine::new(s.clone(), to_params(&random_params(&s, 1)), None).unwrap();
+        let (b, t) = (1, s.window);
+        let window = Rng::new(2).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let frame = Rng::new(3).vec_f32(b * s.embed, 1.0, 0.0);
+        let mut out = vec![0.0f32; b * s.hidden];
+        let mut state = e.new_state(b).unwrap();
+        // Warm-up: the eager call, the capture, a timed replay (attention replays once its
+        // cache window is full).
+        for _ in 0..s.window + 3 {
+            e.step_with(&mut state, |x| x.copy_from_slice(&frame), &mut out, None)
+                .unwrap();
+        }
+        for _ in 0..3 {
+            e.predict_with(b, t, |x| x.copy_from_slice(&window), &mut out, None)
+                .unwrap();
+        }
+        // The first quick step loads `cuStreamQuery` from the driver (one allocation per
+        // process, not per call).
+        e.try_quick_step(
+            &mut state,
+            |x| x.copy_from_slice(&frame),
+            &mut out,
+            u64::MAX,
+        )
+        .unwrap();
+        let mut quick = 0;
+        let n = counted(|| {
+            for _ in 0..2_000 {
+                e.step_with(&mut state, |x| x.copy_from_slice(&frame), &mut out, None)
+                    .unwrap();
+                let q = e
+                    .try_quick_step(
+                        &mut state,
+                        |x| x.copy_from_slice(&frame),
+                        &mut out,
+                        u64::MAX,
+                    )
+                    .unwrap();
+                quick += usize::from(q);
+            }
+            for _ in 0..20 {
+                e.predict_with(b, t, |x| x.copy_from_slice(&window), &mut out, None)
+                    .unwrap();
+            }
+        });
+        assert_eq!(
+            n, 0,
+            "{:?}: {n} host allocations on the GPU hot path",
+            s.kind
+        );
+        assert_eq!(quick, 2_000, "{:?}: quick steps declined", s.kind);
         assert!(out.iter().all(|v| v.is_finite()));
     }
 }

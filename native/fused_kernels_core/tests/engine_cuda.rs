@@ -305,3 +305,49 @@ fn gpu_graphs_are_captured_for_every_backbone() {
         }
     }
 }
+
+#[test]
+fn gpu_quick_steps_equal_steps() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // `try_quick_step` (the NIF's normal-scheduler path) replays the same graph as `step`:
+    // a stream advanced by quick steps where they are taken, `step` otherwise, equals one
+    // advanced by `step` alone; it declines until the state's graph exists and is timed.
+    for kind in KINDS {
+        let s = small(kind);
+        let (_, gpu) = engines(&s, 41);
+        let (b, t) = (2, 40);
+        let x = Rng::new(42).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let (mut quick, mut plain) = (gpu.new_state(b).unwrap(), gpu.new_state(b).unwrap());
+        let (mut yq, mut yp) = (vec![f32::NAN; b * s.hidden], vec![f32::NAN; b * s.hidden]);
+        let mut taken = 0;
+        for i in 0..t {
+            let f = frame(&x, b, t, s.embed, i);
+            yq.fill(f32::NAN);
+            let q = gpu
+                .try_quick_step(&mut quick, |buf| buf.copy_from_slice(&f), &mut yq, u64::MAX)
+                .unwrap();
+            if i == 0 {
+                assert!(!q, "{kind:?}: a quick step before any graph");
+            }
+            if q {
+                taken += 1;
+            } else {
+                gpu.step(&mut quick, &f, &mut yq).unwrap();
+            }
+            gpu.step(&mut plain, &f, &mut yp).unwrap();
+            let err = rel_l2(&yq, &yp);
+            assert!(
+                err <= 1e-6,
+                "{kind:?}: frame {i}: quick vs step rel L2 {err}"
+            );
+        }
+        assert!(taken > 0, "{kind:?}: no quick step was taken in {t} frames");
+        // A bound below any replay's time declines.
+        let f = frame(&x, b, t, s.embed, 0);
+        assert!(!gpu
+            .try_quick_step(&mut quick, |buf| buf.copy_from_slice(&f), &mut yq, 0)
+            .unwrap());
+    }
+}

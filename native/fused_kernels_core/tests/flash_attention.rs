@@ -5,6 +5,7 @@
 
 mod support;
 
+use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::dtype::{decode_f64, encode_f64};
 use fused_kernels_core::kernels::FLASH_ATTENTION;
 use fused_kernels_core::ops::flash_attention::*;
@@ -30,6 +31,49 @@ fn cpu_matches_f64_reference() {
                     };
                     check(&case, &mut rng, &mut cpu_exec);
                 }
+            }
+        }
+    }
+}
+
+/// Every instruction set of this CPU (the portable path and the vector one) on the odd sizes:
+/// head dims that are not multiples of the vector width, sequences of 1 and past the key
+/// block, the largest head dim.
+#[test]
+fn cpu_every_isa_matches_f64_reference_at_odd_sizes() {
+    let mut rng = Rng::new(5);
+    for isa in Isa::available() {
+        let mut exec = |q: &HostTensor, k: &HostTensor, v: &HostTensor, p: Params| {
+            let (o, l) = cpu_on(isa, q, k, v, p).unwrap();
+            (
+                decode_f64(&o.data, o.dtype),
+                decode_f64(&l.data, DType::F32),
+            )
+        };
+        for (d, sq, sk) in [
+            (33, 61, 61),
+            (40, 1, 1000),
+            (80, 100, 100),
+            (96, 61, 130),
+            (256, 61, 61),
+            (40, 1000, 1000),
+        ] {
+            // The long sequence causal only (the debug-build reference is slow).
+            let masks = if sq == 1000 {
+                &MASKS[1..2]
+            } else {
+                &MASKS[..2]
+            };
+            for &mask in masks {
+                let case = Case {
+                    dt: DType::F32,
+                    batch: 1,
+                    sq,
+                    sk,
+                    d,
+                    mask,
+                };
+                check(&case, &mut rng, &mut exec);
             }
         }
     }

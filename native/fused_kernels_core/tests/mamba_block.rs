@@ -92,6 +92,35 @@ fn cuda_matches_the_f64_block_for_both_discretizations() {
     }
 }
 
+#[test]
+fn cpu_matches_the_f64_block_at_odd_sizes() {
+    let mut rng = Rng::new(29);
+    for &(b, l, h, inner, n, r, k, cf) in &[
+        (1, 60, 256, 512, 16, 16, 4, false),
+        (2, 61, 200, 100, 64, 13, 4, true),
+        (1, 1, 32, 64, 1, 2, 3, false),
+        (1, 100, 40, 24, 16, 3, 4, true),
+    ] {
+        let w = weights(&mut rng, h, inner, n, r, k, cf);
+        for dt in [DType::F32, DType::BF16, DType::F64] {
+            let xb = encode_f64(&rng.vec(b * l * h), dt);
+            let x = Operand::Host(HostTensor::new("x", &xb, vec![b, l, h], dt).unwrap());
+            for disc in [Discretization::PerChannel, Discretization::MeanDt] {
+                let p = Params::new(1e-5, 0.001, 0.1, disc, true).unwrap();
+                let want = decode_f64(&block(&x, &w, p).unwrap().data, dt);
+                let got = decode_f64(&cpu(&x, &w, p).unwrap().data, dt);
+                let err = rel_l2(&got, &want);
+                let tol = match dt {
+                    DType::F64 => 1e-12,
+                    DType::F32 => 1e-5,
+                    _ => 1e-2,
+                };
+                assert!(err <= tol, "{dt:?} {disc:?} b{b} l{l} h{h} n{n}: {err:e}");
+            }
+        }
+    }
+}
+
 /// Runs x {b, l, h} through the block in chunks of `chunk` steps, carrying the state.
 fn streamed(
     backend: Backend,

@@ -59,6 +59,30 @@ fn check_backend(backend: Backend, dtypes: &[DType]) {
     }
 }
 
+/// The f32 rows on every instruction set of this CPU (the portable path and the vector ones).
+#[test]
+fn cpu_every_isa_matches_f64_reference() {
+    let mut rng = Rng::new(43);
+    for isa in fused_kernels_core::cpu::Isa::available() {
+        for shape in SHAPES {
+            for causal in [false, true] {
+                let xs = rng.vec(shape.iter().product());
+                let bytes = encode_f64(&xs, DType::F32);
+                let xs = decode_f64(&bytes, DType::F32);
+                let p = Params::new(0.37, causal).unwrap();
+                let host = HostTensor::new("x", &bytes, shape.to_vec(), DType::F32).unwrap();
+                let got = decode_f64(&cpu_on(isa, &host, p).unwrap().data, DType::F32);
+                let err = rel_l2(&got, &reference(&xs, shape, p));
+                assert!(
+                    err <= 1e-5,
+                    "{} {shape:?} causal={causal}: {err:e}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn cpu_matches_f64_reference() {
     check_backend(

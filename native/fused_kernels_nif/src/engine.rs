@@ -1,7 +1,14 @@
 //! The backbone engine as NIF resources: `engine_load` builds an engine from a spec map and
 //! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
-//! state resource updated in place) are one call each. Every call that computes runs on a
-//! dirty scheduler (DirtyCpu for the CPU executor; the CUDA one waits on its results too).
+//! state resource updated in place) are one call each. Every call that computes runs off the
+//! normal schedulers: `engine_predict`/`engine_step` check their arguments on the normal
+//! scheduler (argument errors come back at once). Then the CPU engine's windows, and its
+//! frames that run long (`SHORT_CPU_STEP_NS`), go to the library's job lanes (`jobs`: windows
+//! to the long lane, frames by size; no dirty scheduler is held while they compute; the reply
+//! comes as a `{ref, reply}` message), its short frames and the CUDA calls continue on a
+//! dirty CPU scheduler (`enif_schedule_nif`; the CUDA engine waits there for the GPU) — except
+//! a GPU frame whose graph is known to be quick, replayed and waited for on the normal
+//! scheduler itself (`quick_cuda_step`).
 
 use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
@@ -16,6 +23,7 @@ use rustler::types::tuple::{get_tuple, make_tuple};
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -65,6 +73,11 @@ impl rustler::Resource for EngineResource {}
 /// A stream's state; it belongs to the engine that made it.
 pub struct StateResource {
     engine_id: u64,
+    /// The state's rows (fixed at `init_state`), readable without the lock.
+    batch: usize,
+    /// How long the CPU engine's last step of this state took (`u64::MAX` before the
+    /// first): where the next one runs (`SHORT_CPU_STEP_NS`).
+    last_step_ns: AtomicU64,
     state: Mutex<AnyState>,
 }
 
@@ -175,14 +188,17 @@ fn decode_state(term: Term<'_>) -> Result<ResourceArc<StateResource>> {
     })
 }
 
-/// Fills the engine's f32 input from the caller's bytes.
+/// Fills the engine's f32 input (its workspace, or the GPU engine's page-locked staging)
+/// from the caller's bytes: for f32 with no copy or allocation of its own.
 fn fill(x: &HostTensor<'_>, buf: &mut [f32]) {
     if x.dtype == DType::F32 {
         for (o, c) in buf.iter_mut().zip(x.bytes.chunks_exact(4)) {
             *o = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
         }
     } else {
-        buf.copy_from_slice(&decode_f32(x.bytes, x.dtype));
+        for (o, v) in buf.iter_mut().zip(decode_f32(x.bytes, x.dtype)) {
+            *o = v;
+        }
     }
 }
 
@@ -239,9 +255,102 @@ fn check_input(x: &HostTensor<'_>, name: &str, want_rank: usize, embed: usize) -
     Ok(())
 }
 
-/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position.
-#[rustler::nif(schedule = "DirtyCpu")]
+type RawNif = unsafe extern "C" fn(
+    *mut rustler::sys::ErlNifEnv,
+    std::os::raw::c_int,
+    *const rustler::sys::ErlNifTerm,
+) -> rustler::sys::ErlNifTerm;
+
+/// Continues this NIF call as `f(args)` on a dirty CPU scheduler (the caller's process
+/// waits; the reply is `f`'s).
+fn on_dirty<'a>(env: Env<'a>, name: &std::ffi::CStr, f: RawNif, args: &[Term<'a>]) -> Term<'a> {
+    let raw: Vec<rustler::sys::ErlNifTerm> = args.iter().map(|t| t.as_c_arg()).collect();
+    // Safety: `env` is this call's; `raw` are its terms, copied by the runtime before
+    // `enif_schedule_nif` returns; `f` is a NIF function of the arity given.
+    unsafe {
+        Term::new(
+            env,
+            rustler::sys::enif_schedule_nif(
+                env.as_c_arg(),
+                name.as_ptr(),
+                rustler::sys::ERL_NIF_DIRTY_JOB_CPU_BOUND as i32,
+                f,
+                raw.len() as i32,
+                raw.as_ptr(),
+            ),
+        )
+    }
+}
+
+/// A dirty continuation (`on_dirty`) running `$imp(env, args...)`; a panic becomes an
+/// `:internal` error reply.
+macro_rules! dirty_continuation {
+    ($fname:ident, $imp:path, $n:literal) => {
+        unsafe extern "C" fn $fname(
+            env: *mut rustler::sys::ErlNifEnv,
+            argc: std::os::raw::c_int,
+            argv: *const rustler::sys::ErlNifTerm,
+        ) -> rustler::sys::ErlNifTerm {
+            let lifetime = ();
+            // Safety: the runtime calls this with the process' env and `argc` terms.
+            let env = unsafe { Env::new(&lifetime, env) };
+            let raw = unsafe { std::slice::from_raw_parts(argv, argc as usize) };
+            let args: Vec<Term<'_>> = raw.iter().map(|t| unsafe { Term::new(env, *t) }).collect();
+            let run = std::panic::AssertUnwindSafe(|| match <[Term<'_>; $n]>::try_from(args) {
+                Ok(a) => $imp(env, a),
+                Err(_) => crate::jobs::arity_error(env),
+            });
+            std::panic::catch_unwind(run)
+                .unwrap_or_else(|_| {
+                    reply(
+                        env,
+                        Err(Error::Cuda(
+                            "the engine call panicked (a bug: please report it)".into(),
+                        )),
+                    )
+                })
+                .as_c_arg()
+        }
+    };
+}
+
+dirty_continuation!(predict_dirty, predict_args, 2);
+dirty_continuation!(step_dirty, step_args, 3);
+
+fn predict_args<'a>(env: Env<'a>, [engine, window]: [Term<'a>; 2]) -> Term<'a> {
+    predict(env, engine, window)
+}
+
+fn step_args<'a>(env: Env<'a>, [engine, state, frame]: [Term<'a>; 3]) -> Term<'a> {
+    step(env, engine, state, frame)
+}
+
+/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position; for the
+/// CPU engine a reference, and the reply follows as `{ref, reply}` (see the module doc).
+#[rustler::nif]
 fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
+    let checked = (|| {
+        let e = decode_engine(engine)?;
+        let x = decode_host("window", window)?;
+        check_input(&x, "window", 3, e.spec().embed)?;
+        Ok(matches!(e.exec, Exec::Cpu(_)))
+    })();
+    match checked {
+        Err(err) => reply(env, Err(err)),
+        Ok(true) => crate::jobs::submit_to(
+            env,
+            &[engine, window],
+            |env, args| match args {
+                [e, w] => predict(env, *e, *w),
+                _ => crate::jobs::arity_error(env),
+            },
+            crate::jobs::LaneChoice::Long,
+        ),
+        Ok(false) => on_dirty(env, c"engine_predict", predict_dirty, &[engine, window]),
+    }
+}
+
+fn predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
     let result = (|| {
         let e = decode_engine(engine)?;
         let x = decode_host("window", window)?;
@@ -249,7 +358,7 @@ fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<
         let (b, t) = (x.shape[0], x.shape[1]);
         output(env, (b, e.spec().hidden), x.dtype, |out| match &e.exec {
             Exec::Cpu(engine) => engine.predict(b, t, |buf| fill(&x, buf), out),
-            Exec::Cuda(engine) => engine.predict(b, t, &decode_f32(x.bytes, x.dtype), out),
+            Exec::Cuda(engine) => engine.predict_with(b, t, |buf| fill(&x, buf), out, None),
         })
     })();
     reply(env, result)
@@ -271,6 +380,8 @@ fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Ter
         };
         Ok(ResourceArc::new(StateResource {
             engine_id: e.id,
+            batch: batch as usize,
+            last_step_ns: AtomicU64::new(u64::MAX),
             state: Mutex::new(state),
         })
         .encode(env))
@@ -284,33 +395,122 @@ fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, AnyState>> {
         .map_err(|_| Error::Cuda("backbone state lock poisoned".into()))
 }
 
+/// The checks of `engine_step`'s arguments (no lock taken): the engine, its state, the
+/// frame. Whether the engine is the CPU one.
+fn check_step(engine: Term<'_>, state: Term<'_>, frame: Term<'_>) -> Result<bool> {
+    let e = decode_engine(engine)?;
+    let s = decode_state(state)?;
+    if s.engine_id != e.id {
+        return Err(arg_error(
+            "state: belongs to another backbone handle; make one with init_state(handle, batch)",
+        ));
+    }
+    let x = decode_host("frame", frame)?;
+    check_input(&x, "frame", 2, e.spec().embed)?;
+    if x.shape[0] != s.batch {
+        return Err(arg_error(format!(
+            "frame: has {} rows but the state was made for batch {}",
+            x.shape[0], s.batch
+        )));
+    }
+    Ok(matches!(e.exec, Exec::Cpu(_)))
+}
+
 /// `engine_step(engine, state, frame)` → `{batch, hidden}` triple; the state moves on one
-/// frame in place.
-#[rustler::nif(schedule = "DirtyCpu")]
+/// frame in place. For the CPU engine a reference, and the reply follows as `{ref, reply}`
+/// (see the module doc).
+#[rustler::nif]
 fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
+    match check_step(engine, state, frame) {
+        Err(err) => reply(env, Err(err)),
+        Ok(true) if cpu_step_is_short(state) => {
+            on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame])
+        }
+        Ok(true) => crate::jobs::submit_to(
+            env,
+            &[engine, state, frame],
+            |env, args| match args {
+                [e, s, f] => step(env, *e, *s, *f),
+                _ => crate::jobs::arity_error(env),
+            },
+            crate::jobs::LaneChoice::BySize,
+        ),
+        Ok(false) => quick_cuda_step(env, engine, state, frame)
+            .unwrap_or_else(|| on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame])),
+    }
+}
+
+/// The longest a GPU frame's graph may have taken at its last replay for the next one to run
+/// on the normal scheduler (`CudaEngine::try_quick_step`). A frame's replay time is steady
+/// (H100, bench engine_call: 1-layer GRU 45 µs median / 56 p99, 2 x 256 GRU 71 / 82), so a
+/// normal scheduler is held about this long at most, an order under the millisecond the
+/// BEAM allows a NIF, while our users' frames skip the hop to a dirty scheduler and back.
+const QUICK_GPU_STEP_NS: u64 = 80_000;
+
+/// A GPU frame replayed and waited for here, on the normal scheduler, when the engine says
+/// it is quick (None: it was not attempted; the caller continues on a dirty scheduler).
+fn quick_cuda_step<'a>(
+    env: Env<'a>,
+    engine: Term<'a>,
+    state: Term<'a>,
+    frame: Term<'a>,
+) -> Option<Term<'a>> {
+    let e = decode_engine(engine).ok()?;
+    let Exec::Cuda(engine) = &e.exec else {
+        return None;
+    };
+    let s = decode_state(state).ok()?;
+    let x = decode_host("frame", frame).ok()?;
+    // Never wait for a lock here: another call of this state is in progress.
+    let mut st = s.state.try_lock().ok()?;
+    let AnyState::Cuda(st) = &mut *st else {
+        return None;
+    };
+    let started = Instant::now();
+    let mut done = false;
+    let result = output(env, (s.batch, engine.spec.hidden), x.dtype, |out| {
+        done = engine.try_quick_step(st, |buf| fill(&x, buf), out, QUICK_GPU_STEP_NS)?;
+        Ok(())
+    });
+    if !done && result.is_ok() {
+        return None;
+    }
+    // A timeslice is about a millisecond: report the share this call used.
+    let pct = (started.elapsed().as_micros() / 10).clamp(1, 100) as i32;
+    rustler::schedule::consume_timeslice(env, pct);
+    Some(reply(env, result))
+}
+
+/// A CPU frame whose last run on this state took at most this long continues on a dirty
+/// CPU scheduler instead of the job lanes: the hop there cost 1.4-17 µs against the lanes'
+/// 9-22 µs (bench/beam_call.exs on a loaded 2-core machine), and a call queued behind it on
+/// the dirty schedulers waits at most this long. Longer frames (large batches) and every
+/// window go to the lanes, so a long CPU call never holds a dirty scheduler.
+const SHORT_CPU_STEP_NS: u64 = 200_000;
+
+fn cpu_step_is_short(state: Term<'_>) -> bool {
+    decode_state(state).is_ok_and(|s| s.last_step_ns.load(Ordering::Relaxed) <= SHORT_CPU_STEP_NS)
+}
+
+fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
     let result = (|| {
         let e = decode_engine(engine)?;
         let s = decode_state(state)?;
-        if s.engine_id != e.id {
-            return Err(arg_error(
-                "state: belongs to another backbone handle; make one with init_state(handle, batch)",
-            ));
-        }
+        check_step(engine, state, frame)?;
         let x = decode_host("frame", frame)?;
-        check_input(&x, "frame", 2, e.spec().embed)?;
         let mut st = lock(&s)?;
-        let batch = st.batch();
-        if x.shape[0] != batch {
-            return Err(arg_error(format!(
-                "frame: has {} rows but the state was made for batch {batch}",
-                x.shape[0]
-            )));
-        }
+        let batch = s.batch;
         output(env, (batch, e.spec().hidden), x.dtype, |out| {
             match (&e.exec, &mut *st) {
-                (Exec::Cpu(engine), AnyState::Cpu(st)) => engine.step(st, |buf| fill(&x, buf), out),
+                (Exec::Cpu(engine), AnyState::Cpu(st)) => {
+                    let t = Instant::now();
+                    let r = engine.step(st, |buf| fill(&x, buf), out);
+                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    s.last_step_ns.store(ns, Ordering::Relaxed);
+                    r
+                }
                 (Exec::Cuda(engine), AnyState::Cuda(st)) => {
-                    engine.step(st, &decode_f32(x.bytes, x.dtype), out)
+                    engine.step_with(st, |buf| fill(&x, buf), out, None)
                 }
                 _ => Err(arg_error("state: belongs to another backbone handle")),
             }

@@ -134,12 +134,27 @@ fn tensor_bytes(term: Term<'_>, depth: u32) -> usize {
     }
 }
 
+/// Which lane a job goes to: by the bytes of its tensors, or always the long one (work that
+/// its bytes understate, such as a backbone window).
+pub enum LaneChoice {
+    BySize,
+    Long,
+}
+
 /// Queues `run(env, args)` on a worker and returns the reference its reply will carry.
 pub fn submit<'a>(env: Env<'a>, args: &[Term<'a>], run: Run) -> Term<'a> {
+    submit_to(env, args, run, LaneChoice::BySize)
+}
+
+/// `submit` into `lane`.
+pub fn submit_to<'a>(env: Env<'a>, args: &[Term<'a>], run: Run, lane: LaneChoice) -> Term<'a> {
     start_workers();
-    let bytes = args
-        .iter()
-        .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, 0)));
+    let bytes = match lane {
+        LaneChoice::BySize => args
+            .iter()
+            .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, 0))),
+        LaneChoice::Long => usize::MAX,
+    };
     let reference = env.make_ref().encode(env);
     let owned = OwnedEnv::new();
     let job = Job {

@@ -18,8 +18,9 @@
 //! `softplus(x) = max(x, 0) + log1p(e^-|x|)` with `log1p(u) = 2·atanh(u / (2 + u))`.
 //!
 //! The portable path is scalar (`f32::exp`, `f32::tanh`, `f32::ln_1p` from the platform's
-//! libm, and the same erfc fit); the AVX2 path evaluates Cephes-style polynomials eight lanes
-//! at a time.
+//! libm, and the same erfc fit); the vector paths evaluate Cephes-style polynomials eight
+//! (AVX2 + FMA) or sixteen (AVX-512F) lanes at a time, from one generic body (`lanes`), so
+//! both have the same bounds.
 
 // Polynomial coefficients are written as published (more digits than f32 holds).
 #![allow(clippy::excessive_precision)]
@@ -68,6 +69,12 @@ impl Func {
 
 /// `xs[i] = f(xs[i])` for every element.
 pub fn apply(isa: Isa, f: Func, xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() {
+        // Safety: an AVX-512 `Isa` exists only on CPUs with AVX-512F.
+        unsafe { avx512::apply(f, xs) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
@@ -174,22 +181,218 @@ pub mod scalar {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::missing_safety_doc)]
-pub mod avx2 {
-    //! Eight-lane versions; every function requires AVX2 + FMA (callers hold an AVX2 `Isa`).
+mod lanes {
+    //! The vector functions written once over a lane type ([`V`]); `avx2` and `avx512`
+    //! instantiate them for 8 and 16 lanes inside their `#[target_feature]` functions, where
+    //! everything here is inlined.
     use super::{Func, ATANH_SERIES, ERFC_P, ERF_SERIES};
     use std::arch::x86_64::*;
 
-    #[inline(always)]
-    unsafe fn splat(v: f32) -> __m256 {
-        _mm256_set1_ps(v)
+    /// A vector of f32 lanes with the operations the functions need. Every method requires
+    /// the instruction set of its type (AVX2 + FMA for `__m256`, AVX-512F for `__m512`).
+    pub trait V: Copy {
+        type Mask: Copy;
+        const LANES: usize;
+        unsafe fn splat(v: f32) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn add(self, b: Self) -> Self;
+        unsafe fn sub(self, b: Self) -> Self;
+        unsafe fn mul(self, b: Self) -> Self;
+        unsafe fn div(self, b: Self) -> Self;
+        /// `min(self, b)`, b returned when either is NaN.
+        unsafe fn min(self, b: Self) -> Self;
+        /// `max(self, b)`, b returned when either is NaN.
+        unsafe fn max(self, b: Self) -> Self;
+        /// `self · b + c`, one rounding.
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self;
+        /// `c - self · b`, one rounding.
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self;
+        /// Round to the nearest integer (ties to even).
+        unsafe fn round(self) -> Self;
+        /// `self · 2ⁿ` for integral n in [-150, 128], as two factors so that subnormal
+        /// results and those up to FLT_MAX come out right.
+        unsafe fn ldexp(self, n: Self) -> Self;
+        unsafe fn abs(self) -> Self;
+        /// `mag` with the sign of `self`.
+        unsafe fn sign_onto(self, mag: Self) -> Self;
+        unsafe fn lt(self, b: Self) -> Self::Mask;
+        /// `if_true` where `m` is set, else `if_false`.
+        unsafe fn select(m: Self::Mask, if_true: Self, if_false: Self) -> Self;
+    }
+
+    impl V for __m256 {
+        type Mask = __m256;
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm256_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self)
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            _mm256_add_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            _mm256_sub_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            _mm256_mul_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            _mm256_div_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            _mm256_min_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            _mm256_max_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            _mm256_fmadd_ps(self, b, c)
+        }
+        #[inline(always)]
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+            _mm256_fnmadd_ps(self, b, c)
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self)
+        }
+        #[inline(always)]
+        unsafe fn ldexp(self, n: Self) -> Self {
+            let ni = _mm256_cvtps_epi32(n);
+            let half = _mm256_srai_epi32::<1>(ni);
+            let rest = _mm256_sub_epi32(ni, half);
+            let bias = _mm256_set1_epi32(127);
+            let s1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(half, bias)));
+            let s2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(rest, bias)));
+            _mm256_mul_ps(_mm256_mul_ps(self, s1), s2)
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            _mm256_andnot_ps(_mm256_set1_ps(-0.0), self)
+        }
+        #[inline(always)]
+        unsafe fn sign_onto(self, mag: Self) -> Self {
+            _mm256_or_ps(mag, _mm256_and_ps(_mm256_set1_ps(-0.0), self))
+        }
+        #[inline(always)]
+        unsafe fn lt(self, b: Self) -> Self::Mask {
+            _mm256_cmp_ps::<_CMP_LT_OQ>(self, b)
+        }
+        #[inline(always)]
+        unsafe fn select(m: Self::Mask, if_true: Self, if_false: Self) -> Self {
+            _mm256_blendv_ps(if_false, if_true, m)
+        }
+    }
+
+    impl V for __m512 {
+        type Mask = __mmask16;
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm512_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self)
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            _mm512_add_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            _mm512_sub_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            _mm512_mul_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            _mm512_div_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            _mm512_min_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            _mm512_max_ps(self, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            _mm512_fmadd_ps(self, b, c)
+        }
+        #[inline(always)]
+        unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
+            _mm512_fnmadd_ps(self, b, c)
+        }
+        #[inline(always)]
+        unsafe fn round(self) -> Self {
+            _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self)
+        }
+        #[inline(always)]
+        unsafe fn ldexp(self, n: Self) -> Self {
+            let ni = _mm512_cvtps_epi32(n);
+            let half = _mm512_srai_epi32::<1>(ni);
+            let rest = _mm512_sub_epi32(ni, half);
+            let bias = _mm512_set1_epi32(127);
+            let s1 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(half, bias)));
+            let s2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(rest, bias)));
+            _mm512_mul_ps(_mm512_mul_ps(self, s1), s2)
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            _mm512_abs_ps(self)
+        }
+        #[inline(always)]
+        unsafe fn sign_onto(self, mag: Self) -> Self {
+            let sign = _mm512_set1_epi32(i32::MIN);
+            _mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_castps_si512(mag),
+                _mm512_and_si512(sign, _mm512_castps_si512(self)),
+            ))
+        }
+        #[inline(always)]
+        unsafe fn lt(self, b: Self) -> Self::Mask {
+            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(self, b)
+        }
+        #[inline(always)]
+        unsafe fn select(m: Self::Mask, if_true: Self, if_false: Self) -> Self {
+            _mm512_mask_blend_ps(m, if_false, if_true)
+        }
     }
 
     #[inline(always)]
-    unsafe fn poly(c: &[f32], x: __m256) -> __m256 {
-        let mut acc = splat(c[c.len() - 1]);
+    unsafe fn splat<T: V>(v: f32) -> T {
+        T::splat(v)
+    }
+
+    #[inline(always)]
+    unsafe fn poly<T: V>(c: &[f32], x: T) -> T {
+        let mut acc = splat::<T>(c[c.len() - 1]);
         for &k in c[..c.len() - 1].iter().rev() {
-            acc = _mm256_fmadd_ps(acc, x, splat(k));
+            acc = acc.fmadd(x, splat(k));
         }
         acc
     }
@@ -197,17 +400,13 @@ pub mod avx2 {
     /// e^x: x = n ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact product), a degree-7
     /// Taylor-like polynomial (Cephes expf), and 2ⁿ applied as two factors so that results in
     /// the subnormal range and up to FLT_MAX come out right.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp(x: __m256) -> __m256 {
+    #[inline(always)]
+    pub unsafe fn exp<T: V>(x: T) -> T {
         // max/min with x second propagate NaN.
-        let x = _mm256_min_ps(splat(89.0), _mm256_max_ps(splat(-104.0), x));
-        let n = _mm256_round_ps(
-            _mm256_mul_ps(x, splat(std::f32::consts::LOG2_E)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        );
-        let r = _mm256_fnmadd_ps(n, splat(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, splat(-2.121_944_4e-4), r);
+        let x = splat::<T>(89.0).min(splat::<T>(-104.0).max(x));
+        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
+        let r = n.fnmadd(splat(0.693_359_4), x);
+        let r = n.fnmadd(splat(-2.121_944_4e-4), r);
         let p = poly(
             &[
                 5.000_000_1e-1,
@@ -219,34 +418,16 @@ pub mod avx2 {
             ],
             r,
         );
-        let r2 = _mm256_mul_ps(r, r);
-        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), splat(1.0));
-        let ni = _mm256_cvtps_epi32(n);
-        let half = _mm256_srai_epi32::<1>(ni);
-        let rest = _mm256_sub_epi32(ni, half);
-        let bias = _mm256_set1_epi32(127);
-        let s1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(half, bias)));
-        let s2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(rest, bias)));
-        _mm256_mul_ps(_mm256_mul_ps(y, s1), s2)
-    }
-
-    #[inline(always)]
-    unsafe fn abs(x: __m256) -> __m256 {
-        _mm256_andnot_ps(splat(-0.0), x)
-    }
-
-    #[inline(always)]
-    unsafe fn copysign(mag: __m256, sign_of: __m256) -> __m256 {
-        _mm256_or_ps(mag, _mm256_and_ps(splat(-0.0), sign_of))
+        let y = p.fmadd(r.mul(r), r).add(splat(1.0));
+        y.ldexp(n)
     }
 
     /// tanh: an odd polynomial below |x| = 0.625 (Cephes tanhf), `1 - 2 / (e^{2|x|} + 1)`
     /// above, where the subtraction loses nothing.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tanh(x: __m256) -> __m256 {
-        let a = abs(x);
-        let z = _mm256_mul_ps(x, x);
+    #[inline(always)]
+    pub unsafe fn tanh<T: V>(x: T) -> T {
+        let a = x.abs();
+        let z = x.mul(x);
         let p = poly(
             &[
                 -3.333_328_2e-1,
@@ -257,92 +438,71 @@ pub mod avx2 {
             ],
             z,
         );
-        let small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
-        let e = exp(_mm256_add_ps(a, a));
-        let big = _mm256_sub_ps(
-            splat(1.0),
-            _mm256_div_ps(splat(2.0), _mm256_add_ps(e, splat(1.0))),
-        );
-        let big = copysign(big, x);
-        let is_small = _mm256_cmp_ps::<_CMP_LT_OQ>(a, splat(0.625));
-        _mm256_blendv_ps(big, small, is_small)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn sigmoid(x: __m256) -> __m256 {
-        let e = exp(_mm256_sub_ps(splat(0.0), x));
-        _mm256_div_ps(splat(1.0), _mm256_add_ps(splat(1.0), e))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn silu(x: __m256) -> __m256 {
-        let e = exp(_mm256_sub_ps(splat(0.0), x));
-        _mm256_div_ps(x, _mm256_add_ps(splat(1.0), e))
-    }
-
-    /// erfc(z) for z ≥ 0 (see `ERFC_P`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn erfc_pos(z: __m256) -> __m256 {
-        let t = _mm256_div_ps(splat(1.0), _mm256_fmadd_ps(splat(0.5), z, splat(1.0)));
-        let arg = _mm256_fnmadd_ps(z, z, poly(&ERFC_P, t));
-        _mm256_mul_ps(t, exp(arg))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn erf(x: __m256) -> __m256 {
-        let a = abs(x);
-        let small = _mm256_mul_ps(x, poly(&ERF_SERIES, _mm256_mul_ps(x, x)));
-        let big = copysign(_mm256_sub_ps(splat(1.0), erfc_pos(a)), x);
-        let is_small = _mm256_cmp_ps::<_CMP_LT_OQ>(a, splat(0.5));
-        _mm256_blendv_ps(big, small, is_small)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gelu(x: __m256) -> __m256 {
-        let half_x = _mm256_mul_ps(splat(0.5), x);
-        let u = _mm256_mul_ps(x, splat(std::f32::consts::FRAC_1_SQRT_2));
-        let a = abs(u);
-        let small = _mm256_mul_ps(
-            half_x,
-            _mm256_fmadd_ps(u, poly(&ERF_SERIES, _mm256_mul_ps(u, u)), splat(1.0)),
-        );
-        let ec = erfc_pos(a);
-        let neg = _mm256_mul_ps(half_x, ec);
-        let pos = _mm256_mul_ps(half_x, _mm256_sub_ps(splat(2.0), ec));
-        let is_neg = _mm256_cmp_ps::<_CMP_LT_OQ>(x, splat(0.0));
-        let big = _mm256_blendv_ps(pos, neg, is_neg);
-        let is_small = _mm256_cmp_ps::<_CMP_LT_OQ>(a, splat(0.5));
-        _mm256_blendv_ps(big, small, is_small)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gelu_tanh(x: __m256) -> __m256 {
-        let x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-        let u = _mm256_mul_ps(splat(0.797_884_6), _mm256_fmadd_ps(splat(0.044715), x3, x));
-        _mm256_mul_ps(x, sigmoid(_mm256_add_ps(u, u)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn softplus(x: __m256) -> __m256 {
-        let u = exp(_mm256_sub_ps(splat(0.0), abs(x)));
-        let s = _mm256_div_ps(u, _mm256_add_ps(splat(2.0), u));
-        let l = _mm256_mul_ps(
-            _mm256_add_ps(s, s),
-            poly(&ATANH_SERIES, _mm256_mul_ps(s, s)),
-        );
-        // max with x second propagates NaN.
-        _mm256_add_ps(_mm256_max_ps(splat(0.0), x), l)
+        let small = p.mul(z).fmadd(x, x);
+        let e = exp(a.add(a));
+        let big = x.sign_onto(splat::<T>(1.0).sub(splat::<T>(2.0).div(e.add(splat(1.0)))));
+        T::select(a.lt(splat(0.625)), small, big)
     }
 
     #[inline(always)]
-    pub unsafe fn eval(f: Func, x: __m256) -> __m256 {
+    pub unsafe fn sigmoid<T: V>(x: T) -> T {
+        let e = exp(splat::<T>(0.0).sub(x));
+        splat::<T>(1.0).div(splat::<T>(1.0).add(e))
+    }
+
+    #[inline(always)]
+    pub unsafe fn silu<T: V>(x: T) -> T {
+        let e = exp(splat::<T>(0.0).sub(x));
+        x.div(splat::<T>(1.0).add(e))
+    }
+
+    /// erfc(z) for z ≥ 0 (see `ERFC_P`).
+    #[inline(always)]
+    unsafe fn erfc_pos<T: V>(z: T) -> T {
+        let t = splat::<T>(1.0).div(splat::<T>(0.5).fmadd(z, splat(1.0)));
+        let arg = z.fnmadd(z, poly(&ERFC_P, t));
+        t.mul(exp(arg))
+    }
+
+    #[inline(always)]
+    pub unsafe fn erf<T: V>(x: T) -> T {
+        let a = x.abs();
+        let small = x.mul(poly(&ERF_SERIES, x.mul(x)));
+        let big = x.sign_onto(splat::<T>(1.0).sub(erfc_pos(a)));
+        T::select(a.lt(splat(0.5)), small, big)
+    }
+
+    #[inline(always)]
+    pub unsafe fn gelu<T: V>(x: T) -> T {
+        let half_x = splat::<T>(0.5).mul(x);
+        let u = x.mul(splat(std::f32::consts::FRAC_1_SQRT_2));
+        let a = u.abs();
+        let small = half_x.mul(u.fmadd(poly(&ERF_SERIES, u.mul(u)), splat(1.0)));
+        let ec = erfc_pos(a);
+        let neg = half_x.mul(ec);
+        let pos = half_x.mul(splat::<T>(2.0).sub(ec));
+        let big = T::select(x.lt(splat(0.0)), neg, pos);
+        T::select(a.lt(splat(0.5)), small, big)
+    }
+
+    #[inline(always)]
+    pub unsafe fn gelu_tanh<T: V>(x: T) -> T {
+        let x3 = x.mul(x).mul(x);
+        let u = splat::<T>(0.797_884_6).mul(splat::<T>(0.044715).fmadd(x3, x));
+        x.mul(sigmoid(u.add(u)))
+    }
+
+    #[inline(always)]
+    pub unsafe fn softplus<T: V>(x: T) -> T {
+        let u = exp(splat::<T>(0.0).sub(x.abs()));
+        let s = u.div(splat::<T>(2.0).add(u));
+        let l = s.add(s).mul(poly(&ATANH_SERIES, s.mul(s)));
+        // max with x second propagates NaN.
+        splat::<T>(0.0).max(x).add(l)
+    }
+
+    #[inline(always)]
+    pub unsafe fn eval<T: V>(f: Func, x: T) -> T {
         match f {
             Func::Exp => exp(x),
             Func::Tanh => tanh(x),
@@ -355,20 +515,55 @@ pub mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn apply(f: Func, xs: &mut [f32]) {
-        let mut chunks = xs.chunks_exact_mut(8);
+    #[inline(always)]
+    pub unsafe fn apply<T: V>(f: Func, xs: &mut [f32]) {
+        let mut chunks = xs.chunks_exact_mut(T::LANES);
         for c in &mut chunks {
-            let v = _mm256_loadu_ps(c.as_ptr());
-            _mm256_storeu_ps(c.as_mut_ptr(), eval(f, v));
+            eval(f, T::load(c.as_ptr())).store(c.as_mut_ptr());
         }
         let tail = chunks.into_remainder();
         if !tail.is_empty() {
-            let mut buf = [0.0f32; 8];
+            let mut buf = [0.0f32; 16];
             buf[..tail.len()].copy_from_slice(tail);
-            let v = eval(f, _mm256_loadu_ps(buf.as_ptr()));
-            _mm256_storeu_ps(buf.as_mut_ptr(), v);
+            eval(f, T::load(buf.as_ptr())).store(buf.as_mut_ptr());
             tail.copy_from_slice(&buf[..tail.len()]);
         }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::missing_safety_doc)]
+pub mod avx2 {
+    //! Eight-lane versions; every function requires AVX2 + FMA (callers hold an AVX2 `Isa`).
+    use super::{lanes, Func};
+    use std::arch::x86_64::__m256;
+
+    macro_rules! wrap {
+        ($($name:ident),*) => {$(
+            #[inline]
+            #[target_feature(enable = "avx2,fma")]
+            pub unsafe fn $name(x: __m256) -> __m256 {
+                lanes::$name(x)
+            }
+        )*};
+    }
+    wrap!(exp, tanh, sigmoid, silu, erf, gelu, gelu_tanh, softplus);
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn apply(f: Func, xs: &mut [f32]) {
+        lanes::apply::<__m256>(f, xs)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::missing_safety_doc)]
+pub mod avx512 {
+    //! Sixteen-lane versions; every function requires AVX-512F (callers hold an AVX-512 `Isa`).
+    use super::{lanes, Func};
+    use std::arch::x86_64::__m512;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn apply(f: Func, xs: &mut [f32]) {
+        lanes::apply::<__m512>(f, xs)
     }
 }

@@ -1,10 +1,20 @@
 //! The CPU executor: walks a plan over buffers allocated once per (batch, seq) shape, with
-//! f32 kernels that allocate nothing. Reductions (norm statistics) in f64; products in f32.
+//! f32 kernels that allocate nothing per call (the op kernels' scratch comes from the reused
+//! arena). Reductions (norm statistics) in f64; products in f32 on the GEMM, attention on the
+//! flash_attention op's kernel, the Mamba scan on the selective scan's.
 
 use super::plan::{MambaOp, Op, Plan, Size};
+use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
+use crate::cpu::math::{self, Func};
+use crate::cpu::Isa;
 use crate::error::{arg_error, Result};
 use crate::ops::dense::DenseScratch;
+use crate::ops::flash_attention as fa;
 use crate::ops::rnn::RnnScratch;
+use crate::ops::selective_scan::{
+    scan_f32_into, Discretization, Geometry as ScanGeometry, Initial, Params as ScanParams,
+    SlicesF32,
+};
 
 /// Whether a call is a whole window (its own rows only, fresh state) or one streamed frame
 /// (state carried in the slots; `frames` counts this frame too).
@@ -152,10 +162,8 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                 head_dim,
                 k_cache,
                 v_cache,
-                scores,
             } => {
                 let mut o = std::mem::take(&mut bufs[*out]);
-                let mut sc = std::mem::take(&mut bufs[*scores]);
                 let window = plan.spec.window;
                 let hid = heads * head_dim;
                 match mode {
@@ -163,7 +171,6 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                         (&bufs[*q], &bufs[*k], &bufs[*v]),
                         (b, t, t, *heads, *head_dim),
                         window - 1,
-                        &mut sc,
                         &mut o,
                     ),
                     Mode::Frame { frames } => {
@@ -181,15 +188,13 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
                             (&bufs[*q], &slots[*k_cache], &slots[*v_cache]),
                             (b, 1, window, *heads, *head_dim),
                             left,
-                            &mut sc,
                             &mut o,
                         );
                     }
                 }
                 bufs[*out] = o;
-                bufs[*scores] = sc;
             }
-            Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t)),
+            Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t))?,
         }
     }
     Ok(())
@@ -237,102 +242,55 @@ fn layer_norm_inplace(x: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], e
     }
 }
 
-/// `out{rows, n} = x{rows, k} · w{k, n} + bias`, four rows at a time so each weight row is
-/// read once per four outputs.
-fn dense(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], bias: &[f32], out: &mut [f32]) {
-    let mut i = 0;
-    while i + 4 <= rows {
-        let (o0, rest) = out[i * n..(i + 4) * n].split_at_mut(n);
-        let (o1, rest) = rest.split_at_mut(n);
-        let (o2, o3) = rest.split_at_mut(n);
-        for o in [&mut *o0, &mut *o1, &mut *o2, &mut *o3] {
-            o.copy_from_slice(bias);
-        }
-        for kk in 0..k {
-            let a = [
-                x[i * k + kk],
-                x[(i + 1) * k + kk],
-                x[(i + 2) * k + kk],
-                x[(i + 3) * k + kk],
-            ];
-            let wr = &w[kk * n..(kk + 1) * n];
-            for j in 0..n {
-                let wv = wr[j];
-                o0[j] += a[0] * wv;
-                o1[j] += a[1] * wv;
-                o2[j] += a[2] * wv;
-                o3[j] += a[3] * wv;
-            }
-        }
-        i += 4;
-    }
-    for i in i..rows {
-        let o = &mut out[i * n..(i + 1) * n];
-        o.copy_from_slice(bias);
-        for (kk, &a) in x[i * k..(i + 1) * k].iter().enumerate() {
-            for (ov, &wv) in o.iter_mut().zip(&w[kk * n..(kk + 1) * n]) {
-                *ov += a * wv;
-            }
-        }
-    }
-}
-
-/// `out{rows, n} = x{rows, k} · w{k, n}` (no bias).
-fn matmul(x: &[f32], rows: usize, k: usize, n: usize, w: &[f32], out: &mut [f32]) {
-    for i in 0..rows {
-        let o = &mut out[i * n..(i + 1) * n];
-        o.fill(0.0);
-        for (kk, &a) in x[i * k..(i + 1) * k].iter().enumerate() {
-            for (ov, &wv) in o.iter_mut().zip(&w[kk * n..(kk + 1) * n]) {
-                *ov += a * wv;
-            }
-        }
-    }
-}
-
-fn silu(v: f32) -> f32 {
-    v / (1.0 + (-v).exp())
-}
-
 /// Causal attention per (batch, head): query i of `tq` sees keys `hi - left ..= hi` with
-/// `hi = i + tk - tq` (FlashAttention's bottom-right alignment), scale 1/sqrt(head_dim).
+/// `hi = i + tk - tq` (FlashAttention's bottom-right alignment), scale 1/sqrt(head_dim): the
+/// flash_attention op's f32 kernel on these buffers.
 fn attention(
     (q, k, v): (&[f32], &[f32], &[f32]),
     (b, tq, tk, heads, d): (usize, usize, usize, usize, usize),
     left: usize,
-    scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let hid = heads * d;
-    let scale = 1.0 / (d as f32).sqrt();
-    for bi in 0..b {
-        for hh in 0..heads {
-            for i in 0..tq {
-                let qr = &q[(bi * tq + i) * hid + hh * d..][..d];
-                let hi = i + tk - tq;
-                let lo = hi.saturating_sub(left);
-                let mut max = f32::NEG_INFINITY;
-                for j in lo..=hi {
-                    let kr = &k[(bi * tk + j) * hid + hh * d..][..d];
-                    let s = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    scores[j - lo] = s;
-                    max = max.max(s);
-                }
-                let mut sum = 0.0f32;
-                for s in &mut scores[..=hi - lo] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let or = &mut out[(bi * tq + i) * hid + hh * d..][..d];
-                or.fill(0.0);
-                for j in lo..=hi {
-                    let p = scores[j - lo] / sum;
-                    let vr = &v[(bi * tk + j) * hid + hh * d..][..d];
-                    or.iter_mut().zip(vr).for_each(|(o, v)| *o += p * v);
-                }
-            }
-        }
-    }
+    let g = fa::Geometry {
+        batch: b,
+        heads,
+        kv_heads: heads,
+        sq: tq,
+        sk: tk,
+        d,
+        layout: fa::Layout::Bshd,
+    };
+    let p = fa::Params {
+        layout: fa::Layout::Bshd,
+        scale: None,
+        causal: true,
+        window: (left as i64, -1),
+    };
+    let (nq, nk) = (b * tq * heads * d, b * tk * heads * d);
+    fa::cpu_f32_into(
+        Isa::best(),
+        (&q[..nq], &k[..nk], &v[..nk]),
+        &g,
+        &p,
+        &mut out[..nq],
+        None,
+    );
+}
+
+/// `out{rows, n} = bias + x{rows, k} · w{k, n}` on the GEMM (w row-major, used in place).
+fn project(x: &[f32], rows: usize, k: usize, w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    let n = w.len() / k;
+    let init = bias.map_or(Init::Zero, Init::Bias);
+    gemm_rhs(
+        Isa::best(),
+        rows,
+        x,
+        k,
+        Rhs::RowMajor { b: w, k, n },
+        out,
+        n,
+        init,
+    );
 }
 
 /// One Mamba block (Edifice's) over `{b, t, hidden}` rows, from and into the conv/ssm state.
@@ -342,7 +300,7 @@ fn mamba(
     bufs: &mut [Vec<f32>],
     slots: &mut [Vec<f32>],
     (b, t): (usize, usize),
-) {
+) -> Result<()> {
     let rows = b * t;
     let (inner, n, km1) = (m.inner, m.state, m.conv - 1);
     let mut take = |i: usize| std::mem::take(&mut bufs[i]);
@@ -358,13 +316,12 @@ fn mamba(
     );
     let x = &bufs[m.x];
     layer_norm(x, &mut xn, m.hidden, &w[m.gamma], &w[m.beta], m.eps);
-    dense(
+    project(
         &xn,
         rows,
         m.hidden,
-        2 * inner,
         &w[m.in_kernel],
-        &w[m.in_bias],
+        Some(&w[m.in_bias]),
         &mut xz,
     );
     let (conv_state, ssm_state) = {
@@ -396,7 +353,7 @@ fn mamba(
                     .zip(input)
                     .for_each(|((o, &tw), &v)| *o += tw * v);
             }
-            xcr.iter_mut().for_each(|v| *v = silu(*v));
+            math::apply(Isa::best(), Func::Silu, xcr);
         }
         // The new conv state: the last k - 1 conv inputs (reading only indices not yet
         // overwritten: slot j takes slot j + t when it comes from the old state).
@@ -412,54 +369,69 @@ fn mamba(
             }
         }
     }
-    dense(
+    project(
         &xc,
         rows,
         inner,
-        2 * n,
         &w[m.bc_kernel],
-        &w[m.bc_bias],
+        Some(&w[m.bc_bias]),
         &mut bc,
     );
-    dense(
+    project(
         &xc,
         rows,
         inner,
-        m.dt_rank,
         &w[m.dtr_kernel],
-        &w[m.dtr_bias],
+        Some(&w[m.dtr_bias]),
         &mut r,
     );
-    matmul(&r, rows, m.dt_rank, inner, &w[m.dtp_kernel], &mut dt);
-    let (a, d, dtb) = (&w[m.a], &w[m.d], &w[m.dtp_bias]);
-    for bi in 0..b {
-        for ch in 0..inner {
-            let hstate = &mut ssm_state[(bi * inner + ch) * n..][..n];
-            let arow = &a[ch * n..(ch + 1) * n];
-            for s in 0..t {
-                let row = bi * t + s;
-                let raw = dt[row * inner + ch] + dtb[ch];
-                let sp = if raw <= 20.0 { raw.exp().ln_1p() } else { raw };
-                let delta = sp.clamp(m.dt_min, m.dt_max);
-                let u = xc[row * inner + ch];
-                let (bm, cm) = bc[row * 2 * n..(row + 1) * 2 * n].split_at(n);
-                let mut acc = 0.0f32;
-                for k in 0..n {
-                    hstate[k] = (delta * arow[k]).exp() * hstate[k] + delta * bm[k] * u;
-                    acc += hstate[k] * cm[k];
-                }
-                let z = xz[row * 2 * inner + inner + ch];
-                y[row * inner + ch] = (acc + d[ch] * u) * silu(z);
-            }
-        }
+    project(&r, rows, m.dt_rank, &w[m.dtp_kernel], None, &mut dt);
+    // The scan (B and C read in place from the bc rows, the state advanced in place), then
+    // the gate: y · SiLU(z), z the second half of the in-projection's rows.
+    let sg = ScanGeometry {
+        batch: b,
+        seq: t,
+        dim: inner,
+        state: n,
+        groups: 1,
+    };
+    let sp = ScanParams {
+        delta_softplus: true,
+        clip: Some((m.dt_min as f64, m.dt_max as f64)),
+        discretization: Discretization::PerChannel,
+        return_last_state: true,
+    };
+    let ins = SlicesF32 {
+        u: &xc[..rows * inner],
+        delta: &dt[..rows * inner],
+        a: &w[m.a],
+        b: &bc[..rows * 2 * n],
+        c: &bc[n..rows * 2 * n],
+        d: Some(&w[m.d]),
+        z: None,
+        delta_bias: Some(&w[m.dtp_bias]),
+        h0: Initial::InLast,
+        bc_stride: 2 * n,
+    };
+    let scanned = scan_f32_into(
+        Isa::best(),
+        &ins,
+        sg,
+        sp,
+        &mut y[..rows * inner],
+        &mut ssm_state[..b * inner * n],
+    );
+    for (row, yr) in y.chunks_exact_mut(inner).take(rows).enumerate() {
+        let z = &mut xz[row * 2 * inner + inner..(row + 1) * 2 * inner];
+        math::apply(Isa::best(), Func::Silu, z);
+        yr.iter_mut().zip(z.iter()).for_each(|(v, g)| *v *= g);
     }
-    dense(
+    project(
         &y,
         rows,
         inner,
-        m.hidden,
         &w[m.out_kernel],
-        &w[m.out_bias],
+        Some(&w[m.out_bias]),
         &mut out,
     );
     out.iter_mut().zip(x).for_each(|(o, v)| *o += v);
@@ -475,4 +447,6 @@ fn mamba(
     ] {
         bufs[i] = v;
     }
+    // After the buffers are back: an error (the scan's scratch refused) leaves them intact.
+    scanned
 }

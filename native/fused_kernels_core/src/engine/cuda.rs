@@ -16,10 +16,13 @@
 //!
 //! The second call of a shape (and, for frames, of each state) is captured as a CUDA graph
 //! and later calls replay it: input and output go through page-locked staging copied inside
-//! the graph, so a replayed call is one host copy in, one graph launch, one wait on the
-//! engine's stream and one host copy out, and runs none of the ops' host code (their kernel
-//! look-ups in the device's module map, their checks). A capture that fails leaves that shape
-//! eager, with the reason in `graphs`.
+//! the graph (a recurrent backbone's window is read in place from the staging instead:
+//! `mapped_input`), so a replayed call is the caller writing the input into the staging, one
+//! graph launch, one wait on the engine's stream and one read of the output staging, and runs
+//! none of the ops' host code (their kernel look-ups in the device's module map, their
+//! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
+//! `try_quick_step` replays a frame for a caller that must not block (the NIF on a normal
+//! scheduler) when the engine is free and the frame's graph is known to be quick.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -37,11 +40,12 @@ use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaFunction, CudaGraph};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// One shape's device memory, handed out slot by slot in request order.
 struct Arena {
@@ -89,6 +93,9 @@ struct Graph {
     state: u64,
     generation: u64,
     exec: std::result::Result<Exec, String>,
+    /// Host nanoseconds from launch to the stream's completion at its last replay
+    /// (`u64::MAX` before the first): `try_quick_step` replays only graphs known to be quick.
+    last_ns: u64,
 }
 
 /// An instantiated graph, moved between threads with the engine.
@@ -107,6 +114,8 @@ struct Shape {
     key: (usize, usize, bool),
     arena: Arena,
     input: PinnedBytes,
+    /// `input`'s device address when the first layer reads it in place (`mapped_input`).
+    input_dev: Option<u64>,
     output: PinnedBytes,
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
@@ -117,6 +126,45 @@ struct Shape {
 pub type ShapeGraphs = (usize, usize, bool, Vec<String>);
 
 static STATE_IDS: AtomicU64 = AtomicU64::new(1);
+
+/// Where one call's time went (the call-path bench, benches/engine_call.rs, reads it): host
+/// nanoseconds from entry to the shape's staging (`lock_ns`), writing the input into it
+/// (`stage_ns`), launching the graph or queueing the layers (`launch_ns`), waiting for the
+/// engine's stream (`wait_ns`) and reading the output (`read_ns`); for a replayed graph,
+/// `device_ns` between two events queued around its launch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallTimes {
+    pub lock_ns: u64,
+    pub stage_ns: u64,
+    pub launch_ns: u64,
+    pub wait_ns: u64,
+    pub read_ns: u64,
+    pub device_ns: Option<u64>,
+}
+
+/// `CudaEngine::profiler`'s events and the last profiled call's `CallTimes`. Profiling adds
+/// two event records to a replayed call; calls without it record nothing.
+pub struct Profiler {
+    events: (CudaEvent, CudaEvent),
+    pub last: CallTimes,
+}
+
+/// Page-locked staging seen as f32 values (page-aligned, a whole number of values).
+fn pinned_f32_mut(p: &mut PinnedBytes) -> Result<&mut [f32]> {
+    // Safety: any bytes are valid f32 values.
+    match unsafe { p.bytes_mut().align_to_mut::<f32>() } {
+        ([], v, []) => Ok(v),
+        _ => Err(Error::Cuda("page-locked staging is not f32-aligned".into())),
+    }
+}
+
+fn pinned_f32(p: &PinnedBytes) -> Result<&[f32]> {
+    // Safety: as in `pinned_f32_mut`.
+    match unsafe { p.bytes().align_to::<f32>() } {
+        ([], v, []) => Ok(v),
+        _ => Err(Error::Cuda("page-locked staging is not f32-aligned".into())),
+    }
+}
 
 pub struct CudaEngine {
     pub spec: Spec,
@@ -287,11 +335,12 @@ impl CudaEngine {
     fn call(
         &self,
         key: (usize, usize, bool),
-        x: &[f32],
+        fill: impl FnOnce(&mut [f32]),
         state: Option<&mut CudaState>,
-        read: impl FnOnce(&[u8]),
+        read: impl FnOnce(&[f32]),
+        prof: Option<&mut Profiler>,
     ) -> Result<()> {
-        let r = self.call_inner(key, x, state, read);
+        let r = self.call_inner(key, fill, state, read, prof);
         if r.is_err() {
             // Work queued before the failure must finish before the next call reuses the
             // staging and the arena.
@@ -303,10 +352,12 @@ impl CudaEngine {
     fn call_inner(
         &self,
         key: (usize, usize, bool),
-        x: &[f32],
+        fill: impl FnOnce(&mut [f32]),
         mut state: Option<&mut CudaState>,
-        read: impl FnOnce(&[u8]),
+        read: impl FnOnce(&[f32]),
+        mut prof: Option<&mut Profiler>,
     ) -> Result<()> {
+        let t0 = prof.as_ref().map(|_| Instant::now());
         let (b, t, _) = key;
         let s = &self.spec;
         let mut shapes = self
@@ -316,6 +367,7 @@ impl CudaEngine {
         let i = match shapes.iter().position(|sh| sh.key == key) {
             Some(i) => i,
             None => {
+                let input = PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?;
                 shapes.push(Shape {
                     key,
                     arena: Arena {
@@ -324,7 +376,12 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input: PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?,
+                    input_dev: if t > 1 {
+                        self.mapped_input(&input)
+                    } else {
+                        None
+                    },
+                    input,
                     output: PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?,
                     warm: false,
                     graphs: Vec::new(),
@@ -333,12 +390,11 @@ impl CudaEngine {
             }
         };
         let sh = &mut shapes[i];
-        if x.len() * 4 != sh.input.len() {
-            return Err(arg_error("x: must hold batch * seq * embed values"));
-        }
-        for (d, v) in sh.input.bytes_mut().chunks_exact_mut(4).zip(x) {
-            d.copy_from_slice(&v.to_le_bytes());
-        }
+        let t1 = prof.as_ref().map(|_| Instant::now());
+        // The caller writes the input straight into the page-locked staging (no host copy
+        // of its own, no allocation).
+        fill(pinned_f32_mut(&mut sh.input)?);
+        let t2 = prof.as_ref().map(|_| Instant::now());
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
             (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
@@ -356,12 +412,25 @@ impl CudaEngine {
             g.0.launch()
                 .map_err(|e| format!("graph launch: {}", Error::from(e)))
         };
+        let mut replayed = None;
         match found {
             Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
+                let started = Instant::now();
                 let launched = match &sh.graphs[gi].exec {
-                    Ok(g) => launch(g),
+                    Ok(g) => match prof.as_deref_mut() {
+                        None => launch(g),
+                        Some(p) => {
+                            p.events.0.record(&self.gpu.stream)?;
+                            let l = launch(g);
+                            p.events.1.record(&self.gpu.stream)?;
+                            l
+                        }
+                    },
                     Err(why) => Err(why.clone()),
                 };
+                if launched.is_ok() {
+                    replayed = Some((gi, started));
+                }
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
                     sh.graphs[gi].exec = Err(why);
@@ -386,12 +455,37 @@ impl CudaEngine {
                     state: sid,
                     generation,
                     exec,
+                    last_ns: u64::MAX,
                 });
             }
             _ => self.eager(sh, state)?,
         }
+        let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
-        read(sh.output.bytes());
+        if let Some((gi, started)) = replayed {
+            sh.graphs[gi].last_ns = started.elapsed().as_nanos() as u64;
+        }
+        let t4 = prof.as_ref().map(|_| Instant::now());
+        read(pinned_f32(&sh.output)?);
+        if let (Some(p), Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) =
+            (prof, t0, t1, t2, t3, t4)
+        {
+            let t5 = Instant::now();
+            let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+            p.last = CallTimes {
+                lock_ns: ns(t0, t1),
+                stage_ns: ns(t1, t2),
+                launch_ns: ns(t2, t3),
+                wait_ns: ns(t3, t4),
+                read_ns: ns(t4, t5),
+                device_ns: if replayed.is_some() {
+                    let ms = p.events.0.elapsed_ms(&p.events.1)?;
+                    Some((f64::from(ms) * 1e6) as u64)
+                } else {
+                    None
+                },
+            };
+        }
         Ok(())
     }
 
@@ -401,17 +495,54 @@ impl CudaEngine {
         let Shape {
             arena,
             input,
+            input_dev,
             output,
             ..
         } = sh;
         arena.next = 0;
         let gpu = self.gpu.clone();
         let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
+        let shape = vec![b, t, self.spec.embed];
         buffer::with_scratch(&mut alloc, || {
-            let mut xd = self.buf(vec![b, t, self.spec.embed])?;
-            xd.copy_from_pinned(input)?;
+            let xd = match *input_dev {
+                // Safety: `input` holds exactly this shape's f32 values, lives as long as
+                // the shape (and every graph of it), and is written by the host only
+                // between calls, after the stream was waited for.
+                Some(addr) => unsafe { DeviceTensor::borrowed(&self.gpu, addr, shape, DType::F32) },
+                None => {
+                    let mut xd = self.buf(shape)?;
+                    xd.copy_from_pinned(input)?;
+                    xd
+                }
+            };
             self.forward(&xd, state)?.copy_to_pinned(output)
         })
+    }
+
+    /// The device address of the page-locked `input` when the first layer should read a
+    /// window in place instead of a copy node putting it in device memory first. A copy node
+    /// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies
+    /// completes in 10.3 µs, an empty one in 1.2 µs); reading the window inside the first
+    /// kernel instead took the GRU windows from 240 to 230 µs (2 x 256, window 60) and from
+    /// 73 to 69 µs (1 layer, window 16), but the frames from 70 to 76 and 45 to 51 µs, so
+    /// frames keep the copy (the caller passes only windows here). Only for the recurrent
+    /// backbones, whose first layer is a LayerNorm streaming its input rows; the others
+    /// start with a GEMM, which would fetch its input over the bus once per output tile.
+    /// None (copy) where the driver gives no device address.
+    fn mapped_input(&self, input: &PinnedBytes) -> Option<u64> {
+        if !matches!(self.spec.kind, Kind::Lstm | Kind::Gru) || input.is_empty() {
+            return None;
+        }
+        let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+        // Safety: `input` is page-locked memory from cuMemHostAlloc, alive for the call.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+                &mut dev,
+                input.bytes().as_ptr() as *mut std::ffi::c_void,
+                0,
+            )
+        };
+        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && dev != 0).then_some(dev)
     }
 
     fn eager(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
@@ -754,26 +885,38 @@ impl CudaEngine {
     /// The window `{batch, seq, embed}` (f32 values) from zero state; the last position of
     /// every batch row into `out` (`batch * hidden`).
     pub fn predict(&self, batch: usize, seq: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+        if x.len() != batch * seq * self.spec.embed {
+            return Err(arg_error("window: must hold batch * seq * embed values"));
+        }
+        self.predict_with(batch, seq, |buf| buf.copy_from_slice(x), out, None)
+    }
+
+    /// `predict` with the window written by `fill` straight into the page-locked staging
+    /// (`batch * seq * embed` values), and with `prof` the call's pieces timed.
+    pub fn predict_with(
+        &self,
+        batch: usize,
+        seq: usize,
+        fill: impl FnOnce(&mut [f32]),
+        out: &mut [f32],
+        prof: Option<&mut Profiler>,
+    ) -> Result<()> {
         let (emb, hid) = (self.spec.embed, self.spec.hidden);
         if batch == 0 || seq == 0 {
             return Err(arg_error(format!(
                 "window: batch and window length must be positive, got {{{batch}, {seq}, {emb}}}"
             )));
         }
-        if x.len() != batch * seq * emb || out.len() != batch * hid {
-            return Err(arg_error(
-                "window: must hold batch * seq * embed values and out batch * hidden",
-            ));
+        if out.len() != batch * hid {
+            return Err(arg_error("out: must hold batch * hidden values"));
         }
-        self.call((batch, seq, false), x, None, |y| {
+        let read = |y: &[f32]| {
             for bi in 0..batch {
-                let row = (bi * seq + seq - 1) * hid * 4;
-                for (j, o) in out[bi * hid..(bi + 1) * hid].iter_mut().enumerate() {
-                    let c = &y[row + 4 * j..row + 4 * j + 4];
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+                let row = (bi * seq + seq - 1) * hid;
+                out[bi * hid..(bi + 1) * hid].copy_from_slice(&y[row..row + hid]);
             }
-        })
+        };
+        self.call((batch, seq, false), fill, None, read, prof)
     }
 
     pub fn new_state(&self, batch: usize) -> Result<CudaState> {
@@ -821,22 +964,118 @@ impl CudaEngine {
     /// One frame (`batch * embed` f32 values) from `state`, which moves on one frame;
     /// `{batch, hidden}` into `out`.
     pub fn step(&self, state: &mut CudaState, x: &[f32], out: &mut [f32]) -> Result<()> {
+        if x.len() != state.batch * self.spec.embed {
+            return Err(arg_error("frame: must hold batch * embed values"));
+        }
+        self.step_with(state, |buf| buf.copy_from_slice(x), out, None)
+    }
+
+    /// `step` with the frame written by `fill` straight into the page-locked staging
+    /// (`batch * embed` values), and with `prof` the call's pieces timed.
+    pub fn step_with(
+        &self,
+        state: &mut CudaState,
+        fill: impl FnOnce(&mut [f32]),
+        out: &mut [f32],
+        prof: Option<&mut Profiler>,
+    ) -> Result<()> {
         if state.layers.len() != self.spec.layers {
             return Err(arg_error(
                 "state: was not made by init_state of this backbone",
             ));
         }
         let batch = state.batch;
-        if x.len() != batch * self.spec.embed || out.len() != batch * self.spec.hidden {
-            return Err(arg_error(
-                "frame: must hold batch * embed values and out batch * hidden",
-            ));
+        if out.len() != batch * self.spec.hidden {
+            return Err(arg_error("out: must hold batch * hidden values"));
         }
         state.frames += 1;
-        self.call((batch, 1, true), x, Some(state), |y| {
-            for (o, c) in out.iter_mut().zip(y.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let read = |y: &[f32]| out.copy_from_slice(&y[..out.len()]);
+        self.call((batch, 1, true), fill, Some(state), read, prof)
+    }
+
+    /// `step_with`, but only when it is sure to be quick, for a caller that must not block
+    /// (the NIF on a normal scheduler): the engine is free (`try_lock`), this state's frame
+    /// graph is captured and current, and its last replay took at most `max_ns` from launch
+    /// to completion. Then the graph is replayed and waited for by spinning on the stream
+    /// (no sleep, no wake-up), and the answer is `true`. Otherwise nothing is done, the state
+    /// is untouched, and the answer is `false`: the caller runs `step_with` where it may
+    /// block. A frame's replay time is the same call after call, so the bound holds unless
+    /// the GPU is suddenly shared; a replay that ran long is recorded and sends the next
+    /// frames the slow way.
+    pub fn try_quick_step(
+        &self,
+        state: &mut CudaState,
+        fill: impl FnOnce(&mut [f32]),
+        out: &mut [f32],
+        max_ns: u64,
+    ) -> Result<bool> {
+        let s = &self.spec;
+        if state.layers.len() != s.layers || out.len() != state.batch * s.hidden {
+            return Ok(false);
+        }
+        // Attention frames replay only once their cache window is full (see `call`).
+        if matches!(s.kind, Kind::Attention | Kind::Jamba) && state.frames + 1 < s.window as u64 {
+            return Ok(false);
+        }
+        let Ok(mut shapes) = self.shapes.try_lock() else {
+            return Ok(false);
+        };
+        let key = (state.batch, 1, true);
+        let Some(sh) = shapes.iter_mut().find(|sh| sh.key == key) else {
+            return Ok(false);
+        };
+        let Shape {
+            arena,
+            input,
+            output,
+            graphs,
+            ..
+        } = sh;
+        let Some(g) = graphs.iter_mut().find(|g| g.state == state.id) else {
+            return Ok(false);
+        };
+        let Ok(exec) = &g.exec else {
+            return Ok(false);
+        };
+        if g.generation != arena.generation || g.last_ns > max_ns {
+            return Ok(false);
+        }
+        fill(pinned_f32_mut(input)?);
+        let started = Instant::now();
+        if exec.0.launch().is_err() {
+            // Nothing was queued; `step_with` retries and records why.
+            return Ok(false);
+        }
+        state.frames += 1;
+        let stream = self.gpu.stream.cu_stream();
+        loop {
+            // Safety: the engine's stream, alive while the engine is; the context is bound
+            // to this thread (the launch bound it).
+            match unsafe { cudarc::driver::sys::cuStreamQuery(stream) } {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => break,
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
+                e => {
+                    let _ = self.gpu.stream.synchronize();
+                    return Err(Error::Cuda(format!("waiting for a frame: {e:?}")));
+                }
             }
+        }
+        g.last_ns = started.elapsed().as_nanos() as u64;
+        out.copy_from_slice(&pinned_f32(output)?[..out.len()]);
+        Ok(true)
+    }
+
+    /// Two events on the engine's context for `*_with(.., Some(profiler))`.
+    pub fn profiler(&self) -> Result<Profiler> {
+        let event = || {
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(Error::from)
+        };
+        Ok(Profiler {
+            events: (event()?, event()?),
+            last: CallTimes::default(),
         })
     }
 }

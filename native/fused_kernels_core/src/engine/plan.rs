@@ -270,7 +270,6 @@ pub enum Op {
         head_dim: usize,
         k_cache: Slot,
         v_cache: Slot,
-        scores: Buf,
     },
     Mamba(Box<MambaOp>),
 }
@@ -437,8 +436,6 @@ impl Builder<'_> {
             self.slot(spec.window * spec.hidden),
             self.slot(spec.window * spec.hidden),
         );
-        self.buffers.push(Size::Fixed(spec.window));
-        let scores = self.buffers.len() - 1;
         self.ops.push(Op::Attention {
             q,
             k,
@@ -448,7 +445,6 @@ impl Builder<'_> {
             head_dim: spec.head_dim,
             k_cache,
             v_cache,
-            scores,
         });
         out
     }

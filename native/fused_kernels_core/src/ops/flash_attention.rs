@@ -5,7 +5,7 @@
 //! A query row that sees no key outputs zeros and has lse = +inf (as FlashAttention does, so
 //! that `exp(s - lse)` is 0).
 
-use crate::cpu::pool;
+use crate::cpu::{arena, pool, Isa};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
@@ -239,6 +239,13 @@ pub fn geometry(
 // ---------------------------------------------------------------------------------------
 // CPU
 
+/// Keys scored per block of the online softmax (the scores live on the stack).
+const KEY_BLOCK: usize = 64;
+/// Query rows per pool task: small enough to balance causal rows, large enough to amortise.
+const ROW_BLOCK: usize = 16;
+/// Below this many multiply-adds a call runs on the calling thread.
+const PARALLEL_MACS: usize = 1 << 19;
+
 /// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
 trait Float:
     Copy
@@ -281,124 +288,399 @@ macro_rules! impl_float {
 impl_float!(f32);
 impl_float!(f64);
 
-fn dot<F: Float>(a: &[F], b: &[F]) -> F {
-    // Four partial sums: lets the compiler vectorise without reassociating one chain.
-    let mut s = [F::ZERO; 4];
-    let chunks = a.len() / 4;
-    for c in 0..chunks {
-        for l in 0..4 {
-            s[l] = s[l] + a[4 * c + l] * b[4 * c + l];
-        }
-    }
-    let mut t = (s[0] + s[1]) + (s[2] + s[3]);
-    for i in chunks * 4..a.len() {
-        t = t + a[i] * b[i];
-    }
-    t
+/// The vector work of the row loop: scores, exponentials, weighted sums of value rows.
+trait RowOps<F: Float>: Copy {
+    /// `s[j] = scale · (q · rows[j])` for the `s.len()` rows at `k`, `k + stride`, ...
+    ///
+    /// # Safety
+    /// Each row must hold `q.len()` readable values.
+    unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]);
+    /// `s[j] = exp(s[j] - m)`, returning the sum.
+    fn exp_sum(self, s: &mut [F], m: F) -> F;
+    /// `acc = acc · f + Σ_j s[j] · rows[j]` over the rows at `v`, `v + stride`, ...
+    ///
+    /// # Safety
+    /// Each row must hold `acc.len()` readable values.
+    unsafe fn accumulate(self, acc: &mut [F], f: F, s: &[F], v: *const F, stride: usize);
 }
 
-/// One (batch, head): `out` is `{sq, d}` row-major, `lse` `{sq}`. `k`/`v` are `{sk, d}`.
-fn head_cpu<F: Float>(
-    q: &[F],
-    k: &[F],
-    v: &[F],
+/// Plain Rust (f64, and the reference the vector path is tested against).
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl<F: Float> RowOps<F> for Portable {
+    unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]) {
+        for (j, sj) in s.iter_mut().enumerate() {
+            let row = std::slice::from_raw_parts(k.add(j * stride), q.len());
+            // Four partial sums: lets the compiler vectorise without one long chain.
+            let mut p = [F::ZERO; 4];
+            let mut chunks = q.chunks_exact(4).zip(row.chunks_exact(4));
+            for (a, b) in &mut chunks {
+                for l in 0..4 {
+                    p[l] = p[l] + a[l] * b[l];
+                }
+            }
+            let mut t = (p[0] + p[1]) + (p[2] + p[3]);
+            let done = q.len() / 4 * 4;
+            for (a, b) in q[done..].iter().zip(&row[done..]) {
+                t = t + *a * *b;
+            }
+            *sj = t * scale;
+        }
+    }
+
+    fn exp_sum(self, s: &mut [F], m: F) -> F {
+        let mut l = F::ZERO;
+        for v in s.iter_mut() {
+            *v = (*v - m).exp();
+            l = l + *v;
+        }
+        l
+    }
+
+    unsafe fn accumulate(self, acc: &mut [F], f: F, s: &[F], v: *const F, stride: usize) {
+        acc.iter_mut().for_each(|a| *a = *a * f);
+        for (j, &e) in s.iter().enumerate() {
+            let row = std::slice::from_raw_parts(v.add(j * stride), acc.len());
+            for (a, x) in acc.iter_mut().zip(row) {
+                *a = *a + e * *x;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The f32 row operations eight lanes at a time (AVX2 + FMA; callers hold an AVX2 `Isa`).
+    use super::RowOps;
+    use crate::cpu::math;
+    use std::arch::x86_64::*;
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// `acc[..8W] = acc · f + Σ_j s[j] · v[j * stride ..][..8W]`, W registers of acc.
+    #[inline(always)]
+    unsafe fn columns<const W: usize>(
+        (acc, v): (*mut f32, *const f32),
+        f: f32,
+        s: &[f32],
+        stride: usize,
+    ) {
+        let fv = _mm256_set1_ps(f);
+        let mut a = [_mm256_setzero_ps(); W];
+        for (i, ai) in a.iter_mut().enumerate() {
+            *ai = _mm256_mul_ps(_mm256_loadu_ps(acc.add(8 * i)), fv);
+        }
+        for (j, &e) in s.iter().enumerate() {
+            let row = v.add(j * stride);
+            let ev = _mm256_set1_ps(e);
+            for (i, ai) in a.iter_mut().enumerate() {
+                *ai = _mm256_fmadd_ps(ev, _mm256_loadu_ps(row.add(8 * i)), *ai);
+            }
+        }
+        for (i, ai) in a.iter().enumerate() {
+            _mm256_storeu_ps(acc.add(8 * i), *ai);
+        }
+    }
+
+    impl RowOps<f32> for Avx2 {
+        #[inline(always)]
+        unsafe fn scores(self, q: &[f32], k: *const f32, stride: usize, scale: f32, s: &mut [f32]) {
+            let d = q.len();
+            let full = d / 8 * 8;
+            let qp = q.as_ptr();
+            let tail = |row: *const f32| {
+                let mut t = 0.0f32;
+                for c in full..d {
+                    t += *qp.add(c) * *row.add(c);
+                }
+                t
+            };
+            let mut j = 0;
+            // Eight keys per pass: each q vector is loaded once for eight FMAs, and the eight
+            // sums are reduced together (horizontal adds) into one vector of scores.
+            while j + 8 <= s.len() {
+                let r: [*const f32; 8] = std::array::from_fn(|i| k.add((j + i) * stride));
+                let mut a = [_mm256_setzero_ps(); 8];
+                let mut c = 0;
+                while c < full {
+                    let qv = _mm256_loadu_ps(qp.add(c));
+                    for i in 0..8 {
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r[i].add(c)), a[i]);
+                    }
+                    c += 8;
+                }
+                let h01 = _mm256_hadd_ps(a[0], a[1]);
+                let h23 = _mm256_hadd_ps(a[2], a[3]);
+                let h45 = _mm256_hadd_ps(a[4], a[5]);
+                let h67 = _mm256_hadd_ps(a[6], a[7]);
+                let t0 = _mm256_hadd_ps(h01, h23);
+                let t1 = _mm256_hadd_ps(h45, h67);
+                let sum = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(t0, t1),
+                    _mm256_permute2f128_ps::<0x31>(t0, t1),
+                );
+                let mut v = [0.0f32; 8];
+                _mm256_storeu_ps(v.as_mut_ptr(), sum);
+                for i in 0..8 {
+                    s[j + i] = (v[i] + tail(r[i])) * scale;
+                }
+                j += 8;
+            }
+            while j < s.len() {
+                let row = k.add(j * stride);
+                let mut a = _mm256_setzero_ps();
+                let mut c = 0;
+                while c < full {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(row.add(c)), a);
+                    c += 8;
+                }
+                s[j] = (hsum(a) + tail(row)) * scale;
+                j += 1;
+            }
+        }
+
+        #[inline(always)]
+        fn exp_sum(self, s: &mut [f32], m: f32) -> f32 {
+            s.iter_mut().for_each(|v| *v -= m);
+            // Safety: an `Avx2` exists only behind an AVX2 `Isa` (see `cpu_typed`).
+            unsafe { math::avx2::apply(math::Func::Exp, s) };
+            s.iter().sum()
+        }
+
+        #[inline(always)]
+        unsafe fn accumulate(
+            self,
+            acc: &mut [f32],
+            f: f32,
+            s: &[f32],
+            v: *const f32,
+            stride: usize,
+        ) {
+            let d = acc.len();
+            let ap = acc.as_mut_ptr();
+            // Up to 64 columns (eight registers) at a time, every key row streamed past them.
+            let mut c0 = 0;
+            while c0 + 8 <= d {
+                let w = ((d - c0) / 8).min(8);
+                let at = (ap.add(c0), v.add(c0));
+                match w {
+                    8 => columns::<8>(at, f, s, stride),
+                    7 => columns::<7>(at, f, s, stride),
+                    6 => columns::<6>(at, f, s, stride),
+                    5 => columns::<5>(at, f, s, stride),
+                    4 => columns::<4>(at, f, s, stride),
+                    3 => columns::<3>(at, f, s, stride),
+                    2 => columns::<2>(at, f, s, stride),
+                    _ => columns::<1>(at, f, s, stride),
+                }
+                c0 += 8 * w;
+            }
+            for c in c0..d {
+                let mut a = *ap.add(c) * f;
+                for (j, &e) in s.iter().enumerate() {
+                    a += e * *v.add(j * stride + c);
+                }
+                *ap.add(c) = a;
+            }
+        }
+    }
+}
+
+/// Where one call's rows are: q/k/v/out base pointers and the problem.
+#[derive(Clone, Copy)]
+struct Call<F> {
+    q: *const F,
+    k: *const F,
+    v: *const F,
+    out: *mut F,
+    lse: *mut f32,
+}
+
+/// Query rows `rows` of (batch b, head h): an online softmax over blocks of `KEY_BLOCK` keys,
+/// the running sum of value rows in `acc`, rescaled when the running maximum grows. Writes
+/// the rows of `out` and `lse` directly (q's layout).
+///
+/// # Safety
+/// `c` must point at tensors of `g`'s shapes; no other task may write these rows.
+#[inline(always)]
+unsafe fn rows<F: Float, O: RowOps<F>>(
+    ops: O,
+    c: Call<F>,
+    g: &Geometry,
+    p: &Params,
+    bh: usize,
+    rows: std::ops::Range<usize>,
+) {
+    let (qs, ks) = (g.q_strides(), g.k_strides());
+    let d = g.d;
+    let (b, h) = (bh / g.heads, bh % g.heads);
+    let kh = h / (g.heads / g.kv_heads);
+    let kbase = b * ks.sb + kh * ks.sh;
+    let scale = F::from_f64(g.scale(p));
+    let mut s = [F::ZERO; KEY_BLOCK];
+    let mut acc = [F::ZERO; MAX_HEAD_DIM];
+    let acc = &mut acc[..d];
+    for i in rows {
+        let at = b * qs.sb + i * qs.ss + h * qs.sh;
+        let q = std::slice::from_raw_parts(c.q.add(at), d);
+        let o = std::slice::from_raw_parts_mut(c.out.add(at), d);
+        // No lse wanted (the engine's attention): a null pointer.
+        let lse = (!c.lse.is_null()).then(|| c.lse.add(bh * g.sq + i));
+        let (lo, hi) = g.visible(p, i);
+        if lo > hi {
+            o.iter_mut().for_each(|v| *v = F::ZERO);
+            if let Some(lse) = lse {
+                *lse = f32::INFINITY;
+            }
+            continue;
+        }
+        acc.iter_mut().for_each(|v| *v = F::ZERO);
+        let (mut m, mut l) = (F::NEG_INF, F::ZERO);
+        let mut j0 = lo as usize;
+        while j0 <= hi as usize {
+            let n = KEY_BLOCK.min(hi as usize + 1 - j0);
+            let s = &mut s[..n];
+            let krow = kbase + j0 * ks.ss;
+            ops.scores(q, c.k.add(krow), ks.ss, scale, s);
+            let bm = s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a });
+            // The first block, or a larger maximum: rescale what was summed so far.
+            let f = if bm > m {
+                let f = if m == F::NEG_INF {
+                    F::ZERO
+                } else {
+                    (m - bm).exp()
+                };
+                m = bm;
+                f
+            } else {
+                F::from_f64(1.0)
+            };
+            l = l * f + ops.exp_sum(s, m);
+            ops.accumulate(acc, f, s, c.v.add(krow), ks.ss);
+            j0 += n;
+        }
+        let inv = F::from_f64(1.0) / l;
+        for (ov, a) in o.iter_mut().zip(acc.iter()) {
+            *ov = *a * inv;
+        }
+        if let Some(lse) = lse {
+            *lse = (m + l.ln()).to_f64() as f32;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(c: Call<f32>, g: &Geometry, p: &Params, bh: usize, r: std::ops::Range<usize>) {
+    rows(avx2::Avx2, c, g, p, bh, r)
+}
+
+/// Runs every (batch, head, row block) of the call, on the pool when it is large enough.
+fn cpu_typed<F: Float>(
+    isa: Isa,
+    (q, k, v): (&[F], &[F], &[F]),
     g: &Geometry,
     p: &Params,
     out: &mut [F],
-    lse: &mut [f32],
+    lse: Option<&mut [f32]>,
 ) {
-    let d = g.d;
-    let scale = F::from_f64(g.scale(p));
-    let mut s = vec![F::ZERO; g.sk];
-    for i in 0..g.sq {
-        let (lo, hi) = g.visible(p, i);
-        let orow = &mut out[i * d..(i + 1) * d];
-        orow.iter_mut().for_each(|o| *o = F::ZERO);
-        if lo > hi {
-            lse[i] = f32::INFINITY;
-            continue;
-        }
-        let (lo, hi) = (lo as usize, hi as usize);
-        let qrow = &q[i * d..(i + 1) * d];
-        let mut m = F::NEG_INF;
-        for j in lo..=hi {
-            s[j] = dot(qrow, &k[j * d..(j + 1) * d]) * scale;
-            if s[j] > m {
-                m = s[j];
-            }
-        }
-        let mut l = F::ZERO;
-        for j in lo..=hi {
-            let e = (s[j] - m).exp();
-            l = l + e;
-            for (o, vv) in orow.iter_mut().zip(&v[j * d..(j + 1) * d]) {
-                *o = *o + e * *vv;
-            }
-        }
-        let inv = F::from_f64(1.0) / l;
-        orow.iter_mut().for_each(|o| *o = *o * inv);
-        lse[i] = (m + l.ln()).to_f64() as f32;
-    }
-}
-
-/// Gathers head `h` of a `{batch, seq, heads, d}`/`{batch, heads, seq, d}` tensor as `{seq, d}`.
-fn gather<F: Copy>(x: &[F], st: Strides, b: usize, h: usize, seq: usize, d: usize) -> Vec<F> {
-    let mut out = Vec::with_capacity(seq * d);
-    for s in 0..seq {
-        let at = b * st.sb + s * st.ss + h * st.sh;
-        out.extend_from_slice(&x[at..at + d]);
-    }
-    out
-}
-
-fn cpu_typed<F: Float>(q: &[F], k: &[F], v: &[F], g: &Geometry, p: &Params) -> (Vec<F>, Vec<f32>) {
-    let (qs, ks) = (g.q_strides(), g.k_strides());
-    let pairs = g.batch * g.heads;
-    let group = g.heads / g.kv_heads;
-    let threads = pool::threads()
-        .min(pairs)
-        .min((pairs * g.sq * g.sk * g.d / (1 << 16)).max(1));
-    // Each pool task takes every `threads`-th (batch, head) and returns its rows; the strided
-    // scatter into the output happens after the job.
-    let work = |first: usize| {
-        let mut done = Vec::new();
-        for bh in (first..pairs).step_by(threads) {
-            let (b, h) = (bh / g.heads, bh % g.heads);
-            let qh = gather(q, qs, b, h, g.sq, g.d);
-            let kh = gather(k, ks, b, h / group, g.sk, g.d);
-            let vh = gather(v, ks, b, h / group, g.sk, g.d);
-            let mut out = vec![F::ZERO; g.sq * g.d];
-            let mut lse = vec![0.0f32; g.sq];
-            head_cpu(&qh, &kh, &vh, g, p, &mut out, &mut lse);
-            done.push((bh, out, lse));
-        }
-        done
-    };
-    let results: Vec<_> = if threads <= 1 {
-        work(0)
+    let blocks = g.sq.div_ceil(ROW_BLOCK);
+    let units = g.batch * g.heads * blocks;
+    let macs = units
+        .saturating_mul(ROW_BLOCK)
+        .saturating_mul(g.sk)
+        .saturating_mul(g.d);
+    let tasks = if macs >= PARALLEL_MACS {
+        pool::threads().min(units)
     } else {
-        let parts = std::sync::Mutex::new(Vec::new());
-        pool::run(threads, &|t| {
-            let done = work(t);
-            parts.lock().unwrap_or_else(|e| e.into_inner()).extend(done);
-        });
-        parts.into_inner().unwrap_or_else(|e| e.into_inner())
+        1
     };
-    let mut out = vec![F::ZERO; q.len()];
-    let mut lse = vec![0.0f32; pairs * g.sq];
-    for (bh, o, l) in results {
-        let (b, h) = (bh / g.heads, bh % g.heads);
-        for s in 0..g.sq {
-            let at = b * qs.sb + s * qs.ss + h * qs.sh;
-            out[at..at + g.d].copy_from_slice(&o[s * g.d..(s + 1) * g.d]);
+    let call = SendPtr(Call {
+        q: q.as_ptr(),
+        k: k.as_ptr(),
+        v: v.as_ptr(),
+        out: out.as_mut_ptr(),
+        lse: lse.map_or(std::ptr::null_mut(), |l| l.as_mut_ptr()),
+    });
+    let f32_vector = std::mem::size_of::<F>() == 4 && isa.is_avx2();
+    let work = |t: usize| {
+        let c = call.get();
+        for u in (t..units).step_by(tasks) {
+            let (bh, blk) = (u / blocks, u % blocks);
+            let r = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(g.sq);
+            // Safety: the pointers span the caller's tensors of geometry g; unit u writes only
+            // its own rows of out and lse. The f32 cast is a no-op (F is f32 there), and an
+            // AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
+            unsafe {
+                #[cfg(target_arch = "x86_64")]
+                if f32_vector {
+                    let c32: Call<f32> = std::mem::transmute_copy(&c);
+                    rows_avx2(c32, g, p, bh, r);
+                    continue;
+                }
+                let _ = f32_vector;
+                rows(Portable, c, g, p, bh, r);
+            }
         }
-        lse[bh * g.sq..(bh + 1) * g.sq].copy_from_slice(&l);
+    };
+    pool::run(tasks, &work);
+}
+
+/// Shares the call's raw pointers with the pool tasks (each writes disjoint rows).
+#[derive(Clone, Copy)]
+struct SendPtr<T>(T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T: Copy> SendPtr<T> {
+    fn get(&self) -> T {
+        self.0
     }
-    (out, lse)
+}
+
+/// The f32 kernel on caller-held buffers (the engine's attention): `out` has q's length and
+/// `lse`, when given, `{batch, heads, seq_q}`. Panics if a length disagrees with `g`.
+pub fn cpu_f32_into(
+    isa: Isa,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    g: &Geometry,
+    p: &Params,
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) {
+    let (nq, nk) = (
+        g.batch * g.sq * g.heads * g.d,
+        g.batch * g.sk * g.kv_heads * g.d,
+    );
+    assert!(q.len() == nq && out.len() == nq && k.len() == nk && v.len() == nk);
+    assert!(g.d <= MAX_HEAD_DIM && g.heads.is_multiple_of(g.kv_heads));
+    if let Some(l) = &lse {
+        assert!(l.len() == g.batch * g.heads * g.sq);
+    }
+    cpu_typed(isa, (q, k, v), g, p, out, lse);
 }
 
 /// The CPU implementation: f32 arithmetic for f32/f16/bf16, f64 for f64. Returns (out, lse).
 pub fn cpu(
+    q: &HostTensor<'_>,
+    k: &HostTensor<'_>,
+    v: &HostTensor<'_>,
+    p: Params,
+) -> Result<(OwnedTensor, OwnedTensor)> {
+    cpu_on(Isa::best(), q, k, v, p)
+}
+
+/// [`cpu`] on instruction set `isa` (tests compare the vector path with the portable one).
+pub fn cpu_on(
+    isa: Isa,
     q: &HostTensor<'_>,
     k: &HostTensor<'_>,
     v: &HostTensor<'_>,
@@ -410,24 +692,30 @@ pub fn cpu(
         (&v.shape, v.dtype),
         p.layout,
     )?;
-    let out = match q.dtype {
+    let mut lse = arena::zeroed(g.batch * g.heads * g.sq)?;
+    let data = match q.dtype {
         DType::F64 => {
             let dec = |t: &HostTensor<'_>| decode_f64(t.bytes, DType::F64);
-            let (o, lse) = cpu_typed(&dec(q), &dec(k), &dec(v), &g, &p);
-            (encode_f64(&o, DType::F64), lse)
+            let (qv, kv, vv) = (dec(q), dec(k), dec(v));
+            let mut out = crate::alloc::try_zeroed::<f64>("flash_attention output", &[qv.len()])?;
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
+            encode_f64(&out, DType::F64)
         }
         dt => {
-            let (o, lse) = cpu_typed(&q.to_f32(), &k.to_f32(), &v.to_f32(), &g, &p);
-            (crate::dtype::encode_f32(&o, dt), lse)
+            let dec = |t: &HostTensor<'_>| arena::decoded(t.bytes, t.dtype);
+            let (qv, kv, vv) = (dec(q)?, dec(k)?, dec(v)?);
+            let mut out = arena::zeroed(qv.len())?;
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
+            crate::dtype::encode_f32(&out, dt)
         }
     };
     Ok((
         OwnedTensor {
-            data: out.0,
+            data,
             shape: q.shape.clone(),
             dtype: q.dtype,
         },
-        OwnedTensor::from_f32(&out.1, g.lse_shape(), DType::F32),
+        OwnedTensor::from_f32(&lse, g.lse_shape(), DType::F32),
     ))
 }
 

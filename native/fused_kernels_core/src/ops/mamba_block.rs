@@ -1,19 +1,23 @@
 //! One Mamba block as Edifice builds it, fused: LayerNorm, in_proj, causal depthwise conv and
 //! SiLU, bc_proj (B then C) and dt_rank, dt_proj, softplus, clip, selective scan, times
 //! SiLU(z), out_proj, plus the residual. x is `{batch, seq, hidden}`; the output has x's
-//! shape and type. The CPU path computes in f64 (it is also the Rust tests' reference); the
-//! CUDA path runs f32 inside: the projections through cuBLAS, the element-wise stages fused
+//! shape and type. The CPU path computes in f32 for f32/f16/bf16 inputs (products on the
+//! GEMM, the scan on the vectorised f32 scan) and in f64 for f64 inputs; the f64 reference the
+//! tests compare with is `reference::mamba_block`. The CUDA path runs f32 inside: the projections through cuBLAS, the element-wise stages fused
 //! into the kernels around them (`kernels/mamba_block.cu`, the scan's input/output stages).
 
-use super::norm::{self, Kind};
+use super::norm;
 use super::selective_scan::{
-    self, kernel_type, stage_f32, Discretization, Geometry as ScanGeometry, RefInputs, ScanArgs,
+    self, kernel_type, scan_f32_into, scan_f64, stage_f32, Discretization,
+    Geometry as ScanGeometry, HostInputs, Initial, ScanArgs, SlicesF32,
 };
 use super::Backend;
 use crate::alloc::{self, count};
+use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
+use crate::cpu::{math, Isa};
 use crate::cuda::gemm::{ptr, ptr_opt, sgemm_rows};
 use crate::cuda::{self, DeviceTensor, Gpu};
-use crate::dtype::{decode_f64, encode_f64, DType};
+use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::MAMBA_BLOCK;
 use crate::operand::{Operand, Placement, Staged, Value};
@@ -137,6 +141,19 @@ pub struct Geometry {
     pub conv_channels_first: bool,
 }
 
+impl Geometry {
+    /// The block's selective scan: one group over the inner channels.
+    pub(crate) fn scan_geometry(&self) -> ScanGeometry {
+        ScanGeometry {
+            batch: self.batch,
+            seq: self.seq,
+            dim: self.inner,
+            state: self.state,
+            groups: 1,
+        }
+    }
+}
+
 fn want(name: &str, op: &Operand<'_>, shape: &[usize]) -> Result<()> {
     if op.shape() != shape {
         return Err(arg_error(format!(
@@ -226,57 +243,6 @@ pub fn geometry(x: &Operand<'_>, w: &Weights<'_>) -> Result<Geometry> {
     })
 }
 
-fn vals(op: &Operand<'_>) -> Result<Vec<f64>> {
-    let h = op.on_host()?;
-    let v = h.view();
-    Ok(decode_f64(v.bytes, v.dtype))
-}
-
-fn vals_opt(op: Option<&Operand<'_>>) -> Result<Option<Vec<f64>>> {
-    op.map(vals).transpose()
-}
-
-/// The conv kernel as `{k, inner}` (tap j multiplies step t - (k-1) + j).
-fn conv_taps(w: &[f64], g: Geometry) -> Vec<f64> {
-    if !g.conv_channels_first {
-        return w.to_vec();
-    }
-    let mut out = vec![0.0; w.len()];
-    for c in 0..g.inner {
-        for j in 0..g.conv {
-            out[j * g.inner + c] = w[c * g.conv + j];
-        }
-    }
-    out
-}
-
-fn fixed_a(g: Geometry) -> Vec<f64> {
-    (0..g.inner * g.state)
-        .map(|i| -((i % g.state) as f64 + 1.0))
-        .collect()
-}
-
-/// Row-major `x{m, k} · w{k, n} (+ bias)`, f64.
-fn matmul(x: &[f64], w: &[f64], bias: Option<&[f64]>, m: usize, k: usize, n: usize) -> Vec<f64> {
-    let mut y = vec![0.0; m * n];
-    for i in 0..m {
-        let row = &mut y[i * n..(i + 1) * n];
-        if let Some(b) = bias {
-            row.copy_from_slice(b);
-        }
-        for (kk, xv) in x[i * k..(i + 1) * k].iter().enumerate() {
-            for (o, wv) in row.iter_mut().zip(&w[kk * n..(kk + 1) * n]) {
-                *o += xv * wv;
-            }
-        }
-    }
-    y
-}
-
-fn silu(v: f64) -> f64 {
-    v / (1.0 + (-v).exp())
-}
-
 /// A finite, non-negative option (a negative eps makes the LayerNorm's square root NaN).
 fn non_negative(name: &str, v: f64) -> Result<f64> {
     let v = finite_option(name, v)?;
@@ -286,10 +252,173 @@ fn non_negative(name: &str, v: f64) -> Result<f64> {
     Ok(v)
 }
 
-/// Refuses a call whose f64 intermediates cannot fit in the memory available now (their sizes
+/// Element types of the CPU block: f32 for f32/f16/bf16 calls (the products on the packed
+/// GEMM, the scan on the vectorised f32 scan), f64 for f64 calls (f64 throughout).
+trait Elem:
+    Copy
+    + Default
+    + Send
+    + Sync
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::AddAssign
+{
+    type Store: std::ops::DerefMut<Target = [Self]>;
+    fn zeroed(len: usize) -> Result<Self::Store>;
+    fn decode(op: &Operand<'_>) -> Result<Self::Store>;
+    fn of(v: f64) -> Self;
+    fn wide(self) -> f64;
+    /// `out{m, n} = bias + x{m, k} · w{k, n}` (row-major, w used in place).
+    fn matmul(x: &[Self], w: &[Self], bias: Option<&[Self]>, m: usize, k: usize, out: &mut [Self]);
+    /// SiLU over a slice.
+    fn silu(xs: &mut [Self]);
+    /// The selective scan into `y {batch, seq, inner}` and `last {batch, inner, state}`.
+    fn scan(
+        s: &ScanIn<'_, Self>,
+        g: ScanGeometry,
+        p: selective_scan::Params,
+    ) -> Result<(Self::Store, Self::Store)>;
+    fn encode(v: &[Self], dtype: DType) -> Vec<u8>;
+}
+
+/// The scan's inputs as the block computes them.
+struct ScanIn<'a, T> {
+    u: &'a [T],
+    delta: &'a [T],
+    a: &'a [T],
+    b: &'a [T],
+    c: &'a [T],
+    d: Option<&'a [T]>,
+    z: &'a [T],
+    delta_bias: Option<&'a [T]>,
+    h0: Option<&'a [T]>,
+}
+
+impl Elem for f32 {
+    type Store = crate::cpu::Buf;
+    fn zeroed(len: usize) -> Result<Self::Store> {
+        crate::cpu::alloc_zeroed(len)
+    }
+    fn decode(op: &Operand<'_>) -> Result<Self::Store> {
+        let h = op.on_host()?;
+        let v = h.view();
+        crate::cpu::arena::decoded(v.bytes, v.dtype)
+    }
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    fn matmul(x: &[f32], w: &[f32], bias: Option<&[f32]>, m: usize, k: usize, out: &mut [f32]) {
+        let n = w.len() / k.max(1);
+        let init = bias.map_or(Init::Zero, Init::Bias);
+        gemm_rhs(
+            Isa::best(),
+            m,
+            x,
+            k,
+            Rhs::RowMajor { b: w, k, n },
+            out,
+            n,
+            init,
+        );
+    }
+    fn silu(xs: &mut [f32]) {
+        math::apply(Isa::best(), math::Func::Silu, xs);
+    }
+    fn scan(
+        s: &ScanIn<'_, f32>,
+        g: ScanGeometry,
+        p: selective_scan::Params,
+    ) -> Result<(Self::Store, Self::Store)> {
+        let mut y = f32::zeroed(g.batch * g.seq * g.dim)?;
+        let mut last = f32::zeroed(g.batch * g.dim * g.state)?;
+        let ins = SlicesF32 {
+            u: s.u,
+            delta: s.delta,
+            a: s.a,
+            b: s.b,
+            c: s.c,
+            d: s.d,
+            z: Some(s.z),
+            delta_bias: s.delta_bias,
+            h0: s.h0.map_or(Initial::Zero, Initial::From),
+            bc_stride: g.state,
+        };
+        scan_f32_into(Isa::best(), &ins, g, p, &mut y, &mut last)?;
+        Ok((y, last))
+    }
+    fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+        encode_f32(v, dtype)
+    }
+}
+
+impl Elem for f64 {
+    type Store = Vec<f64>;
+    fn zeroed(len: usize) -> Result<Self::Store> {
+        crate::alloc::try_zeroed("mamba_block intermediate", &[len])
+    }
+    fn decode(op: &Operand<'_>) -> Result<Self::Store> {
+        let h = op.on_host()?;
+        let v = h.view();
+        Ok(decode_f64(v.bytes, v.dtype))
+    }
+    fn of(v: f64) -> Self {
+        v
+    }
+    fn wide(self) -> f64 {
+        self
+    }
+    fn matmul(x: &[f64], w: &[f64], bias: Option<&[f64]>, m: usize, k: usize, out: &mut [f64]) {
+        let n = w.len() / k.max(1);
+        for (xr, row) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)).take(m) {
+            match bias {
+                Some(b) => row.copy_from_slice(b),
+                None => row.fill(0.0),
+            }
+            for (xv, wr) in xr.iter().zip(w.chunks_exact(n)) {
+                row.iter_mut().zip(wr).for_each(|(o, wv)| *o += xv * wv);
+            }
+        }
+    }
+    fn silu(xs: &mut [f64]) {
+        xs.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp());
+    }
+    fn scan(
+        s: &ScanIn<'_, f64>,
+        g: ScanGeometry,
+        p: selective_scan::Params,
+    ) -> Result<(Self::Store, Self::Store)> {
+        let own = |v: Option<&[f64]>| v.map(<[f64]>::to_vec);
+        let h = HostInputs {
+            u: s.u.to_vec(),
+            delta: s.delta.to_vec(),
+            a: s.a.to_vec(),
+            b: s.b.to_vec(),
+            c: s.c.to_vec(),
+            d: own(s.d),
+            z: Some(s.z.to_vec()),
+            bias: own(s.delta_bias),
+            h0: own(s.h0),
+        };
+        scan_f64(&h, g, p)
+    }
+    fn encode(v: &[f64], dtype: DType) -> Vec<u8> {
+        encode_f64(v, dtype)
+    }
+}
+
+/// A caller's optional operand decoded, or None.
+fn decode_opt<T: Elem>(op: Option<&Operand<'_>>) -> Result<Option<T::Store>> {
+    op.map(T::decode).transpose()
+}
+
+/// Refuses a call whose intermediates cannot fit in the memory available now (their sizes
 /// follow from the caller's shapes: per row the normalised input, the projections, the gate,
 /// B, C and dt; per channel the scan's outputs and state), before any of them is allocated.
-fn check_workspace(g: Geometry) -> Result<()> {
+fn check_workspace(g: Geometry, elem: usize) -> Result<()> {
     let (h, inner, n, r) = (g.hidden, g.inner, g.state, g.dt_rank);
     let per_row = [3 * h, 7 * inner, 4 * n, r, 1]
         .iter()
@@ -306,15 +435,52 @@ fn check_workspace(g: Geometry) -> Result<()> {
             g.batch, g.seq
         ))
     })?;
-    alloc::check(
-        "mamba_block intermediates",
-        total,
-        std::mem::size_of::<f64>(),
-    )
-    .map(|_| ())
+    alloc::check("mamba_block intermediates", total, elem).map(|_| ())
 }
 
-/// The CPU implementation, in f64 throughout (the output is rounded to x's type).
+/// The conv kernel (either layout) as `{k, inner}`: tap j multiplies step t - (k-1) + j.
+fn conv_taps<T: Elem>(raw: &[T], g: Geometry) -> Result<T::Store> {
+    let mut taps = T::zeroed(raw.len())?;
+    for c in 0..g.inner {
+        for j in 0..g.conv {
+            taps[j * g.inner + c] = if g.conv_channels_first {
+                raw[c * g.conv + j]
+            } else {
+                raw[j * g.inner + c]
+            };
+        }
+    }
+    Ok(taps)
+}
+
+/// Edifice's fixed A `{inner, state}`: A[:, n] = -(n + 1).
+fn fixed_a<T: Elem>(g: Geometry) -> Result<T::Store> {
+    let mut a = T::zeroed(g.inner * g.state)?;
+    a.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = T::of(-((i % g.state) as f64 + 1.0)));
+    Ok(a)
+}
+
+/// LayerNorm of each `cols`-wide row (statistics in f64).
+fn layer_norm<T: Elem>(x: &[T], cols: usize, gamma: &[T], beta: &[T], eps: f64, out: &mut [T]) {
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        let n = cols as f64;
+        let mean = xr.iter().map(|v| v.wide()).sum::<f64>() / n;
+        let var = xr
+            .iter()
+            .map(|v| (v.wide() - mean) * (v.wide() - mean))
+            .sum::<f64>()
+            / n;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (((o, v), g), b) in or.iter_mut().zip(xr).zip(gamma).zip(beta) {
+            *o = T::of((v.wide() - mean) * inv) * *g + *b;
+        }
+    }
+}
+
+/// The CPU implementation (the output has x's type): f32 arithmetic for f32/f16/bf16 inputs,
+/// f64 for f64.
 pub fn cpu(x: &Operand<'_>, w: &Weights<'_>, p: Params) -> Result<OwnedTensor> {
     cpu_stateful(x, w, p, None).map(|(out, _)| out)
 }
@@ -330,121 +496,165 @@ pub fn cpu_stateful(
     if let Some(s) = state {
         check_state(g, s)?;
     }
-    check_workspace(g)?;
-    let prev = state.map(|s| vals(s.conv)).transpose()?;
-    let h0 = state.map(|s| vals(s.ssm)).transpose()?;
-    let km1 = g.conv.saturating_sub(1);
-    let in_bias = vals_opt(w.in_bias)?;
-    // The conv's input at step t of batch row b (t < 0 reads the carried state, else zero).
-    let conv_in = |xz: &[f64], b: usize, t: isize, c: usize| -> f64 {
-        if t >= 0 {
-            xz[(b * g.seq + t as usize) * 2 * g.inner + c]
-        } else {
-            prev.as_ref().map_or(0.0, |pv| {
-                pv[(b * km1 + (km1 as isize + t) as usize) * g.inner + c]
-            })
-        }
-    };
+    if x.dtype() == DType::F64 {
+        check_workspace(g, 8)?;
+        block::<f64>(g, x, w, p, state)
+    } else {
+        check_workspace(g, 4)?;
+        block::<f32>(g, x, w, p, state)
+    }
+}
+
+fn block<T: Elem>(
+    g: Geometry,
+    x: &Operand<'_>,
+    w: &Weights<'_>,
+    p: Params,
+    state: Option<&State<'_>>,
+) -> Result<(OwnedTensor, (OwnedTensor, OwnedTensor))> {
     let (m, h, inner, n) = (g.batch * g.seq, g.hidden, g.inner, g.state);
-    let xs = vals(x)?;
-    let ln = norm::Params::new(Kind::Layer, p.eps)?;
-    let gamma = vals(w.norm_gamma)?;
-    let beta = vals(w.norm_beta)?;
-    let xn = norm::reference(&xs, h, &gamma, Some(&beta), ln);
-    let xz = matmul(
+    let km1 = g.conv.saturating_sub(1);
+    let xs = T::decode(x)?;
+    let mut xn = T::zeroed(m * h)?;
+    layer_norm(
+        &xs,
+        h,
+        &T::decode(w.norm_gamma)?,
+        &T::decode(w.norm_beta)?,
+        p.eps,
+        &mut xn,
+    );
+    let mut xz = T::zeroed(m * 2 * inner)?;
+    let in_bias = decode_opt::<T>(w.in_bias)?;
+    T::matmul(
         &xn,
-        &vals(w.in_kernel)?,
+        &T::decode(w.in_kernel)?,
         in_bias.as_deref(),
         m,
         h,
-        2 * inner,
+        &mut xz,
     );
-    let taps = conv_taps(&vals(w.conv_kernel)?, g);
-    let conv_bias = vals_opt(w.conv_bias)?;
-    let mut xc = vec![0.0; m * inner];
-    let mut z = vec![0.0; m * inner];
+    drop(xn);
+    let taps = conv_taps(&T::decode(w.conv_kernel)?, g)?;
+    let conv_bias = decode_opt::<T>(w.conv_bias)?;
+    let prev = state.map(|s| T::decode(s.conv)).transpose()?;
+    // The conv's input at step t of batch row b: in_proj's x half, or the carried state
+    // before the chunk (zeros without one).
+    let conv_in = |b: usize, t: isize| -> Option<&[T]> {
+        if t >= 0 {
+            Some(&xz[(b * g.seq + t as usize) * 2 * inner..][..inner])
+        } else {
+            prev.as_ref()
+                .map(|pv| &pv[(b * km1 + (km1 as isize + t) as usize) * inner..][..inner])
+        }
+    };
+    let mut xc = T::zeroed(m * inner)?;
+    let mut z = T::zeroed(m * inner)?;
     for row in 0..m {
         let (b, t) = (row / g.seq, (row % g.seq) as isize);
-        for c in 0..inner {
-            let mut acc = conv_bias.as_ref().map_or(0.0, |b| b[c]);
-            for j in 0..g.conv {
-                let s = t + j as isize + 1 - g.conv as isize;
-                acc += taps[j * inner + c] * conv_in(&xz, b, s, c);
-            }
-            xc[row * inner + c] = silu(acc);
-            z[row * inner + c] = xz[row * 2 * inner + inner + c];
+        let out = &mut xc[row * inner..(row + 1) * inner];
+        match &conv_bias {
+            Some(cb) => out.copy_from_slice(cb),
+            None => out.fill(T::default()),
         }
+        for j in 0..g.conv {
+            if let Some(input) = conv_in(b, t + j as isize + 1 - g.conv as isize) {
+                let tap = &taps[j * inner..(j + 1) * inner];
+                for ((o, &tw), &v) in out.iter_mut().zip(tap).zip(input) {
+                    *o += tw * v;
+                }
+            }
+        }
+        z[row * inner..(row + 1) * inner]
+            .copy_from_slice(&xz[row * 2 * inner + inner..(row + 1) * 2 * inner]);
     }
-    let mut conv_state = Vec::with_capacity(g.batch * km1 * inner);
+    T::silu(&mut xc);
+    let mut conv_state = T::zeroed(g.batch * km1 * inner)?;
     for b in 0..g.batch {
         for j in 0..km1 {
-            let t = g.seq as isize - km1 as isize + j as isize;
-            conv_state.extend((0..inner).map(|c| conv_in(&xz, b, t, c)));
+            if let Some(v) = conv_in(b, g.seq as isize - km1 as isize + j as isize) {
+                conv_state[(b * km1 + j) * inner..][..inner].copy_from_slice(v);
+            }
         }
     }
-    let bc = matmul(
+    drop(xz);
+    let mut bc = T::zeroed(m * 2 * n)?;
+    let bc_bias = decode_opt::<T>(w.bc_bias)?;
+    T::matmul(
         &xc,
-        &vals(w.bc_kernel)?,
-        vals_opt(w.bc_bias)?.as_deref(),
+        &T::decode(w.bc_kernel)?,
+        bc_bias.as_deref(),
         m,
         inner,
-        2 * n,
+        &mut bc,
     );
-    let (bm, cm): (Vec<f64>, Vec<f64>) = (
-        bc.chunks(2 * n).flat_map(|r| r[..n].to_vec()).collect(),
-        bc.chunks(2 * n).flat_map(|r| r[n..].to_vec()).collect(),
-    );
-    let r = matmul(
+    let (mut bm, mut cm) = (T::zeroed(m * n)?, T::zeroed(m * n)?);
+    for (row, pair) in bc.chunks_exact(2 * n).enumerate() {
+        bm[row * n..(row + 1) * n].copy_from_slice(&pair[..n]);
+        cm[row * n..(row + 1) * n].copy_from_slice(&pair[n..]);
+    }
+    drop(bc);
+    let mut r = T::zeroed(m * g.dt_rank)?;
+    let r_bias = decode_opt::<T>(w.dt_rank_bias)?;
+    T::matmul(
         &xc,
-        &vals(w.dt_rank_kernel)?,
-        vals_opt(w.dt_rank_bias)?.as_deref(),
+        &T::decode(w.dt_rank_kernel)?,
+        r_bias.as_deref(),
         m,
         inner,
+        &mut r,
+    );
+    let mut dt = T::zeroed(m * inner)?;
+    T::matmul(
+        &r,
+        &T::decode(w.dt_proj_kernel)?,
+        None,
+        m,
         g.dt_rank,
+        &mut dt,
     );
-    let dt = matmul(&r, &vals(w.dt_proj_kernel)?, None, m, g.dt_rank, inner);
-    let a = vals_opt(w.a)?.unwrap_or_else(|| fixed_a(g));
-    let (y, last) = selective_scan::reference(
-        &RefInputs {
-            g: ScanGeometry {
-                batch: g.batch,
-                seq: g.seq,
-                dim: inner,
-                state: n,
-                groups: 1,
-            },
-            u: &xc,
-            delta: &dt,
-            a: &a,
-            b: &bm,
-            c: &cm,
-            d: vals_opt(w.d)?.as_deref(),
-            z: Some(&z),
-            delta_bias: vals_opt(w.dt_proj_bias)?.as_deref(),
-            h0: h0.as_deref(),
-        },
-        p.scan(),
-    );
-    let mut out = matmul(
+    drop(r);
+    let a = match w.a {
+        Some(a) => T::decode(a)?,
+        None => fixed_a::<T>(g)?,
+    };
+    let (d, dt_bias) = (decode_opt::<T>(w.d)?, decode_opt::<T>(w.dt_proj_bias)?);
+    let h0 = state.map(|s| T::decode(s.ssm)).transpose()?;
+    let sg = g.scan_geometry();
+    let scan_in = ScanIn {
+        u: &xc,
+        delta: &dt,
+        a: &a,
+        b: &bm,
+        c: &cm,
+        d: d.as_deref(),
+        z: &z,
+        delta_bias: dt_bias.as_deref(),
+        h0: h0.as_deref(),
+    };
+    let (y, last) = T::scan(&scan_in, sg, p.scan())?;
+    let mut out = T::zeroed(m * h)?;
+    let out_bias = decode_opt::<T>(w.out_bias)?;
+    T::matmul(
         &y,
-        &vals(w.out_kernel)?,
-        vals_opt(w.out_bias)?.as_deref(),
+        &T::decode(w.out_kernel)?,
+        out_bias.as_deref(),
         m,
         inner,
-        h,
+        &mut out,
     );
     if p.residual {
-        out.iter_mut().zip(&xs).for_each(|(o, v)| *o += v);
+        out.iter_mut().zip(xs.iter()).for_each(|(o, v)| *o += *v);
     }
     let (cs, ss) = state_shapes(g);
-    let f32_tensor = |v: &[f64], shape: Vec<usize>| OwnedTensor {
-        data: encode_f64(v, DType::F32),
+    let f32_tensor = |v: &[T], shape: Vec<usize>| OwnedTensor {
+        data: T::encode(v, DType::F32),
         shape,
         dtype: DType::F32,
     };
     Ok((
         OwnedTensor {
-            data: encode_f64(&out, x.dtype()),
+            data: T::encode(&out, x.dtype()),
             shape: x.shape().to_vec(),
             dtype: x.dtype(),
         },
@@ -498,7 +708,7 @@ pub fn cuda_stateful(
     if let Some(s) = state {
         check_state(g, s)?;
     }
-    check_workspace(g)?;
+    check_workspace(g, 4)?;
     let prev = state
         .map(|s| s.conv.on_gpu("conv_state", gpu))
         .transpose()?;
@@ -521,8 +731,8 @@ pub fn cuda_stateful(
                 "conv_dw_conv kernel: a device buffer must be laid out {k, 1, inner}",
             ));
         };
-        let taps = conv_taps(&vals(w.conv_kernel)?, g);
-        let bytes = encode_f64(&taps, DType::F32);
+        let taps = conv_taps(&f32::decode(w.conv_kernel)?, g)?;
+        let bytes = encode_f32(&taps, DType::F32);
         let host = crate::HostTensor::new("conv", &bytes, vec![g.conv, inner], DType::F32)?;
         Staged::Owned(DeviceTensor::upload(gpu, &host)?)
     } else {
@@ -538,7 +748,7 @@ pub fn cuda_stateful(
     let a = match w.a {
         Some(a) => stage_f32("ssm a", a, gpu)?,
         None => {
-            let bytes = encode_f64(&fixed_a(g), DType::F32);
+            let bytes = encode_f32(&fixed_a::<f32>(g)?, DType::F32);
             let host = crate::HostTensor::new("a", &bytes, vec![inner, n], DType::F32)?;
             Staged::Owned(DeviceTensor::upload(gpu, &host)?)
         }
@@ -614,13 +824,7 @@ pub fn cuda_stateful(
     let mdt = (p.discretization == Discretization::MeanDt)
         .then(|| f32_buf(gpu, vec![m]))
         .transpose()?;
-    let sg = ScanGeometry {
-        batch: g.batch,
-        seq: g.seq,
-        dim: inner,
-        state: n,
-        groups: 1,
-    };
+    let sg = g.scan_geometry();
     let args = ScanArgs {
         u: ptr(&xc),
         delta: ptr(&dt),

@@ -296,6 +296,7 @@ pub fn run(
 }
 
 /// f64 reference (tests): plain two-pass statistics per row.
+#[cfg(any(test, feature = "reference"))]
 pub fn reference(s: &[f64], cols: usize, w: &[f64], b: Option<&[f64]>, p: Params) -> Vec<f64> {
     let mut out = Vec::with_capacity(s.len());
     for row in s.chunks(cols) {

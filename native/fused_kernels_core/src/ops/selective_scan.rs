@@ -203,16 +203,17 @@ pub struct Outputs<T> {
 
 // ---------------------------------------------------------------- CPU
 
-struct HostInputs {
-    u: Vec<f64>,
-    delta: Vec<f64>,
-    a: Vec<f64>,
-    b: Vec<f64>,
-    c: Vec<f64>,
-    d: Option<Vec<f64>>,
-    z: Option<Vec<f64>>,
-    bias: Option<Vec<f64>>,
-    h0: Option<Vec<f64>>,
+/// The f64 scan's inputs (shapes as in [`Inputs`], A `{dim, state}`).
+pub(crate) struct HostInputs {
+    pub(crate) u: Vec<f64>,
+    pub(crate) delta: Vec<f64>,
+    pub(crate) a: Vec<f64>,
+    pub(crate) b: Vec<f64>,
+    pub(crate) c: Vec<f64>,
+    pub(crate) d: Option<Vec<f64>>,
+    pub(crate) z: Option<Vec<f64>>,
+    pub(crate) bias: Option<Vec<f64>>,
+    pub(crate) h0: Option<Vec<f64>>,
 }
 
 fn host_values(op: &Operand<'_>) -> Result<Vec<f64>> {
@@ -332,18 +333,48 @@ impl ScanFloat for f64 {
 
 /// f32 inputs of the production CPU scan (f32, f16, bf16 calls), with A transposed to
 /// `{state, dim}` so eight channels' values of one state index are contiguous.
-struct HostF32 {
-    u: crate::cpu::Buf,
-    delta: crate::cpu::Buf,
-    a_t: crate::cpu::Buf,
-    b: crate::cpu::Buf,
-    c: crate::cpu::Buf,
-    d: Option<crate::cpu::Buf>,
-    z: Option<crate::cpu::Buf>,
-    bias: Option<crate::cpu::Buf>,
-    h0: Option<crate::cpu::Buf>,
+struct HostF32<'a> {
+    u: &'a [f32],
+    delta: &'a [f32],
+    a_t: &'a [f32],
+    b: &'a [f32],
+    c: &'a [f32],
+    d: Option<&'a [f32]>,
+    z: Option<&'a [f32]>,
+    bias: Option<&'a [f32]>,
+    /// The initial state `{batch, dim, state}` (it may be the `last` output itself: each unit
+    /// reads its channels' state before it writes them).
+    h0: Option<SendPtr<f32>>,
+    /// Elements from one (row, group)'s B (and C) to the next's.
+    bc_stride: usize,
     /// Mean over channels of the transformed dt per `(batch, t)` (`MeanDt` only).
-    mdt: Option<crate::cpu::Buf>,
+    mdt: Option<&'a [f32]>,
+}
+
+/// The f32 scan's inputs as the Mamba block hands them over (shapes as in [`Inputs`], A
+/// `{dim, state}`).
+pub(crate) struct SlicesF32<'a> {
+    pub(crate) u: &'a [f32],
+    pub(crate) delta: &'a [f32],
+    pub(crate) a: &'a [f32],
+    pub(crate) b: &'a [f32],
+    pub(crate) c: &'a [f32],
+    pub(crate) d: Option<&'a [f32]>,
+    pub(crate) z: Option<&'a [f32]>,
+    pub(crate) delta_bias: Option<&'a [f32]>,
+    pub(crate) h0: Initial<'a>,
+    /// Elements from one (row, group)'s B and C to the next's (`state` when B and C are
+    /// `{batch, seq, groups, state}`; `2 * state` for the Mamba block's B-then-C rows).
+    pub(crate) bc_stride: usize,
+}
+
+/// Where the f32 scan's initial state comes from.
+#[derive(Clone, Copy)]
+pub(crate) enum Initial<'a> {
+    Zero,
+    From(&'a [f32]),
+    /// What the `last` output holds (a stream's state advanced in place).
+    InLast,
 }
 
 fn f32_values(op: &Operand<'_>) -> Result<crate::cpu::Buf> {
@@ -371,51 +402,129 @@ fn dt_f32(p: &Params, raw: f32) -> f32 {
 /// Channels per vector unit of the f32 scan.
 const LANES: usize = 8;
 
-/// The production CPU scan for f32/f16/bf16: f32 throughout, eight channels at a time (they
-/// are contiguous in u, delta, z and the output), the state of those channels in registers,
-/// `exp(dt·A)` vectorised; (batch, channel block) units spread over the thread pool.
+/// The host outputs: `out` (bytes of `dtype`, `{batch, seq, dim}`) and, when asked for, the
+/// last state (f32 bytes, `{batch, dim, state}`).
+fn outputs(
+    g: Geometry,
+    p: Params,
+    dtype: DType,
+    out: Vec<u8>,
+    last: impl FnOnce() -> Vec<u8>,
+) -> Outputs<OwnedTensor> {
+    Outputs {
+        out: OwnedTensor {
+            data: out,
+            shape: vec![g.batch, g.seq, g.dim],
+            dtype,
+        },
+        last_state: p.return_last_state.then(|| OwnedTensor {
+            data: last(),
+            shape: vec![g.batch, g.dim, g.state],
+            dtype: DType::F32,
+        }),
+    }
+}
+
+/// The production CPU scan for f32/f16/bf16 calls: decodes the inputs, scans
+/// ([`scan_f32_into`]) and encodes the outputs.
 fn cpu_f32(x: &Inputs<'_>, g: Geometry, p: Params) -> Result<Outputs<OwnedTensor>> {
     let opt = |o: Option<&Operand<'_>>| o.map(f32_values).transpose();
-    let a = f32_values(x.a)?;
-    let mut a_t = crate::cpu::alloc_zeroed(a.len())?;
+    let (u, delta, a, b, c) = (
+        f32_values(x.u)?,
+        f32_values(x.delta)?,
+        f32_values(x.a)?,
+        f32_values(x.b)?,
+        f32_values(x.c)?,
+    );
+    let (d, z, bias, h0) = (
+        opt(x.d)?,
+        opt(x.z)?,
+        opt(x.delta_bias)?,
+        opt(x.initial_state)?,
+    );
+    let mut out = crate::cpu::alloc_zeroed(g.batch * g.seq * g.dim)?;
+    let mut last = crate::cpu::alloc_zeroed(g.batch * g.dim * g.state)?;
+    let ins = SlicesF32 {
+        u: &u,
+        delta: &delta,
+        a: &a,
+        b: &b,
+        c: &c,
+        d: d.as_deref(),
+        z: z.as_deref(),
+        delta_bias: bias.as_deref(),
+        h0: h0.as_deref().map_or(Initial::Zero, Initial::From),
+        bc_stride: g.state,
+    };
+    scan_f32_into(crate::cpu::Isa::best(), &ins, g, p, &mut out, &mut last)?;
+    Ok(outputs(
+        g,
+        p,
+        x.u.dtype(),
+        encode_f32(&out, x.u.dtype()),
+        || encode_f32(&last, DType::F32),
+    ))
+}
+
+/// The f32 scan: f32 throughout, eight channels at a time (they are contiguous in u, delta,
+/// z and the output), the state of those channels in registers, `exp(dt·A)` vectorised;
+/// (batch, channel block) units spread over the thread pool. `out` is `{batch, seq, dim}`,
+/// `last` `{batch, dim, state}`; the slices must have the shapes `g` gives them.
+pub(crate) fn scan_f32_into(
+    isa: crate::cpu::Isa,
+    x: &SlicesF32<'_>,
+    g: Geometry,
+    p: Params,
+    out: &mut [f32],
+    last: &mut [f32],
+) -> Result<()> {
+    assert!(out.len() == g.batch * g.seq * g.dim && last.len() == g.batch * g.dim * g.state);
+    let mut a_t = crate::cpu::alloc_zeroed(x.a.len())?;
     for d in 0..g.dim {
         for n in 0..g.state {
-            a_t[n * g.dim + d] = a[d * g.state + n];
+            a_t[n * g.dim + d] = x.a[d * g.state + n];
         }
     }
-    let mut h = HostF32 {
-        u: f32_values(x.u)?,
-        delta: f32_values(x.delta)?,
-        a_t,
-        b: f32_values(x.b)?,
-        c: f32_values(x.c)?,
-        d: opt(x.d)?,
-        z: opt(x.z)?,
-        bias: opt(x.delta_bias)?,
-        h0: opt(x.initial_state)?,
-        mdt: None,
-    };
-    if p.discretization == Discretization::MeanDt {
+    let mdt = if p.discretization == Discretization::MeanDt {
         let mut m = crate::cpu::alloc_zeroed(g.batch * g.seq)?;
         for (row, v) in m.iter_mut().enumerate() {
             let s: f32 = (0..g.dim)
                 .map(|d| {
                     dt_f32(
                         &p,
-                        h.delta[row * g.dim + d] + h.bias.as_ref().map_or(0.0, |b| b[d]),
+                        x.delta[row * g.dim + d] + x.delta_bias.map_or(0.0, |b| b[d]),
                     )
                 })
                 .sum();
             *v = s / g.dim as f32;
         }
-        h.mdt = Some(m);
-    }
-    let mut out = crate::cpu::alloc_zeroed(g.batch * g.seq * g.dim)?;
-    let mut last = crate::cpu::alloc_zeroed(g.batch * g.dim * g.state)?;
+        Some(m)
+    } else {
+        None
+    };
+    let h = HostF32 {
+        u: x.u,
+        delta: x.delta,
+        a_t: &a_t,
+        b: x.b,
+        c: x.c,
+        d: x.d,
+        z: x.z,
+        bias: x.delta_bias,
+        h0: match x.h0 {
+            Initial::Zero => None,
+            Initial::From(h0) => {
+                assert!(h0.len() == last.len());
+                Some(SendPtr(h0.as_ptr().cast_mut()))
+            }
+            Initial::InLast => Some(SendPtr(last.as_mut_ptr())),
+        },
+        bc_stride: x.bc_stride,
+        mdt: mdt.as_deref(),
+    };
     let blocks = g.dim.div_ceil(LANES);
     let units = g.batch * blocks;
     let (op, lp) = (SendPtr(out.as_mut_ptr()), SendPtr(last.as_mut_ptr()));
-    let isa = crate::cpu::Isa::best();
     let tasks = crate::cpu::pool::threads().min(units).max(1);
     let hr = &h;
     crate::cpu::pool::run(tasks, &|t| {
@@ -427,19 +536,7 @@ fn cpu_f32(x: &Inputs<'_>, g: Geometry, p: Params) -> Result<Outputs<OwnedTensor
             unsafe { scan_block(isa, hr, g, &p, bi, d0, op.get(), lp.get()) };
         }
     });
-    let dt = x.u.dtype();
-    Ok(Outputs {
-        out: OwnedTensor {
-            data: encode_f32(&out, dt),
-            shape: vec![g.batch, g.seq, g.dim],
-            dtype: dt,
-        },
-        last_state: p.return_last_state.then(|| OwnedTensor {
-            data: encode_f32(&last, DType::F32),
-            shape: vec![g.batch, g.dim, g.state],
-            dtype: DType::F32,
-        }),
-    })
+    Ok(())
 }
 
 /// Channels `d0 .. d0 + 8` (fewer at the end) of batch row `bi`.
@@ -449,7 +546,7 @@ fn cpu_f32(x: &Inputs<'_>, g: Geometry, p: Params) -> Result<Outputs<OwnedTensor
 #[allow(clippy::too_many_arguments)]
 unsafe fn scan_block(
     isa: crate::cpu::Isa,
-    h: &HostF32,
+    h: &HostF32<'_>,
     g: Geometry,
     p: &Params,
     bi: usize,
@@ -474,7 +571,7 @@ unsafe fn scan_block(
 
 /// One channel in scalar f32 (the portable path, and blocks the vector path cannot take).
 unsafe fn scalar_channel(
-    h: &HostF32,
+    h: &HostF32<'_>,
     g: Geometry,
     p: &Params,
     bi: usize,
@@ -488,7 +585,7 @@ unsafe fn scalar_channel(
     let mut x = [0.0f32; MAX_STATE];
     let bd = bi * g.dim + d;
     for (n, xn) in x.iter_mut().enumerate().take(n_st) {
-        *xn = h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n]);
+        *xn = h.h0.map_or(0.0, |h0| *h0.get().add(bd * n_st + n));
     }
     let bias = h.bias.as_ref().map_or(0.0, |b| b[d]);
     let dskip = h.d.as_ref().map_or(0.0, |v| v[d]);
@@ -497,7 +594,7 @@ unsafe fn scalar_channel(
         let dt = dt_f32(p, h.delta[idx] + bias);
         let uu = h.u[idx];
         let w = h.mdt.as_ref().map_or(dt, |m| m[bi * g.seq + t]) * uu;
-        let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+        let bc = ((bi * g.seq + t) * g.groups + grp) * h.bc_stride;
         let mut y = 0.0f32;
         for (n, xn) in x.iter_mut().enumerate().take(n_st) {
             *xn = exp(dt * h.a_t[n * g.dim + d]) * *xn + w * h.b[bc + n];
@@ -524,7 +621,7 @@ mod avx2_scan {
     /// channels are one vector each.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn block(
-        h: &HostF32,
+        h: &HostF32<'_>,
         g: Geometry,
         p: &Params,
         bi: usize,
@@ -535,11 +632,11 @@ mod avx2_scan {
         let n_st = g.state;
         let grp = d0 / (g.dim / g.groups);
         let mut x = [_mm256_setzero_ps(); MAX_STATE];
-        if let Some(h0) = &h.h0 {
+        if let Some(h0) = h.h0 {
             let mut buf = [0.0f32; LANES];
             for (n, xn) in x.iter_mut().enumerate().take(n_st) {
                 for (l, v) in buf.iter_mut().enumerate() {
-                    *v = h0[(bi * g.dim + d0 + l) * n_st + n];
+                    *v = *h0.get().add((bi * g.dim + d0 + l) * n_st + n);
                 }
                 *xn = _mm256_loadu_ps(buf.as_ptr());
             }
@@ -552,7 +649,7 @@ mod avx2_scan {
             .map(|(lo, hi)| (_mm256_set1_ps(lo as f32), _mm256_set1_ps(hi as f32)));
         for t in 0..g.seq {
             let idx = (bi * g.seq + t) * g.dim + d0;
-            let mut dt = _mm256_add_ps(ld(&h.delta, idx), bias);
+            let mut dt = _mm256_add_ps(ld(h.delta, idx), bias);
             if p.delta_softplus {
                 // softplus(v) = v above 20 (Params::dt's rule; identical in f32 there).
                 let big = _mm256_cmp_ps::<_CMP_GT_OQ>(dt, _mm256_set1_ps(20.0));
@@ -561,16 +658,16 @@ mod avx2_scan {
             if let Some((lo, hi)) = clip {
                 dt = _mm256_min_ps(_mm256_max_ps(dt, lo), hi);
             }
-            let uu = ld(&h.u, idx);
+            let uu = ld(h.u, idx);
             let wdt = match &h.mdt {
                 Some(m) => _mm256_set1_ps(m[bi * g.seq + t]),
                 None => dt,
             };
             let w = _mm256_mul_ps(wdt, uu);
-            let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
+            let bc = ((bi * g.seq + t) * g.groups + grp) * h.bc_stride;
             let mut y = _mm256_setzero_ps();
             for (n, xn) in x.iter_mut().enumerate().take(n_st) {
-                let da = exp(_mm256_mul_ps(dt, ld(&h.a_t, n * g.dim + d0)));
+                let da = exp(_mm256_mul_ps(dt, ld(h.a_t, n * g.dim + d0)));
                 let bn = _mm256_set1_ps(h.b[bc + n]);
                 *xn = _mm256_fmadd_ps(da, *xn, _mm256_mul_ps(w, bn));
                 y = _mm256_fmadd_ps(*xn, _mm256_set1_ps(h.c[bc + n]), y);
@@ -591,25 +688,14 @@ mod avx2_scan {
     }
 }
 
-/// The CPU implementation: f32 inputs on the vectorised f32 scan ([`cpu_f32`]), f64 inputs
-/// channel by channel in f64.
-pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
-    let g = geometry(x)?;
-    if x.u.dtype() != DType::F64 {
-        return cpu_f32(x, g, p);
-    }
-    let h = host_inputs(x)?;
-    let mdt = (p.discretization == Discretization::MeanDt).then(|| mean_dt(&h, g, p));
+/// The f64 scan, channel by channel in f64: `(out {batch, seq, dim}, last {batch, dim, state})`.
+pub(crate) fn scan_f64(h: &HostInputs, g: Geometry, p: Params) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mdt = (p.discretization == Discretization::MeanDt).then(|| mean_dt(h, g, p));
     let width = g.seq + g.state;
     let mut rows: Vec<f64> = try_zeroed("selective_scan rows", &[g.batch, g.dim, width])?;
-    let f64_mode = x.u.dtype() == DType::F64;
     for_each_row_chunk(&mut rows, width, |first, chunk| {
         for (i, row) in chunk.chunks_mut(width).enumerate() {
-            if f64_mode {
-                scan_channel::<f64>(&h, mdt.as_deref(), g, p, first + i, row);
-            } else {
-                scan_channel::<f32>(&h, mdt.as_deref(), g, p, first + i, row);
-            }
+            scan_channel::<f64>(h, mdt.as_deref(), g, p, first + i, row);
         }
     });
     let mut out: Vec<f64> = try_zeroed("selective_scan output", &[g.batch, g.seq, g.dim])?;
@@ -621,19 +707,24 @@ pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
         }
         last[bd * g.state..(bd + 1) * g.state].copy_from_slice(&row[g.seq..]);
     }
-    let dt = x.u.dtype();
-    Ok(Outputs {
-        out: OwnedTensor {
-            data: encode_f64(&out, dt),
-            shape: vec![g.batch, g.seq, g.dim],
-            dtype: dt,
-        },
-        last_state: p.return_last_state.then(|| OwnedTensor {
-            data: encode_f64(&last, DType::F32),
-            shape: vec![g.batch, g.dim, g.state],
-            dtype: DType::F32,
-        }),
-    })
+    Ok((out, last))
+}
+
+/// The CPU implementation: f32 inputs on the vectorised f32 scan ([`cpu_f32`]), f64 inputs
+/// channel by channel in f64.
+pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<Outputs<OwnedTensor>> {
+    let g = geometry(x)?;
+    if x.u.dtype() != DType::F64 {
+        return cpu_f32(x, g, p);
+    }
+    let (out, last) = scan_f64(&host_inputs(x)?, g, p)?;
+    Ok(outputs(
+        g,
+        p,
+        x.u.dtype(),
+        encode_f64(&out, x.u.dtype()),
+        || encode_f64(&last, DType::F32),
+    ))
 }
 
 // ---------------------------------------------------------------- CUDA

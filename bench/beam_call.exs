@@ -1,0 +1,79 @@
+# What one NIF call costs the BEAM before any work is done, by where it runs, next to the CPU
+# engine's step: round trip from Elixir, median and p99 µs of `--runs` calls after warm-up.
+#
+#   normal        engine_state_info on a normal scheduler (decodes a resource, takes a mutex)
+#   dirty_cpu     engine_graphs of a CPU engine (returns []) on a dirty CPU scheduler
+#   job_lane      scaled_softmax of one value through the CPU job lanes (queue, worker, message)
+#   engine_step   Native.engine_step of a CPU engine (1-layer GRU, hidden 256, batch 1) and
+#                 its reply: the engine's NIF round trip, kernels included
+#   backbone_step Backbone.step/3 of the same engine (the public call)
+#
+# Usage: mix run bench/beam_call.exs [--runs N] [--json PATH]
+alias FusedKernels.{Backbone, Native, Sample}
+alias FusedKernels.Backbone.Spec
+
+{opts, _, _} = OptionParser.parse(System.argv(), strict: [runs: :integer, json: :string])
+runs = Keyword.get(opts, :runs, 3000)
+
+spec = Spec.new(:gru, layers: 1, window: 16)
+h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cpu)
+state = Backbone.init_state(h, 1)
+frame = Sample.random_triple({1, spec.embed}, {:f, 32})
+one = Sample.random_triple({1, 1}, {:f, 32})
+
+cases = [
+  {"normal", fn -> Native.engine_state_info(state.ref) end},
+  {"dirty_cpu", fn -> Native.engine_graphs(h.engine) end},
+  {"job_lane", fn -> Native.scaled_softmax(one, 1.0, false, :cpu, nil, :host) end},
+  {"engine_step",
+   fn ->
+     case Native.engine_step(h.engine, state.ref, frame) do
+       ref when is_reference(ref) ->
+         receive do
+           {^ref, reply} -> reply
+         end
+
+       reply ->
+         reply
+     end
+   end},
+  {"backbone_step", fn -> Backbone.step(h, state, frame) end}
+]
+
+time = fn f ->
+  for _ <- 1..div(runs, 10), do: f.()
+
+  for _ <- 1..runs do
+    t0 = System.monotonic_time(:nanosecond)
+    f.()
+    System.monotonic_time(:nanosecond) - t0
+  end
+  |> Enum.sort()
+end
+
+pct = fn sorted, p -> Enum.at(sorted, min(length(sorted) - 1, trunc(p * length(sorted)))) end
+
+rows =
+  for {name, f} <- cases do
+    # Every case must succeed: a refused call would time an error path.
+    case f.() do
+      {:error, e} -> raise "#{name}: #{inspect(e)}"
+      _ -> :ok
+    end
+
+    s = time.(f)
+    med = pct.(s, 0.5) / 1000
+    p99 = pct.(s, 0.99) / 1000
+    IO.puts(:io_lib.format("~-14s median ~8.2f us   p99 ~8.2f us", [name, med, p99]))
+    %{name: name, median_us: med, p99_us: p99, runs: runs}
+  end
+
+if path = opts[:json] do
+  File.write!(
+    path,
+    "[" <>
+      Enum.map_join(rows, ",", fn r ->
+        ~s({"name":"#{r.name}","median_us":#{r.median_us},"p99_us":#{r.p99_us},"runs":#{r.runs}})
+      end) <> "]"
+  )
+end
