@@ -794,8 +794,9 @@ fn short_shared_bytes(nd: usize, kc: usize) -> usize {
 }
 
 /// The short-sequence kernel for sequences it serves: every key in shared memory (sk <= 128,
-/// as many 32-key chunks as it needs), and query rows short enough that the FFMA kernel's
-/// few blocks would leave the GPU idle.
+/// as many 32-key chunks as it needs) and at most `SHORT_MAX_SQ` query rows. On the H100 it
+/// beat the FFMA kernel at every f32 shape timed (S 32..128, batch 1 and 8, head dims 32..96)
+/// and for bf16 at head_dim 36 (bench/RESULTS.md).
 fn short_plan(g: &Geometry, tname: &str, nd: usize) -> Option<Plan> {
     if g.sq > SHORT_MAX_SQ {
         return None;
@@ -808,7 +809,8 @@ fn short_plan(g: &Geometry, tname: &str, nd: usize) -> Option<Plan> {
     })
 }
 
-/// Longest query sequence routed to the short-sequence kernel.
+/// Longest query sequence routed to the short-sequence kernel (longer ones have blocks
+/// enough for the FFMA kernel's 16-row tiles; the crossover between is not measured).
 const SHORT_MAX_SQ: usize = 256;
 
 /// Picks the kernel: tensor cores for f16/bf16 with head_dim % 8 == 0 on sm_80+; else the
