@@ -13,7 +13,7 @@ defmodule FusedKernels.MixProject do
       version: @version,
       elixir: "~> 1.14",
       start_permanent: Mix.env() == :prod,
-      compilers: [:fused_kernels_nif | Mix.compilers()],
+      compilers: [:fused_kernels_nif | Mix.compilers()] ++ [:fused_kernels_cache],
       elixirc_paths: ["lib"],
       deps: deps(),
       description:

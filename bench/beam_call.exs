@@ -24,7 +24,10 @@ one = Sample.random_triple({1, 1}, {:f, 32})
 cases = [
   {"normal", fn -> Native.engine_state_info(state.ref) end},
   {"dirty_cpu", fn -> Native.engine_graphs(h.engine) end},
-  {"job_lane", fn -> Native.scaled_softmax(one, 1.0, false, :cpu, nil, :host) end},
+  {"job_lane",
+   fn ->
+     Native.scaled_softmax(%{x: one}, %{scale: 1.0, causal: false, backend: :cpu, out: :host})
+   end},
   {"engine_step",
    fn ->
      case Native.engine_step(h.engine, state.ref, frame) do

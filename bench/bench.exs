@@ -59,7 +59,7 @@ defmodule FusedKernels.Bench do
     IO.puts("fused_kernels bench: #{machine()}\n")
 
     rows =
-      for c <- cases(),
+      for c <- cases(opts),
           is_nil(only) or String.contains?(c.name, only),
           backend <- backends,
           backend in available_backends(),
@@ -71,8 +71,12 @@ defmodule FusedKernels.Bench do
 
     IO.puts("\n" <> table(rows))
 
-    if path = opts[:json],
-      do: File.write!(path, FusedKernels.Bench.JSON.encode(%{machine: machine(), rows: rows}))
+    # The export directory goes into the JSON too, so side_backbone.py finds the params.
+    if path = opts[:json] do
+      doc = %{machine: machine(), rows: rows}
+      doc = if dir = opts[:export], do: Map.put(doc, :export, dir), else: doc
+      File.write!(path, FusedKernels.Bench.JSON.encode(doc))
+    end
 
     rows
   end

@@ -44,6 +44,130 @@ defmodule FusedKernels do
   def set_cache_dir(other),
     do: raise(ArgumentError, "cache dir must be a string path, got: #{inspect(other, limit: 5)}")
 
+  @doc """
+  Compiles every kernel program the runtime may load on the given GPU architectures into a
+  kernel cache directory, ahead of time and without a GPU (NVRTC only), so that first calls
+  there compile nothing. Each entry is keyed like the runtime's (kernel, function, source and
+  headers, options, architecture, NVRTC version): a machine with the same NVRTC major.minor
+  that uses this directory as its cache reads them; a different NVRTC ignores them. Entries
+  already there are kept. Prints one line per program; takes minutes for a cold directory.
+
+  Options:
+    * `archs` - list like `["sm_90", "sm_120"]`; default: the local GPU's (raises without one)
+    * `cache_dir` - default: the runtime's cache directory (`info()[:cache_dir]`)
+    * `route_as` - `"sm_86"`: the programs of a GPU routed as that older one (the
+      `route-as-*` test builds); default `nil`
+    * `jobs` - compilations at once; default: the number of schedulers
+
+  Returns `%{compiled: n, present: n, failed: [String.t()], bytes: n}`.
+  """
+  @spec prefill(keyword) :: %{
+          compiled: non_neg_integer,
+          present: non_neg_integer,
+          failed: [String.t()],
+          bytes: non_neg_integer
+        }
+  def prefill(opts \\ []) do
+    opts = Keyword.validate!(opts, [:archs, :cache_dir, :route_as, :jobs])
+
+    archs =
+      case Keyword.get(opts, :archs) do
+        nil ->
+          [local_arch!()]
+
+        archs when is_list(archs) ->
+          archs
+
+        other ->
+          raise ArgumentError, "archs must be a list like [\"sm_90\"], got: #{inspect(other)}"
+      end
+
+    dir = Keyword.get_lazy(opts, :cache_dir, fn -> info()[:cache_dir] end)
+
+    if not is_binary(dir) do
+      raise ArgumentError, "cache_dir must be a string path, got: #{inspect(dir, limit: 5)}"
+    end
+
+    jobs = Keyword.get(opts, :jobs, System.schedulers_online())
+    route_as = Keyword.get(opts, :route_as)
+
+    archs
+    |> Native.kernel_prefill(route_as, dir, jobs)
+    |> Native.unwrap!()
+  end
+
+  @warmup_ops ~w(lstm gru dense flash_attention scaled_softmax selective_scan layer_norm rms_norm mamba_block)a
+
+  @doc """
+  Compiles (or reads from the kernel cache) and loads ahead of time the GPU kernels that
+  first calls would otherwise compile, printing one line per kernel:
+
+    * a list of ops (#{inspect(@warmup_ops)}): every kernel program those ops may launch on
+      this GPU (each path their router may pick here, every type), several at once;
+    * a `FusedKernels.Backbone` handle on `:cuda`: exactly what its windows and frames launch
+      (one zero window and one frame are run through the engine; the handle's states are not
+      touched). Other backends have nothing to compile.
+
+  Options: `device`. Returns `:ok`; raises `FusedKernels.Error` when a kernel does not compile
+  or there is no GPU.
+  """
+  @spec warmup([atom] | struct, keyword) :: :ok
+  def warmup(ops_or_backbone, opts \\ [])
+
+  def warmup(ops, opts) when is_list(ops) do
+    Enum.each(ops, fn op ->
+      if op not in @warmup_ops do
+        raise ArgumentError,
+              "warmup: unknown op #{inspect(op)}; known: #{inspect(@warmup_ops)}"
+      end
+    end)
+
+    device = FusedKernels.Backend.device(opts)
+
+    ops
+    |> Enum.map(&Atom.to_string/1)
+    |> Native.kernel_warmup(device)
+    |> Native.unwrap!()
+
+    :ok
+  end
+
+  def warmup(%{__struct__: FusedKernels.Backbone, backend: :cuda, spec: spec} = handle, _opts) do
+    window =
+      {:binary.copy(<<0.0::float-32-native>>, spec.window * spec.embed),
+       {1, spec.window, spec.embed}, {:f, 32}}
+
+    frame = {:binary.copy(<<0.0::float-32-native>>, spec.embed), {1, spec.embed}, {:f, 32}}
+    _ = FusedKernels.Backbone.predict(handle, window)
+    state = FusedKernels.Backbone.init_state(handle, 1)
+    _ = FusedKernels.Backbone.step(handle, state, frame)
+    :ok
+  end
+
+  def warmup(%{__struct__: FusedKernels.Backbone}, _opts), do: :ok
+
+  def warmup(other, _opts),
+    do:
+      raise(
+        ArgumentError,
+        "warmup takes a list of ops or a FusedKernels.Backbone handle, got: #{inspect(other, limit: 5)}"
+      )
+
+  @doc "`\"sm_XY\"` of the local GPU (or `device:`), or `nil` without one."
+  @spec local_arch(keyword) :: String.t() | nil
+  def local_arch(opts \\ []) do
+    case info(opts) do
+      %{cuda_available: true, compute_capability: {major, minor}} -> "sm_#{major}#{minor}"
+      _ -> nil
+    end
+  end
+
+  defp local_arch! do
+    local_arch() ||
+      raise ArgumentError,
+            "no GPU here (#{info()[:reason]}): give the architectures, e.g. archs: [\"sm_90\"]"
+  end
+
   if Code.ensure_loaded?(Nx) do
     @doc """
     `softmax(scale * x)` over the last axis of a `{rows, cols}` or
@@ -62,11 +186,12 @@ defmodule FusedKernels do
 
     Options: `activation` (`:none`, `:relu`, `:gelu`, `:gelu_tanh`, `:silu`, `:sigmoid`,
     `:tanh`), `residual`, `backend`, `device`, `out: :host | :device`. `dense(x, kernel, opts)`
-    works too.
+    works too, and so does a kernel (with its bias) prepared once by
+    `FusedKernels.Dense.prepare/3` in the kernel's place.
     """
     @spec dense(
             FusedKernels.Tensor.t(),
-            FusedKernels.Tensor.t(),
+            FusedKernels.Tensor.t() | FusedKernels.Dense.Prepared.t(),
             FusedKernels.Tensor.t() | nil | keyword,
             keyword
           ) :: FusedKernels.Tensor.nx()
@@ -132,7 +257,8 @@ defmodule FusedKernels do
 
     @doc """
     `Axon.lstm` with the given params (Axon's map) on `x` `{batch, seq, features}`:
-    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; see below),
+    `{sequence, {c, h}}`. Options: `initial_state` (`{c, h}`, zeros by default; Axon's own
+    from `FusedKernels.Axon.initial_state/4`; see below),
     `reverse` (false; true processes the sequence last to first, each output at its own
     position), `backend`,
     `device`, `out`, `precision` (`:f32`, the default, keeps f32 calls f32-accurate; `:tf32`
@@ -144,27 +270,33 @@ defmodule FusedKernels do
     params), ours is zeros, so outputs differ (by up to ~0.3 on random weights) unless the
     states agree. For the same numbers build the Axon model with
     `recurrent_initializer: :zeros`, or pass Axon's state here as `initial_state: {c, h}`.
+
+    `params` may also be prepared once by `FusedKernels.Rnn.prepare/3` (weights packed for the
+    CPU kernels once instead of on every call; the same results).
     """
-    @spec lstm(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    @spec lstm(FusedKernels.Tensor.t(), map | FusedKernels.Rnn.Prepared.t(), keyword) ::
+            {FusedKernels.Tensor.nx(), tuple}
     def lstm(x, params, opts \\ []),
       do: FusedKernels.Rnn.run_one(:lstm, x, params, opts)
 
     @doc "`Axon.gru` with the given params: `{sequence, {h}}`; options as `lstm/3`."
-    @spec gru(FusedKernels.Tensor.t(), map, keyword) :: {FusedKernels.Tensor.nx(), tuple}
+    @spec gru(FusedKernels.Tensor.t(), map | FusedKernels.Rnn.Prepared.t(), keyword) ::
+            {FusedKernels.Tensor.nx(), tuple}
     def gru(x, params, opts \\ []),
       do: FusedKernels.Rnn.run_one(:gru, x, params, opts)
 
     @doc """
     Several LSTM layers in one call (a list of param maps), layer l+1 consuming layer l's
     sequence on the device: `{sequence, [{c, h} per layer]}`; `initial_state` is a list.
+    `params_list` may be prepared once by `FusedKernels.Rnn.prepare/3`.
     """
-    @spec lstm_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+    @spec lstm_stack(FusedKernels.Tensor.t(), [map] | FusedKernels.Rnn.Prepared.t(), keyword) ::
             {FusedKernels.Tensor.nx(), [tuple]}
     def lstm_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:lstm, x, params_list, opts)
 
     @doc "Several GRU layers in one call: `{sequence, [{h} per layer]}`."
-    @spec gru_stack(FusedKernels.Tensor.t(), [map], keyword) ::
+    @spec gru_stack(FusedKernels.Tensor.t(), [map] | FusedKernels.Rnn.Prepared.t(), keyword) ::
             {FusedKernels.Tensor.nx(), [tuple]}
     def gru_stack(x, params_list, opts \\ []),
       do: FusedKernels.Rnn.run_many(:gru, x, params_list, opts)

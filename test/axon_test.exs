@@ -38,6 +38,41 @@ if Code.ensure_loaded?(Axon) do
         assert close?(predict_fused.(params, x), predict_plain.(params, x))
       end
 
+      test "#{kind}: with Axon's initial state (initial_state/4) the op gives Axon's numbers" do
+        input = Axon.input("x", shape: {nil, 6, 5})
+        # Axon's default: a random initial state (glorot_uniform from a key in the params).
+        {seq, _state} = apply(Axon, unquote(kind), [input, 7, [name: "rnn"]])
+        {params, x} = init_and_x(seq)
+        {_, predict} = Axon.build(seq)
+        expected = predict.(params, x)
+
+        state = FusedKernels.Axon.initial_state(seq, params, x, "rnn")
+        assert tuple_size(state) == if(unquote(kind) == :lstm, do: 2, else: 1)
+        for t <- Tuple.to_list(state), do: assert(Nx.shape(t) == {2, 7})
+        {data, _} = unwrap(params)
+
+        # Without it the numbers differ (zeros are not Axon's state).
+        {zeros, _} = apply(FusedKernels, unquote(kind), [x, data["rnn"], [backend: :nx]])
+        refute close?(zeros, expected)
+
+        backends = [:nx, :cpu] ++ if FusedKernels.Backend.cuda_available?(), do: [:cuda], else: []
+
+        for backend <- backends do
+          {ours, _} =
+            apply(FusedKernels, unquote(kind), [
+              x,
+              data["rnn"],
+              [initial_state: state, backend: backend]
+            ])
+
+          assert close?(ours, expected), "#{backend}"
+        end
+
+        assert_raise ArgumentError, ~r/no recurrent layer named "other"/, fn ->
+          FusedKernels.Axon.initial_state(seq, params, x, "other")
+        end
+      end
+
       # Against Axon with `unroll: :static`: on Nx 0.7 the gradient through Axon's default
       # `:dynamic` (while-loop) unroll disagrees with finite differences, the static one agrees.
       test "#{kind}: gradients through the fused model equal the Axon model's" do

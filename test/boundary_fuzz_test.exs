@@ -153,8 +153,16 @@ defmodule FusedKernels.BoundaryFuzzTest do
         args = [{x, x_err}, gen_scale(), gen_causal(), gen_backend(), gen_device(), gen_out()]
         terms = Enum.map(args, &elem(&1, 0))
         errors = args |> Enum.map(&elem(&1, 1)) |> Enum.reject(&is_nil/1)
-        result = apply(Native, :scaled_softmax, terms)
-        [x, _, _, backend, _, out] = terms
+        [x, scale, causal, backend, device, out] = terms
+
+        result =
+          Native.scaled_softmax(%{x: x}, %{
+            scale: scale,
+            causal: causal,
+            backend: backend,
+            device: device,
+            out: out
+          })
 
         case result do
           {:ok, value} ->

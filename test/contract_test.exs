@@ -55,21 +55,75 @@ defmodule FusedKernels.ContractTest do
 
     assert msg =~ "params must be a proper list"
 
-    assert {:error, {:argument, _}} = Native.stream_reshape(f32({6}), [2 | 3], :cpu, nil, :host)
+    assert {:error, {:argument, msg}} =
+             Native.stream_reshape(%{x: f32({6})}, %{shape: [2 | 3], backend: :cpu, out: :host})
 
-    assert {:error, {:argument, _}} =
-             Native.mamba_block(
-               x,
-               [nil | nil],
-               1.0e-5,
-               0.001,
-               0.1,
-               :per_channel,
-               true,
-               :cpu,
-               nil,
-               :host
-             )
+    assert msg =~ "shape"
+
+    assert {:error, {:argument, msg}} =
+             Native.mamba_block(%{x: x, weights: [nil | nil]}, %{backend: :cpu, out: :host})
+
+    assert msg =~ "weights must be a map"
+  end
+
+  test "typed NIF arguments: every failure names the field" do
+    x = f32({2, 3})
+    opts = %{scale: 1.0, causal: false, backend: :cpu, device: nil, out: :host}
+    assert {:ok, _} = Native.scaled_softmax(%{x: x}, opts)
+
+    for {inputs, options, pattern} <- [
+          {%{x: x}, %{opts | scale: :big}, ~r/^scale must be a number/},
+          {%{x: x}, %{opts | causal: 1}, ~r/^causal must be true or false/},
+          {%{x: x}, Map.delete(opts, :scale), ~r/^scale is missing/},
+          {%{x: x}, Map.put(opts, :scael, 1.0), ~r/^options: unknown key :scael/},
+          {%{x: x}, %{opts | backend: :gpu}, ~r/^backend must be :cpu or :cuda/},
+          {%{x: x}, %{opts | device: -1}, ~r/^device must be nil or a non-negative/},
+          {%{x: x}, %{opts | out: :disk}, ~r/^out must be :host or :device/},
+          {%{x: x}, [scale: 1.0], ~r/^options must be a map with the keys scale, causal/},
+          {%{"x" => x}, opts, ~r/^inputs: keys must be atoms/},
+          {%{}, opts, ~r/^x is missing/},
+          {%{x: {<<0::32>>, [2 | 2], {:f, 32}}}, opts, ~r/^x: /}
+        ] do
+      assert {:error, {:argument, msg}} = Native.scaled_softmax(inputs, options)
+      assert msg =~ pattern
+    end
+
+    q = f32({1, 2, 2, 8})
+    fa = %{layout: :bshd, scale: nil, causal: false, window: {-1, -1}, return_lse: false}
+    fa = Map.merge(fa, %{backend: :cpu, out: :host})
+    assert {:ok, _} = Native.flash_attention(%{q: q, k: q, v: q}, fa)
+
+    assert {:error, {:argument, "window must be a tuple {left, right}" <> _}} =
+             Native.flash_attention(%{q: q, k: q, v: q}, %{fa | window: {1, 2, 3}})
+
+    assert {:error, {:argument, "layout must be" <> _}} =
+             Native.flash_attention(%{q: q, k: q, v: q}, %{fa | layout: "bshd"})
+
+    assert {:error, {:argument, "v is missing"}} = Native.flash_attention(%{q: q, k: q}, fa)
+
+    # Every op with typed arguments, on both dispatch paths (CPU jobs, dirty NIF).
+    for {nif, first} <- [
+          scaled_softmax: "x",
+          flash_attention: "q",
+          selective_scan: "u",
+          norm: "x",
+          mamba_block: "x",
+          mamba_block_state: "x",
+          stream_shift_append: "cache",
+          stream_reshape: "x"
+        ],
+        backend <- [:cpu, :cuda] do
+      options = %{backend: backend, out: :host}
+      assert {:error, {:argument, msg}} = apply(Native, nif, [%{}, options])
+      assert msg == "#{first} is missing"
+      assert {:error, {:argument, msg}} = apply(Native, nif, [:junk, options])
+      assert msg =~ ~r/^inputs must be a map with the keys #{first}\b/
+
+      assert {:error, {:argument, msg}} =
+               apply(Native, nif, [%{String.to_atom(first) => 1, y: 2}, options])
+
+      assert msg =~ ~r/^inputs: unknown key :y/
+    end
   end
 
   test "rms_norm refuses beta on the native backends" do
@@ -156,6 +210,28 @@ defmodule FusedKernels.ContractTest do
           Nx.broadcast(1.0, {4}),
           backend: :nx
         )
+      end
+    end
+  end
+
+  unless Code.ensure_loaded?(Nx) do
+    # A build that asked for Nx (config require_nx: true, or Nx in the deps) but compiles
+    # before it must fail, not ship without the Nx-facing API.
+    test "asking for Nx when it is absent is a compile error, not a silent native-only build" do
+      source =
+        "lib/fused_kernels/tensor.ex"
+        |> File.read!()
+        |> String.replace(
+          "defmodule FusedKernels.Tensor do",
+          "defmodule FusedKernels.TensorProbe do"
+        )
+
+      Application.put_env(:fused_kernels, :require_nx, true)
+
+      try do
+        assert_raise CompileError, ~r/Nx was requested/, fn -> Code.compile_string(source) end
+      after
+        Application.delete_env(:fused_kernels, :require_nx)
       end
     end
   end

@@ -118,6 +118,11 @@ defmodule FusedKernels.CudaTest do
     assert msg =~ "device 1000 does not exist"
 
     assert {:error, {:argument, _}} =
-             Native.scaled_softmax({<<0::64>>, {1, 1}, {:f, 64}}, 1.0, false, :cuda, nil, :host)
+             Native.scaled_softmax(%{x: {<<0::64>>, {1, 1}, {:f, 64}}}, %{
+               scale: 1.0,
+               causal: false,
+               backend: :cuda,
+               out: :host
+             })
   end
 end

@@ -57,6 +57,26 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    test "a prepared kernel answers as the plain one on every backend, Nx tensors in and out" do
+      for backend <- [:nx | backends()], type <- [{:f, 32}, {:bf, 16}] do
+        x = random({3, 5, 40}, type)
+
+        {w, b, r} =
+          {random({40, 72}, type, 0.15), random({72}, type, 0.5), random({3, 5, 72}, type)}
+
+        prepared = FusedKernels.Dense.prepare(w, b, backend: backend)
+        assert is_reference(prepared.ref) == (backend == :cpu)
+
+        for act <- [:none, :gelu, :relu] do
+          opts = [activation: act, residual: r, backend: backend]
+          got = FusedKernels.dense(x, prepared, opts)
+          want = FusedKernels.dense(x, w, b, opts)
+          assert Nx.shape(got) == {3, 5, 72} and Nx.type(got) == type
+          close!(got, want, type, "prepared #{backend} #{inspect(type)} #{act}")
+        end
+      end
+    end
+
     test "inside defn the :auto backend takes the pure-Nx path" do
       x = random({3, 16}, {:f, 32})
       g = random({16}, {:f, 32})

@@ -177,6 +177,77 @@ defmodule FusedKernels.DenseTest do
     assert Buffer.download(dev) == host
   end
 
+  for type <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
+    test "a prepared kernel matches the f64 reference and the plain kernel for #{inspect(type)}" do
+      type = unquote(Macro.escape(type))
+
+      for {xs, n} <- @shapes ++ [{{1, 96}, 520}, {{61, 40}, 200}],
+          extras? <- [false, true],
+          act <- @activations do
+        o = operands(:dense, xs, n, type, extras?)
+        t = fn slot -> if v = o[slot], do: elem(v, 0) end
+        prepared = Dense.prepare(t.(:kernel), t.(:bias), backend: :cpu)
+        assert is_reference(prepared.ref) == (type != {:f, 64})
+        opts = [activation: act, residual: t.(:residual), backend: :cpu]
+        # Twice: the second call reuses the handle's scratch.
+        {bin, shape, ^type} = Dense.dense(t.(:x), prepared, opts)
+        assert {^bin, ^shape, ^type} = Dense.dense(t.(:x), prepared, opts)
+        assert shape == put_elem(xs, tuple_size(xs) - 1, n)
+        got = TestRef.decode(bin, type)
+        tol = TestRef.tolerance(type)
+        ref = reference(:dense, o, act)
+        assert TestRef.rel_l2(got, ref) <= tol, "#{inspect(xs)}x#{n} #{act} extras=#{extras?}"
+        {plain, _, _} = Dense.dense(t.(:x), t.(:kernel), t.(:bias), opts)
+        assert TestRef.rel_l2(got, TestRef.decode(plain, type)) <= tol
+      end
+    end
+  end
+
+  test "a prepared kernel of the wrong size or type raises ArgumentError naming it" do
+    o = operands(:dense, {4, 8}, 6, {:f, 32}, true)
+    [x, w, bias] = Enum.map([:x, :kernel, :bias], &elem(o[&1], 0))
+    prepared = Dense.prepare(w, bias, backend: :cpu)
+
+    assert_raise ArgumentError, ~r/^x: expected last dimension 8/, fn ->
+      Dense.dense(elem(tensor({4, 7}, {:f, 32}), 0), prepared, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^x: has type f16 but the kernel was prepared as f32/, fn ->
+      Dense.dense(elem(tensor({4, 8}, {:f, 16}), 0), prepared, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^residual: expected shape \{4, 6\}/, fn ->
+      Dense.dense(x, prepared, residual: elem(tensor({4, 5}, {:f, 32}), 0), backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^bias: the prepared kernel holds its bias/, fn ->
+      Dense.dense(x, prepared, bias, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^bias: expected shape \{6\}/, fn ->
+      Dense.prepare(w, elem(tensor({5}, {:f, 32}), 0), backend: :cpu)
+    end
+
+    assert_raise ArgumentError,
+                 ~r/^kernel: expected a kernel from FusedKernels.Dense.prepare/,
+                 fn ->
+                   FusedKernels.Native.dense_prepared(make_ref(), x, nil, :none)
+                   |> FusedKernels.Native.unwrap!()
+                 end
+
+    assert_raise ArgumentError, ~r/^kernel: already prepared/, fn -> Dense.prepare(prepared) end
+
+    assert_raise ArgumentError, ~r/activation must be one of/, fn ->
+      Dense.dense(x, prepared, activation: :swish, backend: :cpu)
+    end
+
+    if FusedKernels.Backend.cuda_available?() do
+      assert_raise ArgumentError, ~r/^kernel: prepared for backend :cpu/, fn ->
+        Dense.dense(x, prepared, backend: :cuda)
+      end
+    end
+  end
+
   test "bad arguments raise ArgumentError naming the argument" do
     o = operands(:dense, {4, 8}, 6, {:f, 32}, true)
     [x, w, bias] = Enum.map([:x, :kernel, :bias], &elem(o[&1], 0))

@@ -80,7 +80,12 @@ defmodule FusedKernels.NativeTest do
     end
 
     assert {:error, {:argument, "x: data must be a binary"}} =
-             Native.scaled_softmax({[1], {1}, {:f, 32}}, 1.0, false, :cpu, nil, :host)
+             Native.scaled_softmax(%{x: {[1], {1}, {:f, 32}}}, %{
+               scale: 1.0,
+               causal: false,
+               backend: :cpu,
+               out: :host
+             })
   end
 
   test "unaligned binaries are copied, not cast" do

@@ -67,6 +67,96 @@ defmodule FusedKernels.RnnTest do
     end
   end
 
+  test "prepared weights give the unprepared call's outputs, bit for bit (no Nx needed)" do
+    for cell <- [:lstm, :gru],
+        type <- [{:f, 32}, {:bf, 16}],
+        reverse <- [false, true],
+        {b, t, i, hs} <- [{1, 1, 7, [200]}, {2, 61, 6, [5, 4]}, {3, 100, 9, [16, 24, 8]}] do
+      ps = Enum.zip([i | hs], hs) |> Enum.map(fn {inp, h} -> params(cell, inp, h, type) end)
+      x = triple({b, t, i}, type, 1.0)
+
+      st =
+        for h <- hs,
+            do:
+              if(cell == :lstm,
+                do: {triple({b, h}, type, 0.5), triple({b, h}, type, 0.5)},
+                else: {triple({b, h}, type, 0.5)}
+              )
+
+      prepared = Rnn.prepare(cell, ps, backend: :cpu)
+      assert is_reference(prepared.ref)
+
+      for opts <- [[], [initial_state: st]] do
+        opts = [backend: :cpu, reverse: reverse] ++ opts
+        want = Rnn.native(cell, x, ps, opts)
+        # Twice: the second call reuses the handle's scratch.
+        assert Rnn.native(cell, x, prepared, opts) == want
+        assert Rnn.native(cell, x, prepared, opts) == want
+      end
+    end
+  end
+
+  test "a prepared handle of the wrong kind, backend or size raises ArgumentError naming it" do
+    p = params(:lstm, 4, 5, {:f, 32})
+    x = triple({2, 3, 4}, {:f, 32}, 1.0)
+    prepared = Rnn.prepare(:lstm, [p], backend: :cpu)
+
+    assert_raise ArgumentError, ~r/^params: prepared for :lstm, called as :gru/, fn ->
+      Rnn.native(:gru, x, prepared, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^x: has 6 features but the prepared params take 4/, fn ->
+      Rnn.native(:lstm, triple({2, 3, 6}, {:f, 32}, 1.0), prepared, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/^x: has type bf16 but the params were prepared as f32/, fn ->
+      Rnn.native(:lstm, triple({2, 3, 4}, {:bf, 16}, 1.0), prepared, backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/"initial_state" "h" must be \{2, 5\}/, fn ->
+      st = {triple({2, 5}, {:f, 32}, 1.0), triple({3, 5}, {:f, 32}, 1.0)}
+      Rnn.native(:lstm, x, prepared, backend: :cpu, initial_state: [st])
+    end
+
+    assert_raise ArgumentError, ~r/initial_state: expected one state per layer \(1\)/, fn ->
+      Rnn.native(:lstm, x, prepared, backend: :cpu, initial_state: [nil, nil])
+    end
+
+    assert_raise ArgumentError, ~r/^params: expected weights from FusedKernels.Rnn.prepare/, fn ->
+      FusedKernels.Native.rnn_prepared(make_ref(), x, [], false) |> FusedKernels.Native.unwrap!()
+    end
+
+    assert_raise ArgumentError, ~r/^params: already prepared/, fn ->
+      Rnn.prepare(:lstm, prepared)
+    end
+
+    assert_raise ArgumentError, ~r/params\["bias"\] is missing "bo"/, fn ->
+      Rnn.prepare(:lstm, [update_in(p, ["bias"], &Map.delete(&1, "bo"))], backend: :cpu)
+    end
+
+    assert_raise ArgumentError, ~r/"hidden_kernel" "whg" must have shape \{5, 5\}/, fn ->
+      bad = put_in(p, ["hidden_kernel", "whg"], triple({4, 5}, {:f, 32}, 1.0))
+      Rnn.prepare(:lstm, [bad], backend: :cpu)
+    end
+
+    if FusedKernels.Backend.cuda_available?() do
+      assert_raise ArgumentError,
+                   ~r/^params: prepared for backend :cpu, the call asks for :cuda/,
+                   fn ->
+                     Rnn.native(:lstm, x, prepared, backend: :cuda)
+                   end
+    end
+
+    # f64 weights keep the params (the prepared CPU path is f32) and answer as unprepared.
+    p64 = params(:gru, 4, 5, {:f, 64})
+    x64 = triple({2, 3, 4}, {:f, 64}, 1.0)
+    prepared64 = Rnn.prepare(:gru, [p64], backend: :cpu)
+    assert prepared64.ref == nil
+
+    assert Rnn.native(:gru, x64, prepared64, backend: :cpu) ==
+             Rnn.native(:gru, x64, [p64], backend: :cpu)
+  end
+
   test "precision: :tf32 is validated and leaves the CPU path f32-accurate" do
     p = params(:gru, 4, 5, {:f, 32})
     x = triple({2, 3, 4}, {:f, 32}, 1.0)
@@ -138,6 +228,61 @@ defmodule FusedKernels.RnnTest do
             {a, e} <- Enum.zip(Tuple.to_list(s), Tuple.to_list(r)),
             do: assert(rel(a, e) <= tol)
       end
+    end
+
+    @tag :nx
+    test "prepared params answer as the plain ones on every backend, one layer and stacks" do
+      backends = [:nx, :cpu] ++ if(FusedKernels.Backend.cuda_available?(), do: [:cuda], else: [])
+
+      for cell <- [:lstm, :gru], backend <- backends, reverse <- [false, true] do
+        {b, t, i, hs} = {2, 9, 6, [128, 64]}
+        x = rand_t({b, t, i}, {:f, 32})
+
+        ps =
+          Enum.zip([i | hs], hs)
+          |> Enum.map(fn {inp, h} -> to_nx_params(params(cell, inp, h, {:f, 32})) end)
+
+        st = Enum.map(hs, &states_of(cell, b, &1, {:f, 32}))
+        opts = [backend: backend, reverse: reverse, initial_state: st]
+
+        {stack, one} =
+          if cell == :lstm,
+            do: {&FusedKernels.lstm_stack/3, &FusedKernels.lstm/3},
+            else: {&FusedKernels.gru_stack/3, &FusedKernels.gru/3}
+
+        prepared = Rnn.prepare(cell, ps, backend: backend)
+        assert prepared.backend == backend and is_reference(prepared.ref) == (backend == :cpu)
+        {seq, states} = stack.(x, ps, opts)
+        {pseq, pstates} = stack.(x, prepared, opts)
+        # Bit for bit: the same kernels run on the same values.
+        assert Nx.to_binary(pseq) == Nx.to_binary(seq), "#{cell} #{backend} reverse=#{reverse}"
+
+        for {s1, s2} <- Enum.zip(states, pstates),
+            {a, e} <- Enum.zip(Tuple.to_list(s1), Tuple.to_list(s2)),
+            do: assert(Nx.to_binary(a) == Nx.to_binary(e))
+
+        one_opts = Keyword.put(opts, :initial_state, hd(st))
+        p1 = Rnn.prepare(cell, hd(ps), backend: backend)
+        {seq1, st1} = one.(x, hd(ps), one_opts)
+        {pseq1, pst1} = one.(x, p1, one_opts)
+        assert Nx.to_binary(pseq1) == Nx.to_binary(seq1)
+
+        assert Enum.map(Tuple.to_list(pst1), &Nx.to_binary/1) ==
+                 Enum.map(Tuple.to_list(st1), &Nx.to_binary/1)
+
+        assert_raise ArgumentError, ~r/params: prepared for a stack of 2 layers/, fn ->
+          one.(x, prepared, backend: backend)
+        end
+      end
+
+      # Prepared on :nx, it also runs inside defn.
+      x = rand_t({2, 4, 3}, {:f, 32})
+      p = to_nx_params(params(:gru, 3, 5, {:f, 32}))
+      prepared = Rnn.prepare(:gru, p, backend: :nx)
+      f = Nx.Defn.jit(fn x -> FusedKernels.gru(x, prepared) end)
+      {seq, {h}} = f.(x)
+      {want_seq, {want_h}} = FusedKernels.gru(x, p, backend: :nx)
+      assert rel(seq, want_seq) <= 1.0e-6 and rel(h, want_h) <= 1.0e-6
     end
 
     @tag :nx

@@ -18,7 +18,7 @@ defmodule FusedKernels.Bench.Backbone do
       for kind <- Backbone.supported(), mode <- [:window, :frame], batch <- [1, 8] do
         spec = Spec.new(kind)
 
-        dir = System.get_env("FUSED_KERNELS_EXPORT_DIR")
+        dir = opts[:export]
         if batch == 1 and dir, do: export(dir, kind, Backbone.random_params(spec, 1))
 
         row("backbone #{kind} #{mode}#{suffix(batch)}", spec, mode, batch)

@@ -73,12 +73,9 @@ defmodule Side do
         end
 
       "dense" <> _ ->
-        fn _ ->
-          FusedKernels.Dense.dense(t["x"], t["kernel"], t["bias"],
-            activation: :gelu,
-            backend: :cpu
-          )
-        end
+        # Prepared once, as for the RNN rows.
+        kernel = FusedKernels.Dense.prepare(t["kernel"], t["bias"], backend: :cpu)
+        fn _ -> FusedKernels.Dense.dense(t["x"], kernel, activation: :gelu, backend: :cpu) end
 
       "scan" <> _ ->
         fn _ ->
@@ -91,15 +88,17 @@ defmodule Side do
     end
   end
 
+  # The weights are prepared once (FusedKernels.Rnn.prepare/3), as ONNX Runtime's session
+  # prepares them when it loads.
   defp rnn_window(row, t) do
     cell = cell_of(row)
-    params = rnn_params(t, cell, 2)
+    params = FusedKernels.Rnn.prepare(cell, rnn_params(t, cell, 2), backend: :cpu)
     fn _ -> elem(FusedKernels.Rnn.native(cell, t["x"], params, backend: :cpu), 0) end
   end
 
   defp rnn_step(row, t) do
     cell = cell_of(row)
-    params = rnn_params(t, cell, 2)
+    params = FusedKernels.Rnn.prepare(cell, rnn_params(t, cell, 2), backend: :cpu)
     # The state is carried from call to call, as a streaming caller does.
     fn state ->
       state = state || init_state(t, cell, 2)
@@ -181,6 +180,8 @@ defmodule Backbones do
   def export(dir, kinds) do
     out = Path.join(dir, "backbone")
     File.mkdir_p!(out)
+    # Spec names the kinds: loaded first, so that their atoms exist for to_existing_atom.
+    Code.ensure_loaded!(Spec)
 
     for kind <- kinds, reduce: %{} do
       acc ->

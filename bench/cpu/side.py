@@ -5,7 +5,9 @@
     /work/venv-cpu/bin/python bench/cpu/side.py            # from the repository root
 
 Ours runs through the public native API (`mix run bench/cpu/side.exs`, one BEAM per thread
-count with FUSED_KERNELS_CPU_THREADS set), ONNX Runtime through its own LSTM/GRU ops (LSTM gates
+count with FUSED_KERNELS_CPU_THREADS set; the LSTM/GRU and dense rows use weights prepared
+once with `FusedKernels.Rnn.prepare/3` / `FusedKernels.Dense.prepare/3`, as ONNX Runtime's
+session and PyTorch's modules hold theirs), ONNX Runtime through its own LSTM/GRU ops (LSTM gates
 i,o,f,c; GRU z,r,h with linear_before_reset=1, which is Axon's `r * (h Whn + bhn)`), PyTorch
 through nn.LSTM/nn.GRU, scaled_dot_product_attention, matmul+gelu and a selective-scan loop
 (mamba_ssm's selective_scan_ref). Outputs are checked against ONNX Runtime (PyTorch for the

@@ -20,7 +20,7 @@ mkdir -p "$out"
 source bench/gpu/erlang.sh
 erlang_here
 export FUSED_KERNELS_SKIP_NIF=1 FUSED_KERNELS_REQUIRE_GPU=1 MIX_ENV=test
-export FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache FUSED_KERNELS_EXPORT_DIR=/tmp/fk-export
+export FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null; fi
 status=0
@@ -33,7 +33,8 @@ echo "== ExUnit: backbones (:cuda included)"
 timeout 180 mix test --include cuda test/backbone_engine_test.exs test/backbone_test.exs \
   test/backbone_axon_test.exs 2>&1 | tee "$out/engine_exunit.log" | grep -vE '^\s*$' | tail -25 || status=1
 echo "== mix bench: backbone rows"
-timeout 120 mix bench --only backbone --backend cuda --runs 300 --json "$out/bench.json" 2>&1 |
+timeout 120 mix bench --only backbone --backend cuda --runs 300 --json "$out/bench.json" \
+  --export /tmp/fk-export 2>&1 |
   tee "$out/bench.log" | tail -32 || status=1
 echo "== PyTorch eager and CUDA graph"
 timeout 75 python3 bench/gpu/side_backbone.py "$out/bench.json" 2>&1 | tee "$out/side.log" || status=1

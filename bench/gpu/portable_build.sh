@@ -26,6 +26,9 @@ for l in sys.stdin:
   cargo build -q --release -p fused_kernels_nif --features "fused_kernels_core/route-as-$cap"
   cp target/release/libfused_kernels_nif.so "$dir/libfused_kernels_nif.so"
 done
-# Put the native NIF back in target/release for whatever runs next here.
+# Put the native NIF back in target/release for whatever runs next here; kernel_ptx pre-fills
+# each route's kernel cache on the GPU host (portable_run.sh).
 cargo build -q --release -p fused_kernels_nif
+cargo build -q --release -p fused_kernels_core --bin kernel_ptx
+cp target/release/kernel_ptx .gpu/portable/kernel_ptx
 ls .gpu/portable/*

@@ -1,13 +1,13 @@
 """PyTorch eager and CUDA-graph side by side with `mix bench`'s backbone rows: the same backbones (LSTM/GRU:
 LayerNorm → cuDNN LSTM/GRU → LayerNorm per layer; attention with SDPA; Mamba / Jamba with the
 scan as an eager loop; last position) with the same weights
-(exported by `mix bench --export DIR`; this script reads DIR from FUSED_KERNELS_EXPORT_DIR), checked against our output on an
+(exported by `mix bench --export DIR --json BENCH_JSON`, which records DIR in the JSON), checked against our output on an
 exported window, then timed like ours: wall clock around the call until the device is idle,
 input from and output to the host, median of many after warm-up. The CUDA-graph anchor
 captures the window and the frame once (static device input, host copies around the replay)
 and checks the replayed window against our output too.
 
-Usage: FUSED_KERNELS_EXPORT_DIR=DIR python3 bench/gpu/side_backbone.py BENCH_JSON
+Usage: python3 bench/gpu/side_backbone.py BENCH_JSON [DIR]   (DIR: the JSON's export directory)
 (bench/cpu/side.py imports the modules for its CPU backbone rows.)"""
 import json
 import os
@@ -187,8 +187,11 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import wall_ms
 
-    DIR = os.environ["FUSED_KERNELS_EXPORT_DIR"]
-    rows = json.load(open(sys.argv[1]))["rows"]
+    bench = json.load(open(sys.argv[1]))
+    DIR = sys.argv[2] if len(sys.argv) > 2 else bench.get("export")
+    if DIR is None:
+        sys.exit(f"{sys.argv[1]} names no export directory: run mix bench with --export DIR, or pass DIR")
+    rows = bench["rows"]
     ours = {(r["case"], r["backend"]): r for r in rows}
     print(f"\n{'backbone':24} {'ours cuda':>12} {'torch eager':>12} {'torch graph':>12} {'eager/ours':>10} {'graph/ours':>10}   max|ours-torch| eager, graph")
     for kind in ["attention", "lstm", "gru", "mamba", "jamba"]:

@@ -181,6 +181,63 @@ if Code.ensure_loaded?(Axon) do
 
     defp node_name(%Axon.Node{id: id, op_name: op}), do: "#{op}_#{id}"
 
+    @doc """
+    The initial state Axon gives the recurrent layer `name` (the `name:` of its `Axon.lstm/3`
+    or `Axon.gru/3`) for the model's `inputs`: `{c, h}` for an LSTM, `{h}` for a GRU, each
+    `{batch, units}` f32. It is what `FusedKernels.lstm/3` / `gru/3` take as `initial_state:`,
+    so they give the Axon model's numbers on every backend:
+
+        {seq, _} = Axon.lstm(x, 64, name: "lstm")
+        # ... params from Axon's init
+        state = FusedKernels.Axon.initial_state(model, params, inputs, "lstm")
+        FusedKernels.lstm(layer_x, params["lstm"], initial_state: state)
+
+    Axon draws that state at random (`recurrent_initializer:`, `:glorot_uniform` by default,
+    from a key in `params`), differently across Axon versions; this runs Axon's own state
+    nodes of the model, so it matches the installed Axon and any initializer. `params` is
+    Axon's params map or an `%Axon.ModelState{}`. The layer must have a `name:` and its own
+    state (a layer given a state through `Axon.lstm/4` has none: pass that state instead).
+    """
+    @spec initial_state(Axon.t(), map | struct, term, String.t()) :: tuple
+    def initial_state(%Axon{} = model, params, inputs, name) when is_binary(name) do
+      nodes =
+        Axon.reduce_nodes(model, %{}, fn
+          %Axon.Node{op_name: :recurrent_state} = node, acc ->
+            Map.put(acc, node_name(node), node.id)
+
+          _node, acc ->
+            acc
+        end)
+
+      ids =
+        case {nodes["#{name}_c_hidden_state"], nodes["#{name}_h_hidden_state"]} do
+          {nil, nil} ->
+            raise ArgumentError,
+                  "name: no recurrent layer named #{inspect(name)} with an initial state of " <>
+                    "its own in this model (found #{inspect(Map.keys(nodes))}); name the " <>
+                    "layer (Axon.lstm(x, units, name: ...)) and pass that name"
+
+          {nil, h} ->
+            [h]
+
+          {c, h} ->
+            [c, h]
+        end
+
+      ids
+      |> Enum.map(fn id ->
+        {_init, predict} = Axon.build(%{model | output: id})
+        predict.(params, inputs)
+      end)
+      |> List.to_tuple()
+    end
+
+    def initial_state(model, _params, _inputs, name) do
+      raise ArgumentError,
+            "initial_state/4 takes an %Axon{} model and a layer name (a string), got: " <>
+              "#{inspect(model, limit: 3)}, #{inspect(name, limit: 3)}"
+    end
+
     @doc "`Axon.lstm/3` (random initial state) with `fused: :auto | true | false`."
     @spec lstm(Axon.t(), pos_integer, keyword) :: {Axon.t(), Axon.t()}
     def lstm(%Axon{} = x, units, opts) when is_integer(units), do: build(:lstm, [x, units], opts)

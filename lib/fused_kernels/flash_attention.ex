@@ -38,19 +38,17 @@ defmodule FusedKernels.FlashAttention do
   defp call([q, k, v], backend, opts) do
     scale = if opts[:scale], do: opts[:scale] * 1.0, else: nil
 
-    q
-    |> Native.flash_attention(
-      k,
-      v,
-      opts[:layout],
-      scale,
-      opts[:causal],
-      opts[:window],
-      opts[:return_lse],
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    %{q: q, k: k, v: v}
+    |> Native.flash_attention(%{
+      layout: opts[:layout],
+      scale: scale,
+      causal: opts[:causal],
+      window: opts[:window],
+      return_lse: opts[:return_lse],
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    })
     |> Native.unwrap!()
     |> wrap(opts[:return_lse])
   end

@@ -6,7 +6,8 @@ defmodule FusedKernels.MambaBlock do
 
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
 
-  # {layer suffix, parameter, required?} in the order the NIF takes them.
+  # {layer suffix, parameter, required?}: the order of weights/2's list (nx_with_state/4
+  # matches on it), and @native_names are the NIF's keys for the same 16 weights.
   @layout [
     {"norm", "gamma", true},
     {"norm", "beta", true},
@@ -25,6 +26,9 @@ defmodule FusedKernels.MambaBlock do
     {"out_proj", "kernel", true},
     {"out_proj", "bias", false}
   ]
+  @native_names ~w(norm_gamma norm_beta in_kernel in_bias conv_kernel conv_bias bc_kernel
+                   bc_bias dt_rank_kernel dt_rank_bias dt_proj_kernel dt_proj_bias a d
+                   out_kernel out_bias)a
 
   @doc false
   @spec options(term) :: keyword
@@ -40,9 +44,9 @@ defmodule FusedKernels.MambaBlock do
   end
 
   @doc """
-  The block's parameters in the NIF's order, looked up by Edifice's layer names
-  (`"\#{name}_in_proj" => %{"kernel" => ..., "bias" => ...}` and so on). Accepts a plain map
-  or a struct with a `:data` map (Axon's ModelState).
+  The block's 16 parameters in a fixed order (nil where absent), looked up by Edifice's
+  layer names (`"\#{name}_in_proj" => %{"kernel" => ..., "bias" => ...}` and so on). Accepts a
+  plain map or a struct with a `:data` map (Axon's ModelState).
   """
   @spec weights(map | struct, String.t()) :: [term]
   def weights(params, name) do
@@ -93,47 +97,45 @@ defmodule FusedKernels.MambaBlock do
     end
 
     {y, c, s} =
-      x
-      |> nat.()
-      |> Native.mamba_block_state(
-        Enum.map(weights(params, opts[:name]), nat),
-        nat.(conv_state),
-        nat.(ssm_state),
-        opts[:eps] * 1.0,
-        opts[:dt_min] * 1.0,
-        opts[:dt_max] * 1.0,
-        opts[:b_discretization],
-        opts[:residual],
-        Backend.select_native(opts),
-        Backend.device(opts),
-        opts[:out]
-      )
+      %{
+        x: nat.(x),
+        weights: native_weights(weights(params, opts[:name])),
+        conv_state: nat.(conv_state),
+        ssm_state: nat.(ssm_state)
+      }
+      |> Native.mamba_block_state(native_options(Backend.select_native(opts), opts))
       |> Native.unwrap!()
 
     {Buffer.wrap(y), Buffer.wrap(c), Buffer.wrap(s)}
   end
 
   defp call(x, weights, backend, opts) do
-    nat = fn
-      nil -> nil
-      t -> Tensor.to_native(t)
-    end
-
-    x
-    |> nat.()
-    |> Native.mamba_block(
-      Enum.map(weights, nat),
-      opts[:eps] * 1.0,
-      opts[:dt_min] * 1.0,
-      opts[:dt_max] * 1.0,
-      opts[:b_discretization],
-      opts[:residual],
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    %{x: Tensor.to_native(x), weights: native_weights(weights)}
+    |> Native.mamba_block(native_options(backend, opts))
     |> Native.unwrap!()
     |> Buffer.wrap()
+  end
+
+  defp native_weights(weights) do
+    @native_names
+    |> Enum.zip(weights)
+    |> Map.new(fn
+      {name, nil} -> {name, nil}
+      {name, t} -> {name, Tensor.to_native(t)}
+    end)
+  end
+
+  defp native_options(backend, opts) do
+    %{
+      eps: opts[:eps] * 1.0,
+      dt_min: opts[:dt_min] * 1.0,
+      dt_max: opts[:dt_max] * 1.0,
+      b_discretization: opts[:b_discretization],
+      residual: opts[:residual],
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    }
   end
 
   if Code.ensure_loaded?(Nx) do

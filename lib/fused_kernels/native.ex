@@ -3,7 +3,11 @@ defmodule FusedKernels.Native do
   The NIF, loaded when this module loads. Needs no Nx.
 
   Tensors cross as `{binary, shape_tuple, type}` triples (Nx's type tuples) or as device
-  buffer references. Every function returns `{:ok, value}` or
+  buffer references. An op takes two maps, its tensors and its options, e.g.
+  `scaled_softmax(%{x: x}, %{scale: 1.0, causal: false, backend: :cpu, device: nil, out:
+  :host})`; a missing, misspelt or ill-typed key is an `:argument` error naming it (optional
+  tensors and `device` may be left out; `rnn` and `dense` still take positional arguments).
+  Every function returns `{:ok, value}` or
   `{:error, {kind, message}}` with kind `:argument`, `:unavailable`, `:out_of_memory`,
   `:compile`, `:cuda` or `:nif_not_loaded`; `unwrap!/1` raises `ArgumentError` for
   `:argument` and `FusedKernels.Error` for the rest.
@@ -91,6 +95,12 @@ defmodule FusedKernels.Native do
   @spec set_cache_dir(term) :: reply
   def set_cache_dir(_path), do: not_loaded()
   @doc false
+  @spec kernel_prefill(term, term, term, term) :: reply
+  def kernel_prefill(_archs, _route_as, _dir, _jobs), do: not_loaded()
+  @doc false
+  @spec kernel_warmup(term, term) :: reply
+  def kernel_warmup(_ops, _device), do: not_loaded()
+  @doc false
   @spec buffer_upload(term, term) :: reply
   def buffer_upload(_tensor, _device), do: not_loaded()
   @doc false
@@ -106,343 +116,97 @@ defmodule FusedKernels.Native do
   @spec cuda_synchronize(term) :: reply
   def cuda_synchronize(_device), do: not_loaded()
 
-  # The ops. `op/n` runs `op_dirty/n` (a dirty CPU scheduler) for CUDA, and queues `op_async/n`
-  # on the library's own worker threads for the CPU backend, waiting here for the reply, so
-  # long CPU calls never hold the BEAM's schedulers (see native/fused_kernels_nif/src/jobs.rs).
+  # The ops. `op(...)` runs `op_dirty(...)` (a dirty CPU scheduler) for CUDA, and queues
+  # `op_async(...)` on the library's own worker threads for the CPU backend, waiting here for
+  # the reply, so long CPU calls never hold the BEAM's schedulers (see
+  # native/fused_kernels_nif/src/jobs.rs). The three functions of every op are generated from
+  # this table: an op with typed arguments takes `(inputs, options)`, two maps decoded into
+  # typed structs on the Rust side (native/fused_kernels_nif/src/terms.rs), the backend read
+  # from `options.backend`; the others take positional arguments, one of them `backend`.
+  @ops [
+    scaled_softmax: [:inputs, :options],
+    dense: [:kind, :operands, :activation, :eps, :backend, :device, :out],
+    flash_attention: [:inputs, :options],
+    rnn: [:cell, :x, :layers, :reverse, :backend, :device, :out, :precision],
+    selective_scan: [:inputs, :options],
+    norm: [:inputs, :options],
+    mamba_block: [:inputs, :options],
+    stream_shift_append: [:inputs, :options],
+    stream_reshape: [:inputs, :options],
+    mamba_block_state: [:inputs, :options]
+  ]
+
+  for {op, names} <- @ops do
+    args = Enum.map(names, &Macro.var(&1, __MODULE__))
+    unused = Enum.map(names, &Macro.var(:"_#{&1}", __MODULE__))
+    terms = Enum.map(names, fn _ -> quote(do: term) end)
+    dirty = :"#{op}_dirty"
+    async = :"#{op}_async"
+
+    backend =
+      if :backend in names,
+        do: Macro.var(:backend, __MODULE__),
+        else: quote(do: backend_of(unquote(Macro.var(:options, __MODULE__))))
+
+    @doc false
+    @spec unquote(op)(unquote_splicing(terms)) :: reply
+    def unquote(op)(unquote_splicing(args)),
+      do: dispatch(unquote(backend), unquote(dirty), unquote(async), unquote(args))
+
+    @doc false
+    @spec unquote(dirty)(unquote_splicing(terms)) :: reply
+    def unquote(dirty)(unquote_splicing(unused)), do: not_loaded()
+
+    @doc false
+    @spec unquote(async)(unquote_splicing(terms)) :: reference | reply
+    def unquote(async)(unquote_splicing(unused)), do: not_loaded()
+  end
+
   @doc false
-  @spec scaled_softmax(term, term, term, term, term, term) :: reply
-  def scaled_softmax(x, scale, causal, backend, device, out),
+  @spec dense_prepare(term, term) :: reply
+  def dense_prepare(_kernel, _bias), do: not_loaded()
+
+  @doc false
+  @spec dense_prepared(term, term, term, term) :: reply
+  def dense_prepared(prepared, x, residual, activation),
     do:
-      dispatch(backend, :scaled_softmax_dirty, :scaled_softmax_async, [
+      dispatch(:cpu, :dense_prepared_dirty, :dense_prepared_async, [
+        prepared,
         x,
-        scale,
-        causal,
-        backend,
-        device,
-        out
+        residual,
+        activation
       ])
 
   @doc false
-  @spec scaled_softmax_dirty(term, term, term, term, term, term) :: reply
-  def scaled_softmax_dirty(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
-  @doc false
-  @spec scaled_softmax_async(term, term, term, term, term, term) :: reference | reply
-  def scaled_softmax_async(_x, _scale, _causal, _backend, _device, _out), do: not_loaded()
+  @spec dense_prepared_dirty(term, term, term, term) :: reply
+  def dense_prepared_dirty(_prepared, _x, _residual, _activation), do: not_loaded()
 
   @doc false
-  @spec dense(term, term, term, term, term, term, term) :: reply
-  def dense(kind, operands, activation, eps, backend, device, out),
+  @spec dense_prepared_async(term, term, term, term) :: reference | reply
+  def dense_prepared_async(_prepared, _x, _residual, _activation), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepare(term, term) :: reply
+  def rnn_prepare(_cell, _layers), do: not_loaded()
+
+  @doc false
+  @spec rnn_prepared(term, term, term, term) :: reply
+  def rnn_prepared(prepared, x, initial_state, reverse),
     do:
-      dispatch(backend, :dense_dirty, :dense_async, [
-        kind,
-        operands,
-        activation,
-        eps,
-        backend,
-        device,
-        out
-      ])
-
-  @doc false
-  @spec dense_dirty(term, term, term, term, term, term, term) :: reply
-  def dense_dirty(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
-  @doc false
-  @spec dense_async(term, term, term, term, term, term, term) :: reference | reply
-  def dense_async(_kind, _operands, _activation, _eps, _backend, _device, _out), do: not_loaded()
-
-  @doc false
-  @spec flash_attention(term, term, term, term, term, term, term, term, term, term, term) :: reply
-  def flash_attention(q, k, v, layout, scale, causal, window, return_lse, backend, device, out),
-    do:
-      dispatch(backend, :flash_attention_dirty, :flash_attention_async, [
-        q,
-        k,
-        v,
-        layout,
-        scale,
-        causal,
-        window,
-        return_lse,
-        backend,
-        device,
-        out
-      ])
-
-  @doc false
-  @spec flash_attention_dirty(term, term, term, term, term, term, term, term, term, term, term) ::
-          reply
-  def flash_attention_dirty(
-        _q,
-        _k,
-        _v,
-        _layout,
-        _scale,
-        _causal,
-        _window,
-        _return_lse,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec flash_attention_async(term, term, term, term, term, term, term, term, term, term, term) ::
-          reference | reply
-  def flash_attention_async(
-        _q,
-        _k,
-        _v,
-        _layout,
-        _scale,
-        _causal,
-        _window,
-        _return_lse,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec rnn(term, term, term, term, term, term, term, term) :: reply
-  def rnn(cell, x, layers, reverse, backend, device, out, precision),
-    do:
-      dispatch(backend, :rnn_dirty, :rnn_async, [
-        cell,
+      dispatch(:cpu, :rnn_prepared_dirty, :rnn_prepared_async, [
+        prepared,
         x,
-        layers,
-        reverse,
-        backend,
-        device,
-        out,
-        precision
-      ])
-
-  @doc false
-  @spec rnn_dirty(term, term, term, term, term, term, term, term) :: reply
-  def rnn_dirty(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
-    do: not_loaded()
-
-  @doc false
-  @spec rnn_async(term, term, term, term, term, term, term, term) :: reference | reply
-  def rnn_async(_cell, _x, _layers, _reverse, _backend, _device, _out, _precision),
-    do: not_loaded()
-
-  @doc false
-  @spec selective_scan(
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term
-        ) :: reply
-  def selective_scan(
-        u,
-        delta,
-        a,
-        b,
-        c,
-        d,
-        z,
-        delta_bias,
         initial_state,
-        delta_softplus,
-        discretization,
-        return_last_state,
-        backend,
-        device,
-        out
-      ),
-      do:
-        dispatch(backend, :selective_scan_dirty, :selective_scan_async, [
-          u,
-          delta,
-          a,
-          b,
-          c,
-          d,
-          z,
-          delta_bias,
-          initial_state,
-          delta_softplus,
-          discretization,
-          return_last_state,
-          backend,
-          device,
-          out
-        ])
-
-  @doc false
-  @spec selective_scan_dirty(
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term
-        ) :: reply
-  def selective_scan_dirty(
-        _u,
-        _delta,
-        _a,
-        _b,
-        _c,
-        _d,
-        _z,
-        _delta_bias,
-        _initial_state,
-        _delta_softplus,
-        _discretization,
-        _return_last_state,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec selective_scan_async(
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term
-        ) :: reference | reply
-  def selective_scan_async(
-        _u,
-        _delta,
-        _a,
-        _b,
-        _c,
-        _d,
-        _z,
-        _delta_bias,
-        _initial_state,
-        _delta_softplus,
-        _discretization,
-        _return_last_state,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec norm(term, term, term, term, term, term, term, term, term) :: reply
-  def norm(kind, x, weight, bias, residual, eps, backend, device, out),
-    do:
-      dispatch(backend, :norm_dirty, :norm_async, [
-        kind,
-        x,
-        weight,
-        bias,
-        residual,
-        eps,
-        backend,
-        device,
-        out
+        reverse
       ])
 
   @doc false
-  @spec norm_dirty(term, term, term, term, term, term, term, term, term) :: reply
-  def norm_dirty(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
-    do: not_loaded()
+  @spec rnn_prepared_dirty(term, term, term, term) :: reply
+  def rnn_prepared_dirty(_prepared, _x, _initial_state, _reverse), do: not_loaded()
 
   @doc false
-  @spec norm_async(term, term, term, term, term, term, term, term, term) :: reference | reply
-  def norm_async(_kind, _x, _weight, _bias, _residual, _eps, _backend, _device, _out),
-    do: not_loaded()
-
-  @doc false
-  @spec mamba_block(term, term, term, term, term, term, term, term, term, term) :: reply
-  def mamba_block(
-        x,
-        weights,
-        eps,
-        dt_min,
-        dt_max,
-        discretization,
-        residual,
-        backend,
-        device,
-        out
-      ),
-      do:
-        dispatch(backend, :mamba_block_dirty, :mamba_block_async, [
-          x,
-          weights,
-          eps,
-          dt_min,
-          dt_max,
-          discretization,
-          residual,
-          backend,
-          device,
-          out
-        ])
-
-  @doc false
-  @spec mamba_block_dirty(term, term, term, term, term, term, term, term, term, term) :: reply
-  def mamba_block_dirty(
-        _x,
-        _weights,
-        _eps,
-        _dt_min,
-        _dt_max,
-        _discretization,
-        _residual,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec mamba_block_async(term, term, term, term, term, term, term, term, term, term) ::
-          reference | reply
-  def mamba_block_async(
-        _x,
-        _weights,
-        _eps,
-        _dt_min,
-        _dt_max,
-        _discretization,
-        _residual,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
+  @spec rnn_prepared_async(term, term, term, term) :: reference | reply
+  def rnn_prepared_async(_prepared, _x, _initial_state, _reverse), do: not_loaded()
 
   @doc false
   @spec engine_load(term, term, term, term) :: reply
@@ -466,138 +230,9 @@ defmodule FusedKernels.Native do
   @spec engine_graphs(term) :: reply
   def engine_graphs(_engine), do: not_loaded()
 
-  @doc false
-  @spec stream_shift_append(term, term, term, term, term) :: reply
-  def stream_shift_append(cache, row, backend, device, out),
-    do:
-      dispatch(backend, :stream_shift_append_dirty, :stream_shift_append_async, [
-        cache,
-        row,
-        backend,
-        device,
-        out
-      ])
-
-  @doc false
-  @spec stream_shift_append_dirty(term, term, term, term, term) :: reply
-  def stream_shift_append_dirty(_cache, _row, _backend, _device, _out), do: not_loaded()
-  @doc false
-  @spec stream_shift_append_async(term, term, term, term, term) :: reference | reply
-  def stream_shift_append_async(_cache, _row, _backend, _device, _out), do: not_loaded()
-
-  @doc false
-  @spec stream_reshape(term, term, term, term, term) :: reply
-  def stream_reshape(x, shape, backend, device, out),
-    do:
-      dispatch(backend, :stream_reshape_dirty, :stream_reshape_async, [
-        x,
-        shape,
-        backend,
-        device,
-        out
-      ])
-
-  @doc false
-  @spec stream_reshape_dirty(term, term, term, term, term) :: reply
-  def stream_reshape_dirty(_x, _shape, _backend, _device, _out), do: not_loaded()
-  @doc false
-  @spec stream_reshape_async(term, term, term, term, term) :: reference | reply
-  def stream_reshape_async(_x, _shape, _backend, _device, _out), do: not_loaded()
-
-  @doc false
-  @spec mamba_block_state(term, term, term, term, term, term, term, term, term, term, term, term) ::
-          reply
-  def mamba_block_state(
-        x,
-        weights,
-        conv_state,
-        ssm_state,
-        eps,
-        dt_min,
-        dt_max,
-        discretization,
-        residual,
-        backend,
-        device,
-        out
-      ),
-      do:
-        dispatch(backend, :mamba_block_state_dirty, :mamba_block_state_async, [
-          x,
-          weights,
-          conv_state,
-          ssm_state,
-          eps,
-          dt_min,
-          dt_max,
-          discretization,
-          residual,
-          backend,
-          device,
-          out
-        ])
-
-  @doc false
-  @spec mamba_block_state_dirty(
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term
-        ) :: reply
-  def mamba_block_state_dirty(
-        _x,
-        _weights,
-        _conv_state,
-        _ssm_state,
-        _eps,
-        _dt_min,
-        _dt_max,
-        _discretization,
-        _residual,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
-
-  @doc false
-  @spec mamba_block_state_async(
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term,
-          term
-        ) :: reference | reply
-  def mamba_block_state_async(
-        _x,
-        _weights,
-        _conv_state,
-        _ssm_state,
-        _eps,
-        _dt_min,
-        _dt_max,
-        _discretization,
-        _residual,
-        _backend,
-        _device,
-        _out
-      ),
-      do: not_loaded()
+  # Junk options (not a map) go to the dirty NIF, which refuses them.
+  defp backend_of(%{backend: backend}), do: backend
+  defp backend_of(_options), do: nil
 
   defp dispatch(:cpu, _dirty, async, args), do: await(apply(__MODULE__, async, args))
   defp dispatch(_backend, dirty, _async, args), do: apply(__MODULE__, dirty, args)

@@ -33,17 +33,14 @@ defmodule FusedKernels.Norm do
       t -> Tensor.to_native(t)
     end
 
-    kind
-    |> Native.norm(
-      nat.(x),
-      nat.(weight),
-      nat.(bias),
-      nat.(opts[:residual]),
-      opts[:eps] * 1.0,
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    %{x: nat.(x), weight: nat.(weight), beta: nat.(bias), residual: nat.(opts[:residual])}
+    |> Native.norm(%{
+      kind: kind,
+      eps: opts[:eps] * 1.0,
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    })
     |> Native.unwrap!()
     |> case do
       {y, s} -> {finish.(Buffer.wrap(y)), finish.(Buffer.wrap(s))}

@@ -49,19 +49,18 @@ defmodule FusedKernels.Options do
             "options must be a keyword list (e.g. [backend: :cpu]), got: #{inspect(opts, limit: 5)}"
     end
 
-    case Enum.reject(Keyword.keys(opts), &Keyword.has_key?(schema, &1)) do
-      [] ->
-        :ok
+    unless Enum.all?(opts, fn {key, _} -> :lists.keymember(key, 1, schema) end) do
+      unknown = Enum.reject(Keyword.keys(opts), &Keyword.has_key?(schema, &1))
 
-      unknown ->
-        raise ArgumentError,
-              "unknown keys #{inspect(Enum.uniq(unknown))} in options; the known keys are " <>
-                inspect(Keyword.keys(schema))
+      raise ArgumentError,
+            "unknown keys #{inspect(Enum.uniq(unknown))} in options; the known keys are " <>
+              inspect(Keyword.keys(schema))
     end
 
+    # A prepared step call lasts tens of microseconds: the passing case builds no message.
     Enum.map(schema, fn {key, {default, check}} ->
       value = Keyword.get(opts, key, default)
-      check!(key, value, check)
+      unless ok?(check, value), do: check!(key, value, check)
       {key, value}
     end)
   end
@@ -77,6 +76,12 @@ defmodule FusedKernels.Options do
       raise ArgumentError, "#{key} must be #{expected}, got: #{inspect(value, limit: 5)}"
     end
   end
+
+  # `rule/2`'s verdict without its description.
+  defp ok?(:any, _v), do: true
+  defp ok?(:boolean, v), do: is_boolean(v)
+  defp ok?({:in, values}, v), do: :lists.member(v, values)
+  defp ok?(check, v), do: elem(rule(check, v), 0)
 
   defp rule(:any, _v), do: {true, "anything"}
   defp rule(:boolean, v), do: {is_boolean(v), "a boolean"}

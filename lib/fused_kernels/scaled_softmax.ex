@@ -24,14 +24,14 @@ defmodule FusedKernels.ScaledSoftmax do
   end
 
   defp call(x, backend, opts) do
-    x
-    |> Native.scaled_softmax(
-      opts[:scale] * 1.0,
-      opts[:causal],
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    %{x: x}
+    |> Native.scaled_softmax(%{
+      scale: opts[:scale] * 1.0,
+      causal: opts[:causal],
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    })
     |> Native.unwrap!()
     |> Buffer.wrap()
   end

@@ -43,23 +43,25 @@ defmodule FusedKernels.SelectiveScan do
     [u, delta, a, b, c] = Enum.map(tensors, &Tensor.to_native/1)
     opt = fn key -> if t = opts[key], do: Tensor.to_native(t), else: nil end
 
-    u
-    |> Native.selective_scan(
-      delta,
-      a,
-      b,
-      c,
-      opt.(:d),
-      opt.(:z),
-      opt.(:delta_bias),
-      opt.(:initial_state),
-      opts[:delta_softplus],
-      opts[:b_discretization],
-      opts[:return_last_state],
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    %{
+      u: u,
+      delta: delta,
+      a: a,
+      b: b,
+      c: c,
+      d: opt.(:d),
+      z: opt.(:z),
+      delta_bias: opt.(:delta_bias),
+      initial_state: opt.(:initial_state)
+    }
+    |> Native.selective_scan(%{
+      delta_softplus: opts[:delta_softplus],
+      b_discretization: opts[:b_discretization],
+      return_last_state: opts[:return_last_state],
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    })
     |> Native.unwrap!()
     |> case do
       {y, last} when not is_binary(y) -> {finish.(Buffer.wrap(y)), finish.(Buffer.wrap(last))}

@@ -2,17 +2,24 @@ defmodule FusedKernels.NifFuzz do
   @moduledoc """
   A seeded fuzz over every NIF of `FusedKernels.Native`.
 
-  Call `i` of run `seed` is generated from `{seed, i}` alone: a valid call of one NIF (small
-  random shapes and values), then with probability 2/3 one to three of its arguments replaced
-  by junk (improper lists, bignums, huge or negative shapes, wrong types, refs and pids that
-  are not our resources, NaN-like options, tensors of the wrong size). So any call replays on
-  its own, in any order and from any process: `one_line/2` prints it as one Elixir
-  expression, and `test/fuzz.exs` bisects a crashing run and shrinks the call.
+  Call `i` of run `seed` on a backend (`:cpu` or `:cuda`) is generated from `{seed, i}` alone:
+  a valid call of one NIF (small random shapes and values), then with probability 2/3 one to
+  three junk mutations: an argument, or one field of an argument map (the typed `inputs` and
+  `options` maps), replaced by junk (improper lists, bignums, huge or negative shapes, wrong
+  types, refs and pids that are not our resources, NaN-like options, tensors of the wrong
+  size), a field dropped, or an unknown field added. So any call replays on its own, in any
+  order and from any process: `one_line/3` prints it as one Elixir expression, and
+  `test/fuzz.exs` bisects a crashing run and shrinks the call.
+
+  On `:cuda` the valid calls use f32/f16/bf16 (f64 is CPU-only), half of their tensors are
+  uploaded as device buffers and half of them ask for `out: :device`.
 
   The contract checked: every call returns `{:ok, _}` or `{:error, {kind, message}}` with a
   known kind and a binary message (so `Native.unwrap!/1` raises only `ArgumentError` or
   `FusedKernels.Error`); anything else (a raise, `:nif_panicked`, a bad shape of reply) is a
-  failure. A VM death shows as the run never finishing; `test/fuzz.exs` finds the call.
+  failure. A VM death shows as the run never finishing; `test/fuzz.exs` finds the call. A
+  valid call refused on `:cpu` is a failure; on `:cuda` it is counted apart (`refused`), with
+  its message, since the GPU paths have limits of their own.
   """
 
   import Bitwise
@@ -30,9 +37,13 @@ defmodule FusedKernels.NifFuzz do
            buffer_download buffer_meta cuda_mem_info cuda_synchronize engine_load
            engine_predict engine_init_state engine_step engine_reset engine_state_info)a
 
-  @doc "Call `i` of run `seed`: `{nif, args, mutations}` (args with the mutations applied)."
-  def generate(seed, i, drop \\ []) do
+  @doc """
+  Call `i` of run `seed` on `backend`: `{nif, args, mutations}` (args with the mutations
+  applied, minus the mutations whose indices are in `drop`).
+  """
+  def generate(seed, i, drop \\ [], backend \\ :cpu) do
     :rand.seed(:exsss, {seed, i, 0x5EED})
+    Process.put(:fk_fuzz_backend, backend)
     nif = Enum.random(nifs())
     args = valid(nif)
 
@@ -40,26 +51,64 @@ defmodule FusedKernels.NifFuzz do
       if :rand.uniform(3) == 1 do
         []
       else
-        for _ <- 1..Enum.random(1..3), do: {:rand.uniform(length(args)) - 1, junk()}
+        for _ <- 1..Enum.random(1..3), do: {Enum.random(slots(args)), mutation()}
       end
 
     kept = mutations |> Enum.with_index() |> Enum.reject(fn {_, k} -> k in drop end)
-
-    args =
-      Enum.reduce(kept, args, fn {{pos, value}, _}, acc -> List.replace_at(acc, pos, value) end)
-
+    args = Enum.reduce(kept, args, fn {m, _}, acc -> mutate(acc, m) end)
     {nif, args, Enum.map(kept, &elem(&1, 0))}
   end
+
+  # The places a mutation can hit: a whole argument, or a field of an argument that is a map,
+  # at any depth (a Mamba block's weights map inside its inputs), as `{position, path}`.
+  defp slots(args) do
+    args
+    |> Enum.with_index()
+    |> Enum.flat_map(fn {arg, pos} -> for path <- paths(arg), do: {pos, path} end)
+  end
+
+  defp paths(%{} = map) when not is_struct(map),
+    do: [[] | for(k <- Enum.sort(Map.keys(map)), p <- paths(map[k]), do: [k | p])]
+
+  defp paths(_leaf), do: [[]]
+
+  defp mutation do
+    case :rand.uniform(10) do
+      1 -> :drop_field
+      2 -> :extra_field
+      _ -> {:junk, junk()}
+    end
+  end
+
+  defp mutate(args, {{pos, path}, what}),
+    do: List.update_at(args, pos, &mutate_at(&1, path, what))
+
+  defp mutate_at(_arg, [], {:junk, value}), do: value
+  defp mutate_at(%{} = map, [], _what) when not is_struct(map), do: Map.put(map, :bogus, 1)
+  defp mutate_at(arg, [], _what), do: arg
+  defp mutate_at(%{} = map, [key], :drop_field) when not is_struct(map), do: Map.delete(map, key)
+
+  defp mutate_at(%{} = map, [_key], :extra_field) when not is_struct(map),
+    do: Map.put(map, :bogus, 1)
+
+  defp mutate_at(%{} = map, [key | rest], what) when is_map_key(map, key) and not is_struct(map),
+    do: Map.put(map, key, mutate_at(map[key], rest, what))
+
+  # An earlier mutation replaced or removed what this path led to.
+  defp mutate_at(arg, _path, _what), do: arg
 
   @doc """
   Runs one call and checks the contract: `:ok`, `{:error_reply, kind}` or `{:bad, why}`.
   An unmutated call of a CPU op must succeed.
   """
-  def check({nif, args, mutations}) do
+  def check({nif, args, mutations}, backend \\ :cpu) do
     case {call(nif, args), mutations} do
       # An unmutated call of a CPU op is valid: refusing it is a failure too.
-      {{:error_reply, kind, message}, []} when nif in @cpu_ops ->
+      {{:error_reply, kind, message}, []} when nif in @cpu_ops and backend == :cpu ->
         {:bad, "valid call refused (#{kind}): #{message}"}
+
+      {{:error_reply, kind, message}, []} when nif in @cpu_ops ->
+        {:refused, "#{kind}: #{message}"}
 
       {{:error_reply, kind, _}, _} ->
         {:error_reply, kind}
@@ -108,19 +157,19 @@ defmodule FusedKernels.NifFuzz do
   Runs calls `from..to-1` of `seed` over `concurrency` processes; returns counts per outcome
   and the failures as `{i, why}`. `on_call.(i)` runs before each call (progress logging).
   """
-  def run(seed, from, to, concurrency \\ 4, on_call \\ fn _ -> :ok end) do
+  def run(seed, from, to, concurrency \\ 4, on_call \\ fn _ -> :ok end, backend \\ :cpu) do
     from..(to - 1)//1
     |> Task.async_stream(
       fn i ->
         on_call.(i)
-        call = generate(seed, i)
-        {i, elem(call, 0), check(call)}
+        call = generate(seed, i, [], backend)
+        {i, elem(call, 0), check(call, backend)}
       end,
       max_concurrency: concurrency,
       ordered: false,
       timeout: :infinity
     )
-    |> Enum.reduce(%{calls: 0, ok: 0, errors: 0, failures: [], ok_by_nif: %{}}, fn
+    |> Enum.reduce(%{calls: 0, ok: 0, errors: 0, failures: [], refused: [], ok_by_nif: %{}}, fn
       {:ok, {i, nif, outcome}}, acc ->
         acc = %{acc | calls: acc.calls + 1}
 
@@ -133,13 +182,16 @@ defmodule FusedKernels.NifFuzz do
 
           {:bad, why} ->
             %{acc | failures: [{i, why} | acc.failures]}
+
+          {:refused, why} ->
+            %{acc | errors: acc.errors + 1, refused: [{i, nif, why} | acc.refused]}
         end
     end)
   end
 
-  @doc "Call `i` of `seed` as one line of Elixir that replays it."
-  def one_line(seed, i, drop \\ []) do
-    {nif, args, _} = generate(seed, i, drop)
+  @doc "Call `i` of `seed` on `backend` as one line of Elixir that replays it."
+  def one_line(seed, i, drop \\ [], backend \\ :cpu) do
+    {nif, args, _} = generate(seed, i, drop, backend)
     shown = Enum.map_join(args, ", ", &show/1)
     "FusedKernels.Native.#{nif}(#{shown})"
   end
@@ -148,18 +200,34 @@ defmodule FusedKernels.NifFuzz do
   defp show(ref) when is_reference(ref), do: "make_ref()"
   defp show(pid) when is_pid(pid), do: "self()"
 
-  defp show([h | t]) when not is_list(t), do: "[#{show(h)} | #{show(t)}]"
-  defp show(list) when is_list(list), do: "[" <> Enum.map_join(list, ", ", &show/1) <> "]"
+  defp show(list) when is_list(list), do: "[" <> show_items(list) <> "]"
+
+  defp show(%{} = map) when not is_struct(map),
+    do: "%{" <> Enum.map_join(map, ", ", fn {k, v} -> "#{show(k)} => #{show(v)}" end) <> "}"
 
   defp show(tuple) when is_tuple(tuple),
     do: "{" <> Enum.map_join(Tuple.to_list(tuple), ", ", &show/1) <> "}"
 
   defp show(other), do: inspect(other, limit: :infinity, printable_limit: :infinity)
 
+  # The items of a list, proper or not (`[1, 2 | 3]`).
+  defp show_items([]), do: ""
+  defp show_items([h]), do: show(h)
+  defp show_items([h | t]) when is_list(t), do: show(h) <> ", " <> show_items(t)
+  defp show_items([h | t]), do: show(h) <> " | " <> show(t)
+
   # ------------------------------------------------------------------ valid calls
 
   defp dim(max \\ 6), do: Enum.random(1..max)
-  defp type, do: Enum.random([{:f, 32}, {:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}])
+  defp backend, do: Process.get(:fk_fuzz_backend, :cpu)
+  defp cuda?, do: backend() == :cuda
+
+  # f64 is CPU-only.
+  defp type do
+    if cuda?(),
+      do: Enum.random([{:f, 32}, {:f, 32}, {:f, 16}, {:bf, 16}]),
+      else: Enum.random([{:f, 32}, {:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}])
+  end
 
   defp tensor(shape, type \\ {:f, 32}) do
     n = shape |> Tuple.to_list() |> Enum.product()
@@ -177,11 +245,39 @@ defmodule FusedKernels.NifFuzz do
   end
 
   defp maybe(t), do: if(:rand.uniform(2) == 1, do: t, else: nil)
-  defp tail_args, do: [:cpu, nil, :host]
+  defp tail_args, do: [backend(), nil, out()]
+  defp out, do: if(cuda?() and :rand.uniform(2) == 1, do: :device, else: :host)
+
+  # The options every typed op takes, merged into its own.
+  defp options(own), do: Map.merge(own, %{backend: backend(), device: nil, out: out()})
+
+  # A typed op's inputs map; on :cuda, each tensor is a device buffer half of the time.
+  defp inputs(map) do
+    Map.new(map, fn
+      {k, {bin, _, _} = t} when is_binary(bin) ->
+        with true <- cuda?() and :rand.uniform(2) == 1,
+             {:ok, buffer} <- Native.buffer_upload(t, nil) do
+          {k, buffer}
+        else
+          # No GPU (a dry run of the :cuda fuzz): the host tensor stays.
+          _ -> {k, t}
+        end
+
+      {k, %{} = nested} ->
+        {k, inputs(nested)}
+
+      other ->
+        other
+    end)
+  end
 
   defp valid(:scaled_softmax) do
     shape = Enum.random([{dim(), dim(9)}, {dim(2), dim(2), dim(), dim(9)}])
-    [tensor(shape, type()), :rand.uniform() * 2, Enum.random([true, false])] ++ tail_args()
+
+    [
+      inputs(%{x: tensor(shape, type())}),
+      options(%{scale: :rand.uniform() * 2, causal: Enum.random([true, false])})
+    ]
   end
 
   defp valid(:dense) do
@@ -209,15 +305,19 @@ defmodule FusedKernels.NifFuzz do
     window = Enum.random([{-1, -1}, {dim(4), 0}, {dim(3), dim(3)}])
 
     [
-      tensor({b, sq, h, d}, t),
-      tensor({b, sk, kvh, d}, t),
-      tensor({b, sk, kvh, d}, t),
-      :bshd,
-      Enum.random([nil, 0.3]),
-      Enum.random([true, false]),
-      window,
-      Enum.random([true, false])
-    ] ++ tail_args()
+      inputs(%{
+        q: tensor({b, sq, h, d}, t),
+        k: tensor({b, sk, kvh, d}, t),
+        v: tensor({b, sk, kvh, d}, t)
+      }),
+      options(%{
+        layout: :bshd,
+        scale: Enum.random([nil, 0.3]),
+        causal: Enum.random([true, false]),
+        window: window,
+        return_lse: Enum.random([true, false])
+      })
+    ]
   end
 
   defp valid(:rnn) do
@@ -250,22 +350,26 @@ defmodule FusedKernels.NifFuzz do
 
   defp valid(:selective_scan) do
     {b, l, d, n} = {dim(2), dim(7), dim(6), dim(4)}
-    t = Enum.random([{:f, 32}, {:f, 64}])
+    t = if cuda?(), do: {:f, 32}, else: Enum.random([{:f, 32}, {:f, 64}])
 
     [
-      tensor({b, l, d}, t),
-      tensor({b, l, d}, t),
-      tensor({d, n}),
-      tensor({b, l, n}, t),
-      tensor({b, l, n}, t),
-      maybe(tensor({d})),
-      maybe(tensor({b, l, d}, t)),
-      maybe(tensor({d})),
-      maybe(tensor({b, d, n})),
-      Enum.random([true, false]),
-      Enum.random([:per_channel, :mean_dt]),
-      Enum.random([true, false])
-    ] ++ tail_args()
+      inputs(%{
+        u: tensor({b, l, d}, t),
+        delta: tensor({b, l, d}, t),
+        a: tensor({d, n}),
+        b: tensor({b, l, n}, t),
+        c: tensor({b, l, n}, t),
+        d: maybe(tensor({d})),
+        z: maybe(tensor({b, l, d}, t)),
+        delta_bias: maybe(tensor({d})),
+        initial_state: maybe(tensor({b, d, n}))
+      }),
+      options(%{
+        delta_softplus: Enum.random([true, false]),
+        b_discretization: Enum.random([:per_channel, :mean_dt]),
+        return_last_state: Enum.random([true, false])
+      })
+    ]
   end
 
   defp valid(:norm) do
@@ -274,34 +378,41 @@ defmodule FusedKernels.NifFuzz do
     cols = elem(shape, 1)
     t = type()
     beta = if kind == :layer_norm, do: maybe(tensor({cols})), else: nil
-    [kind, tensor(shape, t), tensor({cols}), beta, maybe(tensor(shape, t)), 1.0e-5] ++ tail_args()
+
+    [
+      inputs(%{
+        x: tensor(shape, t),
+        weight: tensor({cols}),
+        beta: beta,
+        residual: maybe(tensor(shape, t))
+      }),
+      options(%{kind: kind, eps: 1.0e-5})
+    ]
   end
 
   defp valid(:mamba_block) do
     {x, weights, _, _} = mamba()
-    [x, weights, 1.0e-5, 0.001, 0.1, :per_channel, Enum.random([true, false])] ++ tail_args()
+    [inputs(%{x: x, weights: weights}), mamba_options()]
   end
 
   defp valid(:mamba_block_state) do
     {x, weights, conv, ssm} = mamba()
-
-    [x, weights, conv, ssm, 1.0e-5, 0.001, 0.1, :per_channel, Enum.random([true, false])] ++
-      tail_args()
+    [inputs(%{x: x, weights: weights, conv_state: conv, ssm_state: ssm}), mamba_options()]
   end
 
   defp valid(:stream_shift_append) do
     {b, w, c} = {dim(3), dim(5), dim(6)}
-    [tensor({b, w, c}), tensor({b, c})] ++ tail_args()
+    [inputs(%{cache: tensor({b, w, c}), row: tensor({b, c})}), options(%{})]
   end
 
   defp valid(:stream_reshape) do
     {a, b} = {dim(), dim()}
-    [tensor({a, b}), Enum.random([{b, a}, {a * b}, {1, a, b}])] ++ tail_args()
+    [inputs(%{x: tensor({a, b})}), options(%{shape: Enum.random([{b, a}, {a * b}, {1, a, b}])})]
   end
 
   defp valid(:engine_load) do
     {spec, params} = backbone()
-    [Map.from_struct(spec), flat(params), :cpu, nil]
+    [Map.from_struct(spec), flat(params), backend(), nil]
   end
 
   defp valid(:engine_predict) do
@@ -345,9 +456,21 @@ defmodule FusedKernels.NifFuzz do
     {spec, params}
   end
 
+  # An engine on the fuzz's backend; a :cuda engine the GPU refuses (or no GPU) falls back to
+  # :cpu, so the engine NIFs still get a live resource (engine_load's own valid calls are
+  # checked, and counted as refused, on :cuda).
   defp engine do
     {spec, params} = backbone()
-    {spec, FusedKernels.Backbone.Engine.load(spec, params, :cpu, nil)}
+
+    engine =
+      try do
+        FusedKernels.Backbone.Engine.load(spec, params, backend(), nil)
+      rescue
+        _ in [ArgumentError, FusedKernels.Error] ->
+          FusedKernels.Backbone.Engine.load(spec, params, :cpu, nil)
+      end
+
+    {spec, engine}
   end
 
   defp flat(%{} = m, prefix \\ "") when not is_struct(m) do
@@ -360,26 +483,36 @@ defmodule FusedKernels.NifFuzz do
   defp mamba do
     {b, l, h, i, n, r, k} = {dim(2), dim(5), dim(6), dim(6), dim(4), dim(3), Enum.random(2..4)}
 
-    weights = [
-      tensor({h}),
-      tensor({h}),
-      tensor({h, 2 * i}),
-      maybe(tensor({2 * i})),
-      tensor({k, 1, i}),
-      maybe(tensor({i})),
-      tensor({i, 2 * n}),
-      maybe(tensor({2 * n})),
-      tensor({i, r}),
-      maybe(tensor({r})),
-      tensor({r, i}),
-      maybe(tensor({i})),
-      maybe(tensor({i, n})),
-      maybe(tensor({i})),
-      tensor({i, h}),
-      maybe(tensor({h}))
-    ]
+    weights = %{
+      norm_gamma: tensor({h}),
+      norm_beta: tensor({h}),
+      in_kernel: tensor({h, 2 * i}),
+      in_bias: maybe(tensor({2 * i})),
+      conv_kernel: tensor({k, 1, i}),
+      conv_bias: maybe(tensor({i})),
+      bc_kernel: tensor({i, 2 * n}),
+      bc_bias: maybe(tensor({2 * n})),
+      dt_rank_kernel: tensor({i, r}),
+      dt_rank_bias: maybe(tensor({r})),
+      dt_proj_kernel: tensor({r, i}),
+      dt_proj_bias: maybe(tensor({i})),
+      a: maybe(tensor({i, n})),
+      d: maybe(tensor({i})),
+      out_kernel: tensor({i, h}),
+      out_bias: maybe(tensor({h}))
+    }
 
     {tensor({b, l, h}), weights, tensor({b, k - 1, i}), tensor({b, i, n})}
+  end
+
+  defp mamba_options do
+    options(%{
+      eps: 1.0e-5,
+      dt_min: 0.001,
+      dt_max: 0.1,
+      b_discretization: Enum.random([:per_channel, :mean_dt]),
+      residual: Enum.random([true, false])
+    })
   end
 
   # ------------------------------------------------------------------ junk

@@ -4,7 +4,7 @@
 //! cargo bench -p fused_kernels_core --bench cpu_ops -- --op lstm --mode step --threads 1
 //! ```
 //!
-//! Flags: `--op lstm|gru|dense|scan|attention|math`, `--mode step|window` (rnn), `--batch`,
+//! Flags: `--op lstm|gru|dense|scan|attention|norm|math`, `--mode step|window` (rnn), `--batch`,
 //! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
 //! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
 //! avx2+fma|avx512f` (force a level the CPU has). Prints the median and the 10th/90th
@@ -219,6 +219,23 @@ fn rnn(a: &Args, isa: Isa) {
         );
     });
     report(&format!("{name} op API"), op_ms);
+    // The op API with weights prepared once (`Rnn.prepare/3`): bytes in, bytes out.
+    let prepared = fused_kernels_core::ops::rnn::prepare_cpu(cell, &layers).expect("prepare");
+    let xh = HostTensor::new("x", leak(&x), vec![b, seq, a.input], DType::F32).expect("x");
+    let mut seq_out = vec![0u8; b * seq * rnn.output_size() * 4];
+    let per = cell.state_names().len();
+    let mut st: Vec<Vec<u8>> = a
+        .hidden
+        .iter()
+        .flat_map(|&h| std::iter::repeat_n(vec![0u8; b * h * 4], per))
+        .collect();
+    let prepared_ms = time(a.iters, || {
+        let mut refs: Vec<&mut [u8]> = st.iter_mut().map(|v| &mut v[..]).collect();
+        prepared
+            .run_into(&xh, &[], false, &mut seq_out, &mut refs)
+            .expect("prepared call");
+    });
+    report(&format!("{name} prepared op API"), prepared_ms);
     report(
         &format!(
             "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",
@@ -359,6 +376,56 @@ fn attention(a: &Args, isa: Isa) {
     );
 }
 
+/// LayerNorm and RMSNorm through the op API (bytes in, bytes out), `--seq` rows of
+/// `--hidden` columns with a large mean, then the bare f32 rows (`cpu::math::norm_rows`).
+fn norm(a: &Args, isa: Isa) {
+    use fused_kernels_core::cpu::math::{norm_rows, NormKind};
+    use fused_kernels_core::operand::{Operand, Placement};
+    use fused_kernels_core::ops::norm::{run, Inputs, Kind, Params};
+    use fused_kernels_core::ops::Backend;
+    use fused_kernels_core::{DType, HostTensor};
+    let (rows, cols) = (a.batch * a.seq, a.hidden[0]);
+    let mut rng = Rng(0x9E3779B97F4A7C15);
+    let x: Vec<f32> = rng
+        .vec(rows * cols, 1.0)
+        .iter()
+        .map(|v| v + 100.0)
+        .collect();
+    let (w, b) = (rng.vec(cols, 1.0), rng.vec(cols, 1.0));
+    let op = |v: &[f32], shape: Vec<usize>| {
+        Operand::Host(HostTensor::new("t", leak(v.to_vec()), shape, DType::F32).expect("t"))
+    };
+    let (xo, wo, bo) = (
+        op(&x, vec![rows, cols]),
+        op(&w, vec![cols]),
+        op(&b, vec![cols]),
+    );
+    for (kind, nk) in [(Kind::Layer, NormKind::Layer), (Kind::Rms, NormKind::Rms)] {
+        let bias = (kind == Kind::Layer).then_some(&bo);
+        let inputs = Inputs {
+            x: &xo,
+            weight: &wo,
+            bias,
+            residual: None,
+        };
+        let p = Params::new(kind, 1e-5).expect("params");
+        let ms = time(a.iters, || {
+            std::hint::black_box(run(Backend::Cpu, &inputs, p, Placement::Host).expect("norm"));
+        });
+        report(&format!("{kind:?} norm op API {rows}x{cols}"), ms);
+        let mut out = vec![0.0f32; x.len()];
+        let bs = (kind == Kind::Layer).then_some(&b[..]);
+        let ms = time(a.iters, || {
+            norm_rows(isa, nk, &x, &mut out, cols, (&w, bs), 1e-5);
+            std::hint::black_box(&out);
+        });
+        report(
+            &format!("{kind:?} norm rows {rows}x{cols} [{}]", isa.name()),
+            ms,
+        );
+    }
+}
+
 /// Each element-wise function of `cpu::math` over `--seq` × 1024 values, in place.
 fn math(a: &Args, isa: Isa) {
     use fused_kernels_core::cpu::math::{apply, Func};
@@ -389,6 +456,7 @@ fn main() {
         "dense" => dense(&a, isa),
         "scan" => scan(&a),
         "attention" => attention(&a, isa),
+        "norm" => norm(&a, isa),
         "math" => math(&a, isa),
         other => panic!("unknown op {other}"),
     }

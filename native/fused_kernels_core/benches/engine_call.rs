@@ -4,8 +4,6 @@
 //!
 //! GPU (skipped without one):
 //! - `call`: the whole `step` / `predict` as the NIF makes it (fill the staging, run, read);
-//! - `quick_call`: a frame through `try_quick_step` (the NIF's normal-scheduler path: the
-//!   graph replayed, the stream spun on);
 //! - `profile`: the same call with its pieces timed (`engine::cuda::CallTimes`): lock and
 //!   shape look-up, writing the page-locked input, graph launch, waiting for the stream,
 //!   reading the output, and the replayed graph's device time between events;
@@ -152,28 +150,6 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
             }
         }
     }
-    // The NIF's normal-scheduler path: the frame's graph replayed and spun on.
-    let mut taken = 0;
-    let quick: Vec<u64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            let q = engine
-                .try_quick_step(&mut st, |b| b.copy_from_slice(&frame), &mut y, u64::MAX)
-                .expect("quick step");
-            if q {
-                taken += 1;
-            } else {
-                engine
-                    .step_with(&mut st, |b| b.copy_from_slice(&frame), &mut y, None)
-                    .expect("step");
-            }
-            elapsed(t)
-        })
-        .collect();
-    if taken < runs {
-        eprintln!("{label}: {taken} of {runs} quick steps taken");
-    }
-    line(out, label, "frame", "quick_call", quick);
     match engine.graphs() {
         Ok(g) => eprintln!("{label}: graphs {g:?}"),
         Err(e) => eprintln!("{label}: graphs: {e}"),

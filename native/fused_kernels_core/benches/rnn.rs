@@ -40,6 +40,18 @@ fn main() {
     }
 }
 
+/// One forward call on the GPU with the output left there (what every timing here times).
+fn on_device(
+    cell: Cell,
+    x: &Operand<'_>,
+    ops: &[Layer<'_>],
+    precision: Precision,
+    tuning: &Tuning,
+) -> fused_kernels_core::error::Result<()> {
+    let (backend, place) = (Backend::Cuda(None), Placement::Device);
+    run_tuned(backend, cell, x, ops, false, place, precision, tuning).map(|_| ())
+}
+
 fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
     let Some(gpu) = gpu_for_tests() else { return };
     use DType::{BF16, F32};
@@ -174,19 +186,7 @@ fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bo
             let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
             for (tuning, precision, label) in paths {
                 let reps = if t * h > 100_000 { 30 } else { 100 };
-                let call = |_: usize| {
-                    run_tuned(
-                        Backend::Cuda(None),
-                        cell,
-                        &xo,
-                        &ops,
-                        false,
-                        Placement::Device,
-                        precision,
-                        &tuning,
-                    )
-                    .map(|_| ())
-                };
+                let call = |_: usize| on_device(cell, &xo, &ops, precision, &tuning);
                 // A path that cannot take the case (a cluster the driver cannot place) reports
                 // its error instead of a time.
                 let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
@@ -243,19 +243,7 @@ fn cluster_profile(out: &mut JsonOut) {
             let dev = upload_layers(&gpu, &lbytes, 1, dt);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
-            let call_with = |tuning: &Tuning| {
-                run_tuned(
-                    Backend::Cuda(None),
-                    cell,
-                    &xo,
-                    &ops,
-                    false,
-                    Placement::Device,
-                    Precision::F32,
-                    tuning,
-                )
-                .map(|_| ())
-            };
+            let call_with = |tuning: &Tuning| on_device(cell, &xo, &ops, Precision::F32, tuning);
             let reps = if t > 100 { 30 } else { 200 };
             let head = format!(
                 "\"cell\":\"{}\",\"case\":\"B1 T{t} I{i} H{h} x{layers} {}\"",

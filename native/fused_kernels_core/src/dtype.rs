@@ -124,6 +124,58 @@ pub fn decode_f32_into(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) {
     }
 }
 
+/// `bytes` of `dtype` decoded into `out` (as many values as both hold; no allocation).
+pub fn decode_f32_slice(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::F64 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32;
+            }
+        }
+    }
+}
+
+/// `values` encoded as `dtype` into `out` (as many values as both hold; no allocation).
+pub fn encode_f32_slice(values: &[f32], dtype: DType, out: &mut [u8]) {
+    match dtype {
+        DType::F32 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(4)) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
+                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(2)) {
+                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::F64 => {
+            for (v, c) in values.iter().zip(out.chunks_exact_mut(8)) {
+                c.copy_from_slice(&(*v as f64).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// Decodes into f64 (for references).
 pub fn decode_f64(bytes: &[u8], dtype: DType) -> Vec<f64> {
     match dtype {

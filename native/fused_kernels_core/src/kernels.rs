@@ -93,26 +93,10 @@ impl Kernel {
 
     /// The texts of the headers this file includes, directly or through other headers.
     pub fn headers(&self) -> Vec<&'static str> {
-        let mut found: Vec<&'static str> = Vec::new();
-        let mut todo: Vec<&str> = vec![self.body];
-        while let Some(text) = todo.pop() {
-            for line in text.lines() {
-                let Some(name) = line
-                    .trim()
-                    .strip_prefix("#include \"")
-                    .and_then(|r| r.strip_suffix('"'))
-                else {
-                    continue;
-                };
-                if let Some((_, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
-                    if !found.contains(h) {
-                        found.push(h);
-                        todo.push(h);
-                    }
-                }
-            }
-        }
-        found
+        included_headers(self.body)
+            .into_iter()
+            .map(|(_, text)| text)
+            .collect()
     }
 
     /// The architecture NVRTC compiles this kernel for on a device of `arch` (`sm_90` style).
@@ -125,6 +109,31 @@ impl Kernel {
             arch.to_string()
         }
     }
+}
+
+/// The headers (name, text) that `source` includes, directly or through other headers, in
+/// the order first met: everything of [`HEADERS`] NVRTC reads for it.
+pub fn included_headers(source: &str) -> Vec<(&'static str, &'static str)> {
+    let mut found: Vec<(&'static str, &'static str)> = Vec::new();
+    let mut todo: Vec<&str> = vec![source];
+    while let Some(text) = todo.pop() {
+        for line in text.lines() {
+            let Some(name) = line
+                .trim()
+                .strip_prefix("#include \"")
+                .and_then(|r| r.strip_suffix('"'))
+            else {
+                continue;
+            };
+            if let Some(&(n, h)) = HEADERS.iter().find(|(n, _)| *n == name) {
+                if !found.iter().any(|(f, _)| *f == n) {
+                    found.push((n, h));
+                    todo.push(h);
+                }
+            }
+        }
+    }
+    found
 }
 
 /// The feature level (a [`FEATURE_LEVELS`] entry) whose PTX runs on `arch` (`sm_86` -> 800).
@@ -230,6 +239,16 @@ pub const STREAM_STATE: Kernel = Kernel {
     body: include_str!("../kernels/stream_state.cu"),
 };
 
+pub const ENGINE_RNN: Kernel = Kernel {
+    name: "engine_rnn",
+    body: include_str!("../kernels/engine_rnn.cu"),
+};
+
+pub const ENGINE_FRAME: Kernel = Kernel {
+    name: "engine_frame",
+    body: include_str!("../kernels/engine_frame.cu"),
+};
+
 pub const DENSE_SM90: Kernel = Kernel {
     name: "dense_sm90",
     body: include_str!("../kernels/dense_sm90.cu"),
@@ -252,4 +271,49 @@ pub const ALL: &[&Kernel] = &[
     &MAMBA_BLOCK,
     &STREAM_STATE,
     &DENSE_SM90,
+    &ENGINE_RNN,
+    &ENGINE_FRAME,
 ];
+
+/// The ops `FusedKernels.warmup/1` takes, each with the kernel files it may launch from (any
+/// path the router picks on some GPU); what `files_of` reads.
+pub const OP_FILES: &[(&str, &[&Kernel])] = &[
+    ("scaled_softmax", &[&SCALED_SOFTMAX]),
+    ("dense", &[&DENSE, &DENSE_SM90]),
+    ("flash_attention", &[&FLASH_ATTENTION]),
+    (
+        "rnn",
+        &[&RNN, &RNN_BATCHED, &RNN_CLUSTER, &RNN_MMA, &RNN_RESIDENT],
+    ),
+    (
+        "selective_scan",
+        &[
+            &SELECTIVE_SCAN_F32,
+            &SELECTIVE_SCAN_F16,
+            &SELECTIVE_SCAN_BF16,
+        ],
+    ),
+    ("norm", &[&NORM]),
+    ("mamba_block", &[&MAMBA_BLOCK, &STREAM_STATE]),
+];
+
+/// The kernel files `op` may launch from (`lstm`/`gru` are `rnn`'s, `layer_norm`/`rms_norm`
+/// `norm`'s; `mamba_block` also launches dense, norm and selective_scan kernels).
+pub fn files_of(op: &str) -> Option<Vec<&'static Kernel>> {
+    let family = match op {
+        "lstm" | "gru" => "rnn",
+        "layer_norm" | "rms_norm" => "norm",
+        other => other,
+    };
+    let mut files: Vec<&'static Kernel> = OP_FILES
+        .iter()
+        .find(|(name, _)| *name == family)?
+        .1
+        .to_vec();
+    if family == "mamba_block" {
+        for dep in ["dense", "norm", "selective_scan"] {
+            files.extend(files_of(dep).unwrap_or_default());
+        }
+    }
+    Some(files)
+}

@@ -1,10 +1,11 @@
 //! The CPU primitives against f64: GEMM/GEMV for odd shapes and tails, every SIMD path
 //! against the portable one (forced through an explicit `Isa`), the math functions over a
-//! dense sweep with extremes, and the thread pool under nesting and concurrent callers.
+//! dense sweep with extremes, the norm rows against f64 (large means included), and the
+//! thread pool under nesting and concurrent callers.
 
 use fused_kernels_core::cpu::gemm::{gemm, gemm_rhs, Init, Rhs};
 use fused_kernels_core::cpu::gemv::gemv;
-use fused_kernels_core::cpu::math::{apply, Func};
+use fused_kernels_core::cpu::math::{apply, norm_rows, norm_rows_inplace, Func, NormKind};
 use fused_kernels_core::cpu::{pool, Isa, PackedB};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -440,4 +441,62 @@ fn simd_levels_are_ordered_and_the_best_is_picked() {
             assert!(isa.is_avx2(), "AVX-512 takes the AVX2 paths too");
         }
     }
+}
+
+/// f64 two-pass LayerNorm / RMSNorm of the same f32 inputs.
+fn norm_f64(kind: NormKind, x: &[f32], cols: usize, w: &[f32], b: Option<&[f32]>) -> Vec<f64> {
+    let eps = 1e-5f32 as f64;
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(cols) {
+        let n = cols as f64;
+        let mean = match kind {
+            NormKind::Layer => row.iter().map(|&v| v as f64).sum::<f64>() / n,
+            NormKind::Rms => 0.0,
+        };
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (j, &v) in row.iter().enumerate() {
+            let bj = b.map_or(0.0, |b| b[j] as f64);
+            out.push((v as f64 - mean) * inv * w[j] as f64 + bj);
+        }
+    }
+    out
+}
+
+#[test]
+fn norm_rows_match_f64_on_every_path_at_large_means() {
+    let mut rng = Rng::new(31);
+    let mut worst = 0.0f64;
+    for isa in Isa::available() {
+        for cols in [1usize, 7, 16, 61, 200, 256, 512, 1000] {
+            // Means far beyond the rows' spread (±2) are where a one-pass or rounded-mean
+            // scheme loses digits.
+            for mean in [0.0f32, 3.0, 1000.0, -3.0e4, 1.0e5] {
+                for kind in [NormKind::Layer, NormKind::Rms] {
+                    for with_bias in [false, true] {
+                        let rows = 3;
+                        let x: Vec<f32> = rng.vec(rows * cols).iter().map(|v| v + mean).collect();
+                        let w = rng.vec(cols);
+                        let b = rng.vec(cols);
+                        let b = with_bias.then_some(&b[..]);
+                        let want = norm_f64(kind, &x, cols, &w, b);
+                        // Poisoned output, one spare row that must stay untouched.
+                        let mut out = vec![f32::NAN; (rows + 1) * cols];
+                        norm_rows(isa, kind, &x, &mut out, cols, (&w, b), 1e-5);
+                        assert!(out[rows * cols..].iter().all(|v| v.is_nan()));
+                        let err = rel_l2(&out[..rows * cols], &want);
+                        let what = format!("{} {kind:?} cols {cols} mean {mean}", isa.name());
+                        // Only rows whose spread survives f32 input rounding are
+                        // meaningful; every case here has ulp(mean) well under the ±2 range.
+                        assert!(err <= 1e-5, "{what} bias={with_bias}: {err:e}");
+                        worst = worst.max(err);
+                        let mut inplace = x.clone();
+                        norm_rows_inplace(isa, kind, &mut inplace, cols, (&w, b), 1e-5);
+                        assert_eq!(inplace, out[..rows * cols], "{what}: in place differs");
+                    }
+                }
+            }
+        }
+    }
+    println!("norm rows: worst rel. L2 {worst:e}");
 }

@@ -84,3 +84,70 @@ fn device_memory_returns_to_baseline_after_10000_cycles() {
     let t = DeviceTensor::upload(&gpu, &host).unwrap();
     assert_eq!(t.download().unwrap().data, bytes);
 }
+
+/// The key covers the headers a file includes (through other headers too), and only those.
+#[test]
+fn key_covers_the_included_headers_only() {
+    use fused_kernels_core::kernels::{included_headers, DENSE, NORM};
+    let names = |src: &str| -> Vec<&str> { included_headers(src).iter().map(|h| h.0).collect() };
+    assert_eq!(names("#include \"norm_free.cuh\"\n"), Vec::<&str>::new());
+    let reduce = names("#include \"reduce.cuh\"\n");
+    assert!(reduce.contains(&"reduce.cuh") && reduce.contains(&"types.cuh"));
+    assert!(!reduce.contains(&"act.cuh"));
+    // What the key of each file covers: norm.cu does not include act.cuh, dense.cu does.
+    assert!(!names(NORM.body).contains(&"act.cuh"));
+    assert!(names(DENSE.body).contains(&"act.cuh"));
+}
+
+/// The prefill lists a file's functions without compiling their bodies, and stores each
+/// program under exactly the entry the runtime looks up (`Gpu::load`: the function as
+/// `FK_ONLY`, the route's cap). Needs libnvrtc (skipped without it, as in CI's cargo step).
+#[test]
+fn prefill_stores_what_the_runtime_looks_up() {
+    use fused_kernels_core::cuda::cache::{capability_of, functions, prefill, programs};
+    use fused_kernels_core::cuda::nvrtc;
+    use fused_kernels_core::kernels::{Build, STREAM_STATE};
+    assert_eq!(capability_of("sm_86"), Some((8, 6)));
+    assert_eq!(capability_of("sm_90a"), Some((9, 0)));
+    assert_eq!(capability_of("sm_120"), Some((12, 0)));
+    assert_eq!(capability_of("sm_9"), None);
+    assert!(programs(&[&STREAM_STATE], "sm_70", None).is_err());
+    if nvrtc::available().is_err() {
+        return;
+    }
+    let fs = functions(&STREAM_STATE, "sm_90", None).unwrap();
+    assert!(fs.iter().any(|f| f == "stream_shift_append_w4"), "{fs:?}");
+    // Routed as an older GPU: the cap is part of each program; as a newer one: none.
+    let routed = programs(&[&STREAM_STATE], "sm_90", Some((8, 6))).unwrap();
+    assert!(routed.iter().all(|p| p.build.cap == Some((8, 6))));
+    assert!(programs(&[&STREAM_STATE], "sm_86", Some((9, 0)))
+        .unwrap()
+        .iter()
+        .all(|p| p.build.cap.is_none()));
+    let dir = std::env::temp_dir().join(format!("fk-prefill-test-{}", std::process::id()));
+    let ps = programs(&[&STREAM_STATE], "sm_90", None).unwrap();
+    let lines = std::sync::Mutex::new(0);
+    let r = prefill(&dir, &ps, 2, &|_| *lines.lock().unwrap() += 1).unwrap();
+    assert_eq!((r.compiled, r.present, r.failed.len()), (ps.len(), 0, 0));
+    assert_eq!(*lines.lock().unwrap(), ps.len());
+    let v = nvrtc::version().unwrap();
+    for f in &fs {
+        let build = Build {
+            only: Some(f.clone()),
+            cap: None,
+        };
+        let name = entry_path(
+            STREAM_STATE.name,
+            &STREAM_STATE.source(),
+            "sm_90",
+            v,
+            &build,
+        );
+        let want = dir.join(name.file_name().unwrap());
+        assert!(want.exists(), "{} missing", want.display());
+    }
+    // A second run finds everything there.
+    let again = prefill(&dir, &ps, 2, &|_| {}).unwrap();
+    assert_eq!((again.compiled, again.present), (0, ps.len()));
+    let _ = std::fs::remove_dir_all(&dir);
+}

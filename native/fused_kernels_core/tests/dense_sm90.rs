@@ -10,6 +10,7 @@ use fused_kernels_core::DType;
 
 use fused_kernels_core::ops::dense::sm90::*;
 use fused_kernels_core::ops::dense::{self, Activation, Kind, Params};
+use support::dense::KINDS;
 use support::dense_sm90::*;
 use support::Rng;
 
@@ -42,56 +43,21 @@ fn sm90_matches_f64_reference_at_odd_shapes() {
 #[test]
 fn sm90_matches_f64_reference_at_4096_cubed() {
     let Some(gpu) = hopper() else { return };
-    let big = [4096, 4096, 4096];
-    check(&gpu, Kind::Dense, big, DType::BF16, true, &Activation::ALL);
-    check(
-        &gpu,
-        Kind::Dense,
-        big,
-        DType::F16,
-        false,
-        &[Activation::Gelu],
-    );
-    check(
-        &gpu,
-        Kind::Swiglu,
-        big,
-        DType::BF16,
-        true,
-        &[Activation::None],
-    );
-    check(
-        &gpu,
-        Kind::Swiglu,
-        big,
-        DType::F16,
-        false,
-        &[Activation::None],
-    );
-    check(
-        &gpu,
-        Kind::RmsNormDense,
-        big,
-        DType::BF16,
-        false,
-        &[Activation::None, Activation::Silu],
-    );
-    check(
-        &gpu,
-        Kind::LayerNormDense,
-        big,
-        DType::BF16,
-        true,
-        &[Activation::None],
-    );
-    check(
-        &gpu,
-        Kind::LayerNormDense,
-        big,
-        DType::F16,
-        false,
-        &[Activation::Gelu],
-    );
+    use Activation::{Gelu, None as Id, Silu};
+    use DType::{BF16, F16};
+    // (kind, type, bias(es) and residual, activations)
+    let cases: [(Kind, DType, bool, &[Activation]); 7] = [
+        (Kind::Dense, BF16, true, &Activation::ALL),
+        (Kind::Dense, F16, false, &[Gelu]),
+        (Kind::Swiglu, BF16, true, &[Id]),
+        (Kind::Swiglu, F16, false, &[Id]),
+        (Kind::RmsNormDense, BF16, false, &[Id, Silu]),
+        (Kind::LayerNormDense, BF16, true, &[Id]),
+        (Kind::LayerNormDense, F16, false, &[Gelu]),
+    ];
+    for (kind, dt, extras, acts) in cases {
+        check(&gpu, kind, [4096, 4096, 4096], dt, extras, acts);
+    }
 }
 
 #[test]

@@ -307,47 +307,157 @@ fn gpu_graphs_are_captured_for_every_backbone() {
 }
 
 #[test]
-fn gpu_quick_steps_equal_steps() {
+fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // `try_quick_step` (the NIF's normal-scheduler path) replays the same graph as `step`:
-    // a stream advanced by quick steps where they are taken, `step` otherwise, equals one
-    // advanced by `step` alone; it declines until the state's graph exists and is timed.
-    for kind in KINDS {
-        let s = small(kind);
-        let (_, gpu) = engines(&s, 41);
-        let (b, t) = (2, 40);
-        let x = Rng::new(42).vec_f32(b * t * s.embed, 1.0, 0.0);
-        let (mut quick, mut plain) = (gpu.new_state(b).unwrap(), gpu.new_state(b).unwrap());
-        let (mut yq, mut yp) = (vec![f32::NAN; b * s.hidden], vec![f32::NAN; b * s.hidden]);
-        let mut taken = 0;
-        for i in 0..t {
-            let f = frame(&x, b, t, s.embed, i);
-            yq.fill(f32::NAN);
-            let q = gpu
-                .try_quick_step(&mut quick, |buf| buf.copy_from_slice(&f), &mut yq, u64::MAX)
-                .unwrap();
-            if i == 0 {
-                assert!(!q, "{kind:?}: a quick step before any graph");
-            }
-            if q {
-                taken += 1;
-            } else {
-                gpu.step(&mut quick, &f, &mut yq).unwrap();
-            }
-            gpu.step(&mut plain, &f, &mut yp).unwrap();
-            let err = rel_l2(&yq, &yp);
+    // The frame kernel's unit blocks (8 units) cut off (45, 203), wide layers (512), batch
+    // rows up to its limit (8) and past it (9: the layer ops serve those frames).
+    for kind in [Kind::Gru, Kind::Lstm] {
+        for (i, (hidden, embed, layers, b)) in [
+            (200, 288, 2, 1),
+            (512, 288, 2, 2),
+            (45, 37, 3, 3),
+            (203, 61, 1, 8),
+            (48, 37, 2, 9),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                hidden,
+                embed,
+                layers,
+                ..spec(kind)
+            };
+            let (cpu, gpu) = engines(&s, 60 + i as u64);
+            let t = 61;
+            let x = Rng::new(70 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let first = gpu_stream(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
             assert!(
-                err <= 1e-6,
-                "{kind:?}: frame {i}: quick vs step rel L2 {err}"
+                err <= 1e-5,
+                "{kind:?} h{hidden} e{embed} l{layers} b{b}: 61 frames vs cpu window, rel L2 {err}"
+            );
+            // Same frames, same answer, bit for bit (graph replays of a fresh state included).
+            assert_eq!(
+                gpu_stream(&gpu, &x, b, t),
+                first,
+                "{kind:?} h{hidden} b{b}: frames changed between runs"
             );
         }
-        assert!(taken > 0, "{kind:?}: no quick step was taken in {t} frames");
-        // A bound below any replay's time declines.
-        let f = frame(&x, b, t, s.embed, 0);
-        assert!(!gpu
-            .try_quick_step(&mut quick, |buf| buf.copy_from_slice(&f), &mut yq, 0)
-            .unwrap());
+    }
+}
+
+#[test]
+fn gpu_attention_frames_of_odd_sizes_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // The frame and window attention kernels' head sizes (40, 80, 96), windows that are not
+    // multiples of anything (61), odd widths (embed 37, ffn 200), batch rows up to a GEMV
+    // block's 8 and past it (9); frames past the window, so the caches slide and graphs
+    // replay; windows of both routes (over 64 rows: the layer ops).
+    for kind in [Kind::Attention, Kind::Jamba] {
+        for (i, (heads, head_dim, window, embed, b)) in [
+            (5, 40, 61, 37, 1),
+            (3, 80, 16, 288, 3),
+            (2, 96, 60, 61, 8),
+            (3, 16, 16, 37, 9),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                heads,
+                head_dim,
+                hidden: heads * head_dim,
+                window,
+                embed,
+                ffn: 200,
+                layers: if kind == Kind::Jamba { 3 } else { 2 },
+                ..spec(kind)
+            };
+            let (cpu, gpu) = engines(&s, 80 + i as u64);
+            let t = window + 5;
+            let x = Rng::new(90 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let first = gpu_stream(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
+            assert!(
+                err <= 1e-5,
+                "{kind:?} {heads}x{head_dim} w{window} e{embed} b{b}: {t} frames vs cpu window, rel L2 {err}"
+            );
+            // The window itself (eager, captured, replayed): past 64 rows on the layer ops, up
+            // to 64 on the GEMV and the window attention kernel.
+            let tw = (64 / b).clamp(1, t);
+            let xw = Rng::new(95 + i as u64).vec_f32(b * tw * embed, 1.0, 0.0);
+            let want_w = cpu_predict(&cpu, &xw, b, tw);
+            for call in 0..3 {
+                for (xs, tt, want) in [(&x, t, &want), (&xw, tw, &want_w)] {
+                    let err = rel_l2(&gpu_predict(&gpu, xs, b, tt), want);
+                    assert!(
+                        err <= 1e-5,
+                        "{kind:?} {heads}x{head_dim} w{window} b{b} t{tt} window call {call}: rel L2 {err}"
+                    );
+                }
+            }
+            assert_eq!(
+                gpu_stream(&gpu, &x, b, t),
+                first,
+                "{kind:?} {heads}x{head_dim} b{b}: frames changed between runs"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // The Mamba frame kernels at odd widths (hidden 200, inner 400 or 600), state 64 (two
+    // state entries per lane), conv 2 and 5, dt_rank 13, batch rows up to a GEMV block's 8 and
+    // past it (9).
+    for kind in [Kind::Mamba, Kind::Jamba] {
+        for (i, (hidden, state, conv, dt_rank, expand, b)) in [
+            (200, 64, 4, 13, 2, 1),
+            (48, 16, 2, 5, 3, 3),
+            (200, 16, 5, 16, 3, 8),
+            (48, 8, 3, 5, 2, 9),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                hidden,
+                heads: 4,
+                head_dim: hidden / 4,
+                embed: 37,
+                state,
+                conv,
+                dt_rank,
+                expand,
+                window: 16,
+                layers: if kind == Kind::Jamba { 3 } else { 2 },
+                ..spec(kind)
+            };
+            let (cpu, gpu) = engines(&s, 100 + i as u64);
+            let t = 21;
+            let x = Rng::new(110 + i as u64).vec_f32(b * t * s.embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let first = gpu_stream(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
+            assert!(
+                err <= 1e-5,
+                "{kind:?} h{hidden} n{state} k{conv} r{dt_rank} b{b}: {t} frames vs cpu window, rel L2 {err}"
+            );
+            assert_eq!(
+                gpu_stream(&gpu, &x, b, t),
+                first,
+                "{kind:?} h{hidden} b{b}: frames changed between runs"
+            );
+        }
     }
 }

@@ -1,9 +1,9 @@
-//! No import circle between the files of either crate: walks the `mod` tree of
-//! fused_kernels_core and fused_kernels_nif from their `lib.rs`, turns every `crate::`,
-//! `super::`, `self::` and child-module path in a file into an edge to the file that defines
-//! what it names (following `pub use` re-exports to their source), and fails on any cycle of
-//! files, naming it. `mod` declarations are containment and `pub use` re-exports are aliases:
-//! neither is an edge by itself.
+//! No import circle between the files of any crate: walks the `mod` tree of
+//! fused_kernels_core, fused_kernels_nif and fused_kernels_xla from their `lib.rs`, turns
+//! every `crate::`, `super::`, `self::` and child-module path in a file into an edge to the
+//! file that defines what it names (following `pub use` re-exports to their source), and fails
+//! on any cycle of files, naming it. `mod` declarations are containment and `pub use`
+//! re-exports are aliases: neither is an edge by itself.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -472,12 +472,17 @@ fn reads_edges_from_source() {
 }
 
 #[test]
-fn no_import_circle_in_either_crate() {
+fn no_import_circle_in_any_crate() {
     let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    for krate in ["fused_kernels_core", "fused_kernels_nif"] {
+    for krate in [
+        "fused_kernels_core",
+        "fused_kernels_nif",
+        "fused_kernels_xla",
+    ] {
         let root = native.join(krate).join("src/lib.rs");
         let edges = crate_edges(&root);
-        assert!(edges.len() > 10, "{krate}: only {} edges read", edges.len());
+        // Each crate's files use each other; a handful of edges means the walk read nothing.
+        assert!(edges.len() > 5, "{krate}: only {} edges read", edges.len());
         if let Some(cycle) = find_cycle(&edges) {
             panic!("{krate}: import circle {}", cycle.join(" -> "));
         }

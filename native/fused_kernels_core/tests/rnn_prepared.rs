@@ -1,7 +1,8 @@
 //! `PreparedRnn` (the allocation-free CPU LSTM/GRU) against the f64 reference, on every
 //! instruction set of this CPU: fresh random weights and inputs, outputs poisoned with NaN
 //! before each run, odd sizes (hidden 200, 512; seq 1, 61, 100, 1000), stacks, reverse,
-//! initial states, scratch reuse, and caller errors.
+//! initial states, scratch reuse, the split and one-thread time loops (bit for bit), and
+//! caller errors.
 
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch};
@@ -177,6 +178,32 @@ fn check(
         let err_s = rel_l2(&fin, &want_fin);
         assert!(err_s <= 1e-5, "{what}: states rel L2 {err_s:e}");
         eprintln!("ok {what}: rel L2 {err:.2e} / {err_s:.2e}");
+        // Again, outputs poisoned: with a pool of 2+ threads the batch-1 windows of 64-unit
+        // multiples alternate between the split and the one-thread time loop (each is tried
+        // before the faster is preferred), which must agree bit for bit.
+        for _ in 0..2 {
+            let mut again = vec![f32::NAN; out.len()];
+            let mut fin_again = vec![f32::NAN; fin.len()];
+            rnn.forward_into(
+                &f32s(&x),
+                batch,
+                seq,
+                init.as_deref(),
+                &mut again,
+                &mut fin_again,
+                &mut scratch,
+            )
+            .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&again) == bits(&out),
+                "{what}: a repeated call differs"
+            );
+            assert!(
+                bits(&fin_again) == bits(&fin),
+                "{what}: repeated final state differs"
+            );
+        }
     }
 }
 

@@ -6,9 +6,11 @@
 //! frames that run long (`SHORT_CPU_STEP_NS`), go to the library's job lanes (`jobs`: windows
 //! to the long lane, frames by size; no dirty scheduler is held while they compute; the reply
 //! comes as a `{ref, reply}` message), its short frames and the CUDA calls continue on a
-//! dirty CPU scheduler (`enif_schedule_nif`; the CUDA engine waits there for the GPU) — except
-//! a GPU frame whose graph is known to be quick, replayed and waited for on the normal
-//! scheduler itself (`quick_cuda_step`).
+//! dirty CPU scheduler (`enif_schedule_nif`; the CUDA engine waits there for the GPU). A GPU
+//! frame is not waited for on the normal scheduler even when it is short: tried on the H100
+//! (a 30-40 µs GRU frame replayed and spun for there), it saved ~7 µs of one caller's median
+//! but put a ~1 ms p99 on every caller once two or more processes shared the schedulers (4
+//! processes: 1.8-2.3x one process's calls/s against 2.9-3.9x through the dirty scheduler).
 
 use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
@@ -435,50 +437,8 @@ fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<
             },
             crate::jobs::LaneChoice::BySize,
         ),
-        Ok(false) => quick_cuda_step(env, engine, state, frame)
-            .unwrap_or_else(|| on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame])),
+        Ok(false) => on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame]),
     }
-}
-
-/// The longest a GPU frame's graph may have taken at its last replay for the next one to run
-/// on the normal scheduler (`CudaEngine::try_quick_step`). A frame's replay time is steady
-/// (H100, bench engine_call: 1-layer GRU 45 µs median / 56 p99, 2 x 256 GRU 71 / 82), so a
-/// normal scheduler is held about this long at most, an order under the millisecond the
-/// BEAM allows a NIF, while our users' frames skip the hop to a dirty scheduler and back.
-const QUICK_GPU_STEP_NS: u64 = 80_000;
-
-/// A GPU frame replayed and waited for here, on the normal scheduler, when the engine says
-/// it is quick (None: it was not attempted; the caller continues on a dirty scheduler).
-fn quick_cuda_step<'a>(
-    env: Env<'a>,
-    engine: Term<'a>,
-    state: Term<'a>,
-    frame: Term<'a>,
-) -> Option<Term<'a>> {
-    let e = decode_engine(engine).ok()?;
-    let Exec::Cuda(engine) = &e.exec else {
-        return None;
-    };
-    let s = decode_state(state).ok()?;
-    let x = decode_host("frame", frame).ok()?;
-    // Never wait for a lock here: another call of this state is in progress.
-    let mut st = s.state.try_lock().ok()?;
-    let AnyState::Cuda(st) = &mut *st else {
-        return None;
-    };
-    let started = Instant::now();
-    let mut done = false;
-    let result = output(env, (s.batch, engine.spec.hidden), x.dtype, |out| {
-        done = engine.try_quick_step(st, |buf| fill(&x, buf), out, QUICK_GPU_STEP_NS)?;
-        Ok(())
-    });
-    if !done && result.is_ok() {
-        return None;
-    }
-    // A timeslice is about a millisecond: report the share this call used.
-    let pct = (started.elapsed().as_micros() / 10).clamp(1, 100) as i32;
-    rustler::schedule::consume_timeslice(env, pct);
-    Some(reply(env, result))
 }
 
 /// A CPU frame whose last run on this state took at most this long continues on a dirty

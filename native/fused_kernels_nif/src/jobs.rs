@@ -111,8 +111,8 @@ fn internal<'a>(env: Env<'a>, message: &str) -> Term<'a> {
     (crate::atoms::error(), (kind, message)).encode(env)
 }
 
-/// Bytes of the binaries in `term` (tensors are `{binary, shape, type}` triples, in tuples and
-/// lists a few levels deep); device buffers and scalars count nothing.
+/// Bytes of the binaries in `term` (tensors are `{binary, shape, type}` triples, in maps,
+/// tuples and lists a few levels deep); device buffers and scalars count nothing.
 fn tensor_bytes(term: Term<'_>, depth: u32) -> usize {
     if depth > 4 {
         return 0;
@@ -122,6 +122,12 @@ fn tensor_bytes(term: Term<'_>, depth: u32) -> usize {
         TermType::Tuple => get_tuple(term).map_or(0, |ts| {
             ts.iter()
                 .fold(0usize, |a, t| a.saturating_add(tensor_bytes(*t, depth + 1)))
+        }),
+        // An op's inputs map (`%{x: triple, weights: %{...}}`).
+        TermType::Map => rustler::types::map::MapIterator::new(term).map_or(0, |it| {
+            it.fold(0usize, |a, (_, v)| {
+                a.saturating_add(tensor_bytes(v, depth + 1))
+            })
         }),
         // Improper lists (`list_length` fails) count nothing; decoding refuses them later.
         TermType::List if term.list_length().is_ok() => {

@@ -143,3 +143,106 @@ fn cuda_synchronize<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
         .map(|()| crate::atoms::ok().encode(env));
     reply(env, result)
 }
+
+/// Compiles, without a GPU (NVRTC only), every kernel program the runtime may request on a
+/// GPU of each of `archs` (`"sm_90"` strings) routing as `route_as` (nil or an older
+/// `"sm_86"`) into the cache directory `dir`, `jobs` at a time, printing one line per program.
+/// Returns `%{compiled:, present:, failed:, bytes:}`. Takes minutes on a cold directory.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn kernel_prefill<'a>(
+    env: Env<'a>,
+    archs: Term<'a>,
+    route_as: Term<'a>,
+    dir: Term<'a>,
+    jobs: Term<'a>,
+) -> Term<'a> {
+    let result = (|| -> Result<Term<'a>> {
+        let archs: Vec<String> =
+            crate::terms::decode_list("archs", "a list of strings like \"sm_90\"", archs)?
+                .into_iter()
+                .map(|a| {
+                    a.decode::<String>()
+                        .map_err(|_| arg_error("archs must be strings like \"sm_90\""))
+                })
+                .collect::<Result<_>>()?;
+        let route_as = if crate::terms::is_nil(route_as) {
+            None
+        } else {
+            let a = route_as
+                .decode::<String>()
+                .map_err(|_| arg_error("route_as must be nil or a string like \"sm_86\""))?;
+            Some(cache::capability_of(&a).ok_or_else(|| {
+                arg_error(format!(
+                    "route_as must be an architecture like \"sm_86\", got {a:?}"
+                ))
+            })?)
+        };
+        let dir: String = dir
+            .decode()
+            .map_err(|_| arg_error("dir must be a string path"))?;
+        let jobs = jobs
+            .decode::<u64>()
+            .ok()
+            .filter(|j| (1..=1024).contains(j))
+            .ok_or_else(|| arg_error("jobs must be an integer from 1 to 1024"))?;
+        let mut programs = Vec::new();
+        for arch in &archs {
+            programs.extend(cache::programs(
+                fused_kernels_core::kernels::ALL,
+                arch,
+                route_as,
+            )?);
+        }
+        let report = cache::prefill(
+            std::path::Path::new(&dir),
+            &programs,
+            jobs as usize,
+            &|line| eprintln!("{line}"),
+        )?;
+        let mut m = rustler::types::map::map_new(env);
+        m = put(env, m, "compiled", (report.compiled as u64).encode(env));
+        m = put(env, m, "present", (report.present as u64).encode(env));
+        m = put(env, m, "failed", report.failed.encode(env));
+        m = put(env, m, "bytes", report.bytes.encode(env));
+        Ok(m)
+    })();
+    reply(env, result)
+}
+
+/// Compiles (or reads from the cache dir) and loads, on `device`, every kernel program the
+/// ops named in `ops` (strings: `"lstm"`, `"dense"`, ...) may launch there, several at once,
+/// printing one line per program. Returns the number of programs.
+#[rustler::nif(schedule = "DirtyIo")]
+fn kernel_warmup<'a>(env: Env<'a>, ops: Term<'a>, device: Term<'a>) -> Term<'a> {
+    let result = (|| -> Result<Term<'a>> {
+        let names: Vec<String> = crate::terms::decode_list("ops", "a list of op names", ops)?
+            .into_iter()
+            .map(|o| {
+                o.decode::<String>()
+                    .map_err(|_| arg_error("ops must be op names"))
+            })
+            .collect::<Result<_>>()?;
+        let mut files: Vec<&'static fused_kernels_core::kernels::Kernel> = Vec::new();
+        for name in &names {
+            let of = fused_kernels_core::kernels::files_of(name).ok_or_else(|| {
+                arg_error(format!(
+                    "ops: unknown op {name:?}; warmup knows lstm, gru, dense, flash_attention, \
+                     scaled_softmax, selective_scan, layer_norm, rms_norm, mamba_block"
+                ))
+            })?;
+            for f in of {
+                if !files.iter().any(|k| k.name == f.name) {
+                    files.push(f);
+                }
+            }
+        }
+        let gpu = cuda::gpu(decode_device(device)?)?;
+        let programs: Vec<_> = cache::programs(&files, &gpu.arch(), gpu.route_cap())?
+            .into_iter()
+            .map(|p| (p.kernel, p.function))
+            .collect();
+        gpu.warmup(&programs, &|line| eprintln!("{line}"))?;
+        Ok((programs.len() as u64).encode(env))
+    })();
+    reply(env, result)
+}

@@ -198,3 +198,172 @@ pub fn encode_value<'a>(env: Env<'a>, v: Value) -> Result<Term<'a>> {
         Value::Device(d) => Ok(ResourceArc::new(Buffer(d)).encode(env)),
     }
 }
+
+// ------------------------------------------------------------------ typed NIF arguments
+//
+// Every op NIF takes two arguments: a map of its tensors and a map of its options. Each map
+// decodes once into a typed struct (`nif_map!`), field by field, and every failure names the
+// field ("scale must be a number", "q: shape must be ..."). rustler's derived `NifMap`
+// decoder would do the same walk but replaces the field decoder's message with "Could not
+// decode field :x on %{}", and a NIF argument typed with it raises a bare `badarg`; callers
+// here get `{:error, {:argument, message}}` instead.
+
+/// A value decoded from one named argument or field, the name in every error.
+pub trait FromTerm<'a>: Sized {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self>;
+
+    /// The value of a field the map does not hold: an error, except for `Option`s.
+    fn absent(name: &str) -> Result<Self> {
+        Err(arg_error(format!("{name} is missing")))
+    }
+}
+
+impl<'a, T: FromTerm<'a>> FromTerm<'a> for Option<T> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        if is_nil(term) {
+            Ok(None)
+        } else {
+            T::from_term(name, term).map(Some)
+        }
+    }
+
+    fn absent(_name: &str) -> Result<Self> {
+        Ok(None)
+    }
+}
+
+impl<'a> FromTerm<'a> for bool {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_bool(name, term)
+    }
+}
+
+impl<'a> FromTerm<'a> for f64 {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_f64(name, term)
+    }
+}
+
+impl<'a> FromTerm<'a> for Operand<'a> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_operand(name, term)
+    }
+}
+
+impl<'a> FromTerm<'a> for Placement {
+    fn from_term(_name: &str, term: Term<'a>) -> Result<Self> {
+        decode_placement(term)
+    }
+}
+
+/// An atom option, by name (the op's own `parse` says which names it takes).
+pub struct AtomName(pub String);
+
+impl<'a> FromTerm<'a> for AtomName {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_atom(name, term).map(AtomName)
+    }
+}
+
+/// A device ordinal (`nil`: the default device).
+pub struct Device(pub Option<usize>);
+
+impl<'a> FromTerm<'a> for Device {
+    fn from_term(_name: &str, term: Term<'a>) -> Result<Self> {
+        decode_device(term).map(Device)
+    }
+
+    fn absent(_name: &str) -> Result<Self> {
+        Ok(Device(None))
+    }
+}
+
+/// A shape: a tuple (or proper list) of positive integers.
+pub struct Shape(pub Vec<usize>);
+
+impl<'a> FromTerm<'a> for Shape {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_shape(name, term).map(Shape)
+    }
+}
+
+/// Where an op runs and where its result goes: the `backend`, `device` and `out` fields every
+/// op's options map carries.
+pub fn target(backend: &AtomName, device: &Device) -> Result<Backend> {
+    Backend::parse(&backend.0, device.0)
+}
+
+/// The values of a map's atom keys in `fields` order (`None` where absent). Refuses a term
+/// that is not a map, a key that is not an atom, and a key that is not a field (a misspelt
+/// option is an error, not a silent default).
+pub fn map_fields<'a>(
+    name: &str,
+    fields: &[&str],
+    term: Term<'a>,
+) -> Result<Vec<Option<Term<'a>>>> {
+    let iter = rustler::types::map::MapIterator::new(term).ok_or_else(|| {
+        arg_error(format!(
+            "{name} must be a map with the keys {}",
+            fields.join(", ")
+        ))
+    })?;
+    let mut slots = vec![None; fields.len()];
+    for (key, value) in iter {
+        let key = key
+            .atom_to_string()
+            .map_err(|_| arg_error(format!("{name}: keys must be atoms")))?;
+        match fields.iter().position(|f| *f == key) {
+            Some(i) => slots[i] = Some(value),
+            None => {
+                return Err(arg_error(format!(
+                    "{name}: unknown key :{key} (known: {})",
+                    fields.join(", ")
+                )))
+            }
+        }
+    }
+    Ok(slots)
+}
+
+/// One field of a map decoded by `nif_map!`.
+pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<T> {
+    match slot {
+        Some(term) => T::from_term(name, term),
+        None => T::absent(name),
+    }
+}
+
+/// `FromTerm` for a struct decoded from a map with one atom key per field:
+/// `nif_map!(Options { scale, causal })` or `nif_map!(Inputs<'a> { x, y })`.
+macro_rules! nif_map {
+    ($name:ident $(<$l:lifetime>)? { $($field:ident),* $(,)? }) => {
+        impl<'a> $crate::terms::FromTerm<'a> for $name $(<$l>)? {
+            fn from_term(
+                name: &str,
+                term: rustler::Term<'a>,
+            ) -> fused_kernels_core::error::Result<Self> {
+                const FIELDS: &[&str] = &[$(stringify!($field)),*];
+                let mut slots =
+                    $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
+                Ok($name {
+                    $($field: $crate::terms::field(
+                        stringify!($field),
+                        slots.next().flatten(),
+                    )?,)*
+                })
+            }
+        }
+    };
+}
+pub(crate) use nif_map;
+
+/// Decodes an op's `(inputs, options)` pair.
+pub fn decode_args<'a, I: FromTerm<'a>, O: FromTerm<'a>>(
+    inputs: Term<'a>,
+    options: Term<'a>,
+) -> Result<(I, O)> {
+    Ok((
+        I::from_term("inputs", inputs)?,
+        O::from_term("options", options)?,
+    ))
+}

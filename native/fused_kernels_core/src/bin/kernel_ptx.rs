@@ -2,7 +2,7 @@
 //! and options) without a GPU. Needs libnvrtc.so.13.
 //!
 //! Usage: kernel_ptx [--kernels a,b] [--jobs N] [--direct] [--instances] [--cache-out DIR]
-//!        OUT_DIR [sm_XY ...]   (options in any order)
+//!        [--as sm_XY] [--prune] [OUT_DIR] [sm_XY ...]   (options in any order)
 //! (default archs: kernels::CI_ARCHS)
 //!
 //! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
@@ -13,14 +13,22 @@
 //! `--direct`: one PTX per arch instead (what the runtime compiles), to check that a level's
 //! PTX reports the same as each arch's own.
 //!
-//! `--instances` (implied by `--cache-out`): compiles each function of each file on its own for each arch, to a cubin,
-//! as the runtime does on a first call (`FK_ONLY`), and prints the time of each; with
-//! `--cache-out DIR` the cubins are stored as the runtime's cache entries, so a machine given
-//! that cache directory (same NVRTC version) compiles nothing.
+//! `--cache-out DIR`: pre-fills a kernel cache instead (no PTX, no CI report): every program
+//! the runtime may request on a GPU of each arch (each function of each file, compiled on its
+//! own to a cubin as a first call does, `FK_ONLY`), stored under the runtime's cache key, so a
+//! machine given that directory as `FUSED_KERNELS_CACHE_DIR` (same NVRTC version) compiles
+//! nothing. `--as sm_XY` builds the programs of a device routed as that older GPU (the
+//! `route-as-*` test builds). Entries already in DIR are kept (so a copy of an older cache
+//! recompiles only the kernels whose sources changed); `--prune` then deletes the `.cubin`
+//! files in DIR that none of these programs uses (stale sources, other archs or NVRTCs).
+//! Prints each program's time.
+//!
+//! `--instances`: the same into `OUT_DIR/cache`, for the per-program compile times.
 
 use fused_kernels_core::cuda::cache;
 use fused_kernels_core::cuda::nvrtc::{compile, version, Target};
-use fused_kernels_core::kernels::{feature_level, Build, Kernel, ALL, CI_ARCHS};
+use fused_kernels_core::kernels::{feature_level, Kernel, ALL, CI_ARCHS};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -33,6 +41,8 @@ struct Options {
     jobs: usize,
     instances: bool,
     cache_out: Option<String>,
+    route_as: Option<(i32, i32)>,
+    prune: bool,
     direct: bool,
 }
 
@@ -46,6 +56,8 @@ fn parse() -> Result<Options, String> {
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
         instances: false,
         cache_out: None,
+        route_as: None,
+        prune: false,
         direct: false,
     };
     while let Some(a) = args.next() {
@@ -62,10 +74,13 @@ fn parse() -> Result<Options, String> {
             }
             "--instances" => o.instances = true,
             "--direct" => o.direct = true,
-            "--cache-out" => {
-                // The runtime loads one program per function: a cache to ship holds those.
-                o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?);
-                o.instances = true;
+            "--prune" => o.prune = true,
+            "--cache-out" => o.cache_out = Some(args.next().ok_or("--cache-out needs a dir")?),
+            "--as" => {
+                let v = args.next().ok_or("--as needs an architecture like sm_86")?;
+                o.route_as = Some(
+                    cache::capability_of(&v).ok_or(format!("--as: not an architecture: {v}"))?,
+                );
             }
             arch if arch.starts_with("sm_") => {
                 if feature_level(arch).is_none() {
@@ -79,7 +94,11 @@ fn parse() -> Result<Options, String> {
             dir => out_dir = Some(dir.to_string()),
         }
     }
-    o.out_dir = out_dir.ok_or("usage: kernel_ptx [options] OUT_DIR [sm_XY ...]")?;
+    o.out_dir = match (out_dir, &o.cache_out) {
+        (Some(d), _) => d,
+        (None, Some(_)) => String::new(),
+        (None, None) => return Err("usage: kernel_ptx [options] OUT_DIR [sm_XY ...]".into()),
+    };
     if o.archs.is_empty() {
         o.archs = CI_ARCHS.iter().map(|a| a.to_string()).collect();
     }
@@ -111,15 +130,6 @@ fn ptx_target(kernel: &Kernel, arch: &str, direct: bool) -> String {
     format!("sm_{}", level / 10)
 }
 
-/// The `.entry` (kernel) names in a PTX text.
-fn entries(ptx: &str) -> Vec<String> {
-    ptx.lines()
-        .filter_map(|l| l.trim_start().strip_prefix(".visible .entry "))
-        .map(|l| l.split('(').next().unwrap_or("").trim().to_string())
-        .filter(|n| !n.is_empty())
-        .collect()
-}
-
 fn main() -> ExitCode {
     let o = match parse() {
         Ok(o) => o,
@@ -132,7 +142,9 @@ fn main() -> ExitCode {
         eprintln!("libnvrtc.so.13 not found: put the nvidia-cuda-nvrtc wheel's lib dir on LD_LIBRARY_PATH");
         return ExitCode::from(2);
     }
-    if let Err(e) = std::fs::create_dir_all(&o.out_dir) {
+    if o.out_dir.is_empty() {
+        // --cache-out alone: no PTX directory.
+    } else if let Err(e) = std::fs::create_dir_all(&o.out_dir) {
         eprintln!("cannot create {}: {e}", o.out_dir);
         return ExitCode::from(2);
     }
@@ -147,6 +159,12 @@ fn main() -> ExitCode {
                 .is_none_or(|only| only.iter().any(|n| n == k.name))
         })
         .collect();
+    if let Some(dir) = &o.cache_out {
+        return prefill(&o, &kernels, PathBuf::from(dir));
+    }
+    if o.instances {
+        return prefill(&o, &kernels, PathBuf::from(&o.out_dir).join("cache"));
+    }
     let failed = AtomicUsize::new(0);
     let started = Instant::now();
 
@@ -171,7 +189,7 @@ fn main() -> ExitCode {
                     k.name,
                     target.replacen("sm_", "compute_", 1),
                     t0.elapsed().as_secs_f64() * 1e3,
-                    entries(&ptx).len()
+                    cache::ptx_entries(&ptx).len()
                 );
                 if let Ok(mut p) = ptx_of.lock() {
                     p.push((k.name, target.clone(), ptx));
@@ -205,67 +223,77 @@ fn main() -> ExitCode {
         started.elapsed().as_secs_f64()
     );
 
-    if o.instances {
-        if let Some(dir) = &o.cache_out {
-            cache::set_dir(dir.into());
-        }
-        // (file, function, arch) for every function of every file.
-        let mut jobs: Vec<(&'static Kernel, String, String)> = Vec::new();
-        for k in &kernels {
-            for arch in &o.archs {
-                let t = ptx_target(k, arch, o.direct);
-                if let Some((_, _, ptx)) = ptx_of.iter().find(|(n, pt, _)| *n == k.name && *pt == t)
-                {
-                    for f in entries(ptx) {
-                        jobs.push((k, f, k.target_arch(arch)));
-                    }
-                }
-            }
-        }
-        let times: Mutex<Vec<(String, String, f64)>> = Mutex::new(Vec::new());
-        let t_all = Instant::now();
-        run_parallel(&jobs, o.jobs, |(k, f, arch)| {
-            let build = Build {
-                only: Some(f.clone()),
-                cap: None,
-            };
-            let t0 = Instant::now();
-            match compile(k.name, &k.source(), arch, Target::Cubin, &build.defines()) {
-                Ok(cubin) => {
-                    let ms = t0.elapsed().as_secs_f64() * 1e3;
-                    println!("instance {f} ({}.cu) for {arch}: {ms:.0} ms", k.name);
-                    if o.cache_out.is_some() {
-                        let path = cache::entry_path(k.name, &k.source(), arch, nvrtc, &build);
-                        if let Err(e) = cache::write(&path, &cubin) {
-                            eprintln!("cannot write {}: {e}", path.display());
-                        }
-                    }
-                    if let Ok(mut t) = times.lock() {
-                        t.push((k.name.to_string(), f.clone(), ms));
-                    }
-                }
-                Err(e) => {
-                    eprintln!("FAILED instance {f} for {arch}: {e}");
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        });
-        let mut times = times.into_inner().unwrap_or_default();
-        times.sort_by(|a, b| b.2.total_cmp(&a.2));
-        let total: f64 = times.iter().map(|t| t.2).sum();
-        println!(
-            "{} instances in {:.1} s wall ({:.1} s of compilation); slowest:",
-            times.len(),
-            t_all.elapsed().as_secs_f64(),
-            total / 1e3
-        );
-        for (file, f, ms) in times.iter().take(10) {
-            println!("  {ms:>7.0} ms  {f} ({file}.cu)");
-        }
-    }
     if failed.load(Ordering::Relaxed) > 0 {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// `--cache-out` / `--instances`: every program the runtime may request, into `dir`.
+fn prefill(o: &Options, kernels: &[&'static Kernel], dir: PathBuf) -> ExitCode {
+    let started = Instant::now();
+    let mut programs = Vec::new();
+    for arch in &o.archs {
+        match cache::programs(kernels, arch, o.route_as) {
+            Ok(p) => programs.extend(p),
+            Err(e) => {
+                eprintln!("cannot list the functions for {arch}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    println!(
+        "{} programs for {} listed in {:.1} s; compiling into {}",
+        programs.len(),
+        o.archs.join(" "),
+        started.elapsed().as_secs_f64(),
+        dir.display()
+    );
+    let nvrtc = version().unwrap_or((0, 0));
+    let keep: std::collections::HashSet<String> =
+        programs.iter().map(|p| p.entry_name(nvrtc)).collect();
+    let report = match cache::prefill(&dir, &programs, o.jobs, &|line| println!("{line}")) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("prefill failed: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut times = report.times.clone();
+    times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = times.iter().map(|t| t.1).sum();
+    println!(
+        "{} compiled, {} already present, {} failed; {:.1} MiB of entries; {:.1} s wall ({:.1} s of compilation); slowest:",
+        report.compiled,
+        report.present,
+        report.failed.len(),
+        report.bytes as f64 / (1 << 20) as f64,
+        started.elapsed().as_secs_f64(),
+        total / 1e3
+    );
+    for (what, ms) in times.iter().take(10) {
+        println!("  {ms:>7.0} ms  {what}");
+    }
+    if o.prune {
+        let mut pruned = 0;
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".cubin") && !keep.contains(&name) {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => pruned += 1,
+                    Err(e) => eprintln!("cannot remove {name}: {e}"),
+                }
+            }
+        }
+        println!("pruned {pruned} entries no program uses");
+    }
+    for f in &report.failed {
+        eprintln!("FAILED {f}");
+    }
+    if report.failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }

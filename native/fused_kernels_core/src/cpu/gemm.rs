@@ -7,6 +7,7 @@
 //! packing of A: rows are read sequentially, six streams). Large products split their panels
 //! over the thread pool; every task owns whole columns of C.
 
+use super::math::{apply, Func};
 use super::packed::{PackedB, NR};
 
 use super::pool::{self, SendPtr};
@@ -92,6 +93,23 @@ pub fn gemm_rhs(
     ldc: usize,
     init: Init<'_>,
 ) {
+    gemm_act(isa, m, a, lda, b, c, ldc, init, None)
+}
+
+/// [`gemm_rhs`] followed by `act` on every element of C, applied by the thread that computed
+/// the columns while they are still in its cache (a dense layer's activation epilogue).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_act(
+    isa: Isa,
+    m: usize,
+    a: &[f32],
+    lda: usize,
+    b: Rhs<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    init: Init<'_>,
+    act: Option<Func>,
+) {
     let (k, n) = (b.k(), b.n());
     if let Rhs::RowMajor { b, .. } = b {
         assert!(Some(b.len()) == k.checked_mul(n));
@@ -118,6 +136,15 @@ pub fn gemm_rhs(
         // Safety: task t writes only the columns of panels p0..p1 of C, disjoint from every
         // other task's; the extents were checked above.
         unsafe { run_panels(isa, m, a, lda, b, cp.get(), ldc, init, p0, p1) };
+        if let Some(f) = act {
+            let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
+            for i in 0..m {
+                // Safety: as above; row i's columns c0..c1 belong to this task.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(cp.get().add(i * ldc + c0), c1 - c0) };
+                apply(isa, f, row);
+            }
+        }
     };
     if tasks <= 1 {
         body(0);
@@ -167,7 +194,7 @@ unsafe fn run_panels(
                     let ap = a.as_ptr().add(ir * lda + k0);
                     let cp = c.add(ir * ldc + col0);
                     if narrow {
-                        narrow_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
+                        scalar_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
                     } else {
                         tile(isa, kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
                     }
@@ -202,13 +229,13 @@ unsafe fn tile(
         return;
     }
     let _ = isa;
-    portable_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
+    scalar_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
 }
 
-/// A tile whose B columns stop before `NR` (the last panel of a row-major B): reads only
-/// `cols` columns.
+/// The scalar tile: the portable path, and the last panel of a row-major B whose columns
+/// stop before `NR` (it reads only `cols` columns of each B row).
 #[allow(clippy::too_many_arguments)]
-unsafe fn narrow_tile(
+unsafe fn scalar_tile(
     kc: usize,
     a: *const f32,
     lda: usize,
@@ -225,9 +252,9 @@ unsafe fn narrow_tile(
         let ar = a.add(i * lda);
         for kk in 0..kc {
             let av = *ar.add(kk);
-            let br = b.add(kk * ldb);
-            for (j, v) in row.iter_mut().enumerate().take(cols) {
-                *v += av * *br.add(j);
+            let br = std::slice::from_raw_parts(b.add(kk * ldb), cols);
+            for (v, bv) in row.iter_mut().zip(br) {
+                *v += av * bv;
             }
         }
     }
@@ -255,33 +282,6 @@ unsafe fn write_tile(
             *cr.add(j) = base + v;
         }
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-unsafe fn portable_tile(
-    kc: usize,
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    rows: usize,
-    cols: usize,
-    mode: Mode,
-) {
-    let mut acc = [[0.0f32; NR]; MR];
-    for (i, row) in acc.iter_mut().enumerate().take(rows) {
-        let ar = a.add(i * lda);
-        for kk in 0..kc {
-            let av = *ar.add(kk);
-            let br = std::slice::from_raw_parts(b.add(kk * ldb), NR);
-            for j in 0..NR {
-                row[j] += av * br[j];
-            }
-        }
-    }
-    write_tile(&acc, c, ldc, rows, cols, mode);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -2,8 +2,9 @@
 //!
 //! Bound by reading B once from cache or memory, so the AVX2 kernel streams four panels at a
 //! time (eight FMA accumulators, enough to cover the FMA latency) and writes y once. It runs
-//! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) splitting the
-//! panels over threads costs more in wake-up latency than it saves.
+//! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) waking threads
+//! for one product costs more than it saves. A window's time loop, whose threads stay awake
+//! from step to step, splits the columns itself ([`gemv_cols`] per thread).
 
 use super::packed::{PackedB, NR};
 use super::simd::Isa;
@@ -11,21 +12,32 @@ use super::simd::Isa;
 /// `y[j] = init[j] + Σ_k x[k] · B[k, j]` for j < n (`init` absent: zero). Panics if the
 /// lengths disagree with B (callers size them from B).
 pub fn gemv(isa: Isa, x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
-    assert!(x.len() == b.k() && y.len() == b.n());
+    assert!(y.len() == b.n());
+    gemv_cols(isa, x, b, 0, init, y);
+}
+
+/// [`gemv`] for the columns `p0·NR .. p0·NR + y.len()` only (whole panels, the last one
+/// partial only where B ends), `init` aligned with `y`: a share of the columns for one thread
+/// of a split recurrence. Panics if the columns run past B or the lengths disagree.
+pub fn gemv_cols(isa: Isa, x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32]>, y: &mut [f32]) {
+    let c0 = p0 * NR;
+    assert!(x.len() == b.k() && c0 + y.len() <= b.n());
+    assert!(y.len().is_multiple_of(NR) || c0 + y.len() == b.n());
     if let Some(i) = init {
-        assert!(i.len() == b.n());
+        assert!(i.len() == y.len());
     }
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA; lengths checked above.
-        unsafe { avx2::gemv(x, b, init, y) };
+        unsafe { avx2::gemv(x, b, p0, init, y) };
         return;
     }
     let _ = isa;
-    portable(x, b, init, y);
+    portable(x, b, p0, init, y);
 }
 
-/// Writes the `NR`-wide block of panel `p` into y (the padded columns past n dropped).
+/// Writes the `NR`-wide block of panel `p` (counted from y's first column) into y (the padded
+/// columns past its end dropped).
 #[inline(always)]
 fn store_panel(p: usize, vals: &[f32; NR], init: Option<&[f32]>, y: &mut [f32]) {
     let c0 = p * NR;
@@ -35,9 +47,9 @@ fn store_panel(p: usize, vals: &[f32; NR], init: Option<&[f32]>, y: &mut [f32]) 
     }
 }
 
-fn portable(x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
-    for p in 0..b.panels() {
-        let panel = b.panel(p);
+fn portable(x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32]>, y: &mut [f32]) {
+    for p in 0..y.len().div_ceil(NR) {
+        let panel = b.panel(p0 + p);
         let mut acc = [0.0f32; NR];
         for (xk, row) in x.iter().zip(panel.chunks_exact(NR)) {
             for j in 0..NR {
@@ -73,17 +85,17 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemv(x: &[f32], b: &PackedB, init: Option<&[f32]>, y: &mut [f32]) {
+    pub unsafe fn gemv(x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32]>, y: &mut [f32]) {
         let k = b.k();
-        let panels = b.panels();
+        let panels = y.len().div_ceil(NR);
         let xp = x.as_ptr();
         let mut p = 0;
         while p + 4 <= panels {
             let ptr = [
-                b.panel(p).as_ptr(),
-                b.panel(p + 1).as_ptr(),
-                b.panel(p + 2).as_ptr(),
-                b.panel(p + 3).as_ptr(),
+                b.panel(p0 + p).as_ptr(),
+                b.panel(p0 + p + 1).as_ptr(),
+                b.panel(p0 + p + 2).as_ptr(),
+                b.panel(p0 + p + 3).as_ptr(),
             ];
             let mut acc = [_mm256_setzero_ps(); 8];
             for kk in 0..k {
@@ -101,7 +113,7 @@ mod avx2 {
             p += 4;
         }
         while p < panels {
-            let bp = b.panel(p).as_ptr();
+            let bp = b.panel(p0 + p).as_ptr();
             let mut acc = [_mm256_setzero_ps(); 4];
             let mut kk = 0;
             while kk + 2 <= k {

@@ -85,6 +85,143 @@ pub fn apply(isa: Isa, f: Func, xs: &mut [f32]) {
     xs.iter_mut().for_each(|v| *v = f.scalar(*v));
 }
 
+/// Which statistics a row normalisation takes: LayerNorm centres and scales, RMSNorm only
+/// scales (by the root mean square).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    Layer,
+    Rms,
+}
+
+/// Row normalisation over `cols`-wide rows: `out = (x - mean) / sqrt(var + eps) · w + b`
+/// (LayerNorm; `b` zeros when absent) or `x / sqrt(mean(x²) + eps) · w` (RMSNorm), for every
+/// whole row of `x` that `out` also holds.
+///
+/// Statistics in f32 with a shifted two-pass scheme, accurate for rows whose mean is large
+/// against their spread: pass one takes an approximate mean `m₀`; pass two sums `d = x - m₀`
+/// (exact by Sterbenz where x is within a factor 2 of m₀) and `d²`, giving the mean as the
+/// unevaluated pair `m₀ + Σd/n` and the variance as `Σd²/n - (Σd/n)²` (the correction is
+/// small, so nothing cancels); the output subtracts `m₀` and then `Σd/n`, never a rounded
+/// mean. Lanes accumulate separately (8 or 16 partial sums, two vectors each), which keeps
+/// the summation error near √(cols/lanes)·2⁻²⁴ relative.
+pub fn norm_rows(
+    isa: Isa,
+    kind: NormKind,
+    x: &[f32],
+    out: &mut [f32],
+    cols: usize,
+    (w, b): (&[f32], Option<&[f32]>),
+    eps: f32,
+) {
+    if cols == 0 {
+        return;
+    }
+    let rows = x.len().min(out.len()) / cols;
+    assert!(w.len() >= cols && b.is_none_or(|b| b.len() >= cols));
+    for r in 0..rows {
+        let (xp, op) = (x[r * cols..].as_ptr(), out[r * cols..].as_mut_ptr());
+        // Safety: both rows hold `cols` elements (checked above), and the slices do not alias.
+        unsafe { norm_row_dispatch(isa, kind, xp, op, cols, w, b, eps) };
+    }
+}
+
+/// [`norm_rows`] in place.
+pub fn norm_rows_inplace(
+    isa: Isa,
+    kind: NormKind,
+    xs: &mut [f32],
+    cols: usize,
+    (w, b): (&[f32], Option<&[f32]>),
+    eps: f32,
+) {
+    if cols == 0 {
+        return;
+    }
+    assert!(w.len() >= cols && b.is_none_or(|b| b.len() >= cols));
+    for row in xs.chunks_exact_mut(cols) {
+        let p = row.as_mut_ptr();
+        // Safety: the row holds `cols` elements; every element is read before it is written
+        // (pass three reads x[j] and then writes out[j]), so in place is well defined.
+        unsafe { norm_row_dispatch(isa, kind, p, p, cols, w, b, eps) };
+    }
+}
+
+/// # Safety
+/// `x` and `out` point at `cols` elements each (they may be the same row), `w` (and `b`)
+/// hold `cols` at least.
+#[allow(clippy::too_many_arguments)]
+unsafe fn norm_row_dispatch(
+    isa: Isa,
+    kind: NormKind,
+    x: *const f32,
+    out: *mut f32,
+    cols: usize,
+    w: &[f32],
+    b: Option<&[f32]>,
+    eps: f32,
+) {
+    let bp = b.map_or(std::ptr::null(), |b| b.as_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() {
+        // Safety: an AVX-512 `Isa` exists only on CPUs with AVX-512F.
+        return avx512::norm_row(kind, x, out, cols, w.as_ptr(), bp, eps);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() {
+        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
+        return avx2::norm_row(kind, x, out, cols, w.as_ptr(), bp, eps);
+    }
+    let _ = isa;
+    norm_row_portable(kind, x, out, cols, w.as_ptr(), bp, eps)
+}
+
+/// The statistics of one row from its lane sums: `(m₀, Σd/n, 1/sqrt(var + eps))`.
+#[inline(always)]
+fn norm_stats(kind: NormKind, m0: f32, sd: f32, sq: f32, n: f32, eps: f32) -> (f32, f32, f32) {
+    match kind {
+        NormKind::Layer => {
+            let lo = sd / n;
+            let var = (sq / n - lo * lo).max(0.0);
+            (m0, lo, 1.0 / (var + eps).sqrt())
+        }
+        NormKind::Rms => (0.0, 0.0, 1.0 / (sq / n + eps).sqrt()),
+    }
+}
+
+/// The scalar row: the same scheme with one accumulator.
+///
+/// # Safety
+/// As [`norm_row_dispatch`]; `b` null or `cols` long.
+#[allow(clippy::too_many_arguments)]
+unsafe fn norm_row_portable(
+    kind: NormKind,
+    x: *const f32,
+    out: *mut f32,
+    cols: usize,
+    w: *const f32,
+    b: *const f32,
+    eps: f32,
+) {
+    let n = cols as f32;
+    let m0 = if kind == NormKind::Layer {
+        (0..cols).map(|j| *x.add(j)).sum::<f32>() / n
+    } else {
+        0.0
+    };
+    let (mut sd, mut sq) = (0.0f32, 0.0f32);
+    for j in 0..cols {
+        let d = *x.add(j) - m0;
+        sd += d;
+        sq = d.mul_add(d, sq);
+    }
+    let (m0, lo, inv) = norm_stats(kind, m0, sd, sq, n, eps);
+    for j in 0..cols {
+        let c = (*x.add(j) - m0 - lo) * inv;
+        let bj = if b.is_null() { 0.0 } else { *b.add(j) };
+        *out.add(j) = c.mul_add(*w.add(j), bj);
+    }
+}
+
 /// erfc(z) for z ≥ 0 as `t · exp(-z² + P(t))`, `t = 1 / (1 + z/2)` (the Chebyshev fit of
 /// Numerical Recipes' `erfcc`, fractional error < 1.2e-7 in exact arithmetic).
 const ERFC_P: [f32; 10] = [
@@ -185,7 +322,7 @@ mod lanes {
     //! The vector functions written once over a lane type ([`V`]); `avx2` and `avx512`
     //! instantiate them for 8 and 16 lanes inside their `#[target_feature]` functions, where
     //! everything here is inlined.
-    use super::{Func, ATANH_SERIES, ERFC_P, ERF_SERIES};
+    use super::{Func, NormKind, ATANH_SERIES, ERFC_P, ERF_SERIES};
     use std::arch::x86_64::*;
 
     /// A vector of f32 lanes with the operations the functions need. Every method requires
@@ -516,6 +653,86 @@ mod lanes {
     }
 
     #[inline(always)]
+    unsafe fn hsum<T: V>(v: T) -> f32 {
+        let mut buf = [0.0f32; 16];
+        v.store(buf.as_mut_ptr());
+        buf[..T::LANES].iter().sum()
+    }
+
+    /// One row of `super::norm_rows` (its scheme; the tail past the last whole vector in
+    /// scalar code).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn norm_row<T: V>(
+        kind: NormKind,
+        x: *const f32,
+        out: *mut f32,
+        cols: usize,
+        w: *const f32,
+        b: *const f32,
+        eps: f32,
+    ) {
+        let l = T::LANES;
+        let (whole, whole2) = (cols / l * l, cols / (2 * l) * (2 * l));
+        let n = cols as f32;
+        let m0 = if kind == NormKind::Layer {
+            let (mut a0, mut a1) = (splat::<T>(0.0), splat::<T>(0.0));
+            let mut j = 0;
+            while j < whole2 {
+                a0 = a0.add(T::load(x.add(j)));
+                a1 = a1.add(T::load(x.add(j + l)));
+                j += 2 * l;
+            }
+            if j < whole {
+                a0 = a0.add(T::load(x.add(j)));
+            }
+            let tail: f32 = (whole..cols).map(|j| *x.add(j)).sum();
+            (hsum(a0.add(a1)) + tail) / n
+        } else {
+            0.0
+        };
+        let m = splat::<T>(m0);
+        let (mut s0, mut s1) = (splat::<T>(0.0), splat::<T>(0.0));
+        let (mut q0, mut q1) = (splat::<T>(0.0), splat::<T>(0.0));
+        let mut j = 0;
+        while j < whole2 {
+            let d0 = T::load(x.add(j)).sub(m);
+            let d1 = T::load(x.add(j + l)).sub(m);
+            s0 = s0.add(d0);
+            s1 = s1.add(d1);
+            q0 = d0.fmadd(d0, q0);
+            q1 = d1.fmadd(d1, q1);
+            j += 2 * l;
+        }
+        if j < whole {
+            let d0 = T::load(x.add(j)).sub(m);
+            s0 = s0.add(d0);
+            q0 = d0.fmadd(d0, q0);
+        }
+        let (mut sd, mut sq) = (hsum(s0.add(s1)), hsum(q0.add(q1)));
+        for j in whole..cols {
+            let d = *x.add(j) - m0;
+            sd += d;
+            sq = d.mul_add(d, sq);
+        }
+        let (m0, lo, inv) = super::norm_stats(kind, m0, sd, sq, n, eps);
+        let (m, lov, invv) = (splat::<T>(m0), splat::<T>(lo), splat::<T>(inv));
+        let zero = splat::<T>(0.0);
+        let mut j = 0;
+        while j < whole {
+            let c = T::load(x.add(j)).sub(m).sub(lov).mul(invv);
+            let bj = if b.is_null() { zero } else { T::load(b.add(j)) };
+            c.fmadd(T::load(w.add(j)), bj).store(out.add(j));
+            j += l;
+        }
+        for j in whole..cols {
+            let c = (*x.add(j) - m0 - lo) * inv;
+            let bj = if b.is_null() { 0.0 } else { *b.add(j) };
+            *out.add(j) = c.mul_add(*w.add(j), bj);
+        }
+    }
+
+    #[inline(always)]
     pub unsafe fn apply<T: V>(f: Func, xs: &mut [f32]) {
         let mut chunks = xs.chunks_exact_mut(T::LANES);
         for c in &mut chunks {
@@ -535,7 +752,7 @@ mod lanes {
 #[allow(clippy::missing_safety_doc)]
 pub mod avx2 {
     //! Eight-lane versions; every function requires AVX2 + FMA (callers hold an AVX2 `Isa`).
-    use super::{lanes, Func};
+    use super::{lanes, Func, NormKind};
     use std::arch::x86_64::__m256;
 
     macro_rules! wrap {
@@ -553,17 +770,43 @@ pub mod avx2 {
     pub unsafe fn apply(f: Func, xs: &mut [f32]) {
         lanes::apply::<__m256>(f, xs)
     }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn norm_row(
+        kind: NormKind,
+        x: *const f32,
+        out: *mut f32,
+        cols: usize,
+        w: *const f32,
+        b: *const f32,
+        eps: f32,
+    ) {
+        lanes::norm_row::<__m256>(kind, x, out, cols, w, b, eps)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::missing_safety_doc)]
 pub mod avx512 {
     //! Sixteen-lane versions; every function requires AVX-512F (callers hold an AVX-512 `Isa`).
-    use super::{lanes, Func};
+    use super::{lanes, Func, NormKind};
     use std::arch::x86_64::__m512;
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn apply(f: Func, xs: &mut [f32]) {
         lanes::apply::<__m512>(f, xs)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn norm_row(
+        kind: NormKind,
+        x: *const f32,
+        out: *mut f32,
+        cols: usize,
+        w: *const f32,
+        b: *const f32,
+        eps: f32,
+    ) {
+        lanes::norm_row::<__m512>(kind, x, out, cols, w, b, eps)
     }
 }

@@ -135,18 +135,27 @@ fn run_tasks(next: &AtomicUsize, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 /// when all are done. Tasks must be independent; their order is unspecified. With one task,
 /// a one-thread pool or a busy pool, everything runs on the calling thread.
 pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-    if tasks <= 1 || threads() <= 1 {
+    if tasks <= 1 || threads() <= 1 || !submit(tasks, f, 1) {
         (0..tasks).for_each(f);
-        return;
     }
+}
+
+/// Runs `f(0) .. f(tasks - 1)` each on its own thread at the same time (the caller takes one),
+/// so tasks may wait for each other ([`Barrier`]); returns false, running nothing, when the
+/// pool cannot give `tasks` threads now (too few, or busy with another caller's job).
+pub fn run_together(tasks: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+    tasks >= 2 && threads() >= tasks && submit(tasks, f, tasks - 1)
+}
+
+/// Runs the job on the pool if it is free and has at least `min_workers` workers; false if
+/// nothing ran.
+fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool {
     let pool: &'static Pool = &POOL;
     let Ok(_held) = pool.submit.try_lock() else {
-        (0..tasks).for_each(f);
-        return;
+        return false;
     };
-    if pool.workers.load(Ordering::Relaxed) == 0 {
-        (0..tasks).for_each(f);
-        return;
+    if pool.workers.load(Ordering::Relaxed) < min_workers.max(1) {
+        return false;
     }
     pool.next.store(0, Ordering::SeqCst);
     pool.panicked.store(false, Ordering::SeqCst);
@@ -173,7 +182,48 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     if pool.panicked.load(Ordering::SeqCst) {
         panic!("a CPU pool task panicked");
     }
+    true
 }
+
+/// A barrier for the tasks of one [`run_together`] job: each `wait` returns once all `n`
+/// tasks have called it. Waiters spin (a step of a split recurrence lasts microseconds, less
+/// than a sleep and wake-up), then yield their core if a partner is late (a loaded machine).
+pub struct Barrier {
+    n: usize,
+    count: AtomicUsize,
+    generation: AtomicUsize,
+}
+
+impl Barrier {
+    pub fn new(n: usize) -> Barrier {
+        Barrier {
+            n,
+            count: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn wait(&self) {
+        let gen = self.generation.load(Ordering::Acquire);
+        if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+            self.count.store(0, Ordering::Relaxed);
+            self.generation.fetch_add(1, Ordering::Release);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == gen {
+            if spins < SPINS_BEFORE_YIELD {
+                std::hint::spin_loop();
+                spins += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// About 20-50 µs of spinning: longer than a step, shorter than a scheduler time slice.
+const SPINS_BEFORE_YIELD: u32 = 1 << 13;
 
 /// Below this many elements of work a second thread costs more than it saves.
 const MIN_WORK_PER_THREAD: usize = 1 << 15;

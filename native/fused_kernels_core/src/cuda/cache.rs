@@ -2,10 +2,14 @@
 //! architecture, the NVRTC version and a hash of the exact source and options, so a changed
 //! kernel, a different GPU or a new NVRTC never loads a stale cubin.
 
+use crate::cuda::nvrtc;
+use crate::error::{Error, Result};
+use crate::kernels::{Build, Kernel};
 use once_cell::sync::Lazy;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, RwLock};
+use std::time::Instant;
 
 static DIR_OVERRIDE: Lazy<RwLock<Option<PathBuf>>> = Lazy::new(|| RwLock::new(None));
 
@@ -53,15 +57,28 @@ pub fn fnv1a128(parts: &[&[u8]]) -> u128 {
 }
 
 /// The entry of `kernel`'s file built for `arch` with `build` (its instance and capability
-/// cap): keyed by the source, every header, the options, the architecture and NVRTC's version.
+/// cap): keyed by the source, the headers it includes, the options, the architecture and
+/// NVRTC's version. (Only the headers it includes: a change to another leaves its entries
+/// valid, so a pre-filled cache stays mostly current across edits.)
 pub fn entry_path(
     kernel: &str,
     source: &str,
     arch: &str,
     nvrtc: (i32, i32),
-    build: &crate::kernels::Build,
+    build: &Build,
 ) -> PathBuf {
-    let options = super::nvrtc::OPTIONS.join(" ");
+    dir().join(entry_name(kernel, source, arch, nvrtc, build))
+}
+
+/// The file name of an entry (see [`entry_path`]), independent of the cache directory.
+pub fn entry_name(
+    kernel: &str,
+    source: &str,
+    arch: &str,
+    nvrtc: (i32, i32),
+    build: &Build,
+) -> String {
+    let options = nvrtc::OPTIONS.join(" ");
     let defines = build.defines().join(" ");
     let mut parts: Vec<&[u8]> = vec![
         source.as_bytes(),
@@ -69,7 +86,7 @@ pub fn entry_path(
         options.as_bytes(),
         defines.as_bytes(),
     ];
-    for (name, text) in crate::kernels::HEADERS {
+    for (name, text) in crate::kernels::included_headers(source) {
         parts.push(name.as_bytes());
         parts.push(text.as_bytes());
     }
@@ -79,10 +96,10 @@ pub fn entry_path(
         Some((major, minor)) => format!("-as{major}{minor}"),
         None => String::new(),
     };
-    dir().join(format!(
+    format!(
         "{kernel}-{instance}{cap}-{arch}-nvrtc{}.{}-{hash:032x}.cubin",
         nvrtc.0, nvrtc.1
-    ))
+    )
 }
 
 pub fn read(path: &Path) -> Option<Vec<u8>> {
@@ -131,4 +148,197 @@ impl Stats {
             self.compiles.load(Ordering::Relaxed),
         )
     }
+}
+
+/// One program the runtime may load: a function of a kernel file, built for the device's
+/// architecture (`arch`, as [`Kernel::target_arch`] names it) with `build`.
+#[derive(Debug, Clone)]
+pub struct Program {
+    pub kernel: &'static Kernel,
+    pub function: String,
+    pub arch: String,
+    pub build: Build,
+}
+
+impl Program {
+    /// The entry's file name (see [`entry_name`]).
+    pub fn entry_name(&self, nvrtc: (i32, i32)) -> String {
+        entry_name(
+            self.kernel.name,
+            &self.kernel.source(),
+            &self.arch,
+            nvrtc,
+            &self.build,
+        )
+    }
+}
+
+/// A function name no kernel has: with it as `FK_ONLY` every body compiles empty, so a file's
+/// list of functions costs a fraction of a second instead of its full compile.
+const NO_FUNCTION: &str = "fk_list_functions_only";
+
+/// `sm_86` / `sm_90a` -> (8, 6) / (9, 0).
+pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
+    let digits = arch.strip_prefix("sm_")?.trim_end_matches('a');
+    let n: i32 = digits.parse().ok()?;
+    (digits.len() >= 2).then_some((n / 10, n % 10))
+}
+
+/// The functions of `kernel` as the runtime builds it on a device of `arch` (`sm_90` style)
+/// routing as `cap`: the entries of its PTX (the same guards and instance lists as the
+/// runtime's programs see).
+pub fn functions(kernel: &Kernel, arch: &str, cap: Option<(i32, i32)>) -> Result<Vec<String>> {
+    let build = Build {
+        only: Some(NO_FUNCTION.to_string()),
+        cap: route_cap(arch, cap),
+    };
+    let target = kernel.target_arch(arch);
+    let ptx = nvrtc::compile(
+        kernel.name,
+        &kernel.source(),
+        &target,
+        nvrtc::Target::Ptx,
+        &build.defines(),
+    )?;
+    Ok(ptx_entries(&String::from_utf8_lossy(&ptx)))
+}
+
+/// The `.entry` (kernel) names in a PTX text.
+pub fn ptx_entries(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|l| l.trim_start().strip_prefix(".visible .entry "))
+        .map(|l| l.split('(').next().unwrap_or("").trim().to_string())
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
+/// The cap a device of `arch` asked to route as `cap` builds with: `cap` when older than the
+/// device (as `cuda::gpu_as` does), else none.
+fn route_cap(arch: &str, cap: Option<(i32, i32)>) -> Option<(i32, i32)> {
+    let device = capability_of(arch)?;
+    cap.filter(|c| *c < device)
+}
+
+/// Every program the runtime may request from `kernels` on a device of `arch` routing as
+/// `cap` (`None`: its own paths): one per function of each file.
+pub fn programs(
+    kernels: &[&'static Kernel],
+    arch: &str,
+    cap: Option<(i32, i32)>,
+) -> Result<Vec<Program>> {
+    // (No feature level below sm_75: the oldest architecture the kernels are written for.)
+    if capability_of(arch).is_none() || crate::kernels::feature_level(arch).is_none() {
+        return Err(Error::Argument(format!(
+            "arch must be sm_75 or newer, like sm_90, got {arch:?}"
+        )));
+    }
+    let cap = route_cap(arch, cap);
+    let mut out = Vec::new();
+    for kernel in kernels {
+        for function in functions(kernel, arch, cap)? {
+            out.push(Program {
+                kernel,
+                function: function.clone(),
+                arch: kernel.target_arch(arch),
+                build: Build {
+                    only: Some(function),
+                    cap,
+                },
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// What [`prefill`] did.
+#[derive(Debug, Default, Clone)]
+pub struct PrefillReport {
+    /// Programs compiled and stored now.
+    pub compiled: usize,
+    /// Programs whose entry was there already.
+    pub present: usize,
+    /// `function: error` for each program that did not compile or could not be stored.
+    pub failed: Vec<String>,
+    /// Bytes of the entries of every program (compiled now or present).
+    pub bytes: u64,
+    /// (`function (file.cu)`, milliseconds) of each program compiled now.
+    pub times: Vec<(String, f64)>,
+}
+
+/// Compiles `programs` into the cache directory `dir` (entries named as the runtime looks them
+/// up, with this process's NVRTC), `jobs` at a time; entries already there are kept.
+/// `progress` gets one line per program.
+pub fn prefill(
+    dir: &Path,
+    programs: &[Program],
+    jobs: usize,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<PrefillReport> {
+    let nvrtc_version = nvrtc::version()?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::Argument(format!("cannot create cache dir {}: {e}", dir.display())))?;
+    let report = Mutex::new(PrefillReport::default());
+    let next = AtomicUsize::new(0);
+    let total = programs.len();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.max(1).min(total.max(1)) {
+            scope.spawn(|| {
+                while let Some(p) = programs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let path = dir.join(p.entry_name(nvrtc_version));
+                    let existing = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+                    if existing > 0 {
+                        if let Ok(mut r) = report.lock() {
+                            r.present += 1;
+                            r.bytes += existing;
+                        }
+                        continue;
+                    }
+                    let started = Instant::now();
+                    let result = nvrtc::compile(
+                        p.kernel.name,
+                        &p.kernel.source(),
+                        &p.arch,
+                        nvrtc::Target::Cubin,
+                        &p.build.defines(),
+                    )
+                    .and_then(|cubin| {
+                        write(&path, &cubin)
+                            .map(|()| cubin.len() as u64)
+                            .map_err(|e| Error::Cuda(format!("cannot write {}: {e}", path.display())))
+                    });
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    let Ok(mut r) = report.lock() else { continue };
+                    match result {
+                        Ok(bytes) => {
+                            r.compiled += 1;
+                            r.bytes += bytes;
+                            r.times
+                                .push((format!("{} ({}.cu)", p.function, p.kernel.name), ms));
+                            progress(&format!(
+                                "[fused_kernels] prefill {}/{total}: {} ({}.cu) for {}{} in {ms:.0} ms",
+                                r.compiled + r.present + r.failed.len(),
+                                p.function,
+                                p.kernel.name,
+                                p.arch,
+                                match p.build.cap {
+                                    Some((a, b)) => format!(" as {a}.{b}"),
+                                    None => String::new(),
+                                }
+                            ));
+                        }
+                        Err(e) => {
+                            progress(&format!(
+                                "[fused_kernels] prefill: {} ({}.cu) for {} failed: {e}",
+                                p.function, p.kernel.name, p.arch
+                            ));
+                            r.failed.push(format!("{}: {e}", p.function));
+                        }
+                    }
+                }
+            });
+        }
+    });
+    report
+        .into_inner()
+        .map_err(|_| Error::Cuda("prefill report lock poisoned".into()))
 }

@@ -24,7 +24,21 @@ fn check(what: &str, r: sys::nvrtcResult) -> Result<()> {
     }
 }
 
+/// Whether libnvrtc can be loaded (cudarc panics on first use when it cannot).
+pub fn available() -> Result<()> {
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::Unavailable(
+            "libnvrtc.so.13 was not found (install the CUDA 13 NVRTC library, \
+             e.g. the nvidia-cuda-nvrtc wheel, and put it on LD_LIBRARY_PATH)"
+                .into(),
+        ))
+    }
+}
+
 pub fn version() -> Result<(i32, i32)> {
+    available()?;
     let (mut major, mut minor) = (0, 0);
     check("version query", unsafe {
         sys::nvrtcVersion(&mut major, &mut minor)
@@ -102,6 +116,7 @@ pub fn compile(
     let to_c = |s: &str| {
         CString::new(s).map_err(|_| Error::Cuda(format!("NUL byte in NVRTC input for {name}")))
     };
+    available()?;
     let src = to_c(source)?;
     let cname = to_c(&format!("{name}.cu"))?;
     let opts: Vec<CString> = std::iter::once(arch_flag.as_str())

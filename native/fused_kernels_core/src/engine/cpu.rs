@@ -1,11 +1,11 @@
 //! The CPU executor: walks a plan over buffers allocated once per (batch, seq) shape, with
 //! f32 kernels that allocate nothing per call (the op kernels' scratch comes from the reused
-//! arena). Reductions (norm statistics) in f64; products in f32 on the GEMM, attention on the
-//! flash_attention op's kernel, the Mamba scan on the selective scan's.
+//! arena). Norm statistics in f32 SIMD (`math::norm_rows`); products in f32 on the GEMM,
+//! attention on the flash_attention op's kernel, the Mamba scan on the selective scan's.
 
 use super::plan::{MambaOp, Op, Plan, Size};
 use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
-use crate::cpu::math::{self, Func};
+use crate::cpu::math::{self, Func, NormKind};
 use crate::cpu::Isa;
 use crate::error::{arg_error, Result};
 use crate::ops::dense::DenseScratch;
@@ -200,46 +200,16 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
     Ok(())
 }
 
-fn layer_norm_row(x: &[f32], out: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
-    let n = x.len() as f64;
-    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = x
-        .iter()
-        .map(|&v| {
-            let d = v as f64 - mean;
-            d * d
-        })
-        .sum::<f64>()
-        / n;
-    let inv = 1.0 / (var + eps as f64).sqrt();
-    for (((o, &v), &g), &be) in out.iter_mut().zip(x).zip(gamma).zip(beta) {
-        *o = ((v as f64 - mean) * inv) as f32 * g + be;
-    }
-}
-
+/// LayerNorm over the whole rows that both `x` and `out` hold (`math::norm_rows`: f32 SIMD
+/// statistics, shifted two-pass).
 fn layer_norm(x: &[f32], out: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], eps: f32) {
-    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
-        layer_norm_row(xr, or, gamma, beta, eps);
-    }
+    let wb = (gamma, Some(beta));
+    math::norm_rows(Isa::best(), NormKind::Layer, x, out, cols, wb, eps);
 }
 
 fn layer_norm_inplace(x: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], eps: f32) {
-    for r in x.chunks_exact_mut(cols) {
-        let n = cols as f64;
-        let mean = r.iter().map(|&v| v as f64).sum::<f64>() / n;
-        let var = r
-            .iter()
-            .map(|&v| {
-                let d = v as f64 - mean;
-                d * d
-            })
-            .sum::<f64>()
-            / n;
-        let inv = 1.0 / (var + eps as f64).sqrt();
-        for ((v, &g), &be) in r.iter_mut().zip(gamma).zip(beta) {
-            *v = ((*v as f64 - mean) * inv) as f32 * g + be;
-        }
-    }
+    let wb = (gamma, Some(beta));
+    math::norm_rows_inplace(Isa::best(), NormKind::Layer, x, cols, wb, eps);
 }
 
 /// Causal attention per (batch, head): query i of `tq` sees keys `hi - left ..= hi` with

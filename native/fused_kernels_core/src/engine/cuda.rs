@@ -21,8 +21,6 @@
 //! graph launch, one wait on the engine's stream and one read of the output staging, and runs
 //! none of the ops' host code (their kernel look-ups in the device's module map, their
 //! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
-//! `try_quick_step` replays a frame for a caller that must not block (the NIF on a normal
-//! scheduler) when the engine is free and the frame's graph is known to be quick.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -30,18 +28,18 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
-use super::plan::{Kind, Params, Plan, Spec};
+use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::kernels::STREAM_STATE;
+use crate::kernels::{ENGINE_FRAME, ENGINE_RNN, STREAM_STATE};
 use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -93,10 +91,16 @@ struct Graph {
     state: u64,
     generation: u64,
     exec: std::result::Result<Exec, String>,
-    /// Host nanoseconds from launch to the stream's completion at its last replay
-    /// (`u64::MAX` before the first): `try_quick_step` replays only graphs known to be quick.
-    last_ns: u64,
+    /// Captures tried for this graph (see `CAPTURE_ATTEMPTS`).
+    attempts: u32,
 }
+
+/// Captures tried per graph before its shape (or state) stays eager. More than one because a
+/// capture can be invalidated by another engine's work on other threads at the same moment
+/// (seen on the H100 with four engines loading and capturing at once:
+/// CUDA_ERROR_STREAM_CAPTURE_INVALIDATED on one shape in a few runs, never alone); a later
+/// call, outside that moment, captures it.
+const CAPTURE_ATTEMPTS: u32 = 3;
 
 /// An instantiated graph, moved between threads with the engine.
 struct Exec(CudaGraph);
@@ -176,6 +180,12 @@ pub struct CudaEngine {
     qk_beta: DeviceTensor,
     /// `stream_shift_append_w4`, looked up once.
     shift_append: CudaFunction,
+    /// LSTM/GRU: the one-launch-per-layer frame kernel and its weights (None for the other
+    /// backbones, or where the kernel could not be built: frames then run the layer ops).
+    rnn_frame: Option<RnnFrame>,
+    /// Attention/Jamba: the frame kernels (None for the other backbones, or where they could
+    /// not be built: frames then run the layer ops).
+    frame: Option<FrameFns>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
@@ -280,14 +290,334 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
         .try_for_each(|(s, n)| s.copy_from(n))
 }
 
+/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`)
+/// and warps per block (`FK_ER_WARPS`); the batch-row limit is also `engine_gemv_f32`'s rows per
+/// block (`FK_EG_MAXB`).
+const FRAME_UNITS: usize = 8;
+const FRAME_MAX_BATCH: usize = 8;
+const FRAME_WARPS: usize = 8;
+/// Shared memory the frame kernel may use without an opt-in, on every GPU.
+const FRAME_SMEM: usize = 48 << 10;
+
+/// One layer's weights for `engine_rnn_frame_f32`: the input and hidden kernels blocked by
+/// `FRAME_UNITS` units (`{blocks, rows, gates, units}`, zero past `hidden`), the biases in
+/// Axon's order.
+struct FrameLayer {
+    wi: DeviceTensor,
+    wh: DeviceTensor,
+    bias: DeviceTensor,
+    input: usize,
+}
+
+struct RnnFrame {
+    f: CudaFunction,
+    layers: Vec<FrameLayer>,
+    /// The dynamic shared memory a launch may use: opted in at load up to what batch
+    /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
+    smem_limit: usize,
+    /// One zeroed ticket per layer (the kernel's last-block count; it resets its own).
+    tickets: DeviceTensor,
+}
+
+/// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
+fn block_units(w: &[f32], rows: usize, gates: usize, h: usize) -> Vec<f32> {
+    let blocks = h.div_ceil(FRAME_UNITS);
+    let width = gates * FRAME_UNITS;
+    let mut out = vec![0.0f32; blocks * rows * width];
+    for blk in 0..blocks {
+        for k in 0..rows {
+            for g in 0..gates {
+                for u in 0..FRAME_UNITS {
+                    let j = blk * FRAME_UNITS + u;
+                    if j < h {
+                        out[(blk * rows + k) * width + g * FRAME_UNITS + u] =
+                            w[k * gates * h + g * h + j];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+impl RnnFrame {
+    /// The blocked weights of every RNN layer of `plan`, uploaded; None for backbones without
+    /// RNN layers or where the kernel cannot be built on this device.
+    fn new(gpu: &Arc<Gpu>, plan: &Plan) -> Result<Option<RnnFrame>> {
+        if !matches!(plan.spec.kind, Kind::Lstm | Kind::Gru) {
+            return Ok(None);
+        }
+        let Ok(f) = gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32") else {
+            return Ok(None);
+        };
+        let mut layers = Vec::new();
+        for op in &plan.ops {
+            if let Op::Rnn {
+                cell,
+                w_in,
+                w_h,
+                bias,
+                input,
+                hidden,
+                ..
+            } = op
+            {
+                let (g, h) = (cell.gates(), *hidden);
+                let blocks = h.div_ceil(FRAME_UNITS);
+                let width = g * FRAME_UNITS;
+                let wi = block_units(&plan.weights[*w_in], *input, g, h);
+                let wh = block_units(&plan.weights[*w_h], h, g, h);
+                layers.push(FrameLayer {
+                    wi: upload(gpu, "frame wi", vec![blocks * input, width], &wi)?,
+                    wh: upload(gpu, "frame wh", vec![blocks * h, width], &wh)?,
+                    bias: upload(gpu, "frame bias", vec![4 * h], &plan.weights[*bias])?,
+                    input: *input,
+                });
+            }
+        }
+        let tickets = zeros(gpu, vec![layers.len().max(1)])?;
+        let widest = layers
+            .iter()
+            .map(|l| Self::smem(FRAME_MAX_BATCH, l.input, plan.spec.hidden))
+            .max()
+            .unwrap_or(0);
+        let smem_limit =
+            if widest > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, widest).is_ok() {
+                widest
+            } else {
+                FRAME_SMEM
+            };
+        Ok(Some(RnnFrame {
+            f,
+            layers,
+            smem_limit,
+            tickets,
+        }))
+    }
+
+    /// Dynamic shared memory of a layer's launch at `batch` (kernels/engine_rnn.cu).
+    fn smem(batch: usize, input: usize, hidden: usize) -> usize {
+        4 * (batch * (input + hidden) + FRAME_WARPS * batch * 64)
+    }
+
+    /// Whether every layer of a frame of `batch` rows runs on the frame kernel.
+    fn takes(&self, batch: usize, hidden: usize) -> bool {
+        batch <= FRAME_MAX_BATCH
+            && self
+                .layers
+                .iter()
+                .all(|l| Self::smem(batch, l.input, hidden) <= self.smem_limit)
+    }
+}
+
+/// The attention/Mamba/Jamba frame kernels (kernels/engine_frame.cu).
+struct FrameFns {
+    gemv: CudaFunction,
+    /// Attention/Jamba: the frame's and the window's attention.
+    attn: Option<(CudaFunction, CudaFunction)>,
+    /// Mamba/Jamba: the frame's conv and scan step.
+    mamba: Option<(CudaFunction, CudaFunction)>,
+}
+
+/// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
+const GEMV_COLS: usize = 16;
+const GEMV_STATIC_SMEM: usize = 16448;
+const ATTN_THREADS: u32 = 256;
+/// The most rows (batch × window) a window runs on the GEMV and the window attention kernel.
+/// Measured on the H100 (engine_device, ExPhil's attention backbone): a batch-1 window of 60
+/// takes 126 µs there against 157-165 on the layer ops, a batch-8 window 307 against 209 (the
+/// GEMV re-reads its weights per 8 rows and the window attention runs each query row on one
+/// warp); Jamba 314 against 321 and 572 against 479.
+const GEMV_WINDOW_ROWS: usize = 64;
+
+/// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
+/// fly, the norm's gamma and beta.
+#[derive(Clone, Copy)]
+struct Rows {
+    ptr: u64,
+    norm: Option<(u64, u64)>,
+}
+
+impl FrameFns {
+    fn new(gpu: &Arc<Gpu>, kind: Kind) -> Option<FrameFns> {
+        if !matches!(kind, Kind::Attention | Kind::Mamba | Kind::Jamba) {
+            return None;
+        }
+        // Only the functions this backbone launches are compiled (each is a program of its
+        // own on a first call); any that cannot be leaves the backbone on the layer ops.
+        let f = |name: &str| gpu.function(&ENGINE_FRAME, name).ok();
+        let pair = |wanted: bool, a: &str, b: &str| -> Option<Option<_>> {
+            if wanted {
+                Some(Some((f(a)?, f(b)?)))
+            } else {
+                Some(None)
+            }
+        };
+        Some(FrameFns {
+            gemv: f("engine_gemv_f32")?,
+            attn: pair(
+                kind != Kind::Mamba,
+                "engine_attn_frame_f32",
+                "engine_attn_window_f32",
+            )?,
+            mamba: pair(
+                kind != Kind::Attention,
+                "engine_mamba_conv_f32",
+                "engine_mamba_scan_f32",
+            )?,
+        })
+    }
+
+    fn attn(&self) -> Result<&(CudaFunction, CudaFunction)> {
+        self.attn
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
+    }
+
+    fn mamba(&self) -> Result<&(CudaFunction, CudaFunction)> {
+        self.mamba
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
+    }
+
+    /// `engine_attn_window_f32`'s dynamic shared memory for a window of `seq` rows.
+    fn window_smem(s: &Spec, seq: usize) -> usize {
+        let d = s.head_dim;
+        4 * (seq * (2 * d + 1) + 8 * (d + seq))
+    }
+
+    fn attn_smem(s: &Spec) -> usize {
+        4 * (2 * s.window * s.head_dim + s.head_dim + s.window)
+    }
+
+    /// Whether a frame (`frame`) or a window of `b` × `t` rows runs on these kernels
+    /// (`gemv_forward`): every frame, and the attention and Jamba windows of at most
+    /// `GEMV_WINDOW_ROWS` rows, where the rows fit in shared memory.
+    fn takes(s: &Spec, (b, t): (usize, usize), frame: bool) -> bool {
+        if !frame && b * t > GEMV_WINDOW_ROWS {
+            return false;
+        }
+        // Grid rows: the GEMV's row blocks and the frame attention's batch rows.
+        if (b * t).div_ceil(FRAME_MAX_BATCH) > 65535 || b > 65535 {
+            return false;
+        }
+        let widest = match s.kind {
+            Kind::Attention => s.embed.max(s.hidden).max(s.ffn),
+            _ => s.embed.max(s.hidden).max(s.inner()),
+        };
+        let attn = match (s.kind, frame) {
+            (Kind::Mamba, true) => true,
+            (Kind::Mamba, false) => false,
+            (_, true) => Self::attn_smem(s) <= FRAME_SMEM,
+            (_, false) => Self::window_smem(s, t) <= FRAME_SMEM,
+        };
+        4 * FRAME_MAX_BATCH * widest + GEMV_STATIC_SMEM <= FRAME_SMEM && attn
+    }
+}
+
+/// A named host tensor: name, shape, values.
+type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Dense kernels `{rows, n_i}` side by side as one `{rows, sum n_i}` kernel, with their biases.
+fn side_by_side(
+    host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+    rows: usize,
+    names: &[String],
+) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+    let get = |n: &str| {
+        host.get(n)
+            .map(|(shape, v)| (shape, v))
+            .ok_or_else(|| arg_error(format!("params: \"{n}\" is missing")))
+    };
+    let mut widths = Vec::with_capacity(names.len());
+    for n in names {
+        let (shape, _) = get(&format!("{n}/kernel"))?;
+        match shape[..] {
+            [r, w] if r == rows => widths.push(w),
+            _ => {
+                return Err(arg_error(format!(
+                    "params: \"{n}/kernel\" must have {rows} rows"
+                )))
+            }
+        }
+    }
+    let total: usize = widths.iter().sum();
+    let (mut kernel, mut bias) = (vec![0.0f32; rows * total], Vec::with_capacity(total));
+    let mut at = 0;
+    for (n, &w) in names.iter().zip(&widths) {
+        let (_, k) = get(&format!("{n}/kernel"))?;
+        for r in 0..rows {
+            kernel[r * total + at..r * total + at + w].copy_from_slice(&k[r * w..(r + 1) * w]);
+        }
+        bias.extend_from_slice(get(&format!("{n}/bias"))?.1);
+        at += w;
+    }
+    Ok((kernel, bias, total))
+}
+
+/// For frames: each attention layer's q, k and v kernels as one `{hidden, 3 hidden}` kernel
+/// (`{prefix}_qkv`), each Mamba block's B|C and dt-rank projections as one `{inner, 2 state +
+/// dt_rank}` kernel (`{prefix}_bcdt`), with their biases.
+fn concat_frame_kernels(
+    spec: &Spec,
+    host: &HashMap<String, (Vec<usize>, Vec<f32>)>,
+) -> Result<Vec<NamedTensor>> {
+    let mut out = Vec::new();
+    for l in 1..=spec.layers {
+        let (prefix, rows, parts, name) = match spec.kind {
+            Kind::Attention => (
+                format!("attn_{l}"),
+                spec.hidden,
+                &["q", "k", "v"][..],
+                "qkv",
+            ),
+            Kind::Jamba if spec.jamba_attention(l) => (
+                format!("jamba_{l}"),
+                spec.hidden,
+                &["q", "k", "v"][..],
+                "qkv",
+            ),
+            Kind::Jamba => (
+                format!("jamba_{l}"),
+                spec.inner(),
+                &["ssm_bc_proj", "ssm_dt_rank"][..],
+                "bcdt",
+            ),
+            Kind::Mamba => (
+                format!("mamba_{l}"),
+                spec.inner(),
+                &["ssm_bc_proj", "ssm_dt_rank"][..],
+                "bcdt",
+            ),
+            _ => continue,
+        };
+        let names: Vec<String> = parts.iter().map(|p| format!("{prefix}_{p}")).collect();
+        let (kernel, bias, total) = side_by_side(host, rows, &names)?;
+        out.push((format!("{prefix}_{name}/kernel"), vec![rows, total], kernel));
+        out.push((format!("{prefix}_{name}/bias"), vec![total], bias));
+    }
+    Ok(out)
+}
+
 impl CudaEngine {
     /// Checks `params` against `spec` exactly as the CPU plan does, then uploads them.
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
-        Plan::build(spec.clone(), params.clone())?;
+        let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
-        let mut weights = params
-            .into_tensors()
-            .map(|(name, (shape, v))| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
+        let rnn_frame = RnnFrame::new(&gpu, &plan)?;
+        drop(plan);
+        let frame = FrameFns::new(&gpu, spec.kind);
+        let host: HashMap<_, _> = params.into_tensors().collect();
+        let qkv = if frame.is_some() {
+            concat_frame_kernels(&spec, &host)?
+        } else {
+            Vec::new()
+        };
+        let mut weights = host
+            .into_iter()
+            .map(|(name, (shape, v))| (name, shape, v))
+            .chain(qkv)
+            .map(|(name, shape, v)| Ok((name.clone(), upload(&gpu, &name, shape, &v)?)))
             .collect::<Result<HashMap<_, _>>>()?;
         // Edifice's fixed A[:, n] = -(n + 1) where the params carry none, uploaded here once:
         // the block would otherwise upload it per call, which a graph cannot capture.
@@ -318,6 +648,8 @@ impl CudaEngine {
             gpu,
             weights,
             shift_append,
+            rnn_frame,
+            frame,
             shapes: Mutex::new(Vec::new()),
             _blas_workspace: blas_ws,
         };
@@ -412,10 +744,10 @@ impl CudaEngine {
             g.0.launch()
                 .map_err(|e| format!("graph launch: {}", Error::from(e)))
         };
-        let mut replayed = None;
+        // Whether this call replayed a graph (the profile's device time is that replay's).
+        let mut replayed = false;
         match found {
             Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
-                let started = Instant::now();
                 let launched = match &sh.graphs[gi].exec {
                     Ok(g) => match prof.as_deref_mut() {
                         None => launch(g),
@@ -428,14 +760,27 @@ impl CudaEngine {
                     },
                     Err(why) => Err(why.clone()),
                 };
-                if launched.is_ok() {
-                    replayed = Some((gi, started));
-                }
+                replayed = launched.is_ok();
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
                     sh.graphs[gi].exec = Err(why);
                     self.eager(sh, state)?;
                 }
+            }
+            Some(gi) if graphable && sh.warm && sh.graphs[gi].attempts < CAPTURE_ATTEMPTS => {
+                // An earlier capture of this graph failed: try again.
+                let mut exec = self.capture(sh, state.as_deref_mut());
+                if let Ok(g) = &exec {
+                    if let Err(why) = launch(g) {
+                        exec = Err(why);
+                    }
+                }
+                if exec.is_err() {
+                    self.eager(sh, state)?;
+                }
+                let g = &mut sh.graphs[gi];
+                g.exec = exec;
+                g.attempts += 1;
             }
             None if graphable && sh.warm => {
                 if sh.graphs.len() >= MAX_GRAPHS {
@@ -455,16 +800,13 @@ impl CudaEngine {
                     state: sid,
                     generation,
                     exec,
-                    last_ns: u64::MAX,
+                    attempts: 1,
                 });
             }
             _ => self.eager(sh, state)?,
         }
         let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
-        if let Some((gi, started)) = replayed {
-            sh.graphs[gi].last_ns = started.elapsed().as_nanos() as u64;
-        }
         let t4 = prof.as_ref().map(|_| Instant::now());
         read(pinned_f32(&sh.output)?);
         if let (Some(p), Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) =
@@ -478,7 +820,7 @@ impl CudaEngine {
                 launch_ns: ns(t2, t3),
                 wait_ns: ns(t3, t4),
                 read_ns: ns(t4, t5),
-                device_ns: if replayed.is_some() {
+                device_ns: if replayed {
                     let ms = p.events.0.elapsed_ms(&p.events.1)?;
                     Some((f64::from(ms) * 1e6) as u64)
                 } else {
@@ -821,6 +1163,464 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
+    /// An LSTM/GRU frame `xd` `{b, 1, embed}`: one `engine_rnn_frame_f32` launch per layer,
+    /// each reading the previous one's normalised output (the first normalises the frame
+    /// itself), updating its state in place. Returns the last layer's `{b, 1, hidden}`.
+    fn rnn_frame(
+        &self,
+        rf: &RnnFrame,
+        xd: &DeviceTensor,
+        st: &mut CudaState,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let (b, h) = (st.batch, s.hidden);
+        let lstm = s.kind == Kind::Lstm;
+        let mut x = ptr(xd);
+        let mut out = None;
+        for (l, lay) in rf.layers.iter().enumerate() {
+            let h_new = self.buf(vec![b, h])?;
+            let c_new = self.buf(vec![b, h])?;
+            let y = self.buf(vec![b, 1, h])?;
+            // Axon's order: LSTM [c, h], GRU [h].
+            let state = &st.layers[l];
+            let (hp, cp) = if lstm {
+                (ptr(&state[1]), ptr(&state[0]))
+            } else {
+                (ptr(&state[0]), 0u64)
+            };
+            let (ig, ib) = if l == 0 {
+                (
+                    ptr(self.dw("input_norm/gamma")?),
+                    ptr(self.dw("input_norm/beta")?),
+                )
+            } else {
+                (0u64, 0u64)
+            };
+            let name = format!("rnn_{}_norm", l + 1);
+            let g = ptr(self.dw(&format!("{name}/gamma"))?);
+            let be = ptr(self.dw(&format!("{name}/beta"))?);
+            let (wi, wh, bias) = (ptr(&lay.wi), ptr(&lay.wh), ptr(&lay.bias));
+            let (hn, cn, yp) = (ptr(&h_new), ptr(&c_new), ptr(&y));
+            let ticket = ptr(&rf.tickets) + 4 * l as u64;
+            let eps = s.norm_eps as f32;
+            let (bi, ii, hi, li) = (b as i32, lay.input as i32, h as i32, lstm as i32);
+            let mut launch = self.gpu.stream.launch_builder(&rf.f);
+            launch
+                .arg(&x)
+                .arg(&ig)
+                .arg(&ib)
+                .arg(&eps)
+                .arg(&wi)
+                .arg(&wh)
+                .arg(&bias)
+                .arg(&hp)
+                .arg(&cp)
+                .arg(&hn)
+                .arg(&cn)
+                .arg(&g)
+                .arg(&be)
+                .arg(&eps)
+                .arg(&yp)
+                .arg(&ticket)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&hi)
+                .arg(&li);
+            let cfg = LaunchConfig {
+                grid_dim: (h.div_ceil(FRAME_UNITS) as u32, 1, 1),
+                block_dim: ((FRAME_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: RnnFrame::smem(b, lay.input, h) as u32,
+            };
+            // Safety: the kernel's parameters in order; every address is a weight, a state
+            // tensor or an arena buffer of this engine, alive in its stream's order.
+            unsafe { launch.launch(cfg) }?;
+            x = yp;
+            out = Some(y);
+        }
+        out.ok_or_else(|| arg_error("params: at least one layer is needed"))
+    }
+
+    /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
+    /// {name}/kernel + {name}/bias) (+ LN?(res))`, `{b, t, n}`; `eps` is both norms'.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        ff: &FrameFns,
+        (b, t): (usize, usize),
+        x: Rows,
+        k: usize,
+        name: &str,
+        n: usize,
+        act: dense::Activation,
+        res: Option<Rows>,
+        eps: f32,
+    ) -> Result<DeviceTensor> {
+        let rows = b * t;
+        let out = self.buf(vec![b, t, n])?;
+        let w = ptr(self.dw(&format!("{name}/kernel"))?);
+        let bias = ptr(self.dw(&format!("{name}/bias"))?);
+        let (xg, xb) = x.norm.unwrap_or((0, 0));
+        let rp = res.map_or(0, |r| r.ptr);
+        let (rg, rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
+        let op = ptr(&out);
+        let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
+        let code = act.code();
+        let mut l = self.gpu.stream.launch_builder(&ff.gemv);
+        l.arg(&x.ptr)
+            .arg(&xg)
+            .arg(&xb)
+            .arg(&w)
+            .arg(&bias)
+            .arg(&rp)
+            .arg(&rg)
+            .arg(&rb)
+            .arg(&op)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&ni)
+            .arg(&eps)
+            .arg(&code);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                n.div_ceil(GEMV_COLS) as u32,
+                rows.div_ceil(FRAME_MAX_BATCH) as u32,
+                1,
+            ),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: (4 * rows.min(FRAME_MAX_BATCH) * k) as u32,
+        };
+        // Safety: the kernel's parameters in order; every address is a weight or an arena
+        // buffer of this engine, alive in its stream's order.
+        unsafe { l.launch(cfg) }?;
+        Ok(out)
+    }
+
+    /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
+    /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`.
+    fn attn_frame(
+        &self,
+        ff: &FrameFns,
+        qkv: &DeviceTensor,
+        st: &mut CudaState,
+        l: usize,
+        qk_norm: bool,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let b = st.batch;
+        let out = self.buf(vec![b, 1, s.hidden])?;
+        let (q, kc, vc, op) = (
+            ptr(qkv),
+            ptr(&st.layers[l][0]),
+            ptr(&st.layers[l][1]),
+            ptr(&out),
+        );
+        let valid = (st.frames.min(s.window as u64) as i32).max(1);
+        let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
+        let qn = qk_norm as i32;
+        let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.0);
+        launch
+            .arg(&q)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&op)
+            .arg(&heads)
+            .arg(&d)
+            .arg(&w)
+            .arg(&valid)
+            .arg(&qn)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, b as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: FrameFns::attn_smem(s) as u32,
+        };
+        // Safety: as in `gemv`; the caches are the state's own tensors.
+        unsafe { launch.launch(cfg) }?;
+        Ok(out)
+    }
+
+    /// A window's causal sliding-window attention over `qkv` `{b, t, 3 hidden}` (q | k | v):
+    /// one `engine_attn_window_f32`; `{b, t, hidden}`.
+    fn attn_window(
+        &self,
+        ff: &FrameFns,
+        qkv: &DeviceTensor,
+        (b, t): (usize, usize),
+        qk_norm: bool,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let out = self.buf(vec![b, t, s.hidden])?;
+        let (pq, po) = (ptr(qkv), ptr(&out));
+        let (ti, hi, di) = (t as i32, s.heads as i32, s.head_dim as i32);
+        let left = s.window as i32 - 1;
+        let qn = qk_norm as i32;
+        let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.1);
+        launch
+            .arg(&pq)
+            .arg(&po)
+            .arg(&ti)
+            .arg(&hi)
+            .arg(&di)
+            .arg(&left)
+            .arg(&qn)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, b as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: FrameFns::window_smem(s, t) as u32,
+        };
+        // Safety: the kernel's parameters in order; arena buffers of this engine, alive in its
+        // stream's order.
+        unsafe { launch.launch(cfg) }?;
+        Ok(out)
+    }
+
+    /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
+    /// as one GEMV, the conv, B|C|dt-rank as one GEMV, the scan step (which also moves both
+    /// states of layer `l`, 0-based, on), out_proj with the residual: five launches.
+    fn mamba_frame(
+        &self,
+        ff: &FrameFns,
+        prefix: &str,
+        x: &DeviceTensor,
+        st: &mut CudaState,
+        l: usize,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let (b, hid, inner, n, r, k) = (st.batch, s.hidden, s.inner(), s.state, s.dt_rank, s.conv);
+        let p = |name: &str| format!("{prefix}_{name}");
+        let wp = |name: &str| -> Result<u64> { Ok(ptr(self.dw(&p(name))?)) };
+        let none = dense::Activation::None;
+        let xin = Rows {
+            ptr: ptr(x),
+            norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
+        };
+        let eps = s.mamba_norm_eps as f32;
+        let xz = self.gemv(
+            ff,
+            (b, 1),
+            xin,
+            hid,
+            &p("in_proj"),
+            2 * inner,
+            none,
+            None,
+            eps,
+        )?;
+        let xc = self.buf(vec![b, inner])?;
+        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
+        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
+        let elementwise = LaunchConfig {
+            grid_dim: ((b * inner).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let (pxz, w, cb, pxc) = (
+                ptr(&xz),
+                wp("conv_dw_conv/kernel")?,
+                wp("conv_dw_conv/bias")?,
+                ptr(&xc),
+            );
+            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.0);
+            launch
+                .arg(&pxz)
+                .arg(&w)
+                .arg(&cb)
+                .arg(&conv_state)
+                .arg(&pxc)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&ki);
+            // Safety: the kernel's parameters in order; weights, state and arena buffers of
+            // this engine, alive in its stream's order.
+            unsafe { launch.launch(elementwise) }?;
+        }
+        let raw = Rows {
+            ptr: ptr(&xc),
+            norm: None,
+        };
+        let bcr = self.gemv(
+            ff,
+            (b, 1),
+            raw,
+            inner,
+            &p("bcdt"),
+            2 * n + r,
+            none,
+            None,
+            eps,
+        )?;
+        let y = self.buf(vec![b, inner])?;
+        {
+            let d = self.dw(&p("ssm/d")).map_or(0, ptr);
+            let (pxz, pxc, pbcr, wdt, bdt, a, py) = (
+                ptr(&xz),
+                ptr(&xc),
+                ptr(&bcr),
+                wp("ssm_dt_proj/kernel")?,
+                wp("ssm_dt_proj/bias")?,
+                wp("ssm/a")?,
+                ptr(&y),
+            );
+            let (dt_min, dt_max) = (0.001f32, 0.1f32);
+            // One warp per (batch row, channel), 8 to a block.
+            let warps = LaunchConfig {
+                grid_dim: ((b * inner).div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.1);
+            launch
+                .arg(&pxz)
+                .arg(&pxc)
+                .arg(&pbcr)
+                .arg(&wdt)
+                .arg(&bdt)
+                .arg(&a)
+                .arg(&d)
+                .arg(&conv_state)
+                .arg(&ssm_state)
+                .arg(&py)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&ki)
+                .arg(&dt_min)
+                .arg(&dt_max);
+            // Safety: as above.
+            unsafe { launch.launch(warps) }?;
+        }
+        let yr = Rows {
+            ptr: ptr(&y),
+            norm: None,
+        };
+        let res = Rows {
+            ptr: ptr(x),
+            norm: None,
+        };
+        self.gemv(
+            ff,
+            (b, 1),
+            yr,
+            inner,
+            &p("out_proj"),
+            hid,
+            none,
+            Some(res),
+            eps,
+        )
+    }
+
+    /// An attention, Mamba or Jamba frame (`st`: its state) or an attention or Jamba window
+    /// `xd` `{b, t, embed}` on the engine's own kernels: every dense one `engine_gemv_f32` (q,
+    /// k and v as one, over the kernels joined at load), the post-norms applied by the launches
+    /// that read their rows, each attention one `engine_attn_frame_f32` (which also moves the
+    /// caches on) or `engine_attn_window_f32`, each Mamba block of a frame five launches (of a
+    /// window: the block's ops).
+    fn gemv_forward(
+        &self,
+        ff: &FrameFns,
+        xd: &DeviceTensor,
+        mut st: Option<&mut CudaState>,
+    ) -> Result<DeviceTensor> {
+        let s = &self.spec;
+        let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
+        let bt = (b, t);
+        let none = dense::Activation::None;
+        let norm = |name: &str| -> Result<Option<(u64, u64)>> {
+            Ok(Some((
+                ptr(self.dw(&format!("{name}/gamma"))?),
+                ptr(self.dw(&format!("{name}/beta"))?),
+            )))
+        };
+        let raw = |t: &DeviceTensor| Rows {
+            ptr: ptr(t),
+            norm: None,
+        };
+        let eps = s.norm_eps as f32;
+        let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
+        // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
+        let mut y_norm: Option<String> = None;
+        for l in 1..=s.layers {
+            let input = Rows {
+                ptr: ptr(&y),
+                norm: match &y_norm {
+                    Some(n) => norm(n)?,
+                    None => None,
+                },
+            };
+            if s.kind == Kind::Attention {
+                let p = |n: &str| format!("attn_{l}_{n}");
+                let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, false)?,
+                    None => self.attn_window(ff, &qkv, bt, false)?,
+                };
+                let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
+                let x1n = Rows {
+                    ptr: ptr(&x1),
+                    norm: norm(&p("norm"))?,
+                };
+                let up = format!("ffn_{l}_up");
+                let f = self.gemv(
+                    ff,
+                    bt,
+                    x1n,
+                    hid,
+                    &up,
+                    s.ffn,
+                    dense::Activation::Gelu,
+                    None,
+                    eps,
+                )?;
+                let down = format!("ffn_{l}_down");
+                y = self.gemv(ff, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
+                y_norm = Some(format!("ffn_{l}_norm"));
+            } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
+                let p = |n: &str| format!("jamba_{l}_{n}");
+                let xn = Rows {
+                    ptr: ptr(&y),
+                    norm: norm(&p("attn_norm"))?,
+                };
+                let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, true)?,
+                    None => self.attn_window(ff, &qkv, bt, true)?,
+                };
+                y = self.gemv(
+                    ff,
+                    bt,
+                    raw(&a),
+                    hid,
+                    &p("out"),
+                    hid,
+                    none,
+                    Some(raw(&y)),
+                    eps,
+                )?;
+            } else {
+                let prefix = if s.kind == Kind::Mamba {
+                    "mamba"
+                } else {
+                    "jamba"
+                };
+                let prefix = format!("{prefix}_{l}");
+                y = match st.as_deref_mut() {
+                    Some(st) => self.mamba_frame(ff, &prefix, &y, st, l - 1)?,
+                    None => self.mamba(&prefix, &y, Stream::Window)?,
+                };
+            }
+        }
+        match y_norm {
+            Some(n) => self.norm(&Operand::Device(&y), &n, s.norm_eps),
+            None => Ok(y),
+        }
+    }
+
     /// Every layer over `xd` `{b, t, embed}`; returns `{b, t, hidden}`. Runs inside
     /// `enqueue`.
     fn forward(
@@ -831,6 +1631,11 @@ impl CudaEngine {
         let s = &self.spec;
         match s.kind {
             Kind::Lstm | Kind::Gru => {
+                if let (Some(rf), Some(st)) = (&self.rnn_frame, state.as_deref_mut()) {
+                    if rf.takes(st.batch, s.hidden) {
+                        return self.rnn_frame(rf, xd, st);
+                    }
+                }
                 let mut y = self.norm(&Operand::Device(xd), "input_norm", s.norm_eps)?;
                 for l in 1..=s.layers {
                     let st = match layer_stream(&mut state, l) {
@@ -843,6 +1648,11 @@ impl CudaEngine {
                 Ok(y)
             }
             _ => {
+                if let Some(ff) = &self.frame {
+                    if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
+                        return self.gemv_forward(ff, xd, state);
+                    }
+                }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
                 for l in 1..=s.layers {
                     let stream = layer_stream(&mut state, l);
@@ -991,78 +1801,6 @@ impl CudaEngine {
         state.frames += 1;
         let read = |y: &[f32]| out.copy_from_slice(&y[..out.len()]);
         self.call((batch, 1, true), fill, Some(state), read, prof)
-    }
-
-    /// `step_with`, but only when it is sure to be quick, for a caller that must not block
-    /// (the NIF on a normal scheduler): the engine is free (`try_lock`), this state's frame
-    /// graph is captured and current, and its last replay took at most `max_ns` from launch
-    /// to completion. Then the graph is replayed and waited for by spinning on the stream
-    /// (no sleep, no wake-up), and the answer is `true`. Otherwise nothing is done, the state
-    /// is untouched, and the answer is `false`: the caller runs `step_with` where it may
-    /// block. A frame's replay time is the same call after call, so the bound holds unless
-    /// the GPU is suddenly shared; a replay that ran long is recorded and sends the next
-    /// frames the slow way.
-    pub fn try_quick_step(
-        &self,
-        state: &mut CudaState,
-        fill: impl FnOnce(&mut [f32]),
-        out: &mut [f32],
-        max_ns: u64,
-    ) -> Result<bool> {
-        let s = &self.spec;
-        if state.layers.len() != s.layers || out.len() != state.batch * s.hidden {
-            return Ok(false);
-        }
-        // Attention frames replay only once their cache window is full (see `call`).
-        if matches!(s.kind, Kind::Attention | Kind::Jamba) && state.frames + 1 < s.window as u64 {
-            return Ok(false);
-        }
-        let Ok(mut shapes) = self.shapes.try_lock() else {
-            return Ok(false);
-        };
-        let key = (state.batch, 1, true);
-        let Some(sh) = shapes.iter_mut().find(|sh| sh.key == key) else {
-            return Ok(false);
-        };
-        let Shape {
-            arena,
-            input,
-            output,
-            graphs,
-            ..
-        } = sh;
-        let Some(g) = graphs.iter_mut().find(|g| g.state == state.id) else {
-            return Ok(false);
-        };
-        let Ok(exec) = &g.exec else {
-            return Ok(false);
-        };
-        if g.generation != arena.generation || g.last_ns > max_ns {
-            return Ok(false);
-        }
-        fill(pinned_f32_mut(input)?);
-        let started = Instant::now();
-        if exec.0.launch().is_err() {
-            // Nothing was queued; `step_with` retries and records why.
-            return Ok(false);
-        }
-        state.frames += 1;
-        let stream = self.gpu.stream.cu_stream();
-        loop {
-            // Safety: the engine's stream, alive while the engine is; the context is bound
-            // to this thread (the launch bound it).
-            match unsafe { cudarc::driver::sys::cuStreamQuery(stream) } {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => break,
-                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
-                e => {
-                    let _ = self.gpu.stream.synchronize();
-                    return Err(Error::Cuda(format!("waiting for a frame: {e:?}")));
-                }
-            }
-        }
-        g.last_ns = started.elapsed().as_nanos() as u64;
-        out.copy_from_slice(&pinned_f32(output)?[..out.len()]);
-        Ok(true)
     }
 
     /// Two events on the engine's context for `*_with(.., Some(profiler))`.

@@ -243,8 +243,10 @@ pub fn geometry(
 const KEY_BLOCK: usize = 64;
 /// Query rows per pool task: small enough to balance causal rows, large enough to amortise.
 const ROW_BLOCK: usize = 16;
-/// Below this many multiply-adds a call runs on the calling thread.
-const PARALLEL_MACS: usize = 1 << 19;
+/// Below this many multiply-adds a call runs on the calling thread. B1 H4 S60 D64 causal
+/// (~1M) measured faster unsplit from the BEAM at 2 threads (0.100 against 0.122 ms; split
+/// it wins only in a bare Rust loop, where the pool's threads are already awake).
+const PARALLEL_MACS: usize = 1 << 21;
 
 /// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
 trait Float:
@@ -290,11 +292,17 @@ impl_float!(f64);
 
 /// The vector work of the row loop: scores, exponentials, weighted sums of value rows.
 trait RowOps<F: Float>: Copy {
+    /// Keys `scores` takes at once: a block is scored rounded up to a multiple of this where
+    /// the keys past its end exist (their scores are then dropped), so no key is left to the
+    /// one-at-a-time tail.
+    const KEY_GROUP: usize;
     /// `s[j] = scale · (q · rows[j])` for the `s.len()` rows at `k`, `k + stride`, ...
     ///
     /// # Safety
     /// Each row must hold `q.len()` readable values.
     unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]);
+    /// The largest of `s` (-inf for none; NaN-free scores assumed, as in the row loop).
+    fn max(self, s: &[F]) -> F;
     /// `s[j] = exp(s[j] - m)`, returning the sum.
     fn exp_sum(self, s: &mut [F], m: F) -> F;
     /// `acc = acc · f + Σ_j s[j] · rows[j]` over the rows at `v`, `v + stride`, ...
@@ -302,6 +310,32 @@ trait RowOps<F: Float>: Copy {
     /// # Safety
     /// Each row must hold `acc.len()` readable values.
     unsafe fn accumulate(self, acc: &mut [F], f: F, s: &[F], v: *const F, stride: usize);
+    /// [`RowOps::scores`] for two query rows against the same keys (each key row read once
+    /// where the vector path can).
+    ///
+    /// # Safety
+    /// As `scores`.
+    unsafe fn scores2(self, q: [&[F]; 2], k: *const F, stride: usize, scale: F, s: [&mut [F]; 2]) {
+        let [s0, s1] = s;
+        self.scores(q[0], k, stride, scale, s0);
+        self.scores(q[1], k, stride, scale, s1);
+    }
+    /// [`RowOps::accumulate`] for two rows over the same value rows.
+    ///
+    /// # Safety
+    /// As `accumulate`.
+    unsafe fn accumulate2(
+        self,
+        acc: [&mut [F]; 2],
+        f: [F; 2],
+        s: [&[F]; 2],
+        v: *const F,
+        stride: usize,
+    ) {
+        let [a0, a1] = acc;
+        self.accumulate(a0, f[0], s[0], v, stride);
+        self.accumulate(a1, f[1], s[1], v, stride);
+    }
 }
 
 /// Plain Rust (f64, and the reference the vector path is tested against).
@@ -309,6 +343,8 @@ trait RowOps<F: Float>: Copy {
 struct Portable;
 
 impl<F: Float> RowOps<F> for Portable {
+    const KEY_GROUP: usize = 1;
+
     unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]) {
         for (j, sj) in s.iter_mut().enumerate() {
             let row = std::slice::from_raw_parts(k.add(j * stride), q.len());
@@ -327,6 +363,10 @@ impl<F: Float> RowOps<F> for Portable {
             }
             *sj = t * scale;
         }
+    }
+
+    fn max(self, s: &[F]) -> F {
+        s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a })
     }
 
     fn exp_sum(self, s: &mut [F], m: F) -> F {
@@ -391,7 +431,39 @@ mod avx2 {
         }
     }
 
+    /// Two rows of `columns`: `acc_r[..8W] = acc_r · f_r + Σ_j s_r[j] · v[j * stride ..]`.
+    #[inline(always)]
+    unsafe fn columns2<const W: usize>(
+        (acc0, acc1, v): (*mut f32, *mut f32, *const f32),
+        f: [f32; 2],
+        s: [&[f32]; 2],
+        stride: usize,
+    ) {
+        let (f0, f1) = (_mm256_set1_ps(f[0]), _mm256_set1_ps(f[1]));
+        let mut a = [_mm256_setzero_ps(); W];
+        let mut b = [_mm256_setzero_ps(); W];
+        for i in 0..W {
+            a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc0.add(8 * i)), f0);
+            b[i] = _mm256_mul_ps(_mm256_loadu_ps(acc1.add(8 * i)), f1);
+        }
+        for (j, (&e0, &e1)) in s[0].iter().zip(s[1]).enumerate() {
+            let row = v.add(j * stride);
+            let (x0, x1) = (_mm256_set1_ps(e0), _mm256_set1_ps(e1));
+            for i in 0..W {
+                let vv = _mm256_loadu_ps(row.add(8 * i));
+                a[i] = _mm256_fmadd_ps(x0, vv, a[i]);
+                b[i] = _mm256_fmadd_ps(x1, vv, b[i]);
+            }
+        }
+        for i in 0..W {
+            _mm256_storeu_ps(acc0.add(8 * i), a[i]);
+            _mm256_storeu_ps(acc1.add(8 * i), b[i]);
+        }
+    }
+
     impl RowOps<f32> for Avx2 {
+        const KEY_GROUP: usize = 8;
+
         #[inline(always)]
         unsafe fn scores(self, q: &[f32], k: *const f32, stride: usize, scale: f32, s: &mut [f32]) {
             let d = q.len();
@@ -428,10 +500,15 @@ mod avx2 {
                     _mm256_permute2f128_ps::<0x20>(t0, t1),
                     _mm256_permute2f128_ps::<0x31>(t0, t1),
                 );
-                let mut v = [0.0f32; 8];
-                _mm256_storeu_ps(v.as_mut_ptr(), sum);
-                for i in 0..8 {
-                    s[j + i] = (v[i] + tail(r[i])) * scale;
+                if full == d {
+                    let scaled = _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(s.as_mut_ptr().add(j), scaled);
+                } else {
+                    let mut v = [0.0f32; 8];
+                    _mm256_storeu_ps(v.as_mut_ptr(), sum);
+                    for i in 0..8 {
+                        s[j + i] = (v[i] + tail(r[i])) * scale;
+                    }
                 }
                 j += 8;
             }
@@ -449,11 +526,133 @@ mod avx2 {
         }
 
         #[inline(always)]
+        fn max(self, s: &[f32]) -> f32 {
+            // Safety: an `Avx2` exists only behind an AVX2 `Isa` (see `cpu_typed`); loads stay
+            // inside `s`.
+            unsafe {
+                let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut chunks = s.chunks_exact(8);
+                for c in &mut chunks {
+                    mv = _mm256_max_ps(mv, _mm256_loadu_ps(c.as_ptr()));
+                }
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+                lanes
+                    .iter()
+                    .chain(chunks.remainder())
+                    .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a })
+            }
+        }
+
+        /// Subtract, exponentiate and sum in one pass over the vectors; the tail is padded
+        /// with -inf, whose exponential is 0.
+        #[inline(always)]
         fn exp_sum(self, s: &mut [f32], m: f32) -> f32 {
-            s.iter_mut().for_each(|v| *v -= m);
-            // Safety: an `Avx2` exists only behind an AVX2 `Isa` (see `cpu_typed`).
-            unsafe { math::avx2::apply(math::Func::Exp, s) };
-            s.iter().sum()
+            // Safety: as in `max`.
+            unsafe {
+                let mv = _mm256_set1_ps(m);
+                let mut acc = _mm256_setzero_ps();
+                let mut chunks = s.chunks_exact_mut(8);
+                for c in &mut chunks {
+                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+                    _mm256_storeu_ps(c.as_mut_ptr(), e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                let tail = chunks.into_remainder();
+                if !tail.is_empty() {
+                    let mut buf = [f32::NEG_INFINITY; 8];
+                    buf[..tail.len()].copy_from_slice(tail);
+                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv));
+                    _mm256_storeu_ps(buf.as_mut_ptr(), e);
+                    tail.copy_from_slice(&buf[..tail.len()]);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                hsum(acc)
+            }
+        }
+
+        /// Four keys by two rows per pass (eight accumulators): each key vector is loaded
+        /// once for both rows. Head dims off a multiple of 8 take the one-row path.
+        #[inline(always)]
+        unsafe fn scores2(
+            self,
+            q: [&[f32]; 2],
+            k: *const f32,
+            stride: usize,
+            scale: f32,
+            s: [&mut [f32]; 2],
+        ) {
+            let d = q[0].len();
+            let [s0, s1] = s;
+            if !d.is_multiple_of(8) {
+                self.scores(q[0], k, stride, scale, s0);
+                self.scores(q[1], k, stride, scale, s1);
+                return;
+            }
+            let n = s0.len();
+            let (q0, q1) = (q[0].as_ptr(), q[1].as_ptr());
+            let sv = _mm_set1_ps(scale);
+            let mut j = 0;
+            while j + 4 <= n {
+                let r: [*const f32; 4] = std::array::from_fn(|i| k.add((j + i) * stride));
+                let mut a = [_mm256_setzero_ps(); 4];
+                let mut b = [_mm256_setzero_ps(); 4];
+                let mut c = 0;
+                while c < d {
+                    let (x0, x1) = (_mm256_loadu_ps(q0.add(c)), _mm256_loadu_ps(q1.add(c)));
+                    for i in 0..4 {
+                        let kv = _mm256_loadu_ps(r[i].add(c));
+                        a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
+                        b[i] = _mm256_fmadd_ps(x1, kv, b[i]);
+                    }
+                    c += 8;
+                }
+                let four = |a: [__m256; 4]| {
+                    let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                    let t = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+                    _mm_mul_ps(t, sv)
+                };
+                _mm_storeu_ps(s0.as_mut_ptr().add(j), four(a));
+                _mm_storeu_ps(s1.as_mut_ptr().add(j), four(b));
+                j += 4;
+            }
+            if j < n {
+                let kt = k.add(j * stride);
+                self.scores(q[0], kt, stride, scale, &mut s0[j..]);
+                self.scores(q[1], kt, stride, scale, &mut s1[j..]);
+            }
+        }
+
+        /// Two rows' accumulators, 32 columns at a time (eight registers), every value row
+        /// loaded once for both. Head dims off a multiple of 8 take the one-row path.
+        #[inline(always)]
+        unsafe fn accumulate2(
+            self,
+            acc: [&mut [f32]; 2],
+            f: [f32; 2],
+            s: [&[f32]; 2],
+            v: *const f32,
+            stride: usize,
+        ) {
+            let [a0, a1] = acc;
+            let d = a0.len();
+            if !d.is_multiple_of(8) {
+                self.accumulate(a0, f[0], s[0], v, stride);
+                self.accumulate(a1, f[1], s[1], v, stride);
+                return;
+            }
+            let (p0, p1) = (a0.as_mut_ptr(), a1.as_mut_ptr());
+            let mut c0 = 0;
+            while c0 < d {
+                let at = (p0.add(c0), p1.add(c0), v.add(c0));
+                match ((d - c0) / 8).min(4) {
+                    4 => columns2::<4>(at, f, s, stride),
+                    3 => columns2::<3>(at, f, s, stride),
+                    2 => columns2::<2>(at, f, s, stride),
+                    _ => columns2::<1>(at, f, s, stride),
+                }
+                c0 += 8 * ((d - c0) / 8).min(4);
+            }
         }
 
         #[inline(always)]
@@ -527,9 +726,75 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
     let kbase = b * ks.sb + kh * ks.sh;
     let scale = F::from_f64(g.scale(p));
     let mut s = [F::ZERO; KEY_BLOCK];
+    let mut s2 = [F::ZERO; KEY_BLOCK];
     let mut acc = [F::ZERO; MAX_HEAD_DIM];
-    let acc = &mut acc[..d];
-    for i in rows {
+    let mut acc2 = [F::ZERO; MAX_HEAD_DIM];
+    let (acc, acc2) = (&mut acc[..d], &mut acc2[..d]);
+    let mut i = rows.start;
+    while i < rows.end {
+        // Two rows that both see keys go together over the union of their key ranges, each
+        // masking the keys outside its own (every key and value row read once for both).
+        let pair = (i + 1 < rows.end).then(|| (g.visible(p, i), g.visible(p, i + 1)));
+        if let Some((r0, r1)) = pair.filter(|(r0, r1)| r0.0 <= r0.1 && r1.0 <= r1.1) {
+            let at = [i, i + 1].map(|i| b * qs.sb + i * qs.ss + h * qs.sh);
+            let qv = at.map(|a| std::slice::from_raw_parts(c.q.add(a), d));
+            let vis = [r0, r1];
+            let (lo, hi) = (r0.0.min(r1.0) as usize, r0.1.max(r1.1) as usize);
+            acc.iter_mut().for_each(|v| *v = F::ZERO);
+            acc2.iter_mut().for_each(|v| *v = F::ZERO);
+            let (mut m, mut l) = ([F::NEG_INF; 2], [F::ZERO; 2]);
+            let mut j0 = lo;
+            while j0 <= hi {
+                let n = KEY_BLOCK.min(hi + 1 - j0);
+                let krow = kbase + j0 * ks.ss;
+                let scored = n
+                    .next_multiple_of(O::KEY_GROUP)
+                    .min(KEY_BLOCK)
+                    .min(g.sk - j0);
+                let (sa, sb) = (&mut s[..scored], &mut s2[..scored]);
+                ops.scores2(qv, c.k.add(krow), ks.ss, scale, [sa, sb]);
+                let mut f = [F::from_f64(1.0); 2];
+                for (r, sr) in [&mut s[..n], &mut s2[..n]].into_iter().enumerate() {
+                    let (rlo, rhi) = vis[r];
+                    let first = (rlo - j0 as i64).clamp(0, n as i64) as usize;
+                    let end = (rhi + 1 - j0 as i64).clamp(0, n as i64) as usize;
+                    sr[..first].iter_mut().for_each(|v| *v = F::NEG_INF);
+                    sr[end..].iter_mut().for_each(|v| *v = F::NEG_INF);
+                    let bm = ops.max(sr);
+                    if bm == F::NEG_INF {
+                        // No key of this block is the row's: zero weights, nothing rescaled.
+                        sr.iter_mut().for_each(|v| *v = F::ZERO);
+                        continue;
+                    }
+                    if bm > m[r] {
+                        f[r] = if m[r] == F::NEG_INF {
+                            F::ZERO
+                        } else {
+                            (m[r] - bm).exp()
+                        };
+                        m[r] = bm;
+                    }
+                    l[r] = l[r] * f[r] + ops.exp_sum(sr, m[r]);
+                }
+                let sums = [&s[..n], &s2[..n]];
+                ops.accumulate2([&mut *acc, &mut *acc2], f, sums, c.v.add(krow), ks.ss);
+                j0 += n;
+            }
+            for (r, a) in [&*acc, &*acc2].into_iter().enumerate() {
+                let o = std::slice::from_raw_parts_mut(c.out.add(at[r]), d);
+                let inv = F::from_f64(1.0) / l[r];
+                for (ov, x) in o.iter_mut().zip(a.iter()) {
+                    *ov = *x * inv;
+                }
+                if !c.lse.is_null() {
+                    *c.lse.add(bh * g.sq + i + r) = (m[r] + l[r].ln()).to_f64() as f32;
+                }
+            }
+            i += 2;
+            continue;
+        }
+        i += 1;
+        let i = i - 1;
         let at = b * qs.sb + i * qs.ss + h * qs.sh;
         let q = std::slice::from_raw_parts(c.q.add(at), d);
         let o = std::slice::from_raw_parts_mut(c.out.add(at), d);
@@ -548,10 +813,14 @@ unsafe fn rows<F: Float, O: RowOps<F>>(
         let mut j0 = lo as usize;
         while j0 <= hi as usize {
             let n = KEY_BLOCK.min(hi as usize + 1 - j0);
-            let s = &mut s[..n];
             let krow = kbase + j0 * ks.ss;
-            ops.scores(q, c.k.add(krow), ks.ss, scale, s);
-            let bm = s.iter().fold(F::NEG_INF, |a, &v| if v > a { v } else { a });
+            let scored = n
+                .next_multiple_of(O::KEY_GROUP)
+                .min(KEY_BLOCK)
+                .min(g.sk - j0);
+            ops.scores(q, c.k.add(krow), ks.ss, scale, &mut s[..scored]);
+            let s = &mut s[..n];
+            let bm = ops.max(s);
             // The first block, or a larger maximum: rescale what was summed so far.
             let f = if bm > m {
                 let f = if m == F::NEG_INF {
@@ -686,27 +955,91 @@ pub fn cpu_on(
     v: &HostTensor<'_>,
     p: Params,
 ) -> Result<(OwnedTensor, OwnedTensor)> {
+    let (out, lse) = cpu_impl(isa, q, k, v, p, true)?;
+    let lse = lse.ok_or_else(|| arg_error("flash_attention: lse missing"))?;
+    Ok((out, lse))
+}
+
+/// `bytes` as f32 values in place, where they are f32 on a little-endian target and 4-byte
+/// aligned (BEAM binaries of this size are; a misaligned one is decoded instead).
+fn f32_in_place(bytes: &[u8], dtype: DType) -> Option<&[f32]> {
+    if dtype != DType::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    // Safety: every bit pattern is a valid f32; `align_to` puts only aligned whole elements
+    // in the middle part.
+    let (pre, mid, post) = unsafe { bytes.align_to::<f32>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// An f32 view of an input: its own bytes, or a decoded copy.
+enum F32Input<'a> {
+    InPlace(&'a [f32]),
+    Decoded(arena::Buf),
+}
+
+impl F32Input<'_> {
+    fn values(&self) -> &[f32] {
+        match self {
+            F32Input::InPlace(v) => v,
+            F32Input::Decoded(b) => b,
+        }
+    }
+}
+
+fn f32_input<'a>(t: &HostTensor<'a>) -> Result<F32Input<'a>> {
+    Ok(match f32_in_place(t.bytes, t.dtype) {
+        Some(v) => F32Input::InPlace(v),
+        None => F32Input::Decoded(arena::decoded(t.bytes, t.dtype)?),
+    })
+}
+
+/// The CPU call: inputs read in place where they are aligned f32, the output written once
+/// into the bytes returned (f32), `lse` computed only when wanted.
+fn cpu_impl(
+    isa: Isa,
+    q: &HostTensor<'_>,
+    k: &HostTensor<'_>,
+    v: &HostTensor<'_>,
+    p: Params,
+    want_lse: bool,
+) -> Result<(OwnedTensor, Option<OwnedTensor>)> {
     let g = geometry(
         (&q.shape, q.dtype),
         (&k.shape, k.dtype),
         (&v.shape, v.dtype),
         p.layout,
     )?;
-    let mut lse = arena::zeroed(g.batch * g.heads * g.sq)?;
+    let mut lse = if want_lse {
+        Some(arena::zeroed(g.batch * g.heads * g.sq)?)
+    } else {
+        None
+    };
     let data = match q.dtype {
         DType::F64 => {
             let dec = |t: &HostTensor<'_>| decode_f64(t.bytes, DType::F64);
             let (qv, kv, vv) = (dec(q), dec(k), dec(v));
             let mut out = crate::alloc::try_zeroed::<f64>("flash_attention output", &[qv.len()])?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
+            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, lse.as_deref_mut());
             encode_f64(&out, DType::F64)
         }
         dt => {
-            let dec = |t: &HostTensor<'_>| arena::decoded(t.bytes, t.dtype);
-            let (qv, kv, vv) = (dec(q)?, dec(k)?, dec(v)?);
-            let mut out = arena::zeroed(qv.len())?;
-            cpu_typed(isa, (&qv, &kv, &vv), &g, &p, &mut out, Some(&mut lse));
-            crate::dtype::encode_f32(&out, dt)
+            // Decoded copies only where the bytes cannot be read in place.
+            let (qi, ki, vi) = (f32_input(q)?, f32_input(k)?, f32_input(v)?);
+            let (qv, kv, vv) = (qi.values(), ki.values(), vi.values());
+            let n = qv.len();
+            let mut bytes = crate::alloc::try_zeroed::<u8>("flash_attention output", &[n * 4])?;
+            // Safety: as in `f32_in_place`; f32 output written straight into the result's
+            // bytes when they are aligned (the allocator's are).
+            let (pre, direct, _) = unsafe { bytes.align_to_mut::<f32>() };
+            if dt == DType::F32 && pre.is_empty() && direct.len() == n {
+                cpu_typed(isa, (qv, kv, vv), &g, &p, direct, lse.as_deref_mut());
+                bytes
+            } else {
+                let mut out = arena::zeroed(n)?;
+                cpu_typed(isa, (qv, kv, vv), &g, &p, &mut out, lse.as_deref_mut());
+                crate::dtype::encode_f32(&out, dt)
+            }
         }
     };
     Ok((
@@ -715,7 +1048,7 @@ pub fn cpu_on(
             shape: q.shape.clone(),
             dtype: q.dtype,
         },
-        OwnedTensor::from_f32(&lse, g.lse_shape(), DType::F32),
+        lse.map(|l| OwnedTensor::from_f32(&l, g.lse_shape(), DType::F32)),
     ))
 }
 
@@ -1026,8 +1359,9 @@ pub fn run(
                 return Err(arg_error("out: the :cpu backend returns host tensors only"));
             }
             let (qh, kh, vh) = (q.on_host()?, k.on_host()?, v.on_host()?);
-            let (out, lse) = cpu(&qh.view(), &kh.view(), &vh.view(), p)?;
-            Ok((Value::Host(out), return_lse.then_some(Value::Host(lse))))
+            let (qv, kv, vv) = (qh.view(), kh.view(), vh.view());
+            let (out, lse) = cpu_impl(Isa::best(), &qv, &kv, &vv, p, return_lse)?;
+            Ok((Value::Host(out), lse.map(Value::Host)))
         }
         Backend::Cuda(device) => {
             let gpu = cuda::gpu(device)?;

@@ -1,13 +1,16 @@
 //! LayerNorm and RMSNorm over the last axis, with an optional fused residual add: given
 //! `residual`, `s = x + residual` is normalised and returned too (the pre-norm block's
-//! add-and-norm). Statistics in f32 (f64 for f64 inputs); weights are taken as f32.
+//! add-and-norm). Statistics in f32 (f64 for f64 inputs); weights are taken as f32. The CPU
+//! rows are `cpu::math::norm_rows` (SIMD, a shifted two-pass scheme).
 
 use super::selective_scan::{kernel_type, stage_f32};
 use super::Backend;
+use crate::cpu::math::{self, NormKind};
 use crate::cpu::pool::for_each_row_chunk;
+use crate::cpu::Isa;
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
-use crate::dtype::{decode_f64, encode_f64, DType};
+use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::NORM;
 use crate::operand::{Operand, Placement, Value};
@@ -100,36 +103,67 @@ fn values(op: &Operand<'_>) -> Result<Vec<f64>> {
     Ok(decode_f64(v.bytes, v.dtype))
 }
 
-/// One row, in f32 unless `wide` (f64 inputs).
-fn norm_row(s: &[f64], w: &[f64], b: Option<&[f64]>, p: Params, wide: bool, out: &mut [f64]) {
-    let r = |v: f64| if wide { v } else { v as f32 as f64 };
+/// One f64 row (two-pass statistics).
+fn norm_row_f64(s: &[f64], w: &[f64], b: Option<&[f64]>, p: Params, out: &mut [f64]) {
     let n = s.len() as f64;
     let mean = if p.kind == Kind::Layer {
-        r(s.iter().fold(0.0, |a, v| r(a + v)) / n)
+        s.iter().sum::<f64>() / n
     } else {
         0.0
     };
-    let q = s.iter().fold(0.0, |a, v| r(a + r((v - mean) * (v - mean))));
-    let inv = r(1.0 / (q / n + p.eps).sqrt());
+    let q = s.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>();
+    let inv = 1.0 / (q / n + p.eps).sqrt();
     for (j, o) in out.iter_mut().enumerate() {
-        *o = r(r((s[j] - mean) * inv) * w[j] + b.map_or(0.0, |b| b[j]));
+        *o = (s[j] - mean) * inv * w[j] + b.map_or(0.0, |b| b[j]);
     }
 }
 
-/// The CPU implementation: rows in parallel. Returns (normed, sum when residual given).
-pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+/// The CPU implementation, rows in parallel: encoded (normed, sum when residual given).
+/// f64 inputs keep f64 statistics; every other type runs the f32 SIMD rows of
+/// [`math::norm_rows`] (x + residual rounded to f32 first, as the GPU kernels do).
+pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
     let (_, cols) = geometry(x, p)?;
-    let wide = x.x.dtype() == DType::F64;
+    let dtype = x.x.dtype();
+    if dtype == DType::F64 {
+        let (y, s) = cpu_f64(x, p, cols)?;
+        return Ok((encode_f64(&y, dtype), s.map(|s| encode_f64(&s, dtype))));
+    }
+    let mut s = values_f32(x.x)?;
+    let with_residual = x.residual.is_some();
+    if let Some(r) = x.residual {
+        let h = r.on_host()?;
+        let v = h.view();
+        let r = decode_f32(v.bytes, v.dtype);
+        s.iter_mut().zip(&r).for_each(|(a, b)| *a += b);
+    }
+    let w = values_f32(x.weight)?;
+    let b = x.bias.map(values_f32).transpose()?;
+    let kind = match p.kind {
+        Kind::Layer => NormKind::Layer,
+        Kind::Rms => NormKind::Rms,
+    };
+    let (isa, eps) = (Isa::best(), p.eps as f32);
+    let mut out = vec![0.0f32; s.len()];
+    for_each_row_chunk(&mut out, cols, |first, chunk| {
+        let xs = &s[first * cols..first * cols + chunk.len()];
+        math::norm_rows(isa, kind, xs, chunk, cols, (&w, b.as_deref()), eps);
+    });
+    let sum = with_residual.then(|| encode_f32(&s, dtype));
+    Ok((encode_f32(&out, dtype), sum))
+}
+
+fn values_f32(op: &Operand<'_>) -> Result<Vec<f32>> {
+    let h = op.on_host()?;
+    let v = h.view();
+    Ok(decode_f32(v.bytes, v.dtype))
+}
+
+/// f64 inputs: f64 statistics, rows in parallel.
+fn cpu_f64(x: &Inputs<'_>, p: Params, cols: usize) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     let mut s = values(x.x)?;
     let residual = x.residual.map(values).transpose()?;
     if let Some(r) = &residual {
-        for (a, b) in s.iter_mut().zip(r) {
-            *a = if wide {
-                *a + b
-            } else {
-                (*a as f32 + *b as f32) as f64
-            };
-        }
+        s.iter_mut().zip(r).for_each(|(a, b)| *a += b);
     }
     let w = values(x.weight)?;
     let b = x.bias.map(values).transpose()?;
@@ -137,14 +171,7 @@ pub fn cpu(x: &Inputs<'_>, p: Params) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     for_each_row_chunk(&mut out, cols, |first, chunk| {
         for (i, o) in chunk.chunks_mut(cols).enumerate() {
             let row = first + i;
-            norm_row(
-                &s[row * cols..(row + 1) * cols],
-                &w,
-                b.as_deref(),
-                p,
-                wide,
-                o,
-            );
+            norm_row_f64(&s[row * cols..(row + 1) * cols], &w, b.as_deref(), p, o);
         }
     });
     Ok((out, residual.map(|_| s)))
@@ -270,9 +297,9 @@ pub fn run(
                 return Err(arg_error("out: the :cpu backend returns host tensors only"));
             }
             let (y, s) = cpu(x, p)?;
-            let wrap = |v: Vec<f64>| {
+            let wrap = |data: Vec<u8>| {
                 Value::Host(crate::OwnedTensor {
-                    data: encode_f64(&v, dtype),
+                    data,
                     shape: shape.clone(),
                     dtype,
                 })

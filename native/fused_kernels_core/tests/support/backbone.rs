@@ -3,6 +3,7 @@
 
 use super::Rng;
 use fused_kernels_core::engine::plan::{Kind, Params, Spec};
+use fused_kernels_core::ops::rnn::Cell;
 use std::collections::BTreeMap;
 
 pub fn spec(kind: Kind) -> Spec {
@@ -69,45 +70,27 @@ pub fn random_params(s: &Spec, seed: u64) -> Named {
     let hid = s.hidden;
     match s.kind {
         Kind::Lstm | Kind::Gru => {
-            let (ins, hs, bs): (&[&str], &[&str], &[&str]) = if s.kind == Kind::Lstm {
-                (
-                    &["wii", "wif", "wig", "wio"],
-                    &["whi", "whf", "whg", "who"],
-                    &["bi", "bf", "bg", "bo"],
-                )
+            let cell = if s.kind == Kind::Lstm {
+                Cell::Lstm
             } else {
-                (
-                    &["wir", "wiz", "win"],
-                    &["whr", "whz", "whn"],
-                    &["br", "bz", "bin", "bhn"],
-                )
+                Cell::Gru
             };
             norm(&mut m, &mut r, "input_norm", s.embed);
             for l in 1..=s.layers {
                 let inp = if l == 1 { s.embed } else { hid };
-                for n in ins {
-                    let sc = 1.0 / (inp as f32).sqrt();
-                    put(
-                        &mut m,
-                        &mut r,
-                        format!("rnn_{l}/input_kernel/{n}"),
-                        vec![inp, hid],
-                        sc,
-                        0.0,
-                    );
+                // (group, gate names, rows); each kernel ~ U(-1, 1)/sqrt(rows).
+                let groups = [
+                    ("input_kernel", cell.input_names(), inp),
+                    ("hidden_kernel", cell.hidden_names(), hid),
+                ];
+                for (group, names, rows) in groups {
+                    let sc = 1.0 / (rows as f32).sqrt();
+                    for n in names {
+                        let name = format!("rnn_{l}/{group}/{n}");
+                        put(&mut m, &mut r, name, vec![rows, hid], sc, 0.0);
+                    }
                 }
-                for n in hs {
-                    let sc = 1.0 / (hid as f32).sqrt();
-                    put(
-                        &mut m,
-                        &mut r,
-                        format!("rnn_{l}/hidden_kernel/{n}"),
-                        vec![hid, hid],
-                        sc,
-                        0.0,
-                    );
-                }
-                for n in bs {
+                for n in cell.bias_names() {
                     put(
                         &mut m,
                         &mut r,

@@ -21,9 +21,10 @@ pub struct Case {
     pub g: Geometry,
 }
 
-/// Fresh random operands of `kind` for `m×k · k×n` (weights ~ U(-2,2)/√k so pre-activations
-/// stay O(1); x with a mean offset so LayerNorm's centring matters); `extras`: bias(es) and
-/// a residual.
+/// Fresh random operands of `kind` for `m×k · k×n`: the dense tests' case (weights ~
+/// U(-2,2)/√k so pre-activations stay O(1); x with a mean offset so LayerNorm's centring
+/// matters) uploaded; `extras`: bias(es) and a residual, which this kernel's epilogue also
+/// adds for SwiGLU.
 pub fn case(
     gpu: &Arc<Gpu>,
     rng: &mut Rng,
@@ -33,61 +34,21 @@ pub fn case(
     extras: bool,
 ) -> Case {
     let [m, k, n] = mkn;
-    let mut t = |shape: Vec<usize>, scale: f64, shift: f64| {
-        let v: Vec<f64> = rng
-            .vec(shape.iter().product())
-            .into_iter()
-            .map(|x| x * scale + shift)
-            .collect();
-        let bytes = encode_f64(&v, dt);
-        let host = HostTensor::new("t", &bytes, shape, dt).unwrap();
-        (
-            decode_f64(&bytes, dt),
-            DeviceTensor::upload(gpu, &host).unwrap(),
-        )
-    };
-    let ws = 1.0 / (k as f64).sqrt();
-    let glu = kind == Kind::Swiglu;
-    let x = t(vec![m, k], 1.0, 0.5);
-    let w = t(vec![k, n], ws, 0.0);
-    let w_up = glu.then(|| t(vec![k, n], ws, 0.0));
-    let bias = extras.then(|| t(vec![n], 0.5, 0.0));
-    let bias_up = (extras && glu).then(|| t(vec![n], 0.5, 0.0));
-    let gamma =
-        matches!(kind, Kind::RmsNormDense | Kind::LayerNormDense).then(|| t(vec![k], 0.5, 1.0));
-    let beta = (kind == Kind::LayerNormDense).then(|| t(vec![k], 0.5, 0.0));
-    let residual = extras.then(|| t(vec![m, n], 1.0, 0.0));
-    let split = |o: Option<(Vec<f64>, DeviceTensor)>| match o {
-        Some((v, d)) => (Some(v), Some(d)),
-        None => (None, None),
-    };
-    let (kv, kd) = split(w_up);
-    let (bv, bd) = split(bias);
-    let (buv, bud) = split(bias_up);
-    let (gv, gd) = split(gamma);
-    let (bev, bed) = split(beta);
-    let (rv, rd) = split(residual);
+    let mut c = super::dense::case(rng, kind, &[m, k], n, dt, extras);
+    if extras && c.bytes.residual.is_none() {
+        let bytes = encode_f64(&rng.vec(m * n), dt);
+        c.vals.residual = Some(decode_f64(&bytes, dt));
+        c.bytes.residual = Some((bytes, vec![m, n]));
+    }
+    let dev = c
+        .bytes
+        .try_map(kind, |name, (b, s)| {
+            DeviceTensor::upload(gpu, &HostTensor::new(name, b, s.clone(), dt)?)
+        })
+        .unwrap();
     Case {
-        dev: Operands {
-            x: x.1,
-            kernel: w.1,
-            kernel_up: kd,
-            bias: bd,
-            bias_up: bud,
-            gamma: gd,
-            beta: bed,
-            residual: rd,
-        },
-        vals: Operands {
-            x: x.0,
-            kernel: w.0,
-            kernel_up: kv,
-            bias: bv,
-            bias_up: buv,
-            gamma: gv,
-            beta: bev,
-            residual: rv,
-        },
+        dev,
+        vals: c.vals,
         g: Geometry {
             m,
             k,
@@ -166,10 +127,3 @@ pub fn check(
         );
     }
 }
-
-pub const KINDS: [Kind; 4] = [
-    Kind::Dense,
-    Kind::Swiglu,
-    Kind::RmsNormDense,
-    Kind::LayerNormDense,
-];

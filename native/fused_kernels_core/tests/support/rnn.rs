@@ -293,3 +293,40 @@ pub fn case(
         dtype,
     }
 }
+
+/// Where the test GPU routes without bf16/tf32 tensor cores (the sm_75 route), the resident
+/// path cannot run: forced there, a call must be refused with an error naming the path's
+/// limit, never run wrong. True (after checking that refusal on `c`) when that is the case.
+pub fn resident_refused_here(c: &Case) -> bool {
+    let Some(gpu) = gpu_for_tests() else {
+        return false;
+    };
+    if gpu.has_tensor_cores() {
+        return false;
+    }
+    let mut rng = Rng::new(1);
+    let xb = random_bytes(&mut rng, c.batch * c.seq * c.features, 1.0, c.dtype);
+    let layers = make_layers(&mut rng, c);
+    let x = Operand::Host(
+        HostTensor::new("x", &xb, vec![c.batch, c.seq, c.features], c.dtype).unwrap(),
+    );
+    let ops: Vec<Layer> = layers
+        .iter()
+        .map(|l| operands(l, c.batch, c.dtype))
+        .collect();
+    let r = run_tuned(
+        Backend::Cuda(None),
+        c.cell,
+        &x,
+        &ops,
+        c.reverse,
+        Placement::Host,
+        Precision::F32,
+        &forced(Path::Resident),
+    );
+    assert!(
+        r.is_err(),
+        "the resident path ran on a GPU without tensor cores"
+    );
+    true
+}

@@ -1,29 +1,35 @@
 use crate::jobs::op_nifs;
-use crate::terms::{
-    decode_backend, decode_bool, decode_f64, decode_operand, decode_placement, encode_value, reply,
-};
+use crate::terms::{decode_args, encode_value, nif_map, reply, target, AtomName, Device};
+use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::scaled_softmax::{run, Params};
 use rustler::{Env, Term};
 
-/// `scaled_softmax(x, scale, causal, backend, device, out)`.
-fn scaled_softmax_call<'a>(
-    env: Env<'a>,
-    x: Term<'a>,
-    scale: Term<'a>,
-    causal: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-    out: Term<'a>,
-) -> Term<'a> {
+struct Inputs<'a> {
+    x: Operand<'a>,
+}
+nif_map!(Inputs<'a> { x });
+
+struct Options {
+    scale: f64,
+    causal: bool,
+    backend: AtomName,
+    device: Device,
+    out: Placement,
+}
+nif_map!(Options {
+    scale,
+    causal,
+    backend,
+    device,
+    out
+});
+
+/// `scaled_softmax(%{x}, %{scale, causal, backend, device, out})`.
+fn scaled_softmax_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let x = decode_operand("x", x)?;
-        let p = Params::new(decode_f64("scale", scale)?, decode_bool("causal", causal)?)?;
-        let value = run(
-            decode_backend(backend, device)?,
-            &x,
-            p,
-            decode_placement(out)?,
-        )?;
+        let (i, o): (Inputs, Options) = decode_args(inputs, options)?;
+        let p = Params::new(o.scale, o.causal)?;
+        let value = run(target(&o.backend, &o.device)?, &i.x, p, o.out)?;
         encode_value(env, value)
     })();
     reply(env, result)
@@ -33,5 +39,5 @@ op_nifs!(
     scaled_softmax_dirty,
     scaled_softmax_async,
     scaled_softmax_call,
-    (x, scale, causal, backend, device, out)
+    (inputs, options)
 );

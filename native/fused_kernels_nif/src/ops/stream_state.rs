@@ -1,97 +1,96 @@
 //! NIFs for streaming inference with state kept on the device: `stream_shift_append`,
 //! `stream_reshape` and `mamba_block_state` (one Mamba block from a carried state).
 
-use super::mamba::{block_params, block_weights, decode_weights};
+use super::mamba::{BlockOptions, BlockWeights};
 use crate::jobs::op_nifs;
-use crate::terms::{
-    decode_backend, decode_operand, decode_placement, decode_shape, encode_value, reply,
-};
+use crate::terms::{decode_args, encode_value, nif_map, reply, target, AtomName, Device, Shape};
+use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::mamba_block::{self, State};
 use fused_kernels_core::ops::stream_state;
 use rustler::{Encoder, Env, Term};
 
-/// `stream_shift_append(cache, row, backend, device, out)` -> the cache without its oldest
-/// row and with `row` as its newest.
-fn stream_shift_append_call<'a>(
-    env: Env<'a>,
-    cache: Term<'a>,
-    row: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-    out: Term<'a>,
-) -> Term<'a> {
+/// Where a state op runs: the options of `stream_shift_append`.
+struct Target {
+    backend: AtomName,
+    device: Device,
+    out: Placement,
+}
+nif_map!(Target {
+    backend,
+    device,
+    out
+});
+
+struct ShiftInputs<'a> {
+    cache: Operand<'a>,
+    row: Operand<'a>,
+}
+nif_map!(ShiftInputs<'a> { cache, row });
+
+/// `stream_shift_append(%{cache, row}, %{backend, device, out})` -> the cache without its
+/// oldest row and with `row` as its newest.
+fn stream_shift_append_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let (cache, row) = (decode_operand("cache", cache)?, decode_operand("row", row)?);
-        let v = stream_state::shift_append(
-            decode_backend(backend, device)?,
-            &cache,
-            &row,
-            decode_placement(out)?,
-        )?;
+        let (i, o): (ShiftInputs, Target) = decode_args(inputs, options)?;
+        let v =
+            stream_state::shift_append(target(&o.backend, &o.device)?, &i.cache, &i.row, o.out)?;
         encode_value(env, v)
     })();
     reply(env, result)
 }
 
-/// `stream_reshape(x, shape, backend, device, out)` -> a copy of x with `shape`.
-fn stream_reshape_call<'a>(
-    env: Env<'a>,
-    x: Term<'a>,
-    shape: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-    out: Term<'a>,
-) -> Term<'a> {
+struct ReshapeInputs<'a> {
+    x: Operand<'a>,
+}
+nif_map!(ReshapeInputs<'a> { x });
+
+struct ReshapeOptions {
+    shape: Shape,
+    backend: AtomName,
+    device: Device,
+    out: Placement,
+}
+nif_map!(ReshapeOptions {
+    shape,
+    backend,
+    device,
+    out
+});
+
+/// `stream_reshape(%{x}, %{shape, backend, device, out})` -> a copy of x with `shape`.
+fn stream_reshape_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let x = decode_operand("x", x)?;
-        let shape = decode_shape("shape", shape)?;
-        let v = stream_state::reshape(
-            decode_backend(backend, device)?,
-            &x,
-            shape,
-            decode_placement(out)?,
-        )?;
+        let (i, o): (ReshapeInputs, ReshapeOptions) = decode_args(inputs, options)?;
+        let v = stream_state::reshape(target(&o.backend, &o.device)?, &i.x, o.shape.0, o.out)?;
         encode_value(env, v)
     })();
     reply(env, result)
 }
 
-/// `mamba_block_state(x, weights, conv_state, ssm_state, eps, dt_min, dt_max,
-/// b_discretization, residual, backend, device, out)` -> `{out, conv_state, ssm_state}`.
-#[allow(clippy::too_many_arguments)]
-fn mamba_block_state_call<'a>(
-    env: Env<'a>,
-    x: Term<'a>,
-    weights: Term<'a>,
-    conv_state: Term<'a>,
-    ssm_state: Term<'a>,
-    eps: Term<'a>,
-    dt_min: Term<'a>,
-    dt_max: Term<'a>,
-    discretization: Term<'a>,
-    residual: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-    out: Term<'a>,
-) -> Term<'a> {
+struct StateInputs<'a> {
+    x: Operand<'a>,
+    weights: BlockWeights<'a>,
+    conv_state: Operand<'a>,
+    ssm_state: Operand<'a>,
+}
+nif_map!(StateInputs<'a> { x, weights, conv_state, ssm_state });
+
+/// `mamba_block_state(%{x, weights, conv_state, ssm_state}, options)` (the options of
+/// `mamba_block`) -> `{out, conv_state, ssm_state}`.
+fn mamba_block_state_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let x = decode_operand("x", x)?;
-        let ops = decode_weights(weights)?;
-        let w = block_weights(&ops)?;
-        let p = block_params(eps, dt_min, dt_max, discretization, residual)?;
-        let conv = decode_operand("conv_state", conv_state)?;
-        let ssm = decode_operand("ssm_state", ssm_state)?;
+        let (i, o): (StateInputs, BlockOptions) = decode_args(inputs, options)?;
         let state = State {
-            conv: &conv,
-            ssm: &ssm,
+            conv: &i.conv_state,
+            ssm: &i.ssm_state,
         };
         let (y, (c, s)) = mamba_block::run_stateful(
-            decode_backend(backend, device)?,
-            &x,
-            &w,
-            p,
+            target(&o.backend, &o.device)?,
+            &i.x,
+            &i.weights.weights(),
+            o.params()?,
             &state,
-            decode_placement(out)?,
+            o.out,
         )?;
         Ok((
             encode_value(env, y)?,
@@ -107,30 +106,17 @@ op_nifs!(
     stream_shift_append_dirty,
     stream_shift_append_async,
     stream_shift_append_call,
-    (cache, row, backend, device, out)
+    (inputs, options)
 );
 op_nifs!(
     stream_reshape_dirty,
     stream_reshape_async,
     stream_reshape_call,
-    (x, shape, backend, device, out)
+    (inputs, options)
 );
 op_nifs!(
     mamba_block_state_dirty,
     mamba_block_state_async,
     mamba_block_state_call,
-    (
-        x,
-        weights,
-        conv_state,
-        ssm_state,
-        eps,
-        dt_min,
-        dt_max,
-        discretization,
-        residual,
-        backend,
-        device,
-        out
-    )
+    (inputs, options)
 );

@@ -175,6 +175,21 @@ pub struct Operands<O> {
 }
 
 impl<O> Operands<O> {
+    /// The optional operands, in `Operands` order (the order the kernels take them).
+    pub fn optional(&self) -> [Option<O>; 6]
+    where
+        O: Copy,
+    {
+        [
+            self.kernel_up,
+            self.bias,
+            self.bias_up,
+            self.gamma,
+            self.beta,
+            self.residual,
+        ]
+    }
+
     /// Applies `f(name, operand)` to every present operand.
     pub fn try_map<'s, P>(
         &'s self,

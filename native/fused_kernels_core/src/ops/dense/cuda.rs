@@ -154,18 +154,11 @@ pub fn cuda(ops: &Operands<&DeviceTensor>, out: &mut DeviceTensor, p: Params) ->
         return Ok(());
     }
     let gpu = ops.x.gpu.clone();
-    let present = [
-        Some(ops.x),
-        Some(ops.kernel),
-        ops.kernel_up,
-        ops.bias,
-        ops.bias_up,
-        ops.gamma,
-        ops.beta,
-        ops.residual,
-    ];
+    let present = [Some(ops.x), Some(ops.kernel)]
+        .into_iter()
+        .chain(ops.optional());
     let aligned =
-        present.iter().flatten().all(|t| ptr(t).is_multiple_of(16)) && ptr(out).is_multiple_of(16);
+        present.flatten().all(|t| ptr(t).is_multiple_of(16)) && ptr(out).is_multiple_of(16);
     // Hopper (9.0) f16/bf16 problems that fill the device: the wgmma kernel (sm90.rs).
     if aligned && sm90::takes(&gpu, dt, &g, p.kind) {
         return sm90::cuda(ops, out, p, &g);
@@ -210,15 +203,7 @@ pub fn launch(
     }
     let mut launch = gpu.stream.launch_builder(&f);
     launch.arg(ops.x.slice()).arg(ops.kernel.slice());
-    for o in [
-        ops.kernel_up,
-        ops.bias,
-        ops.bias_up,
-        ops.gamma,
-        ops.beta,
-        ops.residual,
-        stats.as_ref(),
-    ] {
+    for o in ops.optional().into_iter().chain([stats.as_ref()]) {
         match o {
             Some(t) => launch.arg(t.slice()),
             None => launch.arg(&null),

@@ -14,7 +14,7 @@ pub use common::{erf, geometry, Activation, Geometry, Kind, Operands, Params};
 pub use cuda::{cuda, launch, plan, Plan};
 
 use super::Backend;
-use crate::cpu::gemm::{gemm_rhs, Init, Rhs};
+use crate::cpu::gemm::{gemm_act, Init, Rhs};
 use crate::cpu::gemv::gemv;
 use crate::cpu::math::{apply, Func};
 use crate::cpu::pool::for_each_row_chunk;
@@ -248,6 +248,19 @@ impl PreparedDense {
         out: &mut [f32],
         scratch: &mut DenseScratch,
     ) -> Result<()> {
+        self.forward_act(self.params, x, m, residual, out, scratch)
+    }
+
+    /// `forward_into` with the activation given per call (the op API's `activation:`).
+    fn forward_act(
+        &self,
+        params: Params,
+        x: &[f32],
+        m: usize,
+        residual: Option<&[f32]>,
+        out: &mut [f32],
+        scratch: &mut DenseScratch,
+    ) -> Result<()> {
         if m > scratch.rows {
             return Err(arg_error(format!(
                 "scratch: made for {} rows, the call has {m}",
@@ -257,7 +270,7 @@ impl PreparedDense {
         let b = |p| Product::packed(p, m);
         forward_f32(
             self.isa,
-            &self.params,
+            &params,
             (m, self.k, self.n),
             x,
             b(&self.kernel),
@@ -290,6 +303,213 @@ impl DenseScratch {
                 0
             })?,
         })
+    }
+}
+
+/// A dense kernel (and bias) of the op API prepared once (`FusedKernels.Dense.prepare/3` holds
+/// one in a NIF resource): packed for the CPU GEMM/GEMV, with the element type its calls take
+/// and scratch reused from call to call, so a call decodes and packs no weights and, once the
+/// scratch fits its rows, allocates nothing.
+pub struct PreparedDenseCall {
+    dense: PreparedDense,
+    dtype: DType,
+    scratch: std::sync::Mutex<Option<DenseCallScratch>>,
+}
+
+/// The f32 staging of one call.
+struct DenseCallScratch {
+    rows: usize,
+    dense: DenseScratch,
+    x: crate::cpu::Buf,
+    residual: crate::cpu::Buf,
+    out: crate::cpu::Buf,
+}
+
+impl PreparedDenseCall {
+    /// Checks the kernel `{k, n}` and bias `{n}` (one type, f32/f16/bf16) and packs them.
+    pub fn new(
+        kernel: &HostTensor<'_>,
+        bias: Option<&HostTensor<'_>>,
+    ) -> Result<PreparedDenseCall> {
+        let dt = kernel.dtype;
+        if dt == DType::F64 {
+            return Err(arg_error(
+                "kernel: f64 weights run unprepared (the prepared CPU path computes in f32)",
+            ));
+        }
+        let k = match kernel.shape[..] {
+            [k, _] => k,
+            _ => {
+                return Err(arg_error(format!(
+                    "kernel: expected a 2-D {{k, n}} tensor, got shape {}",
+                    crate::tensor::fmt_shape(&kernel.shape)
+                )))
+            }
+        };
+        let params = Params::new(Kind::Dense, Activation::None, 0.0)?;
+        let ops = Operands {
+            x: (vec![1, k], dt),
+            kernel: (kernel.shape.clone(), dt),
+            kernel_up: None,
+            bias: bias.map(|b| (b.shape.clone(), b.dtype)),
+            bias_up: None,
+            gamma: None,
+            beta: None,
+            residual: None,
+        };
+        let g = geometry(&params, &ops)?;
+        let w = crate::cpu::arena::decoded(kernel.bytes, dt)?;
+        let b = bias
+            .map(|b| crate::cpu::arena::decoded(b.bytes, dt))
+            .transpose()?;
+        let weights = DenseWeights {
+            kernel: &w,
+            kernel_up: None,
+            bias: b.as_deref(),
+            bias_up: None,
+            gamma: None,
+            beta: None,
+        };
+        Ok(PreparedDenseCall {
+            dense: PreparedDense::new(params, g.k, g.n, weights)?,
+            dtype: dt,
+            scratch: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The element type every call's tensors must share.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Checks a call's x (`{..., k}`) and residual (the output's shape), both in the
+    /// weights' type; returns the output shape (x's leading dims + n).
+    pub fn check(
+        &self,
+        x: &HostTensor<'_>,
+        residual: Option<&HostTensor<'_>>,
+    ) -> Result<Vec<usize>> {
+        self.rows(x, residual)?;
+        Ok(self.out_shape(x))
+    }
+
+    fn out_shape(&self, x: &HostTensor<'_>) -> Vec<usize> {
+        let mut out = x.shape.clone();
+        if let Some(last) = out.last_mut() {
+            *last = self.dense.n;
+        }
+        out
+    }
+
+    /// [`PreparedDenseCall::check`] without building the shape: the rows of x.
+    fn rows(&self, x: &HostTensor<'_>, residual: Option<&HostTensor<'_>>) -> Result<usize> {
+        let (k, n) = (self.dense.k, self.dense.n);
+        let Some((&last, lead)) = x.shape.split_last() else {
+            return Err(arg_error("x: needs at least one dimension (features)"));
+        };
+        if last != k {
+            return Err(arg_error(format!(
+                "x: expected last dimension {k} (the prepared kernel's rows), got shape {}",
+                crate::tensor::fmt_shape(&x.shape)
+            )));
+        }
+        for (name, t) in [("x", Some(x)), ("residual", residual)] {
+            if let Some(t) = t {
+                if t.dtype != self.dtype {
+                    return Err(arg_error(format!(
+                        "{name}: has type {} but the kernel was prepared as {}; pass every tensor in one type",
+                        t.dtype.name(),
+                        self.dtype.name()
+                    )));
+                }
+            }
+        }
+        if let Some(r) = residual {
+            if r.shape.split_last() != Some((&n, lead)) {
+                return Err(arg_error(format!(
+                    "residual: expected shape {}, got {}",
+                    crate::tensor::fmt_shape(&self.out_shape(x)),
+                    crate::tensor::fmt_shape(&r.shape)
+                )));
+            }
+        }
+        Ok(lead.iter().product())
+    }
+
+    /// `out = act(x · kernel + bias) + residual` into `out` (bytes of the output shape in the
+    /// weights' type). Allocates nothing once the scratch fits the call's rows.
+    pub fn run_into(
+        &self,
+        x: &HostTensor<'_>,
+        residual: Option<&HostTensor<'_>>,
+        activation: Activation,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let m = self.rows(x, residual)?;
+        let (k, n) = (self.dense.k, self.dense.n);
+        let mn = m
+            .checked_mul(n)
+            .ok_or_else(|| arg_error("output: size overflows"))?;
+        if Some(out.len()) != mn.checked_mul(self.dtype.size()) {
+            return Err(arg_error(
+                "out: the buffer does not match the output shape (a bug in the caller)",
+            ));
+        }
+        let params = Params::new(Kind::Dense, activation, 0.0)?;
+        // A second caller on the same handle while one runs gets scratch of its own.
+        let mut guard = self.scratch.try_lock().ok();
+        let mut own = None;
+        let slot: &mut Option<DenseCallScratch> = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut own,
+        };
+        if slot.as_ref().is_none_or(|s| s.rows < m) {
+            let rows = slot.as_ref().map_or(m, |s| s.rows.max(m));
+            let size = |c: usize| {
+                rows.checked_mul(c)
+                    .ok_or_else(|| arg_error("x: the call's size overflows"))
+            };
+            *slot = None;
+            *slot = Some(DenseCallScratch {
+                rows,
+                dense: self.dense.scratch(rows)?,
+                x: crate::cpu::alloc_zeroed(size(k)?)?,
+                residual: crate::cpu::alloc_zeroed(if residual.is_some() { size(n)? } else { 0 })?,
+                out: crate::cpu::alloc_zeroed(size(n)?)?,
+            });
+        }
+        let Some(sc) = slot.as_mut() else {
+            return Err(arg_error("dense: scratch missing (a bug)"));
+        };
+        if residual.is_some() && sc.residual.len() < mn {
+            sc.residual = crate::cpu::alloc_zeroed(sc.rows * n)?;
+        }
+        let xs = &mut sc.x[..m * k];
+        crate::dtype::decode_f32_slice(x.bytes, self.dtype, xs);
+        let res = match residual {
+            Some(r) => {
+                let rs = &mut sc.residual[..mn];
+                crate::dtype::decode_f32_slice(r.bytes, self.dtype, rs);
+                Some(&*rs)
+            }
+            None => None,
+        };
+        // f32 on a little-endian machine: the product writes straight into the caller's
+        // bytes when they are aligned for f32 (a BEAM binary is), saving a pass over C.
+        if self.dtype == DType::F32 && cfg!(target_endian = "little") {
+            // Safety: every bit pattern is a valid f32 and a valid u8.
+            let (head, direct, tail) = unsafe { out.align_to_mut::<f32>() };
+            if head.is_empty() && tail.is_empty() && direct.len() == mn {
+                return self
+                    .dense
+                    .forward_act(params, xs, m, res, direct, &mut sc.dense);
+            }
+        }
+        let o = &mut sc.out[..mn];
+        self.dense
+            .forward_act(params, xs, m, res, o, &mut sc.dense)?;
+        crate::dtype::encode_f32_slice(o, self.dtype, out);
+        Ok(())
     }
 }
 
@@ -331,12 +551,18 @@ fn product(
     b: Product<'_>,
     c: &mut [f32],
     bias: Option<&[f32]>,
+    act: Option<Func>,
 ) {
     match b {
-        Product::Gemv(p) => gemv(isa, &a[..k], p, bias, &mut c[..n]),
+        Product::Gemv(p) => {
+            gemv(isa, &a[..k], p, bias, &mut c[..n]);
+            if let Some(f) = act {
+                apply(isa, f, &mut c[..n]);
+            }
+        }
         Product::Gemm(rhs) => {
             let init = bias.map_or(Init::Zero, Init::Bias);
-            gemm_rhs(isa, m, a, k, rhs, c, n, init)
+            gemm_act(isa, m, a, k, rhs, c, n, init, act)
         }
     }
 }
@@ -379,25 +605,28 @@ fn forward_f32(
     } else {
         x
     };
-    product(isa, m, k, n, a, w, out, v.bias);
     if let (Kind::Swiglu, Some(w_up)) = (p.kind, w_up) {
+        product(isa, m, k, n, a, w, out, v.bias, Some(Func::Silu));
         let up = &mut scratch.up[..m * n];
-        product(isa, m, k, n, a, w_up, up, v.bias_up);
-        apply(isa, Func::Silu, out);
+        product(isa, m, k, n, a, w_up, up, v.bias_up, None);
         out.iter_mut().zip(up.iter()).for_each(|(o, u)| *o *= u);
     } else {
-        match p.activation {
-            Activation::None => {}
-            Activation::Relu => out.iter_mut().for_each(|o| {
+        // The activation runs in the product's epilogue, on the threads that computed C.
+        let act = match p.activation {
+            Activation::None | Activation::Relu => None,
+            Activation::Gelu => Some(Func::Gelu),
+            Activation::GeluTanh => Some(Func::GeluTanh),
+            Activation::Silu => Some(Func::Silu),
+            Activation::Sigmoid => Some(Func::Sigmoid),
+            Activation::Tanh => Some(Func::Tanh),
+        };
+        product(isa, m, k, n, a, w, out, v.bias, act);
+        if p.activation == Activation::Relu {
+            out.iter_mut().for_each(|o| {
                 if !(*o > 0.0 || o.is_nan()) {
                     *o = 0.0
                 }
-            }),
-            Activation::Gelu => apply(isa, Func::Gelu, out),
-            Activation::GeluTanh => apply(isa, Func::GeluTanh, out),
-            Activation::Silu => apply(isa, Func::Silu, out),
-            Activation::Sigmoid => apply(isa, Func::Sigmoid, out),
-            Activation::Tanh => apply(isa, Func::Tanh, out),
+            });
         }
     }
     if let Some(r) = residual {

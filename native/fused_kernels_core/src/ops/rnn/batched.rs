@@ -9,17 +9,16 @@
 //! stream; the host never waits inside a sequence.
 
 use super::common::{
-    cell_name, dim, gemm, pack_gates, state_buffers, state_ptrs, type_name, Cell, Geometry,
+    cell_name, dim, gemm, pack_gates, state_buffers, state_ptrs, type_name, Cell, LayerCall,
     StatePtrs,
 };
 use crate::cuda::gemm::{ptr, ptr_opt};
-use crate::cuda::{DeviceTensor, Gpu};
+use crate::cuda::DeviceTensor;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::RNN_BATCHED;
 use crate::operand::Staged;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
 
 const STEP_THREADS: u32 = 256;
 
@@ -48,19 +47,12 @@ struct StepArgs {
 unsafe impl DeviceRepr for StepArgs {}
 
 /// One layer: `input` `{B, T, in}` to the sequence `{B, T, H}` and the final states.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn layer(
-    gpu: &Arc<Gpu>,
-    cell: Cell,
-    g: &Geometry,
-    h: usize,
+    call: &LayerCall<'_, '_>,
     input: &DeviceTensor,
     win: &[Staged<'_>],
-    wh: &[Staged<'_>],
-    bias: &[Staged<'_>],
-    init: &[Staged<'_>],
-    reverse: bool,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
+    let (gpu, cell, g, h) = (call.gpu, call.cell, call.g, call.h);
     let (b, t_len, inp) = (g.batch, g.seq, input.shape[2]);
     let gh = cell.gates() * h;
     let (tname, cdt) = type_name(g.dtype)?;
@@ -69,7 +61,7 @@ pub(super) fn layer(
     let xp = DeviceTensor::uninit(gpu, vec![b, t_len, gh], DType::F32)?;
     let seq = DeviceTensor::uninit(gpu, vec![b, t_len, h], g.dtype)?;
     let states = state_buffers(gpu, cell, b, h, g.dtype)?;
-    let wh_p = pack_gates(gpu, wh, h, h)?;
+    let wh_p = pack_gates(gpu, call.wh, h, h)?;
     let hr = DeviceTensor::uninit(gpu, vec![b, gh], DType::F32)?;
     let cstate = match cell {
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
@@ -82,7 +74,7 @@ pub(super) fn layer(
         c0,
         h_out,
         c_out,
-    } = state_ptrs(cell, init, &states);
+    } = state_ptrs(cell, call.init, &states);
     let mut a = StepArgs {
         xp: ptr(&xp),
         c0,
@@ -93,7 +85,7 @@ pub(super) fn layer(
         h: dim(h)?,
         ..Default::default()
     };
-    for (p, bb) in a.bias.iter_mut().zip(bias) {
+    for (p, bb) in a.bias.iter_mut().zip(call.bias) {
         *p = ptr(bb);
     }
     let cfg = LaunchConfig {
@@ -117,7 +109,7 @@ pub(super) fn layer(
         )?;
         let mut prev: Option<usize> = None;
         for s in 0..t_len {
-            let t = if reverse { t_len - 1 - s } else { s };
+            let t = if call.reverse { t_len - 1 - s } else { s };
             // h_{t-1}: the previous timestep of `seq` (rows T*H apart), else the initial state.
             let (hp, ld) = match prev {
                 Some(tp) => (seq_p + (tp * h) as u64 * es, t_len * h),

@@ -413,6 +413,22 @@ pub(super) fn gemm(
     Ok(())
 }
 
+/// One layer's recurrence as the per-layer CUDA paths take it (persistent, batched, mma,
+/// resident): the call's geometry and tuning, the layer's units, its staged recurrent weights,
+/// bias and initial state, and the direction. The router fills it once per layer.
+#[derive(Clone, Copy)]
+pub(super) struct LayerCall<'c, 'a> {
+    pub gpu: &'c Arc<Gpu>,
+    pub cell: Cell,
+    pub g: &'c Geometry,
+    pub h: usize,
+    pub wh: &'c [Staged<'a>],
+    pub bias: &'c [Staged<'a>],
+    pub init: &'c [Staged<'a>],
+    pub reverse: bool,
+    pub tuning: &'c Tuning,
+}
+
 /// The input projection of the batched paths: the per-gate input kernels packed once into
 /// one `{in, G*H}` matrix (in the call's type), then `xp {B, T, G*H} (f32) = input . W` as one
 /// cuBLAS GEMM; `tf32`: the caller's single-pass TF32 opt-in.

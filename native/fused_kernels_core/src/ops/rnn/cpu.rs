@@ -24,12 +24,17 @@
 use super::common::{Cell, Geometry, Layer};
 use crate::alloc::{count, try_vec};
 use crate::cpu::gemm::{gemm, Init};
-use crate::cpu::gemv::gemv;
+use crate::cpu::gemv::{gemv, gemv_cols};
+use crate::cpu::packed::NR;
+use crate::cpu::pool::{self, SendPtr};
 use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
-use crate::dtype::{decode_f64, encode_f64, DType};
+use crate::dtype::{decode_f32_slice, decode_f64, encode_f32_slice, encode_f64, DType};
 use crate::error::{arg_error, Error, Result};
 use crate::operand::Operand;
-use crate::tensor::OwnedTensor;
+use crate::tensor::{HostTensor, OwnedTensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
 
 pub(super) struct HostOutput {
     pub sequence: OwnedTensor,
@@ -57,6 +62,50 @@ struct PreparedLayer {
     bias_in: Buf,
     /// Added to the recurrent product: zeros for LSTM, `[0, 0, bhn]` for GRU (inside r ⊙ ·).
     bias_h: Buf,
+    /// How the batch-1 time loop has been running ([`LoopTimes`]).
+    times: LoopTimes,
+}
+
+/// Measured cost of a layer's batch-1 time loop on one thread and split over the pool.
+///
+/// A split step waits at a barrier for its partner thread: on an idle machine that costs
+/// well under a microsecond and the split wins; on a loaded one (other processes holding the
+/// cores) a partner that is not running costs a scheduler time slice per step, and one thread
+/// wins by far. Both paths compute the same values (whole 4-panel groups, see
+/// `split_tasks`), so the choice is made by measuring: each window runs the path that has
+/// been faster per step, and now and then the other one, to follow the machine.
+#[derive(Default)]
+struct LoopTimes {
+    /// Nanoseconds per step, moving averages; 0 = not measured yet.
+    serial: AtomicU64,
+    split: AtomicU64,
+    windows: AtomicU64,
+}
+
+/// One window in this many runs the path that has been slower.
+const EXPLORE_EVERY: u64 = 32;
+
+impl LoopTimes {
+    fn prefer_split(&self) -> bool {
+        let n = self.windows.fetch_add(1, Ordering::Relaxed);
+        let (serial, split) = (
+            self.serial.load(Ordering::Relaxed),
+            self.split.load(Ordering::Relaxed),
+        );
+        match (serial, split) {
+            (_, 0) => true,
+            (0, _) => false,
+            _ => (split < serial) != (n % EXPLORE_EVERY == EXPLORE_EVERY - 1),
+        }
+    }
+
+    fn record(&self, split: bool, ns: u64, steps: usize) {
+        let per = (ns / steps.max(1) as u64).max(1);
+        let slot = if split { &self.split } else { &self.serial };
+        let old = slot.load(Ordering::Relaxed);
+        let new = if old == 0 { per } else { (3 * old + per) / 4 };
+        slot.store(new.max(1), Ordering::Relaxed);
+    }
 }
 
 /// A stack of LSTM or GRU layers with weights packed once (see the module doc).
@@ -198,6 +247,7 @@ impl PreparedRnn {
                 w_h,
                 bias_in,
                 bias_h,
+                times: LoopTimes::default(),
             });
             input = units;
         }
@@ -251,6 +301,31 @@ impl PreparedRnn {
         out_seq: &mut [f32],
         final_state: &mut [f32],
         scratch: &mut RnnScratch,
+    ) -> Result<()> {
+        self.forward_dir(
+            x,
+            batch,
+            seq,
+            init_state,
+            out_seq,
+            final_state,
+            scratch,
+            self.reverse,
+        )
+    }
+
+    /// `forward_into` with the direction given per call (the op API's `reverse:` option).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_dir(
+        &self,
+        x: &[f32],
+        batch: usize,
+        seq: usize,
+        init_state: Option<&[f32]>,
+        out_seq: &mut [f32],
+        final_state: &mut [f32],
+        scratch: &mut RnnScratch,
+        reverse: bool,
     ) -> Result<()> {
         let rows = batch
             .checked_mul(seq)
@@ -310,7 +385,9 @@ impl PreparedRnn {
                 (l, false) if l % 2 == 1 => (&seq_a[..rows * layer.input], &mut seq_b[..rows * h]),
                 (_, false) => (&seq_b[..rows * layer.input], &mut seq_a[..rows * h]),
             };
-            self.layer(layer, batch, seq, input, init, output, fin, xp, hp, h0, c);
+            self.layer(
+                layer, reverse, batch, seq, input, init, output, fin, xp, hp, h0, c,
+            );
         }
         Ok(())
     }
@@ -320,6 +397,7 @@ impl PreparedRnn {
     fn layer(
         &self,
         layer: &PreparedLayer,
+        reverse: bool,
         batch: usize,
         seq: usize,
         input: &[f32],
@@ -367,14 +445,28 @@ impl PreparedRnn {
             );
         }
         let hp = &mut hp[..batch * gh];
+        let timed = batch == 1 && split_tasks(h, seq, pool::threads()) > 1;
+        let start = timed.then(Instant::now);
+        if timed
+            && layer.times.prefer_split()
+            && self.split_steps(layer, reverse, seq, xp, hp, h0, c, out)
+        {
+            if let Some(t0) = start {
+                layer
+                    .times
+                    .record(true, t0.elapsed().as_nanos() as u64, seq);
+            }
+            self.store_state(fin, c, &out[last_row(reverse, seq) * h..][..h]);
+            return;
+        }
         let row_stride = seq * h;
         for s in 0..seq {
-            let ti = if self.reverse { seq - 1 - s } else { s };
+            let ti = if reverse { seq - 1 - s } else { s };
             // The previous h: the initial state, else the row this layer wrote last step.
             let (prev, lda): (&[f32], usize) = if s == 0 {
                 (h0, h)
             } else {
-                let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                let tp = if reverse { ti + 1 } else { ti - 1 };
                 (&out[tp * h..], row_stride)
             };
             if batch == 1 {
@@ -398,33 +490,113 @@ impl PreparedRnn {
                 match self.cell {
                     Cell::Lstm => {
                         let h_out = &mut out[at..at + h];
-                        lstm_cell(isa, x_row, r_row, &mut c[b * h..(b + 1) * h], h_out);
+                        lstm_cell(isa, h, x_row, r_row, &mut c[b * h..(b + 1) * h], h_out);
                     }
                     Cell::Gru => {
                         if s == 0 {
                             gru_cell(
                                 isa,
+                                h,
                                 x_row,
                                 r_row,
                                 &h0[b * h..(b + 1) * h],
                                 &mut out[at..at + h],
                             );
                         } else {
-                            let tp = if self.reverse { ti + 1 } else { ti - 1 };
+                            let tp = if reverse { ti + 1 } else { ti - 1 };
                             let pat = (b * seq + tp) * h;
                             let (prev, cur) = two_rows(out, pat, at, h);
-                            gru_cell(isa, x_row, r_row, prev, cur);
+                            gru_cell(isa, h, x_row, r_row, prev, cur);
                         }
                     }
                 }
             }
         }
-        let last = if self.reverse { 0 } else { seq - 1 };
+        if let Some(t0) = start {
+            layer
+                .times
+                .record(false, t0.elapsed().as_nanos() as u64, seq);
+        }
+        let last = last_row(reverse, seq);
         for b in 0..batch {
             let at = (b * seq + last) * h;
             h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
         }
         self.store_state(fin, c, h0);
+    }
+
+    /// The batch-1 time loop split over the pool: task t owns units `u0..u1` (whole panels)
+    /// of every gate, computes their recurrent products and updates them, and one barrier per
+    /// step publishes the new h row before any task reads it. Returns false, computing
+    /// nothing, where the split does not apply or the pool cannot give its threads now.
+    #[allow(clippy::too_many_arguments)]
+    fn split_steps(
+        &self,
+        layer: &PreparedLayer,
+        reverse: bool,
+        seq: usize,
+        xp: &[f32],
+        hp: &mut [f32],
+        h0: &[f32],
+        c: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let h = layer.units;
+        let tasks = split_tasks(h, seq, pool::threads());
+        if tasks < 2 {
+            return false;
+        }
+        let (isa, cell, g) = (self.isa, self.cell, self.cell.gates());
+        let per = h / tasks;
+        let barrier = pool::Barrier::new(tasks);
+        let (hp_ptr, c_ptr, out_ptr) = (
+            SendPtr(hp.as_mut_ptr()),
+            SendPtr(c.as_mut_ptr()),
+            SendPtr(out.as_mut_ptr()),
+        );
+        let (hp_len, out_len) = (hp.len(), out.len());
+        let task = |t: usize| {
+            let (u0, u1) = (t * per, (t + 1) * per);
+            for s in 0..seq {
+                let ti = if reverse { seq - 1 - s } else { s };
+                let tp = if reverse { ti + 1 } else { ti.wrapping_sub(1) };
+                // Safety: every task reads the whole previous h row (written before the last
+                // barrier, or h0) and writes only units u0..u1 of hp, c and the current row;
+                // `out` outlives the job and the ranges are in bounds (h = tasks * per).
+                unsafe {
+                    let prev: &[f32] = if s == 0 {
+                        h0
+                    } else {
+                        std::slice::from_raw_parts(out_ptr.get().add(tp * h), h)
+                    };
+                    debug_assert!(ti * h + h <= out_len && g * h <= hp_len);
+                    for k in 0..g {
+                        let at = k * h + u0;
+                        let y = std::slice::from_raw_parts_mut(hp_ptr.get().add(at), per);
+                        gemv_cols(
+                            isa,
+                            prev,
+                            &layer.w_h,
+                            at / NR,
+                            Some(&layer.bias_h[at..at + per]),
+                            y,
+                        );
+                    }
+                    let x_row = &xp[ti * g * h + u0..(ti + 1) * g * h];
+                    let r_row = std::slice::from_raw_parts(hp_ptr.get().add(u0), g * h - u0);
+                    let cur = std::slice::from_raw_parts_mut(out_ptr.get().add(ti * h + u0), per);
+                    match cell {
+                        Cell::Lstm => {
+                            let cs = std::slice::from_raw_parts_mut(c_ptr.get().add(u0), per);
+                            lstm_cell(isa, h, x_row, r_row, cs, cur);
+                        }
+                        Cell::Gru => gru_cell(isa, h, x_row, r_row, &prev[u0..u1], cur),
+                    }
+                }
+                barrier.wait();
+            }
+        };
+        pool::run_together(tasks, &task)
     }
 
     fn store_state(&self, fin: &mut [f32], c: &[f32], h: &[f32]) {
@@ -436,6 +608,32 @@ impl PreparedRnn {
             Cell::Gru => fin.copy_from_slice(h),
         }
     }
+}
+
+/// The row of the last step of a window.
+fn last_row(reverse: bool, seq: usize) -> usize {
+    if reverse {
+        0
+    } else {
+        seq - 1
+    }
+}
+
+/// Threads for a batch-1 time loop of `units` over `seq` steps: each thread's share must be
+/// whole groups of four panels of every gate (the GEMV's main loop, so a split computes every
+/// column exactly as one thread does), and a window must be long enough to pay for waking
+/// the pool. One step (a streamed frame) stays on the calling thread.
+fn split_tasks(units: usize, seq: usize, threads: usize) -> usize {
+    const MIN_STEPS: usize = 4;
+    const GROUP: usize = 4 * NR;
+    if seq < MIN_STEPS {
+        return 1;
+    }
+    let mut t = threads.min(units / GROUP);
+    while t > 1 && (!units.is_multiple_of(t) || !(units / t).is_multiple_of(GROUP)) {
+        t -= 1;
+    }
+    t.max(1)
 }
 
 /// Gate matrices as column blocks of one packed matrix.
@@ -454,42 +652,46 @@ fn two_rows(buf: &mut [f32], a: usize, b: usize, len: usize) -> (&[f32], &mut [f
     }
 }
 
-/// LSTM update of one row: pre-activations `x + r` (gates i, f, g, o, each `units` wide),
-/// `c = σ(f) c + σ(i) tanh(g)`, `h = σ(o) tanh(c)` (Axon: no forget bias).
-fn lstm_cell(isa: Isa, x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) {
+/// LSTM update of `c.len()` units of one row: pre-activations `x + r` (gates i, f, g, o, gate
+/// k of unit j at `k * gs + j`), `c = σ(f) c + σ(i) tanh(g)`, `h = σ(o) tanh(c)` (Axon: no
+/// forget bias).
+fn lstm_cell(isa: Isa, gs: usize, x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) {
     let u = c.len();
+    assert!(h.len() == u && x.len() >= 3 * gs + u && r.len() >= 3 * gs + u);
     let mut j = 0;
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
-        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
-        j = unsafe { avx2::lstm_cell(x, r, c, h) };
+        // Safety: an AVX2 `Isa` exists only on CPUs with AVX2 and FMA; lengths checked above.
+        j = unsafe { avx2::lstm_cell(gs, x, r, c, h) };
     }
     let _ = isa;
     use crate::cpu::math::scalar::{sigmoid, tanh};
     for j in j..u {
-        let p = |k: usize| x[k * u + j] + r[k * u + j];
+        let p = |k: usize| x[k * gs + j] + r[k * gs + j];
         let cc = sigmoid(p(1)) * c[j] + sigmoid(p(0)) * tanh(p(2));
         c[j] = cc;
         h[j] = sigmoid(p(3)) * tanh(cc);
     }
 }
 
-/// GRU update of one row: `r = σ(x_r + hr)`, `z = σ(x_z + hz)`, `n = tanh(x_n + r ⊙ hn)` (hn
-/// already holds `+ bhn`), `h = (1 - z) n + z h_prev`.
-fn gru_cell(isa: Isa, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) {
+/// GRU update of `prev.len()` units of one row (gate k of unit j at `k * gs + j`):
+/// `r = σ(x_r + hr)`, `z = σ(x_z + hz)`, `n = tanh(x_n + r ⊙ hn)` (hn already holds `+ bhn`),
+/// `h = (1 - z) n + z h_prev`.
+fn gru_cell(isa: Isa, gs: usize, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) {
     let u = prev.len();
+    assert!(h.len() == u && x.len() >= 2 * gs + u && r.len() >= 2 * gs + u);
     let mut j = 0;
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
         // Safety: as for `lstm_cell`.
-        j = unsafe { avx2::gru_cell(x, r, prev, h) };
+        j = unsafe { avx2::gru_cell(gs, x, r, prev, h) };
     }
     let _ = isa;
     use crate::cpu::math::scalar::{sigmoid, tanh};
     for j in j..u {
         let rg = sigmoid(x[j] + r[j]);
-        let z = sigmoid(x[u + j] + r[u + j]);
-        let n = tanh(x[2 * u + j] + rg * r[2 * u + j]);
+        let z = sigmoid(x[gs + j] + r[gs + j]);
+        let n = tanh(x[2 * gs + j] + rg * r[2 * gs + j]);
         h[j] = (1.0 - z) * n + z * prev[j];
     }
 }
@@ -501,13 +703,19 @@ mod avx2 {
 
     /// The whole 8-lane part of `lstm_cell`; returns where the scalar tail starts.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn lstm_cell(x: &[f32], r: &[f32], c: &mut [f32], h: &mut [f32]) -> usize {
+    pub unsafe fn lstm_cell(
+        gs: usize,
+        x: &[f32],
+        r: &[f32],
+        c: &mut [f32],
+        h: &mut [f32],
+    ) -> usize {
         let u = c.len();
         let (xp, rp) = (x.as_ptr(), r.as_ptr());
         let p = |k: usize, j: usize| {
             _mm256_add_ps(
-                _mm256_loadu_ps(xp.add(k * u + j)),
-                _mm256_loadu_ps(rp.add(k * u + j)),
+                _mm256_loadu_ps(xp.add(k * gs + j)),
+                _mm256_loadu_ps(rp.add(k * gs + j)),
             )
         };
         let mut j = 0;
@@ -525,15 +733,15 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gru_cell(x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) -> usize {
+    pub unsafe fn gru_cell(gs: usize, x: &[f32], r: &[f32], prev: &[f32], h: &mut [f32]) -> usize {
         let u = prev.len();
         let (xp, rp) = (x.as_ptr(), r.as_ptr());
         let ld = |p: *const f32, at: usize| _mm256_loadu_ps(p.add(at));
         let mut j = 0;
         while j + 8 <= u {
             let rg = sigmoid(_mm256_add_ps(ld(xp, j), ld(rp, j)));
-            let z = sigmoid(_mm256_add_ps(ld(xp, u + j), ld(rp, u + j)));
-            let n = tanh(_mm256_fmadd_ps(rg, ld(rp, 2 * u + j), ld(xp, 2 * u + j)));
+            let z = sigmoid(_mm256_add_ps(ld(xp, gs + j), ld(rp, gs + j)));
+            let n = tanh(_mm256_fmadd_ps(rg, ld(rp, 2 * gs + j), ld(xp, 2 * gs + j)));
             let hp = ld(prev.as_ptr(), j);
             // (1 - z) n + z h = n + z (h - n)
             let v = _mm256_fmadd_ps(z, _mm256_sub_ps(hp, n), n);
@@ -548,86 +756,373 @@ fn slices(v: &[Buf]) -> Vec<&[f32]> {
     v.iter().map(|x| &x[..]).collect()
 }
 
-/// The op API on f32: decodes the operands, prepares, runs.
-fn run_f32(
-    cell: Cell,
-    g: &Geometry,
-    x: &Operand<'_>,
-    layers: &[Layer<'_>],
-    reverse: bool,
-) -> Result<HostOutput> {
-    let host32 = |t: &Operand<'_>| -> Result<Buf> {
-        let staged = t.on_host()?;
-        let view = staged.view();
-        arena::decoded(view.bytes, view.dtype)
-    };
-    let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
-    let mut owned = Vec::with_capacity(layers.len());
-    for l in layers {
-        owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
-    }
-    type Refs<'a> = (Vec<&'a [f32]>, Vec<&'a [f32]>, Vec<&'a [f32]>);
-    let refs: Vec<Refs<'_>> = owned
-        .iter()
-        .map(|(i, h, b)| (slices(i), slices(h), slices(b)))
-        .collect();
-    let weights: Vec<LayerWeights<'_>> = refs
-        .iter()
-        .map(|(i, h, b)| LayerWeights {
-            input_kernel: i,
-            hidden_kernel: h,
-            bias: b,
+/// The op API's weights prepared once (`FusedKernels.Rnn.prepare/3` holds one in a NIF
+/// resource): the packed stack, the element type its calls take and return, and the scratch
+/// reused from call to call, so a prepared call decodes and packs nothing and, once the
+/// scratch has grown to the call's batch and length, allocates nothing.
+pub struct PreparedCall {
+    rnn: PreparedRnn,
+    dtype: DType,
+    scratch: Mutex<Option<CallScratch>>,
+}
+
+/// The f32 staging of one call: x, the initial and final states, the output sequence.
+struct CallScratch {
+    rnn: RnnScratch,
+    x: Buf,
+    init: Buf,
+    out: Buf,
+    fin: Buf,
+}
+
+impl CallScratch {
+    fn new(rnn: &PreparedRnn, batch: usize, seq: usize) -> Result<CallScratch> {
+        let rows = batch
+            .checked_mul(seq)
+            .ok_or_else(|| arg_error("x: batch * seq overflows"))?;
+        let size = |a: usize, b: usize| {
+            a.checked_mul(b)
+                .ok_or_else(|| arg_error("x: the call's size overflows"))
+        };
+        let state = rnn.state_len(batch);
+        Ok(CallScratch {
+            rnn: rnn.scratch(batch, seq)?,
+            x: alloc_zeroed(size(rows, rnn.input_size())?)?,
+            init: alloc_zeroed(state)?,
+            out: alloc_zeroed(size(rows, rnn.output_size())?)?,
+            fin: alloc_zeroed(state)?,
         })
-        .collect();
-    let rnn = PreparedRnn::new(cell, g.features, &weights, reverse)?;
-    let (b, t) = (g.batch, g.seq);
-    let xs = host32(x)?;
-    let state_len = rnn.state_len(b);
-    let init = if layers.iter().any(|l| !l.initial_state.is_empty()) {
-        let mut s = alloc_zeroed(state_len)?;
-        let mut at = 0;
-        for (l, layer) in layers.iter().enumerate() {
-            let len = cell.state_names().len() * b * g.hidden[l];
-            for (k, t) in layer.initial_state.iter().enumerate() {
-                let v = host32(t)?;
-                s[at + k * v.len()..at + (k + 1) * v.len()].copy_from_slice(&v);
-            }
-            at += len;
-        }
-        Some(s)
-    } else {
-        None
-    };
-    let out_len = b
-        .checked_mul(t)
-        .and_then(|v| v.checked_mul(rnn.output_size()))
-        .ok_or_else(|| arg_error("output: size overflows"))?;
-    let mut out = alloc_zeroed(out_len)?;
-    let mut fin = alloc_zeroed(state_len)?;
-    let mut scratch = rnn.scratch(b, t)?;
-    rnn.forward_into(&xs, b, t, init.as_deref(), &mut out, &mut fin, &mut scratch)?;
-    let mut states = Vec::with_capacity(layers.len());
-    let mut at = 0;
-    for &h in &g.hidden {
-        let mut per = Vec::new();
-        for _ in cell.state_names() {
-            per.push(OwnedTensor {
-                data: crate::dtype::encode_f32(&fin[at..at + b * h], g.dtype),
-                shape: vec![b, h],
-                dtype: g.dtype,
-            });
-            at += b * h;
-        }
-        states.push(per);
     }
-    Ok(HostOutput {
-        sequence: OwnedTensor {
-            data: crate::dtype::encode_f32(&out, g.dtype),
-            shape: vec![b, t, rnn.output_size()],
-            dtype: g.dtype,
-        },
-        states,
-    })
+    fn fits(&self, batch: usize, seq: usize) -> bool {
+        batch <= self.rnn.batch && seq <= self.rnn.seq
+    }
+}
+
+/// A shape for an error message.
+fn shape_of(t: &HostTensor<'_>) -> String {
+    crate::tensor::fmt_shape(&t.shape)
+}
+
+impl PreparedCall {
+    /// The input features and element type of `layers` (from the first input kernel), refusing
+    /// f64 (the prepared path computes in f32).
+    pub(super) fn layout_of(cell: Cell, layers: &[Layer<'_>]) -> Result<(usize, DType)> {
+        let first = layers
+            .first()
+            .ok_or_else(|| arg_error("params: at least one layer is needed"))?;
+        let k0 = first.input_kernel.first().ok_or_else(|| {
+            arg_error(format!(
+                "params: \"input_kernel\" must hold {} tensors ({:?}), got 0",
+                cell.gates(),
+                cell.input_names()
+            ))
+        })?;
+        let features = match k0.shape() {
+            [f, _] => *f,
+            s => {
+                return Err(arg_error(format!(
+                    "params: \"input_kernel\" \"{}\" must be {{input, units}}, got {}",
+                    cell.input_names()[0],
+                    crate::tensor::fmt_shape(s)
+                )))
+            }
+        };
+        let dtype = k0.dtype();
+        if dtype == DType::F64 {
+            return Err(arg_error(
+                "params: f64 weights run unprepared (the prepared CPU path computes in f32)",
+            ));
+        }
+        Ok((features, dtype))
+    }
+
+    /// Packs `layers` (shapes validated by the caller; initial states ignored).
+    pub(super) fn packed(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
+        let (features, dtype) = PreparedCall::layout_of(cell, layers)?;
+        let host32 = |t: &Operand<'_>| -> Result<Buf> {
+            let staged = t.on_host()?;
+            let view = staged.view();
+            arena::decoded(view.bytes, view.dtype)
+        };
+        let all = |ts: &[Operand<'_>]| ts.iter().map(host32).collect::<Result<Vec<Buf>>>();
+        let mut owned = Vec::with_capacity(layers.len());
+        for l in layers {
+            owned.push((all(&l.input_kernel)?, all(&l.hidden_kernel)?, all(&l.bias)?));
+        }
+        type Refs<'a> = (Vec<&'a [f32]>, Vec<&'a [f32]>, Vec<&'a [f32]>);
+        let refs: Vec<Refs<'_>> = owned
+            .iter()
+            .map(|(i, h, b)| (slices(i), slices(h), slices(b)))
+            .collect();
+        let weights: Vec<LayerWeights<'_>> = refs
+            .iter()
+            .map(|(i, h, b)| LayerWeights {
+                input_kernel: i,
+                hidden_kernel: h,
+                bias: b,
+            })
+            .collect();
+        let rnn = PreparedRnn::new(cell, features, &weights, false).map_err(named)?;
+        Ok(PreparedCall {
+            rnn,
+            dtype,
+            scratch: Mutex::new(None),
+        })
+    }
+
+    pub fn cell(&self) -> Cell {
+        self.cell_of()
+    }
+    fn cell_of(&self) -> Cell {
+        self.rnn.cell
+    }
+    /// The element type of the weights, which every call's tensors must share.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn input_size(&self) -> usize {
+        self.rnn.input_size()
+    }
+    /// Units of each layer.
+    pub fn units(&self) -> Vec<usize> {
+        self.rnn.units().collect()
+    }
+
+    /// Checks a call's `x` (`{batch, seq, features}` in the weights' type) and initial state
+    /// (per layer none or the cell's state tensors `{batch, units}`); returns `(batch, seq)`.
+    pub fn check(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+    ) -> Result<(usize, usize)> {
+        let cell = self.cell_of();
+        let [batch, seq, features] = x.shape[..] else {
+            return Err(arg_error(format!(
+                "x: expected a 3-D {{batch, seq, features}} tensor, got shape {}",
+                shape_of(x)
+            )));
+        };
+        if features != self.input_size() {
+            return Err(arg_error(format!(
+                "x: has {features} features but the prepared params take {}",
+                self.input_size()
+            )));
+        }
+        if x.dtype != self.dtype {
+            return Err(arg_error(format!(
+                "x: has type {} but the params were prepared as {}; pass every tensor in one type",
+                x.dtype.name(),
+                self.dtype.name()
+            )));
+        }
+        let layers = self.rnn.layers.len();
+        if !init.is_empty() && init.len() != layers {
+            return Err(arg_error(format!(
+                "initial_state: expected one state per layer ({layers}), got {}",
+                init.len()
+            )));
+        }
+        for (l, (st, units)) in init.iter().zip(self.rnn.units()).enumerate() {
+            if st.is_empty() {
+                continue;
+            }
+            // Only an error formats the prefix: a call allocates nothing.
+            let pre = || {
+                if layers > 1 {
+                    format!("layer {l}: ")
+                } else {
+                    String::new()
+                }
+            };
+            if st.len() != cell.state_names().len() {
+                return Err(arg_error(format!(
+                    "{}initial_state must be {{{}}} for {cell:?}, got {} tensors",
+                    pre(),
+                    cell.state_names().join(", "),
+                    st.len()
+                )));
+            }
+            for (t, n) in st.iter().zip(cell.state_names()) {
+                if t.shape != [batch, units] || t.dtype != self.dtype {
+                    return Err(arg_error(format!(
+                        "{}\"initial_state\" \"{n}\" must be {{{batch}, {units}}} of type {}, got {} of type {}",
+                        pre(),
+                        self.dtype.name(),
+                        shape_of(t),
+                        t.dtype.name()
+                    )));
+                }
+            }
+        }
+        Ok((batch, seq))
+    }
+
+    /// Bytes of the outputs of a `{batch, seq, _}` call: the sequence `{batch, seq, units of
+    /// the last layer}`, then each state tensor `{batch, units}` (layer order, the cell's
+    /// state order).
+    pub fn output_shapes(&self, batch: usize, seq: usize) -> (Vec<usize>, Vec<Vec<usize>>) {
+        let per = self.cell_of().state_names().len();
+        let states = self
+            .rnn
+            .units()
+            .flat_map(|u| std::iter::repeat_n(vec![batch, u], per))
+            .collect();
+        (vec![batch, seq, self.rnn.output_size()], states)
+    }
+
+    /// Runs one call: `x` and `init` checked by [`PreparedCall::check`], the outputs written
+    /// into `seq_out` and `states_out` (byte slices of the [`PreparedCall::output_shapes`]
+    /// sizes, in the weights' type). Allocates nothing once the scratch fits the call.
+    pub fn run_into(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+        reverse: bool,
+        seq_out: &mut [u8],
+        states_out: &mut [&mut [u8]],
+    ) -> Result<()> {
+        let (batch, seq) = self.check(x, init)?;
+        let size = self.dtype.size();
+        let per = self.cell_of().state_names().len();
+        let seq_bytes = batch
+            .checked_mul(seq)
+            .and_then(|r| r.checked_mul(self.rnn.output_size() * size));
+        let mut units = self.rnn.units().flat_map(|u| std::iter::repeat_n(u, per));
+        if Some(seq_out.len()) != seq_bytes
+            || states_out.len() != per * self.rnn.layers.len()
+            || states_out
+                .iter()
+                .any(|o| Some(o.len()) != units.next().map(|u| batch * u * size))
+        {
+            return Err(arg_error(
+                "outputs: the buffers do not match output_shapes (a bug in the caller)",
+            ));
+        }
+        // A second caller on the same handle while one runs gets scratch of its own.
+        let mut guard = self.scratch.try_lock().ok();
+        let mut own = None;
+        let slot: &mut Option<CallScratch> = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut own,
+        };
+        if slot.as_ref().is_none_or(|s| !s.fits(batch, seq)) {
+            let (b, t) = slot.as_ref().map_or((batch, seq), |s| {
+                (s.rnn.batch.max(batch), s.rnn.seq.max(seq))
+            });
+            *slot = None;
+            *slot = Some(CallScratch::new(&self.rnn, b, t).map_err(named)?);
+        }
+        let Some(sc) = slot.as_mut() else {
+            return Err(arg_error("rnn: scratch missing (a bug)"));
+        };
+        let rows = batch * seq;
+        let xs = &mut sc.x[..rows * self.input_size()];
+        decode_f32_slice(x.bytes, self.dtype, xs);
+        let state_len = self.rnn.state_len(batch);
+        let has_init = init.iter().any(|s| !s.is_empty());
+        if has_init {
+            let mut at = 0;
+            for (st, units) in init.iter().zip(self.rnn.units()) {
+                let per = self.cell_of().state_names().len() * batch * units;
+                let dst = &mut sc.init[at..at + per];
+                if st.is_empty() {
+                    dst.fill(0.0);
+                } else {
+                    for (k, t) in st.iter().enumerate() {
+                        let n = batch * units;
+                        decode_f32_slice(t.bytes, self.dtype, &mut dst[k * n..(k + 1) * n]);
+                    }
+                }
+                at += per;
+            }
+        }
+        let out = &mut sc.out[..rows * self.rnn.output_size()];
+        let fin = &mut sc.fin[..state_len];
+        self.rnn.forward_dir(
+            xs,
+            batch,
+            seq,
+            has_init.then(|| &sc.init[..state_len]),
+            out,
+            fin,
+            &mut sc.rnn,
+            reverse,
+        )?;
+        encode_f32_slice(out, self.dtype, seq_out);
+        let mut at = 0;
+        for o in states_out.iter_mut() {
+            let n = o.len() / size;
+            encode_f32_slice(&fin[at..at + n], self.dtype, o);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// [`PreparedCall::run_into`] into fresh tensors.
+    pub fn run(
+        &self,
+        x: &HostTensor<'_>,
+        init: &[Vec<HostTensor<'_>>],
+        reverse: bool,
+    ) -> Result<(OwnedTensor, Vec<Vec<OwnedTensor>>)> {
+        let (batch, seq) = self.check(x, init)?;
+        let (seq_shape, state_shapes) = self.output_shapes(batch, seq);
+        let size = self.dtype.size();
+        let bytes = |s: &[usize]| -> Result<Vec<u8>> {
+            let n = s.iter().try_fold(size, |a, d| a.checked_mul(*d));
+            let n = n.ok_or_else(|| arg_error("output: size overflows"))?;
+            try_vec("rnn output", n, 0u8).map_err(named)
+        };
+        let mut seq_out = bytes(&seq_shape)?;
+        let mut states: Vec<Vec<u8>> = state_shapes
+            .iter()
+            .map(|s| bytes(s))
+            .collect::<Result<_>>()?;
+        let mut refs: Vec<&mut [u8]> = states.iter_mut().map(|v| &mut v[..]).collect();
+        self.run_into(x, init, reverse, &mut seq_out, &mut refs)?;
+        let per = self.cell_of().state_names().len();
+        let mut tensors = states
+            .into_iter()
+            .zip(state_shapes)
+            .map(|(data, shape)| OwnedTensor {
+                data,
+                shape,
+                dtype: self.dtype,
+            });
+        let grouped = (0..self.rnn.layers.len())
+            .map(|_| tensors.by_ref().take(per).collect())
+            .collect();
+        Ok((
+            OwnedTensor {
+                data: seq_out,
+                shape: seq_shape,
+                dtype: self.dtype,
+            },
+            grouped,
+        ))
+    }
+}
+
+/// The op API on f32/f16/bf16: prepares and runs once ([`PreparedCall`], so a prepared and an
+/// unprepared call compute the same values the same way).
+fn run_f32(cell: Cell, x: &Operand<'_>, layers: &[Layer<'_>], reverse: bool) -> Result<HostOutput> {
+    let call = PreparedCall::packed(cell, layers)?;
+    let staged_x = x.on_host()?;
+    let staged_init = layers
+        .iter()
+        .map(|l| {
+            l.initial_state
+                .iter()
+                .map(|t| t.on_host())
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let init: Vec<Vec<HostTensor<'_>>> = staged_init
+        .iter()
+        .map(|l| l.iter().map(|s| s.view()).collect())
+        .collect();
+    let (sequence, states) = call.run(&staged_x.view(), &init, reverse)?;
+    Ok(HostOutput { sequence, states })
 }
 
 /// `c = a · b` in f64, row-major `a` {m, k}, `b` {k, n}.
@@ -802,7 +1297,7 @@ pub(super) fn run(
     match g.dtype {
         DType::F64 => run_f64(cell, g, x, layers, reverse),
         // Name the op in a refusal: the caller sized every buffer of the call.
-        _ => run_f32(cell, g, x, layers, reverse).map_err(named),
+        _ => run_f32(cell, x, layers, reverse).map_err(named),
     }
 }
 

@@ -8,7 +8,7 @@
 
 use super::common::{
     project, smem_limit, stage, state_buffers, type_name, Cell, DeviceOutput, Geometry, Layer,
-    Path, Tuning,
+    LayerCall, Path, Tuning,
 };
 use super::{batched, cluster, mma, persistent, resident};
 use crate::cuda::{DeviceTensor, Gpu};
@@ -195,24 +195,20 @@ pub(super) fn run(
         // before sm_80 the batched path runs its steps on cuBLAS.
         let cublas_steps = path == Path::BatchedCublas
             || (path == Path::Batched && (!gpu.has_tensor_cores() || g.batch.div_ceil(16) > 65535));
+        let call = LayerCall {
+            gpu,
+            cell,
+            g,
+            h,
+            wh: &wh,
+            bias: &bias,
+            init: &init,
+            reverse,
+            tuning,
+        };
         let (seq, st) = match path {
-            Path::Persistent => persistent::layer(
-                gpu,
-                cell,
-                g,
-                h,
-                input,
-                g.input_of(l),
-                &win,
-                &wh,
-                &bias,
-                &init,
-                reverse,
-                tuning,
-            )?,
-            _ if cublas_steps => {
-                batched::layer(gpu, cell, g, h, input, &win, &wh, &bias, &init, reverse)?
-            }
+            Path::Persistent => persistent::layer(&call, input, g.input_of(l), &win)?,
+            _ if cublas_steps => batched::layer(&call, input, &win)?,
             _ => {
                 // Only the resident kernel's projection takes the tf32 opt-in.
                 let resident = path == Path::Resident;
@@ -220,13 +216,9 @@ pub(super) fn run(
                 let seq = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, h], g.dtype)?;
                 let st = state_buffers(gpu, cell, g.batch, h, g.dtype)?;
                 if resident {
-                    resident::run(
-                        gpu, cell, g, h, &xp, &wh, &bias, &init, reverse, &seq, &st, tuning,
-                    )?;
+                    resident::run(&call, &xp, &seq, &st)?;
                 } else {
-                    mma::steps(
-                        gpu, cell, g, h, &xp, &wh, &bias, &init, reverse, &seq, &st, tuning,
-                    )?;
+                    mma::steps(&call, &xp, &seq, &st)?;
                 }
                 // Freed stream-ordered, after the recurrence.
                 drop(xp);

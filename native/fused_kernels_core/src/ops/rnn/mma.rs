@@ -6,18 +6,15 @@
 //! step t+1's blocks load their weight tile while step t finishes.
 
 use super::common::{
-    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, Geometry, StatePtrs,
-    Tuning,
+    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, LayerCall, StatePtrs,
 };
 use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::RNN_MMA;
-use crate::operand::Staged;
 use cudarc::driver::sys::{self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
 use cudarc::driver::{CudaFunction, DeviceRepr};
-use std::sync::Arc;
 
 const THREADS: usize = 128;
 /// Shared memory per block that leaves room for two blocks per multiprocessor (228 KB per
@@ -157,21 +154,13 @@ fn launch(gpu: &Gpu, f: &CudaFunction, t: &Tile, args: &StepArgs, dependent: boo
 
 /// The recurrence of one layer: `xp` {B, T, G*H} f32 (input projection, no bias) to `seq`
 /// and the final states, one launch per timestep.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn steps(
-    gpu: &Arc<Gpu>,
-    cell: Cell,
-    g: &Geometry,
-    h: usize,
+    call: &LayerCall<'_, '_>,
     xp: &DeviceTensor,
-    wh: &[Staged<'_>],
-    bias: &[Staged<'_>],
-    init: &[Staged<'_>],
-    reverse: bool,
     seq: &DeviceTensor,
     states: &[DeviceTensor],
-    tuning: &Tuning,
 ) -> Result<()> {
+    let (gpu, cell, g, h) = (call.gpu, call.cell, call.g, call.h);
     let (b, t_len) = (g.batch, g.seq);
     let sms = gpu.multiprocessors()? as usize;
     let tl = tile(
@@ -181,14 +170,14 @@ pub(super) fn steps(
         g.dtype,
         sms,
         smem_limit(gpu)?,
-        tuning.mma_mt,
-        tuning.mma_smem_budget,
+        call.tuning.mma_mt,
+        call.tuning.mma_smem_budget,
     );
     let (tname, _) = type_name(g.dtype)?;
     let cname = cell_name(cell);
     let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
     crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
-    let packed = pack_tiles(gpu, wh, h, g.dtype, 8)?;
+    let packed = pack_tiles(gpu, call.wh, h, g.dtype, 8)?;
     let cstate = match cell {
         Cell::Lstm => Some(DeviceTensor::uninit(gpu, vec![b, h], DType::F32)?),
         Cell::Gru => None,
@@ -198,7 +187,7 @@ pub(super) fn steps(
         c0,
         h_out,
         c_out,
-    } = state_ptrs(cell, init, states);
+    } = state_ptrs(cell, call.init, states);
     let es = g.dtype.size();
     let mut a = StepArgs {
         w: ptr(&packed.hi),
@@ -216,14 +205,14 @@ pub(super) fn steps(
         vec: (h * es).is_multiple_of(16) as i32,
         ..Default::default()
     };
-    for (p, bb) in a.bias.iter_mut().zip(bias) {
+    for (p, bb) in a.bias.iter_mut().zip(call.bias) {
         *p = ptr(bb);
     }
-    let pdl = gpu.compute_capability >= (9, 0) && !tuning.no_pdl;
+    let pdl = gpu.compute_capability >= (9, 0) && !call.tuning.no_pdl;
     let seq_p = ptr(seq);
     let mut prev: Option<usize> = None;
     for s in 0..t_len {
-        let t = if reverse { t_len - 1 - s } else { s };
+        let t = if call.reverse { t_len - 1 - s } else { s };
         // h_{t-1}: the previous timestep of `seq` (rows T*H apart), else the initial state.
         let (hp, ld) = match prev {
             Some(tp) => (seq_p + (tp * h * es) as u64, t_len * h),

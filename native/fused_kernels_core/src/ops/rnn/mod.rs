@@ -16,7 +16,7 @@ pub use cluster::{
     cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
 };
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
-pub use cpu::{LayerWeights, PreparedRnn, RnnScratch};
+pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch};
 pub use dispatch::default_paths;
 pub use mma::{tile as mma_tile, Tile as MmaTile};
 pub use persistent::{plan as persistent_plan, Plan as PersistentPlan};
@@ -162,6 +162,20 @@ pub fn geometry(
         g.hidden.push(units);
     }
     Ok(g)
+}
+
+/// The op API's weights prepared once for the CPU (`FusedKernels.Rnn.prepare/3`): checks the
+/// layers as a call does (shapes, one element type, f32/f16/bf16) and packs them. Initial
+/// states are per call, not part of the weights: `layers` carries none.
+pub fn prepare_cpu(cell: Cell, layers: &[Layer<'_>]) -> Result<PreparedCall> {
+    if layers.iter().any(|l| !l.initial_state.is_empty()) {
+        return Err(arg_error(
+            "initial_state: give it per call, not when preparing the weights",
+        ));
+    }
+    let (features, dtype) = PreparedCall::layout_of(cell, layers)?;
+    geometry(cell, &[1, 1, features], dtype, layers)?;
+    PreparedCall::packed(cell, layers)
 }
 
 /// Runs the stack on `backend`, returning results where `placement` says.

@@ -6,7 +6,7 @@
 //! latency-bound (below `Path::crossover_batch`).
 
 use super::common::{
-    cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell, Geometry, Tuning,
+    cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell, LayerCall, Tuning,
 };
 use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
@@ -17,7 +17,6 @@ use crate::operand::Staged;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
 
 const THREADS: usize = 256;
 
@@ -193,24 +192,16 @@ pub(super) fn fits(gpu: &Gpu, cell: Cell, batch: usize, h: usize, tuning: &Tunin
     Ok(plan(cell, batch, h, sms, smem_limit, tuning.persistent_units).is_ok())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn recurrence(
-    gpu: &Arc<Gpu>,
-    cell: Cell,
-    g: &Geometry,
-    h: usize,
+    call: &LayerCall<'_, '_>,
     xp: &DeviceTensor,
-    wh: &[Staged<'_>],
-    bias: &[Staged<'_>],
-    init: &[Staged<'_>],
-    reverse: bool,
-    tuning: &Tuning,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
+    let (gpu, cell, g, h) = (call.gpu, call.cell, call.g, call.h);
     let (b, t) = (g.batch, g.seq);
     let (tname, _) = type_name(g.dtype)?;
     let sms = gpu.multiprocessors()? as usize;
     let smem_limit = smem_limit(gpu)?;
-    let p = plan(cell, b, h, sms, smem_limit, tuning.persistent_units)?;
+    let p = plan(cell, b, h, sms, smem_limit, call.tuning.persistent_units)?;
     let cname = cell_name(cell);
     let wname = if p.weights_on_chip { "smem" } else { "gmem" };
     let f = gpu.function(&RNN, &format!("rnn_{cname}_{tname}_b{}_{wname}", p.chunk))?;
@@ -243,16 +234,16 @@ fn recurrence(
         u: p.units as i32,
         nu: p.unit_blocks as i32,
         bpb: p.batch_per_block as i32,
-        reverse: reverse as i32,
+        reverse: call.reverse as i32,
         ..Default::default()
     };
-    for (i, w) in wh.iter().enumerate() {
+    for (i, w) in call.wh.iter().enumerate() {
         a.wh[i] = ptr(w);
     }
-    for (i, bb) in bias.iter().enumerate() {
+    for (i, bb) in call.bias.iter().enumerate() {
         a.bias[i] = ptr(bb);
     }
-    let sp = state_ptrs(cell, init, &states);
+    let sp = state_ptrs(cell, call.init, &states);
     (a.h0, a.c0, a.h_out, a.c_out) = (sp.h0, sp.c0, sp.h_out, sp.c_out);
     let cfg = LaunchConfig {
         grid_dim: (p.blocks() as u32, 1, 1),
@@ -268,22 +259,15 @@ fn recurrence(
 }
 
 /// One layer: `input` `{B, T, in}` to the sequence `{B, T, H}` and the final states.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn layer(
-    gpu: &Arc<Gpu>,
-    cell: Cell,
-    g: &Geometry,
-    h: usize,
+    call: &LayerCall<'_, '_>,
     input: &DeviceTensor,
     inp: usize,
     win: &[Staged<'_>],
-    wh: &[Staged<'_>],
-    bias: &[Staged<'_>],
-    init: &[Staged<'_>],
-    reverse: bool,
-    tuning: &Tuning,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
-    let mut xp = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, cell.gates() * h], DType::F32)?;
+    let (gpu, g, h) = (call.gpu, call.g, call.h);
+    let mut xp =
+        DeviceTensor::uninit(gpu, vec![g.batch, g.seq, call.cell.gates() * h], DType::F32)?;
     input_projection(gpu, input, g.batch * g.seq, inp, h, win, &mut xp)?;
-    recurrence(gpu, cell, g, h, &xp, wh, bias, init, reverse, tuning)
+    recurrence(call, &xp)
 }

@@ -8,7 +8,7 @@
 //! accumulation, cell state f32 in registers.
 
 use super::common::{
-    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, Geometry, StatePtrs,
+    cell_name, dim, pack_tiles, smem_limit, state_ptrs, type_name, Cell, LayerCall, StatePtrs,
     Tuning,
 };
 use crate::cuda::gemm::{ptr, ptr_opt};
@@ -16,9 +16,7 @@ use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
 use crate::kernels::RNN_RESIDENT;
-use crate::operand::Staged;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
 
 const THREADS: usize = 256;
 /// `RnnResArgs` in rnn_resident.cu.
@@ -188,23 +186,15 @@ pub fn tile_on(
 
 /// The recurrence of one layer: `xp` {B, T, G*H} f32 (input projection, no bias) to `seq`
 /// and the final states, one cooperative launch. Errors when the layer does not fit.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
-    gpu: &Arc<Gpu>,
-    cell: Cell,
-    g: &Geometry,
-    h: usize,
+    call: &LayerCall<'_, '_>,
     xp: &DeviceTensor,
-    wh: &[Staged<'_>],
-    bias: &[Staged<'_>],
-    init: &[Staged<'_>],
-    reverse: bool,
     seq: &DeviceTensor,
     states: &[DeviceTensor],
-    tuning: &Tuning,
 ) -> Result<()> {
+    let (gpu, cell, g, h) = (call.gpu, call.cell, call.g, call.h);
     let b = g.batch;
-    let tl = tile_on(gpu, cell, b, h, g.dtype, g.tf32, tuning)?.ok_or_else(|| {
+    let tl = tile_on(gpu, cell, b, h, g.dtype, g.tf32, call.tuning)?.ok_or_else(|| {
         arg_error(format!(
             "hidden_kernel: {h} units at batch {b} do not fit the resident tensor-core path on this GPU"
         ))
@@ -226,7 +216,7 @@ pub(super) fn run(
         )));
     }
     // (With tf32 the packed lo plane is not read.)
-    let packed = pack_tiles(gpu, wh, h, g.dtype, 8 * tl.nu)?;
+    let packed = pack_tiles(gpu, call.wh, h, g.dtype, 8 * tl.nu)?;
     let mut counters = DeviceTensor::uninit(gpu, vec![tl.batch_blocks], DType::F32)?;
     counters.fill_bytes(0)?;
     let StatePtrs {
@@ -234,7 +224,7 @@ pub(super) fn run(
         c0,
         h_out,
         c_out,
-    } = state_ptrs(cell, init, states);
+    } = state_ptrs(cell, call.init, states);
     let mut a = Args {
         w: ptr(&packed.hi),
         wlo: ptr_opt(packed.lo.as_ref()),
@@ -249,11 +239,11 @@ pub(super) fn run(
         t: dim(g.seq)?,
         h: dim(h)?,
         kp: dim(packed.kp)?,
-        reverse: reverse as i32,
+        reverse: call.reverse as i32,
         vec: (h * g.dtype.size()).is_multiple_of(16) as i32,
         ..Default::default()
     };
-    for (p, bb) in a.bias.iter_mut().zip(bias) {
+    for (p, bb) in a.bias.iter_mut().zip(call.bias) {
         *p = ptr(bb);
     }
     let cfg = LaunchConfig {

@@ -1,0 +1,151 @@
+//! The GPU engine's windows and frames timed from Rust (no NIF): `CudaEngine::predict` and
+//! `CudaEngine::step` with host input and output, median and p99 of `--iters` calls after
+//! `--warm` warm-up calls (frames of attention/Jamba warm past the cache window, so the
+//! timed frames replay their graph). ExPhil's shapes (embed 288, hidden 256, window 60;
+//! `gru1` is its 1-layer window-16 GRU). Where device time goes inside one call is read by
+//! running this under a profiler with few calls, e.g.
+//! `ncu --metrics gpu__time_duration.sum --csv engine_device --case gru --what frame
+//! --warm 3 --iters 2`: a replayed graph's kernels are the last ones of the process.
+//!
+//! With `--profile-last N` only the last N calls of each (case, what) run inside
+//! `cuProfilerStart`/`cuProfilerStop`, for `ncu --profile-from-start off` (the warm-up and
+//! the capture stay out of the report).
+//!
+//! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
+//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--json FILE]. One JSON line per
+//! (case, what).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use fused_kernels_core::engine::cuda::CudaEngine;
+use fused_kernels_core::engine::plan::{Kind, Spec};
+use std::time::Instant;
+use support::backbone::{random_params, spec, to_params};
+use support::cli::Cli;
+use support::gpu_for_tests;
+use support::Rng;
+
+fn case(name: &str) -> Option<Spec> {
+    let kind = match name {
+        "gru" | "gru1" => Kind::Gru,
+        "lstm" => Kind::Lstm,
+        "attention" => Kind::Attention,
+        "mamba" => Kind::Mamba,
+        "jamba" => Kind::Jamba,
+        _ => return None,
+    };
+    let s = spec(kind);
+    Some(if name == "gru1" {
+        Spec {
+            layers: 1,
+            window: 16,
+            ..s
+        }
+    } else {
+        s
+    })
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    (q(0.5), q(0.99))
+}
+
+fn main() {
+    let cli = Cli::from_env();
+    let mut out = cli.json();
+    if gpu_for_tests().is_none() {
+        eprintln!("engine_device: no GPU");
+        return;
+    }
+    let cases: String = cli
+        .value("--case")
+        .unwrap_or_else(|| "gru,lstm,attention,mamba,jamba,gru1".into());
+    let what: String = cli.value("--what").unwrap_or_else(|| "both".into());
+    let batch: usize = cli.value("--batch").unwrap_or(1);
+    let iters: usize = cli.value::<usize>("--iters").unwrap_or(300).max(1);
+    let warm: Option<usize> = cli.value("--warm");
+    let profile_last: Option<usize> = cli.value("--profile-last");
+    // The profiler range opens before the last `n` of `total` calls (call `i`); `stop`
+    // closes it after the loop.
+    let profile = |i: usize, total: usize| {
+        if profile_last.is_some_and(|n| i + n.min(total) == total) {
+            // Safety: a plain driver call on the thread's current context (the engine's).
+            unsafe { cudarc::driver::sys::cuProfilerStart() };
+        }
+    };
+    let stop = || {
+        if profile_last.is_some() {
+            // Safety: as above.
+            unsafe { cudarc::driver::sys::cuProfilerStop() };
+        }
+    };
+    for name in cases.split(',') {
+        let Some(s) = case(name) else {
+            eprintln!("--case: unknown {name:?}");
+            std::process::exit(2);
+        };
+        let e = match CudaEngine::new(s.clone(), to_params(&random_params(&s, 1)), None) {
+            Ok(e) => e,
+            Err(err) => {
+                eprintln!("{name}: {err}");
+                std::process::exit(1);
+            }
+        };
+        let t = s.window;
+        let mut rng = Rng::new(2);
+        let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
+        let mut y = vec![f32::NAN; batch * s.hidden];
+        let mut row = |w: &str, times: Vec<f64>, y: &[f32]| {
+            let (med, p99) = stats(times);
+            let finite = y.iter().all(|v| v.is_finite());
+            out.line(&format!(
+                "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite}}}",
+                if w == "window" { t } else { 1 }
+            ));
+        };
+        if what == "window" || what == "both" {
+            let w = warm.unwrap_or(20);
+            let mut times = Vec::with_capacity(iters);
+            for i in 0..w + iters {
+                profile(i, w + iters);
+                let t0 = Instant::now();
+                if let Err(err) = e.predict(batch, t, &x, &mut y) {
+                    eprintln!("{name} window: {err}");
+                    std::process::exit(1);
+                }
+                if i >= w {
+                    times.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            stop();
+            row("window", times, &y);
+        }
+        if what == "frame" || what == "both" {
+            // Past the cache window: attention frames replay a graph only from there.
+            let w = warm.unwrap_or(s.window + 20);
+            let mut st = e.new_state(batch).expect("state");
+            let frames: Vec<Vec<f32>> = (0..8)
+                .map(|_| rng.vec_f32(batch * s.embed, 1.0, 0.0))
+                .collect();
+            let mut times = Vec::with_capacity(iters);
+            for i in 0..w + iters {
+                let f = &frames[i % frames.len()];
+                profile(i, w + iters);
+                let t0 = Instant::now();
+                if let Err(err) = e.step(&mut st, f, &mut y) {
+                    eprintln!("{name} frame: {err}");
+                    std::process::exit(1);
+                }
+                if i >= w {
+                    times.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            stop();
+            row("frame", times, &y);
+        }
+        eprintln!("{name} graphs: {:?}", e.graphs().unwrap_or_default());
+    }
+}

@@ -1,0 +1,392 @@
+// The backbone engine's frame kernels for the attention, Mamba and Jamba backbones: one time
+// step of a few batch rows, where each launch is short and the number of launches is the cost.
+//
+// engine_gemv_f32: out = act(LN?(x) · W + bias) (+ LN?(res)), 8 rows per block. The LayerNorms of the input and
+//   of the residual are applied on the fly (every block normalises the rows it needs in shared
+//   memory; a row is a few hundred values), so a post-norm block needs no norm launches: the
+//   layer after a norm reads the un-normalised rows and the norm's parameters. W is the dense
+//   kernel as the params give it, {k, n} row-major: block j owns columns [16j, 16j + 16), and
+//   each half-warp reads 64 contiguous bytes of a row; the 16 warps split the rows and meet in
+//   shared memory.
+// engine_attn_frame_f32: one (head, batch row) per block. Appends the frame's k/v row to the
+//   {batch, window, heads, head_dim} caches (the oldest row drops out: the block owns its
+//   head's slice of the cache and rewrites it shifted, in place), optionally after the
+//   parameter-free QK LayerNorm of Jamba, then attends the frame's q over the newest `valid`
+//   rows (FlashAttention's causal sliding window for the last position), softmax in f32.
+// engine_mamba_conv_f32 / engine_mamba_scan_f32: the Mamba block's element-wise stages of one
+//   frame around its GEMVs (in_proj, B|C|dt-rank as one, out_proj): the conv, then dt, the
+//   scan step, the gate and both states.
+//
+// Arithmetic: f32, exact exponentials, LayerNorm as kernels/norm.cu (two passes, warp sums).
+
+#include "types.cuh"
+#include "reduce.cuh"
+#include "act.cuh"
+
+#define FK_EG_THREADS 512
+#define FK_EG_WARPS (FK_EG_THREADS / 32)
+#define FK_EG_COLS 16
+#define FK_EG_MAXB 8
+#define FK_EG_UNROLL 8
+
+// Mean and 1/sqrt(var + eps) of `n` values of `row` (one warp; every lane gets them).
+__device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, int lane,
+                                            float& mean, float& inv) {
+  // 1/n within an ulp, without true division's slow path (its register saves spill on sm_120).
+  const float rn = fk_rcp_normal((float)n);
+  float s = 0.0f;
+  for (int j = lane; j < n; j += 32) s += row[j];
+  mean = fk_warp_sum(s) * rn;
+  float q = 0.0f;
+  for (int j = lane; j < n; j += 32) {
+    const float v = row[j] - mean;
+    q += v * v;
+  }
+  inv = rsqrtf(fk_warp_sum(q) * rn + eps);
+}
+
+// x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
+// act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
+// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. Grid (column blocks,
+// row blocks of FK_EG_MAXB rows). Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
+extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
+    engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
+                    const float* __restrict__ xb, const float* __restrict__ w,
+                    const float* __restrict__ bias, const float* __restrict__ res,
+                    const float* __restrict__ rg, const float* __restrict__ rb,
+                    float* __restrict__ out, int rows, int k, int n, float eps, int act) {
+  if constexpr (FK_WANT(engine_gemv_f32)) {
+    // This block's rows.
+    const long long row0 = (long long)blockIdx.y * FK_EG_MAXB;
+    const int batch = min(FK_EG_MAXB, rows - (int)row0);
+    x += row0 * k;
+    out += row0 * n;
+    if (res) res += row0 * n;
+    extern __shared__ float fk_eg_xs[];  // {batch, k}
+    __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
+    __shared__ float rstat[FK_EG_MAXB][2];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
+    if (res && rg) {
+      for (int b = warp; b < batch; b += FK_EG_WARPS) {
+        float mean, inv;
+        fk_eg_stats(res + (long long)b * n, n, eps, lane, mean, inv);
+        if (lane == 0) {
+          rstat[b][0] = mean;
+          rstat[b][1] = inv;
+        }
+      }
+    }
+    __syncthreads();
+    if (xg) {
+      for (int b = warp; b < batch; b += FK_EG_WARPS) {
+        float* row = fk_eg_xs + b * k;
+        float mean, inv;
+        fk_eg_stats(row, k, eps, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < k; j += 32) row[j] = (row[j] - mean) * inv * xg[j] + xb[j];
+      }
+      __syncthreads();
+    }
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
+    float acc[FK_EG_MAXB];
+#pragma unroll
+    for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
+    int r = 2 * warp + half;
+    for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
+      float wv[FK_EG_UNROLL];
+#pragma unroll
+      for (int i = 0; i < FK_EG_UNROLL; ++i)
+        wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
+#pragma unroll
+      for (int b = 0; b < FK_EG_MAXB; ++b) {
+        if (b < batch) {
+#pragma unroll
+          for (int i = 0; i < FK_EG_UNROLL; ++i)
+            acc[b] = fmaf(fk_eg_xs[b * k + r + i * step], wv[i], acc[b]);
+        }
+      }
+    }
+    for (; r < k; r += step) {
+      const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
+#pragma unroll
+      for (int b = 0; b < FK_EG_MAXB; ++b)
+        if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], wv, acc[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < FK_EG_MAXB; ++b)
+      if (b < batch) red[2 * warp + half][b][c] = acc[b];
+    __syncthreads();
+    if (tid < batch * FK_EG_COLS) {
+      const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;
+      const int j = blockIdx.x * FK_EG_COLS + cc;
+      if (j < n) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2 * FK_EG_WARPS; ++i) s += red[i][b][cc];
+        s = fk_act<FkExact>(s + bias[j], act);
+        if (res) {
+          float rv = res[(long long)b * n + j];
+          if (rg) rv = (rv - rstat[b][0]) * rstat[b][1] * rg[j] + rb[j];
+          s += rv;
+        }
+        out[(long long)b * n + j] = s;
+      }
+    }
+  }
+}
+
+#define FK_EA_THREADS 256
+#define FK_EA_WARPS (FK_EA_THREADS / 32)
+
+// qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
+// head_dim}: shifted by one row in place, the frame's k/v rows appended last. out {batch,
+// hidden}. valid: how many of the newest rows the query sees (1..window). qk_norm: LayerNorm of
+// q and k over head_dim (unit gain, zero shift, eps 1e-6) before anything else. Grid (heads,
+// batch). Dynamic shared memory: 4·(2·window·head_dim + head_dim + window) bytes.
+extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
+    engine_attn_frame_f32(const float* __restrict__ qkv, float* kc, float* vc,
+                          float* __restrict__ out, int heads, int head_dim, int window,
+                          int valid, int qk_norm, float scale) {
+  if constexpr (FK_WANT(engine_attn_frame_f32)) {
+    extern __shared__ float fk_ea_smem[];
+    const int d = head_dim, hidden = heads * head_dim;
+    float* ks = fk_ea_smem;            // {window, d}
+    float* vs = ks + window * d;       // {window, d}
+    float* qs = vs + window * d;       // {d}
+    float* p = qs + d;                 // {window}
+    __shared__ float scratch[FK_EA_WARPS];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* row = qkv + (long long)b * 3 * hidden + h * d;
+    const long long base = (long long)b * window * hidden + h * d;  // cache row t at + t·hidden
+    for (int i = tid; i < d; i += FK_EA_THREADS) {
+      qs[i] = row[i];
+      ks[(window - 1) * d + i] = row[hidden + i];
+      vs[(window - 1) * d + i] = row[2 * hidden + i];
+    }
+    // The cache rows move as 4-float vectors where head_dim allows it (every address below is
+    // then a multiple of 4 floats); either way, all of a thread's loads are independent.
+    const bool vec = (d & 3) == 0;
+    if (vec) {
+      const int d4 = d >> 2;
+      for (int i = tid; i < (window - 1) * d4; i += FK_EA_THREADS) {
+        const int t = i / d4, j = i - t * d4;
+        const long long g = base + (long long)(t + 1) * hidden + 4 * j;
+        reinterpret_cast<float4*>(ks)[i] = *reinterpret_cast<const float4*>(kc + g);
+        reinterpret_cast<float4*>(vs)[i] = *reinterpret_cast<const float4*>(vc + g);
+      }
+    } else {
+      for (int i = tid; i < (window - 1) * d; i += FK_EA_THREADS) {
+        const int t = i / d, j = i - t * d;
+        ks[i] = kc[base + (long long)(t + 1) * hidden + j];
+        vs[i] = vc[base + (long long)(t + 1) * hidden + j];
+      }
+    }
+    __syncthreads();
+    if (qk_norm && warp < 2) {
+      float* v = warp == 0 ? qs : ks + (window - 1) * d;
+      float mean, inv;
+      fk_eg_stats(v, d, 1e-6f, lane, mean, inv);
+      __syncwarp();
+      for (int j = lane; j < d; j += 32) v[j] = (v[j] - mean) * inv;
+    }
+    __syncthreads();
+    // Every block has read its own slice only: write it back shifted.
+    if (vec) {
+      const int d4 = d >> 2;
+      for (int i = tid; i < window * d4; i += FK_EA_THREADS) {
+        const int t = i / d4, j = i - t * d4;
+        const long long g = base + (long long)t * hidden + 4 * j;
+        *reinterpret_cast<float4*>(kc + g) = reinterpret_cast<const float4*>(ks)[i];
+        *reinterpret_cast<float4*>(vc + g) = reinterpret_cast<const float4*>(vs)[i];
+      }
+    } else {
+      for (int i = tid; i < window * d; i += FK_EA_THREADS) {
+        const int t = i / d, j = i - t * d;
+        kc[base + (long long)t * hidden + j] = ks[i];
+        vc[base + (long long)t * hidden + j] = vs[i];
+      }
+    }
+    const int first = window - valid;
+    for (int t = first + warp; t < window; t += FK_EA_WARPS) {
+      float s = 0.0f;
+      for (int j = lane; j < d; j += 32) s = fmaf(qs[j], ks[t * d + j], s);
+      s = fk_warp_sum(s);
+      if (lane == 0) p[t] = s * scale;
+    }
+    __syncthreads();
+    float m = FK_NEG_INF;
+    for (int t = first + tid; t < window; t += FK_EA_THREADS) m = fmaxf(m, p[t]);
+    m = fk_block_max(m, scratch);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int t = first + tid; t < window; t += FK_EA_THREADS) {
+      const float e = expf(p[t] - m);
+      p[t] = e;
+      sum += e;
+    }
+    sum = fk_block_sum(sum, scratch);
+    __syncthreads();
+    const float rs = 1.0f / sum;
+    for (int j = tid; j < d; j += FK_EA_THREADS) {
+      float o = 0.0f;
+      for (int t = first; t < window; ++t) o = fmaf(p[t], vs[t * d + j], o);
+      out[(long long)b * hidden + h * d + j] = o * rs;
+    }
+  }
+}
+
+#define FK_EM_THREADS 256
+
+// Mamba, one frame: the causal depthwise conv of the frame's x part over the conv state, then
+// SiLU. xz {batch, 2·inner} (in_proj output, bias included: x | z); w {k, inner} (tap j
+// multiplies step t - (k-1) + j); conv_state {batch, k-1, inner}: the conv inputs of the k-1
+// frames before (read only; engine_mamba_scan_f32 moves it on). xc {batch, inner}.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+    engine_mamba_conv_f32(const float* __restrict__ xz, const float* __restrict__ w,
+                          const float* __restrict__ conv_bias,
+                          const float* __restrict__ conv_state, float* __restrict__ xc,
+                          int batch, int inner, int k) {
+  if constexpr (FK_WANT(engine_mamba_conv_f32)) {
+    const int i = blockIdx.x * FK_EM_THREADS + threadIdx.x;
+    if (i >= batch * inner) return;
+    const int b = i / inner, c = i - b * inner;
+    float acc = conv_bias[c];
+    for (int j = 0; j < k - 1; ++j)
+      acc += w[j * inner + c] * conv_state[((long long)b * (k - 1) + j) * inner + c];
+    acc += w[(k - 1) * inner + c] * xz[(long long)b * 2 * inner + c];
+    xc[i] = acc / (1.0f + expf(-acc));
+  }
+}
+
+// Mamba, one frame: per (batch row, channel), one warp: the dt projection (softplus, clipped to
+// [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:
+// h = exp(dt·A)·h + dt·B·u, y = C·h + D·u) with the state across the lanes, the SiLU(z) gate,
+// and both states moved on in place (the warp owns its channel of them). xz {batch, 2·inner};
+// xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt
+// {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1,
+// inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks of FK_EM_THREADS / 32
+// channels.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+    engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
+                          const float* __restrict__ bcr, const float* __restrict__ w_dt,
+                          const float* __restrict__ b_dt, const float* __restrict__ a,
+                          const float* __restrict__ d, float* conv_state, float* ssm_state,
+                          float* __restrict__ y, int batch, int inner, int state, int rank,
+                          int k, float dt_min, float dt_max) {
+  if constexpr (FK_WANT(engine_mamba_scan_f32)) {
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
+    if (i >= batch * inner) return;
+    const int b = i / inner, c = i - b * inner;
+    const float* row = bcr + (long long)b * (2 * state + rank);
+    float raw = 0.0f;
+    for (int r = lane; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw = fk_warp_sum(raw) + b_dt[c];
+    const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
+    const float delta = fminf(fmaxf(sp, dt_min), dt_max);
+    const float u = xc[i];
+    float* h = ssm_state + ((long long)b * inner + c) * state;
+    float acc = 0.0f;
+    for (int n = lane; n < state; n += 32) {
+      const float hn = expf(delta * a[(long long)c * state + n]) * h[n] + delta * row[n] * u;
+      h[n] = hn;
+      acc += hn * row[state + n];
+    }
+    acc = fk_warp_sum(acc);
+    if (lane == 0) {
+      const float z = xz[(long long)b * 2 * inner + inner + c];
+      y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
+      float* cs = conv_state + (long long)b * (k - 1) * inner + c;
+      for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
+      cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+    }
+  }
+}
+
+#define FK_EW_THREADS 256
+#define FK_EW_WARPS (FK_EW_THREADS / 32)
+
+// Causal sliding-window attention of a short window from one fused q|k|v projection, one
+// (head, batch row) per block: K and V of the head in shared memory (K with an odd pitch, so the
+// lanes' rows fall in distinct banks), one warp per query row: its scores one key per lane, the
+// softmax with warp reductions, the output one column per lane. Query i sees keys
+// max(0, i - left) ..= i (FlashAttention's causal window (left, 0)). qkv {batch, seq, 3·hidden}
+// (q | k | v, head h at h·head_dim of each); out {batch, seq, hidden}. qk_norm: LayerNorm of q
+// and k over head_dim first (unit gain, zero shift, eps 1e-6). Grid (heads, batch). Dynamic
+// shared memory: 4·(seq·(2·head_dim + 1) + warps·(head_dim + seq)) bytes.
+extern "C" __global__ void __launch_bounds__(FK_EW_THREADS)
+    engine_attn_window_f32(const float* __restrict__ qkv, float* __restrict__ out, int seq,
+                           int heads, int head_dim, int left, int qk_norm, float scale) {
+  if constexpr (FK_WANT(engine_attn_window_f32)) {
+    extern __shared__ float fk_ew_smem[];
+    const int d = head_dim, hidden = heads * head_dim, kp = d | 1;
+    float* ks = fk_ew_smem;           // {seq, kp}
+    float* vs = ks + seq * kp;        // {seq, d}
+    float* qw = vs + seq * d;         // {warps, d}
+    float* pw = qw + FK_EW_WARPS * d; // {warps, seq}
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* base = qkv + (long long)b * seq * 3 * hidden + h * d;
+    for (int i = tid; i < seq * d; i += FK_EW_THREADS) {
+      const int t = i / d, j = i - t * d;
+      ks[t * kp + j] = base[(long long)t * 3 * hidden + hidden + j];
+      vs[i] = base[(long long)t * 3 * hidden + 2 * hidden + j];
+    }
+    __syncthreads();
+    if (qk_norm) {
+      for (int t = warp; t < seq; t += FK_EW_WARPS) {
+        float* row = ks + t * kp;
+        float mean, inv;
+        fk_eg_stats(row, d, 1e-6f, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < d; j += 32) row[j] = (row[j] - mean) * inv;
+      }
+      __syncthreads();
+    }
+    float* q = qw + warp * d;
+    float* p = pw + warp * seq;
+    for (int i = warp; i < seq; i += FK_EW_WARPS) {
+      for (int j = lane; j < d; j += 32) q[j] = base[(long long)i * 3 * hidden + j];
+      __syncwarp();
+      if (qk_norm) {
+        float mean, inv;
+        fk_eg_stats(q, d, 1e-6f, lane, mean, inv);
+        __syncwarp();
+        for (int j = lane; j < d; j += 32) q[j] = (q[j] - mean) * inv;
+        __syncwarp();
+      }
+      const int lo = left < 0 ? 0 : max(0, i - left);
+      float m = FK_NEG_INF;
+      for (int t = lo + lane; t <= i; t += 32) {
+        const float* kr = ks + t * kp;
+        float s = 0.0f;
+        for (int j = 0; j < d; ++j) s = fmaf(q[j], kr[j], s);
+        s *= scale;
+        p[t] = s;
+        m = fmaxf(m, s);
+      }
+      m = fk_warp_max(m);
+      float sum = 0.0f;
+      for (int t = lo + lane; t <= i; t += 32) {
+        const float e = expf(p[t] - m);
+        p[t] = e;
+        sum += e;
+      }
+      sum = fk_warp_sum(sum);
+      __syncwarp();
+      const float rs = fk_rcp_normal(sum);  // sum >= 1: the max term is exp(0)
+      for (int j = lane; j < d; j += 32) {
+        float o = 0.0f;
+        for (int t = lo; t <= i; ++t) o = fmaf(p[t], vs[t * d + j], o);
+        out[((long long)b * seq + i) * hidden + h * d + j] = o * rs;
+      }
+      __syncwarp();
+    }
+  }
+}
