@@ -1,7 +1,7 @@
 //! Kernel timing for bench/gpu/side_flash_attention.py: CUDA events, median after warm-up,
 //! rotating among input sets; what `plan` picks and the alternatives it passed over. Prints
-//! one JSON object per shape. Usage: flash_attention [--json FILE] (FILE gets them all as
-//! one JSON array).
+//! one JSON object per shape. Usage: flash_attention [--json FILE] [--only NAME] (FILE gets
+//! them all as one JSON array; NAME: one shape of the list).
 
 #![allow(clippy::type_complexity)]
 
@@ -17,12 +17,19 @@ use support::cli::Cli;
 use support::{gpu_for_tests, Rng};
 
 fn main() {
-    let json = Cli::from_env().value::<String>("--json");
+    let cli = Cli::from_env();
+    let json = cli.value::<String>("--json");
+    let only = cli.value::<String>("--only");
     let Some(gpu) = gpu_for_tests() else { return };
     // (name, b, h, kvh, s, d, dtype, causal)
     let shapes: &[(&str, usize, usize, usize, usize, usize, DType, bool)] = &[
         ("a_f32", 1, 4, 4, 60, 64, DType::F32, true),
+        ("a_f32_b8", 8, 4, 4, 60, 64, DType::F32, true),
+        ("a_f32_s32", 1, 4, 4, 32, 64, DType::F32, true),
+        ("a_f32_s128_d32", 1, 4, 4, 128, 32, DType::F32, true),
+        ("a_f32_s61_d96", 2, 4, 4, 61, 96, DType::F32, false),
         ("a_bf16", 1, 4, 4, 60, 64, DType::BF16, true),
+        ("a_bf16_d36", 1, 4, 4, 60, 36, DType::BF16, true),
         ("b_f16", 1, 8, 8, 512, 64, DType::F16, false),
         ("c_bf16", 4, 16, 16, 4096, 128, DType::BF16, false),
         ("c_bf16_causal", 4, 16, 16, 4096, 128, DType::BF16, true),
@@ -31,6 +38,9 @@ fn main() {
     let mut lines = Vec::new();
     let mut rng = Rng::new(17);
     for &(name, b, h, kvh, s, d, dt, causal) in shapes {
+        if only.as_ref().is_some_and(|o| o != name) {
+            continue;
+        }
         let n_q = b * s * h * d;
         let sets = if n_q > 1 << 22 { 2 } else { 8 };
         let mut inputs = Vec::new();
@@ -60,8 +70,16 @@ fn main() {
         let chosen = plan(&g, dt, gpu.has_tensor_cores(), sms).unwrap();
         // What `plan` picks, then the alternatives it passed over for this shape.
         let alternatives: &[&str] = match name {
-            "a_f32" => &["fa_ffma_f32_2_4"],
-            "a_bf16" => &["fa_ffma_bf16_2_1", "fa_mma_bf16_64_2_64"],
+            "a_f32" | "a_f32_b8" => &["fa_ffma_f32_2_1", "fa_ffma_f32_2_4"],
+            "a_f32_s32" => &["fa_ffma_f32_2_1", "fa_short_f32_2_2"],
+            "a_f32_s128_d32" => &["fa_ffma_f32_1_1", "fa_ffma_f32_1_4"],
+            "a_f32_s61_d96" => &["fa_ffma_f32_3_1"],
+            "a_bf16" => &[
+                "fa_ffma_bf16_2_1",
+                "fa_mma_bf16_64_2_64",
+                "fa_short_bf16_2_2",
+            ],
+            "a_bf16_d36" => &["fa_ffma_bf16_2_1"],
             "b_f16" => &["fa_mma_f16_64_2_64", "fa_ffma_f16_2_1"],
             "c_bf16" | "c_bf16_causal" => &["fa_mma_bf16_128_1_64"],
             "d_f16" => &["fa_mma_f16_64_1_64"],
@@ -82,7 +100,7 @@ fn main() {
             // Back to back (in `Timing`): launches queue behind each other, so launch latency
             // is hidden.
             let t = time_calls(&gpu, 20, reps, call).unwrap();
-            let (median, b2b) = (t.median_us, t.back_to_back_us);
+            let (median, p90, b2b) = (t.median_us, t.p90_us, t.back_to_back_us);
             let kernel = &kplan.function;
             let name = if variant == 0 {
                 name.to_string()
@@ -91,7 +109,7 @@ fn main() {
             };
             let flops = 4.0 * (b * h * s * s * d) as f64 * if causal { 0.5 } else { 1.0 };
             let line = format!(
-            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
+            "{{\"name\":\"{name}\",\"b\":{b},\"h\":{h},\"s\":{s},\"d\":{d},\"dtype\":\"{}\",\"causal\":{causal},\"kernel\":\"{kernel}\",\"median_us\":{:.2},\"p90_us\":{p90:.2},\"back_to_back_us\":{b2b:.2},\"tflops\":{:.1}}}",
             dt.name(),
             median,
             flops / (median * 1e-6) / 1e12

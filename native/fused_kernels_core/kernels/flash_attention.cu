@@ -10,10 +10,13 @@
 // Work item x = tile * bh + (b * heads + h), with tiles counted from the last one: under a
 // causal mask the longest rows start first.
 //
-// Two kernels:
+// Three kernels:
 //  * fa_ffma_*: any type and any head_dim <= 32 * ND, f32 FFMA arithmetic (meets f32's 1e-5).
 //    Four warps; each owns R query rows; one key per lane for the scores, then each lane
 //    accumulates head_dim / 32 output columns. R = 1 spreads small problems over more blocks.
+//  * fa_short_*: the same arithmetic for sk <= 32 * KC (KC <= 4): all keys staged in shared
+//    memory in one batch of loads, the keys of a query row split over KC warps whose partial
+//    softmaxes merge in shared memory; 4 / KC query rows per block.
 //  * fa_mma_*: f16/bf16 with head_dim % 8 == 0 on sm_80+. FlashAttention-2's structure:
 //    4 warps, each owning MT tiles of 16 query rows; K/V tiles of BK keys double-buffered in
 //    shared memory through 16-byte cp.async; S = Q K^T and O += P V on mma.sync m16n8k16 with
@@ -166,6 +169,167 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
 FA_FFMA_ALL(f32, float)
 FA_FFMA_ALL(f16, fk_f16)
 FA_FFMA_ALL(bf16, fk_bf16)
+
+// ---------------------------------------------------------------------------------------
+// Short-sequence kernel: sk <= 32 * KC
+
+// Copies rows r0..r1 (inclusive) of a {rows, d} matrix with row stride `rs` into shared rows
+// of pitch P floats at the same row index, columns d..DP-1 zeroed. `vec`: T is float and every
+// row starts 16-byte aligned with d % 4 == 0, so 16-byte cp.async copies serve (all in flight
+// at once); otherwise element loads converted to f32.
+template <typename T, int DP>
+__device__ __forceinline__ void fa_short_rows(float* dst, int P, const T* src, long long rs,
+                                              int r0, int r1, int d, bool vec) {
+  if (r1 < r0) return;
+  if (vec) {
+    constexpr int C = DP / 4;
+    const int n = (r1 - r0 + 1) * C;
+#pragma unroll 4
+    for (int e = threadIdx.x; e < n; e += 128) {
+      const int r = r0 + e / C, c = (e % C) * 4;
+      const bool in = c < d;
+      fk_cp16_bytes(dst + r * P + c, in ? src + r * rs + c : src, in ? 16 : 0);
+    }
+  } else {
+    const int n = (r1 - r0 + 1) * DP;
+#pragma unroll 4
+    for (int e = threadIdx.x; e < n; e += 128) {
+      const int r = r0 + e / DP, c = e % DP;
+      dst[r * P + c] = c < d ? fk_to_f32(src[r * rs + c]) : 0.0f;
+    }
+  }
+}
+
+// For short key sequences the FFMA kernel's loop over 32-key tiles is a chain of global
+// round trips in few blocks. Here every key a block's rows see is staged in shared memory in
+// one batch of loads, and the keys are split over warps: warp w takes query row w / KC of the
+// block's 4 / KC rows and keys 32 * (w % KC) .. + 31 (one per lane for the scores, then
+// head_dim / 32 output columns per lane); the KC partial softmaxes (max, sum, output) of a row
+// merge through shared memory. Shared K rows have pitch DP + 4 (= 4 mod 32 floats), so the
+// lanes' 16-byte reads of their own rows do not conflict.
+template <typename T, int ND, int KC>
+__device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __restrict__ k,
+                                         const T* __restrict__ v, T* __restrict__ o,
+                                         float* __restrict__ lse, const FaArgs a) {
+  constexpr int QR = 4 / KC, DP = 32 * ND, NK = 32 * KC, KP = DP + 4;
+  extern __shared__ float4 fa_smem4[];
+  float* Qs = reinterpret_cast<float*>(fa_smem4);  // QR x DP
+  float* Ks = Qs + QR * DP;                        // NK x KP
+  float* Vs = Ks + NK * KP;                        // NK x DP
+  float* Pacc = Vs + NK * DP;                      // 4 x DP: partial outputs per warp
+  float* Pm = Pacc + 4 * DP;                       // 4: partial max per warp
+  float* Pl = Pm + 4;                              // 4: partial sum per warp
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int bh = blockIdx.x % a.bh, tile = a.tiles - 1 - blockIdx.x / a.bh;
+  const int b = bh / a.heads, h = bh % a.heads, kvh = h / a.group;
+  const int q0 = tile * QR, qlast = min(q0 + QR, a.sq) - 1;
+  const T* qb = q + b * a.q_sb + h * a.q_sh;
+  const T* kb = k + b * a.k_sb + kvh * a.k_sh;
+  const T* vb = v + b * a.k_sb + kvh * a.k_sh;
+
+  const bool vec = sizeof(T) == 4 && (a.d & 3) == 0 &&
+                   ((a.q_ss | a.k_ss | (reinterpret_cast<unsigned long long>(qb) |
+                                        reinterpret_cast<unsigned long long>(kb) |
+                                        reinterpret_cast<unsigned long long>(vb)) >> 2) & 3) == 0;
+  const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
+  fa_short_rows<T, DP>(Qs - q0 * DP, DP, qb, a.q_ss, q0, qlast, a.d, vec);
+  fa_short_rows<T, DP>(Ks, KP, kb, a.k_ss, klo, khi, a.d, vec);
+  fa_short_rows<T, DP>(Vs, DP, vb, a.k_ss, klo, khi, a.d, vec);
+  fk_cp_commit();
+  fk_cp_wait<0>();
+  __syncthreads();
+
+  const int r = warp / KC, c0 = (warp % KC) * 32, i = q0 + r;
+  const int lo = fa_lo(a, i), hi = fa_hi(a, i);
+  const bool row = i < a.sq;
+  const int j = c0 + lane;
+  float s = FK_NEG_INF;
+  if (row && j >= lo && j <= hi) {
+    const float4* kr = reinterpret_cast<const float4*>(Ks + j * KP);
+    const float4* qr = reinterpret_cast<const float4*>(Qs + r * DP);
+    float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < DP / 4; ++c) {
+      const float4 kc = kr[c], qc = qr[c];
+      s4[0] = fmaf(qc.x, kc.x, s4[0]);
+      s4[1] = fmaf(qc.y, kc.y, s4[1]);
+      s4[2] = fmaf(qc.z, kc.z, s4[2]);
+      s4[3] = fmaf(qc.w, kc.w, s4[3]);
+    }
+    s = ((s4[0] + s4[1]) + (s4[2] + s4[3])) * a.scale_log2;
+  }
+  const float m = fk_warp_max(s);
+  const float mu = m == FK_NEG_INF ? 0.0f : m;  // no visible key in this chunk: p = 0
+  const float p = exp2f(s - mu);
+  float acc[ND];
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc[e] = 0.0f;
+  const int jlo = max(lo, c0), jhi = row ? min(hi, c0 + 31) : jlo - 1;
+#pragma unroll 4
+  for (int jj = jlo; jj <= jhi; ++jj) {
+    const float pj = __shfl_sync(0xffffffffu, p, jj - c0);
+    const float* vr = Vs + jj * DP + lane;
+#pragma unroll
+    for (int e = 0; e < ND; ++e) acc[e] = fmaf(pj, vr[32 * e], acc[e]);
+  }
+  float sum = fk_warp_sum(p), mt = m;
+
+  if (KC > 1) {
+    if (warp % KC != 0) {
+#pragma unroll
+      for (int e = 0; e < ND; ++e) Pacc[warp * DP + lane + 32 * e] = acc[e];
+      if (lane == 0) {
+        Pm[warp] = m;
+        Pl[warp] = sum;
+      }
+    }
+    __syncthreads();
+    if (warp % KC != 0) return;
+    for (int w = warp + 1; w < warp + KC; ++w) mt = fmaxf(mt, Pm[w]);
+    const float mtu = mt == FK_NEG_INF ? 0.0f : mt;
+    const float own = exp2f(m - mtu);
+    sum *= own;
+#pragma unroll
+    for (int e = 0; e < ND; ++e) acc[e] *= own;
+    for (int w = warp + 1; w < warp + KC; ++w) {
+      const float f = exp2f(Pm[w] - mtu);
+      sum = fmaf(Pl[w], f, sum);
+#pragma unroll
+      for (int e = 0; e < ND; ++e) acc[e] = fmaf(Pacc[w * DP + lane + 32 * e], f, acc[e]);
+    }
+  }
+
+  if (!row) return;
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  T* orow = o + b * a.q_sb + i * a.q_ss + h * a.q_sh;
+#pragma unroll
+  for (int e = 0; e < ND; ++e) {
+    const int c = lane + 32 * e;
+    if (c < a.d) orow[c] = fk_from_f32<T>(acc[e] * inv);
+  }
+  if (lane == 0)
+    lse[(long long)bh * a.sq + i] =
+        sum > 0.0f ? (mt + log2f(sum)) / FA_LOG2E : __int_as_float(0x7f800000);
+}
+
+#define FA_SHORT(NAME, T, ND, KC)                                                             \
+  extern "C" __global__ void __launch_bounds__(128, 1)                                        \
+      fa_short_##NAME##_##ND##_##KC(const T* q, const T* k, const T* v, T* o, float* lse,     \
+                                    const FaArgs a) {                                         \
+    if constexpr (FK_WANT(fa_short_##NAME##_##ND##_##KC)) {                                   \
+      fa_short<T, ND, KC>(q, k, v, o, lse, a);                                                \
+    }                                                                                         \
+  }
+// The (head_dim / 32, key chunks) pairs whose shared memory fits in 64 KiB (see
+// `short_plan` in flash_attention.rs).
+#define FA_SHORT_ALL(NAME, T)                                                                 \
+  FA_SHORT(NAME, T, 1, 1) FA_SHORT(NAME, T, 1, 2) FA_SHORT(NAME, T, 1, 4)                     \
+  FA_SHORT(NAME, T, 2, 1) FA_SHORT(NAME, T, 2, 2) FA_SHORT(NAME, T, 3, 1)                     \
+  FA_SHORT(NAME, T, 3, 2) FA_SHORT(NAME, T, 4, 1) FA_SHORT(NAME, T, 6, 1)
+
+FA_SHORT_ALL(f32, float)
+FA_SHORT_ALL(f16, fk_f16)
+FA_SHORT_ALL(bf16, fk_bf16)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (sm_80+)

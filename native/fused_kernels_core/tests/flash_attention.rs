@@ -129,7 +129,7 @@ fn every_planned_kernel_exists_in_the_source() {
         for d in [
             1, 8, 32, 40, 48, 64, 80, 96, 100, 128, 136, 160, 192, 200, 256,
         ] {
-            for (bh, sq) in [(1, 60), (64, 4096), (1, 1), (8, 512)] {
+            for (bh, sq) in [(1, 60), (64, 4096), (1, 1), (8, 512), (4, 33), (2, 128)] {
                 let g = Geometry {
                     batch: 1,
                     heads: bh,
@@ -145,6 +145,8 @@ fn every_planned_kernel_exists_in_the_source() {
                     let parts: Vec<&str> = plan.function.split('_').collect();
                     let inst = if parts[1] == "mma" {
                         format!("FA_MMA(NAME, T, {}, {}, {})", parts[3], parts[4], parts[5])
+                    } else if parts[1] == "short" {
+                        format!("FA_SHORT(NAME, T, {}, {})", parts[3], parts[4])
                     } else {
                         format!("FA_FFMA_R(NAME, T, {})", parts[3])
                     };
@@ -234,6 +236,87 @@ fn cuda_large_grids_and_odd_head_dims() {
         };
         check(&case, &mut rng, &mut cuda_exec);
     }
+}
+
+#[test]
+fn short_sequences_take_the_short_kernel_at_its_edges() {
+    let g = |sq: usize, sk: usize, d: usize| Geometry {
+        batch: 1,
+        heads: 4,
+        kv_heads: 4,
+        sq,
+        sk,
+        d,
+        layout: Layout::Bshd,
+    };
+    let name = |sq, sk, d, dt| plan(&g(sq, sk, d), dt, true, 132).unwrap().function;
+    assert_eq!(name(60, 60, 64, DType::F32), "fa_short_f32_2_2");
+    assert_eq!(name(1, 1, 40, DType::F32), "fa_short_f32_2_1");
+    assert_eq!(name(32, 32, 64, DType::F32), "fa_short_f32_2_1");
+    assert_eq!(name(33, 33, 64, DType::F32), "fa_short_f32_2_2");
+    assert_eq!(name(128, 128, 32, DType::F32), "fa_short_f32_1_4");
+    assert_eq!(name(61, 61, 96, DType::F32), "fa_short_f32_3_2");
+    assert_eq!(name(256, 20, 64, DType::F32), "fa_short_f32_2_1");
+    assert_eq!(name(60, 60, 36, DType::BF16), "fa_short_bf16_2_2");
+    assert_eq!(name(60, 60, 64, DType::F16), "fa_mma_f16_64_1_64");
+    // Past the edges: more keys than the chunks hold, more rows, a head too wide.
+    assert!(name(129, 129, 32, DType::F32).starts_with("fa_ffma"));
+    assert!(name(65, 65, 64, DType::F32).starts_with("fa_ffma"));
+    assert!(name(257, 20, 64, DType::F32).starts_with("fa_ffma"));
+    assert!(name(60, 60, 128, DType::F32).starts_with("fa_ffma"));
+    assert!(name(60, 60, 64, DType::BF16).starts_with("fa_mma"));
+}
+
+#[test]
+fn cuda_short_kernel_edges() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let mut rng = Rng::new(21);
+    let mut n = 0;
+    // Sequences at each chunk edge (1, 32, 33, 64, 128), more queries than keys and the
+    // reverse, every head dim the kernel takes, batch 3; every mask (GQA, MQA, windows).
+    for dt in [DType::F32, DType::BF16] {
+        for (d, seqs) in [
+            (
+                64,
+                &[
+                    (1, 1),
+                    (32, 32),
+                    (33, 33),
+                    (60, 60),
+                    (64, 64),
+                    (61, 20),
+                    (7, 50),
+                ][..],
+            ),
+            (40, &[(1, 1), (61, 61), (100, 128), (128, 128)][..]),
+            (96, &[(33, 64), (64, 64)][..]),
+            (192, &[(17, 32)][..]),
+            (1, &[(9, 9)][..]),
+            // Not multiples of 8 (bf16 takes this kernel, not the tensor cores); 38: f32 rows
+            // that are not 16-byte aligned (element loads).
+            (36, &[(1, 1), (60, 60), (33, 64)][..]),
+            (38, &[(61, 61)][..]),
+            (100, &[(17, 32)][..]),
+        ] {
+            for &(sq, sk) in seqs {
+                for &mask in MASKS {
+                    let case = Case {
+                        dt,
+                        batch: 3,
+                        sq,
+                        sk,
+                        d,
+                        mask,
+                    };
+                    check(&case, &mut rng, &mut cuda_exec);
+                    n += 2;
+                }
+            }
+        }
+    }
+    eprintln!("flash_attention short kernel: {n} GPU cases match the f64 reference");
 }
 
 #[test]

@@ -1104,8 +1104,51 @@ const MMA_CONFIGS: &[(usize, usize, usize)] = &[
 /// Single-tile variants for grids too small to fill the GPU with 128-row blocks.
 const MMA_SMALL: &[(usize, usize, usize)] = &[(64, 1, 64), (128, 1, 64)];
 
-/// Picks the kernel: tensor cores for f16/bf16 with head_dim % 8 == 0 on sm_80+, else the
-/// FFMA kernel (all f32 inputs: it meets f32's tolerance).
+/// `(head_dim / 32, key chunks)` pairs of the short-sequence kernel; must match
+/// `FA_SHORT_ALL` in the kernel source (the pairs whose shared memory fits in 64 KiB, which
+/// every supported architecture allows a block).
+const SHORT_CONFIGS: &[(usize, usize)] = &[
+    (1, 1),
+    (1, 2),
+    (1, 4),
+    (2, 1),
+    (2, 2),
+    (3, 1),
+    (3, 2),
+    (4, 1),
+    (6, 1),
+];
+
+/// Shared bytes of `fa_short_*_{nd}_{kc}`: Q rows, K (pitch +4) and V of 32·kc keys, and
+/// the per-warp partial outputs, maxima and sums.
+fn short_shared_bytes(nd: usize, kc: usize) -> usize {
+    let (dp, nk) = (32 * nd, 32 * kc);
+    ((4 / kc) * dp + nk * (dp + 4) + nk * dp + 4 * dp + 8) * 4
+}
+
+/// The short-sequence kernel for sequences it serves: every key in shared memory (sk <= 128,
+/// as many 32-key chunks as it needs) and at most `SHORT_MAX_SQ` query rows. On the H100 it
+/// beat the FFMA kernel at every f32 shape timed (S 32..128, batch 1 and 8, head dims 32..96)
+/// and for bf16 at head_dim 36 (bench/RESULTS.md).
+fn short_plan(g: &Geometry, tname: &str, nd: usize) -> Option<Plan> {
+    if g.sq > SHORT_MAX_SQ {
+        return None;
+    }
+    let kc = [1, 2, 4].into_iter().find(|kc| 32 * kc >= g.sk)?;
+    SHORT_CONFIGS.contains(&(nd, kc)).then(|| Plan {
+        function: format!("fa_short_{tname}_{nd}_{kc}"),
+        rows: 4 / kc,
+        shared_bytes: short_shared_bytes(nd, kc),
+    })
+}
+
+/// Longest query sequence routed to the short-sequence kernel (longer ones have blocks
+/// enough for the FFMA kernel's 16-row tiles; the crossover between is not measured).
+const SHORT_MAX_SQ: usize = 256;
+
+/// Picks the kernel: tensor cores for f16/bf16 with head_dim % 8 == 0 on sm_80+; else the
+/// short-sequence kernel where it serves; else the FFMA kernel (all f32 inputs: both meet
+/// f32's tolerance).
 pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Result<Plan> {
     let tname = dtype.kernel_suffix("q")?;
     let bh = g.batch * g.heads;
@@ -1130,6 +1173,9 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
         .into_iter()
         .find(|n| 32 * n >= g.d)
         .unwrap_or(8);
+    if let Some(p) = short_plan(g, tname, nd) {
+        return Ok(p);
+    }
     let r = if bh * g.sq.div_ceil(16) >= 2 * sms {
         4
     } else {
@@ -1144,7 +1190,7 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
 }
 
 /// The plan for a kernel named like `plan` names them (`fa_mma_bf16_64_1_64`,
-/// `fa_ffma_f32_2_1`): lets the benchmark time alternatives to what `plan` picks.
+/// `fa_ffma_f32_2_1`, `fa_short_f32_2_2`): lets the benchmark time alternatives to what `plan` picks.
 pub fn plan_named(g: &Geometry, function: &str) -> Option<Plan> {
     let parts: Vec<&str> = function.split('_').collect();
     let num = |i: usize| parts.get(i).and_then(|x| x.parse::<usize>().ok());
@@ -1152,6 +1198,13 @@ pub fn plan_named(g: &Geometry, function: &str) -> Option<Plan> {
         Some(&"mma") => {
             let (dp, mt, bk) = (num(3)?, num(4)?, num(5)?);
             (64 * mt, (64 * mt + 4 * bk) * (dp + 8) * 2)
+        }
+        Some(&"short") => {
+            let (nd, kc) = (num(3)?, num(4)?);
+            if !SHORT_CONFIGS.contains(&(nd, kc)) || 32 * kc < g.sk || 32 * nd < g.d {
+                return None;
+            }
+            (4 / kc, short_shared_bytes(nd, kc))
         }
         Some(&"ffma") => {
             let (nd, r) = (num(3)?, num(4)?);
