@@ -230,3 +230,33 @@ fn erf_matches_known_values() {
         );
     }
 }
+
+#[test]
+fn cpu_norm_fused_rows_with_large_means_match_f64_reference() {
+    // Rows around 1000 with unit spread: LayerNorm's statistics must not lose the spread to
+    // the rounding of an f32 sum of large values (a plain f32 mean gave ~3e-5 here).
+    let mut rng = Rng::new(20261124);
+    for kind in [Kind::LayerNormDense, Kind::RmsNormDense] {
+        for (xs, n) in [(&[7usize, 200][..], 64usize), (&[3, 512], 96)] {
+            let mut c = support::dense::case(&mut rng, kind, xs, n, DType::F32, true);
+            let shifted: Vec<f64> = c.vals.x.iter().map(|v| v + 1000.0).collect();
+            c.bytes.x.0 = fused_kernels_core::dtype::encode_f64(&shifted, DType::F32);
+            c.vals.x = fused_kernels_core::dtype::decode_f64(&c.bytes.x.0, DType::F32);
+            let h = hosts(&c, kind);
+            let p = Params::new(kind, Activation::None, 1e-5).unwrap();
+            let shapes = h
+                .try_map(kind, |_, t| Ok((t.shape.clone(), t.dtype)))
+                .unwrap();
+            let g = geometry(&p, &shapes).unwrap();
+            let rows: Vec<usize> = (0..g.m).collect();
+            let products =
+                fused_kernels_core::reference::dense::reference_products(&c.vals, &g, &p, &rows);
+            let want = fused_kernels_core::reference::dense::reference_epilogue(
+                &c.vals, &g, &p, &rows, &products,
+            );
+            let got = fused_kernels_core::dtype::decode_f64(&cpu(&h, p).unwrap().data, DType::F32);
+            let err = support::rel_l2(&got, &want);
+            assert!(err <= 1e-5, "{kind:?} {xs:?}x{n}: rel L2 {err:e}");
+        }
+    }
+}

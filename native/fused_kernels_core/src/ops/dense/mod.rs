@@ -16,7 +16,7 @@ pub use cuda::{cuda, launch, plan, Plan};
 use super::Backend;
 use crate::cpu::gemm::{gemm_act, Init, Rhs};
 use crate::cpu::gemv::gemv;
-use crate::cpu::math::{apply, Func};
+use crate::cpu::math::{apply, norm_rows, Func, NormKind};
 use crate::cpu::pool::for_each_row_chunk;
 use crate::cpu::{Isa, PackedB};
 use crate::cuda::DeviceTensor;
@@ -595,12 +595,26 @@ fn forward_f32(
     }
     let a: &[f32] = if p.kind.norm() > 0 {
         let normed = &mut scratch.normed[..m * k];
-        for (xr, nr) in x
-            .chunks_exact(k.max(1))
-            .zip(normed.chunks_exact_mut(k.max(1)))
-        {
-            norm_row_f32(xr, p, v.gamma, v.beta, nr);
-        }
+        let kind = if p.kind == Kind::LayerNormDense {
+            NormKind::Layer
+        } else {
+            NormKind::Rms
+        };
+        // Checked by `shapes` for the norm kinds; refused here rather than unwrapped.
+        let gamma = v.gamma.ok_or_else(|| {
+            arg_error(format!(
+                "gamma: the norm-fused dense kinds need gamma {{{k}}}"
+            ))
+        })?;
+        norm_rows(
+            isa,
+            kind,
+            &x[..m * k],
+            normed,
+            k,
+            (gamma, v.beta),
+            p.eps as f32,
+        );
         normed
     } else {
         x
@@ -633,21 +647,6 @@ fn forward_f32(
         out.iter_mut().zip(r).for_each(|(o, r)| *o += r);
     }
     Ok(())
-}
-
-/// One normalised row in f32 (two passes: mean, then the centred second moment).
-fn norm_row_f32(xr: &[f32], p: &Params, g: Option<&[f32]>, b: Option<&[f32]>, out: &mut [f32]) {
-    let k = xr.len() as f32;
-    let mean = if p.kind == Kind::LayerNormDense {
-        xr.iter().sum::<f32>() / k
-    } else {
-        0.0
-    };
-    let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / k;
-    let rstd = 1.0 / (var + p.eps as f32).sqrt();
-    for (i, (o, v)) in out.iter_mut().zip(xr).enumerate() {
-        *o = (v - mean) * rstd * g.map_or(1.0, |g| g[i]) + b.map_or(0.0, |b| b[i]);
-    }
 }
 
 /// The CPU implementation: f32 throughout for f32/f16/bf16 (B used in place, not packed: a
