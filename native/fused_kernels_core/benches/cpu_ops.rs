@@ -7,8 +7,8 @@
 //! Flags: `--op lstm|gru|dense|scan|attention|norm|math`, `--mode step|window` (rnn), `--batch`,
 //! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
 //! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
-//! avx2+fma|avx512f` (force a level the CPU has). Prints the median and the 10th/90th
-//! percentiles of per-call wall time in ms.
+//! avx2+fma|avx512f` (force a level the CPU has), `--act gelu|none|...` (dense's activation).
+//! Prints the median and the 10th/90th percentiles of per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
@@ -24,6 +24,7 @@ struct Args {
     iters: usize,
     portable: bool,
     isa: Option<String>,
+    act: String,
 }
 
 fn parse() -> Args {
@@ -37,6 +38,7 @@ fn parse() -> Args {
         iters: 200,
         portable: false,
         isa: None,
+        act: "gelu".into(),
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -52,6 +54,7 @@ fn parse() -> Args {
             "--hidden" => a.hidden = val().split(',').map(|s| num(s.to_string())).collect(),
             "--iters" => a.iters = num(val()),
             "--isa" => a.isa = Some(val()),
+            "--act" => a.act = val(),
             "--threads" => {
                 // Before the pool's first use, which reads it once.
                 std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
@@ -261,7 +264,8 @@ fn dense(a: &Args, isa: Isa) {
     let x = rng.vec(m * k, 1.0);
     let w = rng.vec(k * n, 1.0 / (k as f32).sqrt());
     let b = rng.vec(n, 0.1);
-    let p = Params::new(Kind::Dense, Activation::Gelu, 0.0).expect("params");
+    let act = Activation::parse(&a.act).expect("--act: an activation name");
+    let p = Params::new(Kind::Dense, act, 0.0).expect("params");
     let dw = DenseWeights {
         kernel: &w,
         kernel_up: None,
@@ -278,7 +282,7 @@ fn dense(a: &Args, isa: Isa) {
             .expect("forward");
     });
     report(
-        &format!("dense prepared {m}x{k}x{n} +bias +gelu [{}]", isa.name()),
+        &format!("dense prepared {m}x{k}x{n} +bias +{} [{}]", a.act, isa.name()),
         ms,
     );
     let bytes = |v: &[f32]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
@@ -302,7 +306,7 @@ fn dense(a: &Args, isa: Isa) {
         std::hint::black_box(dense::cpu(&ops, p).expect("dense"));
     });
     report(
-        &format!("dense op API {m}x{k}x{n} +bias +gelu [best isa]"),
+        &format!("dense op API {m}x{k}x{n} +bias +{} [best isa]", a.act),
         ms,
     );
 }
