@@ -282,7 +282,11 @@ fn dense(a: &Args, isa: Isa) {
             .expect("forward");
     });
     report(
-        &format!("dense prepared {m}x{k}x{n} +bias +{} [{}]", a.act, isa.name()),
+        &format!(
+            "dense prepared {m}x{k}x{n} +bias +{} [{}]",
+            a.act,
+            isa.name()
+        ),
         ms,
     );
     let bytes = |v: &[f32]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();

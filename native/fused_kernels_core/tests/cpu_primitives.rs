@@ -313,6 +313,28 @@ fn math_functions_meet_their_bounds_on_every_path() {
     }
 }
 
+/// The tighter bounds of the gelu forms for x ≥ 0 (the table's parenthesis), over a finer
+/// sweep of [0, 20].
+#[test]
+fn gelu_forms_meet_their_bound_for_positive_inputs() {
+    let xs: Vec<f32> = (0..=2_000_000).map(|i| i as f32 * 1e-5).collect();
+    for isa in Isa::available() {
+        for (f, rel) in [(Func::Gelu, 5e-7), (Func::GeluTanh, 2e-7)] {
+            let mut ys = xs.clone();
+            apply(isa, f, &mut ys);
+            for (&x, &y) in xs.iter().zip(&ys).skip(1) {
+                let want = exact(f, x as f64);
+                let r = (y as f64 - want).abs() / want;
+                assert!(
+                    r <= rel,
+                    "{} {f:?}({x}) = {y}, want {want}: rel {r:e}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn math_functions_define_nan_and_infinities() {
     for isa in Isa::available() {

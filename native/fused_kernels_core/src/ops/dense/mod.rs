@@ -17,6 +17,7 @@ pub mod sm90;
 
 pub use common::{erf, geometry, Activation, Geometry, Kind, Operands, Params};
 pub use cpu::{cpu, DenseScratch, DenseWeights, PreparedDense, PreparedDenseCall};
+#[cfg(any(test, feature = "reference"))]
 pub(crate) use cpu::{epilogue, norm_row};
 pub use cuda::{cuda, launch, plan, Plan};
 
