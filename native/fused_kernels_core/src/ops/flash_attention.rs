@@ -463,6 +463,37 @@ mod avx2 {
         }
     }
 
+    /// The 8 × 8 transpose of the rows `r`.
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
     /// Up to 16 query rows `rows` of (batch b, head h) at once, the rows in the lanes of two
     /// vectors: scores `Sᵀ = K · Qᵀ` for six keys at a time (each key value broadcast, twelve
     /// accumulators), the online softmax vertically over the keys of a block (each row's
@@ -494,18 +525,31 @@ mod avx2 {
         let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R]>::uninit();
         // Qᵀ scaled: qt[c * R + r]; rows past nr are zero.
         let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
-        if nr < R {
-            qt.fill(0.0);
+        // Eight rows by eight columns at a time, through registers.
+        let sv = _mm256_set1_ps(scale);
+        for half in 0..2 {
+            let rp: [Option<*const f32>; 8] = std::array::from_fn(|i| {
+                let r = 8 * half + i;
+                (r < nr).then(|| c.q.add(b * qs.sb + (rows.start + r) * qs.ss + h * qs.sh))
+            });
+            let mut c0 = 0;
+            while c0 < d {
+                let rv: [__m256; 8] = std::array::from_fn(|i| match rp[i] {
+                    Some(p) => _mm256_mul_ps(_mm256_loadu_ps(p.add(c0)), sv),
+                    None => _mm256_setzero_ps(),
+                });
+                let t = transpose8(rv);
+                for (i, v) in t.iter().enumerate() {
+                    _mm256_storeu_ps(qt.as_mut_ptr().add((c0 + i) * R + 8 * half), *v);
+                }
+                c0 += 8;
+            }
         }
         let (mut lo_r, mut hi_r) = ([f32::INFINITY; R], [f32::NEG_INFINITY; R]);
         let (mut lo, mut hi) = (i64::MAX, i64::MIN);
         let (mut lo_max, mut hi_min) = (i64::MIN, i64::MAX);
         for r in 0..nr {
             let i = rows.start + r;
-            let qp = c.q.add(b * qs.sb + i * qs.ss + h * qs.sh);
-            for cc in 0..d {
-                qt[cc * R + r] = *qp.add(cc) * scale;
-            }
             let (a, z) = g.visible(p, i);
             if a <= z {
                 (lo_r[r], hi_r[r]) = (a as f32, z as f32);
