@@ -438,14 +438,25 @@ impl PreparedDenseCall {
         if residual.is_some() && sc.residual.len() < mn {
             sc.residual = crate::cpu::alloc_zeroed(sc.rows * n)?;
         }
-        let xs = &mut sc.x[..m * k];
-        crate::dtype::decode_f32_slice(x.bytes, self.dtype, xs);
-        let res = match residual {
-            Some(r) => {
-                let rs = &mut sc.residual[..mn];
-                crate::dtype::decode_f32_slice(r.bytes, self.dtype, rs);
-                Some(&*rs)
+        // x and the residual are read in place where they are aligned f32 (a BEAM binary
+        // is), else decoded into the scratch.
+        let xs: &[f32] = match f32_in_place(x.bytes, self.dtype, m * k) {
+            Some(v) => v,
+            None => {
+                let xs = &mut sc.x[..m * k];
+                crate::dtype::decode_f32_slice(x.bytes, self.dtype, xs);
+                xs
             }
+        };
+        let res = match residual {
+            Some(r) => Some(match f32_in_place(r.bytes, self.dtype, mn) {
+                Some(v) => v,
+                None => {
+                    let rs = &mut sc.residual[..mn];
+                    crate::dtype::decode_f32_slice(r.bytes, self.dtype, rs);
+                    &*rs
+                }
+            }),
             None => None,
         };
         // f32 on a little-endian machine: the product writes straight into the caller's
@@ -465,6 +476,17 @@ impl PreparedDenseCall {
         crate::dtype::encode_f32_slice(o, self.dtype, out);
         Ok(())
     }
+}
+
+/// `bytes` as `len` f32 values in place: f32 data on a little-endian target, 4-byte aligned.
+fn f32_in_place(bytes: &[u8], dtype: DType, len: usize) -> Option<&[f32]> {
+    if dtype != DType::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    // Safety: every bit pattern is a valid f32; `align_to` puts only aligned whole elements
+    // in the middle part.
+    let (pre, mid, post) = unsafe { bytes.align_to::<f32>() };
+    (pre.is_empty() && post.is_empty() && mid.len() == len).then_some(mid)
 }
 
 /// How a product reaches B.
