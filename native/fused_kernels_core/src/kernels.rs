@@ -51,12 +51,49 @@ pub struct Kernel {
 
 /// One family of instances: the functions `root_<a>_<b>...`, one per combination of one
 /// entry of each of `parts` (an empty entry adds nothing to the name), named by
-/// [`kernel_name`]. `from` is the lowest feature level (`FK_ARCH`) the file defines them at.
+/// [`kernel_name`], defined by the file at the feature levels (`FK_ARCH`) in `levels`.
 #[derive(Debug)]
 pub struct Family {
     pub root: &'static str,
     pub parts: &'static [&'static [&'static str]],
+    pub levels: Levels,
+}
+
+/// The feature levels (`FK_ARCH`, e.g. 860 for sm_86) a family is compiled at: `from` up to,
+/// not including, `below`. The router takes a family only where its file defines it, so no
+/// architecture compiles an instance its router never picks.
+#[derive(Debug, Clone, Copy)]
+pub struct Levels {
     pub from: i32,
+    pub below: i32,
+}
+
+/// Every architecture.
+pub const ANY: Levels = Levels {
+    from: 0,
+    below: i32::MAX,
+};
+
+impl Levels {
+    /// `level` and newer.
+    pub const fn from(level: i32) -> Levels {
+        Levels {
+            from: level,
+            below: i32::MAX,
+        }
+    }
+
+    /// Older than `level`.
+    pub const fn below(level: i32) -> Levels {
+        Levels {
+            from: 0,
+            below: level,
+        }
+    }
+
+    pub fn contains(&self, level: i32) -> bool {
+        (self.from..self.below).contains(&level)
+    }
 }
 
 /// The name of a kernel function: `root` and each non-empty part, joined by `_`
@@ -121,7 +158,7 @@ impl Kernel {
     pub fn instances(&self, level: i32) -> Vec<String> {
         self.families
             .iter()
-            .filter(|f| f.from <= level)
+            .filter(|f| f.levels.contains(level))
             .flat_map(Family::names)
             .collect()
     }
@@ -245,27 +282,27 @@ pub const SCALED_SOFTMAX: Kernel = Kernel {
         Family {
             root: "scaled_softmax_warp",
             parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[&["f32"], &["4"], &["v"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[FLOATS, &["8", "16", "32"], &["v"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "scaled_softmax_block",
             parts: &[FLOATS, &["8", "16"], &["", "v"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "scaled_softmax_stream",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -278,31 +315,32 @@ pub const DENSE: Kernel = Kernel {
         Family {
             root: "dense_ffma",
             parts: &[&["f32"], &["mm", "glu"], &["small", "big"]],
-            from: 750,
+            levels: Levels::below(800),
         },
         Family {
             root: "dense_gemv",
             parts: &[FLOATS, &["mm", "glu"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "dense_stats",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "dense_tc",
             parts: &[&["f32"], &["mm", "glu"], &["tiny", "small", "big", "any"]],
-            from: 750,
+            levels: Levels::from(800),
         },
+        // 16-bit big tiles run as big2 (two blocks per SM).
         Family {
             root: "dense_tc",
             parts: &[
                 &["f16", "bf16"],
                 &["mm", "glu"],
-                &["tiny", "small", "big", "big2", "any"],
+                &["tiny", "small", "big2", "any"],
             ],
-            from: 750,
+            levels: Levels::from(800),
         },
     ],
 };
@@ -315,7 +353,7 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
         Family {
             root: "fa_ffma",
             parts: &[FLOATS, &["1", "2", "3", "4", "6", "8"], &["1", "4"]],
-            from: 750,
+            levels: ANY,
         },
         // mma.sync: padded head dim, m-tiles, key block.
         Family {
@@ -327,7 +365,7 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
                     "128_2_32", "160_1_32", "192_1_32", "256_1_32",
                 ],
             ],
-            from: 800,
+            levels: Levels::from(800),
         },
         // Short sequences: head-dim chunks x key chunks.
         Family {
@@ -338,7 +376,7 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
                     "1_1", "1_2", "1_4", "2_1", "2_2", "3_1", "3_2", "4_1", "6_1",
                 ],
             ],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -354,7 +392,7 @@ pub const RNN: Kernel = Kernel {
             &["b1", "b4", "b16"],
             &["gmem", "smem"],
         ],
-        from: 750,
+        levels: ANY,
     }],
 };
 
@@ -365,12 +403,12 @@ pub const RNN_BATCHED: Kernel = Kernel {
         Family {
             root: "rnn_pack",
             parts: &[&["b2", "b4"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "rnn_step",
             parts: &[&["lstm", "gru"], FLOATS],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -382,12 +420,12 @@ pub const RNN_CLUSTER: Kernel = Kernel {
         Family {
             root: "rnn_cluster",
             parts: &[&["lstm", "gru"], FLOATS],
-            from: 750,
+            levels: Levels::from(900),
         },
         Family {
             root: "rnn_cluster_project",
             parts: &[FLOATS],
-            from: 750,
+            levels: Levels::from(900),
         },
     ],
 };
@@ -399,12 +437,12 @@ pub const RNN_MMA: Kernel = Kernel {
         Family {
             root: "rnn_mma",
             parts: &[&["lstm", "gru"], FLOATS, &["m1_n1", "m2_n1"]],
-            from: 800,
+            levels: Levels::from(800),
         },
         Family {
             root: "rnn_mma_pack",
             parts: &[&["b2", "f32"]],
-            from: 800,
+            levels: Levels::from(800),
         },
     ],
 };
@@ -429,18 +467,18 @@ pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
         Family {
             root: "selective_scan",
             parts: &[&["f32"], &SCAN_TILINGS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
         // Channels per lane x states per lane x lanes per channel.
         Family {
             root: "selective_scan_wide",
             parts: &[&["f32"], &["2x4x4"]],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -456,12 +494,12 @@ pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
         Family {
             root: "selective_scan",
             parts: &[&["f16"], &SCAN_TILINGS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f16"]],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -477,12 +515,12 @@ pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
         Family {
             root: "selective_scan",
             parts: &[&["bf16"], &SCAN_TILINGS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["bf16"]],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -497,7 +535,7 @@ pub const RNN_RESIDENT: Kernel = Kernel {
             &["f32", "f16", "bf16", "tf32"],
             &["m1_n1", "m1_n2", "m2_n1", "m2_n2", "m4_n1", "m4_n2"],
         ],
-        from: 800,
+        levels: Levels::from(800),
     }],
 };
 
@@ -508,17 +546,17 @@ pub const NORM: Kernel = Kernel {
         Family {
             root: "layer_norm",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "layer_norm_f32out",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "rms_norm",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -530,22 +568,22 @@ pub const MAMBA_BLOCK: Kernel = Kernel {
         Family {
             root: "mamba_add_bias",
             parts: &[],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "mamba_conv_silu",
             parts: &[],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "mamba_conv_state",
             parts: &[],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "mamba_out_residual",
             parts: &[FLOATS],
-            from: 750,
+            levels: ANY,
         },
     ],
 };
@@ -556,7 +594,7 @@ pub const STREAM_STATE: Kernel = Kernel {
     families: &[Family {
         root: "stream_shift_append",
         parts: &[&["w2", "w4"]],
-        from: 750,
+        levels: ANY,
     }],
 };
 
@@ -566,7 +604,7 @@ pub const ENGINE_RNN: Kernel = Kernel {
     families: &[Family {
         root: "engine_rnn_frame",
         parts: &[&["f32"]],
-        from: 750,
+        levels: ANY,
     }],
 };
 
@@ -577,29 +615,35 @@ pub const ENGINE_FRAME: Kernel = Kernel {
         Family {
             root: "engine_attn_frame",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "engine_attn_window",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "engine_gemv",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "engine_mamba_conv",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
         Family {
             root: "engine_mamba_scan",
             parts: &[&["f32"]],
-            from: 750,
+            levels: ANY,
         },
     ],
+};
+
+/// Hopper's arch-specific build (`sm_90a`, `FK_SM90A`): wgmma and TMA.
+const HOPPER_ONLY: Levels = Levels {
+    from: 900,
+    below: 1000,
 };
 
 pub const DENSE_SM90: Kernel = Kernel {
@@ -609,12 +653,12 @@ pub const DENSE_SM90: Kernel = Kernel {
         Family {
             root: "dense_sm90",
             parts: &[&["bf16", "f16"]],
-            from: 750,
+            levels: HOPPER_ONLY,
         },
         Family {
             root: "dense_sm90_row_stats",
             parts: &[&["bf16", "f16"]],
-            from: 750,
+            levels: HOPPER_ONLY,
         },
     ],
 };

@@ -87,7 +87,7 @@ fn kernel_name_joins_non_empty_parts() {
     let f = Family {
         root: "x",
         parts: &[&["a", "b"], &["", "v"]],
-        from: 750,
+        levels: ANY,
     };
     assert_eq!(f.names(), ["x_a", "x_a_v", "x_b", "x_b_v"]);
 }
@@ -143,4 +143,68 @@ fn instance_tables_match_the_compiled_functions() {
             assert_eq!(compiled, table, "{} for {arch}", k.name);
         }
     }
+}
+
+/// What the dense and attention routers pick, over a sweep of shapes, element types and
+/// architectures, is an instance its file defines at the level the call routes at.
+#[test]
+fn routed_names_are_instances_at_their_level() {
+    use fused_kernels_core::ops::dense::{self, Activation, Kind, Params};
+    use fused_kernels_core::ops::flash_attention as fa;
+    use fused_kernels_core::DType;
+    let sizes = [1, 3, 4, 37, 61, 256, 1000, 4096];
+    let mut checked = 0;
+    for cap in [(7, 5), (8, 6), (9, 0), (12, 0)] {
+        let level = cap.0 * 100 + cap.1 * 10;
+        for kind in [Kind::Dense, Kind::Swiglu, Kind::LayerNormDense] {
+            let p = Params::new(kind, Activation::None, 1e-5).unwrap();
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                let shapes = sizes
+                    .iter()
+                    .flat_map(|&m| sizes.iter().flat_map(move |&k| sizes.map(|n| (m, k, n))));
+                for (m, k, n) in shapes {
+                    for aligned in [true, false] {
+                        let g = dense::Geometry {
+                            m,
+                            k,
+                            n,
+                            out_shape: vec![m, n],
+                        };
+                        if let Ok(plan) = dense::plan(&g, &p, dt, cap, 132, aligned) {
+                            assert!(
+                                DENSE.instances(level).contains(&plan.function),
+                                "{} at {level}",
+                                plan.function
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            for d in (1..=256).step_by(7).chain([8, 40, 64, 80, 96, 128, 256]) {
+                for (sq, sk) in [(1, 1), (16, 16), (61, 100), (300, 300), (1000, 1000)] {
+                    let g = fa::Geometry {
+                        batch: 2,
+                        heads: 3,
+                        kv_heads: 3,
+                        sq,
+                        sk,
+                        d,
+                        layout: fa::Layout::Bshd,
+                    };
+                    if let Ok(plan) = fa::plan(&g, dt, cap >= (8, 0), 132) {
+                        assert!(
+                            FLASH_ATTENTION.instances(level).contains(&plan.function),
+                            "{} at {level}",
+                            plan.function
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 10_000, "{checked}");
 }
