@@ -348,6 +348,24 @@ impl Gpu {
         }
     }
 
+    /// Starts compiling (or reading from the disk cache) and loading the programs of
+    /// `functions` on background threads, as [`Gpu::warmup`] does, and returns at once: a
+    /// later [`Gpu::function`] of one of them waits for that program (one compile per program)
+    /// instead of compiling the rest one after another. Errors are dropped here: the call that
+    /// needs a failed program compiles it again and returns its error.
+    pub fn prefetch(self: &Arc<Self>, functions: Vec<(&'static Kernel, String)>) {
+        if functions.is_empty() {
+            return;
+        }
+        let gpu = self.clone();
+        // Without a thread the programs compile at first use, as they would without this.
+        let _ = std::thread::Builder::new()
+            .name("fk-prefetch".into())
+            .spawn(move || {
+                let _ = gpu.warmup(&functions, &|_| {});
+            });
+    }
+
     fn module(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
         // The registry lock is held only to find the function's cell; compilation runs outside
         // it, so different functions compile in parallel and one function compiles once.

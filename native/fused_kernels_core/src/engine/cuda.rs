@@ -604,6 +604,7 @@ impl CudaEngine {
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
+        gpu.prefetch(super::prefetch::programs(&spec, &gpu));
         let rnn_frame = RnnFrame::new(&gpu, &plan)?;
         drop(plan);
         let frame = FrameFns::new(&gpu, spec.kind);
