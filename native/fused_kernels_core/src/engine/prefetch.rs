@@ -15,6 +15,13 @@ use crate::ops::{dense, flash_attention, selective_scan};
 
 /// The programs (file, function) of `spec`'s engine on `gpu`, each once.
 pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
+    let sms = gpu.multiprocessors().map_or(1, |n| n.max(1) as usize);
+    programs_on(spec, gpu.compute_capability, sms)
+}
+
+/// [`programs`] on a GPU that routes as compute capability `cap` with `sms` multiprocessors.
+pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Kernel, String)> {
+    let gpu = Target { cap, sms };
     let mut out = Programs(Vec::new());
     let f32 = DType::F32.name();
     let t = spec.window;
@@ -27,14 +34,14 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
             "gru"
         };
         out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
-        if cluster::supported(gpu) {
+        if cluster::supported_on(cap) {
             out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));
             out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_project", &[&f32]));
         }
         return out.0;
     }
     out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
-    out.dense(gpu, t, spec.embed, spec.hidden);
+    out.dense(&gpu, t, spec.embed, spec.hidden);
     let attention = (1..=spec.layers).any(|l| match spec.kind {
         Kind::Attention => true,
         Kind::Jamba => spec.jamba_attention(l),
@@ -45,14 +52,13 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
         Kind::Jamba => !spec.jamba_attention(l),
         _ => false,
     });
-    let sms = gpu.multiprocessors().map_or(1, |n| n.max(1) as usize);
     if attention {
         out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
         out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
-        out.dense(gpu, t, spec.hidden, spec.hidden);
+        out.dense(&gpu, t, spec.hidden, spec.hidden);
         if spec.kind == Kind::Attention {
-            out.dense(gpu, t, spec.hidden, spec.ffn);
-            out.dense(gpu, t, spec.ffn, spec.hidden);
+            out.dense(&gpu, t, spec.hidden, spec.ffn);
+            out.dense(&gpu, t, spec.ffn, spec.hidden);
         }
         let g = flash_attention::Geometry {
             batch: 1,
@@ -63,7 +69,7 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
             d: spec.head_dim,
             layout: flash_attention::Layout::Bshd,
         };
-        if let Ok(plan) = flash_attention::plan(&g, DType::F32, gpu.has_tensor_cores(), sms) {
+        if let Ok(plan) = flash_attention::plan(&g, DType::F32, cap >= (8, 0), sms) {
             out.add(&FLASH_ATTENTION, plan.function);
         }
     }
@@ -89,6 +95,12 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
     out.0
 }
 
+/// What the planners read of the device.
+struct Target {
+    cap: (i32, i32),
+    sms: usize,
+}
+
 struct Programs(Vec<(&'static Kernel, String)>);
 
 impl Programs {
@@ -104,8 +116,7 @@ impl Programs {
 
     /// The dense kernel of a batch-1 window of `t` rows from `k` to `n` features (f32,
     /// buffers aligned as the engine allocates them).
-    fn dense(&mut self, gpu: &Gpu, t: usize, k: usize, n: usize) {
-        let sms = gpu.multiprocessors().map_or(1, |n| n.max(1) as usize);
+    fn dense(&mut self, gpu: &Target, t: usize, k: usize, n: usize) {
         let g = dense::Geometry {
             m: t,
             k,
@@ -115,7 +126,7 @@ impl Programs {
         let Ok(p) = dense::Params::new(dense::Kind::Dense, dense::Activation::None, 0.0) else {
             return;
         };
-        if let Ok(plan) = dense::plan(&g, &p, DType::F32, gpu.compute_capability, sms, true) {
+        if let Ok(plan) = dense::plan(&g, &p, DType::F32, gpu.cap, gpu.sms, true) {
             self.add(&DENSE, plan.function);
         }
     }
