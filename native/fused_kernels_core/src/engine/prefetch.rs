@@ -1,5 +1,6 @@
-//! The kernel programs a CUDA engine will load for a batch-1 window and frame of its spec,
-//! named by the same planning functions its op calls use, so `CudaEngine::new` can compile
+//! The kernel programs a CUDA engine loads for a batch-1 window and frame of its spec (those
+//! of the engine's first calls on the H100, bench/RESULTS.md), named by the planners its op
+//! calls use, so `CudaEngine::new` can compile
 //! them side by side (`Gpu::prefetch`) instead of one after another at the first call. A
 //! name this misses still compiles when first launched; one it lists that the engine never
 //! launches costs a compile on a background thread, nothing else.
@@ -8,10 +9,10 @@ use super::plan::{Kind, Spec};
 use crate::cuda::{cluster, Gpu};
 use crate::dtype::DType;
 use crate::kernels::{
-    kernel_name, Kernel, DENSE, ENGINE_FRAME, ENGINE_RNN, FLASH_ATTENTION, MAMBA_BLOCK, NORM,
-    RNN_CLUSTER, SELECTIVE_SCAN_F32, STREAM_STATE,
+    kernel_name, Kernel, DENSE, ENGINE_FRAME, ENGINE_RNN, MAMBA_BLOCK, NORM, RNN_CLUSTER,
+    SELECTIVE_SCAN_F32, STREAM_STATE,
 };
-use crate::ops::{dense, flash_attention, selective_scan};
+use crate::ops::{dense, selective_scan};
 
 /// The programs (file, function) of `spec`'s engine on `gpu`, each once.
 pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
@@ -20,76 +21,61 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
 }
 
 /// [`programs`] on a GPU that routes as compute capability `cap` with `sms` multiprocessors.
+/// A batch-1 window of an attention or Jamba backbone runs on the engine's GEMV and window
+/// attention kernels (`engine_frame.cu`; `FrameFns::takes`), a Mamba window on the layer ops
+/// (dense input projection, the Mamba block), a recurrent window on the RNN op (clusters from
+/// sm_90) with LayerNorms between; frames run on the engine's own kernels.
 pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Kernel, String)> {
     let gpu = Target { cap, sms };
     let mut out = Programs(Vec::new());
     let f32 = DType::F32.name();
-    let t = spec.window;
     out.add(&STREAM_STATE, kernel_name("stream_shift_append", &[&"w4"]));
-    out.add(&NORM, kernel_name("layer_norm", &[&f32]));
-    if matches!(spec.kind, Kind::Lstm | Kind::Gru) {
-        let cell = if spec.kind == Kind::Lstm {
-            "lstm"
-        } else {
-            "gru"
-        };
-        out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
-        if cluster::supported_on(cap) {
-            out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));
-            out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_project", &[&f32]));
+    match spec.kind {
+        Kind::Lstm | Kind::Gru => {
+            let cell = if spec.kind == Kind::Lstm {
+                "lstm"
+            } else {
+                "gru"
+            };
+            out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
+            out.add(&NORM, kernel_name("layer_norm", &[&f32]));
+            if cluster::supported_on(cap) {
+                out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));
+                out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_project", &[&f32]));
+            }
         }
-        return out.0;
-    }
-    out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
-    out.dense(&gpu, t, spec.embed, spec.hidden);
-    let attention = (1..=spec.layers).any(|l| match spec.kind {
-        Kind::Attention => true,
-        Kind::Jamba => spec.jamba_attention(l),
-        _ => false,
-    });
-    let mamba = (1..=spec.layers).any(|l| match spec.kind {
-        Kind::Mamba => true,
-        Kind::Jamba => !spec.jamba_attention(l),
-        _ => false,
-    });
-    if attention {
-        out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
-        out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
-        out.dense(&gpu, t, spec.hidden, spec.hidden);
-        if spec.kind == Kind::Attention {
-            out.dense(&gpu, t, spec.hidden, spec.ffn);
-            out.dense(&gpu, t, spec.ffn, spec.hidden);
+        Kind::Attention => {
+            out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
+            out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
+            out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
+            out.add(&NORM, kernel_name("layer_norm", &[&f32]));
         }
-        let g = flash_attention::Geometry {
-            batch: 1,
-            heads: spec.heads,
-            kv_heads: spec.heads,
-            sq: t,
-            sk: t,
-            d: spec.head_dim,
-            layout: flash_attention::Layout::Bshd,
-        };
-        if let Ok(plan) = flash_attention::plan(&g, DType::F32, cap >= (8, 0), sms) {
-            out.add(&FLASH_ATTENTION, plan.function);
-        }
-    }
-    if mamba {
-        out.add(&ENGINE_FRAME, kernel_name("engine_mamba_conv", &[&f32]));
-        out.add(&ENGINE_FRAME, kernel_name("engine_mamba_scan", &[&f32]));
-        out.add(&NORM, kernel_name("layer_norm_f32out", &[&f32]));
-        out.add(&MAMBA_BLOCK, kernel_name("mamba_conv_silu", &[]));
-        out.add(&MAMBA_BLOCK, kernel_name("mamba_add_bias", &[]));
-        out.add(&MAMBA_BLOCK, kernel_name("mamba_out_residual", &[&f32]));
-        let g = selective_scan::Geometry {
-            batch: 1,
-            seq: t,
-            dim: spec.inner(),
-            state: spec.state,
-            groups: 1,
-        };
-        let tuning = selective_scan::Tuning::default();
-        if let Ok(f) = selective_scan::function_name(DType::F32, g, sms, false, &tuning) {
-            out.add(&SELECTIVE_SCAN_F32, f);
+        Kind::Mamba | Kind::Jamba => {
+            out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
+            out.add(&ENGINE_FRAME, kernel_name("engine_mamba_conv", &[&f32]));
+            out.add(&ENGINE_FRAME, kernel_name("engine_mamba_scan", &[&f32]));
+            if spec.kind == Kind::Jamba {
+                out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
+                out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
+            } else {
+                out.dense(&gpu, spec.window, spec.embed, spec.hidden);
+            }
+            out.add(&NORM, kernel_name("layer_norm_f32out", &[&f32]));
+            out.add(&MAMBA_BLOCK, kernel_name("mamba_conv_silu", &[]));
+            out.add(&MAMBA_BLOCK, kernel_name("mamba_add_bias", &[]));
+            out.add(&MAMBA_BLOCK, kernel_name("mamba_out_residual", &[&f32]));
+            let g = selective_scan::Geometry {
+                batch: 1,
+                seq: spec.window,
+                dim: spec.inner(),
+                state: spec.state,
+                groups: 1,
+            };
+            let tuning = selective_scan::Tuning::default();
+            // The block's scan applies softplus to dt: not a plain scan.
+            if let Ok(f) = selective_scan::function_name(DType::F32, g, sms, false, &tuning) {
+                out.add(&SELECTIVE_SCAN_F32, f);
+            }
         }
     }
     out.0
