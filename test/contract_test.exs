@@ -51,7 +51,13 @@ defmodule FusedKernels.ContractTest do
     x = f32({1, 2, 3})
 
     assert {:error, {:argument, msg}} =
-             Native.rnn(:lstm, x, [2 | 2], false, :cpu, nil, :host, :f32)
+             Native.rnn(%{x: x, params: [2 | 2]}, %{
+               cell: :lstm,
+               reverse: false,
+               precision: :f32,
+               backend: :cpu,
+               out: :host
+             })
 
     assert msg =~ "params must be a proper list"
 
@@ -149,17 +155,21 @@ defmodule FusedKernels.ContractTest do
     x = {:binary.copy(<<0::32>>, t), {1, t, 1}, {:f, 32}}
     z = fn shape -> {:binary.copy(<<0::32>>, Tuple.product(shape)), shape, {:f, 32}} end
 
-    layer =
-      {for(_ <- 1..4, do: z.({1, units})), List.duplicate(z.({units, units}), 4),
-       for(_ <- 1..4, do: z.({units})), []}
+    layer = %{
+      input_kernel: for(_ <- 1..4, do: z.({1, units})),
+      hidden_kernel: List.duplicate(z.({units, units}), 4),
+      bias: for(_ <- 1..4, do: z.({units})),
+      initial_state: []
+    }
 
-    assert {:error, {:out_of_memory, msg}} =
-             Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32)
+    options = %{cell: :lstm, reverse: false, precision: :f32, backend: :cpu, out: :host}
+
+    assert {:error, {:out_of_memory, msg}} = Native.rnn(%{x: x, params: [layer]}, options)
 
     assert msg =~ "host: rnn"
 
     assert_raise FusedKernels.Error, ~r/out of memory/, fn ->
-      Native.unwrap!(Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32))
+      Native.unwrap!(Native.rnn(%{x: x, params: [layer]}, options))
     end
   end
 

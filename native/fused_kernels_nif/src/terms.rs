@@ -140,13 +140,6 @@ pub fn decode_device(term: Term<'_>) -> Result<Option<usize>> {
         .map_err(|_| arg_error("device must be nil or a non-negative integer"))
 }
 
-pub fn decode_backend(term: Term<'_>, device: Term<'_>) -> Result<Backend> {
-    let name = term
-        .atom_to_string()
-        .map_err(|_| arg_error("backend must be the atom :cpu or :cuda"))?;
-    Backend::parse(&name, decode_device(device)?)
-}
-
 pub fn decode_placement(term: Term<'_>) -> Result<Placement> {
     match term.decode::<rustler::Atom>() {
         Ok(a) if a == atoms::host() => Ok(Placement::Host),
@@ -210,6 +203,9 @@ pub fn encode_value<'a>(env: Env<'a>, v: Value) -> Result<Term<'a>> {
 
 /// A value decoded from one named argument or field, the name in every error.
 pub trait FromTerm<'a>: Sized {
+    /// What a list of these holds, for the error of a field that is not a proper list.
+    const WHAT: &'static str = "values";
+
     fn from_term(name: &str, term: Term<'a>) -> Result<Self>;
 
     /// The value of a field the map does not hold: an error, except for `Option`s.
@@ -245,8 +241,66 @@ impl<'a> FromTerm<'a> for f64 {
 }
 
 impl<'a> FromTerm<'a> for Operand<'a> {
+    const WHAT: &'static str = "tensors";
+
     fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
         decode_operand(name, term)
+    }
+}
+
+/// A host tensor only (no device buffer).
+impl<'a> FromTerm<'a> for HostTensor<'a> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_host(name, term)
+    }
+}
+
+/// A proper list, each element decoded under the list's name.
+impl<'a, T: FromTerm<'a>> FromTerm<'a> for Vec<T> {
+    const WHAT: &'static str = "lists";
+
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_list(name, T::WHAT, term)?
+            .into_iter()
+            .map(|t| T::from_term(name, t))
+            .collect()
+    }
+}
+
+/// A field left undecoded, for a decoder that needs another field first (dense names its
+/// operands after the kind in its options).
+impl<'a> FromTerm<'a> for Term<'a> {
+    fn from_term(_name: &str, term: Term<'a>) -> Result<Self> {
+        Ok(term)
+    }
+}
+
+/// A non-negative integer (a size).
+impl<'a> FromTerm<'a> for usize {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        term.decode::<u64>()
+            .ok()
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| arg_error(format!("{name} must be a non-negative integer")))
+    }
+}
+
+/// A resource of this library's (an engine, prepared weights), or the caller's error.
+pub fn resource<'a, T: rustler::Resource>(
+    name: &str,
+    term: Term<'a>,
+    expected: &str,
+) -> Result<ResourceArc<T>> {
+    term.decode()
+        .map_err(|_| arg_error(format!("{name}: expected {expected}")))
+}
+
+/// The options map of a call that takes none: `%{}` (a key is refused like a misspelt one).
+pub struct NoOptions;
+
+impl<'a> FromTerm<'a> for NoOptions {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        map_fields(name, &[], term).map(|_| NoOptions)
     }
 }
 
@@ -301,12 +355,15 @@ pub fn map_fields<'a>(
     fields: &[&str],
     term: Term<'a>,
 ) -> Result<Vec<Option<Term<'a>>>> {
-    let iter = rustler::types::map::MapIterator::new(term).ok_or_else(|| {
-        arg_error(format!(
-            "{name} must be a map with the keys {}",
+    let known = || {
+        if fields.is_empty() {
+            "none".to_string()
+        } else {
             fields.join(", ")
-        ))
-    })?;
+        }
+    };
+    let iter = rustler::types::map::MapIterator::new(term)
+        .ok_or_else(|| arg_error(format!("{name} must be a map with the keys {}", known())))?;
     let mut slots = vec![None; fields.len()];
     for (key, value) in iter {
         let key = key
@@ -317,7 +374,7 @@ pub fn map_fields<'a>(
             None => {
                 return Err(arg_error(format!(
                     "{name}: unknown key :{key} (known: {})",
-                    fields.join(", ")
+                    known()
                 )))
             }
         }
@@ -335,9 +392,31 @@ pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<
 
 /// `FromTerm` for a struct decoded from a map with one atom key per field:
 /// `nif_map!(Options { scale, causal })` or `nif_map!(Inputs<'a> { x, y })`.
+/// `nif_map!(nested Spec { ... })` names each field under the map's own name in errors
+/// (`spec.embed must be ...`), for a map inside an argument.
 macro_rules! nif_map {
+    (nested $name:ident { $($field:ident),* $(,)? }) => {
+        impl<'a> $crate::terms::FromTerm<'a> for $name {
+            fn from_term(
+                name: &str,
+                term: rustler::Term<'a>,
+            ) -> fused_kernels_core::error::Result<Self> {
+                const FIELDS: &[&str] = &[$(stringify!($field)),*];
+                let mut slots =
+                    $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
+                Ok($name {
+                    $($field: $crate::terms::field(
+                        &format!("{name}.{}", stringify!($field)),
+                        slots.next().flatten(),
+                    )?,)*
+                })
+            }
+        }
+    };
     ($name:ident $(<$l:lifetime>)? { $($field:ident),* $(,)? }) => {
         impl<'a> $crate::terms::FromTerm<'a> for $name $(<$l>)? {
+            const WHAT: &'static str = "maps";
+
             fn from_term(
                 name: &str,
                 term: rustler::Term<'a>,
