@@ -168,11 +168,7 @@ fn ref_mamba(r: &Ref, s: &Spec, prefix: &str, x: &[f32], shape: &[usize]) -> Vec
 }
 
 fn ref_rnn(r: &Ref, s: &Spec, l: usize, x: &[f32], shape: &[usize]) -> Vec<f32> {
-    let cell = if s.kind == Kind::Lstm {
-        rnn::Cell::Lstm
-    } else {
-        rnn::Cell::Gru
-    };
+    let cell = s.kind.cell();
     let xb = bytes(x);
     let ops = |group: &str, names: &[&str]| -> Vec<Operand<'_>> {
         names
