@@ -13,8 +13,8 @@
 //! processes: 1.8-2.3x one process's calls/s against 2.9-3.9x through the dirty scheduler).
 
 use crate::terms::{
-    decode_args, decode_host, decode_list, encode_dtype, encode_shape, nif_map, reply, AtomName,
-    Device, FromTerm, NoOptions,
+    atom_option, decode_args, decode_host, decode_list, encode_dtype, encode_shape, nif_map, reply,
+    AtomName, Device, FromTerm, NoOptions,
 };
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
@@ -89,14 +89,7 @@ pub struct StateResource {
 #[rustler::resource_impl]
 impl rustler::Resource for StateResource {}
 
-impl<'a> FromTerm<'a> for Kind {
-    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        let kind = term
-            .atom_to_string()
-            .map_err(|_| arg_error(format!("{name} must be an atom")))?;
-        Kind::parse(&kind)
-    }
-}
+atom_option!(Kind, ":attention, :lstm, :gru, :mamba or :jamba");
 
 nif_map!(nested Spec {
     kind,

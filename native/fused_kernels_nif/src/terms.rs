@@ -382,6 +382,37 @@ pub fn map_fields<'a>(
     Ok(slots)
 }
 
+/// A field's name in errors: its own, or `map.field` inside a nested map.
+pub fn field_name<'n>(nested: bool, map: &str, field: &'n str) -> std::borrow::Cow<'n, str> {
+    if nested {
+        format!("{map}.{field}").into()
+    } else {
+        field.into()
+    }
+}
+
+/// `FromTerm` for an option given as an atom and parsed by the type's own `parse`:
+/// `atom_option!(Cell, ":lstm or :gru")` (a term that is no atom is refused with that list).
+macro_rules! atom_option {
+    ($ty:ty, $expected:literal) => {
+        impl<'a> $crate::terms::FromTerm<'a> for $ty {
+            fn from_term(
+                name: &str,
+                term: rustler::Term<'a>,
+            ) -> fused_kernels_core::error::Result<Self> {
+                let atom = term.atom_to_string().map_err(|_| {
+                    fused_kernels_core::error::arg_error(format!(
+                        concat!("{} must be ", $expected),
+                        name
+                    ))
+                })?;
+                <$ty>::parse(&atom)
+            }
+        }
+    };
+}
+pub(crate) use atom_option;
+
 /// One field of a map decoded by `nif_map!`.
 pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<T> {
     match slot {
@@ -396,24 +427,12 @@ pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<
 /// (`spec.embed must be ...`), for a map inside an argument.
 macro_rules! nif_map {
     (nested $name:ident { $($field:ident),* $(,)? }) => {
-        impl<'a> $crate::terms::FromTerm<'a> for $name {
-            fn from_term(
-                name: &str,
-                term: rustler::Term<'a>,
-            ) -> fused_kernels_core::error::Result<Self> {
-                const FIELDS: &[&str] = &[$(stringify!($field)),*];
-                let mut slots =
-                    $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
-                Ok($name {
-                    $($field: $crate::terms::field(
-                        &format!("{name}.{}", stringify!($field)),
-                        slots.next().flatten(),
-                    )?,)*
-                })
-            }
-        }
+        $crate::terms::nif_map!(@impl true, $name { $($field),* });
     };
     ($name:ident $(<$l:lifetime>)? { $($field:ident),* $(,)? }) => {
+        $crate::terms::nif_map!(@impl false, $name $(<$l>)? { $($field),* });
+    };
+    (@impl $nested:literal, $name:ident $(<$l:lifetime>)? { $($field:ident),* }) => {
         impl<'a> $crate::terms::FromTerm<'a> for $name $(<$l>)? {
             const WHAT: &'static str = "maps";
 
@@ -426,7 +445,7 @@ macro_rules! nif_map {
                     $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
                 Ok($name {
                     $($field: $crate::terms::field(
-                        stringify!($field),
+                        &$crate::terms::field_name($nested, name, stringify!($field)),
                         slots.next().flatten(),
                     )?,)*
                 })

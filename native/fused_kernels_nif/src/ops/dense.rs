@@ -1,7 +1,7 @@
 use crate::jobs::op_nifs;
 use crate::terms::{
-    decode_args, decode_operand, decode_optional_operand, encode_dtype, encode_shape, encode_value,
-    nif_map, reply, resource, target, AtomName, Device, FromTerm, NoOptions,
+    atom_option, decode_args, decode_operand, decode_optional_operand, encode_dtype, encode_shape,
+    encode_value, nif_map, reply, resource, target, AtomName, Device, FromTerm, NoOptions,
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::{Operand, Placement};
@@ -9,17 +9,14 @@ use fused_kernels_core::ops::dense::{run, Activation, Kind, Operands, Params, Pr
 use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 
-impl<'a> FromTerm<'a> for Kind {
-    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        Kind::parse(&AtomName::from_term(name, term)?.0)
-    }
-}
-
-impl<'a> FromTerm<'a> for Activation {
-    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        Activation::parse(&AtomName::from_term(name, term)?.0)
-    }
-}
+atom_option!(
+    Kind,
+    ":dense, :swiglu, :rms_norm_dense or :layer_norm_dense"
+);
+atom_option!(
+    Activation,
+    ":none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid or :tanh"
+);
 
 /// The operand slots; each tensor is decoded once the kind is known, under the name that kind
 /// gives it (`Kind::names`: a SwiGLU's `kernel` is its `w_gate`).

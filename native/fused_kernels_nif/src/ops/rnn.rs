@@ -1,7 +1,7 @@
 use crate::jobs::op_nifs;
 use crate::terms::{
-    decode_args, encode_dtype, encode_shape, encode_value, nif_map, reply, resource, target,
-    AtomName, Device, FromTerm,
+    atom_option, decode_args, encode_dtype, encode_shape, encode_value, nif_map, reply, resource,
+    target, AtomName, Device, FromTerm,
 };
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::{Operand, Placement};
@@ -9,23 +9,8 @@ use fused_kernels_core::ops::rnn::{prepare_cpu, run, Cell, Layer, Precision, Pre
 use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 
-impl<'a> FromTerm<'a> for Cell {
-    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        let atom = term
-            .atom_to_string()
-            .map_err(|_| arg_error(format!("{name} must be :lstm or :gru")))?;
-        Cell::parse(&atom)
-    }
-}
-
-impl<'a> FromTerm<'a> for Precision {
-    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        let atom = term
-            .atom_to_string()
-            .map_err(|_| arg_error(format!("{name} must be :f32 or :tf32")))?;
-        Precision::parse(&atom)
-    }
-}
+atom_option!(Cell, ":lstm or :gru");
+atom_option!(Precision, ":f32 or :tf32");
 
 // A layer crosses as `%{input_kernel, hidden_kernel, bias, initial_state}`, each a list in the
 // cell's gate order (the Elixir side picks them out of Axon's maps by name); `initial_state`
