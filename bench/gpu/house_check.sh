@@ -41,9 +41,11 @@ for l in sys.stdin:
     [ "$kind" = bench ] && cp "$path" "$dir/bin/b_$name"
   done
   strip "$dir"/bin/*
-  # A's kernel cache for sm_90: its kernel_ptx writes each file's cubin as a cache entry.
+  # A's kernel cache for sm_90, the files these benches load: its kernel_ptx writes each
+  # file's cubin as a cache entry (and the PTX beside it, unused here).
   (cd "$work/before" && cargo build --release -p fused_kernels_core --bin kernel_ptx &&
-    FK_CACHE_OUT="$work/acache" ./target/release/kernel_ptx "$work/ptx" sm_90)
+    FK_KERNELS=dense,dense_sm90,flash_attention,rnn,rnn_batched,rnn_cluster,rnn_mma,rnn_resident,selective_scan_f32 \
+      FK_CACHE_OUT="$work/acache" ./target/release/kernel_ptx "$work/ptx" sm_90)
   tar -C "$work/acache" -cJf "$dir/acache.tar.xz" .
   cp bench/gpu/house_ab_run.sh "$dir/run.sh"
   cp bench/gpu/house_compare.py "$dir/"
