@@ -33,12 +33,12 @@ for l in sys.stdin:
   }
   (cd "$work/before" && cargo test --release -p fused_kernels_core --lib --no-run \
     --message-format=json) | artifacts | while read -r kind name path; do
-    [ "$kind" = lib ] && cp "$path" "$dir/bin/a_core_tests"
+    if [ "$kind" = lib ]; then cp "$path" "$dir/bin/a_core_tests"; fi
   done
   (cd "$work/after" && cargo bench -p fused_kernels_core --no-run --message-format=json \
     --bench rnn --bench selective_scan --bench dense --bench dense_sm90 \
     --bench flash_attention) | artifacts | while read -r kind name path; do
-    [ "$kind" = bench ] && cp "$path" "$dir/bin/b_$name"
+    if [ "$kind" = bench ]; then cp "$path" "$dir/bin/b_$name"; fi
   done
   strip "$dir"/bin/*
   # A's kernel cache for sm_90, the files these benches load: its kernel_ptx writes each
