@@ -19,9 +19,9 @@ def key(bench, row):
     if bench == "rnn":
         return (row["cell"], row["case"], row["path"])
     if bench == "flash_attention":
-        # A shape's rows in order (its chosen kernel, then any other timed); kernel names are
-        # not compared, since the naming rule changed with the move.
-        return (row["name"],)
+        # Each kernel timed on a shape, whether the router picks it ("name") or not ("name
+        # (alt)"): routes that changed since A still compare like for like.
+        return (row["name"].removesuffix(" (alt)"), row["kernel"])
     if bench == "dense":
         return (row["case"], row["type"])
     return (row["case"],)
@@ -42,9 +42,7 @@ def rows(out, bench, run):
         except ValueError:
             continue
         if "median_us" in row:
-            k = key(bench, row)
-            n = sum(1 for g in got if g[: len(k)] == k)
-            got[k + ((f"#{n + 1}",) if bench == "flash_attention" else ())] = float(row["median_us"])
+            got[key(bench, row)] = float(row["median_us"])
     return got
 
 
