@@ -387,28 +387,20 @@ fn bad_params_and_specs_are_argument_errors() {
         "{e}"
     );
 
-    let bad = Spec {
+    let heads = Spec {
         heads: 5,
         ..small(Kind::Attention)
     };
-    assert_eq!(
-        Plan::build(bad, to_params(&random_params(&s, 1)))
-            .err()
-            .unwrap()
-            .kind(),
-        "argument"
-    );
-    let bad = Spec {
+    let hidden = Spec {
         hidden: 0,
         ..s.clone()
     };
-    assert_eq!(
-        Plan::build(bad, to_params(&random_params(&s, 1)))
+    for bad in [heads, hidden] {
+        let e = Plan::build(bad, to_params(&random_params(&s, 1)))
             .err()
-            .unwrap()
-            .kind(),
-        "argument"
-    );
+            .unwrap();
+        assert_eq!(e.kind(), "argument", "{e}");
+    }
 }
 
 #[test]
