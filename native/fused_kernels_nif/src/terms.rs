@@ -300,7 +300,8 @@ pub struct NoOptions;
 
 impl<'a> FromTerm<'a> for NoOptions {
     fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
-        map_fields(name, &[], term).map(|_| NoOptions)
+        static NONE: FieldAtoms = FieldAtoms::new();
+        map_fields(name, &[], &NONE, term).map(|_| NoOptions)
     }
 }
 
@@ -347,12 +348,34 @@ pub fn target(backend: &AtomName, device: &Device) -> Result<Backend> {
     Backend::parse(&backend.0, device.0)
 }
 
+/// The atoms of a map's field names, made on the first call (`nif_map!` keeps one per struct),
+/// so each key is matched by comparing atoms: no string is made per key and call.
+pub struct FieldAtoms(std::sync::OnceLock<Vec<rustler::Atom>>);
+
+impl FieldAtoms {
+    pub const fn new() -> FieldAtoms {
+        FieldAtoms(std::sync::OnceLock::new())
+    }
+
+    fn get(&self, env: Env<'_>, fields: &[&str]) -> Option<&[rustler::Atom]> {
+        if let Some(atoms) = self.0.get() {
+            return Some(atoms);
+        }
+        let atoms: Option<Vec<rustler::Atom>> = fields
+            .iter()
+            .map(|f| rustler::Atom::from_str(env, f).ok())
+            .collect();
+        atoms.map(|a| self.0.get_or_init(|| a).as_slice())
+    }
+}
+
 /// The values of a map's atom keys in `fields` order (`None` where absent). Refuses a term
 /// that is not a map, a key that is not an atom, and a key that is not a field (a misspelt
 /// option is an error, not a silent default).
 pub fn map_fields<'a>(
     name: &str,
     fields: &[&str],
+    atoms: &FieldAtoms,
     term: Term<'a>,
 ) -> Result<Vec<Option<Term<'a>>>> {
     let known = || {
@@ -364,18 +387,27 @@ pub fn map_fields<'a>(
     };
     let iter = rustler::types::map::MapIterator::new(term)
         .ok_or_else(|| arg_error(format!("{name} must be a map with the keys {}", known())))?;
+    let atoms = atoms.get(term.get_env(), fields);
     let mut slots = vec![None; fields.len()];
     for (key, value) in iter {
-        let key = key
-            .atom_to_string()
-            .map_err(|_| arg_error(format!("{name}: keys must be atoms")))?;
-        match fields.iter().position(|f| *f == key) {
+        let not_atom = || arg_error(format!("{name}: keys must be atoms"));
+        let atom = key.decode::<rustler::Atom>().map_err(|_| not_atom())?;
+        let slot = match atoms {
+            Some(atoms) => atoms.iter().position(|a| *a == atom),
+            // No atoms made (cannot happen for a field name): compare the text.
+            None => {
+                let text = key.atom_to_string().map_err(|_| not_atom())?;
+                fields.iter().position(|f| *f == text)
+            }
+        };
+        match slot {
             Some(i) => slots[i] = Some(value),
             None => {
+                let key = key.atom_to_string().unwrap_or_default();
                 return Err(arg_error(format!(
                     "{name}: unknown key :{key} (known: {})",
                     known()
-                )))
+                )));
             }
         }
     }
@@ -441,8 +473,9 @@ macro_rules! nif_map {
                 term: rustler::Term<'a>,
             ) -> fused_kernels_core::error::Result<Self> {
                 const FIELDS: &[&str] = &[$(stringify!($field)),*];
+                static ATOMS: $crate::terms::FieldAtoms = $crate::terms::FieldAtoms::new();
                 let mut slots =
-                    $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
+                    $crate::terms::map_fields(name, FIELDS, &ATOMS, term)?.into_iter();
                 Ok($name {
                     $($field: $crate::terms::field(
                         &$crate::terms::field_name($nested, name, stringify!($field)),
