@@ -8,36 +8,9 @@ use fused_kernels_core::cpu::gemv::gemv;
 use fused_kernels_core::cpu::math::{apply, norm_rows, norm_rows_inplace, Func, NormKind};
 use fused_kernels_core::cpu::{pool, Isa, PackedB};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use support::{rel_l2, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
-        ((r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
-
-fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
-    assert_eq!(out.len(), reference.len());
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (o as f64 - r) * (o as f64 - r);
-        den += r * r;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
+mod support;
 
 /// Naive f64 `init + A · B` with the same strides.
 #[allow(clippy::too_many_arguments)]
@@ -105,13 +78,13 @@ fn gemm_matches_f64_for_odd_shapes_and_every_init() {
             for &k in &ks {
                 for &n in &ns {
                     let (lda, ldc) = (k + (m % 3), n + (k % 2));
-                    let a = rng.vec(m * lda);
-                    let b = rng.vec(k * n);
-                    let bias = rng.vec(n);
+                    let a = rng.vec_f32(m * lda, 2.0, 0.0);
+                    let b = rng.vec_f32(k * n, 2.0, 0.0);
+                    let bias = rng.vec_f32(n, 2.0, 0.0);
                     let packed = PackedB::new(k, n, &b).unwrap();
                     for mode in 0..4 {
                         let mut c = if mode >= 2 {
-                            rng.vec(m * ldc)
+                            rng.vec_f32(m * ldc, 2.0, 0.0)
                         } else {
                             vec![f32::NAN; m * ldc]
                         };
@@ -165,9 +138,9 @@ fn gemv_matches_f64_and_gemm_rows() {
     for isa in Isa::available() {
         for &k in &[1, 2, 3, 200, 255, 288, 512, 1025] {
             for &n in &[1, 15, 16, 17, 63, 64, 65, 200, 800, 1024] {
-                let x = rng.vec(k);
-                let b = rng.vec(k * n);
-                let init = rng.vec(n);
+                let x = rng.vec_f32(k, 2.0, 0.0);
+                let b = rng.vec_f32(k * n, 2.0, 0.0);
+                let init = rng.vec_f32(n, 2.0, 0.0);
                 let packed = PackedB::new(k, n, &b).unwrap();
                 for with_init in [false, true] {
                     let mut y = vec![f32::NAN; n];
@@ -195,7 +168,7 @@ fn gemv_matches_f64_and_gemm_rows() {
 fn packing_blocks_side_by_side_equals_packing_the_concatenation() {
     let mut rng = Rng::new(13);
     let (k, w0, w1) = (7, 5, 19);
-    let (b0, b1) = (rng.vec(k * w0), rng.vec(k * w1));
+    let (b0, b1) = (rng.vec_f32(k * w0, 2.0, 0.0), rng.vec_f32(k * w1, 2.0, 0.0));
     let cat: Vec<f32> = (0..k)
         .flat_map(|r| {
             let mut row = b0[r * w0..(r + 1) * w0].to_vec();
@@ -497,9 +470,13 @@ fn norm_rows_match_f64_on_every_path_at_large_means() {
                 for kind in [NormKind::Layer, NormKind::Rms] {
                     for with_bias in [false, true] {
                         let rows = 3;
-                        let x: Vec<f32> = rng.vec(rows * cols).iter().map(|v| v + mean).collect();
-                        let w = rng.vec(cols);
-                        let b = rng.vec(cols);
+                        let x: Vec<f32> = rng
+                            .vec_f32(rows * cols, 2.0, 0.0)
+                            .iter()
+                            .map(|v| v + mean)
+                            .collect();
+                        let w = rng.vec_f32(cols, 2.0, 0.0);
+                        let b = rng.vec_f32(cols, 2.0, 0.0);
                         let b = with_bias.then_some(&b[..]);
                         let want = norm_f64(kind, &x, cols, &w, b);
                         // Poisoned output, one spare row that must stay untouched.

@@ -7,43 +7,9 @@
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch};
 use fused_kernels_core::reference::rnn::{reference, RefLayer};
+use support::{f32s, rel_l2, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    fn next(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
-        (r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
-    }
-    /// f32-representable values in [-2, 2) · scale, so f32 and f64 see the same numbers.
-    fn vec(&mut self, n: usize, scale: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| (self.next() * scale) as f32 as f64)
-            .collect()
-    }
-}
-
-fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
-    assert_eq!(out.len(), reference.len());
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (o as f64 - r) * (o as f64 - r);
-        den += r * r;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
-
-fn f32s(v: &[f64]) -> Vec<f32> {
-    v.iter().map(|&x| x as f32).collect()
-}
+mod support;
 
 struct Net {
     cell: Cell,
@@ -66,12 +32,12 @@ fn random_net(
             let (si, sh) = (0.6 / (inp as f64).sqrt(), 0.6 / (h as f64).sqrt());
             let g = cell.gates();
             let l = RefLayer {
-                input_kernel: (0..g).map(|_| rng.vec(inp * h, si)).collect(),
-                hidden_kernel: (0..g).map(|_| rng.vec(h * h, sh)).collect(),
-                bias: (0..4).map(|_| rng.vec(h, 0.25)).collect(),
+                input_kernel: (0..g).map(|_| rng.vec_exact_f32(inp * h, si)).collect(),
+                hidden_kernel: (0..g).map(|_| rng.vec_exact_f32(h * h, sh)).collect(),
+                bias: (0..4).map(|_| rng.vec_exact_f32(h, 0.25)).collect(),
                 initial_state: if with_state {
                     (0..cell.state_names().len())
-                        .map(|_| rng.vec(batch * h, 0.5))
+                        .map(|_| rng.vec_exact_f32(batch * h, 0.5))
                         .collect()
                 } else {
                     Vec::new()
@@ -145,7 +111,7 @@ fn check(
 ) {
     let mut rng = Rng::new(seed);
     let net = random_net(&mut rng, cell, features, hidden, batch, with_state);
-    let x = rng.vec(batch * seq * features, 1.0);
+    let x = rng.vec_exact_f32(batch * seq * features, 1.0);
     let (want_seq, want_states) = reference(cell, &x, [batch, seq, features], &net.layers, reverse);
     for isa in Isa::available() {
         let rnn = prepare(&net, reverse, isa);
@@ -239,7 +205,7 @@ fn steps_carried_through_final_state_equal_one_window() {
         let net = random_net(&mut rng, cell, 12, &[24, 24], 2, false);
         let rnn = prepare(&net, false, Isa::best());
         let (b, t) = (2, 9);
-        let x = f32s(&rng.vec(b * t * 12, 1.0));
+        let x = f32s(&rng.vec_exact_f32(b * t * 12, 1.0));
         let mut scratch = rnn.scratch(b, t).unwrap();
         let mut window = vec![f32::NAN; b * t * 24];
         let mut fin_w = vec![f32::NAN; rnn.state_len(b)];

@@ -112,9 +112,10 @@ fn internal<'a>(env: Env<'a>, message: &str) -> Term<'a> {
 }
 
 /// Bytes of the binaries in `term` (tensors are `{binary, shape, type}` triples, in maps,
-/// tuples and lists a few levels deep); device buffers and scalars count nothing.
+/// tuples and lists a few levels deep: an RNN's weights are binaries at depth 5, inputs map →
+/// layer list → layer map → gate list → triple); device buffers and scalars count nothing.
 fn tensor_bytes(term: Term<'_>, depth: u32) -> usize {
-    if depth > 4 {
+    if depth > 6 {
         return 0;
     }
     match term.get_type() {
