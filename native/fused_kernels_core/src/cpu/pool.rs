@@ -232,14 +232,13 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
 
 /// A barrier for the tasks of one [`run_together`] job: each `wait` returns once all `n`
 /// tasks have called it. Waiters spin (a step of a split recurrence lasts microseconds, less
-/// than a sleep and wake-up). A waiter whose partner is later than the barrier's patience (a
+/// than a sleep and wake-up). A waiter whose partner is later than its patience (a
 /// partner the OS has taken off its core, on a machine with more runnable threads than
 /// cores) marks this crossing as late and then yields its core until the partner arrives;
 /// every task sees the same answer from that crossing's `wait`, so all can leave a lockstep
 /// loop together instead of paying a scheduler time slice per step.
 pub struct Barrier {
     n: u64,
-    patience: Duration,
     /// `generation << GEN_SHIFT | answer | late | arrived`: `late` marks the open crossing
     /// (set by a waiter that gave up, only while the crossing is open), `answer` is the late
     /// mark of the crossing before (set when it opened this one). A waiter may read the word
@@ -254,19 +253,18 @@ const GEN_SHIFT: u32 = 32;
 const ARRIVED: u64 = LATE - 1;
 
 impl Barrier {
-    /// A barrier for `n` tasks whose waiters give up on a partner after `patience`.
-    pub fn new(n: usize, patience: Duration) -> Barrier {
+    /// A barrier for `n` tasks.
+    pub fn new(n: usize) -> Barrier {
         assert!(n >= 1 && (n as u64) < ARRIVED);
         Barrier {
             n: n as u64,
-            patience,
             state: AtomicU64::new(0),
         }
     }
 
-    /// Waits for every task; true if all arrived within the patience of every waiter, false
+    /// Waits for every task; true if all arrived within the `patience` of every waiter, false
     /// (for every task alike) if one waiter gave up on a partner first.
-    pub fn wait(&self) -> bool {
+    pub fn wait(&self, patience: Duration) -> bool {
         let before = self.state.fetch_add(1, Ordering::AcqRel);
         let gen = before >> GEN_SHIFT;
         if (before & ARRIVED) + 1 == self.n {
@@ -292,7 +290,7 @@ impl Barrier {
             spins += 1;
             if spins.is_multiple_of(CLOCK_EVERY)
                 && now & ARRIVED < self.n
-                && start.elapsed() >= self.patience
+                && start.elapsed() >= patience
             {
                 // Only while the crossing is open (its word unchanged); a failed exchange
                 // means a partner arrived meanwhile: look again.

@@ -86,8 +86,12 @@ struct LoopTimes {
     windows: AtomicU64,
 }
 
-/// One window in this many runs the path that has been slower.
-const EXPLORE_EVERY: u64 = 32;
+/// One window in this many runs the path that has been slower: the one-thread loop where
+/// the split wins, the split where it loses.
+const EXPLORE_SERIAL_EVERY: u64 = 32;
+const EXPLORE_SPLIT_EVERY: u64 = 4;
+/// The first windows alternate between the paths.
+const WARM_UP: u64 = 4;
 
 impl LoopTimes {
     fn prefer_split(&self) -> bool {
@@ -99,7 +103,13 @@ impl LoopTimes {
         match (serial, split) {
             (_, 0) => true,
             (0, _) => false,
-            _ => (split < serial) != (n % EXPLORE_EVERY == EXPLORE_EVERY - 1),
+            // Each path's first window pays for cold caches (and the pool's start): a second
+            // one of each before the estimates decide.
+            _ if n < WARM_UP => n % 2 == 0,
+            // A split that loses ends early (see `split_steps`), so trying it costs little;
+            // trying the one-thread loop costs its whole window.
+            _ if split < serial => n % EXPLORE_SERIAL_EVERY != EXPLORE_SERIAL_EVERY - 1,
+            _ => n % EXPLORE_SPLIT_EVERY == EXPLORE_SPLIT_EVERY - 1,
         }
     }
 
@@ -140,10 +150,10 @@ pub enum TimeLoop {
     SplitUntil(usize),
 }
 
-/// How long a task of a split time loop waits for its partner at a step's barrier before the
-/// caller takes the remaining steps alone: several steps' worth (a 256-unit step takes ~10
-/// µs per thread), far below a scheduler time slice.
-const PARTNER_PATIENCE: Duration = Duration::from_micros(100);
+/// How long in all a task of a split time loop waits for its partner at the steps' barriers
+/// before task 0 takes the remaining steps alone: far above what two running threads lose to
+/// each other (well under a microsecond a step), far below a scheduler time slice.
+const PARTNER_PATIENCE: Duration = Duration::from_micros(200);
 
 /// Transient buffers of [`PreparedRnn::forward_into`], sized for a batch and sequence length.
 pub struct RnnScratch {
@@ -602,9 +612,10 @@ impl PreparedRnn {
     /// step publishes the new h row before any task reads it. Returns false, computing
     /// nothing, where the split does not apply or the pool cannot give its threads now.
     ///
-    /// A crossing where a partner came later than [`PARTNER_PATIENCE`] (the OS took it off its
-    /// core) ends the split: the calling task runs the remaining steps alone, so a loaded
-    /// machine costs one wait, not one per step. `until` ends it after that step regardless
+    /// Once a task has waited [`PARTNER_PATIENCE`] in all for its partner (one that the OS
+    /// took off its core, or one slowed by other threads on it), the split ends: task 0 runs
+    /// the remaining steps alone, so a loaded machine costs one such wait per layer, not one
+    /// per step. `until` ends it after that step regardless
     /// (tests reach the hand-over that way).
     #[allow(clippy::too_many_arguments)]
     fn split_steps(
@@ -626,7 +637,7 @@ impl PreparedRnn {
         }
         let (isa, cell, g) = (self.isa, self.cell, self.cell.gates());
         let per = h / tasks;
-        let barrier = pool::Barrier::new(tasks, PARTNER_PATIENCE);
+        let barrier = pool::Barrier::new(tasks);
         let (hp_ptr, c_ptr, out_ptr) = (
             SendPtr(hp.as_mut_ptr()),
             SendPtr(c.as_mut_ptr()),
@@ -635,6 +646,7 @@ impl PreparedRnn {
         let (hp_len, c_len, out_len) = (hp.len(), c.len(), out.len());
         let task = |t: usize| {
             let (u0, u1) = (t * per, (t + 1) * per);
+            let mut patience = PARTNER_PATIENCE;
             for s in 0..seq {
                 let ti = if reverse { seq - 1 - s } else { s };
                 let tp = if reverse { ti + 1 } else { ti.wrapping_sub(1) };
@@ -671,7 +683,9 @@ impl PreparedRnn {
                         Cell::Gru => gru_cell(isa, h, x_row, r_row, &prev[u0..u1], cur),
                     }
                 }
-                let in_time = barrier.wait();
+                let waited = Instant::now();
+                let in_time = barrier.wait(patience);
+                patience = patience.saturating_sub(waited.elapsed());
                 if s + 1 < seq && (!in_time || until == Some(s)) {
                     if t == 0 {
                         // Safety: the other tasks leave after this crossing without touching
