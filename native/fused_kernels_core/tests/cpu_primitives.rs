@@ -520,7 +520,7 @@ fn barrier_crossings_agree_between_tasks() {
             .collect();
         let at = [AtomicUsize::new(0), AtomicUsize::new(0)];
         let ran = run_together(2, &|t| {
-            for i in 0..crossings {
+            for (i, answer) in answers[t].iter().enumerate() {
                 // Now and then a partner comes late (a sleep); mostly both are on time.
                 if i % 97 == t * 13 {
                     std::thread::sleep(Duration::from_micros(300));
@@ -529,18 +529,15 @@ fn barrier_crossings_agree_between_tasks() {
                 let ok = barrier.wait(Duration::from_micros(patience_us));
                 // Past crossing i, the partner has reached it too.
                 assert!(at[1 - t].load(Ordering::SeqCst) >= i);
-                answers[t][i].store(ok as usize, Ordering::SeqCst);
+                answer.store(ok as usize, Ordering::SeqCst);
             }
         });
         if !ran {
             continue;
         }
         let mut late = 0;
-        for i in 0..crossings {
-            let (a, b) = (
-                answers[0][i].load(Ordering::SeqCst),
-                answers[1][i].load(Ordering::SeqCst),
-            );
+        for (i, (a, b)) in answers[0].iter().zip(&answers[1]).enumerate() {
+            let (a, b) = (a.load(Ordering::SeqCst), b.load(Ordering::SeqCst));
             assert_eq!(
                 a, b,
                 "patience {patience_us} µs: crossing {i} answered {a} and {b}"

@@ -105,7 +105,7 @@ impl LoopTimes {
             (0, _) => false,
             // Each path's first window pays for cold caches (and the pool's start): a second
             // one of each before the estimates decide.
-            _ if n < WARM_UP => n % 2 == 0,
+            _ if n < WARM_UP => n.is_multiple_of(2),
             // A split that loses ends early (see `split_steps`), so trying it costs little;
             // trying the one-thread loop costs its whole window.
             _ if split < serial => n % EXPLORE_SERIAL_EVERY != EXPLORE_SERIAL_EVERY - 1,
