@@ -89,7 +89,7 @@ struct LoopTimes {
 /// One window in this many runs the path that has been slower: the one-thread loop where
 /// the split wins, the split where it loses.
 const EXPLORE_SERIAL_EVERY: u64 = 32;
-const EXPLORE_SPLIT_EVERY: u64 = 4;
+const EXPLORE_SPLIT_EVERY: u64 = 8;
 /// The first windows alternate between the paths.
 const WARM_UP: u64 = 4;
 
@@ -153,7 +153,7 @@ pub enum TimeLoop {
 /// How long in all a task of a split time loop waits for its partner at the steps' barriers
 /// before task 0 takes the remaining steps alone: far above what two running threads lose to
 /// each other (well under a microsecond a step), far below a scheduler time slice.
-const PARTNER_PATIENCE: Duration = Duration::from_micros(200);
+const PARTNER_PATIENCE: Duration = Duration::from_micros(100);
 
 /// Transient buffers of [`PreparedRnn::forward_into`], sized for a batch and sequence length.
 pub struct RnnScratch {
