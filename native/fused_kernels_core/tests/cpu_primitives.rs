@@ -544,11 +544,16 @@ fn barrier_crossings_agree_between_tasks() {
             );
             late += (a == 0) as usize;
         }
-        if patience_us >= 100 {
-            // The sleeps are late crossings; the rest should mostly be in time.
+        if patience_us <= 100 {
+            // A partner that sleeps 300 µs is later than the patience: its 42 crossings are
+            // late unless the waiter itself lost its core meanwhile (a loaded machine), so
+            // at least half of them.
+            let sleeps = (0..crossings)
+                .filter(|i| i % 97 == 0 || i % 97 == 13)
+                .count();
             assert!(
-                late >= crossings / 97 / 2,
-                "patience {patience_us}: {late} late"
+                late >= sleeps / 2,
+                "patience {patience_us} µs: {late} late, {sleeps} sleeps"
             );
         }
         eprintln!("patience {patience_us} µs: {late} of {crossings} crossings late");
