@@ -6,12 +6,14 @@
 //!
 //! Flags: `--op lstm|gru|dense|scan|attention|norm|math`, `--mode step|window` (rnn), `--batch`,
 //! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
-//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
-//! avx2+fma|avx512f` (force a level the CPU has), `--act gelu|none|...` (dense's activation).
-//! Prints the median and the 10th/90th percentiles of per-call wall time in ms.
+//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--loop
+//! measured|serial|split` (a batch-1 window's time loop: chosen by measurement, one thread, or
+//! split over the pool), `--isa avx2+fma|avx512f` (force a level the CPU has), `--act
+//! gelu|none|...` (dense's activation). Prints the median and the 10th/90th percentiles of
+//! per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
-use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
+use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, TimeLoop};
 use std::time::Instant;
 
 struct Args {
@@ -25,6 +27,7 @@ struct Args {
     portable: bool,
     isa: Option<String>,
     act: String,
+    time_loop: TimeLoop,
 }
 
 fn parse() -> Args {
@@ -39,6 +42,7 @@ fn parse() -> Args {
         portable: false,
         isa: None,
         act: "gelu".into(),
+        time_loop: TimeLoop::Measured,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -55,6 +59,14 @@ fn parse() -> Args {
             "--iters" => a.iters = num(val()),
             "--isa" => a.isa = Some(val()),
             "--act" => a.act = val(),
+            "--loop" => {
+                a.time_loop = match val().as_str() {
+                    "measured" => TimeLoop::Measured,
+                    "serial" => TimeLoop::Serial,
+                    "split" => TimeLoop::Split,
+                    other => panic!("--loop measured|serial|split, got {other}"),
+                }
+            }
             "--threads" => {
                 // Before the pool's first use, which reads it once.
                 std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
@@ -160,7 +172,8 @@ fn rnn(a: &Args, isa: Isa) {
         );
     });
     report("PreparedRnn::new", prep_ms);
-    let rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
+    let mut rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
+    rnn.set_time_loop(a.time_loop);
     let seq = if a.mode == "step" { 1 } else { a.seq };
     let b = a.batch;
     let mut scratch = rnn.scratch(b, seq).expect("scratch");
@@ -239,6 +252,11 @@ fn rnn(a: &Args, isa: Isa) {
             .expect("prepared call");
     });
     report(&format!("{name} prepared op API"), prepared_ms);
+    println!(
+        "time loop {:?}: ns per step (one thread, split) per layer {:?}",
+        a.time_loop,
+        rnn.loop_times()
+    );
     report(
         &format!(
             "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",

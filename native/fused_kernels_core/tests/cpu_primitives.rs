@@ -499,3 +499,62 @@ fn norm_rows_match_f64_on_every_path_at_large_means() {
     }
     println!("norm rows: worst rel. L2 {worst:e}");
 }
+
+/// The split recurrence's barrier: every crossing returns the same answer to every task
+/// (all in time, or late for all), with partners that are on time, late by a sleep, or
+/// racing the patience; and the tasks never get a crossing ahead of each other.
+#[test]
+fn barrier_crossings_agree_between_tasks() {
+    use fused_kernels_core::cpu::pool::{run_together, Barrier};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    if fused_kernels_core::cpu::pool::threads() < 2 {
+        return;
+    }
+    for patience_us in [0u64, 1, 5, 20, 100, 1000] {
+        let barrier = Barrier::new(2);
+        let crossings = 2000;
+        let answers: Vec<Vec<AtomicUsize>> = (0..2)
+            .map(|_| (0..crossings).map(|_| AtomicUsize::new(9)).collect())
+            .collect();
+        let at = [AtomicUsize::new(0), AtomicUsize::new(0)];
+        let ran = run_together(2, &|t| {
+            for (i, answer) in answers[t].iter().enumerate() {
+                // Now and then a partner comes late (a sleep); mostly both are on time.
+                if i % 97 == t * 13 {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                at[t].store(i, Ordering::SeqCst);
+                let ok = barrier.wait(Duration::from_micros(patience_us));
+                // Past crossing i, the partner has reached it too.
+                assert!(at[1 - t].load(Ordering::SeqCst) >= i);
+                answer.store(ok as usize, Ordering::SeqCst);
+            }
+        });
+        if !ran {
+            continue;
+        }
+        let mut late = 0;
+        for (i, (a, b)) in answers[0].iter().zip(&answers[1]).enumerate() {
+            let (a, b) = (a.load(Ordering::SeqCst), b.load(Ordering::SeqCst));
+            assert_eq!(
+                a, b,
+                "patience {patience_us} µs: crossing {i} answered {a} and {b}"
+            );
+            late += (a == 0) as usize;
+        }
+        if patience_us <= 100 {
+            // A partner that sleeps 300 µs is later than the patience: its 42 crossings are
+            // late unless the waiter itself lost its core meanwhile (a loaded machine), so
+            // at least half of them.
+            let sleeps = (0..crossings)
+                .filter(|i| i % 97 == 0 || i % 97 == 13)
+                .count();
+            assert!(
+                late >= sleeps / 2,
+                "patience {patience_us} µs: {late} late, {sleeps} sleeps"
+            );
+        }
+        eprintln!("patience {patience_us} µs: {late} of {crossings} crossings late");
+    }
+}

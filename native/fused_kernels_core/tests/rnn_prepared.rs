@@ -5,7 +5,7 @@
 //! caller errors.
 
 use fused_kernels_core::cpu::Isa;
-use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch};
+use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch, TimeLoop};
 use fused_kernels_core::reference::rnn::{reference, RefLayer};
 use support::{f32s, rel_l2, Rng};
 
@@ -114,7 +114,7 @@ fn check(
     let x = rng.vec_exact_f32(batch * seq * features, 1.0);
     let (want_seq, want_states) = reference(cell, &x, [batch, seq, features], &net.layers, reverse);
     for isa in Isa::available() {
-        let rnn = prepare(&net, reverse, isa);
+        let mut rnn = prepare(&net, reverse, isa);
         let mut scratch = RnnScratch::new(&rnn, batch + 1, seq + 2).unwrap();
         let init: Option<Vec<f32>> = with_state.then(|| {
             net.layers
@@ -146,8 +146,19 @@ fn check(
         eprintln!("ok {what}: rel L2 {err:.2e} / {err_s:.2e}");
         // Again, outputs poisoned: with a pool of 2+ threads the batch-1 windows of 64-unit
         // multiples alternate between the split and the one-thread time loop (each is tried
-        // before the faster is preferred), which must agree bit for bit.
-        for _ in 0..2 {
+        // before the faster is preferred), which must agree bit for bit; then each path
+        // forced, and the split handing its remaining steps to the caller (as when a partner
+        // thread is late) after the first step and half way.
+        let modes = [
+            TimeLoop::Measured,
+            TimeLoop::Measured,
+            TimeLoop::Serial,
+            TimeLoop::Split,
+            TimeLoop::SplitUntil(0),
+            TimeLoop::SplitUntil(seq / 2),
+        ];
+        for mode in modes {
+            rnn.set_time_loop(mode);
             let mut again = vec![f32::NAN; out.len()];
             let mut fin_again = vec![f32::NAN; fin.len()];
             rnn.forward_into(
@@ -163,11 +174,11 @@ fn check(
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert!(
                 bits(&again) == bits(&out),
-                "{what}: a repeated call differs"
+                "{what}: a repeated call ({mode:?}) differs"
             );
             assert!(
                 bits(&fin_again) == bits(&fin),
-                "{what}: repeated final state differs"
+                "{what}: repeated final state ({mode:?}) differs"
             );
         }
     }
