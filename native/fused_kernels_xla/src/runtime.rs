@@ -1,6 +1,6 @@
 //! What every handler does around its op: answer XLA's metadata query, catch panics, turn our
-//! errors into `XLA_FFI_Error`s, find the device and XLA's stream, lend XLA's allocator to
-//! the op's temporaries and give that memory back when the work is enqueued.
+//! errors into `XLA_FFI_Error`s, find the device and XLA's stream, and keep the op's
+//! temporaries inside the results XLA declared (a workspace result where the op needs one).
 
 use crate::ffi::{self, CallFrame, XlaError};
 use crate::frame::{self, Buf, Decoded};
@@ -325,23 +325,25 @@ unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
         CAPTURED_EXECUTES.fetch_add(1, Ordering::Relaxed);
     }
     let gpu = on_stream(&base, stream)?;
-    let mut lent = Lent {
-        api,
-        ctx: f.ctx,
-        blocks: Vec::new(),
-    };
     let call = Call {
         gpu: &gpu,
         d: &d,
         stream,
     };
     let start = Instant::now();
-    let result = with_scratch(&mut |bytes| lent.allocate(bytes), || (op.execute)(&call));
+    // Every temporary an op makes must come from a workspace result the call declares
+    // (`Call::with_workspace`): XLA records command-buffer-compatible handlers into CUDA
+    // graphs, where memory borrowed for one call would be baked into every replay. An op
+    // asking for memory outside one is refused here rather than allocating behind XLA's back.
+    let mut refuse = |bytes: usize| -> Result<u64> {
+        Err(Error::Cuda(format!(
+            "internal: the op asked for {bytes} bytes of device memory outside the results XLA \
+             declared for this call"
+        )))
+    };
+    let result = with_scratch(&mut refuse, || (op.execute)(&call));
     add_elapsed(&OP_NS, start);
-    // The op's work is enqueued on XLA's stream; XLA's allocator is ordered on that stream,
-    // so the blocks go back now (what jaxlib's own scratch allocators do).
-    let freed = lent.free_all();
-    result.and(freed)
+    result
 }
 
 /// The CUstream XLA runs this call on.
@@ -444,69 +446,4 @@ fn on_stream(base: &Gpu, stream: cudarc::driver::sys::CUstream) -> Result<Arc<Gp
     let g = Arc::new(unsafe { base.on_stream(stream) });
     map.insert(key, g.clone());
     Ok(g)
-}
-
-/// Device memory borrowed from XLA for one call.
-struct Lent<'a> {
-    api: &'a ffi::Api,
-    ctx: *mut ffi::ExecutionContext,
-    blocks: Vec<(u64, usize)>,
-}
-
-impl Lent<'_> {
-    fn allocate(&mut self, bytes: usize) -> Result<u64> {
-        let alloc = self
-            .api
-            .device_memory_allocate
-            .ok_or_else(|| Error::Unavailable("XLA's API has no DeviceMemory_Allocate".into()))?;
-        let mut args = ffi::DeviceMemoryAllocateArgs {
-            struct_size: std::mem::size_of::<ffi::DeviceMemoryAllocateArgs>(),
-            extension_start: null_mut(),
-            ctx: self.ctx,
-            size: bytes.max(1),
-            // XLA's DeviceMemory_Allocate refuses alignments above 16 bytes ("Unsupported
-            // alignment: 64" and ": 256" on the H100 with JAX 0.11); its BFC allocator hands out
-            // 256-byte aligned blocks anyway, and 16 covers the kernels' vector accesses.
-            alignment: 16,
-            data: null_mut(),
-        };
-        let err = unsafe { alloc(&mut args) };
-        if let Some(why) = unsafe { take_xla_error(self.api, err) } {
-            return Err(Error::OutOfMemory(format!(
-                "XLA's allocator refused {bytes} bytes of scratch: {why}"
-            )));
-        }
-        if args.data.is_null() {
-            return Err(Error::OutOfMemory(format!(
-                "XLA's allocator returned no memory for {bytes} bytes of scratch"
-            )));
-        }
-        self.blocks.push((args.data as u64, bytes.max(1)));
-        Ok(args.data as u64)
-    }
-
-    fn free_all(&mut self) -> Result<()> {
-        let Some(free) = self.api.device_memory_free else {
-            return Ok(());
-        };
-        let mut failed = 0;
-        for (data, size) in self.blocks.drain(..) {
-            let mut args = ffi::DeviceMemoryFreeArgs {
-                struct_size: std::mem::size_of::<ffi::DeviceMemoryFreeArgs>(),
-                extension_start: null_mut(),
-                ctx: self.ctx,
-                size,
-                data: data as *mut c_void,
-            };
-            if unsafe { take_xla_error(self.api, free(&mut args)) }.is_some() {
-                failed += 1;
-            }
-        }
-        if failed > 0 {
-            return Err(Error::Cuda(format!(
-                "XLA's allocator refused to take back {failed} scratch block(s)"
-            )));
-        }
-        Ok(())
-    }
 }
