@@ -477,9 +477,18 @@ fn workspace_sizes_follow_the_shapes() {
     // The users' GRU and LSTM (2 x 256, window 60, batch 1, x {1, 60, 288}) and the Mamba block
     // of the tests (batch 2, seq 61, hidden 64, inner 128, state 16, dt_rank 4). The Elixir
     // lowering's tests pin the same numbers.
-    assert_eq!(words(c"fused_kernels_gru", &[4, 1, 60, 288, 256, 256]), 1_982_400);
-    assert_eq!(words(c"fused_kernels_lstm", &[4, 1, 60, 288, 256, 256]), 2_632_640);
-    assert_eq!(words(c"fused_kernels_gru", &[2, 1, 60, 288, 256, 256]), 1_561_280);
+    assert_eq!(
+        words(c"fused_kernels_gru", &[4, 1, 60, 288, 256, 256]),
+        1_982_400
+    );
+    assert_eq!(
+        words(c"fused_kernels_lstm", &[4, 1, 60, 288, 256, 256]),
+        2_632_640
+    );
+    assert_eq!(
+        words(c"fused_kernels_gru", &[2, 1, 60, 288, 256, 256]),
+        1_561_280
+    );
     assert_eq!(
         words(c"fused_kernels_mamba_block", &[2, 61, 64, 128, 16, 4]),
         113_920
@@ -488,7 +497,10 @@ fn workspace_sizes_follow_the_shapes() {
     // sequence and the packed kernels of each layer, growing with batch, seq and units.
     let (b, t, f, h) = (8i64, 100, 200, 512);
     let gru = words(c"fused_kernels_gru", &[4, b, t, f, h]);
-    assert!(gru as i64 >= b * t * 3 * h + b * t * h + f * 3 * h + h * 3 * h, "{gru}");
+    assert!(
+        gru >= b * t * 3 * h + b * t * h + f * 3 * h + h * 3 * h,
+        "{gru}"
+    );
     assert!(words(c"fused_kernels_gru", &[4, b, t + 1, f, h]) > gru);
     assert!(words(c"fused_kernels_gru", &[4, b + 1, t, f, h]) > gru);
     assert!(words(c"fused_kernels_gru", &[4, b, t, f, h, h]) > gru);
@@ -505,7 +517,11 @@ fn workspace_sizes_follow_the_shapes() {
     assert_eq!(words(c"fused_kernels_dense", &[4, 8]), -1);
     assert_eq!(
         unsafe {
-            fused_kernels_xla::fused_kernels_xla_workspace_words(std::ptr::null(), std::ptr::null(), 0)
+            fused_kernels_xla::fused_kernels_xla_workspace_words(
+                std::ptr::null(),
+                std::ptr::null(),
+                0,
+            )
         },
         -1
     );
