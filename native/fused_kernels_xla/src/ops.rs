@@ -497,13 +497,9 @@ pub const MAMBA_BLOCK: OpSpec = OpSpec {
         check_workspace(&d.rets[1], mamba_block_workspace(d, &names)?)
     },
     execute: mamba_block_execute,
-    preload: |_| {
-        vec![
-            &kernels::MAMBA_BLOCK,
-            &kernels::NORM,
-            &kernels::SELECTIVE_SCAN_F32,
-        ]
-    },
+    // (Its functions load at the first execute: XLA runs a command buffer's calls once
+    // directly before it records them; a whole-file preload would compile every instance.)
+    preload: no_preload,
 };
 
 pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
@@ -591,7 +587,9 @@ pub const LSTM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Lstm),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
-    preload: |_| RNN_MODULES.to_vec(),
+    // (As the Mamba block's: its functions load at the first, direct execute; the router's
+    // five kernel files are too large to compile whole.)
+    preload: no_preload,
 };
 
 pub const GRU: OpSpec = OpSpec {
@@ -599,18 +597,8 @@ pub const GRU: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Gru),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
-    preload: |_| RNN_MODULES.to_vec(),
+    preload: no_preload,
 };
-
-/// Every module the CUDA router may launch from (which one depends on the device and the
-/// shape; all are loaded before XLA may record the call).
-const RNN_MODULES: &[&Kernel] = &[
-    &kernels::RNN_CLUSTER,
-    &kernels::RNN,
-    &kernels::RNN_RESIDENT,
-    &kernels::RNN_MMA,
-    &kernels::RNN_BATCHED,
-];
 
 fn rnn_validate(d: &Decoded, cell: rnn::Cell) -> Result<()> {
     let (layers, init, _) = rnn_layout(&d.attrs, cell, d.args.len(), d.rets.len())?;
