@@ -218,7 +218,7 @@ const SCAN_REQUIRED: &[&str] = &["u", "delta", "a", "b", "c"];
 /// `fused_kernels_selective_scan`: u, delta, a, b, c [, d, z, delta_bias, initial_state]
 /// (named by `operands`) -> out [, last_state f32 `{batch, channels, state}`].
 /// Attributes: `delta_softplus`, `dt_min` + `dt_max` (clip after softplus, both or neither).
-/// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs scratch: not served here).
+/// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs a workspace: not served here).
 pub const SELECTIVE_SCAN: OpSpec = OpSpec {
     name: "fused_kernels_selective_scan",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
