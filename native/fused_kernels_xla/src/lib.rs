@@ -14,9 +14,11 @@
 //! - Each handler is exported under its target name (`fused_kernels_flash_attention`, ...),
 //!   for `jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.<name>), platform="CUDA")`.
 //!
-//! Kernels are NVRTC-compiled for the device on first use and cached (fused_kernels_core);
-//! targets that may be captured into CUDA graphs load their modules at XLA's initialize
-//! stage, before any capture.
+//! Kernels are NVRTC-compiled for the device on first use, one function per program, and
+//! cached (fused_kernels_core; `FusedKernels.prefill/1` fills the cache ahead). A kernel
+//! function is never loaded under a CUDA-graph capture: attention loads its function at XLA's
+//! initialize stage; the others load theirs at the first execute, which XLA runs directly
+//! before it records a command buffer (their functions depend on the device's routing).
 
 pub mod ffi;
 pub mod frame;

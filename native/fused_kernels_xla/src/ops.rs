@@ -10,16 +10,16 @@ use crate::ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE;
 use crate::frame::{Attrs, Buf, Decoded};
 use crate::runtime::{arity, Call, OpSpec};
 use cudarc::driver::CudaFunction;
-use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::cuda::{DeviceTensor, Gpu};
 use fused_kernels_core::error::Error;
 use fused_kernels_core::error::{arg_error, Result};
-use fused_kernels_core::kernels::{self, Kernel};
+
 use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan};
 use fused_kernels_core::DType;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The operand names of a call: the `operands` attribute (default: `required` in order),
 /// checked against the op's `known` names and the number of buffers passed.
@@ -91,10 +91,6 @@ impl<'t> Named<'t> {
     }
 }
 
-fn no_preload(_: &Decoded) -> Vec<&'static Kernel> {
-    Vec::new()
-}
-
 // ---------------------------------------------------------------------------------------
 // Attention
 
@@ -107,7 +103,7 @@ pub const FLASH_ATTENTION: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: flash_attention_validate,
     execute: flash_attention_execute,
-    preload: |_| vec![&kernels::FLASH_ATTENTION],
+    preload: Some(|gpu, d| attention_function(gpu, d).map(|_| ())),
 };
 
 pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
@@ -155,47 +151,60 @@ static ATTENTION_FUNCTIONS: Lazy<Mutex<AttentionFunctions>> =
 
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
     let p = flash_attention_params(&c.d.attrs)?;
+    let (f, g, plan) = attention_function(c.gpu, c.d)?;
     let [q, k, v] = [&c.d.args[0], &c.d.args[1], &c.d.args[2]];
+    let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
+    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+}
+
+/// The call's geometry, plan and loaded kernel function (loaded once per device and name; the
+/// initialize stage calls this too, so that the execute stage never loads a module).
+fn attention_function(
+    gpu: &Arc<Gpu>,
+    d: &Decoded,
+) -> Result<(
+    CudaFunction,
+    flash_attention::Geometry,
+    flash_attention::Plan,
+)> {
+    let p = flash_attention_params(&d.attrs)?;
+    let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
     let g = flash_attention::geometry(
         (&q.dims, q.dtype),
         (&k.dims, k.dtype),
         (&v.dims, v.dtype),
         p.layout,
     )?;
-    let sms = sm_count(c)?;
-    let plan = flash_attention::plan(&g, q.dtype, c.gpu.has_tensor_cores(), sms)?;
-    let key = (c.gpu.ordinal, plan.function.clone());
-    let cached = ATTENTION_FUNCTIONS
-        .lock()
-        .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
-        .get(&key)
-        .cloned();
+    let plan = flash_attention::plan(&g, q.dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
+    let key = (gpu.ordinal, plan.function.clone());
+    let lock = || {
+        ATTENTION_FUNCTIONS
+            .lock()
+            .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))
+    };
+    let cached = lock()?.get(&key).cloned();
     let f = match cached {
         Some(f) => f,
         None => {
-            let f = flash_attention::function(c.gpu, &plan)?;
-            ATTENTION_FUNCTIONS
-                .lock()
-                .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
-                .insert(key, f.clone());
+            let f = flash_attention::function(gpu, &plan)?;
+            lock()?.insert(key, f.clone());
             f
         }
     };
-    let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
-    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+    Ok((f, g, plan))
 }
 
 /// The device's SM count (asked of the driver once per device).
-fn sm_count(c: &Call<'_>) -> Result<usize> {
+fn sm_count(gpu: &Gpu) -> Result<usize> {
     static SMS: Lazy<Mutex<HashMap<usize, usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
     let mut map = SMS
         .lock()
         .map_err(|_| Error::Cuda("SM count cache lock poisoned".into()))?;
-    if let Some(n) = map.get(&c.gpu.ordinal) {
+    if let Some(n) = map.get(&gpu.ordinal) {
         return Ok(*n);
     }
-    let n = c.gpu.multiprocessors()?.max(1) as usize;
-    map.insert(c.gpu.ordinal, n);
+    let n = gpu.multiprocessors()?.max(1) as usize;
+    map.insert(gpu.ordinal, n);
     Ok(n)
 }
 
@@ -228,13 +237,7 @@ pub const SELECTIVE_SCAN: OpSpec = OpSpec {
         operand_names(&d.attrs, d.args.len(), SCAN_KNOWN, SCAN_REQUIRED).map(|_| ())
     },
     execute: selective_scan_execute,
-    preload: |d| {
-        vec![match d.args.first().map(|b| b.dtype) {
-            Some(DType::F16) => &kernels::SELECTIVE_SCAN_F16,
-            Some(DType::BF16) => &kernels::SELECTIVE_SCAN_BF16,
-            _ => &kernels::SELECTIVE_SCAN_F32,
-        }]
-    },
+    preload: None,
 };
 
 pub fn selective_scan_params(a: &Attrs, last_state: bool) -> Result<selective_scan::Params> {
@@ -293,7 +296,7 @@ pub const LAYER_NORM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Layer),
     execute: |c| norm_execute(c, norm::Kind::Layer),
-    preload: |_| vec![&kernels::NORM],
+    preload: None,
 };
 
 /// `fused_kernels_rms_norm`: x, weight [, residual] -> out [, sum]. Attribute `eps`
@@ -303,7 +306,7 @@ pub const RMS_NORM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Rms),
     execute: |c| norm_execute(c, norm::Kind::Rms),
-    preload: |_| vec![&kernels::NORM],
+    preload: None,
 };
 
 type NormNames = (&'static [&'static str], &'static [&'static str], f64);
@@ -375,7 +378,7 @@ pub const DENSE: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: dense_validate,
     execute: dense_execute,
-    preload: no_preload,
+    preload: None,
 };
 
 fn dense_norm(kind: dense::Kind) -> bool {
@@ -497,9 +500,7 @@ pub const MAMBA_BLOCK: OpSpec = OpSpec {
         check_workspace(&d.rets[1], mamba_block_workspace(d, &names)?)
     },
     execute: mamba_block_execute,
-    // (Its functions load at the first execute: XLA runs a command buffer's calls once
-    // directly before it records them; a whole-file preload would compile every instance.)
-    preload: no_preload,
+    preload: None,
 };
 
 pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
@@ -587,9 +588,7 @@ pub const LSTM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Lstm),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
-    // (As the Mamba block's: its functions load at the first, direct execute; the router's
-    // five kernel files are too large to compile whole.)
-    preload: no_preload,
+    preload: None,
 };
 
 pub const GRU: OpSpec = OpSpec {
@@ -597,7 +596,7 @@ pub const GRU: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Gru),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
-    preload: no_preload,
+    preload: None,
 };
 
 fn rnn_validate(d: &Decoded, cell: rnn::Cell) -> Result<()> {

@@ -6,7 +6,6 @@ use crate::ffi::{self, CallFrame, XlaError};
 use crate::frame::{self, Buf, Decoded};
 use fused_kernels_core::cuda::{self, buffer::with_scratch, DeviceTensor, Gpu};
 use fused_kernels_core::error::{arg_error, Error, Result};
-use fused_kernels_core::kernels::Kernel;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -56,15 +55,21 @@ fn add_elapsed(counter: &AtomicU64, since: Instant) {
     counter.fetch_add(ns, Ordering::Relaxed);
 }
 
-/// One call target: its name, traits, what it runs and which modules to load before a
-/// CUDA-graph capture.
+/// What a target loads at XLA's initialize stage, given the device and the call.
+pub type Preload = fn(&Arc<Gpu>, &Decoded) -> Result<()>;
+
+/// One call target: its name, traits, what it runs, and what it loads at XLA's initialize
+/// stage (before any CUDA-graph capture).
 pub struct OpSpec {
     pub name: &'static str,
     pub traits: u32,
     /// Everything that can be checked without the device (counts, attributes, shapes).
     pub validate: fn(&Decoded) -> Result<()>,
     pub execute: fn(&Call<'_>) -> Result<()>,
-    pub preload: fn(&Decoded) -> Vec<&'static Kernel>,
+    /// Loads the kernel functions the call will launch, where they can be named without the
+    /// device's routing (None: they load at the first execute, which XLA runs directly, not
+    /// under capture, before it records a command buffer).
+    pub preload: Option<Preload>,
 }
 
 /// An execute-stage call: the decoded frame and the device bound to XLA's stream.
@@ -302,16 +307,18 @@ unsafe fn dispatch(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     }
 }
 
-/// Loads the op's kernel modules before XLA may capture the execute stage into a CUDA
-/// graph (module loading is not a capturable operation).
+/// Loads the op's kernel functions before XLA may capture the execute stage into a CUDA
+/// graph (module loading is not a capturable operation). Only the functions the call needs:
+/// the kernel cache is filled per function, and a whole file compiles for minutes.
 unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
-    let d = unsafe { frame::decode(f)? };
-    let kernels = (op.preload)(&d);
-    if kernels.is_empty() {
+    let Some(preload) = op.preload else {
         return Ok(());
-    }
+    };
+    let d = unsafe { frame::decode(f)? };
+    (op.validate)(&d)?;
     let gpu = cuda::gpu(Some(ordinal_of(&d)?))?;
-    kernels.into_iter().try_for_each(|k| gpu.preload(k))
+    check_context(&gpu)?;
+    preload(&gpu, &d)
 }
 
 unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
