@@ -500,7 +500,7 @@ pub const MAMBA_BLOCK: OpSpec = OpSpec {
         check_workspace(&d.rets[1], mamba_block_workspace(d, &names)?)
     },
     execute: mamba_block_execute,
-    preload: None,
+    preload: Some(cublas_ready),
 };
 
 pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
@@ -588,7 +588,7 @@ pub const LSTM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Lstm),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
-    preload: None,
+    preload: Some(cublas_ready),
 };
 
 pub const GRU: OpSpec = OpSpec {
@@ -596,7 +596,7 @@ pub const GRU: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Gru),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
-    preload: None,
+    preload: Some(cublas_ready),
 };
 
 fn rnn_validate(d: &Decoded, cell: rnn::Cell) -> Result<()> {
@@ -702,6 +702,15 @@ fn rnn_execute(c: &Call<'_>, cell: rnn::Cell) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Makes the device's cuBLAS handle at XLA's initialize stage, which is never recorded into a
+/// CUDA graph: the GEMMs of the Mamba block and of the RNNs' batched paths use it (set to
+/// XLA's stream per call), and making it under a capture fails. Without cuBLAS this is not an
+/// error here: the paths that need it report it.
+fn cublas_ready(gpu: &Arc<Gpu>, _: &Decoded) -> Result<()> {
+    let _ = gpu.with_blas(|_| Ok(()));
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
