@@ -445,7 +445,7 @@ fn dense_execute(c: &Call<'_>) -> Result<()> {
     };
     let mut out = c.tensor(&c.d.rets[0]);
     match c.d.rets.get(1) {
-        Some(stats) => c.with_workspace(stats, "stats", || dense::cuda(&ops, &mut out, p)),
+        Some(stats) => c.with_workspace(stats, "stats", 0, || dense::cuda(&ops, &mut out, p)),
         None => dense::cuda(&ops, &mut out, p),
     }
 }
@@ -537,7 +537,7 @@ fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
         out_bias: n.get("out_bias"),
     };
     let mut out = c.tensor(&c.d.rets[0]);
-    c.with_workspace(&c.d.rets[1], "workspace", || {
+    c.with_workspace(&c.d.rets[1], "workspace", CUBLAS_WORKSPACE_BYTES, || {
         mamba_block::cuda_into(c.gpu, n.req("x")?, &w, p, &mut out)
     })
 }
@@ -690,7 +690,7 @@ fn rnn_execute(c: &Call<'_>, cell: rnn::Cell) -> Result<()> {
         })
         .collect();
     let workspace = &c.d.rets[c.d.rets.len() - 1];
-    c.with_workspace(workspace, "workspace", || {
+    c.with_workspace(workspace, "workspace", CUBLAS_WORKSPACE_BYTES, || {
         let out = rnn::cuda_on(c.gpu, cell, &ops[0], &stack, reverse)?;
         c.copy_to(&out.sequence, &c.d.rets[0], "sequence")?;
         let names = cell.state_names();
@@ -715,6 +715,11 @@ fn cublas_ready(gpu: &Arc<Gpu>, _: &Decoded) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------
 // Workspaces
+
+/// The cuBLAS workspace at the start of an RNN or Mamba block workspace (cuBLAS's own default
+/// before Hopper; given explicitly, cuBLAS allocates nothing while XLA records the call, which
+/// would add memory nodes to the graph and keep XLA from nesting it in its command buffers).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 4 << 20;
 
 /// A workspace result: f32, one dimension, at least `words` long.
 fn check_workspace(ws: &Buf, words: usize) -> Result<()> {
@@ -747,7 +752,8 @@ fn product(factors: &[usize]) -> Option<usize> {
 }
 
 /// An upper bound on the temporaries of an LSTM/GRU call (`rnn::cuda_on`) in f32 words:
-/// `elem` bytes per element of x, layers of `hidden` units. It sums, per layer, every buffer
+/// `elem` bytes per element of x, layers of `hidden` units. The cuBLAS workspace, then, per
+/// layer, every buffer
 /// any of the router's paths allocates (`ops/rnn`: the packed input and hidden kernels, the
 /// f32 input projection, the layer's sequence and final states, the tensor-core paths' weight
 /// tiles (units padded to 16, K to 128 bytes, an f32 lo plane), the persistent kernel's
@@ -762,7 +768,7 @@ pub fn rnn_workspace_words(
     hidden: &[usize],
 ) -> Option<usize> {
     let (g, s) = (cell.gates(), elem);
-    let mut terms = Vec::new();
+    let mut terms = vec![Some(CUBLAS_WORKSPACE_BYTES)];
     let mut input = features;
     for &h in hidden {
         let pad = |n: usize| h.checked_add(n);
@@ -785,8 +791,8 @@ pub fn rnn_workspace_words(
     words_of(&terms)
 }
 
-/// The temporaries of a Mamba block call (`mamba_block::cuda_into`) in f32 words: per row
-/// of x (batch x seq), the normalised input, the in-projection (x and z halves), the conv
+/// The temporaries of a Mamba block call (`mamba_block::cuda_into`) in f32 words: the cuBLAS
+/// workspace, then per row of x (batch x seq), the normalised input, the in-projection (x and z halves), the conv
 /// output, the gate, B and C, the dt rank and dt rows, the scan output and the
 /// out-projection, and one mean-dt value (all f32).
 pub fn mamba_workspace_words(
@@ -800,6 +806,7 @@ pub fn mamba_workspace_words(
     let m = batch.checked_mul(seq)?;
     let rows = |cols: Option<usize>| cols.and_then(|c| product(&[m, c, 4]));
     words_of(&[
+        Some(CUBLAS_WORKSPACE_BYTES),
         rows(Some(hidden)),
         rows(inner.checked_mul(2)),
         rows(Some(inner)),

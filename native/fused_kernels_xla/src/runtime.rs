@@ -4,7 +4,8 @@
 
 use crate::ffi::{self, CallFrame, XlaError};
 use crate::frame::{self, Buf, Decoded};
-use fused_kernels_core::cuda::{self, buffer::with_scratch, DeviceTensor, Gpu};
+use fused_kernels_core::cuda::buffer::{with_blas_workspace, with_scratch};
+use fused_kernels_core::cuda::{self, DeviceTensor, Gpu};
 use fused_kernels_core::error::{arg_error, Error, Result};
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
@@ -93,15 +94,22 @@ impl Call<'_> {
     /// Runs `f` with the op's temporaries carved out of result `ws` (a workspace the caller
     /// declared, so that nothing comes from XLA's allocator while it records a CUDA graph):
     /// a bump allocator over its bytes, 256-byte aligned; asking for more is an error naming
-    /// `what`.
+    /// `what`. `blas` bytes at its start are the cuBLAS workspace of the op's GEMMs (0: the op
+    /// makes no cuBLAS call).
     pub fn with_workspace<R>(
         &self,
         ws: &Buf,
         what: &str,
+        blas: usize,
         f: impl FnOnce() -> Result<R>,
     ) -> Result<R> {
         let bytes = ws.numel() * ws.dtype.size();
-        let mut used = 0usize;
+        if blas > bytes {
+            return Err(arg_error(format!(
+                "{what}: the call needs more than its {bytes} bytes ({blas} for cuBLAS)"
+            )));
+        }
+        let mut used = blas;
         let mut carve = |n: usize| -> Result<u64> {
             let start = used.div_ceil(256) * 256;
             let end = start.checked_add(n).filter(|e| *e <= bytes).ok_or_else(|| {
@@ -112,7 +120,10 @@ impl Call<'_> {
             used = end;
             Ok(ws.data + start as u64)
         };
-        with_scratch(&mut carve, f)
+        if blas == 0 {
+            return with_scratch(&mut carve, f);
+        }
+        with_blas_workspace(ws.data, blas, || with_scratch(&mut carve, f))
     }
 
     /// Copies `src` (a temporary the op made) into result `dst`, on XLA's stream.

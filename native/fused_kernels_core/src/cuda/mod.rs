@@ -461,8 +461,22 @@ impl Gpu {
             .lock()
             .map_err(|_| Error::Cuda("cuBLAS handle lock poisoned".into()))?;
         // Safety: the handle is used only under this lock, by work queued on `self.stream`.
+        // (Setting the stream also resets the handle to cuBLAS's own workspace.)
         unsafe { guard.set_stream(self.stream.clone()) }
             .map_err(|e| Error::Cuda(format!("cublasSetStream failed: {e:?}")))?;
+        if let Some((ptr, bytes)) = buffer::blas_workspace() {
+            // Safety: `with_blas_workspace`'s caller lends `bytes` of device memory at `ptr`
+            // for the calls made inside it, and this one is.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *guard.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    bytes,
+                )
+            }
+            .result()
+            .map_err(|e| Error::Cuda(format!("cublasSetWorkspace failed: {e:?}")))?;
+        }
         f(&guard)
     }
 
