@@ -203,7 +203,9 @@ if Code.ensure_loaded?(Nx) do
 
     # The workspace lengths, in f32 words: the same bounds as the handlers'
     # (native/fused_kernels_xla/src/ops.rs, `rnn_workspace_words` and `mamba_workspace_words`):
-    # every buffer the op may allocate, each started on a 256-byte boundary, plus one spare.
+    # the cuBLAS workspace, then every buffer the op may allocate, each started on a 256-byte
+    # boundary, plus one spare.
+    @cublas_workspace_bytes 4 * 1024 * 1024
 
     @doc false
     @spec rnn_workspace_words(:lstm | :gru, 2 | 4, pos_integer, non_neg_integer, pos_integer, [
@@ -213,7 +215,7 @@ if Code.ensure_loaded?(Nx) do
       {g, states} = if cell == :lstm, do: {4, 2}, else: {3, 1}
 
       {terms, _} =
-        Enum.reduce(hidden, {[], features}, fn h, {acc, input} ->
+        Enum.reduce(hidden, {[@cublas_workspace_bytes], features}, fn h, {acc, input} ->
           # The tensor-core paths' weight tiles: units padded to 16, K to 128 bytes, f32 lo plane.
           tiles = g * (h + 16) * (h + 64) * max(elem, 4)
 
@@ -250,9 +252,13 @@ if Code.ensure_loaded?(Nx) do
     def mamba_workspace_words(batch, seq, hidden, inner, state, rank) do
       m = batch * seq
 
-      [hidden, 2 * inner, inner, inner, 2 * state, rank, inner, inner, hidden, 1]
-      |> Enum.map(&(m * &1 * 4))
-      |> words_of()
+      rows =
+        Enum.map(
+          [hidden, 2 * inner, inner, inner, 2 * state, rank, inner, inner, hidden, 1],
+          &(m * &1 * 4)
+        )
+
+      words_of([@cublas_workspace_bytes | rows])
     end
 
     defp words_of(terms) do
