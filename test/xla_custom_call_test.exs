@@ -13,6 +13,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     alias FusedKernels.Axon.{Call, Layers, Ops}
     alias FusedKernels.XLA
     alias FusedKernels.XLA.Block
+    alias FusedKernels.XLA.Lowering
 
     @cuda %{platform: :cuda}
     @host %{platform: :host}
@@ -102,8 +103,50 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
                  List.duplicate({4, 4}, 3) ++
                  List.duplicate({4}, 4) ++ [{1, 4}]
 
-      # Results: the sequence, then h.
-      assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 6, 4}, {1, 4}]
+      # Results: the sequence, then h, then the handler's f32 workspace (what the layer
+      # returns is only the sequence and h).
+      words = Lowering.rnn_workspace_words(:gru, 4, 1, 6, 5, [4])
+      assert block.workspace == words
+      assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 6, 4}, {1, 4}, {words}]
+      assert out |> Tuple.to_list() |> List.last() |> Nx.type() == {:f, 32}
+      {seq, {hn}} = apply(Nx.Defn.debug_expr(fun), [x, h, ik, hk, bias])
+      assert {Nx.shape(seq), Nx.shape(hn)} == {{1, 6, 4}, {1, 4}}
+    end
+
+    test "workspace lengths equal the handlers' (the Rust tests pin the same numbers)" do
+      # The users' GRU and LSTM (2 x 256, window 60, batch 1, 288 features), f32 and bf16.
+      assert Lowering.rnn_workspace_words(:gru, 4, 1, 60, 288, [256, 256]) == 3_030_976
+      assert Lowering.rnn_workspace_words(:lstm, 4, 1, 60, 288, [256, 256]) == 3_681_216
+      assert Lowering.rnn_workspace_words(:gru, 2, 1, 60, 288, [256, 256]) == 2_609_856
+      assert Lowering.mamba_workspace_words(2, 61, 64, 128, 16, 4) == 1_162_496
+
+      # At least the f32 projection, the sequence and the packed kernels; growing with the
+      # sizes.
+      {b, t, f, h} = {8, 100, 200, 512}
+      gru = Lowering.rnn_workspace_words(:gru, 4, b, t, f, [h])
+      assert gru >= b * t * 3 * h + b * t * h + f * 3 * h + h * 3 * h
+      assert Lowering.rnn_workspace_words(:gru, 4, b, t + 1, f, [h]) > gru
+      assert Lowering.rnn_workspace_words(:lstm, 4, b, t, f, [h]) > gru
+
+      # The LSTM layer's block declares its workspace too.
+      {x, c, hh} = {rand({2, 3, 5}), rand({2, 4}), rand({2, 4})}
+      ik = Map.new(~w(wii wif wig wio), &{&1, rand({5, 4})})
+      hk = Map.new(~w(whi whf whg who), &{&1, rand({4, 4})})
+      bias = Map.new(~w(bi bf bg bo), &{&1, rand({4})})
+      fun = fn x, c, hh, ik, hk, bias -> Layers.lstm(x, {c, hh}, 0, ik, hk, bias, []) end
+      [{block, in_args, out}] = blocks(apply(Nx.Defn.debug_expr(fun), [x, c, hh, ik, hk, bias]))
+      assert block.target == "fused_kernels_lstm"
+      words = Lowering.rnn_workspace_words(:lstm, 4, 2, 3, 5, [4])
+
+      assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [
+               {2, 3, 4},
+               {2, 4},
+               {2, 4},
+               {words}
+             ]
+
+      assert {:ok, %Spec{call_target_name: "fused_kernels_lstm"}} =
+               EXLA.CustomCall.call(block, out, in_args, @cuda)
     end
 
     test "the host client is skipped; f64 is not lowered" do
@@ -208,6 +251,12 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
 
       assert {"residual", "true"} in s.attributes
       assert length(s.operand_element_types) == 13
+
+      # out (x's shape), then the workspace.
+      [{block, _in, out}] = blocks(apply(Nx.Defn.debug_expr(run.([])), [rand({1, 5, h}), params]))
+      words = Lowering.mamba_workspace_words(1, 5, h, inner, state, rank)
+      assert block.workspace == words
+      assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 5, h}, {words}]
       assert specs(run.(b_discretization: :mean_dt), [rand({1, 5, h}), params], @cuda) == []
     end
 

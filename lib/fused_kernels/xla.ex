@@ -40,10 +40,13 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc """
       The `Nx.block/4` struct of a fused op lowered to an XLA FFI custom call: the target,
       its `backend_config` attributes (`{name, MLIR attribute}` pairs), the element type
-      each operand is converted to, and the types the results must have.
+      each operand is converted to, the types the results must have, and the length of the
+      f32 workspace result the handler takes last (0: none). The LSTM, GRU and Mamba block
+      handlers keep their temporaries there instead of borrowing XLA's scratch, so that XLA
+      may record them into a CUDA graph (a command buffer).
       """
       @enforce_keys [:target]
-      defstruct [:target, attributes: [], operand_types: [], result_types: []]
+      defstruct [:target, attributes: [], operand_types: [], result_types: [], workspace: 0]
     end
 
     @doc """
@@ -89,16 +92,26 @@ if Code.ensure_loaded?(Nx) do
       with {:ok, %Block{} = block, operands, rebuild} <-
              FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
         leaves = inputs |> op.output_template(opts) |> flatten()
-        block = %{block | result_types: Enum.map(leaves, &Nx.type/1)}
-        output = List.to_tuple(Enum.map(leaves, &Nx.template(Nx.shape(&1), Nx.type(&1))))
+        # The workspace is one more result, after the op's own; only the handler writes it
+        # (the default body returns zeros, which nothing reads).
+        workspace =
+          if block.workspace > 0, do: [Nx.template({block.workspace}, {:f, 32})], else: []
+
+        results = leaves ++ workspace
+        block = %{block | result_types: Enum.map(results, &Nx.type/1)}
+        output = List.to_tuple(Enum.map(results, &Nx.template(Nx.shape(&1), Nx.type(&1))))
 
         default =
           arity_fun(length(operands), fn args ->
-            args |> rebuild.() |> op.nx_call(opts) |> flatten() |> List.to_tuple()
+            own = args |> rebuild.() |> op.nx_call(opts) |> flatten()
+            zeros = Enum.map(workspace, &Nx.broadcast(Nx.tensor(0.0, type: {:f, 32}), &1))
+            List.to_tuple(own ++ zeros)
           end)
 
         # apply/3: Nx < 0.12 has no Nx.block (this runs only when `available?/0`).
-        apply(Nx, :block, [block, operands, output, default]) |> Tuple.to_list()
+        apply(Nx, :block, [block, operands, output, default])
+        |> Tuple.to_list()
+        |> Enum.take(length(leaves))
       end
     end
 

@@ -92,7 +92,7 @@ if Code.ensure_loaded?(Nx) do
       type = Nx.type(x)
 
       with true <- XLA.served_type?(type) do
-        {:ok, rnn_block("fused_kernels_gru", 12, type),
+        {:ok, rnn_block("fused_kernels_gru", :gru, 12, x, ik["wir"]),
          [x, ik["wir"], ik["wiz"], ik["win"], hk["whr"], hk["whz"], hk["whn"]] ++
            [bias["br"], bias["bz"], bias["bin"], bias["bhn"], h],
          fn [x, wir, wiz, win, whr, whz, whn, br, bz, bin, bhn, h] ->
@@ -109,7 +109,7 @@ if Code.ensure_loaded?(Nx) do
       type = Nx.type(x)
 
       with true <- XLA.served_type?(type) do
-        {:ok, rnn_block("fused_kernels_lstm", 15, type),
+        {:ok, rnn_block("fused_kernels_lstm", :lstm, 15, x, ik["wii"]),
          [x, ik["wii"], ik["wif"], ik["wig"], ik["wio"], hk["whi"], hk["whf"], hk["whg"]] ++
            [hk["who"], bias["bi"], bias["bf"], bias["bg"], bias["bo"], c, h],
          fn [x, wii, wif, wig, wio, whi, whf, whg, who, bi, bf, bg, bo, c, h] ->
@@ -133,7 +133,8 @@ if Code.ensure_loaded?(Nx) do
       with true <- Nx.type(x) == f32,
            :per_channel <- Keyword.get(opts, :b_discretization, :per_channel),
            %{} <- params["#{name}_norm"],
-           {_k, 1, _inner} <- conv && Nx.shape(conv) do
+           {_k, 1, _inner} <- conv && Nx.shape(conv),
+           {_, rank} <- shape_of(get.("ssm_dt_rank", "kernel")) do
         a = get.("ssm", "a") || edifice_a(params, name)
 
         named =
@@ -159,6 +160,8 @@ if Code.ensure_loaded?(Nx) do
           |> Enum.reject(fn {_, t} -> is_nil(t) end)
 
         names = Enum.map(named, &elem(&1, 0))
+        {batch, seq, hidden} = Nx.shape(x)
+        {inner, state} = Nx.shape(a)
 
         block = %Block{
           target: "fused_kernels_mamba_block",
@@ -169,7 +172,8 @@ if Code.ensure_loaded?(Nx) do
             {"operands", XLA.attr_string(Enum.join(names, ","))},
             {"residual", XLA.attr_bool(Keyword.get(opts, :residual, true))}
           ],
-          operand_types: List.duplicate(f32, length(named))
+          operand_types: List.duplicate(f32, length(named)),
+          workspace: mamba_workspace_words(batch, seq, hidden, inner, state, rank)
         }
 
         {:ok, block, Enum.map(named, &elem(&1, 1)),
@@ -181,13 +185,89 @@ if Code.ensure_loaded?(Nx) do
 
     def describe(_op, _inputs, _opts), do: :skip
 
-    defp rnn_block(target, operands, type) do
+    # One layer with its initial state; x {batch, seq, features}, an input kernel {features,
+    # units}.
+    defp rnn_block(target, cell, operands, x, input_kernel) do
+      type = Nx.type(x)
+      {batch, seq, features} = Nx.shape(x)
+      {_, units} = Nx.shape(input_kernel)
+      {_, bits} = type
+
       %Block{
         target: target,
         attributes: [{"initial_state", XLA.attr_bool(true)}, {"layers", XLA.attr_int(1)}],
-        operand_types: List.duplicate(type, operands)
+        operand_types: List.duplicate(type, operands),
+        workspace: rnn_workspace_words(cell, div(bits, 8), batch, seq, features, [units])
       }
     end
+
+    # The workspace lengths, in f32 words: the same bounds as the handlers'
+    # (native/fused_kernels_xla/src/ops.rs, `rnn_workspace_words` and `mamba_workspace_words`):
+    # the cuBLAS workspace, then every buffer the op may allocate, each started on a 256-byte
+    # boundary, plus one spare.
+    @cublas_workspace_bytes 4 * 1024 * 1024
+
+    @doc false
+    @spec rnn_workspace_words(:lstm | :gru, 2 | 4, pos_integer, non_neg_integer, pos_integer, [
+            pos_integer
+          ]) :: pos_integer
+    def rnn_workspace_words(cell, elem, batch, seq, features, hidden) do
+      {g, states} = if cell == :lstm, do: {4, 2}, else: {3, 1}
+
+      {terms, _} =
+        Enum.reduce(hidden, {[@cublas_workspace_bytes], features}, fn h, {acc, input} ->
+          # The tensor-core paths' weight tiles: units padded to 16, K to 128 bytes, f32 lo plane.
+          tiles = g * (h + 16) * (h + 64) * max(elem, 4)
+
+          layer =
+            [
+              input * g * h * elem,
+              batch * seq * g * h * 4,
+              batch * seq * h * elem,
+              h * g * h * elem,
+              tiles,
+              tiles,
+              2 * batch * (h + 4) * 4 + 16,
+              batch * g * h * 4,
+              batch * h * 4,
+              batch * 4,
+              16
+            ] ++ List.duplicate(batch * h * elem, states)
+
+          {acc ++ layer, h}
+        end)
+
+      words_of(terms)
+    end
+
+    @doc false
+    @spec mamba_workspace_words(
+            pos_integer,
+            non_neg_integer,
+            pos_integer,
+            pos_integer,
+            pos_integer,
+            pos_integer
+          ) :: pos_integer
+    def mamba_workspace_words(batch, seq, hidden, inner, state, rank) do
+      m = batch * seq
+
+      rows =
+        Enum.map(
+          [hidden, 2 * inner, inner, inner, 2 * state, rank, inner, inner, hidden, 1],
+          &(m * &1 * 4)
+        )
+
+      words_of([@cublas_workspace_bytes | rows])
+    end
+
+    defp words_of(terms) do
+      bytes = Enum.reduce(terms, 256, fn t, acc -> acc + div(t + 255, 256) * 256 end)
+      div(bytes + 3, 4)
+    end
+
+    defp shape_of(nil), do: nil
+    defp shape_of(t), do: Nx.shape(t)
 
     # Edifice's A: A[:, n] = -(n + 1), {inner, state}.
     defp edifice_a(params, name) do

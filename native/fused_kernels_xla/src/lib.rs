@@ -1,8 +1,10 @@
 //! fused_kernels' CUDA ops as XLA FFI handlers (the typed FFI, `api_version = 4` custom
 //! calls), so that EXLA- and JAX-compiled graphs run them in-graph: operands and results are
 //! XLA's device buffers, every launch goes to XLA's stream, options arrive as attributes,
-//! temporaries come from XLA's allocator, nothing synchronises with the host, and failures
-//! come back as FFI errors with our messages (panics are caught at the boundary).
+//! temporaries live in a workspace result the caller declares (sized by
+//! `fused_kernels_xla_workspace_words`), nothing synchronises with the host, and failures
+//! come back as FFI errors with our messages (panics are caught at the boundary). Every
+//! handler is command-buffer compatible: XLA may record it into a CUDA graph.
 //!
 //! Two ways in:
 //! - `fused_kernels_xla_register(api, platform)` registers every target with an
@@ -12,9 +14,11 @@
 //! - Each handler is exported under its target name (`fused_kernels_flash_attention`, ...),
 //!   for `jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.<name>), platform="CUDA")`.
 //!
-//! Kernels are NVRTC-compiled for the device on first use and cached (fused_kernels_core);
-//! targets that may be captured into CUDA graphs load their modules at XLA's initialize
-//! stage, before any capture.
+//! Kernels are NVRTC-compiled for the device on first use, one function per program, and
+//! cached (fused_kernels_core; `FusedKernels.prefill/1` fills the cache ahead). A kernel
+//! function is never loaded under a CUDA-graph capture: attention loads its function at XLA's
+//! initialize stage; the others load theirs at the first execute, which XLA runs directly
+//! before it records a command buffer (their functions depend on the device's routing).
 
 pub mod ffi;
 pub mod frame;
@@ -192,6 +196,62 @@ pub unsafe extern "C" fn fused_kernels_xla_counters(out: *mut u64, len: usize) -
         unsafe { *out.add(i) = *v };
     }
     n
+}
+
+/// The f32 length of the workspace result `target` needs, from the call's sizes in `dims`
+/// (`len` of them), or -1 for a target without a workspace or sizes that do not fit:
+/// - `fused_kernels_lstm`, `fused_kernels_gru`: element bytes of x (4 or 2), batch, seq,
+///   features, then each layer's units;
+/// - `fused_kernels_mamba_block`: batch, seq, hidden, inner, state, dt_rank.
+///
+/// The Elixir lowering computes the same numbers (`FusedKernels.XLA.Lowering`).
+///
+/// # Safety
+/// `target` must be null or a C string; `dims` null or `len` readable i64s.
+#[no_mangle]
+pub unsafe extern "C" fn fused_kernels_xla_workspace_words(
+    target: *const c_char,
+    dims: *const i64,
+    len: usize,
+) -> i64 {
+    if target.is_null() || (dims.is_null() && len > 0) {
+        return -1;
+    }
+    let name = unsafe { CStr::from_ptr(target) }.to_bytes();
+    let raw = if len == 0 {
+        &[][..]
+    } else {
+        unsafe { std::slice::from_raw_parts(dims, len) }
+    };
+    let Ok(d) = raw
+        .iter()
+        .map(|&v| usize::try_from(v))
+        .collect::<Result<Vec<usize>, _>>()
+    else {
+        return -1;
+    };
+    workspace_words(name, &d)
+        .and_then(|w| i64::try_from(w).ok())
+        .unwrap_or(-1)
+}
+
+fn workspace_words(target: &[u8], d: &[usize]) -> Option<usize> {
+    use fused_kernels_core::ops::rnn::Cell;
+    let cell = match target {
+        b"fused_kernels_lstm" => Cell::Lstm,
+        b"fused_kernels_gru" => Cell::Gru,
+        b"fused_kernels_mamba_block" => {
+            let &[b, t, h, i, n, r] = d else { return None };
+            return ops::mamba_workspace_words(b, t, h, i, n, r);
+        }
+        _ => return None,
+    };
+    match d {
+        &[elem @ (2 | 4), b, t, f, ref hidden @ ..] if !hidden.is_empty() => {
+            ops::rnn_workspace_words(cell, elem, b, t, f, hidden)
+        }
+        _ => None,
+    }
 }
 
 static REGISTERED_ON_LOAD: AtomicI32 = AtomicI32::new(0);

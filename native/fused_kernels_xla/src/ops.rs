@@ -7,19 +7,19 @@
 //! listed order. Booleans may come as `i1`/PRED or as 0/1 integers.
 
 use crate::ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE;
-use crate::frame::{Attrs, Decoded};
+use crate::frame::{Attrs, Buf, Decoded};
 use crate::runtime::{arity, Call, OpSpec};
 use cudarc::driver::CudaFunction;
-use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::cuda::{DeviceTensor, Gpu};
 use fused_kernels_core::error::Error;
 use fused_kernels_core::error::{arg_error, Result};
-use fused_kernels_core::kernels::{self, Kernel};
+
 use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan};
 use fused_kernels_core::DType;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The operand names of a call: the `operands` attribute (default: `required` in order),
 /// checked against the op's `known` names and the number of buffers passed.
@@ -91,10 +91,6 @@ impl<'t> Named<'t> {
     }
 }
 
-fn no_preload(_: &Decoded) -> Vec<&'static Kernel> {
-    Vec::new()
-}
-
 // ---------------------------------------------------------------------------------------
 // Attention
 
@@ -107,7 +103,7 @@ pub const FLASH_ATTENTION: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: flash_attention_validate,
     execute: flash_attention_execute,
-    preload: |_| vec![&kernels::FLASH_ATTENTION],
+    preload: Some(|gpu, d| attention_function(gpu, d).map(|_| ())),
 };
 
 pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
@@ -155,47 +151,60 @@ static ATTENTION_FUNCTIONS: Lazy<Mutex<AttentionFunctions>> =
 
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
     let p = flash_attention_params(&c.d.attrs)?;
+    let (f, g, plan) = attention_function(c.gpu, c.d)?;
     let [q, k, v] = [&c.d.args[0], &c.d.args[1], &c.d.args[2]];
+    let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
+    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+}
+
+/// The call's geometry, plan and loaded kernel function (loaded once per device and name; the
+/// initialize stage calls this too, so that the execute stage never loads a module).
+fn attention_function(
+    gpu: &Arc<Gpu>,
+    d: &Decoded,
+) -> Result<(
+    CudaFunction,
+    flash_attention::Geometry,
+    flash_attention::Plan,
+)> {
+    let p = flash_attention_params(&d.attrs)?;
+    let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
     let g = flash_attention::geometry(
         (&q.dims, q.dtype),
         (&k.dims, k.dtype),
         (&v.dims, v.dtype),
         p.layout,
     )?;
-    let sms = sm_count(c)?;
-    let plan = flash_attention::plan(&g, q.dtype, c.gpu.has_tensor_cores(), sms)?;
-    let key = (c.gpu.ordinal, plan.function.clone());
-    let cached = ATTENTION_FUNCTIONS
-        .lock()
-        .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
-        .get(&key)
-        .cloned();
+    let plan = flash_attention::plan(&g, q.dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
+    let key = (gpu.ordinal, plan.function.clone());
+    let lock = || {
+        ATTENTION_FUNCTIONS
+            .lock()
+            .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))
+    };
+    let cached = lock()?.get(&key).cloned();
     let f = match cached {
         Some(f) => f,
         None => {
-            let f = flash_attention::function(c.gpu, &plan)?;
-            ATTENTION_FUNCTIONS
-                .lock()
-                .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))?
-                .insert(key, f.clone());
+            let f = flash_attention::function(gpu, &plan)?;
+            lock()?.insert(key, f.clone());
             f
         }
     };
-    let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
-    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+    Ok((f, g, plan))
 }
 
 /// The device's SM count (asked of the driver once per device).
-fn sm_count(c: &Call<'_>) -> Result<usize> {
+fn sm_count(gpu: &Gpu) -> Result<usize> {
     static SMS: Lazy<Mutex<HashMap<usize, usize>>> = Lazy::new(|| Mutex::new(HashMap::new()));
     let mut map = SMS
         .lock()
         .map_err(|_| Error::Cuda("SM count cache lock poisoned".into()))?;
-    if let Some(n) = map.get(&c.gpu.ordinal) {
+    if let Some(n) = map.get(&gpu.ordinal) {
         return Ok(*n);
     }
-    let n = c.gpu.multiprocessors()?.max(1) as usize;
-    map.insert(c.gpu.ordinal, n);
+    let n = gpu.multiprocessors()?.max(1) as usize;
+    map.insert(gpu.ordinal, n);
     Ok(n)
 }
 
@@ -218,7 +227,7 @@ const SCAN_REQUIRED: &[&str] = &["u", "delta", "a", "b", "c"];
 /// `fused_kernels_selective_scan`: u, delta, a, b, c [, d, z, delta_bias, initial_state]
 /// (named by `operands`) -> out [, last_state f32 `{batch, channels, state}`].
 /// Attributes: `delta_softplus`, `dt_min` + `dt_max` (clip after softplus, both or neither).
-/// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs scratch: not served here).
+/// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs a workspace: not served here).
 pub const SELECTIVE_SCAN: OpSpec = OpSpec {
     name: "fused_kernels_selective_scan",
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
@@ -228,13 +237,7 @@ pub const SELECTIVE_SCAN: OpSpec = OpSpec {
         operand_names(&d.attrs, d.args.len(), SCAN_KNOWN, SCAN_REQUIRED).map(|_| ())
     },
     execute: selective_scan_execute,
-    preload: |d| {
-        vec![match d.args.first().map(|b| b.dtype) {
-            Some(DType::F16) => &kernels::SELECTIVE_SCAN_F16,
-            Some(DType::BF16) => &kernels::SELECTIVE_SCAN_BF16,
-            _ => &kernels::SELECTIVE_SCAN_F32,
-        }]
-    },
+    preload: None,
 };
 
 pub fn selective_scan_params(a: &Attrs, last_state: bool) -> Result<selective_scan::Params> {
@@ -293,7 +296,7 @@ pub const LAYER_NORM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Layer),
     execute: |c| norm_execute(c, norm::Kind::Layer),
-    preload: |_| vec![&kernels::NORM],
+    preload: None,
 };
 
 /// `fused_kernels_rms_norm`: x, weight [, residual] -> out [, sum]. Attribute `eps`
@@ -303,7 +306,7 @@ pub const RMS_NORM: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Rms),
     execute: |c| norm_execute(c, norm::Kind::Rms),
-    preload: |_| vec![&kernels::NORM],
+    preload: None,
 };
 
 type NormNames = (&'static [&'static str], &'static [&'static str], f64);
@@ -375,7 +378,7 @@ pub const DENSE: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: dense_validate,
     execute: dense_execute,
-    preload: no_preload,
+    preload: None,
 };
 
 fn dense_norm(kind: dense::Kind) -> bool {
@@ -442,7 +445,7 @@ fn dense_execute(c: &Call<'_>) -> Result<()> {
     };
     let mut out = c.tensor(&c.d.rets[0]);
     match c.d.rets.get(1) {
-        Some(stats) => c.with_workspace(stats, "stats", || dense::cuda(&ops, &mut out, p)),
+        Some(stats) => c.with_workspace(stats, "stats", 0, || dense::cuda(&ops, &mut out, p)),
         None => dense::cuda(&ops, &mut out, p),
     }
 }
@@ -484,18 +487,20 @@ const MAMBA_REQUIRED: &[&str] = &[
 
 /// `fused_kernels_mamba_block`: Edifice's Mamba block (`MAMBA_KNOWN` by `operands`; weights
 /// f32, the conv kernel `{k, 1, inner}`, `a` `{inner, state}` given explicitly) -> out
-/// (x's shape). Attributes: `eps` (1e-5), `dt_min` (0.001), `dt_max` (0.1), `residual`.
-/// Its intermediates come from XLA's scratch allocator (not captured into command buffers).
+/// (x's shape), workspace (f32 `{mamba_workspace_words(..)}` or longer: the block's
+/// intermediates live there, so that the call can be recorded into a command buffer).
+/// Attributes: `eps` (1e-5), `dt_min` (0.001), `dt_max` (0.1), `residual`.
 pub const MAMBA_BLOCK: OpSpec = OpSpec {
     name: "fused_kernels_mamba_block",
-    traits: 0,
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| {
-        arity("results (out)", d.rets.len(), &[1])?;
+        arity("results (out, workspace)", d.rets.len(), &[2])?;
         mamba_block_params(&d.attrs)?;
-        operand_names(&d.attrs, d.args.len(), MAMBA_KNOWN, MAMBA_REQUIRED).map(|_| ())
+        let names = operand_names(&d.attrs, d.args.len(), MAMBA_KNOWN, MAMBA_REQUIRED)?;
+        check_workspace(&d.rets[1], mamba_block_workspace(d, &names)?)
     },
     execute: mamba_block_execute,
-    preload: no_preload,
+    preload: Some(cublas_ready),
 };
 
 pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
@@ -532,7 +537,39 @@ fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
         out_bias: n.get("out_bias"),
     };
     let mut out = c.tensor(&c.d.rets[0]);
-    mamba_block::cuda_into(c.gpu, n.req("x")?, &w, p, &mut out)
+    c.with_workspace(&c.d.rets[1], "workspace", CUBLAS_WORKSPACE_BYTES, || {
+        mamba_block::cuda_into(c.gpu, n.req("x")?, &w, p, &mut out)
+    })
+}
+
+/// The workspace a Mamba block call needs, in f32 words, from its operands' shapes.
+fn mamba_block_workspace(d: &Decoded, names: &[String]) -> Result<usize> {
+    let dims = |name: &str| -> &[usize] {
+        names
+            .iter()
+            .position(|n| n == name)
+            .map_or(&[][..], |i| &d.args[i].dims[..])
+    };
+    let (x, in_k, a, dtr) = (
+        dims("x"),
+        dims("in_kernel"),
+        dims("a"),
+        dims("dt_rank_kernel"),
+    );
+    let (&[batch, seq, hidden], &[_, two_inner], &[inner, state], &[_, rank]) = (x, in_k, a, dtr)
+    else {
+        return Err(arg_error(
+            "x {batch, seq, hidden}, in_kernel {hidden, 2 * inner}, a {inner, state} and \
+             dt_rank_kernel {inner, dt_rank}: expected these ranks",
+        ));
+    };
+    if two_inner != 2 * inner {
+        return Err(arg_error(format!(
+            "in_kernel: {two_inner} columns, expected 2 * inner = {} (a is {{{inner}, {state}}})",
+            2 * inner
+        )));
+    }
+    mamba_workspace_words(batch, seq, hidden, inner, state, rank).ok_or_else(too_large)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -542,24 +579,56 @@ fn mamba_block_execute(c: &Call<'_>) -> Result<()> {
 /// Operands: x `{batch, seq, features}`, then per layer its input kernels (LSTM wii, wif,
 /// wig, wio; GRU wir, wiz, win), hidden kernels (whi..who; whr, whz, whn), biases (bi, bf,
 /// bg, bo; br, bz, bin, bhn) and, with `initial_state`, its state (c, h; h). Results: the
-/// last layer's sequence, then per layer its final state (c, h; h). Attributes: `layers`
-/// (default 1), `initial_state` (default false: zeros), `reverse`. The recurrence's
-/// temporaries come from XLA's scratch allocator (not captured into command buffers).
+/// last layer's sequence, then per layer its final state (c, h; h), then the workspace (f32
+/// `{rnn_workspace_words(..)}` or longer: the recurrence's temporaries live there, so that
+/// the call can be recorded into a command buffer). Attributes: `layers` (default 1),
+/// `initial_state` (default false: zeros), `reverse`.
 pub const LSTM: OpSpec = OpSpec {
     name: "fused_kernels_lstm",
-    traits: 0,
-    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Lstm, d.args.len(), d.rets.len()).map(|_| ()),
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| rnn_validate(d, rnn::Cell::Lstm),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
-    preload: no_preload,
+    preload: Some(cublas_ready),
 };
 
 pub const GRU: OpSpec = OpSpec {
     name: "fused_kernels_gru",
-    traits: 0,
-    validate: |d| rnn_layout(&d.attrs, rnn::Cell::Gru, d.args.len(), d.rets.len()).map(|_| ()),
+    traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
+    validate: |d| rnn_validate(d, rnn::Cell::Gru),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
-    preload: no_preload,
+    preload: Some(cublas_ready),
 };
+
+fn rnn_validate(d: &Decoded, cell: rnn::Cell) -> Result<()> {
+    let (layers, init, _) = rnn_layout(&d.attrs, cell, d.args.len(), d.rets.len())?;
+    let words = rnn_workspace(d, cell, layers, init)?;
+    check_workspace(&d.rets[d.rets.len() - 1], words)
+}
+
+/// The workspace an LSTM/GRU call needs, in f32 words, from its operands' shapes.
+fn rnn_workspace(d: &Decoded, cell: rnn::Cell, layers: usize, init: bool) -> Result<usize> {
+    let x = &d.args[0];
+    let &[batch, seq, features] = &x.dims[..] else {
+        return Err(arg_error(format!(
+            "x: must be {{batch, seq, features}}, got {:?}",
+            x.dims
+        )));
+    };
+    let per_layer = rnn_per_layer(cell, init);
+    let hidden = (0..layers)
+        .map(|l| match &d.args[1 + l * per_layer].dims[..] {
+            &[_, units] => Ok(units),
+            other => Err(arg_error(format!(
+                "layer {l} input kernel: must be {{in, units}}, got {other:?}"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    rnn_workspace_words(cell, x.dtype.size(), batch, seq, features, &hidden).ok_or_else(too_large)
+}
+
+fn rnn_per_layer(cell: rnn::Cell, init: bool) -> usize {
+    2 * cell.gates() + 4 + if init { cell.state_names().len() } else { 0 }
+}
 
 /// (layers, initial_state, reverse), checked against the operand and result counts.
 pub fn rnn_layout(
@@ -576,16 +645,15 @@ pub fn rnn_layout(
     let layers = layers as usize;
     let init = a.bool_or("initial_state", false)?;
     let states = cell.state_names().len();
-    let per_layer = 2 * cell.gates() + 4 + if init { states } else { 0 };
     arity(
         "operands (x, then per layer: input kernels, hidden kernels, biases[, state])",
         operands,
-        &[1 + layers * per_layer],
+        &[1 + layers * rnn_per_layer(cell, init)],
     )?;
     arity(
-        "results (sequence, then per layer its final state)",
+        "results (sequence, then per layer its final state, then the workspace)",
         results,
-        &[1 + layers * states],
+        &[2 + layers * states],
     )?;
     Ok((layers, init, a.bool_or("reverse", false)?))
 }
@@ -596,7 +664,7 @@ fn rnn_execute(c: &Call<'_>, cell: rnn::Cell) -> Result<()> {
     let ops: Vec<Operand<'_>> = t.iter().map(Operand::Device).collect();
     let g = cell.gates();
     let states = cell.state_names().len();
-    let per_layer = 2 * g + 4 + if init { states } else { 0 };
+    let per_layer = rnn_per_layer(cell, init);
     let take = |from: usize, n: usize| -> Vec<Operand<'_>> {
         ops[from..from + n]
             .iter()
@@ -621,16 +689,135 @@ fn rnn_execute(c: &Call<'_>, cell: rnn::Cell) -> Result<()> {
             }
         })
         .collect();
-    let out = rnn::cuda_on(c.gpu, cell, &ops[0], &stack, reverse)?;
-    c.copy_to(&out.sequence, &c.d.rets[0], "sequence")?;
-    let names = cell.state_names();
-    for (l, layer_states) in out.states.iter().enumerate() {
-        for (s, t) in layer_states.iter().enumerate() {
-            let what = format!("layer {l} state {}", names[s]);
-            c.copy_to(t, &c.d.rets[1 + l * states + s], &what)?;
+    let workspace = &c.d.rets[c.d.rets.len() - 1];
+    c.with_workspace(workspace, "workspace", CUBLAS_WORKSPACE_BYTES, || {
+        let out = rnn::cuda_on(c.gpu, cell, &ops[0], &stack, reverse)?;
+        c.copy_to(&out.sequence, &c.d.rets[0], "sequence")?;
+        let names = cell.state_names();
+        for (l, layer_states) in out.states.iter().enumerate() {
+            for (s, t) in layer_states.iter().enumerate() {
+                let what = format!("layer {l} state {}", names[s]);
+                c.copy_to(t, &c.d.rets[1 + l * states + s], &what)?;
+            }
         }
+        Ok(())
+    })
+}
+
+/// Makes the device's cuBLAS handle at XLA's initialize stage, which is never recorded into a
+/// CUDA graph: the GEMMs of the Mamba block and of the RNNs' batched paths use it (set to
+/// XLA's stream per call), and making it under a capture fails. Without cuBLAS this is not an
+/// error here: the paths that need it report it.
+fn cublas_ready(gpu: &Arc<Gpu>, _: &Decoded) -> Result<()> {
+    let _ = gpu.with_blas(|_| Ok(()));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Workspaces
+
+/// The cuBLAS workspace at the start of an RNN or Mamba block workspace (cuBLAS's own default
+/// before Hopper; given explicitly, cuBLAS allocates nothing while XLA records the call, which
+/// would add memory nodes to the graph and keep XLA from nesting it in its command buffers).
+pub const CUBLAS_WORKSPACE_BYTES: usize = 4 << 20;
+
+/// A workspace result: f32, one dimension, at least `words` long.
+fn check_workspace(ws: &Buf, words: usize) -> Result<()> {
+    if ws.dtype != DType::F32 || ws.dims.len() != 1 || ws.dims[0] < words {
+        return Err(arg_error(format!(
+            "workspace: must be f32 {{{words}}} (or longer) for this call, XLA declared {} {:?}",
+            ws.dtype.name(),
+            ws.dims
+        )));
     }
     Ok(())
+}
+
+fn too_large() -> Error {
+    arg_error("workspace: the call's temporaries overflow the address space")
+}
+
+/// Bytes of `terms` allocations of the given sizes, each starting on a 256-byte boundary (as
+/// `Call::with_workspace` hands them out), in f32 words, plus one spare boundary.
+fn words_of(terms: &[Option<usize>]) -> Option<usize> {
+    let mut total = 256usize;
+    for t in terms {
+        total = total.checked_add(t.and_then(|b| b.checked_next_multiple_of(256))?)?;
+    }
+    Some(total.div_ceil(4))
+}
+
+fn product(factors: &[usize]) -> Option<usize> {
+    factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f))
+}
+
+/// An upper bound on the temporaries of an LSTM/GRU call (`rnn::cuda_on`) in f32 words:
+/// `elem` bytes per element of x, layers of `hidden` units. The cuBLAS workspace, then, per
+/// layer, every buffer
+/// any of the router's paths allocates (`ops/rnn`: the packed input and hidden kernels, the
+/// f32 input projection, the layer's sequence and final states, the tensor-core paths' weight
+/// tiles (units padded to 16, K to 128 bytes, an f32 lo plane), the persistent kernel's
+/// exchange buffer, the step paths' f32 gate and cell rows, the per-tile counters and the
+/// cluster ticket), so that it holds whichever path the device takes.
+pub fn rnn_workspace_words(
+    cell: rnn::Cell,
+    elem: usize,
+    batch: usize,
+    seq: usize,
+    features: usize,
+    hidden: &[usize],
+) -> Option<usize> {
+    let (g, s) = (cell.gates(), elem);
+    let mut terms = vec![Some(CUBLAS_WORKSPACE_BYTES)];
+    let mut input = features;
+    for &h in hidden {
+        let pad = |n: usize| h.checked_add(n);
+        terms.extend([
+            product(&[input, g, h, s]),
+            product(&[batch, seq, g, h, 4]),
+            product(&[batch, seq, h, s]),
+            product(&[h, g, h, s]),
+            product(&[g, pad(16)?, pad(64)?, s.max(4)]),
+            product(&[g, pad(16)?, pad(64)?, s.max(4)]),
+            product(&[2, batch, pad(4)?, 4]).and_then(|b| b.checked_add(16)),
+            product(&[batch, g, h, 4]),
+            product(&[batch, h, 4]),
+            product(&[batch, 4]),
+            Some(16),
+        ]);
+        terms.extend((0..cell.state_names().len()).map(|_| product(&[batch, h, s])));
+        input = h;
+    }
+    words_of(&terms)
+}
+
+/// The temporaries of a Mamba block call (`mamba_block::cuda_into`) in f32 words: the cuBLAS
+/// workspace, then per row of x (batch x seq), the normalised input, the in-projection (x and z halves), the conv
+/// output, the gate, B and C, the dt rank and dt rows, the scan output and the
+/// out-projection, and one mean-dt value (all f32).
+pub fn mamba_workspace_words(
+    batch: usize,
+    seq: usize,
+    hidden: usize,
+    inner: usize,
+    state: usize,
+    dt_rank: usize,
+) -> Option<usize> {
+    let m = batch.checked_mul(seq)?;
+    let rows = |cols: Option<usize>| cols.and_then(|c| product(&[m, c, 4]));
+    words_of(&[
+        Some(CUBLAS_WORKSPACE_BYTES),
+        rows(Some(hidden)),
+        rows(inner.checked_mul(2)),
+        rows(Some(inner)),
+        rows(Some(inner)),
+        rows(state.checked_mul(2)),
+        rows(Some(dt_rank)),
+        rows(Some(inner)),
+        rows(Some(inner)),
+        rows(Some(hidden)),
+        rows(Some(1)),
+    ])
 }
 
 /// Every call target, in registration order.

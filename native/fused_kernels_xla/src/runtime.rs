@@ -1,12 +1,12 @@
 //! What every handler does around its op: answer XLA's metadata query, catch panics, turn our
-//! errors into `XLA_FFI_Error`s, find the device and XLA's stream, lend XLA's allocator to
-//! the op's temporaries and give that memory back when the work is enqueued.
+//! errors into `XLA_FFI_Error`s, find the device and XLA's stream, and keep the op's
+//! temporaries inside the results XLA declared (a workspace result where the op needs one).
 
 use crate::ffi::{self, CallFrame, XlaError};
 use crate::frame::{self, Buf, Decoded};
-use fused_kernels_core::cuda::{self, buffer::with_scratch, DeviceTensor, Gpu};
+use fused_kernels_core::cuda::buffer::{with_blas_workspace, with_scratch};
+use fused_kernels_core::cuda::{self, DeviceTensor, Gpu};
 use fused_kernels_core::error::{arg_error, Error, Result};
-use fused_kernels_core::kernels::Kernel;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -56,15 +56,21 @@ fn add_elapsed(counter: &AtomicU64, since: Instant) {
     counter.fetch_add(ns, Ordering::Relaxed);
 }
 
-/// One call target: its name, traits, what it runs and which modules to load before a
-/// CUDA-graph capture.
+/// What a target loads at XLA's initialize stage, given the device and the call.
+pub type Preload = fn(&Arc<Gpu>, &Decoded) -> Result<()>;
+
+/// One call target: its name, traits, what it runs, and what it loads at XLA's initialize
+/// stage (before any CUDA-graph capture).
 pub struct OpSpec {
     pub name: &'static str,
     pub traits: u32,
     /// Everything that can be checked without the device (counts, attributes, shapes).
     pub validate: fn(&Decoded) -> Result<()>,
     pub execute: fn(&Call<'_>) -> Result<()>,
-    pub preload: fn(&Decoded) -> Vec<&'static Kernel>,
+    /// Loads the kernel functions the call will launch, where they can be named without the
+    /// device's routing (None: they load at the first execute, which XLA runs directly, not
+    /// under capture, before it records a command buffer).
+    pub preload: Option<Preload>,
 }
 
 /// An execute-stage call: the decoded frame and the device bound to XLA's stream.
@@ -88,15 +94,22 @@ impl Call<'_> {
     /// Runs `f` with the op's temporaries carved out of result `ws` (a workspace the caller
     /// declared, so that nothing comes from XLA's allocator while it records a CUDA graph):
     /// a bump allocator over its bytes, 256-byte aligned; asking for more is an error naming
-    /// `what`.
+    /// `what`. `blas` bytes at its start are the cuBLAS workspace of the op's GEMMs (0: the op
+    /// makes no cuBLAS call).
     pub fn with_workspace<R>(
         &self,
         ws: &Buf,
         what: &str,
+        blas: usize,
         f: impl FnOnce() -> Result<R>,
     ) -> Result<R> {
         let bytes = ws.numel() * ws.dtype.size();
-        let mut used = 0usize;
+        if blas > bytes {
+            return Err(arg_error(format!(
+                "{what}: the call needs more than its {bytes} bytes ({blas} for cuBLAS)"
+            )));
+        }
+        let mut used = blas;
         let mut carve = |n: usize| -> Result<u64> {
             let start = used.div_ceil(256) * 256;
             let end = start.checked_add(n).filter(|e| *e <= bytes).ok_or_else(|| {
@@ -107,7 +120,10 @@ impl Call<'_> {
             used = end;
             Ok(ws.data + start as u64)
         };
-        with_scratch(&mut carve, f)
+        if blas == 0 {
+            return with_scratch(&mut carve, f);
+        }
+        with_blas_workspace(ws.data, blas, || with_scratch(&mut carve, f))
     }
 
     /// Copies `src` (a temporary the op made) into result `dst`, on XLA's stream.
@@ -302,16 +318,18 @@ unsafe fn dispatch(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     }
 }
 
-/// Loads the op's kernel modules before XLA may capture the execute stage into a CUDA
-/// graph (module loading is not a capturable operation).
+/// Loads the op's kernel functions before XLA may capture the execute stage into a CUDA
+/// graph (module loading is not a capturable operation). Only the functions the call needs:
+/// the kernel cache is filled per function, and a whole file compiles for minutes.
 unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
-    let d = unsafe { frame::decode(f)? };
-    let kernels = (op.preload)(&d);
-    if kernels.is_empty() {
+    let Some(preload) = op.preload else {
         return Ok(());
-    }
+    };
+    let d = unsafe { frame::decode(f)? };
+    (op.validate)(&d)?;
     let gpu = cuda::gpu(Some(ordinal_of(&d)?))?;
-    kernels.into_iter().try_for_each(|k| gpu.preload(k))
+    check_context(&gpu)?;
+    preload(&gpu, &d)
 }
 
 unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
@@ -325,23 +343,25 @@ unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
         CAPTURED_EXECUTES.fetch_add(1, Ordering::Relaxed);
     }
     let gpu = on_stream(&base, stream)?;
-    let mut lent = Lent {
-        api,
-        ctx: f.ctx,
-        blocks: Vec::new(),
-    };
     let call = Call {
         gpu: &gpu,
         d: &d,
         stream,
     };
     let start = Instant::now();
-    let result = with_scratch(&mut |bytes| lent.allocate(bytes), || (op.execute)(&call));
+    // Every temporary an op makes must come from a workspace result the call declares
+    // (`Call::with_workspace`): XLA records command-buffer-compatible handlers into CUDA
+    // graphs, where memory borrowed for one call would be baked into every replay. An op
+    // asking for memory outside one is refused here rather than allocating behind XLA's back.
+    let mut refuse = |bytes: usize| -> Result<u64> {
+        Err(Error::Cuda(format!(
+            "internal: the op asked for {bytes} bytes of device memory outside the results XLA \
+             declared for this call"
+        )))
+    };
+    let result = with_scratch(&mut refuse, || (op.execute)(&call));
     add_elapsed(&OP_NS, start);
-    // The op's work is enqueued on XLA's stream; XLA's allocator is ordered on that stream,
-    // so the blocks go back now (what jaxlib's own scratch allocators do).
-    let freed = lent.free_all();
-    result.and(freed)
+    result
 }
 
 /// The CUstream XLA runs this call on.
@@ -444,69 +464,4 @@ fn on_stream(base: &Gpu, stream: cudarc::driver::sys::CUstream) -> Result<Arc<Gp
     let g = Arc::new(unsafe { base.on_stream(stream) });
     map.insert(key, g.clone());
     Ok(g)
-}
-
-/// Device memory borrowed from XLA for one call.
-struct Lent<'a> {
-    api: &'a ffi::Api,
-    ctx: *mut ffi::ExecutionContext,
-    blocks: Vec<(u64, usize)>,
-}
-
-impl Lent<'_> {
-    fn allocate(&mut self, bytes: usize) -> Result<u64> {
-        let alloc = self
-            .api
-            .device_memory_allocate
-            .ok_or_else(|| Error::Unavailable("XLA's API has no DeviceMemory_Allocate".into()))?;
-        let mut args = ffi::DeviceMemoryAllocateArgs {
-            struct_size: std::mem::size_of::<ffi::DeviceMemoryAllocateArgs>(),
-            extension_start: null_mut(),
-            ctx: self.ctx,
-            size: bytes.max(1),
-            // XLA's DeviceMemory_Allocate refuses alignments above 16 bytes ("Unsupported
-            // alignment: 64" and ": 256" on the H100 with JAX 0.11); its BFC allocator hands out
-            // 256-byte aligned blocks anyway, and 16 covers the kernels' vector accesses.
-            alignment: 16,
-            data: null_mut(),
-        };
-        let err = unsafe { alloc(&mut args) };
-        if let Some(why) = unsafe { take_xla_error(self.api, err) } {
-            return Err(Error::OutOfMemory(format!(
-                "XLA's allocator refused {bytes} bytes of scratch: {why}"
-            )));
-        }
-        if args.data.is_null() {
-            return Err(Error::OutOfMemory(format!(
-                "XLA's allocator returned no memory for {bytes} bytes of scratch"
-            )));
-        }
-        self.blocks.push((args.data as u64, bytes.max(1)));
-        Ok(args.data as u64)
-    }
-
-    fn free_all(&mut self) -> Result<()> {
-        let Some(free) = self.api.device_memory_free else {
-            return Ok(());
-        };
-        let mut failed = 0;
-        for (data, size) in self.blocks.drain(..) {
-            let mut args = ffi::DeviceMemoryFreeArgs {
-                struct_size: std::mem::size_of::<ffi::DeviceMemoryFreeArgs>(),
-                extension_start: null_mut(),
-                ctx: self.ctx,
-                size,
-                data: data as *mut c_void,
-            };
-            if unsafe { take_xla_error(self.api, free(&mut args)) }.is_some() {
-                failed += 1;
-            }
-        }
-        if failed > 0 {
-            return Err(Error::Cuda(format!(
-                "XLA's allocator refused to take back {failed} scratch block(s)"
-            )));
-        }
-        Ok(())
-    }
 }

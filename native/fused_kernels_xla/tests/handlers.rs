@@ -7,7 +7,7 @@ use fused_kernels_xla::ffi::{self, code};
 use fused_kernels_xla::frame::{self, Attr};
 use fused_kernels_xla::ops;
 use std::mem::{offset_of, size_of};
-use support::{api, f32s, take_error, AttrValue::*, Frame};
+use support::{api, f32s, take_error, AttrValue::*, Frame, Spec};
 
 #[test]
 fn layouts_match_the_c_header() {
@@ -61,18 +61,9 @@ fn registration_table_names_every_target_once() {
         .filter(|s| s.traits & ffi::TRAIT_COMMAND_BUFFER_COMPATIBLE != 0)
         .map(|s| s.name)
         .collect();
-    // Targets that take XLA scratch stay out of CUDA graphs (dense's norm kinds return their
-    // row statistics as a result instead).
-    assert_eq!(
-        graphable,
-        [
-            "fused_kernels_flash_attention",
-            "fused_kernels_selective_scan",
-            "fused_kernels_layer_norm",
-            "fused_kernels_rms_norm",
-            "fused_kernels_dense",
-        ]
-    );
+    // Every target may be recorded into a CUDA graph: none takes XLA scratch (dense's norm
+    // kinds return their row statistics, the RNNs and the Mamba block take a workspace).
+    assert_eq!(graphable, names);
 }
 
 #[test]
@@ -129,9 +120,9 @@ fn other_stages_and_null_frames_do_nothing() {
         assert!(take_error(unsafe { fused_kernels_xla::fused_kernels_gru(f.ptr()) }).is_none());
     }
     assert!(unsafe { fused_kernels_xla::fused_kernels_gru(std::ptr::null_mut()) }.is_null());
-    // Initialize with nothing to preload (the GRU) touches no device.
+    // Initialize with nothing to preload (dense) touches no device.
     let mut f = Frame::new(&a, ffi::STAGE_INITIALIZE, &[f32s(&[1, 2, 3])], &[], &[]);
-    assert!(take_error(unsafe { fused_kernels_xla::fused_kernels_gru(f.ptr()) }).is_none());
+    assert!(take_error(unsafe { fused_kernels_xla::fused_kernels_dense(f.ptr()) }).is_none());
 }
 
 #[test]
@@ -430,7 +421,8 @@ fn optional_operands_are_named_and_checked() {
 fn rnn_counts_follow_layers_and_state() {
     let h = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
     let x = f32s(&[1, 60, 288]);
-    // GRU, 2 layers, no initial state: x + 2 x (3 + 3 + 4) operands, sequence + 2 states.
+    // GRU, 2 layers, no initial state: x + 2 x (3 + 3 + 4) operands, sequence + 2 states +
+    // the workspace.
     let args: Vec<_> = std::iter::once(x.clone())
         .chain((0..20).map(|_| f32s(&[256, 256])))
         .collect();
@@ -438,29 +430,156 @@ fn rnn_counts_follow_layers_and_state() {
         call(
             h,
             &args[..20],
-            &[x.clone(), x.clone(), x.clone()],
+            &[x.clone(), x.clone(), x.clone(), x.clone()],
             &[("layers", I64(2))],
         ),
         "expected 21 entries, got 20",
     );
     invalid(
-        call(h, &args, &[x.clone(), x.clone()], &[("layers", I64(2))]),
-        "results (sequence, then per layer its final state): expected 3 entries, got 2",
+        call(
+            h,
+            &args,
+            &[x.clone(), x.clone(), x.clone()],
+            &[("layers", I64(2))],
+        ),
+        "results (sequence, then per layer its final state, then the workspace): expected 4 entries, got 3",
     );
     invalid(
         call(h, &args, std::slice::from_ref(&x), &[("layers", I64(0))]),
         "layers must be 1..64",
     );
     let h = fused_kernels_xla::fused_kernels_lstm as ffi::Handler;
-    // LSTM, 1 layer with its (c, h): x + 4 + 4 + 4 + 2 operands, sequence + c + h.
+    // LSTM, 1 layer with its (c, h): x + 4 + 4 + 4 + 2 operands, sequence + c + h + workspace.
     invalid(
         call(
             h,
             &args[..14],
-            &[x.clone(), x.clone(), x.clone()],
+            &[x.clone(), x.clone(), x.clone(), x.clone()],
             &[("initial_state", Bool(true))],
         ),
         "expected 15 entries, got 14",
+    );
+}
+
+/// The C entry point's answer for `target` on `dims`.
+fn words(target: &std::ffi::CStr, dims: &[i64]) -> i64 {
+    unsafe {
+        fused_kernels_xla::fused_kernels_xla_workspace_words(
+            target.as_ptr(),
+            dims.as_ptr(),
+            dims.len(),
+        )
+    }
+}
+
+#[test]
+fn workspace_sizes_follow_the_shapes() {
+    // The users' GRU and LSTM (2 x 256, window 60, batch 1, x {1, 60, 288}) and the Mamba block
+    // of the tests (batch 2, seq 61, hidden 64, inner 128, state 16, dt_rank 4). The Elixir
+    // lowering's tests pin the same numbers.
+    assert_eq!(
+        words(c"fused_kernels_gru", &[4, 1, 60, 288, 256, 256]),
+        3_030_976
+    );
+    assert_eq!(
+        words(c"fused_kernels_lstm", &[4, 1, 60, 288, 256, 256]),
+        3_681_216
+    );
+    assert_eq!(
+        words(c"fused_kernels_gru", &[2, 1, 60, 288, 256, 256]),
+        2_609_856
+    );
+    assert_eq!(
+        words(c"fused_kernels_mamba_block", &[2, 61, 64, 128, 16, 4]),
+        1_162_496
+    );
+    // Every buffer the recurrence may allocate fits: at least the f32 projection, the
+    // sequence and the packed kernels of each layer, growing with batch, seq and units.
+    let (b, t, f, h) = (8i64, 100, 200, 512);
+    let gru = words(c"fused_kernels_gru", &[4, b, t, f, h]);
+    assert!(
+        gru >= b * t * 3 * h + b * t * h + f * 3 * h + h * 3 * h,
+        "{gru}"
+    );
+    assert!(words(c"fused_kernels_gru", &[4, b, t + 1, f, h]) > gru);
+    assert!(words(c"fused_kernels_gru", &[4, b + 1, t, f, h]) > gru);
+    assert!(words(c"fused_kernels_gru", &[4, b, t, f, h, h]) > gru);
+    assert!(words(c"fused_kernels_lstm", &[4, b, t, f, h]) > gru);
+    // Bad requests: -1, never a panic.
+    assert_eq!(words(c"fused_kernels_gru", &[3, 1, 60, 288, 256]), -1);
+    assert_eq!(words(c"fused_kernels_gru", &[4, 1, 60, 288]), -1);
+    assert_eq!(words(c"fused_kernels_gru", &[4, -1, 60, 288, 256]), -1);
+    assert_eq!(
+        words(c"fused_kernels_gru", &[4, i64::MAX, i64::MAX, 1, 256]),
+        -1
+    );
+    assert_eq!(words(c"fused_kernels_mamba_block", &[2, 61, 64]), -1);
+    assert_eq!(words(c"fused_kernels_dense", &[4, 8]), -1);
+    assert_eq!(
+        unsafe {
+            fused_kernels_xla::fused_kernels_xla_workspace_words(
+                std::ptr::null(),
+                std::ptr::null(),
+                0,
+            )
+        },
+        -1
+    );
+}
+
+#[test]
+fn the_workspace_result_is_checked() {
+    // GRU 1 x 16 units on x {1, 5, 8}: x + 3 + 3 + 4 operands; sequence, h, workspace.
+    let h = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
+    let need = words(c"fused_kernels_gru", &[4, 1, 5, 8, 16]);
+    let mut args = vec![f32s(&[1, 5, 8])];
+    args.extend((0..3).map(|_| f32s(&[8, 16])));
+    args.extend((0..3).map(|_| f32s(&[16, 16])));
+    args.extend((0..4).map(|_| f32s(&[16])));
+    let rets = |ws: Spec| vec![f32s(&[1, 5, 16]), f32s(&[1, 16]), ws];
+    let msg = format!("workspace: must be f32 {{{need}}} (or longer) for this call");
+    invalid(call(h, &args, &rets(f32s(&[need - 1])), &[]), &msg);
+    invalid(call(h, &args, &rets(f32s(&[1, need])), &[]), &msg);
+    invalid(
+        call(h, &args, &rets((ffi::dtype::F16, vec![2 * need])), &[]),
+        &msg,
+    );
+    // The right size (or more) passes validation: what comes back is about the device.
+    for ws in [need, need + 100] {
+        let e = call(h, &args, &rets(f32s(&[ws])), &[]);
+        if let Some(e) = e {
+            assert!(!e.message.contains("workspace"), "{}", e.message);
+        }
+    }
+    // The Mamba block: out, then its workspace.
+    let h = fused_kernels_xla::fused_kernels_mamba_block as ffi::Handler;
+    let (b, t, hid, inner, n, r) = (2i64, 7, 8, 16, 4, 2);
+    let margs = vec![
+        f32s(&[b, t, hid]),
+        f32s(&[hid]),
+        f32s(&[hid]),
+        f32s(&[hid, 2 * inner]),
+        f32s(&[4, 1, inner]),
+        f32s(&[inner, 2 * n]),
+        f32s(&[inner, r]),
+        f32s(&[r, inner]),
+        f32s(&[inner, n]),
+        f32s(&[inner, hid]),
+    ];
+    let need = words(c"fused_kernels_mamba_block", &[b, t, hid, inner, n, r]);
+    invalid(
+        call(h, &margs, &[f32s(&[b, t, hid])], &[]),
+        "results (out, workspace): expected 2 entries, got 1",
+    );
+    invalid(
+        call(h, &margs, &[f32s(&[b, t, hid]), f32s(&[need - 1])], &[]),
+        &format!("workspace: must be f32 {{{need}}}"),
+    );
+    let mut wrong = margs.clone();
+    wrong[3] = f32s(&[hid, 2 * inner + 2]);
+    invalid(
+        call(h, &wrong, &[f32s(&[b, t, hid]), f32s(&[need])], &[]),
+        "in_kernel: 34 columns, expected 2 * inner = 32",
     );
 }
 
@@ -513,8 +632,8 @@ fn counters_count_execute_and_initialize_calls() {
     invalid(e, "operands");
     let a = api();
     let mut f = Frame::new(&a, ffi::STAGE_INITIALIZE, &[f32s(&[1, 2, 3])], &[], &[]);
-    let gru = fused_kernels_xla::fused_kernels_gru as ffi::Handler;
-    assert!(take_error(unsafe { gru(f.ptr()) }).is_none());
+    let dense = fused_kernels_xla::fused_kernels_dense as ffi::Handler;
+    assert!(take_error(unsafe { dense(f.ptr()) }).is_none());
     let after = read();
     assert!(after[0] > before[0], "executes {before:?} -> {after:?}");
     assert!(after[2] > before[2], "initializes {before:?} -> {after:?}");

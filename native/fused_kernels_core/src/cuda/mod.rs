@@ -103,7 +103,8 @@ pub struct Gpu {
     pub name: String,
     /// Shared with the `Gpu`s that `on_stream` makes for this device.
     modules: Arc<Mutex<HashMap<(&'static str, String), ModuleCell>>>,
-    blas: OnceCell<std::result::Result<Mutex<CudaBlas>, String>>,
+    /// Shared with the `Gpu`s that `on_stream` makes (see `with_blas`).
+    blas: Arc<OnceCell<std::result::Result<Mutex<CudaBlas>, String>>>,
 }
 
 type GpuKey = (usize, Option<(i32, i32)>);
@@ -179,7 +180,7 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
             compute_capability: routed,
             device_capability: native.device_capability,
             modules: Arc::new(Mutex::new(HashMap::new())),
-            blas: OnceCell::new(),
+            blas: Arc::new(OnceCell::new()),
         });
         gpus.insert((ordinal, cap), view.clone());
         return Ok(view);
@@ -187,8 +188,8 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
     let ctx = CudaContext::new(ordinal)?;
     // cudarc's cross-stream tracking would cost two event creations per buffer and records
     // per use. Safety: the ops run on the device's one stream (cuBLAS included); the other
-    // streams are XLA's (`on_stream`: handlers get XLA's buffers, ordered by XLA, and their
-    // temporaries from its scratch) and the backbone engines' (`with_new_stream`: each
+    // streams are XLA's (`on_stream`: handlers get XLA's buffers, ordered by XLA, their
+    // temporaries in a workspace XLA allocated) and the backbone engines' (`with_new_stream`: each
     // engine's weights, state and workspaces are made on its stream, only ever touched by
     // work queued on it, and host copies in and out wait on that stream), so no buffer is
     // used on a stream other than the one that wrote it without an explicit ordering.
@@ -208,7 +209,7 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
         compute_capability,
         device_capability: compute_capability,
         modules: Arc::new(Mutex::new(HashMap::new())),
-        blas: OnceCell::new(),
+        blas: Arc::new(OnceCell::new()),
     });
     gpus.insert((ordinal, None), g.clone());
     Ok(g)
@@ -217,7 +218,8 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
 impl Gpu {
     /// This device with its work ordered on `cu_stream`, a stream another runtime owns (XLA's,
     /// for FFI handlers): ops given tensors of the returned `Gpu` enqueue everything there.
-    /// Loaded modules are shared with `self`; the cuBLAS handle is the new value's own.
+    /// Loaded modules and the cuBLAS handle are shared with `self` (creating a handle is not
+    /// an operation a CUDA-graph capture allows, and XLA records on streams of its own).
     ///
     /// # Safety
     /// `cu_stream` must be a stream of this device's primary context, alive while the
@@ -231,7 +233,7 @@ impl Gpu {
             device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
-            blas: OnceCell::new(),
+            blas: self.blas.clone(),
         }
     }
 
@@ -249,7 +251,7 @@ impl Gpu {
             device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
-            blas: OnceCell::new(),
+            blas: Arc::new(OnceCell::new()),
         })
     }
 
@@ -474,9 +476,9 @@ impl Gpu {
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?)
     }
 
-    /// Runs `f` with this device's cuBLAS handle (created on first use, bound to the device's
-    /// stream). The handle is shared, so calls are serialised by a lock; the GEMMs it queues
-    /// are ordered with every other op on the stream.
+    /// Runs `f` with this device's cuBLAS handle (created on first use), set to this value's
+    /// stream. The handle is shared (with the `on_stream` views too), so calls are serialised
+    /// by a lock; the GEMMs it queues are ordered with every other op on the stream.
     pub fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
         self.bind()?;
         let blas = self
@@ -491,9 +493,26 @@ impl Gpu {
             })
             .as_ref()
             .map_err(|e| Error::Unavailable(e.clone()))?;
-        let guard = blas
+        let mut guard = blas
             .lock()
             .map_err(|_| Error::Cuda("cuBLAS handle lock poisoned".into()))?;
+        // Safety: the handle is used only under this lock, by work queued on `self.stream`.
+        // (Setting the stream also resets the handle to cuBLAS's own workspace.)
+        unsafe { guard.set_stream(self.stream.clone()) }
+            .map_err(|e| Error::Cuda(format!("cublasSetStream failed: {e:?}")))?;
+        if let Some((ptr, bytes)) = buffer::blas_workspace() {
+            // Safety: `with_blas_workspace`'s caller lends `bytes` of device memory at `ptr`
+            // for the calls made inside it, and this one is.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *guard.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    bytes,
+                )
+            }
+            .result()
+            .map_err(|e| Error::Cuda(format!("cublasSetWorkspace failed: {e:?}")))?;
+        }
         f(&guard)
     }
 
