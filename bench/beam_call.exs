@@ -22,15 +22,15 @@ frame = Sample.random_triple({1, spec.embed}, {:f, 32})
 one = Sample.random_triple({1, 1}, {:f, 32})
 
 cases = [
-  {"normal", fn -> Native.engine_state_info(state.ref) end},
-  {"dirty_cpu", fn -> Native.engine_graphs(h.engine) end},
+  {"normal", fn -> Native.engine_state_info(%{state: state.ref}, %{}) end},
+  {"dirty_cpu", fn -> Native.engine_graphs(%{engine: h.engine}, %{}) end},
   {"job_lane",
    fn ->
      Native.scaled_softmax(%{x: one}, %{scale: 1.0, causal: false, backend: :cpu, out: :host})
    end},
   {"engine_step",
    fn ->
-     case Native.engine_step(h.engine, state.ref, frame) do
+     case Native.engine_step(%{engine: h.engine, state: state.ref, frame: frame}, %{}) do
        ref when is_reference(ref) ->
          receive do
            {^ref, reply} -> reply

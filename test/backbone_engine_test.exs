@@ -239,21 +239,29 @@ defmodule FusedKernels.BackboneEngineTest do
       123_456_789_012_345_678_901_234_567_890
     ]
 
+    load = %{spec: map, backend: :cpu, device: nil}
+    step = %{engine: h.engine, state: state.ref, frame: frame(win, 0)}
+
     calls = [
-      fn j -> Native.engine_load(j, [], :cpu, nil) end,
-      fn j -> Native.engine_load(map, j, :cpu, nil) end,
-      fn j -> Native.engine_load(map, [], j, nil) end,
-      fn j -> Native.engine_load(map, [], :cpu, j) end,
-      fn j -> Native.engine_predict(j, win) end,
-      fn j -> Native.engine_predict(h.engine, j) end,
-      fn j -> Native.engine_init_state(h.engine, j) end,
-      fn j -> Native.engine_init_state(j, 1) end,
-      fn j -> Native.engine_step(h.engine, j, frame(win, 0)) end,
-      fn j -> Native.engine_step(h.engine, state.ref, j) end,
-      fn j -> Native.engine_step(j, state.ref, frame(win, 0)) end,
-      fn j -> Native.engine_reset(h.engine, j) end,
-      fn j -> Native.engine_reset(j, state.ref) end,
-      fn j -> Native.engine_state_info(j) end
+      fn j -> Native.engine_load(%{params: []}, %{load | spec: j}) end,
+      fn j -> Native.engine_load(%{params: j}, load) end,
+      fn j -> Native.engine_load(%{params: []}, %{load | backend: j}) end,
+      fn j -> Native.engine_load(%{params: []}, %{load | device: j}) end,
+      fn j -> Native.engine_load(j, load) end,
+      fn j -> Native.engine_load(%{params: []}, j) end,
+      fn j -> Native.engine_predict(%{engine: j, window: win}, %{}) end,
+      fn j -> Native.engine_predict(%{engine: h.engine, window: j}, %{}) end,
+      fn j -> Native.engine_predict(%{engine: h.engine, window: win}, j) end,
+      fn j -> Native.engine_init_state(%{engine: h.engine}, %{batch: j}) end,
+      fn j -> Native.engine_init_state(%{engine: j}, %{batch: 1}) end,
+      fn j -> Native.engine_step(%{step | state: j}, %{}) end,
+      fn j -> Native.engine_step(%{step | frame: j}, %{}) end,
+      fn j -> Native.engine_step(%{step | engine: j}, %{}) end,
+      fn j -> Native.engine_step(j, %{}) end,
+      fn j -> Native.engine_reset(%{engine: h.engine, state: j}, %{}) end,
+      fn j -> Native.engine_reset(%{engine: j, state: state.ref}, %{}) end,
+      fn j -> Native.engine_state_info(%{state: j}, %{}) end,
+      fn j -> Native.engine_graphs(%{engine: j}, %{}) end
     ]
 
     for call <- calls, j <- junk do

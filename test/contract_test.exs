@@ -51,7 +51,13 @@ defmodule FusedKernels.ContractTest do
     x = f32({1, 2, 3})
 
     assert {:error, {:argument, msg}} =
-             Native.rnn(:lstm, x, [2 | 2], false, :cpu, nil, :host, :f32)
+             Native.rnn(%{x: x, params: [2 | 2]}, %{
+               cell: :lstm,
+               reverse: false,
+               precision: :f32,
+               backend: :cpu,
+               out: :host
+             })
 
     assert msg =~ "params must be a proper list"
 
@@ -110,7 +116,11 @@ defmodule FusedKernels.ContractTest do
           mamba_block: "x",
           mamba_block_state: "x",
           stream_shift_append: "cache",
-          stream_reshape: "x"
+          stream_reshape: "x",
+          dense: "x",
+          rnn: "x",
+          dense_prepared: "kernel",
+          rnn_prepared: "params"
         ],
         backend <- [:cpu, :cuda] do
       options = %{backend: backend, out: :host}
@@ -124,6 +134,76 @@ defmodule FusedKernels.ContractTest do
 
       assert msg =~ ~r/^inputs: unknown key :y/
     end
+  end
+
+  test "typed NIF arguments of rnn, dense and the engine name the field" do
+    x = f32({1, 2, 3})
+    rnn = %{cell: :gru, reverse: false, precision: :f32, backend: :cpu, out: :host}
+    layer = %{input_kernel: [], hidden_kernel: [], bias: []}
+
+    assert {:error, {:argument, "initial_state is missing"}} =
+             Native.rnn(%{x: x, params: [layer]}, rnn)
+
+    assert {:error, {:argument, "cell must be :lstm or :gru"}} =
+             Native.rnn(%{x: x, params: []}, %{rnn | cell: "gru"})
+
+    assert {:error, {:argument, "params must be a proper list of maps"}} =
+             Native.rnn_prepare(%{params: layer}, %{cell: :gru})
+
+    assert {:error, {:argument, "options: unknown key :backend (known: cell)"}} =
+             Native.rnn_prepare(%{params: []}, %{cell: :gru, backend: :cpu})
+
+    dense = %{kind: :swiglu, activation: :none, eps: 0.0, backend: :cpu, out: :host}
+
+    # A SwiGLU's kernel is its gate kernel, and the error says so.
+    assert {:error, {:argument, "w_gate: expected" <> _}} =
+             Native.dense(%{x: f32({2, 3}), kernel: :junk}, dense)
+
+    prepared = %{kernel: f32({3, 2})} |> Native.dense_prepare(%{}) |> Native.unwrap!()
+
+    assert {:error, {:argument, "activation must be :none, :relu" <> _}} =
+             Native.dense_prepared(%{kernel: prepared, x: f32({2, 3})}, %{activation: "relu"})
+
+    assert {:error, {:argument, "options: unknown key :bias (known: none)"}} =
+             Native.dense_prepare(%{kernel: f32({3, 2})}, %{bias: nil})
+
+    spec = FusedKernels.Backbone.Spec.new(:gru, embed: 4, hidden: 4, layers: 1, window: 3)
+    map = Map.from_struct(spec)
+    load = %{spec: map, backend: :cpu}
+
+    for {spec_map, message} <- [
+          {Map.delete(map, :embed), "spec.embed is missing"},
+          {%{map | hidden: -3}, "spec.hidden must be a non-negative integer"},
+          {%{map | norm_eps: :small}, "spec.norm_eps must be a number"},
+          {%{map | kind: "gru"}, "spec.kind must be :attention, :lstm, :gru, :mamba or :jamba"}
+        ] do
+      assert {:error, {:argument, ^message}} =
+               Native.engine_load(%{params: []}, %{load | spec: spec_map})
+    end
+
+    assert {:error, {:argument, "spec: unknown key :bogus" <> _}} =
+             Native.engine_load(%{params: []}, %{load | spec: Map.put(map, :bogus, 1)})
+
+    h =
+      FusedKernels.Backbone.load(spec, FusedKernels.Backbone.random_params(spec, 1), backend: :cpu)
+
+    state = FusedKernels.Backbone.init_state(h, 1)
+    window = f32({1, 3, 4})
+
+    assert {:error, {:argument, "engine: not a loaded backbone engine"}} =
+             Native.engine_predict(%{engine: state.ref, window: window}, %{})
+
+    assert {:error, {:argument, "options: unknown key :batch (known: none)"}} =
+             Native.engine_predict(%{engine: h.engine, window: window}, %{batch: 1})
+
+    assert {:error, {:argument, "frame is missing"}} =
+             Native.engine_step(%{engine: h.engine, state: state.ref}, %{})
+
+    assert {:error, {:argument, "batch must be a positive integer"}} =
+             Native.engine_init_state(%{engine: h.engine}, %{batch: 0})
+
+    assert {:error, {:argument, "state: not a backbone state" <> _}} =
+             Native.engine_state_info(%{state: h.engine}, %{})
   end
 
   test "rms_norm refuses beta on the native backends" do
@@ -149,17 +229,21 @@ defmodule FusedKernels.ContractTest do
     x = {:binary.copy(<<0::32>>, t), {1, t, 1}, {:f, 32}}
     z = fn shape -> {:binary.copy(<<0::32>>, Tuple.product(shape)), shape, {:f, 32}} end
 
-    layer =
-      {for(_ <- 1..4, do: z.({1, units})), List.duplicate(z.({units, units}), 4),
-       for(_ <- 1..4, do: z.({units})), []}
+    layer = %{
+      input_kernel: for(_ <- 1..4, do: z.({1, units})),
+      hidden_kernel: List.duplicate(z.({units, units}), 4),
+      bias: for(_ <- 1..4, do: z.({units})),
+      initial_state: []
+    }
 
-    assert {:error, {:out_of_memory, msg}} =
-             Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32)
+    options = %{cell: :lstm, reverse: false, precision: :f32, backend: :cpu, out: :host}
+
+    assert {:error, {:out_of_memory, msg}} = Native.rnn(%{x: x, params: [layer]}, options)
 
     assert msg =~ "host: rnn"
 
     assert_raise FusedKernels.Error, ~r/out of memory/, fn ->
-      Native.unwrap!(Native.rnn(:lstm, x, [layer], false, :cpu, nil, :host, :f32))
+      Native.unwrap!(Native.rnn(%{x: x, params: [layer]}, options))
     end
   end
 

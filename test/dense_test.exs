@@ -231,7 +231,8 @@ defmodule FusedKernels.DenseTest do
     assert_raise ArgumentError,
                  ~r/^kernel: expected a kernel from FusedKernels.Dense.prepare/,
                  fn ->
-                   FusedKernels.Native.dense_prepared(make_ref(), x, nil, :none)
+                   %{kernel: make_ref(), x: x}
+                   |> FusedKernels.Native.dense_prepared(%{activation: :none})
                    |> FusedKernels.Native.unwrap!()
                  end
 

@@ -25,7 +25,9 @@ defmodule FusedKernels.FairnessTest do
     ik = for _ <- 1..4, do: {f32(inp * units), {inp, units}, {:f, 32}}
     hk = for _ <- 1..4, do: {f32(units * units), {units, units}, {:f, 32}}
     b = for _ <- 1..4, do: {f32(units), {units}, {:f, 32}}
-    fn -> Native.rnn(:lstm, x, [{ik, hk, b, []}], false, :cpu, nil, :host, :f32) end
+    layer = %{input_kernel: ik, hidden_kernel: hk, bias: b, initial_state: []}
+    options = %{cell: :lstm, reverse: false, precision: :f32, backend: :cpu, out: :host}
+    fn -> Native.rnn(%{x: x, params: [layer]}, options) end
   end
 
   # A selective scan over 20,000 steps of 512 channels (state 16): an op with typed

@@ -27,9 +27,10 @@ defmodule FusedKernels.NifFuzzTest do
     assert r.failures == [], "seed #{seed}:\n" <> Enum.join(failures, "\n")
     assert r.calls == calls
     # Valid calls reach every CPU op (the fuzz is not only exercising the decoders).
-    for nif <- ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
-                  stream_shift_append stream_reshape mamba_block_state engine_load
-                  engine_predict engine_init_state engine_step engine_reset engine_state_info)a do
+    for nif <- ~w(scaled_softmax dense dense_prepare dense_prepared flash_attention rnn
+                  rnn_prepare rnn_prepared selective_scan norm mamba_block stream_shift_append
+                  stream_reshape mamba_block_state engine_load engine_predict engine_init_state
+                  engine_step engine_reset engine_state_info engine_graphs)a do
       assert Map.get(r.ok_by_nif, nif, 0) > 0, "no successful #{nif} call in #{calls}"
     end
   end

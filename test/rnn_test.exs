@@ -123,7 +123,9 @@ defmodule FusedKernels.RnnTest do
     end
 
     assert_raise ArgumentError, ~r/^params: expected weights from FusedKernels.Rnn.prepare/, fn ->
-      FusedKernels.Native.rnn_prepared(make_ref(), x, [], false) |> FusedKernels.Native.unwrap!()
+      %{params: make_ref(), x: x, initial_state: []}
+      |> FusedKernels.Native.rnn_prepared(%{reverse: false})
+      |> FusedKernels.Native.unwrap!()
     end
 
     assert_raise ArgumentError, ~r/^params: already prepared/, fn ->

@@ -1,193 +1,94 @@
-"""The Rust op benches of one run against the numbers bench/RESULTS.md holds for the same
-cases: before (the RESULTS table, with the machine it names) and now (this run's JSON, with the
-GPU of gpu.txt), per case and as a geometric mean per op. A ratio is a like-for-like check only
-when both machines are the same kind; the header of each op says which they were.
+"""The op benches before (A) and after (B) the layout move, run interleaved on one GPU by
+bench/gpu/house_ab_run.sh (A1, B1, A2, B2 per bench): per case the ratio B/A of the mean of
+each side's two medians, and the run-to-run noise of that case, the larger of |A2/A1 - 1| and
+|B2/B1 - 1|. A case is "within noise" when |B/A - 1| <= max(noise, FLOOR); per bench the
+geometric means of B/A and of A2/A1, and the cases outside noise listed.
 
-Usage: python3 bench/gpu/house_compare.py OUT_DIR [RESULTS_MD]
-OUT_DIR holds what bench/gpu/house_check.sh writes: gpu.txt, dense_kernels.json,
-dense_sm90.jsonl, fa_kernels.json, rnn_ours.jsonl, scan_ours.jsonl."""
+Usage: python3 house_compare.py OUT_DIR   (OUT_DIR holds <bench>.<A|B><round>.log)"""
 import json
 import math
 import os
-import re
 import sys
 
-NOISE = 0.10  # |now/before - 1| within this counts as "within noise" in the summary
+FLOOR = 0.03  # a smaller difference is not claimed either way, whatever the noise measured
+BENCHES = ["rnn", "selective_scan", "flash_attention", "dense", "dense_sm90"]
 
 
-def norm(case):
-    return re.sub(r"\s+", " ", case.replace("×", "x").replace("³", "^3").replace("**", "")).strip()
+def key(bench, row):
+    """What names a case in each bench's rows (the same in A and B)."""
+    if bench == "rnn":
+        return (row["cell"], row["case"], row["path"])
+    if bench == "flash_attention":
+        # Each kernel timed on a shape, whether the router picks it ("name") or not ("name
+        # (alt)"): routes that changed since A still compare like for like.
+        return (row["name"].removesuffix(" (alt)"), row["kernel"])
+    if bench == "dense":
+        return (row["case"], row["type"])
+    return (row["case"],)
 
 
-def number(cell):
-    """The first number of a table cell (µs); a 'shipped ... a–b' range gives its mean."""
-    shipped = re.search(r"shipped[^:]*:\s*([\d.,]+)\s*[–-]\s*([\d.,]+)", cell)
-    if shipped:
-        a, b = (float(x.replace(",", "")) for x in shipped.groups())
-        return (a + b) / 2
-    m = re.search(r"[\d,]*\d(?:\.\d+)?", cell.replace("**", ""))
-    return float(m.group(0).replace(",", "")) if m else None
-
-
-def sections(md):
-    """{heading: (machine line, [table rows as lists of cells])} of RESULTS.md."""
-    out, head, machine, rows = {}, None, "", []
-    for line in open(md, encoding="utf-8"):
-        line = line.rstrip("\n")
-        if line.startswith("## "):
-            if head:
-                out[head] = (machine, rows)
-            head, machine, rows = line[3:], "", []
-        elif head and not machine and line.startswith("NVIDIA"):
-            machine = line.split(" (")[0].split(",")[0]
-        elif head and line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
-            rows.append([c.strip() for c in line.strip("|").split("|")])
-    if head:
-        out[head] = (machine, rows)
-    return out
-
-
-def section(secs, prefix):
-    for k, v in secs.items():
-        if k.startswith(prefix):
-            return v
-    return ("", [])
-
-
-def lines(path):
-    if not os.path.exists(path):
-        return []
-    text = open(path).read().strip()
-    if text.startswith("["):
-        return json.loads(text)
-    return [json.loads(l) for l in text.splitlines() if l.strip().startswith("{")]
-
-
-def before_dense(secs):
-    machine, rows = section(secs, "dense / swiglu")
-    return machine, {(norm(r[0]), r[1]): number(r[3]) for r in rows[1:] if len(r) > 3}
-
-
-def now_dense(out):
-    p = os.path.join(out, "dense_kernels.json")
-    if not os.path.exists(p):
-        return {}
-    return {(norm(k["case"]), k["type"]): k["median_us"] for k in json.load(open(p))["kernels"]}
-
-
-def before_sm90(secs):
-    machine, rows = section(secs, "dense on Hopper")
-    return machine, {norm(r[0]): number(r[1]) for r in rows[1:] if len(r) > 1}
-
-
-def now_sm90(out):
-    names = {"dense none": "dense (bare GEMM)"}
-    return {norm(names.get(r["case"], r["case"])): r["median_us"] for r in lines(os.path.join(out, "dense_sm90.jsonl"))}
-
-
-def before_flash(secs):
-    machine, rows = section(secs, "flash_attention")
-    got, last = {}, None
-    for r in rows[1:]:
-        m = re.search(r"B(\d+) H(\d+) S(\d+) D(\d+)", r[0])
-        causal = "causal" in r[0]
-        if m:
-            dtype = r[0].split()[-1]
-            last = tuple(int(x) for x in m.groups()) + (dtype,)
-        if last is None:
-            continue
-        got[last + (causal,)] = number(r[2])
-    return machine, got
-
-
-def now_flash(out):
+def rows(out, bench, run):
+    """{case: median_us} of one run's log (every line that is a JSON object)."""
+    path = os.path.join(out, f"{bench}.{run}.log")
     got = {}
-    for r in lines(os.path.join(out, "fa_kernels.json")):
-        if r["name"].endswith("(alt)"):
+    if not os.path.exists(path):
+        return got
+    for line in open(path, errors="replace"):
+        line = line.strip()
+        if not line.startswith("{"):
             continue
-        got[(r["b"], r["h"], r["s"], r["d"], r["dtype"], r["causal"])] = r["median_us"]
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "median_us" in row:
+            got[key(bench, row)] = float(row["median_us"])
     return got
 
 
-def before_rnn(secs):
-    machine, rows = section(secs, "LSTM / GRU")
-    return machine, {(r[0].lower(), norm(r[1])): number(r[3]) for r in rows[1:] if len(r) > 3}
+def gmean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def now_rnn(out):
-    return {
-        (r["cell"], norm(r["case"])): r["median_us"]
-        for r in lines(os.path.join(out, "rnn_ours.jsonl"))
-        if r.get("default") and "median_us" in r
-    }
-
-
-def before_scan(secs):
-    machine, rows = section(secs, "Selective scan")
-    return machine, {norm(r[0]): number(r[1]) for r in rows[1:] if len(r) > 1}
-
-
-def now_scan(out):
-    return {norm(r["case"]): r["median_us"] for r in lines(os.path.join(out, "scan_ours.jsonl"))}
-
-
-def model(name):
-    m = re.search(r"NVIDIA (\S+)", name or "")
-    return m.group(1) if m else None
-
-
-def label(key):
-    if isinstance(key, tuple):
-        if len(key) == 6:
-            b, h, s, d, dt, causal = key
-            return f"B{b} H{h} S{s} D{d} {dt}" + (" causal" if causal else "")
-        return " ".join(str(k) for k in key)
-    return key
-
-
-def main():
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    out = sys.argv[1]
-    md = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "RESULTS.md")
-    secs = sections(md)
-    gpu = open(os.path.join(out, "gpu.txt")).read().strip().split(",")[0] if os.path.exists(os.path.join(out, "gpu.txt")) else "?"
-    ops = [
-        ("dense", before_dense, now_dense),
-        ("dense_sm90", before_sm90, now_sm90),
-        ("flash_attention", before_flash, now_flash),
-        ("rnn (default path)", before_rnn, now_rnn),
-        ("selective_scan", before_scan, now_scan),
-    ]
-    all_ratios = []
-    for name, before_of, now_of in ops:
-        machine, before = before_of(secs)
-        now = now_of(out)
-        same = model(machine) is not None and model(machine) == model(gpu)
-        print(f"\n== {name}: before = RESULTS.md ({machine or 'no machine named'}), now = {gpu}"
-              + ("" if same else "  [different GPUs: ratios are not a noise check]"))
-        ratios = []
-        print(f"  {'case':52} {'before µs':>10} {'now µs':>10} {'now/before':>10}")
-        for key, b in before.items():
-            n = now.get(key)
-            if b is None or n is None:
-                print(f"  {label(key)[:52]:52} {b if b is not None else '-':>10} {'not run':>10}")
-                continue
-            ratios.append(n / b)
-            flag = "" if abs(n / b - 1) <= NOISE else "  <-- outside ±10%"
-            print(f"  {label(key)[:52]:52} {b:10.1f} {n:10.1f} {n / b:10.3f}{flag}")
-        if ratios:
-            geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-            inside = sum(abs(r - 1) <= NOISE for r in ratios)
-            print(f"  {len(ratios)} cases, geometric mean now/before {geo:.3f}, {inside} within ±{NOISE:.0%}")
-            if same:
-                all_ratios += ratios
-        else:
-            print("  no case of this op was rerun")
-    if all_ratios:
-        geo = math.exp(sum(math.log(r) for r in all_ratios) / len(all_ratios))
-        print(f"\nSame-GPU cases: {len(all_ratios)}, geometric mean now/before {geo:.3f}")
+def main(out):
+    gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else "?"
+    print(f"GPU: {gpu}")
+    print(f"B/A: mean of B1, B2 over mean of A1, A2 (median µs each); noise: max(|A2/A1-1|, |B2/B1-1|); floor {FLOOR:.0%}")
+    verdict = []
+    for bench in BENCHES:
+        runs = {r: rows(out, bench, r) for r in ["A1", "B1", "A2", "B2"]}
+        common = sorted(set.intersection(*(set(v) for v in runs.values())))
+        print(f"\n== {bench}: {len(common)} cases in all four runs "
+              f"(A1 {len(runs['A1'])}, B1 {len(runs['B1'])}, A2 {len(runs['A2'])}, B2 {len(runs['B2'])})")
+        if not common:
+            verdict.append(f"{bench}: no case in all four runs")
+            continue
+        ratios, aa, outside = [], [], []
+        for case in common:
+            a1, b1, a2, b2 = (runs[r][case] for r in ["A1", "B1", "A2", "B2"])
+            ratio = (b1 + b2) / (a1 + a2)
+            noise = max(abs(a2 / a1 - 1), abs(b2 / b1 - 1))
+            ratios.append(ratio)
+            aa.append(a2 / a1)
+            within = abs(ratio - 1) <= max(noise, FLOOR)
+            mark = "" if within else "  <-- outside noise"
+            print(f"  {' | '.join(case):60s} A {a1:9.1f} {a2:9.1f}  B {b1:9.1f} {b2:9.1f}  "
+                  f"B/A {ratio:5.3f}  noise {noise:5.3f}{mark}")
+            if not within:
+                outside.append(f"{' | '.join(case)} B/A {ratio:.3f} (noise {noise:.3f})")
+        line = (f"{bench}: {len(common)} cases, B/A geomean {gmean(ratios):.3f} "
+                f"(range {min(ratios):.3f}-{max(ratios):.3f}), A2/A1 geomean {gmean(aa):.3f}, "
+                f"{len(common) - len(outside)} within noise, {len(outside)} outside")
+        print("  " + line)
+        for o in outside:
+            print("    outside: " + o)
+        verdict.append(line)
+    print("\n== summary")
+    for v in verdict:
+        print(v)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])

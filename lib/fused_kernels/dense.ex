@@ -178,9 +178,8 @@ defmodule FusedKernels.Dense do
 
     ref =
       if backend == :cpu and native_type(kernel) != {:f, 64} do
-        kernel
-        |> Tensor.to_native()
-        |> Native.dense_prepare(bias && Tensor.to_native(bias))
+        %{kernel: Tensor.to_native(kernel), bias: bias && Tensor.to_native(bias)}
+        |> Native.dense_prepare(%{})
         |> Native.unwrap!()
       end
 
@@ -217,8 +216,8 @@ defmodule FusedKernels.Dense do
     residual = opts[:residual] && Tensor.to_native(opts[:residual])
 
     result =
-      ref
-      |> Native.dense_prepared(Tensor.to_native(x), residual, opts[:activation])
+      %{kernel: ref, x: Tensor.to_native(x), residual: residual}
+      |> Native.dense_prepared(%{activation: opts[:activation]})
       |> Native.unwrap!()
 
     if nx?, do: apply(Tensor, :to_nx, [result]), else: result
@@ -265,24 +264,17 @@ defmodule FusedKernels.Dense do
 
   defp native(kind, ops, backend, opts) do
     operands =
-      @slots
-      |> Enum.map(fn slot ->
-        case Map.get(ops, slot) do
-          nil -> nil
-          t -> Tensor.to_native(t)
-        end
-      end)
-      |> List.to_tuple()
+      for {slot, t} <- Map.take(ops, @slots), t != nil, into: %{}, do: {slot, Tensor.to_native(t)}
 
-    kind
-    |> Native.dense(
-      operands,
-      Keyword.get(opts, :activation, :none),
-      Keyword.get(opts, :eps, 0.0) * 1.0,
-      backend,
-      Backend.device(opts),
-      opts[:out]
-    )
+    operands
+    |> Native.dense(%{
+      kind: kind,
+      activation: Keyword.get(opts, :activation, :none),
+      eps: Keyword.get(opts, :eps, 0.0) * 1.0,
+      backend: backend,
+      device: Backend.device(opts),
+      out: opts[:out]
+    })
     |> Native.unwrap!()
     |> Buffer.wrap()
   end

@@ -6,8 +6,9 @@ defmodule FusedKernels.Native do
   buffer references. An op takes two maps, its tensors and its options, e.g.
   `scaled_softmax(%{x: x}, %{scale: 1.0, causal: false, backend: :cpu, device: nil, out:
   :host})`; a missing, misspelt or ill-typed key is an `:argument` error naming it (optional
-  tensors and `device` may be left out; `rnn` and `dense` still take positional arguments).
-  Every function returns `{:ok, value}` or
+  tensors and `device` may be left out). The prepared-weights and backbone engine NIFs take
+  the same two maps, their resources among the inputs (`engine_step(%{engine: e, state: s,
+  frame: f}, %{})`). Every function returns `{:ok, value}` or
   `{:error, {kind, message}}` with kind `:argument`, `:unavailable`, `:out_of_memory`,
   `:compile`, `:cuda` or `:nif_not_loaded`; `unwrap!/1` raises `ArgumentError` for
   `:argument` and `FusedKernels.Error` for the rest.
@@ -120,23 +121,26 @@ defmodule FusedKernels.Native do
   # `op_async(...)` on the library's own worker threads for the CPU backend, waiting here for
   # the reply, so long CPU calls never hold the BEAM's schedulers (see
   # native/fused_kernels_nif/src/jobs.rs). The three functions of every op are generated from
-  # this table: an op with typed arguments takes `(inputs, options)`, two maps decoded into
-  # typed structs on the Rust side (native/fused_kernels_nif/src/terms.rs), the backend read
-  # from `options.backend`; the others take positional arguments, one of them `backend`.
+  # this table: every op takes `(inputs, options)`, two maps decoded into typed structs on
+  # the Rust side (native/fused_kernels_nif/src/terms.rs), the backend read from
+  # `options.backend`; the prepared-weights calls run on the CPU only (`:cpu`).
   @ops [
-    scaled_softmax: [:inputs, :options],
-    dense: [:kind, :operands, :activation, :eps, :backend, :device, :out],
-    flash_attention: [:inputs, :options],
-    rnn: [:cell, :x, :layers, :reverse, :backend, :device, :out, :precision],
-    selective_scan: [:inputs, :options],
-    norm: [:inputs, :options],
-    mamba_block: [:inputs, :options],
-    stream_shift_append: [:inputs, :options],
-    stream_reshape: [:inputs, :options],
-    mamba_block_state: [:inputs, :options]
+    scaled_softmax: :options,
+    dense: :options,
+    dense_prepared: :cpu,
+    flash_attention: :options,
+    rnn: :options,
+    rnn_prepared: :cpu,
+    selective_scan: :options,
+    norm: :options,
+    mamba_block: :options,
+    stream_shift_append: :options,
+    stream_reshape: :options,
+    mamba_block_state: :options
   ]
 
-  for {op, names} <- @ops do
+  for {op, backend} <- @ops do
+    names = [:inputs, :options]
     args = Enum.map(names, &Macro.var(&1, __MODULE__))
     unused = Enum.map(names, &Macro.var(:"_#{&1}", __MODULE__))
     terms = Enum.map(names, fn _ -> quote(do: term) end)
@@ -144,8 +148,8 @@ defmodule FusedKernels.Native do
     async = :"#{op}_async"
 
     backend =
-      if :backend in names,
-        do: Macro.var(:backend, __MODULE__),
+      if backend == :cpu,
+        do: :cpu,
         else: quote(do: backend_of(unquote(Macro.var(:options, __MODULE__))))
 
     @doc false
@@ -162,73 +166,35 @@ defmodule FusedKernels.Native do
     def unquote(async)(unquote_splicing(unused)), do: not_loaded()
   end
 
+  # The preparing and engine NIFs take `(inputs, options)` too; the engine's predict and
+  # step answer a reference for the CPU engine (its reply follows as `{ref, reply}`).
   @doc false
   @spec dense_prepare(term, term) :: reply
-  def dense_prepare(_kernel, _bias), do: not_loaded()
-
-  @doc false
-  @spec dense_prepared(term, term, term, term) :: reply
-  def dense_prepared(prepared, x, residual, activation),
-    do:
-      dispatch(:cpu, :dense_prepared_dirty, :dense_prepared_async, [
-        prepared,
-        x,
-        residual,
-        activation
-      ])
-
-  @doc false
-  @spec dense_prepared_dirty(term, term, term, term) :: reply
-  def dense_prepared_dirty(_prepared, _x, _residual, _activation), do: not_loaded()
-
-  @doc false
-  @spec dense_prepared_async(term, term, term, term) :: reference | reply
-  def dense_prepared_async(_prepared, _x, _residual, _activation), do: not_loaded()
-
+  def dense_prepare(_inputs, _options), do: not_loaded()
   @doc false
   @spec rnn_prepare(term, term) :: reply
-  def rnn_prepare(_cell, _layers), do: not_loaded()
-
+  def rnn_prepare(_inputs, _options), do: not_loaded()
   @doc false
-  @spec rnn_prepared(term, term, term, term) :: reply
-  def rnn_prepared(prepared, x, initial_state, reverse),
-    do:
-      dispatch(:cpu, :rnn_prepared_dirty, :rnn_prepared_async, [
-        prepared,
-        x,
-        initial_state,
-        reverse
-      ])
-
-  @doc false
-  @spec rnn_prepared_dirty(term, term, term, term) :: reply
-  def rnn_prepared_dirty(_prepared, _x, _initial_state, _reverse), do: not_loaded()
-
-  @doc false
-  @spec rnn_prepared_async(term, term, term, term) :: reference | reply
-  def rnn_prepared_async(_prepared, _x, _initial_state, _reverse), do: not_loaded()
-
-  @doc false
-  @spec engine_load(term, term, term, term) :: reply
-  def engine_load(_spec, _params, _backend, _device), do: not_loaded()
+  @spec engine_load(term, term) :: reply
+  def engine_load(_inputs, _options), do: not_loaded()
   @doc false
   @spec engine_predict(term, term) :: reference | reply
-  def engine_predict(_engine, _window), do: not_loaded()
+  def engine_predict(_inputs, _options), do: not_loaded()
   @doc false
   @spec engine_init_state(term, term) :: reply
-  def engine_init_state(_engine, _batch), do: not_loaded()
+  def engine_init_state(_inputs, _options), do: not_loaded()
   @doc false
-  @spec engine_step(term, term, term) :: reference | reply
-  def engine_step(_engine, _state, _frame), do: not_loaded()
+  @spec engine_step(term, term) :: reference | reply
+  def engine_step(_inputs, _options), do: not_loaded()
   @doc false
   @spec engine_reset(term, term) :: reply
-  def engine_reset(_engine, _state), do: not_loaded()
+  def engine_reset(_inputs, _options), do: not_loaded()
   @doc false
-  @spec engine_state_info(term) :: reply
-  def engine_state_info(_state), do: not_loaded()
+  @spec engine_state_info(term, term) :: reply
+  def engine_state_info(_inputs, _options), do: not_loaded()
   @doc false
-  @spec engine_graphs(term) :: reply
-  def engine_graphs(_engine), do: not_loaded()
+  @spec engine_graphs(term, term) :: reply
+  def engine_graphs(_inputs, _options), do: not_loaded()
 
   # Junk options (not a map) go to the dirty NIF, which refuses them.
   defp backend_of(%{backend: backend}), do: backend

@@ -167,7 +167,7 @@ defmodule FusedKernels.Rnn do
 
     ref =
       if backend == :cpu and type_of(first_kernel(layers)) != {:f, 64} do
-        cell |> Native.rnn_prepare(to_native(layers)) |> Native.unwrap!()
+        %{params: to_native(layers)} |> Native.rnn_prepare(%{cell: cell}) |> Native.unwrap!()
       end
 
     %Prepared{
@@ -291,13 +291,13 @@ defmodule FusedKernels.Rnn do
   defp call_prepared(%Prepared{ref: ref, row_macs: row_macs}, x, states, opts) do
     nif =
       case x do
-        {_, {b, t, _}, _} when b * t * row_macs <= @short_macs -> &Native.rnn_prepared_dirty/4
-        _ -> &Native.rnn_prepared/4
+        {_, {b, t, _}, _} when b * t * row_macs <= @short_macs -> &Native.rnn_prepared_dirty/2
+        _ -> &Native.rnn_prepared/2
       end
 
     {seq, states} =
-      ref
-      |> nif.(x, states, opts[:reverse])
+      %{params: ref, x: x, initial_state: states}
+      |> nif.(%{reverse: opts[:reverse]})
       |> Native.unwrap!()
 
     {Buffer.wrap(seq),
@@ -331,25 +331,29 @@ defmodule FusedKernels.Rnn do
     call(cell, Tensor.to_native(x), to_native(layers), Backend.select_native(opts), opts)
   end
 
+  # A layer as the NIF takes it: each list in the cell's gate order.
   defp to_native(layers) do
     Enum.map(layers, fn {a, b, c, d} ->
-      {Enum.map(a, &Tensor.to_native/1), Enum.map(b, &Tensor.to_native/1),
-       Enum.map(c, &Tensor.to_native/1), Enum.map(d, &Tensor.to_native/1)}
+      %{
+        input_kernel: Enum.map(a, &Tensor.to_native/1),
+        hidden_kernel: Enum.map(b, &Tensor.to_native/1),
+        bias: Enum.map(c, &Tensor.to_native/1),
+        initial_state: Enum.map(d, &Tensor.to_native/1)
+      }
     end)
   end
 
   defp call(cell, x, layers, backend, opts) do
     {seq, states} =
-      cell
-      |> Native.rnn(
-        x,
-        layers,
-        opts[:reverse],
-        backend,
-        Backend.device(opts),
-        opts[:out],
-        opts[:precision]
-      )
+      %{x: x, params: layers}
+      |> Native.rnn(%{
+        cell: cell,
+        reverse: opts[:reverse],
+        precision: opts[:precision],
+        backend: backend,
+        device: Backend.device(opts),
+        out: opts[:out]
+      })
       |> Native.unwrap!()
 
     {Buffer.wrap(seq),

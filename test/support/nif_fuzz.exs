@@ -25,17 +25,19 @@ defmodule FusedKernels.NifFuzz do
   import Bitwise
   alias FusedKernels.Native
 
-  @cpu_ops ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
-              stream_shift_append stream_reshape mamba_block_state engine_load engine_predict
-              engine_init_state engine_step engine_reset engine_state_info)a
+  @cpu_ops ~w(scaled_softmax dense dense_prepare dense_prepared flash_attention rnn rnn_prepare
+              rnn_prepared selective_scan norm mamba_block stream_shift_append stream_reshape
+              mamba_block_state engine_load engine_predict engine_init_state engine_step
+              engine_reset engine_state_info engine_graphs)a
   @kinds [:argument, :unavailable, :out_of_memory, :compile, :cuda, :nif_not_loaded]
 
   @doc "The NIFs this fuzz calls, by name."
   def nifs,
-    do: ~w(scaled_softmax dense flash_attention rnn selective_scan norm mamba_block
-           stream_shift_append stream_reshape mamba_block_state info buffer_upload
-           buffer_download buffer_meta cuda_mem_info cuda_synchronize engine_load
-           engine_predict engine_init_state engine_step engine_reset engine_state_info)a
+    do: ~w(scaled_softmax dense dense_prepare dense_prepared flash_attention rnn rnn_prepare
+           rnn_prepared selective_scan norm mamba_block stream_shift_append stream_reshape
+           mamba_block_state info buffer_upload buffer_download buffer_meta cuda_mem_info
+           cuda_synchronize engine_load engine_predict engine_init_state engine_step
+           engine_reset engine_state_info engine_graphs)a
 
   @doc """
   Call `i` of run `seed` on `backend`: `{nif, args, mutations}` (args with the mutations
@@ -245,7 +247,6 @@ defmodule FusedKernels.NifFuzz do
   end
 
   defp maybe(t), do: if(:rand.uniform(2) == 1, do: t, else: nil)
-  defp tail_args, do: [backend(), nil, out()]
   defp out, do: if(cuda?() and :rand.uniform(2) == 1, do: :device, else: :host)
 
   # The options every typed op takes, merged into its own.
@@ -288,14 +289,44 @@ defmodule FusedKernels.NifFuzz do
     gamma = if kind in [:rms_norm_dense, :layer_norm_dense], do: tensor({k}), else: nil
     beta = if kind == :layer_norm_dense, do: tensor({k}), else: nil
     residual = if kind == :dense, do: maybe(tensor({m, n})), else: nil
-    ops = {tensor({m, k}), tensor({k, n}), up, maybe(tensor({n})), bias_up, gamma, beta, residual}
 
     act =
       if kind == :swiglu,
         do: :none,
-        else: Enum.random([:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh])
+        else: activation()
 
-    [kind, ops, act, 1.0e-5] ++ tail_args()
+    [
+      inputs(%{
+        x: tensor({m, k}),
+        kernel: tensor({k, n}),
+        kernel_up: up,
+        bias: maybe(tensor({n})),
+        bias_up: bias_up,
+        gamma: gamma,
+        beta: beta,
+        residual: residual
+      }),
+      options(%{kind: kind, activation: act, eps: 1.0e-5})
+    ]
+  end
+
+  defp valid(:dense_prepare) do
+    {k, n} = {dim(9), dim(9)}
+    [%{kernel: tensor({k, n}), bias: maybe(tensor({n}))}, %{}]
+  end
+
+  defp valid(:dense_prepared) do
+    {m, k, n} = {dim(), dim(9), dim(9)}
+
+    prepared =
+      %{kernel: tensor({k, n}), bias: maybe(tensor({n}))}
+      |> Native.dense_prepare(%{})
+      |> Native.unwrap!()
+
+    [
+      %{kernel: prepared, x: tensor({m, k}), residual: maybe(tensor({m, n}))},
+      %{activation: activation()}
+    ]
   end
 
   defp valid(:flash_attention) do
@@ -321,31 +352,33 @@ defmodule FusedKernels.NifFuzz do
   end
 
   defp valid(:rnn) do
-    {b, t, inp} = {dim(3), dim(7), dim(5)}
+    {cell, b, t, inp} = {Enum.random([:lstm, :gru]), dim(3), dim(7), dim(5)}
+
+    [
+      %{x: tensor({b, t, inp}), params: rnn_layers(cell, b, inp, true)},
+      options(%{cell: cell, reverse: Enum.random([true, false]), precision: :f32})
+    ]
+  end
+
+  defp valid(:rnn_prepare) do
     cell = Enum.random([:lstm, :gru])
-    gates = if cell == :lstm, do: 4, else: 3
-    nb = if cell == :lstm, do: 4, else: 4
+    [%{params: rnn_layers(cell, dim(3), dim(5), false)}, %{cell: cell}]
+  end
 
-    layers =
-      Enum.map_reduce(1..dim(2), inp, fn _, input ->
-        u = dim(6)
+  defp valid(:rnn_prepared) do
+    {cell, b, t, inp} = {Enum.random([:lstm, :gru]), dim(3), dim(7), dim(5)}
+    layers = rnn_layers(cell, b, inp, true)
+    states = Enum.map(layers, & &1.initial_state)
+    no_state = Enum.map(layers, &%{&1 | initial_state: []})
 
-        state =
-          case {cell, :rand.uniform(2)} do
-            {_, 1} -> []
-            {:lstm, _} -> [tensor({b, u}), tensor({b, u})]
-            {:gru, _} -> [tensor({b, u})]
-          end
+    prepared = %{params: no_state} |> Native.rnn_prepare(%{cell: cell}) |> Native.unwrap!()
 
-        layer =
-          {for(_ <- 1..gates, do: tensor({input, u})), for(_ <- 1..gates, do: tensor({u, u})),
-           for(_ <- 1..nb, do: tensor({u})), state}
+    states = if Enum.all?(states, &(&1 == [])), do: Enum.random([[], states]), else: states
 
-        {layer, u}
-      end)
-      |> elem(0)
-
-    [cell, tensor({b, t, inp}), layers, Enum.random([true, false])] ++ tail_args() ++ [:f32]
+    [
+      %{params: prepared, x: tensor({b, t, inp}), initial_state: states},
+      %{reverse: Enum.random([true, false])}
+    ]
   end
 
   defp valid(:selective_scan) do
@@ -412,31 +445,33 @@ defmodule FusedKernels.NifFuzz do
 
   defp valid(:engine_load) do
     {spec, params} = backbone()
-    [Map.from_struct(spec), flat(params), backend(), nil]
+
+    [
+      %{params: flat(params)},
+      %{spec: Map.from_struct(spec), backend: backend(), device: nil}
+    ]
   end
 
   defp valid(:engine_predict) do
     {spec, engine} = engine()
-    [engine, tensor({dim(3), dim(5), spec.embed})]
+    [%{engine: engine, window: tensor({dim(3), dim(5), spec.embed})}, %{}]
   end
 
-  defp valid(:engine_init_state), do: [elem(engine(), 1), dim(3)]
+  defp valid(:engine_init_state), do: [%{engine: elem(engine(), 1)}, %{batch: dim(3)}]
 
   defp valid(:engine_step) do
     {spec, engine} = engine()
     b = dim(3)
-    state = Native.engine_init_state(engine, b) |> Native.unwrap!()
-    [engine, state, tensor({b, spec.embed})]
+    [%{engine: engine, state: state(engine, b), frame: tensor({b, spec.embed})}, %{}]
   end
 
   defp valid(:engine_reset) do
     {_spec, engine} = engine()
-    [engine, Native.engine_init_state(engine, dim(3)) |> Native.unwrap!()]
+    [%{engine: engine, state: state(engine, dim(3))}, %{}]
   end
 
-  defp valid(:engine_state_info),
-    do: [Native.engine_init_state(elem(engine(), 1), dim(3)) |> Native.unwrap!()]
-
+  defp valid(:engine_state_info), do: [%{state: state(elem(engine(), 1), dim(3))}, %{}]
+  defp valid(:engine_graphs), do: [%{engine: elem(engine(), 1)}, %{}]
   defp valid(:info), do: [nil]
   defp valid(:buffer_upload), do: [tensor({dim(), dim()}), nil]
   defp valid(nif) when nif in [:buffer_download, :buffer_meta], do: [make_ref()]
@@ -471,6 +506,39 @@ defmodule FusedKernels.NifFuzz do
       end
 
     {spec, engine}
+  end
+
+  defp state(engine, batch) do
+    %{engine: engine} |> Native.engine_init_state(%{batch: batch}) |> Native.unwrap!()
+  end
+
+  defp activation, do: Enum.random([:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh])
+
+  # `count` LSTM/GRU layers as the rnn NIFs take them (`input` features into the first),
+  # each with a random initial state half of the time when `state?`.
+  defp rnn_layers(cell, b, input, state?) do
+    gates = if cell == :lstm, do: 4, else: 3
+
+    Enum.map_reduce(1..dim(2), input, fn _, input ->
+      u = dim(6)
+
+      state =
+        case {cell, state? and :rand.uniform(2) == 1} do
+          {_, false} -> []
+          {:lstm, true} -> [tensor({b, u}), tensor({b, u})]
+          {:gru, true} -> [tensor({b, u})]
+        end
+
+      layer = %{
+        input_kernel: for(_ <- 1..gates, do: tensor({input, u})),
+        hidden_kernel: for(_ <- 1..gates, do: tensor({u, u})),
+        bias: for(_ <- 1..4, do: tensor({u})),
+        initial_state: state
+      }
+
+      {layer, u}
+    end)
+    |> elem(0)
   end
 
   defp flat(%{} = m, prefix \\ "") when not is_struct(m) do
@@ -555,11 +623,20 @@ defmodule FusedKernels.NifFuzz do
       fn -> :device end,
       fn -> [[2 | 2]] end,
       fn -> [{[2 | 2], [], [], []}] end,
+      fn -> [%{input_kernel: [2 | 2], hidden_kernel: [], bias: [], initial_state: []}] end,
       fn -> List.duplicate(nil, 16) end,
       fn -> List.duplicate(tensor({1}), 17) end,
       # Resources of the wrong kind, and of another engine (stale for this one).
       fn -> elem(engine(), 1) end,
-      fn -> Native.engine_init_state(elem(engine(), 1), 1) |> Native.unwrap!() end,
+      fn -> state(elem(engine(), 1), 1) end,
+      fn ->
+        %{kernel: tensor({2, 2})} |> Native.dense_prepare(%{}) |> Native.unwrap!()
+      end,
+      fn ->
+        %{params: rnn_layers(:gru, 1, 2, false)}
+        |> Native.rnn_prepare(%{cell: :gru})
+        |> Native.unwrap!()
+      end,
       fn -> [{"rnn_1/bias/bi", tensor({2})} | :tail] end,
       fn -> [{:not_a_name, tensor({2})}] end,
       fn -> %{kind: :lstm} end

@@ -23,9 +23,8 @@ defmodule FusedKernels.Backbone.Engine do
 
   @doc "The engine resource for `spec` and the checked params map (names → tensors)."
   def load(%Spec{} = spec, params, backend, device) do
-    spec
-    |> Map.from_struct()
-    |> Native.engine_load(flatten(params, ""), backend, device)
+    %{params: flatten(params, "")}
+    |> Native.engine_load(%{spec: Map.from_struct(spec), backend: backend, device: device})
     |> Native.unwrap!()
   end
 
@@ -39,20 +38,25 @@ defmodule FusedKernels.Backbone.Engine do
   defp flatten(t, name), do: [{name, Tensor.to_native(t)}]
 
   def predict(ref, window) do
-    ref
-    |> Native.engine_predict(host_in(window, "window"))
+    %{engine: ref, window: host_in(window, "window")}
+    |> Native.engine_predict(%{})
     |> await()
     |> Native.unwrap!()
     |> back(window)
   end
 
   def init_state(ref, batch) do
-    state = ref |> Native.engine_init_state(batch) |> Native.unwrap!()
+    state = %{engine: ref} |> Native.engine_init_state(%{batch: batch}) |> Native.unwrap!()
     %State{ref: state, batch: batch}
   end
 
   def step(ref, %State{ref: s} = state, frame) do
-    out = ref |> Native.engine_step(s, host_in(frame, "frame")) |> await() |> Native.unwrap!()
+    out =
+      %{engine: ref, state: s, frame: host_in(frame, "frame")}
+      |> Native.engine_step(%{})
+      |> await()
+      |> Native.unwrap!()
+
     {back(out, frame), state}
   end
 
@@ -68,13 +72,13 @@ defmodule FusedKernels.Backbone.Engine do
   defp await(reply), do: reply
 
   def reset(ref, %State{ref: s} = state) do
-    ref |> Native.engine_reset(s) |> Native.unwrap!()
+    %{engine: ref, state: s} |> Native.engine_reset(%{}) |> Native.unwrap!()
     state
   end
 
   # Per shape run on the GPU: `{batch, seq, :window | :frame, notes}`, each note "graph"
   # (replayed) or "eager: why" (capture failed); [] on the CPU.
-  def graphs(ref), do: ref |> Native.engine_graphs() |> Native.unwrap!()
+  def graphs(ref), do: %{engine: ref} |> Native.engine_graphs(%{}) |> Native.unwrap!()
 
   defp host_in(%FusedKernels.Buffer{} = b, _what), do: FusedKernels.Buffer.download(b)
 

@@ -6,12 +6,14 @@
 //!
 //! Flags: `--op lstm|gru|dense|scan|attention|norm|math`, `--mode step|window` (rnn), `--batch`,
 //! `--seq`, `--input`, `--hidden 256,256`, `--iters`, `--threads` (sets the pool size, as
-//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--isa
-//! avx2+fma|avx512f` (force a level the CPU has). Prints the median and the 10th/90th
-//! percentiles of per-call wall time in ms.
+//! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--loop
+//! measured|serial|split` (a batch-1 window's time loop: chosen by measurement, one thread, or
+//! split over the pool), `--isa avx2+fma|avx512f` (force a level the CPU has), `--act
+//! gelu|none|...` (dense's activation). Prints the median and the 10th/90th percentiles of
+//! per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
-use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn};
+use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, TimeLoop};
 use std::time::Instant;
 
 struct Args {
@@ -24,6 +26,8 @@ struct Args {
     iters: usize,
     portable: bool,
     isa: Option<String>,
+    act: String,
+    time_loop: TimeLoop,
 }
 
 fn parse() -> Args {
@@ -37,6 +41,8 @@ fn parse() -> Args {
         iters: 200,
         portable: false,
         isa: None,
+        act: "gelu".into(),
+        time_loop: TimeLoop::Measured,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -52,6 +58,15 @@ fn parse() -> Args {
             "--hidden" => a.hidden = val().split(',').map(|s| num(s.to_string())).collect(),
             "--iters" => a.iters = num(val()),
             "--isa" => a.isa = Some(val()),
+            "--act" => a.act = val(),
+            "--loop" => {
+                a.time_loop = match val().as_str() {
+                    "measured" => TimeLoop::Measured,
+                    "serial" => TimeLoop::Serial,
+                    "split" => TimeLoop::Split,
+                    other => panic!("--loop measured|serial|split, got {other}"),
+                }
+            }
             "--threads" => {
                 // Before the pool's first use, which reads it once.
                 std::env::set_var("FUSED_KERNELS_CPU_THREADS", val());
@@ -157,7 +172,8 @@ fn rnn(a: &Args, isa: Isa) {
         );
     });
     report("PreparedRnn::new", prep_ms);
-    let rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
+    let mut rnn = PreparedRnn::with_isa(cell, a.input, &lw, false, isa).expect("weights");
+    rnn.set_time_loop(a.time_loop);
     let seq = if a.mode == "step" { 1 } else { a.seq };
     let b = a.batch;
     let mut scratch = rnn.scratch(b, seq).expect("scratch");
@@ -236,6 +252,11 @@ fn rnn(a: &Args, isa: Isa) {
             .expect("prepared call");
     });
     report(&format!("{name} prepared op API"), prepared_ms);
+    println!(
+        "time loop {:?}: ns per step (one thread, split) per layer {:?}",
+        a.time_loop,
+        rnn.loop_times()
+    );
     report(
         &format!(
             "{} {:?} {} B{b} T{seq} I{} H{:?} [{}]",
@@ -261,7 +282,8 @@ fn dense(a: &Args, isa: Isa) {
     let x = rng.vec(m * k, 1.0);
     let w = rng.vec(k * n, 1.0 / (k as f32).sqrt());
     let b = rng.vec(n, 0.1);
-    let p = Params::new(Kind::Dense, Activation::Gelu, 0.0).expect("params");
+    let act = Activation::parse(&a.act).expect("--act: an activation name");
+    let p = Params::new(Kind::Dense, act, 0.0).expect("params");
     let dw = DenseWeights {
         kernel: &w,
         kernel_up: None,
@@ -278,7 +300,11 @@ fn dense(a: &Args, isa: Isa) {
             .expect("forward");
     });
     report(
-        &format!("dense prepared {m}x{k}x{n} +bias +gelu [{}]", isa.name()),
+        &format!(
+            "dense prepared {m}x{k}x{n} +bias +{} [{}]",
+            a.act,
+            isa.name()
+        ),
         ms,
     );
     let bytes = |v: &[f32]| v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
@@ -302,7 +328,7 @@ fn dense(a: &Args, isa: Isa) {
         std::hint::black_box(dense::cpu(&ops, p).expect("dense"));
     });
     report(
-        &format!("dense op API {m}x{k}x{n} +bias +gelu [best isa]"),
+        &format!("dense op API {m}x{k}x{n} +bias +{} [best isa]", a.act),
         ms,
     );
 }

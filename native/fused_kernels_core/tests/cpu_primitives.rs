@@ -8,36 +8,9 @@ use fused_kernels_core::cpu::gemv::gemv;
 use fused_kernels_core::cpu::math::{apply, norm_rows, norm_rows_inplace, Func, NormKind};
 use fused_kernels_core::cpu::{pool, Isa, PackedB};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use support::{rel_l2, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
-        ((r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
-    }
-}
-
-fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
-    assert_eq!(out.len(), reference.len());
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (o as f64 - r) * (o as f64 - r);
-        den += r * r;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
+mod support;
 
 /// Naive f64 `init + A · B` with the same strides.
 #[allow(clippy::too_many_arguments)]
@@ -105,13 +78,13 @@ fn gemm_matches_f64_for_odd_shapes_and_every_init() {
             for &k in &ks {
                 for &n in &ns {
                     let (lda, ldc) = (k + (m % 3), n + (k % 2));
-                    let a = rng.vec(m * lda);
-                    let b = rng.vec(k * n);
-                    let bias = rng.vec(n);
+                    let a = rng.vec_f32(m * lda, 2.0, 0.0);
+                    let b = rng.vec_f32(k * n, 2.0, 0.0);
+                    let bias = rng.vec_f32(n, 2.0, 0.0);
                     let packed = PackedB::new(k, n, &b).unwrap();
                     for mode in 0..4 {
                         let mut c = if mode >= 2 {
-                            rng.vec(m * ldc)
+                            rng.vec_f32(m * ldc, 2.0, 0.0)
                         } else {
                             vec![f32::NAN; m * ldc]
                         };
@@ -165,9 +138,9 @@ fn gemv_matches_f64_and_gemm_rows() {
     for isa in Isa::available() {
         for &k in &[1, 2, 3, 200, 255, 288, 512, 1025] {
             for &n in &[1, 15, 16, 17, 63, 64, 65, 200, 800, 1024] {
-                let x = rng.vec(k);
-                let b = rng.vec(k * n);
-                let init = rng.vec(n);
+                let x = rng.vec_f32(k, 2.0, 0.0);
+                let b = rng.vec_f32(k * n, 2.0, 0.0);
+                let init = rng.vec_f32(n, 2.0, 0.0);
                 let packed = PackedB::new(k, n, &b).unwrap();
                 for with_init in [false, true] {
                     let mut y = vec![f32::NAN; n];
@@ -195,7 +168,7 @@ fn gemv_matches_f64_and_gemm_rows() {
 fn packing_blocks_side_by_side_equals_packing_the_concatenation() {
     let mut rng = Rng::new(13);
     let (k, w0, w1) = (7, 5, 19);
-    let (b0, b1) = (rng.vec(k * w0), rng.vec(k * w1));
+    let (b0, b1) = (rng.vec_f32(k * w0, 2.0, 0.0), rng.vec_f32(k * w1, 2.0, 0.0));
     let cat: Vec<f32> = (0..k)
         .flat_map(|r| {
             let mut row = b0[r * w0..(r + 1) * w0].to_vec();
@@ -309,6 +282,28 @@ fn math_functions_meet_their_bounds_on_every_path() {
                 }
             }
             eprintln!("{} {f:?}: worst rel {worst:e}", isa.name());
+        }
+    }
+}
+
+/// The tighter bounds of the gelu forms for x ≥ 0 (the table's parenthesis), over a finer
+/// sweep of [0, 20].
+#[test]
+fn gelu_forms_meet_their_bound_for_positive_inputs() {
+    let xs: Vec<f32> = (0..=2_000_000).map(|i| i as f32 * 1e-5).collect();
+    for isa in Isa::available() {
+        for (f, rel) in [(Func::Gelu, 5e-7), (Func::GeluTanh, 2e-7)] {
+            let mut ys = xs.clone();
+            apply(isa, f, &mut ys);
+            for (&x, &y) in xs.iter().zip(&ys).skip(1) {
+                let want = exact(f, x as f64);
+                let r = (y as f64 - want).abs() / want;
+                assert!(
+                    r <= rel,
+                    "{} {f:?}({x}) = {y}, want {want}: rel {r:e}",
+                    isa.name()
+                );
+            }
         }
     }
 }
@@ -475,9 +470,13 @@ fn norm_rows_match_f64_on_every_path_at_large_means() {
                 for kind in [NormKind::Layer, NormKind::Rms] {
                     for with_bias in [false, true] {
                         let rows = 3;
-                        let x: Vec<f32> = rng.vec(rows * cols).iter().map(|v| v + mean).collect();
-                        let w = rng.vec(cols);
-                        let b = rng.vec(cols);
+                        let x: Vec<f32> = rng
+                            .vec_f32(rows * cols, 2.0, 0.0)
+                            .iter()
+                            .map(|v| v + mean)
+                            .collect();
+                        let w = rng.vec_f32(cols, 2.0, 0.0);
+                        let b = rng.vec_f32(cols, 2.0, 0.0);
                         let b = with_bias.then_some(&b[..]);
                         let want = norm_f64(kind, &x, cols, &w, b);
                         // Poisoned output, one spare row that must stay untouched.
@@ -499,4 +498,63 @@ fn norm_rows_match_f64_on_every_path_at_large_means() {
         }
     }
     println!("norm rows: worst rel. L2 {worst:e}");
+}
+
+/// The split recurrence's barrier: every crossing returns the same answer to every task
+/// (all in time, or late for all), with partners that are on time, late by a sleep, or
+/// racing the patience; and the tasks never get a crossing ahead of each other.
+#[test]
+fn barrier_crossings_agree_between_tasks() {
+    use fused_kernels_core::cpu::pool::{run_together, Barrier};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    if fused_kernels_core::cpu::pool::threads() < 2 {
+        return;
+    }
+    for patience_us in [0u64, 1, 5, 20, 100, 1000] {
+        let barrier = Barrier::new(2);
+        let crossings = 2000;
+        let answers: Vec<Vec<AtomicUsize>> = (0..2)
+            .map(|_| (0..crossings).map(|_| AtomicUsize::new(9)).collect())
+            .collect();
+        let at = [AtomicUsize::new(0), AtomicUsize::new(0)];
+        let ran = run_together(2, &|t| {
+            for (i, answer) in answers[t].iter().enumerate() {
+                // Now and then a partner comes late (a sleep); mostly both are on time.
+                if i % 97 == t * 13 {
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                at[t].store(i, Ordering::SeqCst);
+                let ok = barrier.wait(Duration::from_micros(patience_us));
+                // Past crossing i, the partner has reached it too.
+                assert!(at[1 - t].load(Ordering::SeqCst) >= i);
+                answer.store(ok as usize, Ordering::SeqCst);
+            }
+        });
+        if !ran {
+            continue;
+        }
+        let mut late = 0;
+        for (i, (a, b)) in answers[0].iter().zip(&answers[1]).enumerate() {
+            let (a, b) = (a.load(Ordering::SeqCst), b.load(Ordering::SeqCst));
+            assert_eq!(
+                a, b,
+                "patience {patience_us} µs: crossing {i} answered {a} and {b}"
+            );
+            late += (a == 0) as usize;
+        }
+        if patience_us <= 100 {
+            // A partner that sleeps 300 µs is later than the patience: its 42 crossings are
+            // late unless the waiter itself lost its core meanwhile (a loaded machine), so
+            // at least half of them.
+            let sleeps = (0..crossings)
+                .filter(|i| i % 97 == 0 || i % 97 == 13)
+                .count();
+            assert!(
+                late >= sleeps / 2,
+                "patience {patience_us} µs: {late} late, {sleeps} sleeps"
+            );
+        }
+        eprintln!("patience {patience_us} µs: {late} of {crossings} crossings late");
+    }
 }

@@ -7,41 +7,9 @@ use fused_kernels_core::ops::dense::{
     Activation, DenseWeights, Geometry, Kind, Operands, Params, PreparedDense,
 };
 use fused_kernels_core::reference::dense::{reference_epilogue, reference_products};
+use support::{f32s, rel_l2, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    /// f32-representable values in [-2, 2) · scale.
-    fn vec(&mut self, n: usize, scale: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| {
-                self.0 ^= self.0 >> 12;
-                self.0 ^= self.0 << 25;
-                self.0 ^= self.0 >> 27;
-                let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
-                (((r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) * scale) as f32 as f64
-            })
-            .collect()
-    }
-}
-
-fn f32s(v: &[f64]) -> Vec<f32> {
-    v.iter().map(|&x| x as f32).collect()
-}
-
-fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (o as f64 - r) * (o as f64 - r);
-        den += r * r;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
+mod support;
 
 fn check(kind: Kind, act: Activation, m: usize, k: usize, n: usize, residual: bool, seed: u64) {
     let mut rng = Rng::new(seed);
@@ -49,14 +17,15 @@ fn check(kind: Kind, act: Activation, m: usize, k: usize, n: usize, residual: bo
     let glu = kind == Kind::Swiglu;
     let ws = 1.0 / (k as f64).sqrt();
     let o = Operands {
-        x: rng.vec(m * k, 1.0),
-        kernel: rng.vec(k * n, ws),
-        kernel_up: glu.then(|| rng.vec(k * n, ws)),
-        bias: Some(rng.vec(n, 0.5)),
-        bias_up: glu.then(|| rng.vec(n, 0.5)),
-        gamma: matches!(kind, Kind::RmsNormDense | Kind::LayerNormDense).then(|| rng.vec(k, 1.0)),
-        beta: (kind == Kind::LayerNormDense).then(|| rng.vec(k, 0.5)),
-        residual: residual.then(|| rng.vec(m * n, 1.0)),
+        x: rng.vec_exact_f32(m * k, 1.0),
+        kernel: rng.vec_exact_f32(k * n, ws),
+        kernel_up: glu.then(|| rng.vec_exact_f32(k * n, ws)),
+        bias: Some(rng.vec_exact_f32(n, 0.5)),
+        bias_up: glu.then(|| rng.vec_exact_f32(n, 0.5)),
+        gamma: matches!(kind, Kind::RmsNormDense | Kind::LayerNormDense)
+            .then(|| rng.vec_exact_f32(k, 1.0)),
+        beta: (kind == Kind::LayerNormDense).then(|| rng.vec_exact_f32(k, 0.5)),
+        residual: residual.then(|| rng.vec_exact_f32(m * n, 1.0)),
     };
     let g = Geometry {
         m,

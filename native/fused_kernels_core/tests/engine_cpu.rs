@@ -168,11 +168,7 @@ fn ref_mamba(r: &Ref, s: &Spec, prefix: &str, x: &[f32], shape: &[usize]) -> Vec
 }
 
 fn ref_rnn(r: &Ref, s: &Spec, l: usize, x: &[f32], shape: &[usize]) -> Vec<f32> {
-    let cell = if s.kind == Kind::Lstm {
-        rnn::Cell::Lstm
-    } else {
-        rnn::Cell::Gru
-    };
+    let cell = s.kind.cell();
     let xb = bytes(x);
     let ops = |group: &str, names: &[&str]| -> Vec<Operand<'_>> {
         names
@@ -391,28 +387,20 @@ fn bad_params_and_specs_are_argument_errors() {
         "{e}"
     );
 
-    let bad = Spec {
+    let heads = Spec {
         heads: 5,
         ..small(Kind::Attention)
     };
-    assert_eq!(
-        Plan::build(bad, to_params(&random_params(&s, 1)))
-            .err()
-            .unwrap()
-            .kind(),
-        "argument"
-    );
-    let bad = Spec {
+    let hidden = Spec {
         hidden: 0,
         ..s.clone()
     };
-    assert_eq!(
-        Plan::build(bad, to_params(&random_params(&s, 1)))
+    for bad in [heads, hidden] {
+        let e = Plan::build(bad, to_params(&random_params(&s, 1)))
             .err()
-            .unwrap()
-            .kind(),
-        "argument"
-    );
+            .unwrap();
+        assert_eq!(e.kind(), "argument", "{e}");
+    }
 }
 
 #[test]

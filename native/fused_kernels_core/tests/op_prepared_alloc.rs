@@ -9,6 +9,9 @@ use fused_kernels_core::ops::rnn::{prepare_cpu, Cell, Layer};
 use fused_kernels_core::{DType, HostTensor};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell as StdCell;
+use support::Rng;
+
+mod support;
 
 struct Counting;
 
@@ -50,19 +53,9 @@ fn counted(f: impl FnOnce()) -> usize {
     ALLOCATIONS.with(|a| a.get()) - before
 }
 
-struct Rng(u64);
-impl Rng {
-    fn bytes(&mut self, n: usize, scale: f32, dtype: DType) -> Vec<u8> {
-        let vals: Vec<f32> = (0..n)
-            .map(|_| {
-                self.0 ^= self.0 << 13;
-                self.0 ^= self.0 >> 7;
-                self.0 ^= self.0 << 17;
-                ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect();
-        fused_kernels_core::dtype::encode_f32(&vals, dtype)
-    }
+/// `n` values uniform in [-scale, scale), encoded in `dtype`.
+fn bytes(rng: &mut Rng, n: usize, scale: f32, dtype: DType) -> Vec<u8> {
+    fused_kernels_core::dtype::encode_f32(&rng.vec_f32(n, scale, 0.0), dtype)
 }
 
 fn host(bytes: &[u8], shape: Vec<usize>, dtype: DType) -> HostTensor<'_> {
@@ -109,33 +102,36 @@ fn prepared_rnn_calls_allocate_nothing() {
     ] {
         let (i, hs) = (48usize, [256usize, 64]);
         let g = cell.gates();
-        let mut rng = Rng(0x9E3779B97F4A7C15);
+        let mut rng = Rng::new(1);
         // Per layer: g input kernels, g hidden kernels, 4 biases.
         let mut store: Vec<Stored> = Vec::new();
         let mut inp = i;
         for &h in &hs {
             for _ in 0..g {
                 store.push((
-                    rng.bytes(inp * h, 0.3 / (inp as f32).sqrt(), dtype),
+                    bytes(&mut rng, inp * h, 0.3 / (inp as f32).sqrt(), dtype),
                     vec![inp, h],
                 ));
             }
             for _ in 0..g {
-                store.push((rng.bytes(h * h, 0.3 / (h as f32).sqrt(), dtype), vec![h, h]));
+                store.push((
+                    bytes(&mut rng, h * h, 0.3 / (h as f32).sqrt(), dtype),
+                    vec![h, h],
+                ));
             }
             for _ in 0..4 {
-                store.push((rng.bytes(h, 0.2, dtype), vec![h]));
+                store.push((bytes(&mut rng, h, 0.2, dtype), vec![h]));
             }
             inp = h;
         }
         let call = prepare_cpu(cell, &layers(&store, None, g, hs.len(), dtype)).unwrap();
         for (batch, seq) in [(1usize, 1usize), (1, 60), (3, 7)] {
-            let x = rng.bytes(batch * seq * i, 1.0, dtype);
+            let x = bytes(&mut rng, batch * seq * i, 1.0, dtype);
             let states: Vec<Vec<Stored>> = hs
                 .iter()
                 .map(|&h| {
                     (0..cell.state_names().len())
-                        .map(|_| (rng.bytes(batch * h, 0.5, dtype), vec![batch, h]))
+                        .map(|_| (bytes(&mut rng, batch * h, 0.5, dtype), vec![batch, h]))
                         .collect()
                 })
                 .collect();
@@ -191,16 +187,19 @@ fn prepared_rnn_calls_allocate_nothing() {
 fn prepared_dense_calls_allocate_nothing() {
     for dtype in [DType::F32, DType::BF16] {
         let (k, n) = (256usize, 1024usize);
-        let mut rng = Rng(0x2545F4914F6CDD1D);
-        let (w, b) = (rng.bytes(k * n, 0.06, dtype), rng.bytes(n, 0.1, dtype));
+        let mut rng = Rng::new(2);
+        let (w, b) = (
+            bytes(&mut rng, k * n, 0.06, dtype),
+            bytes(&mut rng, n, 0.1, dtype),
+        );
         let call = PreparedDenseCall::new(
             &host(&w, vec![k, n], dtype),
             Some(&host(&b, vec![n], dtype)),
         )
         .unwrap();
         for m in [1usize, 60] {
-            let x = rng.bytes(m * k, 1.0, dtype);
-            let r = rng.bytes(m * n, 1.0, dtype);
+            let x = bytes(&mut rng, m * k, 1.0, dtype);
+            let r = bytes(&mut rng, m * n, 1.0, dtype);
             let (xt, rt) = (host(&x, vec![m, k], dtype), host(&r, vec![m, n], dtype));
             let mut out = vec![0u8; m * n * dtype.size()];
             call.run_into(&xt, Some(&rt), Activation::Gelu, &mut out)

@@ -5,45 +5,11 @@
 //! caller errors.
 
 use fused_kernels_core::cpu::Isa;
-use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch};
+use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, RnnScratch, TimeLoop};
 use fused_kernels_core::reference::rnn::{reference, RefLayer};
+use support::{f32s, rel_l2, Rng};
 
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
-    }
-    fn next(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let r = self.0.wrapping_mul(0x2545F4914F6CDD1D);
-        (r >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
-    }
-    /// f32-representable values in [-2, 2) · scale, so f32 and f64 see the same numbers.
-    fn vec(&mut self, n: usize, scale: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| (self.next() * scale) as f32 as f64)
-            .collect()
-    }
-}
-
-fn rel_l2(out: &[f32], reference: &[f64]) -> f64 {
-    assert_eq!(out.len(), reference.len());
-    let (mut num, mut den) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference) {
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        num += (o as f64 - r) * (o as f64 - r);
-        den += r * r;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
-
-fn f32s(v: &[f64]) -> Vec<f32> {
-    v.iter().map(|&x| x as f32).collect()
-}
+mod support;
 
 struct Net {
     cell: Cell,
@@ -66,12 +32,12 @@ fn random_net(
             let (si, sh) = (0.6 / (inp as f64).sqrt(), 0.6 / (h as f64).sqrt());
             let g = cell.gates();
             let l = RefLayer {
-                input_kernel: (0..g).map(|_| rng.vec(inp * h, si)).collect(),
-                hidden_kernel: (0..g).map(|_| rng.vec(h * h, sh)).collect(),
-                bias: (0..4).map(|_| rng.vec(h, 0.25)).collect(),
+                input_kernel: (0..g).map(|_| rng.vec_exact_f32(inp * h, si)).collect(),
+                hidden_kernel: (0..g).map(|_| rng.vec_exact_f32(h * h, sh)).collect(),
+                bias: (0..4).map(|_| rng.vec_exact_f32(h, 0.25)).collect(),
                 initial_state: if with_state {
                     (0..cell.state_names().len())
-                        .map(|_| rng.vec(batch * h, 0.5))
+                        .map(|_| rng.vec_exact_f32(batch * h, 0.5))
                         .collect()
                 } else {
                     Vec::new()
@@ -145,10 +111,10 @@ fn check(
 ) {
     let mut rng = Rng::new(seed);
     let net = random_net(&mut rng, cell, features, hidden, batch, with_state);
-    let x = rng.vec(batch * seq * features, 1.0);
+    let x = rng.vec_exact_f32(batch * seq * features, 1.0);
     let (want_seq, want_states) = reference(cell, &x, [batch, seq, features], &net.layers, reverse);
     for isa in Isa::available() {
-        let rnn = prepare(&net, reverse, isa);
+        let mut rnn = prepare(&net, reverse, isa);
         let mut scratch = RnnScratch::new(&rnn, batch + 1, seq + 2).unwrap();
         let init: Option<Vec<f32>> = with_state.then(|| {
             net.layers
@@ -180,8 +146,19 @@ fn check(
         eprintln!("ok {what}: rel L2 {err:.2e} / {err_s:.2e}");
         // Again, outputs poisoned: with a pool of 2+ threads the batch-1 windows of 64-unit
         // multiples alternate between the split and the one-thread time loop (each is tried
-        // before the faster is preferred), which must agree bit for bit.
-        for _ in 0..2 {
+        // before the faster is preferred), which must agree bit for bit; then each path
+        // forced, and the split handing its remaining steps to the caller (as when a partner
+        // thread is late) after the first step and half way.
+        let modes = [
+            TimeLoop::Measured,
+            TimeLoop::Measured,
+            TimeLoop::Serial,
+            TimeLoop::Split,
+            TimeLoop::SplitUntil(0),
+            TimeLoop::SplitUntil(seq / 2),
+        ];
+        for mode in modes {
+            rnn.set_time_loop(mode);
             let mut again = vec![f32::NAN; out.len()];
             let mut fin_again = vec![f32::NAN; fin.len()];
             rnn.forward_into(
@@ -197,11 +174,11 @@ fn check(
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert!(
                 bits(&again) == bits(&out),
-                "{what}: a repeated call differs"
+                "{what}: a repeated call ({mode:?}) differs"
             );
             assert!(
                 bits(&fin_again) == bits(&fin),
-                "{what}: repeated final state differs"
+                "{what}: repeated final state ({mode:?}) differs"
             );
         }
     }
@@ -239,7 +216,7 @@ fn steps_carried_through_final_state_equal_one_window() {
         let net = random_net(&mut rng, cell, 12, &[24, 24], 2, false);
         let rnn = prepare(&net, false, Isa::best());
         let (b, t) = (2, 9);
-        let x = f32s(&rng.vec(b * t * 12, 1.0));
+        let x = f32s(&rng.vec_exact_f32(b * t * 12, 1.0));
         let mut scratch = rnn.scratch(b, t).unwrap();
         let mut window = vec![f32::NAN; b * t * 24];
         let mut fin_w = vec![f32::NAN; rnn.state_len(b)];

@@ -12,7 +12,10 @@
 //! but put a ~1 ms p99 on every caller once two or more processes shared the schedulers (4
 //! processes: 1.8-2.3x one process's calls/s against 2.9-3.9x through the dirty scheduler).
 
-use crate::terms::{decode_device, decode_host, decode_list, encode_dtype, encode_shape, reply};
+use crate::terms::{
+    atom_option, decode_args, decode_host, decode_list, encode_dtype, encode_shape, nif_map, reply,
+    AtomName, Device, FromTerm, NoOptions,
+};
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Params, Plan, Spec};
@@ -86,85 +89,144 @@ pub struct StateResource {
 #[rustler::resource_impl]
 impl rustler::Resource for StateResource {}
 
-fn field<'a>(map: Term<'a>, key: &str) -> Result<Term<'a>> {
-    let env = map.get_env();
-    let k = rustler::Atom::from_str(env, key).map_err(|_| arg_error("spec: bad key"))?;
-    map.map_get(k.encode(env))
-        .map_err(|_| arg_error(format!("spec: missing field {key}")))
-}
+atom_option!(Kind, ":attention, :lstm, :gru, :mamba or :jamba");
 
-fn usize_field(map: Term<'_>, key: &str) -> Result<usize> {
-    field(map, key)?
-        .decode::<u64>()
-        .map(|v| v as usize)
-        .map_err(|_| arg_error(format!("spec.{key} must be a positive integer")))
-}
-
-fn f64_field(map: Term<'_>, key: &str) -> Result<f64> {
-    let t = field(map, key)?;
-    t.decode::<f64>()
-        .or_else(|_| t.decode::<i64>().map(|i| i as f64))
-        .map_err(|_| arg_error(format!("spec.{key} must be a number")))
-}
-
-fn decode_spec(term: Term<'_>) -> Result<Spec> {
-    let kind = field(term, "kind")?
-        .atom_to_string()
-        .map_err(|_| arg_error("spec.kind must be an atom"))?;
-    Ok(Spec {
-        kind: Kind::parse(&kind)?,
-        embed: usize_field(term, "embed")?,
-        hidden: usize_field(term, "hidden")?,
-        layers: usize_field(term, "layers")?,
-        window: usize_field(term, "window")?,
-        heads: usize_field(term, "heads")?,
-        head_dim: usize_field(term, "head_dim")?,
-        ffn: usize_field(term, "ffn")?,
-        state: usize_field(term, "state")?,
-        expand: usize_field(term, "expand")?,
-        conv: usize_field(term, "conv")?,
-        dt_rank: usize_field(term, "dt_rank")?,
-        attn_every: usize_field(term, "attn_every")?,
-        norm_eps: f64_field(term, "norm_eps")?,
-        mamba_norm_eps: f64_field(term, "mamba_norm_eps")?,
-    })
-}
+nif_map!(nested Spec {
+    kind,
+    embed,
+    hidden,
+    layers,
+    window,
+    heads,
+    head_dim,
+    ffn,
+    state,
+    expand,
+    conv,
+    dt_rank,
+    attn_every,
+    norm_eps,
+    mamba_norm_eps
+});
 
 /// `[{"layer/group/name", {binary, shape, type}}]` → f32 params.
-fn decode_params(term: Term<'_>) -> Result<Params> {
-    let list = decode_list("params", "{name, tensor} pairs", term)?;
-    let mut p = Params::new();
-    for item in list {
-        let parts =
-            get_tuple(item).map_err(|_| arg_error("params must be {name, tensor} pairs"))?;
-        let [name, tensor] = parts[..] else {
-            return Err(arg_error("params must be {name, tensor} pairs"));
-        };
-        let name: String = name
-            .decode()
-            .map_err(|_| arg_error("params: names must be strings"))?;
-        let t = decode_host(&name, tensor)?;
-        p.insert(name, t.shape.clone(), decode_f32(t.bytes, t.dtype));
+struct ParamList(Params);
+
+impl<'a> FromTerm<'a> for ParamList {
+    fn from_term(what: &str, term: Term<'a>) -> Result<Self> {
+        let list = decode_list(what, "{name, tensor} pairs", term)?;
+        let mut p = Params::new();
+        for item in list {
+            let bad = || arg_error(format!("{what} must be {{name, tensor}} pairs"));
+            let parts = get_tuple(item).map_err(|_| bad())?;
+            let [name, tensor] = parts[..] else {
+                return Err(bad());
+            };
+            let name: String = name
+                .decode()
+                .map_err(|_| arg_error(format!("{what}: names must be strings")))?;
+            let t = decode_host(&name, tensor)?;
+            p.insert(name, t.shape.clone(), decode_f32(t.bytes, t.dtype));
+        }
+        Ok(ParamList(p))
     }
-    Ok(p)
 }
 
-/// `engine_load(spec, params, backend, device)` → engine resource.
+impl<'a> FromTerm<'a> for ResourceArc<EngineResource> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        term.decode()
+            .map_err(|_| arg_error(format!("{name}: not a loaded backbone engine")))
+    }
+}
+
+impl<'a> FromTerm<'a> for ResourceArc<StateResource> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        term.decode().map_err(|_| {
+            arg_error(format!(
+                "{name}: not a backbone state; make one with init_state(handle, batch)"
+            ))
+        })
+    }
+}
+
+/// A stream's rows.
+struct Batch(usize);
+
+impl<'a> FromTerm<'a> for Batch {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        term.decode::<u64>()
+            .ok()
+            .filter(|&b| b > 0)
+            .and_then(|b| usize::try_from(b).ok())
+            .map(Batch)
+            .ok_or_else(|| arg_error(format!("{name} must be a positive integer")))
+    }
+}
+
+struct LoadInputs {
+    params: ParamList,
+}
+nif_map!(LoadInputs { params });
+
+struct LoadOptions {
+    spec: Spec,
+    backend: AtomName,
+    device: Device,
+}
+nif_map!(LoadOptions {
+    spec,
+    backend,
+    device
+});
+
+/// An engine alone (`engine_graphs`, `engine_init_state`).
+struct EngineInputs {
+    engine: ResourceArc<EngineResource>,
+}
+nif_map!(EngineInputs { engine });
+
+/// A state alone (`engine_state_info`).
+struct StateInputs {
+    state: ResourceArc<StateResource>,
+}
+nif_map!(StateInputs { state });
+
+/// An engine and one of its states (`engine_reset`).
+struct EngineStateInputs {
+    engine: ResourceArc<EngineResource>,
+    state: ResourceArc<StateResource>,
+}
+nif_map!(EngineStateInputs { engine, state });
+
+struct WindowInputs<'a> {
+    engine: ResourceArc<EngineResource>,
+    window: HostTensor<'a>,
+}
+nif_map!(WindowInputs<'a> { engine, window });
+
+struct FrameInputs<'a> {
+    engine: ResourceArc<EngineResource>,
+    state: ResourceArc<StateResource>,
+    frame: HostTensor<'a>,
+}
+nif_map!(FrameInputs<'a> {
+    engine,
+    state,
+    frame
+});
+
+struct InitOptions {
+    batch: Batch,
+}
+nif_map!(InitOptions { batch });
+
+/// `engine_load(%{params}, %{spec, backend, device})` → engine resource.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn engine_load<'a>(
-    env: Env<'a>,
-    spec: Term<'a>,
-    params: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-) -> Term<'a> {
+fn engine_load<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let backend = backend
-            .atom_to_string()
-            .map_err(|_| arg_error("backend must be :cpu or :cuda"))?;
-        let device = decode_device(device)?;
-        let (spec, params) = (decode_spec(spec)?, decode_params(params)?);
-        let exec = match backend.as_str() {
+        let (i, o): (LoadInputs, LoadOptions) = decode_args(inputs, options)?;
+        let (spec, params, device) = (o.spec, i.params.0, o.device.0);
+        let exec = match o.backend.0.as_str() {
             "cpu" => Exec::Cpu(Box::new(Engine::new(Plan::build(spec, params)?))),
             "cuda" => Exec::Cuda(Box::new(CudaEngine::new(spec, params, device)?)),
             other => {
@@ -177,17 +239,6 @@ fn engine_load<'a>(
         Ok(ResourceArc::new(EngineResource { id, exec }).encode(env))
     })();
     reply(env, result)
-}
-
-fn decode_engine(term: Term<'_>) -> Result<ResourceArc<EngineResource>> {
-    term.decode()
-        .map_err(|_| arg_error("handle: not a loaded backbone engine"))
-}
-
-fn decode_state(term: Term<'_>) -> Result<ResourceArc<StateResource>> {
-    term.decode().map_err(|_| {
-        arg_error("state: not a backbone state; make one with init_state(handle, batch)")
-    })
 }
 
 /// Fills the engine's f32 input (its workspace, or the GPU engine's page-locked staging)
@@ -317,46 +368,49 @@ macro_rules! dirty_continuation {
 }
 
 dirty_continuation!(predict_dirty, predict_args, 2);
-dirty_continuation!(step_dirty, step_args, 3);
+dirty_continuation!(step_dirty, step_args, 2);
 
-fn predict_args<'a>(env: Env<'a>, [engine, window]: [Term<'a>; 2]) -> Term<'a> {
-    predict(env, engine, window)
+fn predict_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
+    predict(env, inputs, options)
 }
 
-fn step_args<'a>(env: Env<'a>, [engine, state, frame]: [Term<'a>; 3]) -> Term<'a> {
-    step(env, engine, state, frame)
+fn step_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
+    step(env, inputs, options)
 }
 
-/// `engine_predict(engine, window)` → `{batch, hidden}` triple, the last position; for the
-/// CPU engine a reference, and the reply follows as `{ref, reply}` (see the module doc).
+/// `engine_predict`'s arguments, decoded and checked (the window against the engine).
+fn window_args<'a>(inputs: Term<'a>, options: Term<'a>) -> Result<WindowInputs<'a>> {
+    let (i, NoOptions): (WindowInputs, NoOptions) = decode_args(inputs, options)?;
+    check_input(&i.window, "window", 3, i.engine.spec().embed)?;
+    Ok(i)
+}
+
+/// `engine_predict(%{engine, window}, %{})` → `{batch, hidden}` triple, the last position;
+/// for the CPU engine a reference, and the reply follows as `{ref, reply}` (see the module
+/// doc).
 #[rustler::nif]
-fn engine_predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
-    let checked = (|| {
-        let e = decode_engine(engine)?;
-        let x = decode_host("window", window)?;
-        check_input(&x, "window", 3, e.spec().embed)?;
-        Ok(matches!(e.exec, Exec::Cpu(_)))
-    })();
-    match checked {
+fn engine_predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
+    match window_args(inputs, options).map(|i| matches!(i.engine.exec, Exec::Cpu(_))) {
         Err(err) => reply(env, Err(err)),
         Ok(true) => crate::jobs::submit_to(
             env,
-            &[engine, window],
+            &[inputs, options],
             |env, args| match args {
-                [e, w] => predict(env, *e, *w),
+                [i, o] => predict(env, *i, *o),
                 _ => crate::jobs::arity_error(env),
             },
             crate::jobs::LaneChoice::Long,
         ),
-        Ok(false) => on_dirty(env, c"engine_predict", predict_dirty, &[engine, window]),
+        Ok(false) => on_dirty(env, c"engine_predict", predict_dirty, &[inputs, options]),
     }
 }
 
-fn predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
+fn predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let e = decode_engine(engine)?;
-        let x = decode_host("window", window)?;
-        check_input(&x, "window", 3, e.spec().embed)?;
+        let WindowInputs {
+            engine: e,
+            window: x,
+        } = window_args(inputs, options)?;
         let (b, t) = (x.shape[0], x.shape[1]);
         output(env, (b, e.spec().hidden), x.dtype, |out| match &e.exec {
             Exec::Cpu(engine) => engine.predict(b, t, |buf| fill(&x, buf), out),
@@ -366,23 +420,19 @@ fn predict<'a>(env: Env<'a>, engine: Term<'a>, window: Term<'a>) -> Term<'a> {
     reply(env, result)
 }
 
-/// `engine_init_state(engine, batch)` → a zero state for `batch` rows.
+/// `engine_init_state(%{engine}, %{batch})` → a zero state for `batch` rows.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn engine_init_state<'a>(env: Env<'a>, engine: Term<'a>, batch: Term<'a>) -> Term<'a> {
+fn engine_init_state<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let e = decode_engine(engine)?;
-        let batch = batch
-            .decode::<u64>()
-            .ok()
-            .filter(|&b| b > 0)
-            .ok_or_else(|| arg_error("batch must be a positive integer"))?;
+        let (i, o): (EngineInputs, InitOptions) = decode_args(inputs, options)?;
+        let (e, batch) = (i.engine, o.batch.0);
         let state = match &e.exec {
-            Exec::Cpu(engine) => AnyState::Cpu(engine.new_state(batch as usize)?),
-            Exec::Cuda(engine) => AnyState::Cuda(engine.new_state(batch as usize)?),
+            Exec::Cpu(engine) => AnyState::Cpu(engine.new_state(batch)?),
+            Exec::Cuda(engine) => AnyState::Cuda(engine.new_state(batch)?),
         };
         Ok(ResourceArc::new(StateResource {
             engine_id: e.id,
-            batch: batch as usize,
+            batch,
             last_step_ns: AtomicU64::new(u64::MAX),
             state: Mutex::new(state),
         })
@@ -397,47 +447,45 @@ fn lock(s: &StateResource) -> Result<std::sync::MutexGuard<'_, AnyState>> {
         .map_err(|_| Error::Cuda("backbone state lock poisoned".into()))
 }
 
-/// The checks of `engine_step`'s arguments (no lock taken): the engine, its state, the
-/// frame. Whether the engine is the CPU one.
-fn check_step(engine: Term<'_>, state: Term<'_>, frame: Term<'_>) -> Result<bool> {
-    let e = decode_engine(engine)?;
-    let s = decode_state(state)?;
-    if s.engine_id != e.id {
+/// `engine_step`'s arguments, decoded and checked (no lock taken): the engine, its state,
+/// the frame.
+fn frame_args<'a>(inputs: Term<'a>, options: Term<'a>) -> Result<FrameInputs<'a>> {
+    let (i, NoOptions): (FrameInputs, NoOptions) = decode_args(inputs, options)?;
+    if i.state.engine_id != i.engine.id {
         return Err(arg_error(
             "state: belongs to another backbone handle; make one with init_state(handle, batch)",
         ));
     }
-    let x = decode_host("frame", frame)?;
-    check_input(&x, "frame", 2, e.spec().embed)?;
-    if x.shape[0] != s.batch {
+    check_input(&i.frame, "frame", 2, i.engine.spec().embed)?;
+    if i.frame.shape[0] != i.state.batch {
         return Err(arg_error(format!(
             "frame: has {} rows but the state was made for batch {}",
-            x.shape[0], s.batch
+            i.frame.shape[0], i.state.batch
         )));
     }
-    Ok(matches!(e.exec, Exec::Cpu(_)))
+    Ok(i)
 }
 
-/// `engine_step(engine, state, frame)` → `{batch, hidden}` triple; the state moves on one
-/// frame in place. For the CPU engine a reference, and the reply follows as `{ref, reply}`
-/// (see the module doc).
+/// `engine_step(%{engine, state, frame}, %{})` → `{batch, hidden}` triple; the state moves on
+/// one frame in place. For the CPU engine a reference, and the reply follows as `{ref,
+/// reply}` (see the module doc).
 #[rustler::nif]
-fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
-    match check_step(engine, state, frame) {
+fn engine_step<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
+    let args = [inputs, options];
+    match frame_args(inputs, options) {
         Err(err) => reply(env, Err(err)),
-        Ok(true) if cpu_step_is_short(state) => {
-            on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame])
+        Ok(i) if matches!(i.engine.exec, Exec::Cpu(_)) && !cpu_step_is_short(&i.state) => {
+            crate::jobs::submit_to(
+                env,
+                &args,
+                |env, args| match args {
+                    [i, o] => step(env, *i, *o),
+                    _ => crate::jobs::arity_error(env),
+                },
+                crate::jobs::LaneChoice::BySize,
+            )
         }
-        Ok(true) => crate::jobs::submit_to(
-            env,
-            &[engine, state, frame],
-            |env, args| match args {
-                [e, s, f] => step(env, *e, *s, *f),
-                _ => crate::jobs::arity_error(env),
-            },
-            crate::jobs::LaneChoice::BySize,
-        ),
-        Ok(false) => on_dirty(env, c"engine_step", step_dirty, &[engine, state, frame]),
+        Ok(_) => on_dirty(env, c"engine_step", step_dirty, &args),
     }
 }
 
@@ -448,16 +496,17 @@ fn engine_step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<
 /// window go to the lanes, so a long CPU call never holds a dirty scheduler.
 const SHORT_CPU_STEP_NS: u64 = 200_000;
 
-fn cpu_step_is_short(state: Term<'_>) -> bool {
-    decode_state(state).is_ok_and(|s| s.last_step_ns.load(Ordering::Relaxed) <= SHORT_CPU_STEP_NS)
+fn cpu_step_is_short(state: &StateResource) -> bool {
+    state.last_step_ns.load(Ordering::Relaxed) <= SHORT_CPU_STEP_NS
 }
 
-fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) -> Term<'a> {
+fn step<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let e = decode_engine(engine)?;
-        let s = decode_state(state)?;
-        check_step(engine, state, frame)?;
-        let x = decode_host("frame", frame)?;
+        let FrameInputs {
+            engine: e,
+            state: s,
+            frame: x,
+        } = frame_args(inputs, options)?;
         let mut st = lock(&s)?;
         let batch = s.batch;
         output(env, (batch, e.spec().hidden), x.dtype, |out| {
@@ -479,13 +528,13 @@ fn step<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>, frame: Term<'a>) ->
     reply(env, result)
 }
 
-/// `engine_reset(engine, state)` → `:ok`; the stream starts over (zeros) without
+/// `engine_reset(%{engine, state}, %{})` → `:ok`; the stream starts over (zeros) without
 /// reallocating.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn engine_reset<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>) -> Term<'a> {
+fn engine_reset<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let e = decode_engine(engine)?;
-        let s = decode_state(state)?;
+        let (i, NoOptions): (EngineStateInputs, NoOptions) = decode_args(inputs, options)?;
+        let (e, s) = (i.engine, i.state);
         if s.engine_id != e.id {
             return Err(arg_error("state: belongs to another backbone handle"));
         }
@@ -499,26 +548,26 @@ fn engine_reset<'a>(env: Env<'a>, engine: Term<'a>, state: Term<'a>) -> Term<'a>
     reply(env, result)
 }
 
-/// `engine_state_info(state)` → `{batch, frames}`.
+/// `engine_state_info(%{state}, %{})` → `{batch, frames}`.
 #[rustler::nif]
-fn engine_state_info<'a>(env: Env<'a>, state: Term<'a>) -> Term<'a> {
+fn engine_state_info<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let s = decode_state(state)?;
-        let st = lock(&s)?;
+        let (i, NoOptions): (StateInputs, NoOptions) = decode_args(inputs, options)?;
+        let st = lock(&i.state)?;
         Ok((st.batch() as u64, st.frames()).encode(env))
     })();
     reply(env, result)
 }
 
-/// `engine_graphs(engine)` → `[{batch, seq, :window | :frame, [note]}]`: per shape the GPU
+/// `engine_graphs(%{engine}, %{})` → `[{batch, seq, :window | :frame, [note]}]`: per shape the GPU
 /// engine has run, whether its calls replay a CUDA graph (`"graph"`) or run eagerly because
 /// capture failed (`"eager: why"`); `[]` for the CPU engine. Takes the engine's lock, so it
 /// waits for a call in progress: a dirty scheduler.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn engine_graphs<'a>(env: Env<'a>, engine: Term<'a>) -> Term<'a> {
+fn engine_graphs<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let e = decode_engine(engine)?;
-        let rows = match &e.exec {
+        let (i, NoOptions): (EngineInputs, NoOptions) = decode_args(inputs, options)?;
+        let rows = match &i.engine.exec {
             Exec::Cpu(_) => Vec::new(),
             Exec::Cuda(g) => g.graphs()?,
         };

@@ -140,13 +140,6 @@ pub fn decode_device(term: Term<'_>) -> Result<Option<usize>> {
         .map_err(|_| arg_error("device must be nil or a non-negative integer"))
 }
 
-pub fn decode_backend(term: Term<'_>, device: Term<'_>) -> Result<Backend> {
-    let name = term
-        .atom_to_string()
-        .map_err(|_| arg_error("backend must be the atom :cpu or :cuda"))?;
-    Backend::parse(&name, decode_device(device)?)
-}
-
 pub fn decode_placement(term: Term<'_>) -> Result<Placement> {
     match term.decode::<rustler::Atom>() {
         Ok(a) if a == atoms::host() => Ok(Placement::Host),
@@ -210,6 +203,9 @@ pub fn encode_value<'a>(env: Env<'a>, v: Value) -> Result<Term<'a>> {
 
 /// A value decoded from one named argument or field, the name in every error.
 pub trait FromTerm<'a>: Sized {
+    /// What a list of these holds, for the error of a field that is not a proper list.
+    const WHAT: &'static str = "values";
+
     fn from_term(name: &str, term: Term<'a>) -> Result<Self>;
 
     /// The value of a field the map does not hold: an error, except for `Option`s.
@@ -245,8 +241,67 @@ impl<'a> FromTerm<'a> for f64 {
 }
 
 impl<'a> FromTerm<'a> for Operand<'a> {
+    const WHAT: &'static str = "tensors";
+
     fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
         decode_operand(name, term)
+    }
+}
+
+/// A host tensor only (no device buffer).
+impl<'a> FromTerm<'a> for HostTensor<'a> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_host(name, term)
+    }
+}
+
+/// A proper list, each element decoded under the list's name.
+impl<'a, T: FromTerm<'a>> FromTerm<'a> for Vec<T> {
+    const WHAT: &'static str = "lists";
+
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        decode_list(name, T::WHAT, term)?
+            .into_iter()
+            .map(|t| T::from_term(name, t))
+            .collect()
+    }
+}
+
+/// A field left undecoded, for a decoder that needs another field first (dense names its
+/// operands after the kind in its options).
+impl<'a> FromTerm<'a> for Term<'a> {
+    fn from_term(_name: &str, term: Term<'a>) -> Result<Self> {
+        Ok(term)
+    }
+}
+
+/// A non-negative integer (a size).
+impl<'a> FromTerm<'a> for usize {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        term.decode::<u64>()
+            .ok()
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| arg_error(format!("{name} must be a non-negative integer")))
+    }
+}
+
+/// A resource of this library's (an engine, prepared weights), or the caller's error.
+pub fn resource<'a, T: rustler::Resource>(
+    name: &str,
+    term: Term<'a>,
+    expected: &str,
+) -> Result<ResourceArc<T>> {
+    term.decode()
+        .map_err(|_| arg_error(format!("{name}: expected {expected}")))
+}
+
+/// The options map of a call that takes none: `%{}` (a key is refused like a misspelt one).
+pub struct NoOptions;
+
+impl<'a> FromTerm<'a> for NoOptions {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        static NONE: FieldAtoms = FieldAtoms::new();
+        map_fields(name, &[], &NONE, term).map(|_| NoOptions)
     }
 }
 
@@ -293,37 +348,102 @@ pub fn target(backend: &AtomName, device: &Device) -> Result<Backend> {
     Backend::parse(&backend.0, device.0)
 }
 
+/// The atoms of a map's field names, made on the first call (`nif_map!` keeps one per struct),
+/// so each key is matched by comparing atoms: no string is made per key and call.
+pub struct FieldAtoms(std::sync::OnceLock<Vec<rustler::Atom>>);
+
+impl FieldAtoms {
+    pub const fn new() -> FieldAtoms {
+        FieldAtoms(std::sync::OnceLock::new())
+    }
+
+    fn get(&self, env: Env<'_>, fields: &[&str]) -> Option<&[rustler::Atom]> {
+        if let Some(atoms) = self.0.get() {
+            return Some(atoms);
+        }
+        let atoms: Option<Vec<rustler::Atom>> = fields
+            .iter()
+            .map(|f| rustler::Atom::from_str(env, f).ok())
+            .collect();
+        atoms.map(|a| self.0.get_or_init(|| a).as_slice())
+    }
+}
+
 /// The values of a map's atom keys in `fields` order (`None` where absent). Refuses a term
 /// that is not a map, a key that is not an atom, and a key that is not a field (a misspelt
 /// option is an error, not a silent default).
 pub fn map_fields<'a>(
     name: &str,
     fields: &[&str],
+    atoms: &FieldAtoms,
     term: Term<'a>,
 ) -> Result<Vec<Option<Term<'a>>>> {
-    let iter = rustler::types::map::MapIterator::new(term).ok_or_else(|| {
-        arg_error(format!(
-            "{name} must be a map with the keys {}",
+    let known = || {
+        if fields.is_empty() {
+            "none".to_string()
+        } else {
             fields.join(", ")
-        ))
-    })?;
+        }
+    };
+    let iter = rustler::types::map::MapIterator::new(term)
+        .ok_or_else(|| arg_error(format!("{name} must be a map with the keys {}", known())))?;
+    let atoms = atoms.get(term.get_env(), fields);
     let mut slots = vec![None; fields.len()];
     for (key, value) in iter {
-        let key = key
-            .atom_to_string()
-            .map_err(|_| arg_error(format!("{name}: keys must be atoms")))?;
-        match fields.iter().position(|f| *f == key) {
+        let not_atom = || arg_error(format!("{name}: keys must be atoms"));
+        let atom = key.decode::<rustler::Atom>().map_err(|_| not_atom())?;
+        let slot = match atoms {
+            Some(atoms) => atoms.iter().position(|a| *a == atom),
+            // No atoms made (cannot happen for a field name): compare the text.
+            None => {
+                let text = key.atom_to_string().map_err(|_| not_atom())?;
+                fields.iter().position(|f| *f == text)
+            }
+        };
+        match slot {
             Some(i) => slots[i] = Some(value),
             None => {
+                let key = key.atom_to_string().unwrap_or_default();
                 return Err(arg_error(format!(
                     "{name}: unknown key :{key} (known: {})",
-                    fields.join(", ")
-                )))
+                    known()
+                )));
             }
         }
     }
     Ok(slots)
 }
+
+/// A field's name in errors: its own, or `map.field` inside a nested map.
+pub fn field_name<'n>(nested: bool, map: &str, field: &'n str) -> std::borrow::Cow<'n, str> {
+    if nested {
+        format!("{map}.{field}").into()
+    } else {
+        field.into()
+    }
+}
+
+/// `FromTerm` for an option given as an atom and parsed by the type's own `parse`:
+/// `atom_option!(Cell, ":lstm or :gru")` (a term that is no atom is refused with that list).
+macro_rules! atom_option {
+    ($ty:ty, $expected:literal) => {
+        impl<'a> $crate::terms::FromTerm<'a> for $ty {
+            fn from_term(
+                name: &str,
+                term: rustler::Term<'a>,
+            ) -> fused_kernels_core::error::Result<Self> {
+                let atom = term.atom_to_string().map_err(|_| {
+                    fused_kernels_core::error::arg_error(format!(
+                        concat!("{} must be ", $expected),
+                        name
+                    ))
+                })?;
+                <$ty>::parse(&atom)
+            }
+        }
+    };
+}
+pub(crate) use atom_option;
 
 /// One field of a map decoded by `nif_map!`.
 pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<T> {
@@ -335,19 +455,30 @@ pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<
 
 /// `FromTerm` for a struct decoded from a map with one atom key per field:
 /// `nif_map!(Options { scale, causal })` or `nif_map!(Inputs<'a> { x, y })`.
+/// `nif_map!(nested Spec { ... })` names each field under the map's own name in errors
+/// (`spec.embed must be ...`), for a map inside an argument.
 macro_rules! nif_map {
+    (nested $name:ident { $($field:ident),* $(,)? }) => {
+        $crate::terms::nif_map!(@impl true, $name { $($field),* });
+    };
     ($name:ident $(<$l:lifetime>)? { $($field:ident),* $(,)? }) => {
+        $crate::terms::nif_map!(@impl false, $name $(<$l>)? { $($field),* });
+    };
+    (@impl $nested:literal, $name:ident $(<$l:lifetime>)? { $($field:ident),* }) => {
         impl<'a> $crate::terms::FromTerm<'a> for $name $(<$l>)? {
+            const WHAT: &'static str = "maps";
+
             fn from_term(
                 name: &str,
                 term: rustler::Term<'a>,
             ) -> fused_kernels_core::error::Result<Self> {
                 const FIELDS: &[&str] = &[$(stringify!($field)),*];
+                static ATOMS: $crate::terms::FieldAtoms = $crate::terms::FieldAtoms::new();
                 let mut slots =
-                    $crate::terms::map_fields(name, FIELDS, term)?.into_iter();
+                    $crate::terms::map_fields(name, FIELDS, &ATOMS, term)?.into_iter();
                 Ok($name {
                     $($field: $crate::terms::field(
-                        stringify!($field),
+                        &$crate::terms::field_name($nested, name, stringify!($field)),
                         slots.next().flatten(),
                     )?,)*
                 })

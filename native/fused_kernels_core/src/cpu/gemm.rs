@@ -19,6 +19,8 @@ const KC: usize = 256;
 const MC: usize = 72;
 /// Below this many multiply-adds the product runs on the calling thread.
 const PARALLEL_MACS: usize = 1 << 21;
+/// Column blocks per pool thread in a split product.
+const TASKS_PER_THREAD: usize = 4;
 
 /// What C starts from.
 #[derive(Clone, Copy, Debug)]
@@ -124,8 +126,10 @@ pub fn gemm_act(
     }
     let panels = n.div_ceil(NR);
     let macs = m.saturating_mul(n).saturating_mul(k);
-    let tasks = if macs >= PARALLEL_MACS {
-        pool::threads().min(panels)
+    // Several tasks per thread, taken in turn: a worker that wakes late takes fewer, instead
+    // of the caller waiting for its fixed half.
+    let tasks = if macs >= PARALLEL_MACS && pool::threads() > 1 {
+        (pool::threads() * TASKS_PER_THREAD).min(panels)
     } else {
         1
     };

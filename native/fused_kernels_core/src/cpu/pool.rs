@@ -8,8 +8,9 @@
 
 use once_cell::sync::Lazy;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// Threads used by CPU ops: `FUSED_KERNELS_CPU_THREADS`, else the machine's parallelism.
 /// Read once, when the first CPU op runs.
@@ -30,7 +31,7 @@ static THREADS: Lazy<usize> = Lazy::new(|| {
 });
 
 /// The task body of the running job with its lifetime erased; valid while `State::job` is
-/// `Some` and until every worker that entered the job has left (`State::inside == 0`).
+/// `Some` and until every worker that entered the job has left (`Pool::inside == 0`).
 #[derive(Clone, Copy)]
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
@@ -43,14 +44,21 @@ unsafe impl Send for Job {}
 struct State {
     generation: u64,
     job: Option<Job>,
-    /// Workers currently executing tasks of `job`.
-    inside: usize,
+    /// Workers parked on `wake`.
+    parked: usize,
 }
 
 struct Pool {
     state: Mutex<State>,
     wake: Condvar,
     idle: Condvar,
+    /// `State::generation`, readable without the lock by spinning workers.
+    generation: AtomicU64,
+    /// Workers currently executing tasks of the job (entered under the `state` lock while the
+    /// job is set; the submitter waits for zero after clearing it).
+    inside: AtomicUsize,
+    /// The submitter is parked on `idle`, waiting for `inside` to reach zero.
+    submitter_parked: AtomicBool,
     next: AtomicUsize,
     panicked: AtomicBool,
     /// Held by the one caller whose job the workers serve.
@@ -59,15 +67,41 @@ struct Pool {
     workers: AtomicUsize,
 }
 
+/// How long an idle worker, or a submitter waiting for its workers, watches before it parks:
+/// the jobs of one call follow each other within microseconds (a window's projections and
+/// time loops, layer after layer), and waking a parked thread costs ~10 µs or more on a
+/// virtual machine whose idle vCPU has halted. Short enough that an idle pool gives its cores
+/// back at once in human terms.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Spins until `done()` or `SPIN` has passed; true if `done()`.
+fn spin_until(done: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if done() {
+            return true;
+        }
+        std::hint::spin_loop();
+        spins += 1;
+        if spins.is_multiple_of(CLOCK_EVERY) && start.elapsed() >= SPIN {
+            return done();
+        }
+    }
+}
+
 static POOL: Lazy<&'static Pool> = Lazy::new(|| {
     let pool: &'static Pool = Box::leak(Box::new(Pool {
         state: Mutex::new(State {
             generation: 0,
             job: None,
-            inside: 0,
+            parked: 0,
         }),
         wake: Condvar::new(),
         idle: Condvar::new(),
+        generation: AtomicU64::new(0),
+        inside: AtomicUsize::new(0),
+        submitter_parked: AtomicBool::new(false),
         next: AtomicUsize::new(0),
         panicked: AtomicBool::new(false),
         submit: Mutex::new(()),
@@ -94,28 +128,34 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 fn worker(pool: &'static Pool) {
     let mut seen = 0u64;
     loop {
+        spin_until(|| pool.generation.load(Ordering::Acquire) != seen);
         let job = {
             let mut st = lock(&pool.state);
             while st.generation == seen {
+                st.parked += 1;
                 st = pool.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                st.parked -= 1;
             }
             seen = st.generation;
             match st.job {
                 Some(job) => {
-                    st.inside += 1;
+                    pool.inside.fetch_add(1, Ordering::SeqCst);
                     job
                 }
                 None => continue,
             }
         };
-        // Safety: `job.f` stays valid until `inside` drops back to zero (see `run`).
+        // Safety: `job.f` stays valid until `inside` drops back to zero (see `submit`).
         let f = unsafe { &*job.f };
         if catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, job.tasks, f))).is_err() {
             pool.panicked.store(true, Ordering::SeqCst);
         }
-        let mut st = lock(&pool.state);
-        st.inside -= 1;
-        if st.inside == 0 {
+        if pool.inside.fetch_sub(1, Ordering::SeqCst) == 1
+            && pool.submitter_parked.load(Ordering::SeqCst)
+        {
+            // Under the lock, so the submitter is either still before its check of `inside`
+            // or already waiting.
+            let _st = lock(&pool.state);
             pool.idle.notify_all();
         }
     }
@@ -166,15 +206,20 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
         let f_static: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
         st.job = Some(Job { f: f_static, tasks });
         st.generation = st.generation.wrapping_add(1);
-        pool.wake.notify_all();
+        pool.generation.store(st.generation, Ordering::Release);
+        if st.parked > 0 {
+            pool.wake.notify_all();
+        }
     }
     let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, tasks, f)));
-    {
+    lock(&pool.state).job = None;
+    if !spin_until(|| pool.inside.load(Ordering::SeqCst) == 0) {
         let mut st = lock(&pool.state);
-        st.job = None;
-        while st.inside > 0 {
+        pool.submitter_parked.store(true, Ordering::SeqCst);
+        while pool.inside.load(Ordering::SeqCst) > 0 {
             st = pool.idle.wait(st).unwrap_or_else(|e| e.into_inner());
         }
+        pool.submitter_parked.store(false, Ordering::SeqCst);
     }
     if let Err(p) = mine {
         std::panic::resume_unwind(p);
@@ -187,43 +232,80 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
 
 /// A barrier for the tasks of one [`run_together`] job: each `wait` returns once all `n`
 /// tasks have called it. Waiters spin (a step of a split recurrence lasts microseconds, less
-/// than a sleep and wake-up), then yield their core if a partner is late (a loaded machine).
+/// than a sleep and wake-up). A waiter whose partner is later than its patience (a
+/// partner the OS has taken off its core, on a machine with more runnable threads than
+/// cores) marks this crossing as late and then yields its core until the partner arrives;
+/// every task sees the same answer from that crossing's `wait`, so all can leave a lockstep
+/// loop together instead of paying a scheduler time slice per step.
 pub struct Barrier {
-    n: usize,
-    count: AtomicUsize,
-    generation: AtomicUsize,
+    n: u64,
+    /// `generation << GEN_SHIFT | answer | late | arrived`: `late` marks the open crossing
+    /// (set by a waiter that gave up, only while the crossing is open), `answer` is the late
+    /// mark of the crossing before (set when it opened this one). A waiter may read the word
+    /// only after its partner has already arrived at the next crossing, never later (that
+    /// needs the waiter), so a waiter that finds the generation moved on reads `answer`.
+    state: AtomicU64,
 }
 
+const LATE: u64 = 1 << 30;
+const ANSWER: u64 = 1 << 31;
+const GEN_SHIFT: u32 = 32;
+const ARRIVED: u64 = LATE - 1;
+
 impl Barrier {
+    /// A barrier for `n` tasks.
     pub fn new(n: usize) -> Barrier {
+        assert!(n >= 1 && (n as u64) < ARRIVED);
         Barrier {
-            n,
-            count: AtomicUsize::new(0),
-            generation: AtomicUsize::new(0),
+            n: n as u64,
+            state: AtomicU64::new(0),
         }
     }
 
-    pub fn wait(&self) {
-        let gen = self.generation.load(Ordering::Acquire);
-        if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
-            self.count.store(0, Ordering::Relaxed);
-            self.generation.fetch_add(1, Ordering::Release);
-            return;
+    /// Waits for every task; true if all arrived within the `patience` of every waiter, false
+    /// (for every task alike) if one waiter gave up on a partner first.
+    pub fn wait(&self, patience: Duration) -> bool {
+        let before = self.state.fetch_add(1, Ordering::AcqRel);
+        let gen = before >> GEN_SHIFT;
+        if (before & ARRIVED) + 1 == self.n {
+            let late = before & LATE != 0;
+            let answer = if late { ANSWER } else { 0 };
+            self.state
+                .store((gen + 1) << GEN_SHIFT | answer, Ordering::Release);
+            return !late;
         }
+        let start = Instant::now();
         let mut spins = 0u32;
-        while self.generation.load(Ordering::Acquire) == gen {
-            if spins < SPINS_BEFORE_YIELD {
-                std::hint::spin_loop();
-                spins += 1;
-            } else {
+        let mut marked = false;
+        loop {
+            let now = self.state.load(Ordering::Acquire);
+            if now >> GEN_SHIFT != gen {
+                return now & ANSWER == 0;
+            }
+            if marked {
                 std::thread::yield_now();
+                continue;
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins.is_multiple_of(CLOCK_EVERY)
+                && now & ARRIVED < self.n
+                && start.elapsed() >= patience
+            {
+                // Only while the crossing is open (its word unchanged); a failed exchange
+                // means a partner arrived meanwhile: look again.
+                marked = now & LATE != 0
+                    || self
+                        .state
+                        .compare_exchange(now, now | LATE, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok();
             }
         }
     }
 }
 
-/// About 20-50 µs of spinning: longer than a step, shorter than a scheduler time slice.
-const SPINS_BEFORE_YIELD: u32 = 1 << 13;
+/// Spins between two readings of the clock while a waiter is patient.
+const CLOCK_EVERY: u32 = 64;
 
 /// Below this many elements of work a second thread costs more than it saves.
 const MIN_WORK_PER_THREAD: usize = 1 << 15;

@@ -1032,11 +1032,7 @@ impl CudaEngine {
     }
 
     fn cell(&self) -> rnn::Cell {
-        if self.spec.kind == Kind::Lstm {
-            rnn::Cell::Lstm
-        } else {
-            rnn::Cell::Gru
-        }
+        self.spec.kind.cell()
     }
 
     /// One recurrent layer; with a stream state its tensors are the initial state and are

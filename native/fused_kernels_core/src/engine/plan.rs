@@ -36,6 +36,16 @@ impl Kind {
             ))),
         }
     }
+
+    /// The recurrent cell of an LSTM or GRU backbone: `Cell::Lstm` for `Lstm`, else
+    /// `Cell::Gru` (the other kinds have no recurrent layer to ask about).
+    pub fn cell(self) -> Cell {
+        if self == Kind::Lstm {
+            Cell::Lstm
+        } else {
+            Cell::Gru
+        }
+    }
 }
 
 /// The backbone configuration (`FusedKernels.Backbone.Spec`).
@@ -606,11 +616,7 @@ impl Plan {
         let mut x;
         match spec.kind {
             Kind::Lstm | Kind::Gru => {
-                let cell = if spec.kind == Kind::Lstm {
-                    Cell::Lstm
-                } else {
-                    Cell::Gru
-                };
+                let cell = spec.kind.cell();
                 x = b.buf(spec.embed);
                 b.norm("input_norm", input, x, spec.embed, spec.norm_eps)?;
                 for l in 1..=spec.layers {

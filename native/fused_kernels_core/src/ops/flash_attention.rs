@@ -241,11 +241,15 @@ pub fn geometry(
 
 /// Keys scored per block of the online softmax (the scores live on the stack).
 const KEY_BLOCK: usize = 64;
-/// Query rows per pool task: small enough to balance causal rows, large enough to amortise.
+/// Query rows per pool task: small enough to balance causal rows, large enough to amortise;
+/// the AVX2 block kernel holds them in the lanes of two vectors.
 const ROW_BLOCK: usize = 16;
+const _: () = assert!(ROW_BLOCK == 16);
 /// Below this many multiply-adds a call runs on the calling thread. B1 H4 S60 D64 causal
-/// (~1M) measured faster unsplit from the BEAM at 2 threads (0.100 against 0.122 ms; split
-/// it wins only in a bare Rust loop, where the pool's threads are already awake).
+/// (~1M) measured faster unsplit from the BEAM at 2 threads, with the row-pair kernel (0.100
+/// against 0.122 ms) and again with the block kernel on a busy 2-core machine (median 0.083
+/// against 0.094 ms); split it wins only in a bare Rust loop, where the pool's threads are
+/// already awake.
 const PARALLEL_MACS: usize = 1 << 21;
 
 /// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
@@ -392,7 +396,7 @@ impl<F: Float> RowOps<F> for Portable {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! The f32 row operations eight lanes at a time (AVX2 + FMA; callers hold an AVX2 `Isa`).
-    use super::RowOps;
+    use super::{Call, Geometry, Params, RowOps, KEY_BLOCK, MAX_HEAD_DIM};
     use crate::cpu::math;
     use std::arch::x86_64::*;
 
@@ -458,6 +462,266 @@ mod avx2 {
         for i in 0..W {
             _mm256_storeu_ps(acc0.add(8 * i), a[i]);
             _mm256_storeu_ps(acc1.add(8 * i), b[i]);
+        }
+    }
+
+    /// The 8 × 8 transpose of the rows `r`.
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
+    /// Up to 16 query rows `rows` of (batch b, head h) at once, the rows in the lanes of two
+    /// vectors: scores `Sᵀ = K · Qᵀ` for six keys at a time (each key value broadcast, twelve
+    /// accumulators), the online softmax vertically over the keys of a block (each row's
+    /// maximum and sum in lanes), and `O += P · V` in 6-row × 16-column register tiles (each
+    /// value row loaded once for six rows). Every key and value row is read once per block
+    /// of rows instead of once per row or pair. Needs `d % 8 == 0`.
+    ///
+    /// # Safety
+    /// As [`super::rows`]; the CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(
+        c: Call<f32>,
+        g: &Geometry,
+        p: &Params,
+        bh: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        const R: usize = super::ROW_BLOCK;
+        let (qs, ks) = (g.q_strides(), g.k_strides());
+        let d = g.d;
+        let (b, h) = (bh / g.heads, bh % g.heads);
+        let kh = h / (g.heads / g.kv_heads);
+        let kbase = b * ks.sb + kh * ks.sh;
+        let nr = rows.len();
+        let scale = g.scale(p) as f32;
+        // Fixed-size scratch on the stack, only the parts this head dim uses initialised.
+        let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+        let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R]>::uninit();
+        // Qᵀ scaled: qt[c * R + r]; rows past nr are zero.
+        let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
+        // Eight rows by eight columns at a time, through registers.
+        let sv = _mm256_set1_ps(scale);
+        for half in 0..2 {
+            let rp: [Option<*const f32>; 8] = std::array::from_fn(|i| {
+                let r = 8 * half + i;
+                (r < nr).then(|| c.q.add(b * qs.sb + (rows.start + r) * qs.ss + h * qs.sh))
+            });
+            let mut c0 = 0;
+            while c0 < d {
+                let rv: [__m256; 8] = std::array::from_fn(|i| match rp[i] {
+                    Some(p) => _mm256_mul_ps(_mm256_loadu_ps(p.add(c0)), sv),
+                    None => _mm256_setzero_ps(),
+                });
+                let t = transpose8(rv);
+                for (i, v) in t.iter().enumerate() {
+                    _mm256_storeu_ps(qt.as_mut_ptr().add((c0 + i) * R + 8 * half), *v);
+                }
+                c0 += 8;
+            }
+        }
+        let (mut lo_r, mut hi_r) = ([f32::INFINITY; R], [f32::NEG_INFINITY; R]);
+        let (mut lo, mut hi) = (i64::MAX, i64::MIN);
+        let (mut lo_max, mut hi_min) = (i64::MIN, i64::MAX);
+        for r in 0..nr {
+            let i = rows.start + r;
+            let (a, z) = g.visible(p, i);
+            if a <= z {
+                (lo_r[r], hi_r[r]) = (a as f32, z as f32);
+                (lo, hi) = (lo.min(a), hi.max(z));
+                (lo_max, hi_min) = (lo_max.max(a), hi_min.min(z));
+            } else {
+                // A row that sees nothing masks every key.
+                (lo_max, hi_min) = (i64::MAX, i64::MIN);
+            }
+        }
+        let lov = [
+            _mm256_loadu_ps(lo_r.as_ptr()),
+            _mm256_loadu_ps(lo_r.as_ptr().add(8)),
+        ];
+        let hiv = [
+            _mm256_loadu_ps(hi_r.as_ptr()),
+            _mm256_loadu_ps(hi_r.as_ptr().add(8)),
+        ];
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut m = [ninf; 2];
+        let mut l = [_mm256_setzero_ps(); 2];
+        // O accumulated unnormalised, row-major R × d (its first rescale multiplies by 0, so
+        // it must hold no NaN: zeroed).
+        let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
+        o.fill(0.0);
+        // Scores, then weights, of one key block: st[j * R + r], written before read.
+        let st = std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R);
+        let mut j0 = lo;
+        while j0 <= hi {
+            let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
+            let ju = j0 as usize;
+            let krow = |j: usize| c.k.add(kbase + (ju + j) * ks.ss);
+            let vrow = |j: usize| c.v.add(kbase + (ju + j) * ks.ss);
+            // Sᵀ[j][r] for six keys at a time (keys past n re-read the last; dropped).
+            let mut j = 0;
+            while j < n {
+                let kp: [*const f32; 6] = std::array::from_fn(|i| krow((j + i).min(n - 1)));
+                let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+                for cc in 0..d {
+                    let q0 = _mm256_loadu_ps(qt.as_ptr().add(cc * R));
+                    let q1 = _mm256_loadu_ps(qt.as_ptr().add(cc * R + 8));
+                    for i in 0..6 {
+                        let kv = _mm256_broadcast_ss(&*kp[i].add(cc));
+                        acc[i][0] = _mm256_fmadd_ps(kv, q0, acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(kv, q1, acc[i][1]);
+                    }
+                }
+                for (i, a) in acc.iter().enumerate().take(n - j) {
+                    _mm256_storeu_ps(st.as_mut_ptr().add((j + i) * R), a[0]);
+                    _mm256_storeu_ps(st.as_mut_ptr().add((j + i) * R + 8), a[1]);
+                }
+                j += 6;
+            }
+            // Keys outside a row's window: -inf. Only keys before the latest window start or
+            // after the earliest window end can be outside one.
+            let before = (lo_max - j0).clamp(0, n as i64) as usize;
+            let after = (hi_min + 1 - j0).clamp(before as i64, n as i64) as usize;
+            for j in (0..before).chain(after..n) {
+                {
+                    let jv = _mm256_set1_ps((ju + j) as f32);
+                    for (v, (lv, hv)) in lov.iter().zip(&hiv).enumerate() {
+                        let out = _mm256_or_ps(
+                            _mm256_cmp_ps::<_CMP_LT_OQ>(jv, *lv),
+                            _mm256_cmp_ps::<_CMP_GT_OQ>(jv, *hv),
+                        );
+                        let at = st.as_mut_ptr().add(j * R + 8 * v);
+                        _mm256_storeu_ps(at, _mm256_blendv_ps(_mm256_loadu_ps(at), ninf, out));
+                    }
+                }
+            }
+            // Online softmax, each lane a row: new maximum, rescale factor, exponentials.
+            let mut f = [_mm256_setzero_ps(); 2];
+            for v in 0..2 {
+                let mut bm = ninf;
+                for j in 0..n {
+                    bm = _mm256_max_ps(bm, _mm256_loadu_ps(st.as_ptr().add(j * R + 8 * v)));
+                }
+                let mn = _mm256_max_ps(m[v], bm);
+                // A row with no key seen yet keeps -inf; exponentials against 0 then give 0.
+                let mu = _mm256_blendv_ps(
+                    mn,
+                    _mm256_setzero_ps(),
+                    _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf),
+                );
+                f[v] = math::avx2::exp(_mm256_sub_ps(m[v], mu));
+                let mut sum = _mm256_setzero_ps();
+                for j in 0..n {
+                    let at = st.as_mut_ptr().add(j * R + 8 * v);
+                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(at), mu));
+                    _mm256_storeu_ps(at, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                l[v] = _mm256_fmadd_ps(l[v], f[v], sum);
+                m[v] = mn;
+            }
+            let mut fr = [0.0f32; R];
+            _mm256_storeu_ps(fr.as_mut_ptr(), f[0]);
+            _mm256_storeu_ps(fr.as_mut_ptr().add(8), f[1]);
+            // O = O · f + P · V, six rows by sixteen (or eight) columns per register tile.
+            let mut r0 = 0;
+            while r0 < nr {
+                let rn = 6.min(nr - r0);
+                let mut c0 = 0;
+                while c0 < d {
+                    let wide = c0 + 16 <= d;
+                    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+                    for (i, a) in acc.iter_mut().enumerate().take(rn) {
+                        let fv = _mm256_set1_ps(fr[r0 + i]);
+                        let op = o.as_ptr().add((r0 + i) * d + c0);
+                        a[0] = _mm256_mul_ps(_mm256_loadu_ps(op), fv);
+                        if wide {
+                            a[1] = _mm256_mul_ps(_mm256_loadu_ps(op.add(8)), fv);
+                        }
+                    }
+                    for j in 0..n {
+                        let vp = vrow(j).add(c0);
+                        let pp = st.as_ptr().add(j * R + r0);
+                        let v0 = _mm256_loadu_ps(vp);
+                        if wide {
+                            let v1 = _mm256_loadu_ps(vp.add(8));
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let pv = _mm256_broadcast_ss(&*pp.add(i));
+                                a[0] = _mm256_fmadd_ps(pv, v0, a[0]);
+                                a[1] = _mm256_fmadd_ps(pv, v1, a[1]);
+                            }
+                        } else {
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let pv = _mm256_broadcast_ss(&*pp.add(i));
+                                a[0] = _mm256_fmadd_ps(pv, v0, a[0]);
+                            }
+                        }
+                    }
+                    for (i, a) in acc.iter().enumerate().take(rn) {
+                        let op = o.as_mut_ptr().add((r0 + i) * d + c0);
+                        _mm256_storeu_ps(op, a[0]);
+                        if wide {
+                            _mm256_storeu_ps(op.add(8), a[1]);
+                        }
+                    }
+                    c0 += if wide { 16 } else { 8 };
+                }
+                r0 += 6;
+            }
+            j0 += n as i64;
+        }
+        let mut ms = [0.0f32; R];
+        let mut ls = [0.0f32; R];
+        _mm256_storeu_ps(ms.as_mut_ptr(), m[0]);
+        _mm256_storeu_ps(ms.as_mut_ptr().add(8), m[1]);
+        _mm256_storeu_ps(ls.as_mut_ptr(), l[0]);
+        _mm256_storeu_ps(ls.as_mut_ptr().add(8), l[1]);
+        for r in 0..nr {
+            let i = rows.start + r;
+            let out = c.out.add(b * qs.sb + i * qs.ss + h * qs.sh);
+            let seen = ls[r] > 0.0;
+            let inv = if seen { 1.0 / ls[r] } else { 0.0 };
+            let iv = _mm256_set1_ps(inv);
+            let mut cc = 0;
+            while cc < d {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(o.as_ptr().add(r * d + cc)), iv);
+                _mm256_storeu_ps(out.add(cc), v);
+                cc += 8;
+            }
+            if !c.lse.is_null() {
+                *c.lse.add(bh * g.sq + i) = if seen {
+                    ms[r] + ls[r].ln()
+                } else {
+                    f32::INFINITY
+                };
+            }
         }
     }
 
@@ -893,7 +1157,12 @@ fn cpu_typed<F: Float>(
                 #[cfg(target_arch = "x86_64")]
                 if f32_vector {
                     let c32: Call<f32> = std::mem::transmute_copy(&c);
-                    rows_avx2(c32, g, p, bh, r);
+                    // Key positions compare as f32 in the block kernel: exact below 2^24.
+                    if g.d.is_multiple_of(8) && g.sk < 1 << 24 {
+                        avx2::block(c32, g, p, bh, r);
+                    } else {
+                        rows_avx2(c32, g, p, bh, r);
+                    }
                     continue;
                 }
                 let _ = f32_vector;

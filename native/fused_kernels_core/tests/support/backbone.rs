@@ -3,7 +3,6 @@
 
 use super::Rng;
 use fused_kernels_core::engine::plan::{Kind, Params, Spec};
-use fused_kernels_core::ops::rnn::Cell;
 use std::collections::BTreeMap;
 
 pub fn spec(kind: Kind) -> Spec {
@@ -70,11 +69,7 @@ pub fn random_params(s: &Spec, seed: u64) -> Named {
     let hid = s.hidden;
     match s.kind {
         Kind::Lstm | Kind::Gru => {
-            let cell = if s.kind == Kind::Lstm {
-                Cell::Lstm
-            } else {
-                Cell::Gru
-            };
+            let cell = s.kind.cell();
             norm(&mut m, &mut r, "input_norm", s.embed);
             for l in 1..=s.layers {
                 let inp = if l == 1 { s.embed } else { hid };

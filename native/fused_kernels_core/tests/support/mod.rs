@@ -40,6 +40,18 @@ impl Rng {
             .map(|_| center + scale * (self.next_f64() / 2.0) as f32)
             .collect()
     }
+    /// `n` values uniform in [-2, 2) · scale, each representable in f32, so f32 code and an
+    /// f64 reference see the same numbers.
+    pub fn vec_exact_f32(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| (self.next_f64() * scale) as f32 as f64)
+            .collect()
+    }
+}
+
+/// The f32 values of f64s (exact for `Rng::vec_exact_f32`'s).
+pub fn f32s(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
 }
 
 /// ‖out − ref‖ / ‖ref‖ in f64, for f64 or f32 on either side; NaN anywhere gives infinity.

@@ -1,75 +1,63 @@
 use crate::jobs::op_nifs;
 use crate::terms::{
-    decode_backend, decode_bool, decode_list, decode_operand, decode_placement, encode_dtype,
-    encode_shape, encode_value, reply,
+    atom_option, decode_args, encode_dtype, encode_shape, encode_value, nif_map, reply, resource,
+    target, AtomName, Device, FromTerm,
 };
 use fused_kernels_core::error::{arg_error, Result};
-use fused_kernels_core::operand::Operand;
+use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::rnn::{prepare_cpu, run, Cell, Layer, Precision, PreparedCall};
-use rustler::types::tuple::{get_tuple, make_tuple};
+use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 
-fn decode_tensors<'a>(what: &str, term: Term<'a>) -> Result<Vec<Operand<'a>>> {
-    decode_list(what, "tensors", term)?
-        .into_iter()
-        .map(|t| decode_operand(what, t))
-        .collect()
-}
+atom_option!(Cell, ":lstm or :gru");
+atom_option!(Precision, ":f32 or :tf32");
 
-/// A layer crosses as `{input_kernels, hidden_kernels, biases, initial_state}`, each a list
-/// in the cell's gate order (the Elixir side picks them out of Axon's maps by name).
-fn decode_layer<'a>(term: Term<'a>) -> Result<Layer<'a>> {
-    let parts = get_tuple(term).map_err(|_| {
-        arg_error(
-            "params: each layer must be {input_kernels, hidden_kernels, biases, initial_state}",
-        )
-    })?;
-    let [ik, hk, b, s] = parts[..] else {
-        return Err(arg_error(
-            "params: each layer must be {input_kernels, hidden_kernels, biases, initial_state}",
-        ));
-    };
-    Ok(Layer {
-        input_kernel: decode_tensors("input_kernel", ik)?,
-        hidden_kernel: decode_tensors("hidden_kernel", hk)?,
-        bias: decode_tensors("bias", b)?,
-        initial_state: decode_tensors("initial_state", s)?,
-    })
-}
+// A layer crosses as `%{input_kernel, hidden_kernel, bias, initial_state}`, each a list in the
+// cell's gate order (the Elixir side picks them out of Axon's maps by name); `initial_state`
+// is `[]` for zeros.
+nif_map!(Layer<'a> {
+    input_kernel,
+    hidden_kernel,
+    bias,
+    initial_state
+});
 
-/// `rnn(cell, x, layers, reverse, backend, device, out, precision)` -> `{sequence, [[state...]
-/// per layer]}`.
-#[allow(clippy::too_many_arguments)]
-fn rnn_call<'a>(
-    env: Env<'a>,
-    cell: Term<'a>,
-    x: Term<'a>,
-    layers: Term<'a>,
-    reverse: Term<'a>,
-    backend: Term<'a>,
-    device: Term<'a>,
-    out: Term<'a>,
-    precision: Term<'a>,
-) -> Term<'a> {
+struct Inputs<'a> {
+    x: Operand<'a>,
+    params: Vec<Layer<'a>>,
+}
+nif_map!(Inputs<'a> { x, params });
+
+struct Options {
+    cell: Cell,
+    reverse: bool,
+    precision: Precision,
+    backend: AtomName,
+    device: Device,
+    out: Placement,
+}
+nif_map!(Options {
+    cell,
+    reverse,
+    precision,
+    backend,
+    device,
+    out
+});
+
+/// `rnn(%{x, params: [layer]}, %{cell, reverse, precision, backend, device, out})` ->
+/// `{sequence, [[state...] per layer]}`.
+fn rnn_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let cell = decode_cell(cell)?;
-        let x = decode_operand("x", x)?;
-        let layers = decode_list("params", "layer tuples", layers)?
-            .into_iter()
-            .map(decode_layer)
-            .collect::<Result<Vec<_>>>()?;
+        let (i, o): (Inputs, Options) = decode_args(inputs, options)?;
         let output = run(
-            decode_backend(backend, device)?,
-            cell,
-            &x,
-            &layers,
-            decode_bool("reverse", reverse)?,
-            decode_placement(out)?,
-            Precision::parse(
-                &precision
-                    .atom_to_string()
-                    .map_err(|_| arg_error("precision must be :f32 or :tf32"))?,
-            )?,
+            target(&o.backend, &o.device)?,
+            o.cell,
+            &i.x,
+            &i.params,
+            o.reverse,
+            o.out,
+            o.precision,
         )?;
         let seq = encode_value(env, output.sequence)?;
         let states = output
@@ -86,12 +74,7 @@ fn rnn_call<'a>(
     reply(env, result)
 }
 
-op_nifs!(
-    rnn_dirty,
-    rnn_async,
-    rnn_call,
-    (cell, x, layers, reverse, backend, device, out, precision)
-);
+op_nifs!(rnn_dirty, rnn_async, rnn_call, (inputs, options));
 
 /// LSTM/GRU weights packed once for the CPU (`FusedKernels.Rnn.prepare/3`).
 pub struct PreparedRnnResource(PreparedCall);
@@ -99,74 +82,59 @@ pub struct PreparedRnnResource(PreparedCall);
 #[rustler::resource_impl]
 impl rustler::Resource for PreparedRnnResource {}
 
-/// `rnn_prepare(cell, layers)` -> a prepared-weights resource (layers as for `rnn`, with no
-/// initial state). Packing reads every weight once: a dirty scheduler, not a normal one.
+impl<'a> FromTerm<'a> for ResourceArc<PreparedRnnResource> {
+    fn from_term(name: &str, term: Term<'a>) -> Result<Self> {
+        resource(name, term, "weights from FusedKernels.Rnn.prepare/3")
+    }
+}
+
+struct PrepareInputs<'a> {
+    params: Vec<Layer<'a>>,
+}
+nif_map!(PrepareInputs<'a> { params });
+
+struct PrepareOptions {
+    cell: Cell,
+}
+nif_map!(PrepareOptions { cell });
+
+/// `rnn_prepare(%{params: [layer]}, %{cell})` -> a prepared-weights resource (layers as for
+/// `rnn`, their initial states `[]`). Packing reads every weight once: a dirty scheduler, not
+/// a normal one.
 #[rustler::nif(schedule = "DirtyCpu")]
-fn rnn_prepare<'a>(env: Env<'a>, cell: Term<'a>, layers: Term<'a>) -> Term<'a> {
+fn rnn_prepare<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let cell = decode_cell(cell)?;
-        let layers = decode_list("params", "layer tuples", layers)?
-            .into_iter()
-            .map(decode_layer)
-            .collect::<Result<Vec<_>>>()?;
-        let prepared = prepare_cpu(cell, &layers)?;
+        let (i, o): (PrepareInputs, PrepareOptions) = decode_args(inputs, options)?;
+        let prepared = prepare_cpu(o.cell, &i.params)?;
         Ok(ResourceArc::new(PreparedRnnResource(prepared)).encode(env))
     })();
     reply(env, result)
 }
 
-/// The arguments of a prepared call, decoded and checked.
-struct PreparedArgs<'a> {
-    prepared: ResourceArc<PreparedRnnResource>,
+/// The tensors of a prepared call.
+struct PreparedInputs<'a> {
+    params: ResourceArc<PreparedRnnResource>,
     x: Operand<'a>,
-    /// Per layer: none (zeros) or the cell's state tensors.
+    /// Per layer: `[]` (zeros) or the cell's state tensors; `[]` for zeros everywhere.
     initial_state: Vec<Vec<Operand<'a>>>,
+}
+nif_map!(PreparedInputs<'a> {
+    params,
+    x,
+    initial_state
+});
+
+struct PreparedOptions {
     reverse: bool,
 }
+nif_map!(PreparedOptions { reverse });
 
-impl<'a> PreparedArgs<'a> {
-    fn decode(
-        prepared: Term<'a>,
-        x: Term<'a>,
-        initial_state: Term<'a>,
-        reverse: Term<'a>,
-    ) -> Result<PreparedArgs<'a>> {
-        let prepared = prepared
-            .decode::<ResourceArc<PreparedRnnResource>>()
-            .map_err(|_| arg_error("params: expected weights from FusedKernels.Rnn.prepare/3"))?;
-        let initial_state = decode_list("initial_state", "per-layer state lists", initial_state)?
-            .into_iter()
-            .map(|s| decode_tensors("initial_state", s))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(PreparedArgs {
-            prepared,
-            x: decode_operand("x", x)?,
-            initial_state,
-            reverse: decode_bool("reverse", reverse)?,
-        })
-    }
-}
-
-fn decode_cell(cell: Term<'_>) -> Result<Cell> {
-    Cell::parse(
-        &cell
-            .atom_to_string()
-            .map_err(|_| arg_error("cell must be :lstm or :gru"))?,
-    )
-}
-
-/// `rnn_prepared(prepared, x, initial_state, reverse)` -> `{sequence, [[state...] per
-/// layer]}` as `rnn`, the outputs written straight into the result binaries.
-fn rnn_prepared_call<'a>(
-    env: Env<'a>,
-    prepared: Term<'a>,
-    x: Term<'a>,
-    initial_state: Term<'a>,
-    reverse: Term<'a>,
-) -> Term<'a> {
+/// `rnn_prepared(%{params: prepared, x, initial_state}, %{reverse})` -> `{sequence,
+/// [[state...] per layer]}` as `rnn`, the outputs written straight into the result binaries.
+fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
-        let args = PreparedArgs::decode(prepared, x, initial_state, reverse)?;
-        let call = &args.prepared.0;
+        let (args, o): (PreparedInputs, PreparedOptions) = decode_args(inputs, options)?;
+        let call = &args.params.0;
         let staged_x = args.x.on_host()?;
         let staged_init = args
             .initial_state
@@ -197,7 +165,7 @@ fn rnn_prepared_call<'a>(
         {
             let mut outs: Vec<&mut [u8]> =
                 state_bins.iter_mut().map(|b| b.as_mut_slice()).collect();
-            call.run_into(&x, &init, args.reverse, seq_bin.as_mut_slice(), &mut outs)?;
+            call.run_into(&x, &init, o.reverse, seq_bin.as_mut_slice(), &mut outs)?;
         }
         let dtype = encode_dtype(env, call.dtype())?;
         let triple = |bin: NewBinary<'a>, shape: &[usize]| -> Term<'a> {
@@ -223,5 +191,5 @@ op_nifs!(
     rnn_prepared_dirty,
     rnn_prepared_async,
     rnn_prepared_call,
-    (prepared, x, initial_state, reverse)
+    (inputs, options)
 );

@@ -34,7 +34,7 @@ use crate::operand::Operand;
 use crate::tensor::{HostTensor, OwnedTensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub(super) struct HostOutput {
     pub sequence: OwnedTensor,
@@ -70,20 +70,28 @@ struct PreparedLayer {
 ///
 /// A split step waits at a barrier for its partner thread: on an idle machine that costs
 /// well under a microsecond and the split wins; on a loaded one (other processes holding the
-/// cores) a partner that is not running costs a scheduler time slice per step, and one thread
-/// wins by far. Both paths compute the same values (whole 4-panel groups, see
+/// cores) a partner that is not running hands the rest of the window to one thread (see
+/// `split_steps`). Both paths compute the same values (whole 4-panel groups, see
 /// `split_tasks`), so the choice is made by measuring: each window runs the path that has
 /// been faster per step, and now and then the other one, to follow the machine.
+///
+/// Each estimate follows a faster window at once and a slower one by at most a quarter per
+/// window: one window that lost its core for a time slice (tens of times the usual step) must
+/// not decide the next hundreds of windows, while a lasting slowdown shows within a few.
 #[derive(Default)]
 struct LoopTimes {
-    /// Nanoseconds per step, moving averages; 0 = not measured yet.
+    /// Nanoseconds per step; 0 = not measured yet.
     serial: AtomicU64,
     split: AtomicU64,
     windows: AtomicU64,
 }
 
-/// One window in this many runs the path that has been slower.
-const EXPLORE_EVERY: u64 = 32;
+/// One window in this many runs the path that has been slower: the one-thread loop where
+/// the split wins, the split where it loses.
+const EXPLORE_SERIAL_EVERY: u64 = 32;
+const EXPLORE_SPLIT_EVERY: u64 = 8;
+/// The first windows alternate between the paths.
+const WARM_UP: u64 = 4;
 
 impl LoopTimes {
     fn prefer_split(&self) -> bool {
@@ -95,7 +103,13 @@ impl LoopTimes {
         match (serial, split) {
             (_, 0) => true,
             (0, _) => false,
-            _ => (split < serial) != (n % EXPLORE_EVERY == EXPLORE_EVERY - 1),
+            // Each path's first window pays for cold caches (and the pool's start): a second
+            // one of each before the estimates decide.
+            _ if n < WARM_UP => n.is_multiple_of(2),
+            // A split that loses ends early (see `split_steps`), so trying it costs little;
+            // trying the one-thread loop costs its whole window.
+            _ if split < serial => n % EXPLORE_SERIAL_EVERY != EXPLORE_SERIAL_EVERY - 1,
+            _ => n % EXPLORE_SPLIT_EVERY == EXPLORE_SPLIT_EVERY - 1,
         }
     }
 
@@ -103,8 +117,12 @@ impl LoopTimes {
         let per = (ns / steps.max(1) as u64).max(1);
         let slot = if split { &self.split } else { &self.serial };
         let old = slot.load(Ordering::Relaxed);
-        let new = if old == 0 { per } else { (3 * old + per) / 4 };
-        slot.store(new.max(1), Ordering::Relaxed);
+        let new = if old == 0 || per <= old {
+            per
+        } else {
+            per.min(old + old / 4 + 1)
+        };
+        slot.store(new, Ordering::Relaxed);
     }
 }
 
@@ -114,7 +132,28 @@ pub struct PreparedRnn {
     reverse: bool,
     layers: Vec<PreparedLayer>,
     isa: Isa,
+    time_loop: TimeLoop,
 }
+
+/// How a batch-1 window's time loop picks between one thread and the split over the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TimeLoop {
+    /// By measurement, per layer ([`LoopTimes`]): the default.
+    #[default]
+    Measured,
+    /// Always on the calling thread.
+    Serial,
+    /// Split wherever the shape and the pool allow it.
+    Split,
+    /// Split, handing the steps after this one to the calling thread, as a late partner
+    /// does (tests check that the hand-over computes the same values).
+    SplitUntil(usize),
+}
+
+/// How long in all a task of a split time loop waits for its partner at the steps' barriers
+/// before task 0 takes the remaining steps alone: far above what two running threads lose to
+/// each other (well under a microsecond a step), far below a scheduler time slice.
+const PARTNER_PATIENCE: Duration = Duration::from_micros(100);
 
 /// Transient buffers of [`PreparedRnn::forward_into`], sized for a batch and sequence length.
 pub struct RnnScratch {
@@ -256,11 +295,30 @@ impl PreparedRnn {
             reverse,
             layers: out,
             isa,
+            time_loop: TimeLoop::Measured,
         })
     }
 
     pub fn cell(&self) -> Cell {
         self.cell
+    }
+    /// Fixes how batch-1 windows run their time loop (benches and tests compare the paths;
+    /// the product keeps [`TimeLoop::Measured`]).
+    pub fn set_time_loop(&mut self, time_loop: TimeLoop) {
+        self.time_loop = time_loop;
+    }
+    /// Measured nanoseconds per step of each layer's time loop, (one thread, split); 0 where
+    /// a path has not run.
+    pub fn loop_times(&self) -> Vec<(u64, u64)> {
+        self.layers
+            .iter()
+            .map(|l| {
+                (
+                    l.times.serial.load(Ordering::Relaxed),
+                    l.times.split.load(Ordering::Relaxed),
+                )
+            })
+            .collect()
     }
     pub fn input_size(&self) -> usize {
         self.layers[0].input
@@ -447,10 +505,13 @@ impl PreparedRnn {
         let hp = &mut hp[..batch * gh];
         let timed = batch == 1 && split_tasks(h, seq, pool::threads()) > 1;
         let start = timed.then(Instant::now);
-        if timed
-            && layer.times.prefer_split()
-            && self.split_steps(layer, reverse, seq, xp, hp, h0, c, out)
-        {
+        let (split, until) = match self.time_loop {
+            TimeLoop::Measured => (timed && layer.times.prefer_split(), None),
+            TimeLoop::Serial => (false, None),
+            TimeLoop::Split => (timed, None),
+            TimeLoop::SplitUntil(step) => (timed, Some(step)),
+        };
+        if split && self.split_steps(layer, reverse, seq, until, xp, hp, h0, c, out) {
             if let Some(t0) = start {
                 layer
                     .times
@@ -459,8 +520,40 @@ impl PreparedRnn {
             self.store_state(fin, c, &out[last_row(reverse, seq) * h..][..h]);
             return;
         }
+        self.time_loop(layer, reverse, batch, seq, 0, xp, hp, h0, c, out);
+        if let Some(t0) = start {
+            layer
+                .times
+                .record(false, t0.elapsed().as_nanos() as u64, seq);
+        }
+        let last = last_row(reverse, seq);
+        for b in 0..batch {
+            let at = (b * seq + last) * h;
+            h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
+        }
+        self.store_state(fin, c, h0);
+    }
+
+    /// Steps `from..seq` of a layer's time loop on the calling thread (`xp` holds the input
+    /// projections; `h0` the state before step 0, `c` the running LSTM cell state).
+    #[allow(clippy::too_many_arguments)]
+    fn time_loop(
+        &self,
+        layer: &PreparedLayer,
+        reverse: bool,
+        batch: usize,
+        seq: usize,
+        from: usize,
+        xp: &[f32],
+        hp: &mut [f32],
+        h0: &[f32],
+        c: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let isa = self.isa;
+        let (h, gh) = (layer.units, self.cell.gates() * layer.units);
         let row_stride = seq * h;
-        for s in 0..seq {
+        for s in from..seq {
             let ti = if reverse { seq - 1 - s } else { s };
             // The previous h: the initial state, else the row this layer wrote last step.
             let (prev, lda): (&[f32], usize) = if s == 0 {
@@ -512,29 +605,25 @@ impl PreparedRnn {
                 }
             }
         }
-        if let Some(t0) = start {
-            layer
-                .times
-                .record(false, t0.elapsed().as_nanos() as u64, seq);
-        }
-        let last = last_row(reverse, seq);
-        for b in 0..batch {
-            let at = (b * seq + last) * h;
-            h0[b * h..(b + 1) * h].copy_from_slice(&out[at..at + h]);
-        }
-        self.store_state(fin, c, h0);
     }
 
     /// The batch-1 time loop split over the pool: task t owns units `u0..u1` (whole panels)
     /// of every gate, computes their recurrent products and updates them, and one barrier per
     /// step publishes the new h row before any task reads it. Returns false, computing
     /// nothing, where the split does not apply or the pool cannot give its threads now.
+    ///
+    /// Once a task has waited [`PARTNER_PATIENCE`] in all for its partner (one that the OS
+    /// took off its core, or one slowed by other threads on it), the split ends: task 0 runs
+    /// the remaining steps alone, so a loaded machine costs one such wait per layer, not one
+    /// per step. `until` ends it after that step regardless
+    /// (tests reach the hand-over that way).
     #[allow(clippy::too_many_arguments)]
     fn split_steps(
         &self,
         layer: &PreparedLayer,
         reverse: bool,
         seq: usize,
+        until: Option<usize>,
         xp: &[f32],
         hp: &mut [f32],
         h0: &[f32],
@@ -554,9 +643,10 @@ impl PreparedRnn {
             SendPtr(c.as_mut_ptr()),
             SendPtr(out.as_mut_ptr()),
         );
-        let (hp_len, out_len) = (hp.len(), out.len());
+        let (hp_len, c_len, out_len) = (hp.len(), c.len(), out.len());
         let task = |t: usize| {
             let (u0, u1) = (t * per, (t + 1) * per);
+            let mut patience = PARTNER_PATIENCE;
             for s in 0..seq {
                 let ti = if reverse { seq - 1 - s } else { s };
                 let tp = if reverse { ti + 1 } else { ti.wrapping_sub(1) };
@@ -593,7 +683,24 @@ impl PreparedRnn {
                         Cell::Gru => gru_cell(isa, h, x_row, r_row, &prev[u0..u1], cur),
                     }
                 }
-                barrier.wait();
+                let waited = Instant::now();
+                let in_time = barrier.wait(patience);
+                patience = patience.saturating_sub(waited.elapsed());
+                if s + 1 < seq && (!in_time || until == Some(s)) {
+                    if t == 0 {
+                        // Safety: the other tasks leave after this crossing without touching
+                        // the buffers again, so task 0 holds them alone from here.
+                        let (hp, c, out) = unsafe {
+                            (
+                                std::slice::from_raw_parts_mut(hp_ptr.get(), hp_len),
+                                std::slice::from_raw_parts_mut(c_ptr.get(), c_len),
+                                std::slice::from_raw_parts_mut(out_ptr.get(), out_len),
+                            )
+                        };
+                        self.time_loop(layer, reverse, 1, seq, s + 1, xp, hp, h0, c, out);
+                    }
+                    return;
+                }
             }
         };
         pool::run_together(tasks, &task)

@@ -16,7 +16,7 @@ pub use cluster::{
     cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
 };
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
-pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch};
+pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch, TimeLoop};
 pub use dispatch::default_paths;
 pub use mma::{tile as mma_tile, Tile as MmaTile};
 pub use persistent::{plan as persistent_plan, Plan as PersistentPlan};
