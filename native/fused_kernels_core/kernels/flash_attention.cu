@@ -185,12 +185,25 @@ __device__ __forceinline__ void fa_short_rows(float* dst, int P, const T* src, l
   if (r1 < r0) return;
   if (vec) {
     constexpr int C = DP / 4;
-    const int n = (r1 - r0 + 1) * C;
+    if constexpr (128 % C == 0) {
+      // A thread keeps one 16-byte column and steps over rows: no index arithmetic per copy.
+      constexpr int RS = 128 / C;
+      const int c = (threadIdx.x % C) * 4;
+      const int bytes = c < d ? 16 : 0;
+      int r = r0 + threadIdx.x / C;
+      const T* s = src + (long long)r * rs + (bytes ? c : 0);
+      unsigned t = fk_smem_addr(dst + r * P + c);
+      const long long step = bytes ? (long long)RS * rs : 0;
 #pragma unroll 4
-    for (int e = threadIdx.x; e < n; e += 128) {
-      const int r = r0 + e / C, c = (e % C) * 4;
-      const bool in = c < d;
-      fk_cp16_bytes(dst + r * P + c, in ? src + r * rs + c : src, in ? 16 : 0);
+      for (; r <= r1; r += RS, s += step, t += RS * P * 4) fk_cp16_to(t, s, bytes);
+    } else {
+      const int n = (r1 - r0 + 1) * C;
+#pragma unroll 4
+      for (int e = threadIdx.x; e < n; e += 128) {
+        const int r = r0 + e / C, c = (e % C) * 4;
+        const bool in = c < d;
+        fk_cp16_bytes(dst + r * P + c, in ? src + r * rs + c : src, in ? 16 : 0);
+      }
     }
   } else {
     const int n = (r1 - r0 + 1) * DP;
@@ -291,13 +304,31 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
   const int jlo = max(lo, c0), jhi = row ? min(hi, c0 + 31) : jlo - 1;
   fk_cp_wait<0>();
   __syncthreads();
-#pragma unroll 4
-  for (int jj = jlo; jj <= jhi; ++jj) {
-    const float pj = __shfl_sync(0xffffffffu, p, jj - c0);
+  // Two keys per step into two sets of sums: half the dependent chain of FMAs.
+  float acc2[ND];
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc2[e] = 0.0f;
+  int jj = jlo;
+#pragma unroll 2
+  for (; jj + 1 <= jhi; jj += 2) {
+    const float p0 = __shfl_sync(0xffffffffu, p, jj - c0);
+    const float p1 = __shfl_sync(0xffffffffu, p, jj + 1 - c0);
     const float* vr = Vs + jj * DP + lane;
 #pragma unroll
-    for (int e = 0; e < ND; ++e) acc[e] = fmaf(pj, vr[32 * e], acc[e]);
+    for (int e = 0; e < ND; ++e) {
+      acc[e] = fmaf(p0, vr[32 * e], acc[e]);
+      acc2[e] = fmaf(p1, vr[DP + 32 * e], acc2[e]);
+    }
   }
+  // The odd key out (every lane takes the same branch: jj and jhi are the warp's).
+  const float plast = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
+  if (jj <= jhi) {
+    const float* vr = Vs + jj * DP + lane;
+#pragma unroll
+    for (int e = 0; e < ND; ++e) acc[e] = fmaf(plast, vr[32 * e], acc[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc[e] += acc2[e];
   float sum = fk_warp_sum(p), mt = m;
 
   if (KC > 1) {
