@@ -612,6 +612,8 @@ impl CudaEngine {
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
+        // Compiles beside the uploads; joined before returning, so `load` pays it all.
+        let prefetch = gpu.prefetch(super::prefetch::programs(&spec, &gpu));
         let rnn_frame = RnnFrame::new(&gpu, &plan)?;
         drop(plan);
         let frame = FrameFns::new(&gpu, spec.kind);
@@ -662,6 +664,9 @@ impl CudaEngine {
             _blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
+        if let Some(p) = prefetch {
+            let _ = p.join();
+        }
         Ok(engine)
     }
 
