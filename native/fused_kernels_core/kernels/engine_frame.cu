@@ -142,6 +142,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
 
 #define FK_EA_THREADS 256
 #define FK_EA_WARPS (FK_EA_THREADS / 32)
+#define FK_EA_KEYS 4
 
 // qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
 // head_dim}: shifted by one row in place, the frame's k/v rows appended last. out {batch,
@@ -159,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     float* vs = ks + window * d;       // {window, d}
     float* qs = vs + window * d;       // {d}
     float* p = qs + d;                 // {window}
-    __shared__ float scratch[FK_EA_WARPS];
+    __shared__ float red[FK_EA_THREADS];
     const int h = blockIdx.x, b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)b * 3 * hidden + h * d;
@@ -213,30 +214,55 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
       }
     }
     const int first = window - valid;
-    for (int t = first + warp; t < window; t += FK_EA_WARPS) {
-      float s = 0.0f;
-      for (int j = lane; j < d; j += 32) s = fmaf(qs[j], ks[t * d + j], s);
-      s = fk_warp_sum(s);
-      if (lane == 0) p[t] = s * scale;
+    // Scores: one warp per key, FK_EA_KEYS keys of a warp at once (their loads and reductions
+    // independent, so their latencies overlap).
+    for (int t0 = first + warp; t0 < window; t0 += FK_EA_KEYS * FK_EA_WARPS) {
+      float s[FK_EA_KEYS];
+#pragma unroll
+      for (int u = 0; u < FK_EA_KEYS; ++u) {
+        const int t = t0 + u * FK_EA_WARPS;
+        s[u] = 0.0f;
+        if (t < window)
+          for (int j = lane; j < d; j += 32) s[u] = fmaf(qs[j], ks[t * d + j], s[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < FK_EA_KEYS; ++u) s[u] = fk_warp_sum(s[u]);
+      if (lane == 0) {
+#pragma unroll
+        for (int u = 0; u < FK_EA_KEYS; ++u)
+          if (t0 + u * FK_EA_WARPS < window) p[t0 + u * FK_EA_WARPS] = s[u] * scale;
+      }
     }
     __syncthreads();
+    // Every warp takes the softmax's max and sum over the (at most window) scores itself: no
+    // block-wide reductions, no more barriers before the output.
     float m = FK_NEG_INF;
-    for (int t = first + tid; t < window; t += FK_EA_THREADS) m = fmaxf(m, p[t]);
-    m = fk_block_max(m, scratch);
-    __syncthreads();
+    for (int t = first + lane; t < window; t += 32) m = fmaxf(m, p[t]);
+    m = fk_warp_max(m);
     float sum = 0.0f;
-    for (int t = first + tid; t < window; t += FK_EA_THREADS) {
-      const float e = expf(p[t] - m);
-      p[t] = e;
-      sum += e;
+    for (int t = first + lane; t < window; t += 32) sum += expf(p[t] - m);
+    sum = fk_warp_sum(sum);
+    // Output: the threads in `groups` groups of head_dim, group g summing keys first + g,
+    // + 2·groups, ... (a groups-th of the serial chain each), partial sums met in shared memory.
+    const int groups = max(1, FK_EA_THREADS / d);
+    const int g = tid / d, j = tid - g * d;
+    float o = 0.0f;
+    if (g < groups)
+      for (int t = first + g; t < window; t += groups) o = fmaf(expf(p[t] - m), vs[t * d + j], o);
+    if (groups == 1) {
+      for (int jj = tid; jj < d; jj += FK_EA_THREADS) {
+        float oo = 0.0f;
+        for (int t = first; t < window; ++t) oo = fmaf(expf(p[t] - m), vs[t * d + jj], oo);
+        out[(long long)b * hidden + h * d + jj] = oo / sum;
+      }
+      return;
     }
-    sum = fk_block_sum(sum, scratch);
+    if (g < groups) red[tid] = o;
     __syncthreads();
-    const float rs = 1.0f / sum;
-    for (int j = tid; j < d; j += FK_EA_THREADS) {
-      float o = 0.0f;
-      for (int t = first; t < window; ++t) o = fmaf(p[t], vs[t * d + j], o);
-      out[(long long)b * hidden + h * d + j] = o * rs;
+    if (tid < d) {
+      float acc = 0.0f;
+      for (int gg = 0; gg < groups; ++gg) acc += red[gg * d + tid];
+      out[(long long)b * hidden + h * d + tid] = acc / sum;
     }
   }
 }
@@ -305,88 +331,6 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
       float* cs = conv_state + (long long)b * (k - 1) * inner + c;
       for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
       cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
-    }
-  }
-}
-
-#define FK_EW_THREADS 256
-#define FK_EW_WARPS (FK_EW_THREADS / 32)
-
-// Causal sliding-window attention of a short window from one fused q|k|v projection, one
-// (head, batch row) per block: K and V of the head in shared memory (K with an odd pitch, so the
-// lanes' rows fall in distinct banks), one warp per query row: its scores one key per lane, the
-// softmax with warp reductions, the output one column per lane. Query i sees keys
-// max(0, i - left) ..= i (FlashAttention's causal window (left, 0)). qkv {batch, seq, 3·hidden}
-// (q | k | v, head h at h·head_dim of each); out {batch, seq, hidden}. qk_norm: LayerNorm of q
-// and k over head_dim first (unit gain, zero shift, eps 1e-6). Grid (heads, batch). Dynamic
-// shared memory: 4·(seq·(2·head_dim + 1) + warps·(head_dim + seq)) bytes.
-extern "C" __global__ void __launch_bounds__(FK_EW_THREADS)
-    engine_attn_window_f32(const float* __restrict__ qkv, float* __restrict__ out, int seq,
-                           int heads, int head_dim, int left, int qk_norm, float scale) {
-  if constexpr (FK_WANT(engine_attn_window_f32)) {
-    extern __shared__ float fk_ew_smem[];
-    const int d = head_dim, hidden = heads * head_dim, kp = d | 1;
-    float* ks = fk_ew_smem;           // {seq, kp}
-    float* vs = ks + seq * kp;        // {seq, d}
-    float* qw = vs + seq * d;         // {warps, d}
-    float* pw = qw + FK_EW_WARPS * d; // {warps, seq}
-    const int h = blockIdx.x, b = blockIdx.y;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* base = qkv + (long long)b * seq * 3 * hidden + h * d;
-    for (int i = tid; i < seq * d; i += FK_EW_THREADS) {
-      const int t = i / d, j = i - t * d;
-      ks[t * kp + j] = base[(long long)t * 3 * hidden + hidden + j];
-      vs[i] = base[(long long)t * 3 * hidden + 2 * hidden + j];
-    }
-    __syncthreads();
-    if (qk_norm) {
-      for (int t = warp; t < seq; t += FK_EW_WARPS) {
-        float* row = ks + t * kp;
-        float mean, inv;
-        fk_eg_stats(row, d, 1e-6f, lane, mean, inv);
-        __syncwarp();
-        for (int j = lane; j < d; j += 32) row[j] = (row[j] - mean) * inv;
-      }
-      __syncthreads();
-    }
-    float* q = qw + warp * d;
-    float* p = pw + warp * seq;
-    for (int i = warp; i < seq; i += FK_EW_WARPS) {
-      for (int j = lane; j < d; j += 32) q[j] = base[(long long)i * 3 * hidden + j];
-      __syncwarp();
-      if (qk_norm) {
-        float mean, inv;
-        fk_eg_stats(q, d, 1e-6f, lane, mean, inv);
-        __syncwarp();
-        for (int j = lane; j < d; j += 32) q[j] = (q[j] - mean) * inv;
-        __syncwarp();
-      }
-      const int lo = left < 0 ? 0 : max(0, i - left);
-      float m = FK_NEG_INF;
-      for (int t = lo + lane; t <= i; t += 32) {
-        const float* kr = ks + t * kp;
-        float s = 0.0f;
-        for (int j = 0; j < d; ++j) s = fmaf(q[j], kr[j], s);
-        s *= scale;
-        p[t] = s;
-        m = fmaxf(m, s);
-      }
-      m = fk_warp_max(m);
-      float sum = 0.0f;
-      for (int t = lo + lane; t <= i; t += 32) {
-        const float e = expf(p[t] - m);
-        p[t] = e;
-        sum += e;
-      }
-      sum = fk_warp_sum(sum);
-      __syncwarp();
-      const float rs = fk_rcp_normal(sum);  // sum >= 1: the max term is exp(0)
-      for (int j = lane; j < d; j += 32) {
-        float o = 0.0f;
-        for (int t = lo; t <= i; ++t) o = fmaf(p[t], vs[t * d + j], o);
-        out[((long long)b * seq + i) * hidden + h * d + j] = o * rs;
-      }
-      __syncwarp();
     }
   }
 }

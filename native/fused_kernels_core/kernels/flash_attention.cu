@@ -6,7 +6,8 @@
 // right = 0, aligned bottom-right). A row that sees no key gives zeros and lse = +inf.
 //
 // Strides address element (b, s, h, d) as b*sb + s*ss + h*sh + d, so one kernel serves the
-// {b, s, h, d} and {b, h, s, d} layouts; o shares q's strides and v shares k's.
+// {b, s, h, d} and {b, h, s, d} layouts and views into wider rows (the backbone engine's
+// fused q|k|v projection); o has strides of its own and v shares k's.
 // Work item x = tile * bh + (b * heads + h), with tiles counted from the last one: under a
 // causal mask the longest rows start first.
 //
@@ -34,7 +35,8 @@ struct FaArgs {
   int left, right;              // -1: unbounded
   int tiles, bh;                // query tiles per head, batch * heads
   float scale_log2;             // scale * log2(e): scores are kept in base 2
-  long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh;
+  long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, o_sb, o_ss, o_sh;
+  int qk_norm;  // fa_short only (the launcher refuses it elsewhere): LayerNorm q and k rows
 };
 
 // First and last visible key (inclusive) of query row i; empty when lo > hi.
@@ -142,7 +144,7 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
     const float sum = fk_warp_sum(l[r]);
     if (i >= a.sq) continue;
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    T* orow = o + b * a.q_sb + i * a.q_ss + h * a.q_sh;
+    T* orow = o + b * a.o_sb + i * a.o_ss + h * a.o_sh;
 #pragma unroll
     for (int ii = 0; ii < ND; ++ii) {
       const int c = lane + 32 * ii;
@@ -183,12 +185,25 @@ __device__ __forceinline__ void fa_short_rows(float* dst, int P, const T* src, l
   if (r1 < r0) return;
   if (vec) {
     constexpr int C = DP / 4;
-    const int n = (r1 - r0 + 1) * C;
+    if constexpr (128 % C == 0) {
+      // A thread keeps one 16-byte column and steps over rows: no index arithmetic per copy.
+      constexpr int RS = 128 / C;
+      const int c = (threadIdx.x % C) * 4;
+      const int bytes = c < d ? 16 : 0;
+      int r = r0 + threadIdx.x / C;
+      const T* s = src + (long long)r * rs + (bytes ? c : 0);
+      unsigned t = fk_smem_addr(dst + r * P + c);
+      const long long step = bytes ? (long long)RS * rs : 0;
 #pragma unroll 4
-    for (int e = threadIdx.x; e < n; e += 128) {
-      const int r = r0 + e / C, c = (e % C) * 4;
-      const bool in = c < d;
-      fk_cp16_bytes(dst + r * P + c, in ? src + r * rs + c : src, in ? 16 : 0);
+      for (; r <= r1; r += RS, s += step, t += RS * P * 4) fk_cp16_to(t, s, bytes);
+    } else {
+      const int n = (r1 - r0 + 1) * C;
+#pragma unroll 4
+      for (int e = threadIdx.x; e < n; e += 128) {
+        const int r = r0 + e / C, c = (e % C) * 4;
+        const bool in = c < d;
+        fk_cp16_bytes(dst + r * P + c, in ? src + r * rs + c : src, in ? 16 : 0);
+      }
     }
   } else {
     const int n = (r1 - r0 + 1) * DP;
@@ -232,12 +247,34 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
                                         reinterpret_cast<unsigned long long>(kb) |
                                         reinterpret_cast<unsigned long long>(vb)) >> 2) & 3) == 0;
   const int klo = fa_lo(a, q0), khi = fa_hi(a, qlast);
+  // Two copy groups: the scores need Q and K only, so V lands while they are computed.
   fa_short_rows<T, DP>(Qs - q0 * DP, DP, qb, a.q_ss, q0, qlast, a.d, vec);
   fa_short_rows<T, DP>(Ks, KP, kb, a.k_ss, klo, khi, a.d, vec);
+  fk_cp_commit();
   fa_short_rows<T, DP>(Vs, DP, vb, a.k_ss, klo, khi, a.d, vec);
   fk_cp_commit();
-  fk_cp_wait<0>();
+  fk_cp_wait<1>();
   __syncthreads();
+  if (a.qk_norm) {
+    // Jamba's parameter-free QK LayerNorm (eps 1e-6) of the staged rows, one warp per row,
+    // two passes as kernels/norm.cu; the zero columns past d stay zero.
+    const int nq = qlast - q0 + 1, nrows = nq + max(0, khi - klo + 1);
+    const float rn = 1.0f / (float)a.d;
+    for (int r = warp; r < nrows; r += 4) {
+      float* x = r < nq ? Qs + r * DP : Ks + (klo + r - nq) * KP;
+      float sum = 0.0f;
+      for (int c = lane; c < a.d; c += 32) sum += x[c];
+      const float mean = fk_warp_sum(sum) * rn;
+      float var = 0.0f;
+      for (int c = lane; c < a.d; c += 32) {
+        const float dv = x[c] - mean;
+        var = fmaf(dv, dv, var);
+      }
+      const float inv = rsqrtf(fk_warp_sum(var) * rn + 1e-6f);
+      for (int c = lane; c < a.d; c += 32) x[c] = (x[c] - mean) * inv;
+    }
+    __syncthreads();
+  }
 
   const int r = warp / KC, c0 = (warp % KC) * 32, i = q0 + r;
   const int lo = fa_lo(a, i), hi = fa_hi(a, i);
@@ -265,13 +302,33 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
 #pragma unroll
   for (int e = 0; e < ND; ++e) acc[e] = 0.0f;
   const int jlo = max(lo, c0), jhi = row ? min(hi, c0 + 31) : jlo - 1;
-#pragma unroll 4
-  for (int jj = jlo; jj <= jhi; ++jj) {
-    const float pj = __shfl_sync(0xffffffffu, p, jj - c0);
+  fk_cp_wait<0>();
+  __syncthreads();
+  // Two keys per step into two sets of sums: half the dependent chain of FMAs.
+  float acc2[ND];
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc2[e] = 0.0f;
+  int jj = jlo;
+#pragma unroll 2
+  for (; jj + 1 <= jhi; jj += 2) {
+    const float p0 = __shfl_sync(0xffffffffu, p, jj - c0);
+    const float p1 = __shfl_sync(0xffffffffu, p, jj + 1 - c0);
     const float* vr = Vs + jj * DP + lane;
 #pragma unroll
-    for (int e = 0; e < ND; ++e) acc[e] = fmaf(pj, vr[32 * e], acc[e]);
+    for (int e = 0; e < ND; ++e) {
+      acc[e] = fmaf(p0, vr[32 * e], acc[e]);
+      acc2[e] = fmaf(p1, vr[DP + 32 * e], acc2[e]);
+    }
   }
+  // The odd key out (every lane takes the same branch: jj and jhi are the warp's).
+  const float plast = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
+  if (jj <= jhi) {
+    const float* vr = Vs + jj * DP + lane;
+#pragma unroll
+    for (int e = 0; e < ND; ++e) acc[e] = fmaf(plast, vr[32 * e], acc[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc[e] += acc2[e];
   float sum = fk_warp_sum(p), mt = m;
 
   if (KC > 1) {
@@ -301,7 +358,7 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
 
   if (!row) return;
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  T* orow = o + b * a.q_sb + i * a.q_ss + h * a.q_sh;
+  T* orow = o + b * a.o_sb + i * a.o_ss + h * a.o_sh;
 #pragma unroll
   for (int e = 0; e < ND; ++e) {
     const int c = lane + 32 * e;
@@ -538,7 +595,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
       const int i = wrow + mt * 16 + g + 8 * x;
       if (i >= a.sq) continue;
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      T* orow = o + b * a.q_sb + (long long)i * a.q_ss + h * a.q_sh;
+      T* orow = o + b * a.o_sb + (long long)i * a.o_ss + h * a.o_sh;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) {
         const int c = dt * 8 + 2 * t;

@@ -618,11 +618,6 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             levels: ANY,
         },
         Family {
-            root: "engine_attn_window",
-            parts: &[&["f32"]],
-            levels: ANY,
-        },
-        Family {
             root: "engine_gemv",
             parts: &[&["f32"]],
             levels: ANY,

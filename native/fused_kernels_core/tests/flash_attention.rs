@@ -12,7 +12,7 @@ use fused_kernels_core::ops::flash_attention::*;
 use fused_kernels_core::Result;
 use fused_kernels_core::{DType, HostTensor};
 use support::flash_attention::*;
-use support::{gpu_for_tests, Rng};
+use support::{gpu_for_tests, rel_l2, Rng};
 
 #[test]
 fn cpu_matches_f64_reference() {
@@ -342,4 +342,134 @@ fn cuda_results_do_not_move_between_runs() {
             );
         }
     }
+}
+
+/// The short-sequence kernel on views into wider rows, as the backbone engine launches it on
+/// its fused q|k|v projection (`{b, s, 3·h·d + 4}` rows; output rows `{b, s, h·d + 4}` whose
+/// last 4 columns must stay untouched), with and without Jamba's QK LayerNorm, against the
+/// f64 reference; each case run twice, bit for bit.
+#[test]
+fn cuda_short_kernel_on_fused_rows() {
+    let Some(gpu) = gpu_for_tests() else { return };
+    let mut rng = Rng::new(33);
+    let mut n = 0;
+    // (batch, seq, heads, head_dim, causal, window): ExPhil's window, seq 1, 61, 100, head
+    // dims 40/80/96 and 38 (rows not 16-byte aligned: element loads), heads 1..8, batch 1..8.
+    for &(b, s, h, d, causal, window) in &[
+        (1, 60, 4, 64, true, (59, 0)),
+        (1, 1, 1, 40, true, (-1, -1)),
+        (3, 61, 2, 40, true, (15, 0)),
+        (8, 7, 8, 96, false, (-1, -1)),
+        (2, 64, 5, 80, false, (10, 3)),
+        (2, 100, 3, 32, true, (-1, -1)),
+        (2, 20, 3, 38, true, (4, 0)),
+    ] {
+        for qk_norm in [false, true] {
+            let hd = h * d;
+            let (pitch, opitch) = (3 * hd + 4, hd + 4);
+            let fused: Vec<f64> = rng
+                .vec(b * s * pitch)
+                .into_iter()
+                .map(|x| (3.0 * x + 0.5) as f32 as f64)
+                .collect();
+            // q, k, v as {b, s, h, d}, LayerNormed over d in f64 for the QK norm.
+            let part = |which: usize, norm: bool| -> Vec<f64> {
+                let mut out = Vec::with_capacity(b * s * hd);
+                for row in 0..b * s {
+                    for hh in 0..h {
+                        let at = row * pitch + which * hd + hh * d;
+                        let x = &fused[at..at + d];
+                        if norm {
+                            let mean = x.iter().sum::<f64>() / d as f64;
+                            let var =
+                                x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / d as f64;
+                            let inv = 1.0 / (var + 1e-6).sqrt();
+                            out.extend(x.iter().map(|v| (v - mean) * inv));
+                        } else {
+                            out.extend_from_slice(x);
+                        }
+                    }
+                }
+                out
+            };
+            let (q, k, v) = (part(0, qk_norm), part(1, qk_norm), part(2, false));
+            let g = Geometry {
+                batch: b,
+                heads: h,
+                kv_heads: h,
+                sq: s,
+                sk: s,
+                d,
+                layout: Layout::Bshd,
+            };
+            let p = Params::new(Layout::Bshd, None, causal, window).unwrap();
+            let (r_out, r_lse, _) =
+                fused_kernels_core::reference::flash_attention::reference(&q, &k, &v, &g, &p, None);
+            let plan = short_f32(&g).expect("the short kernel serves this shape");
+            let f = function(&gpu, &plan).unwrap();
+            let bytes = encode_f64(&fused, DType::F32);
+            let host = HostTensor::new("qkv", &bytes, vec![b, s, pitch], DType::F32).unwrap();
+            let qkv = fused_kernels_core::cuda::DeviceTensor::upload(&gpu, &host).unwrap();
+            let rows = Strides {
+                sb: s * pitch,
+                ss: pitch,
+                sh: d,
+            };
+            let views = Views {
+                q: rows,
+                k: rows,
+                o: Strides {
+                    sb: s * opitch,
+                    ss: opitch,
+                    sh: d,
+                },
+                qk_norm,
+            };
+            let what = format!("b{b} s{s} h{h} d{d} causal {causal} {window:?} qk_norm {qk_norm}");
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                let dev = |shape: Vec<usize>| {
+                    let mut t =
+                        fused_kernels_core::cuda::DeviceTensor::uninit(&gpu, shape, DType::F32)
+                            .unwrap();
+                    t.fill_bytes(0xFF).unwrap();
+                    t
+                };
+                let (out, lse) = (dev(vec![b, s, opitch]), dev(vec![b, h, s]));
+                let a = fused_kernels_core::cuda::gemm::ptr(&qkv);
+                let addrs = (
+                    a,
+                    a + 4 * hd as u64,
+                    a + 8 * hd as u64,
+                    fused_kernels_core::cuda::gemm::ptr(&out),
+                    fused_kernels_core::cuda::gemm::ptr(&lse),
+                );
+                launch_strided(&gpu.stream, &f, &g, addrs, p, &plan, views).unwrap();
+                let o = out.download().unwrap();
+                let l = decode_f64(&lse.download().unwrap().data, DType::F32);
+                let raw: Vec<u32> = o
+                    .data
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                let mut got = Vec::with_capacity(b * s * hd);
+                for row in 0..b * s {
+                    let r = &raw[row * opitch..(row + 1) * opitch];
+                    assert!(
+                        r[hd..].iter().all(|&x| x == u32::MAX),
+                        "{what}: row {row}'s padding was written"
+                    );
+                    got.extend(r[..hd].iter().map(|&x| f32::from_bits(x) as f64));
+                }
+                let err = rel_l2(&got, &r_out);
+                assert!(err <= 1e-5, "{what}: out rel L2 {err:e}");
+                let err = rel_l2(&l, &r_lse);
+                assert!(err <= 1e-5, "{what}: lse rel L2 {err:e}");
+                runs.push(raw);
+                n += 1;
+            }
+            assert!(runs[0] == runs[1], "{what}: output moved between runs");
+        }
+    }
+    eprintln!("flash_attention fused-row views: {n} GPU runs match the f64 reference");
 }

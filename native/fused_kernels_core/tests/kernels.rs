@@ -245,12 +245,15 @@ fn engine_prefetch_names_instances() {
                     );
                 }
                 Kind::Attention => {
-                    assert!(has("engine_attn_window_f32") && !has("engine_mamba_scan_f32"));
+                    // The window's attention: the short-sequence kernel (ExPhil: window 60,
+                    // head_dim 64).
+                    assert!(has("fa_short_f32_2_2") && !has("engine_mamba_scan_f32"));
                 }
                 _ => {
                     assert!(has("engine_mamba_scan_f32"));
                     assert!(list.iter().any(|(k, _)| k.name == "selective_scan_f32"));
                     assert_eq!(has("engine_attn_frame_f32"), kind == Kind::Jamba);
+                    assert_eq!(has("fa_short_f32_2_2"), kind == Kind::Jamba);
                     // The Mamba window's input projection is the dense op's.
                     assert_eq!(
                         list.iter().any(|(k, _)| k.name == "dense"),

@@ -413,8 +413,9 @@ impl RnnFrame {
 /// The attention/Mamba/Jamba frame kernels (kernels/engine_frame.cu).
 struct FrameFns {
     gemv: CudaFunction,
-    /// Attention/Jamba: the frame's and the window's attention.
-    attn: Option<(CudaFunction, CudaFunction)>,
+    /// Attention/Jamba: the frame's attention (a window's is the short-sequence flash
+    /// attention kernel, `attn_window`).
+    attn: Option<CudaFunction>,
     /// Mamba/Jamba: the frame's conv and scan step.
     mamba: Option<(CudaFunction, CudaFunction)>,
 }
@@ -423,11 +424,11 @@ struct FrameFns {
 const GEMV_COLS: usize = 16;
 const GEMV_STATIC_SMEM: usize = 16448;
 const ATTN_THREADS: u32 = 256;
-/// The most rows (batch × window) a window runs on the GEMV and the window attention kernel.
-/// Measured on the H100 (engine_device, ExPhil's attention backbone): a batch-1 window of 60
-/// takes 126 µs there against 157-165 on the layer ops, a batch-8 window 307 against 209 (the
-/// GEMV re-reads its weights per 8 rows and the window attention runs each query row on one
-/// warp); Jamba 314 against 321 and 572 against 479.
+/// The most rows (batch × window) a window runs on the GEMV kernels. Measured on the H100
+/// (engine_device, ExPhil's attention backbone, with the window attention of the time, one
+/// warp per query row): a batch-1 window of 60 took 126 µs there against 157-165 on the layer
+/// ops, a batch-8 window 307 against 209 (the GEMV re-reads its weights per 8 rows); Jamba 314
+/// against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
@@ -455,11 +456,10 @@ impl FrameFns {
         };
         Some(FrameFns {
             gemv: f("engine_gemv_f32")?,
-            attn: pair(
-                kind != Kind::Mamba,
-                "engine_attn_frame_f32",
-                "engine_attn_window_f32",
-            )?,
+            attn: match kind {
+                Kind::Mamba => None,
+                _ => Some(f("engine_attn_frame_f32")?),
+            },
             mamba: pair(
                 kind != Kind::Attention,
                 "engine_mamba_conv_f32",
@@ -468,7 +468,7 @@ impl FrameFns {
         })
     }
 
-    fn attn(&self) -> Result<&(CudaFunction, CudaFunction)> {
+    fn attn(&self) -> Result<&CudaFunction> {
         self.attn
             .as_ref()
             .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
@@ -480,19 +480,14 @@ impl FrameFns {
             .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
     }
 
-    /// `engine_attn_window_f32`'s dynamic shared memory for a window of `seq` rows.
-    fn window_smem(s: &Spec, seq: usize) -> usize {
-        let d = s.head_dim;
-        4 * (seq * (2 * d + 1) + 8 * (d + seq))
-    }
-
     fn attn_smem(s: &Spec) -> usize {
         4 * (2 * s.window * s.head_dim + s.head_dim + s.window)
     }
 
     /// Whether a frame (`frame`) or a window of `b` × `t` rows runs on these kernels
     /// (`gemv_forward`): every frame, and the attention and Jamba windows of at most
-    /// `GEMV_WINDOW_ROWS` rows, where the rows fit in shared memory.
+    /// `GEMV_WINDOW_ROWS` rows, where the rows fit in shared memory and the short-sequence
+    /// attention kernel serves the window.
     fn takes(s: &Spec, (b, t): (usize, usize), frame: bool) -> bool {
         if !frame && b * t > GEMV_WINDOW_ROWS {
             return false;
@@ -509,9 +504,22 @@ impl FrameFns {
             (Kind::Mamba, true) => true,
             (Kind::Mamba, false) => false,
             (_, true) => Self::attn_smem(s) <= FRAME_SMEM,
-            (_, false) => Self::window_smem(s, t) <= FRAME_SMEM,
+            (_, false) => flash_attention::short_f32(&window_geometry(s, b, t)).is_some(),
         };
         4 * FRAME_MAX_BATCH * widest + GEMV_STATIC_SMEM <= FRAME_SMEM && attn
+    }
+}
+
+/// A window of `b` × `t` rows as the flash attention kernels see it (causal, self-attention).
+fn window_geometry(s: &Spec, b: usize, t: usize) -> flash_attention::Geometry {
+    flash_attention::Geometry {
+        batch: b,
+        heads: s.heads,
+        kv_heads: s.heads,
+        sq: t,
+        sk: t,
+        d: s.head_dim,
+        layout: flash_attention::Layout::Bshd,
     }
 }
 
@@ -1319,7 +1327,7 @@ impl CudaEngine {
         let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
         let qn = qk_norm as i32;
         let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.0);
+        let mut launch = self.gpu.stream.launch_builder(ff.attn()?);
         launch
             .arg(&q)
             .arg(&kc)
@@ -1342,39 +1350,52 @@ impl CudaEngine {
     }
 
     /// A window's causal sliding-window attention over `qkv` `{b, t, 3 hidden}` (q | k | v):
-    /// one `engine_attn_window_f32`; `{b, t, hidden}`.
+    /// one short-sequence flash attention launch on views of the fused rows (QK norm in the
+    /// kernel for Jamba); `{b, t, hidden}`.
     fn attn_window(
         &self,
-        ff: &FrameFns,
         qkv: &DeviceTensor,
         (b, t): (usize, usize),
         qk_norm: bool,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
+        let g = window_geometry(s, b, t);
+        let plan = flash_attention::short_f32(&g)
+            .ok_or_else(|| Error::Cuda("window attention: no short-sequence kernel fits".into()))?;
+        let f = flash_attention::function(&self.gpu, &plan)?;
         let out = self.buf(vec![b, t, s.hidden])?;
-        let (pq, po) = (ptr(qkv), ptr(&out));
-        let (ti, hi, di) = (t as i32, s.heads as i32, s.head_dim as i32);
-        let left = s.window as i32 - 1;
-        let qn = qk_norm as i32;
-        let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let mut launch = self.gpu.stream.launch_builder(&ff.attn()?.1);
-        launch
-            .arg(&pq)
-            .arg(&po)
-            .arg(&ti)
-            .arg(&hi)
-            .arg(&di)
-            .arg(&left)
-            .arg(&qn)
-            .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (s.heads as u32, b as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: FrameFns::window_smem(s, t) as u32,
+        let lse = self.buf(vec![b, s.heads, t])?;
+        let (hid, d) = (s.hidden, s.head_dim);
+        let rows = flash_attention::Strides {
+            sb: t * 3 * hid,
+            ss: 3 * hid,
+            sh: d,
         };
-        // Safety: the kernel's parameters in order; arena buffers of this engine, alive in its
-        // stream's order.
-        unsafe { launch.launch(cfg) }?;
+        let views = flash_attention::Views {
+            q: rows,
+            k: rows,
+            o: flash_attention::Strides {
+                sb: t * hid,
+                ss: hid,
+                sh: d,
+            },
+            qk_norm,
+        };
+        let p = flash_attention::Params::new(
+            flash_attention::Layout::Bshd,
+            None,
+            true,
+            (s.window as i64 - 1, 0),
+        )?;
+        let q = ptr(qkv);
+        let addrs = (
+            q,
+            q + 4 * hid as u64,
+            q + 8 * hid as u64,
+            ptr(&out),
+            ptr(&lse),
+        );
+        flash_attention::launch_strided(&self.gpu.stream, &f, &g, addrs, p, &plan, views)?;
         Ok(out)
     }
 
@@ -1520,8 +1541,8 @@ impl CudaEngine {
     /// `xd` `{b, t, embed}` on the engine's own kernels: every dense one `engine_gemv_f32` (q,
     /// k and v as one, over the kernels joined at load), the post-norms applied by the launches
     /// that read their rows, each attention one `engine_attn_frame_f32` (which also moves the
-    /// caches on) or `engine_attn_window_f32`, each Mamba block of a frame five launches (of a
-    /// window: the block's ops).
+    /// caches on) or one short-sequence flash attention (`attn_window`), each Mamba block of
+    /// a frame five launches (of a window: the block's ops).
     fn gemv_forward(
         &self,
         ff: &FrameFns,
@@ -1559,7 +1580,7 @@ impl CudaEngine {
                 let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, &qkv, st, l - 1, false)?,
-                    None => self.attn_window(ff, &qkv, bt, false)?,
+                    None => self.attn_window(&qkv, bt, false)?,
                 };
                 let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
@@ -1590,7 +1611,7 @@ impl CudaEngine {
                 let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, &qkv, st, l - 1, true)?,
-                    None => self.attn_window(ff, &qkv, bt, true)?,
+                    None => self.attn_window(&qkv, bt, true)?,
                 };
                 y = self.gemv(
                     ff,

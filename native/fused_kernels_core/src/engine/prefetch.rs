@@ -9,10 +9,10 @@ use super::plan::{Kind, Spec};
 use crate::cuda::{cluster, Gpu};
 use crate::dtype::DType;
 use crate::kernels::{
-    kernel_name, Kernel, DENSE, ENGINE_FRAME, ENGINE_RNN, MAMBA_BLOCK, NORM, RNN_CLUSTER,
-    SELECTIVE_SCAN_F32, STREAM_STATE,
+    kernel_name, Kernel, DENSE, ENGINE_FRAME, ENGINE_RNN, FLASH_ATTENTION, MAMBA_BLOCK, NORM,
+    RNN_CLUSTER, SELECTIVE_SCAN_F32, STREAM_STATE,
 };
-use crate::ops::{dense, selective_scan};
+use crate::ops::{dense, flash_attention, selective_scan};
 
 /// The programs (file, function) of `spec`'s engine on `gpu`, each once.
 pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
@@ -21,8 +21,9 @@ pub fn programs(spec: &Spec, gpu: &Gpu) -> Vec<(&'static Kernel, String)> {
 }
 
 /// [`programs`] on a GPU that routes as compute capability `cap` with `sms` multiprocessors.
-/// A batch-1 window of an attention or Jamba backbone runs on the engine's GEMV and window
-/// attention kernels (`engine_frame.cu`; `FrameFns::takes`), a Mamba window on the layer ops
+/// A batch-1 window of an attention or Jamba backbone runs on the engine's GEMV kernel
+/// (`engine_frame.cu`) and the short-sequence flash attention kernel (`FrameFns::takes`), a
+/// Mamba window on the layer ops
 /// (dense input projection, the Mamba block), a recurrent window on the RNN op (clusters from
 /// sm_90) with LayerNorms between; frames run on the engine's own kernels.
 pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Kernel, String)> {
@@ -47,7 +48,7 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
         Kind::Attention => {
             out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
             out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
-            out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
+            out.attention_window(spec);
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
         }
         Kind::Mamba | Kind::Jamba => {
@@ -56,7 +57,7 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
             out.add(&ENGINE_FRAME, kernel_name("engine_mamba_scan", &[&f32]));
             if spec.kind == Kind::Jamba {
                 out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
-                out.add(&ENGINE_FRAME, kernel_name("engine_attn_window", &[&f32]));
+                out.attention_window(spec);
             } else {
                 out.dense(&gpu, spec.window, spec.embed, spec.hidden);
             }
@@ -97,6 +98,22 @@ impl Programs {
             .any(|(k, f)| k.name == kernel.name && *f == function)
         {
             self.0.push((kernel, function));
+        }
+    }
+
+    /// The short-sequence attention kernel of a batch-1 window (`CudaEngine::attn_window`).
+    fn attention_window(&mut self, spec: &Spec) {
+        let g = flash_attention::Geometry {
+            batch: 1,
+            heads: spec.heads,
+            kv_heads: spec.heads,
+            sq: spec.window,
+            sk: spec.window,
+            d: spec.head_dim,
+            layout: flash_attention::Layout::Bshd,
+        };
+        if let Some(plan) = flash_attention::short_f32(&g) {
+            self.add(&FLASH_ATTENTION, plan.function);
         }
     }
 

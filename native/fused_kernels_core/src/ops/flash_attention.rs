@@ -9,7 +9,7 @@ use crate::cpu::{arena, pool, Isa};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
-use crate::error::{arg_error, Result};
+use crate::error::{arg_error, Error, Result};
 use crate::kernels::FLASH_ATTENTION;
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{fmt_shape, HostTensor, OwnedTensor};
@@ -101,10 +101,10 @@ pub struct Geometry {
 
 /// Strides of element (b, s, h, d) as `b*sb + s*ss + h*sh + d`.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Strides {
-    pub(crate) sb: usize,
-    pub(crate) ss: usize,
-    pub(crate) sh: usize,
+pub struct Strides {
+    pub sb: usize,
+    pub ss: usize,
+    pub sh: usize,
 }
 
 impl Geometry {
@@ -1344,6 +1344,10 @@ struct FaArgs {
     k_sb: i64,
     k_ss: i64,
     k_sh: i64,
+    o_sb: i64,
+    o_ss: i64,
+    o_sh: i64,
+    qk_norm: i32,
 }
 
 unsafe impl DeviceRepr for FaArgs {}
@@ -1409,6 +1413,13 @@ fn short_plan(g: &Geometry, tname: &str, nd: usize) -> Option<Plan> {
         rows: 4 / kc,
         shared_bytes: short_shared_bytes(nd, kc),
     })
+}
+
+/// The short-sequence f32 kernel's plan for `g` where it serves (the backbone engine launches
+/// it on views of its fused q|k|v rows through `launch_strided`).
+pub fn short_f32(g: &Geometry) -> Option<Plan> {
+    let nd = [1, 2, 3, 4, 6].into_iter().find(|n| 32 * n >= g.d)?;
+    short_plan(g, "f32", nd)
 }
 
 /// Longest query sequence routed to the short-sequence kernel (longer ones have blocks
@@ -1549,11 +1560,48 @@ pub fn launch_on(
     stream: &CudaStream,
     f: &CudaFunction,
     g: &Geometry,
-    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
+    addrs: (u64, u64, u64, u64, u64),
     p: Params,
     plan: &Plan,
 ) -> Result<()> {
-    let (qs, ks) = (g.q_strides(), g.k_strides());
+    let views = Views {
+        q: g.q_strides(),
+        k: g.k_strides(),
+        o: g.q_strides(),
+        qk_norm: false,
+    };
+    launch_strided(stream, f, g, addrs, p, plan, views)
+}
+
+/// How a launch addresses its operands when they are views into wider rows (element (b, s, h,
+/// d) of q at `b*sb + s*ss + h*sh + d`; v shares k's strides), and whether q and k rows are
+/// LayerNormed (unit gain, zero shift, eps 1e-6: Jamba's QK norm) before the scores.
+#[derive(Clone, Copy, Debug)]
+pub struct Views {
+    pub q: Strides,
+    pub k: Strides,
+    pub o: Strides,
+    pub qk_norm: bool,
+}
+
+/// `launch_on` with the operands' strides given (`views`). The QK norm is served by the
+/// short-sequence kernel only.
+pub fn launch_strided(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    g: &Geometry,
+    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
+    p: Params,
+    plan: &Plan,
+    views: Views,
+) -> Result<()> {
+    if views.qk_norm && !plan.function.starts_with("fa_short_") {
+        return Err(Error::Cuda(format!(
+            "{}: the QK norm is served by the short-sequence kernel only",
+            plan.function
+        )));
+    }
+    let (qs, ks, os) = (views.q, views.k, views.o);
     let (left, right) = p.bounds();
     // Windows wider than any sequence are unbounded; this keeps them in i32.
     let clamp = |w: i64| {
@@ -1586,6 +1634,10 @@ pub fn launch_on(
         k_sb: ks.sb as i64,
         k_ss: ks.ss as i64,
         k_sh: ks.sh as i64,
+        o_sb: os.sb as i64,
+        o_ss: os.ss as i64,
+        o_sh: os.sh as i64,
+        qk_norm: views.qk_norm as i32,
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
