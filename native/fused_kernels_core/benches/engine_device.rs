@@ -11,9 +11,12 @@
 //! `cuProfilerStart`/`cuProfilerStop`, for `ncu --profile-from-start off` (the warm-up and
 //! the capture stay out of the report).
 //!
+//! `--rnn-graphs` replays the LSTM/GRU frames (one kernel) from a CUDA graph per state
+//! instead of launching the kernel directly (`CudaEngine::set_rnn_frame_graphs`).
+//!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
-//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--json FILE]. One JSON line per
-//! (case, what).
+//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--rnn-graphs] [--json FILE]. One
+//! JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -68,6 +71,7 @@ fn main() {
     let iters: usize = cli.value::<usize>("--iters").unwrap_or(300).max(1);
     let warm: Option<usize> = cli.value("--warm");
     let profile_last: Option<usize> = cli.value("--profile-last");
+    let rnn_graphs = cli.flag("--rnn-graphs");
     // The profiler range opens before the last `n` of `total` calls (call `i`); `stop`
     // closes it after the loop.
     let profile = |i: usize, total: usize| {
@@ -94,6 +98,7 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        e.set_rnn_frame_graphs(rnn_graphs);
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -102,7 +107,7 @@ fn main() {
             let (med, p99) = stats(times);
             let finite = y.iter().all(|v| v.is_finite());
             out.line(&format!(
-                "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite}}}",
+                "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"rnn_graphs\":{rnn_graphs},\"finite\":{finite}}}",
                 if w == "window" { t } else { 1 }
             ));
         };

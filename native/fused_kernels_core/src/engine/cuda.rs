@@ -41,7 +41,7 @@ use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -121,6 +121,8 @@ struct Shape {
     /// `input`'s device address when the first layer reads it in place (`mapped_input`).
     input_dev: Option<u64>,
     output: PinnedBytes,
+    /// `output`'s device address when the frame kernel writes it in place (`rnn_fused`).
+    output_dev: Option<u64>,
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
@@ -188,6 +190,8 @@ pub struct CudaEngine {
     frame: Option<FrameFns>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
+    /// `set_rnn_frame_graphs`.
+    rnn_frame_graphs: AtomicBool,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     _blas_workspace: Option<DeviceTensor>,
@@ -232,6 +236,9 @@ pub struct CudaState {
     /// Unique per state: the graphs captured for it are found by it.
     id: u64,
     layers: Vec<Vec<DeviceTensor>>,
+    /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
+    /// kernel's `FkErState` table.
+    rnn_table: Option<DeviceTensor>,
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -290,12 +297,13 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
         .try_for_each(|(s, n)| s.copy_from(n))
 }
 
-/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`)
-/// and warps per block (`FK_ER_WARPS`); the batch-row limit is also `engine_gemv_f32`'s rows per
-/// block (`FK_EG_MAXB`).
-const FRAME_UNITS: usize = 8;
+/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`),
+/// its threads per block and row lanes (`FK_ER_LANES`); the batch-row limit is also
+/// `engine_gemv_f32`'s rows per block (`FK_EG_MAXB`).
+const FRAME_UNITS: usize = 4;
 const FRAME_MAX_BATCH: usize = 8;
-const FRAME_WARPS: usize = 8;
+const FRAME_THREADS: usize = 256;
+const FRAME_LANES: usize = 16;
 /// Shared memory the frame kernel may use without an opt-in, on every GPU.
 const FRAME_SMEM: usize = 48 << 10;
 
@@ -306,17 +314,31 @@ struct FrameLayer {
     wi: DeviceTensor,
     wh: DeviceTensor,
     bias: DeviceTensor,
-    input: usize,
 }
 
+/// The one-launch LSTM/GRU frame (kernels/engine_rnn.cu) and everything it reads besides the
+/// frame and the stream's state, made once at load.
 struct RnnFrame {
     f: CudaFunction,
-    layers: Vec<FrameLayer>,
+    /// Owns the blocked weights that `table` points at.
+    _layers: Vec<FrameLayer>,
+    /// Per layer the kernel's `FkErLayer`: wi, wh, bias, the layer's norm gamma and beta
+    /// (device addresses) and its input width, as 6 words.
+    table: DeviceTensor,
+    /// The input LayerNorm's gamma and beta.
+    input_norm: (u64, u64),
+    /// Per layer the new h and c of `FRAME_MAX_BATCH` rows, then the frame: the kernel's
+    /// `scratch`.
+    scratch: DeviceTensor,
+    /// `layers + 2` zeroed words: the kernel's block order, frame-ready flag and per-layer
+    /// counts (it leaves them zeroed).
+    sync: DeviceTensor,
+    layers: usize,
+    /// The widest layer input (the embedding or hidden).
+    widest: usize,
     /// The dynamic shared memory a launch may use: opted in at load up to what batch
     /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
     smem_limit: usize,
-    /// One zeroed ticket per layer (the kernel's last-block count; it resets its own).
-    tickets: DeviceTensor,
 }
 
 /// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
@@ -340,17 +362,40 @@ fn block_units(w: &[f32], rows: usize, gates: usize, h: usize) -> Vec<f32> {
     out
 }
 
+/// 64-bit words (device addresses, sizes) uploaded as a kernel's parameter table.
+fn upload_words(gpu: &Arc<Gpu>, name: &str, words: &[u64]) -> Result<DeviceTensor> {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    DeviceTensor::upload(
+        gpu,
+        &HostTensor::new(name, &bytes, vec![2 * words.len()], DType::F32)?,
+    )
+}
+
 impl RnnFrame {
-    /// The blocked weights of every RNN layer of `plan`, uploaded; None for backbones without
-    /// RNN layers or where the kernel cannot be built on this device.
-    fn new(gpu: &Arc<Gpu>, plan: &Plan) -> Result<Option<RnnFrame>> {
-        if !matches!(plan.spec.kind, Kind::Lstm | Kind::Gru) {
+    /// The blocked weights of every RNN layer of `plan`, uploaded, with the norms' addresses
+    /// from `weights`; None for backbones without RNN layers or where the kernel cannot be
+    /// built on this device.
+    fn new(
+        gpu: &Arc<Gpu>,
+        plan: &Plan,
+        weights: &HashMap<String, DeviceTensor>,
+    ) -> Result<Option<RnnFrame>> {
+        let s = &plan.spec;
+        if !matches!(s.kind, Kind::Lstm | Kind::Gru) {
             return Ok(None);
         }
         let Ok(f) = gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32") else {
             return Ok(None);
         };
+        let addr = |name: &str| -> Result<u64> {
+            weights
+                .get(name)
+                .map(ptr)
+                .ok_or_else(|| arg_error(format!("params: \"{name}\" is missing")))
+        };
         let mut layers = Vec::new();
+        let mut words = Vec::new();
+        let mut widest = 0;
         for op in &plan.ops {
             if let Op::Rnn {
                 cell,
@@ -367,46 +412,60 @@ impl RnnFrame {
                 let width = g * FRAME_UNITS;
                 let wi = block_units(&plan.weights[*w_in], *input, g, h);
                 let wh = block_units(&plan.weights[*w_h], h, g, h);
-                layers.push(FrameLayer {
+                let lay = FrameLayer {
                     wi: upload(gpu, "frame wi", vec![blocks * input, width], &wi)?,
                     wh: upload(gpu, "frame wh", vec![blocks * h, width], &wh)?,
                     bias: upload(gpu, "frame bias", vec![4 * h], &plan.weights[*bias])?,
-                    input: *input,
-                });
+                };
+                let norm = format!("rnn_{}_norm", layers.len() + 1);
+                words.extend_from_slice(&[
+                    ptr(&lay.wi),
+                    ptr(&lay.wh),
+                    ptr(&lay.bias),
+                    addr(&format!("{norm}/gamma"))?,
+                    addr(&format!("{norm}/beta"))?,
+                    *input as u64,
+                ]);
+                widest = widest.max(*input);
+                layers.push(lay);
             }
         }
-        let tickets = zeros(gpu, vec![layers.len().max(1)])?;
-        let widest = layers
-            .iter()
-            .map(|l| Self::smem(FRAME_MAX_BATCH, l.input, plan.spec.hidden))
-            .max()
-            .unwrap_or(0);
+        if layers.is_empty() {
+            return Err(arg_error("params: at least one layer is needed"));
+        }
+        let n = layers.len();
+        let scratch = zeros(
+            gpu,
+            vec![n * 2 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
+        )?;
+        let most = Self::smem(FRAME_MAX_BATCH, widest, s.hidden);
         let smem_limit =
-            if widest > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, widest).is_ok() {
-                widest
+            if most > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, most).is_ok() {
+                most
             } else {
                 FRAME_SMEM
             };
         Ok(Some(RnnFrame {
             f,
-            layers,
+            table: upload_words(gpu, "frame layers", &words)?,
+            _layers: layers,
+            input_norm: (addr("input_norm/gamma")?, addr("input_norm/beta")?),
+            scratch,
+            sync: zeros(gpu, vec![n + 2])?,
+            layers: n,
+            widest,
             smem_limit,
-            tickets,
         }))
     }
 
-    /// Dynamic shared memory of a layer's launch at `batch` (kernels/engine_rnn.cu).
+    /// Dynamic shared memory of a launch at `batch` (kernels/engine_rnn.cu).
     fn smem(batch: usize, input: usize, hidden: usize) -> usize {
-        4 * (batch * (input + hidden) + FRAME_WARPS * batch * 64)
+        4 * (batch * (input + hidden) + FRAME_LANES * batch * 32)
     }
 
-    /// Whether every layer of a frame of `batch` rows runs on the frame kernel.
+    /// Whether a frame of `batch` rows runs on the frame kernel.
     fn takes(&self, batch: usize, hidden: usize) -> bool {
-        batch <= FRAME_MAX_BATCH
-            && self
-                .layers
-                .iter()
-                .all(|l| Self::smem(batch, l.input, hidden) <= self.smem_limit)
+        batch <= FRAME_MAX_BATCH && Self::smem(batch, self.widest, hidden) <= self.smem_limit
     }
 }
 
@@ -599,13 +658,36 @@ fn concat_frame_kernels(
     Ok(out)
 }
 
+/// The device address of page-locked staging that a kernel reads or writes in place instead
+/// of a copy node moving it (None where the driver gives none: the caller copies). A copy node
+/// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies completes in
+/// 10.3 µs, an empty one in 1.2 µs). Used for the recurrent backbones' windows, whose first
+/// layer is a LayerNorm streaming its input rows once (reading the window in place took the
+/// GRU windows from 240 to 230 µs), and by the one-launch LSTM/GRU frame, which reads the
+/// frame once (its first block publishes it to the others) and writes its output rows once.
+/// Not for the backbones that start with a GEMM, which would fetch its input over the bus
+/// once per output tile.
+fn mapped(p: &PinnedBytes) -> Option<u64> {
+    if p.is_empty() {
+        return None;
+    }
+    let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+    // Safety: `p` is page-locked memory from cuMemHostAlloc, alive for the call.
+    let r = unsafe {
+        cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+            &mut dev,
+            p.bytes().as_ptr() as *mut std::ffi::c_void,
+            0,
+        )
+    };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && dev != 0).then_some(dev)
+}
+
 impl CudaEngine {
     /// Checks `params` against `spec` exactly as the CPU plan does, then uploads them.
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
-        let rnn_frame = RnnFrame::new(&gpu, &plan)?;
-        drop(plan);
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
         let qkv = if frame.is_some() {
@@ -636,6 +718,8 @@ impl CudaEngine {
                 e.insert(t);
             }
         }
+        let rnn_frame = RnnFrame::new(&gpu, &plan, &weights)?;
+        drop(plan);
         let d = spec.head_dim;
         let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
         // Best effort: without a workspace of its own cuBLAS uses its default one, and a GEMM
@@ -651,6 +735,7 @@ impl CudaEngine {
             rnn_frame,
             frame,
             shapes: Mutex::new(Vec::new()),
+            rnn_frame_graphs: AtomicBool::new(false),
             _blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
@@ -700,6 +785,9 @@ impl CudaEngine {
             Some(i) => i,
             None => {
                 let input = PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?;
+                let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
+                let fused = self.rnn_fused(key);
+                let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
                 shapes.push(Shape {
                     key,
                     arena: Arena {
@@ -708,13 +796,14 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if t > 1 {
-                        self.mapped_input(&input)
+                    input_dev: if (recurrent && t > 1) || fused {
+                        mapped(&input)
                     } else {
                         None
                     },
                     input,
-                    output: PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?,
+                    output_dev: if fused { mapped(&output) } else { None },
+                    output,
                     warm: false,
                     graphs: Vec::new(),
                 });
@@ -730,6 +819,11 @@ impl CudaEngine {
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
             (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
+            // One kernel reading and writing the staging in place: launched directly unless
+            // asked to replay it from a graph (`set_rnn_frame_graphs`).
+            _ if self.rnn_fused(key) && sh.input_dev.is_some() && sh.output_dev.is_some() => {
+                self.rnn_frame_graphs.load(Ordering::Relaxed)
+            }
             _ => true,
         };
         let generation = sh.arena.generation;
@@ -803,7 +897,16 @@ impl CudaEngine {
                     attempts: 1,
                 });
             }
-            _ => self.eager(sh, state)?,
+            _ => match prof.as_deref_mut() {
+                // A one-kernel frame launched directly is timed like a replay.
+                Some(p) if !graphable && self.rnn_fused(key) => {
+                    p.events.0.record(&self.gpu.stream)?;
+                    self.eager(sh, state)?;
+                    p.events.1.record(&self.gpu.stream)?;
+                    replayed = true;
+                }
+                _ => self.eager(sh, state)?,
+            },
         }
         let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
@@ -834,6 +937,15 @@ impl CudaEngine {
     /// The layers queued on the engine's stream, every buffer from `sh`'s arena.
     fn enqueue(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
         let (b, t, _) = sh.key;
+        if let (true, Some(rf), Some(st), Some(x), Some(o)) = (
+            self.rnn_fused(sh.key),
+            &self.rnn_frame,
+            state.as_deref(),
+            sh.input_dev,
+            sh.output_dev,
+        ) {
+            return self.rnn_frame(rf, x, o, st);
+        }
         let Shape {
             arena,
             input,
@@ -861,30 +973,20 @@ impl CudaEngine {
         })
     }
 
-    /// The device address of the page-locked `input` when the first layer should read a
-    /// window in place instead of a copy node putting it in device memory first. A copy node
-    /// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies
-    /// completes in 10.3 µs, an empty one in 1.2 µs); reading the window inside the first
-    /// kernel instead took the GRU windows from 240 to 230 µs (2 x 256, window 60) and from
-    /// 73 to 69 µs (1 layer, window 16), but the frames from 70 to 76 and 45 to 51 µs, so
-    /// frames keep the copy (the caller passes only windows here). Only for the recurrent
-    /// backbones, whose first layer is a LayerNorm streaming its input rows; the others
-    /// start with a GEMM, which would fetch its input over the bus once per output tile.
-    /// None (copy) where the driver gives no device address.
-    fn mapped_input(&self, input: &PinnedBytes) -> Option<u64> {
-        if !matches!(self.spec.kind, Kind::Lstm | Kind::Gru) || input.is_empty() {
-            return None;
-        }
-        let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
-        // Safety: `input` is page-locked memory from cuMemHostAlloc, alive for the call.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
-                &mut dev,
-                input.bytes().as_ptr() as *mut std::ffi::c_void,
-                0,
-            )
-        };
-        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && dev != 0).then_some(dev)
+    /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
+    fn rnn_fused(&self, (b, _, frame): (usize, usize, bool)) -> bool {
+        frame
+            && self
+                .rnn_frame
+                .as_ref()
+                .is_some_and(|rf| rf.takes(b, self.spec.hidden))
+    }
+
+    /// Replays LSTM/GRU frames on the one-launch frame kernel from a CUDA graph per state
+    /// (`true`) instead of launching the kernel directly (the default): the A/B that
+    /// benches/engine_device measures.
+    pub fn set_rnn_frame_graphs(&self, on: bool) {
+        self.rnn_frame_graphs.store(on, Ordering::Relaxed);
     }
 
     fn eager(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
@@ -1163,81 +1265,60 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
-    /// An LSTM/GRU frame `xd` `{b, 1, embed}`: one `engine_rnn_frame_f32` launch per layer,
-    /// each reading the previous one's normalised output (the first normalises the frame
-    /// itself), updating its state in place. Returns the last layer's `{b, 1, hidden}`.
-    fn rnn_frame(
-        &self,
-        rf: &RnnFrame,
-        xd: &DeviceTensor,
-        st: &mut CudaState,
-    ) -> Result<DeviceTensor> {
+    /// An LSTM/GRU frame of `st.batch` rows read from `x` (a device address: the page-locked
+    /// staging mapped into the device, or a device copy) in one `engine_rnn_frame_f32`
+    /// launch: every layer, the state moved on in place, the last layer's normalised `{batch,
+    /// hidden}` written to `out` (likewise). The arguments are passed from the stack: nothing
+    /// is allocated.
+    fn rnn_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<()> {
         let s = &self.spec;
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
         let (b, h) = (st.batch, s.hidden);
-        let lstm = s.kind == Kind::Lstm;
-        let mut x = ptr(xd);
-        let mut out = None;
-        for (l, lay) in rf.layers.iter().enumerate() {
-            let h_new = self.buf(vec![b, h])?;
-            let c_new = self.buf(vec![b, h])?;
-            let y = self.buf(vec![b, 1, h])?;
-            // Axon's order: LSTM [c, h], GRU [h].
-            let state = &st.layers[l];
-            let (hp, cp) = if lstm {
-                (ptr(&state[1]), ptr(&state[0]))
-            } else {
-                (ptr(&state[0]), 0u64)
-            };
-            let (ig, ib) = if l == 0 {
-                (
-                    ptr(self.dw("input_norm/gamma")?),
-                    ptr(self.dw("input_norm/beta")?),
-                )
-            } else {
-                (0u64, 0u64)
-            };
-            let name = format!("rnn_{}_norm", l + 1);
-            let g = ptr(self.dw(&format!("{name}/gamma"))?);
-            let be = ptr(self.dw(&format!("{name}/beta"))?);
-            let (wi, wh, bias) = (ptr(&lay.wi), ptr(&lay.wh), ptr(&lay.bias));
-            let (hn, cn, yp) = (ptr(&h_new), ptr(&c_new), ptr(&y));
-            let ticket = ptr(&rf.tickets) + 4 * l as u64;
-            let eps = s.norm_eps as f32;
-            let (bi, ii, hi, li) = (b as i32, lay.input as i32, h as i32, lstm as i32);
-            let mut launch = self.gpu.stream.launch_builder(&rf.f);
-            launch
-                .arg(&x)
-                .arg(&ig)
-                .arg(&ib)
-                .arg(&eps)
-                .arg(&wi)
-                .arg(&wh)
-                .arg(&bias)
-                .arg(&hp)
-                .arg(&cp)
-                .arg(&hn)
-                .arg(&cn)
-                .arg(&g)
-                .arg(&be)
-                .arg(&eps)
-                .arg(&yp)
-                .arg(&ticket)
-                .arg(&bi)
-                .arg(&ii)
-                .arg(&hi)
-                .arg(&li);
-            let cfg = LaunchConfig {
-                grid_dim: (h.div_ceil(FRAME_UNITS) as u32, 1, 1),
-                block_dim: ((FRAME_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: RnnFrame::smem(b, lay.input, h) as u32,
-            };
-            // Safety: the kernel's parameters in order; every address is a weight, a state
-            // tensor or an arena buffer of this engine, alive in its stream's order.
-            unsafe { launch.launch(cfg) }?;
-            x = yp;
-            out = Some(y);
+        let (mut x, mut out) = (x, out);
+        let (mut ig, mut ib) = rf.input_norm;
+        let (mut lt, mut stt) = (ptr(&rf.table), ptr(table));
+        let (mut sc, mut sy) = (ptr(&rf.scratch), ptr(&rf.sync));
+        let mut eps = s.norm_eps as f32;
+        let (mut nl, mut bi, mut hi) = (rf.layers as i32, b as i32, h as i32);
+        let mut li = (s.kind == Kind::Lstm) as i32;
+        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+            v as *mut T as *mut std::ffi::c_void
         }
-        out.ok_or_else(|| arg_error("params: at least one layer is needed"))
+        let mut params = [
+            arg(&mut x),
+            arg(&mut ig),
+            arg(&mut ib),
+            arg(&mut lt),
+            arg(&mut stt),
+            arg(&mut sc),
+            arg(&mut eps),
+            arg(&mut out),
+            arg(&mut sy),
+            arg(&mut nl),
+            arg(&mut bi),
+            arg(&mut hi),
+            arg(&mut li),
+        ];
+        let grid = (rf.layers * h.div_ceil(FRAME_UNITS)) as u32;
+        let smem = RnnFrame::smem(b, rf.widest, h) as u32;
+        self.gpu.bind()?;
+        // Safety: the kernel's parameters in order, each a live local of the right type;
+        // every address is a weight, table, scratch or state tensor of this engine or the
+        // shape's staging, alive in its stream's order.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                rf.f.cu_function(),
+                (grid, 1, 1),
+                (FRAME_THREADS as u32, 1, 1),
+                smem,
+                self.gpu.stream.cu_stream(),
+                &mut params,
+            )
+        }?;
+        Ok(())
     }
 
     /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
@@ -1633,7 +1714,9 @@ impl CudaEngine {
             Kind::Lstm | Kind::Gru => {
                 if let (Some(rf), Some(st)) = (&self.rnn_frame, state.as_deref_mut()) {
                     if rf.takes(st.batch, s.hidden) {
-                        return self.rnn_frame(rf, xd, st);
+                        let y = self.buf(vec![st.batch, 1, s.hidden])?;
+                        self.rnn_frame(rf, ptr(xd), ptr(&y), st)?;
+                        return Ok(y);
                     }
                 }
                 let mut y = self.norm(&Operand::Device(xd), "input_norm", s.norm_eps)?;
@@ -1754,12 +1837,28 @@ impl CudaEngine {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        let rnn_table = match s.kind {
+            Kind::Lstm | Kind::Gru => {
+                // Axon's order: LSTM [c, h], GRU [h].
+                let words: Vec<u64> = layers
+                    .iter()
+                    .flat_map(|st| match &st[..] {
+                        [c, h] => [ptr(h), ptr(c)],
+                        [h] => [ptr(h), 0],
+                        _ => [0, 0],
+                    })
+                    .collect();
+                Some(upload_words(&self.gpu, "frame states", &words)?)
+            }
+            _ => None,
+        };
         self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
             frames: 0,
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
+            rnn_table,
         })
     }
 
