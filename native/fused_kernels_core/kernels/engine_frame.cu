@@ -145,13 +145,15 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
 
 // qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
 // head_dim}: shifted by one row in place, the frame's k/v rows appended last. out {batch,
-// hidden}. valid: how many of the newest rows the query sees (1..window). qk_norm: LayerNorm of
+// hidden}. valid_at: how many of the newest rows the query sees (1..window), read from the device
+// (it follows the frame in the engine's input, so one captured graph serves every frame count
+// while the cache fills). qk_norm: LayerNorm of
 // q and k over head_dim (unit gain, zero shift, eps 1e-6) before anything else. Grid (heads,
 // batch). Dynamic shared memory: 4·(2·window·head_dim + head_dim + window) bytes.
 extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     engine_attn_frame_f32(const float* __restrict__ qkv, float* kc, float* vc,
                           float* __restrict__ out, int heads, int head_dim, int window,
-                          int valid, int qk_norm, float scale) {
+                          const int* __restrict__ valid_at, int qk_norm, float scale) {
   if constexpr (FK_WANT(engine_attn_frame_f32)) {
     extern __shared__ float fk_ea_smem[];
     const int d = head_dim, hidden = heads * head_dim;
@@ -212,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
         vc[base + (long long)t * hidden + j] = vs[i];
       }
     }
-    const int first = window - valid;
+    const int first = window - *valid_at;
     for (int t = first + warp; t < window; t += FK_EA_WARPS) {
       float s = 0.0f;
       for (int j = lane; j < d; j += 32) s = fmaf(qs[j], ks[t * d + j], s);

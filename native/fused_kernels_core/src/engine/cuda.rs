@@ -256,6 +256,20 @@ fn zeros(gpu: &Arc<Gpu>, shape: Vec<usize>) -> Result<DeviceTensor> {
     Ok(t)
 }
 
+/// Words after a counted frame's rows in its staging (`CudaEngine::counted`): the count, padded
+/// to 16 bytes.
+const COUNT_WORDS: usize = 4;
+
+/// The first `shape` values of a device tensor (a view: same allocation, kept alive by the
+/// arena that served it).
+fn reshaped_view(t: DeviceTensor, shape: Vec<usize>) -> DeviceTensor {
+    if t.numel() == shape.iter().product::<usize>() {
+        return reshaped(t, shape);
+    }
+    // Safety: a prefix of `t`'s allocation, an arena slot alive as long as the shape.
+    unsafe { DeviceTensor::borrowed(&t.gpu, ptr(&t), shape, DType::F32) }
+}
+
 /// A device tensor viewed under another shape of the same size (a view: same allocation).
 fn reshaped(mut t: DeviceTensor, shape: Vec<usize>) -> DeviceTensor {
     debug_assert_eq!(t.numel(), shape.iter().product::<usize>());
@@ -784,7 +798,8 @@ impl CudaEngine {
         let i = match shapes.iter().position(|sh| sh.key == key) {
             Some(i) => i,
             None => {
-                let input = PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?;
+                let extra = if self.counted(key) { COUNT_WORDS } else { 0 };
+                let input = PinnedBytes::new(&self.gpu, (b * t * s.embed + extra) * 4)?;
                 let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
                 let fused = self.rnn_fused(key);
                 let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
@@ -814,16 +829,24 @@ impl CudaEngine {
         let t1 = prof.as_ref().map(|_| Instant::now());
         // The caller writes the input straight into the page-locked staging (no host copy
         // of its own, no allocation).
-        fill(pinned_f32_mut(&mut sh.input)?);
+        let staged = pinned_f32_mut(&mut sh.input)?;
+        let n = b * t * s.embed;
+        fill(&mut staged[..n]);
+        if let (Some(st), Some(word)) = (&state, staged.get_mut(n)) {
+            // The attention frame kernel's `valid_at` (`counted`).
+            *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
+        }
         let t2 = prof.as_ref().map(|_| Instant::now());
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
-            (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
+            // Layer ops take the count of cached rows as a host argument: a graph holds
+            // only once the cache is full. The frame kernels read it from the input.
+            (Some(st), Kind::Attention | Kind::Jamba) if !self.counted(key) => {
+                st.frames >= s.window as u64
+            }
             // One kernel reading and writing the staging in place: launched directly unless
             // asked to replay it from a graph (`set_rnn_frame_graphs`).
-            _ if self.rnn_fused(key) && sh.input_dev.is_some() && sh.output_dev.is_some() => {
-                self.rnn_frame_graphs.load(Ordering::Relaxed)
-            }
+            _ if self.rnn_direct(sh) => false,
             _ => true,
         };
         let generation = sh.arena.generation;
@@ -899,7 +922,7 @@ impl CudaEngine {
             }
             _ => match prof.as_deref_mut() {
                 // A one-kernel frame launched directly is timed like a replay.
-                Some(p) if !graphable && self.rnn_fused(key) => {
+                Some(p) if self.rnn_direct(sh) => {
                     p.events.0.record(&self.gpu.stream)?;
                     self.eager(sh, state)?;
                     p.events.1.record(&self.gpu.stream)?;
@@ -964,13 +987,26 @@ impl CudaEngine {
                 // between calls, after the stream was waited for.
                 Some(addr) => unsafe { DeviceTensor::borrowed(&self.gpu, addr, shape, DType::F32) },
                 None => {
-                    let mut xd = self.buf(shape)?;
+                    // With the count word (`counted`) after the rows: copied along, read by
+                    // the attention frame kernel right after the rows.
+                    let mut xd = self.buf(vec![input.len() / 4])?;
                     xd.copy_from_pinned(input)?;
-                    xd
+                    reshaped_view(xd, shape)
                 }
             };
             self.forward(&xd, state)?.copy_to_pinned(output)
         })
+    }
+
+    /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
+    /// input staging carries the count of cached rows the query sees after the frame
+    /// (`COUNT_WORDS`), so that one graph per state replays from the second frame on instead
+    /// of the first `window` frames running eagerly (they were the p99 of a stream's frames).
+    fn counted(&self, (b, t, frame): (usize, usize, bool)) -> bool {
+        frame
+            && matches!(self.spec.kind, Kind::Attention | Kind::Jamba)
+            && self.frame.is_some()
+            && FrameFns::takes(&self.spec, (b, t), true)
     }
 
     /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
@@ -980,6 +1016,15 @@ impl CudaEngine {
                 .rnn_frame
                 .as_ref()
                 .is_some_and(|rf| rf.takes(b, self.spec.hidden))
+    }
+
+    /// Whether `sh`'s calls launch the one-launch LSTM/GRU frame kernel directly on the
+    /// staging (no graph).
+    fn rnn_direct(&self, sh: &Shape) -> bool {
+        self.rnn_fused(sh.key)
+            && sh.input_dev.is_some()
+            && sh.output_dev.is_some()
+            && !self.rnn_frame_graphs.load(Ordering::Relaxed)
     }
 
     /// Replays LSTM/GRU frames on the one-launch frame kernel from a CUDA graph per state
@@ -1037,6 +1082,9 @@ impl CudaEngine {
             .iter()
             .map(|sh| {
                 let (b, t, f) = sh.key;
+                if sh.warm && sh.graphs.is_empty() && self.rnn_direct(sh) {
+                    return (b, t, f, vec!["kernel".to_string()]);
+                }
                 let notes = sh
                     .graphs
                     .iter()
@@ -1377,11 +1425,12 @@ impl CudaEngine {
     }
 
     /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
-    /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`.
+    /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`. `valid_at`: the device
+    /// address of the count of cached rows the query sees (`counted`).
     fn attn_frame(
         &self,
         ff: &FrameFns,
-        qkv: &DeviceTensor,
+        (qkv, valid_at): (&DeviceTensor, u64),
         st: &mut CudaState,
         l: usize,
         qk_norm: bool,
@@ -1395,7 +1444,6 @@ impl CudaEngine {
             ptr(&st.layers[l][1]),
             ptr(&out),
         );
-        let valid = (st.frames.min(s.window as u64) as i32).max(1);
         let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
         let qn = qk_norm as i32;
         let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
@@ -1408,7 +1456,7 @@ impl CudaEngine {
             .arg(&heads)
             .arg(&d)
             .arg(&w)
-            .arg(&valid)
+            .arg(&valid_at)
             .arg(&qn)
             .arg(&scale);
         let cfg = LaunchConfig {
@@ -1623,6 +1671,8 @@ impl CudaEngine {
             norm: None,
         };
         let eps = s.norm_eps as f32;
+        // A frame's count of cached rows follows its rows in the input (`counted`).
+        let count = ptr(xd) + (4 * b * t * s.embed) as u64;
         let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
@@ -1638,7 +1688,7 @@ impl CudaEngine {
                 let p = |n: &str| format!("attn_{l}_{n}");
                 let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
-                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, false)?,
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
                     None => self.attn_window(ff, &qkv, bt, false)?,
                 };
                 let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
@@ -1669,7 +1719,7 @@ impl CudaEngine {
                 };
                 let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
-                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, true)?,
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
                     None => self.attn_window(ff, &qkv, bt, true)?,
                 };
                 y = self.gemv(
