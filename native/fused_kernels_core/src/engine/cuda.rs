@@ -802,6 +802,7 @@ impl CudaEngine {
                 let input = PinnedBytes::new(&self.gpu, (b * t * s.embed + extra) * 4)?;
                 let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
                 let fused = self.rnn_fused(key);
+                let gemv_frame = self.gemv_frame(key);
                 let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
                 shapes.push(Shape {
                     key,
@@ -811,13 +812,17 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if (recurrent && t > 1) || fused {
+                    input_dev: if (recurrent && t > 1) || fused || gemv_frame {
                         mapped(&input)
                     } else {
                         None
                     },
                     input,
-                    output_dev: if fused { mapped(&output) } else { None },
+                    output_dev: if fused || gemv_frame {
+                        mapped(&output)
+                    } else {
+                        None
+                    },
                     output,
                     warm: false,
                     graphs: Vec::new(),
@@ -974,6 +979,7 @@ impl CudaEngine {
             input,
             input_dev,
             output,
+            output_dev,
             ..
         } = sh;
         arena.next = 0;
@@ -994,8 +1000,21 @@ impl CudaEngine {
                     reshaped_view(xd, shape)
                 }
             };
-            self.forward(&xd, state)?.copy_to_pinned(output)
+            match (*output_dev, &self.frame) {
+                // A frame on the frame kernels (`gemv_frame`): the last launch writes the
+                // mapped output staging itself.
+                (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                _ => self.forward(&xd, state)?.copy_to_pinned(output),
+            }
         })
+    }
+
+    /// Whether calls of shape `key` are attention/Mamba/Jamba frames on the frame kernels
+    /// (`gemv_forward`): those read the frame from the mapped input staging (the first GEMV's
+    /// blocks each read the frame's rows once, a few hundred values) and write the last layer's
+    /// rows to the mapped output staging, instead of a copy node each.
+    fn gemv_frame(&self, (b, t, frame): (usize, usize, bool)) -> bool {
+        frame && self.frame.is_some() && FrameFns::takes(&self.spec, (b, t), true)
     }
 
     /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
@@ -1103,6 +1122,16 @@ impl CudaEngine {
         DeviceTensor::uninit(&self.gpu, shape, DType::F32)
     }
 
+    /// `dst` (the frame's mapped output staging) seen as `shape`, or an arena buffer.
+    fn out_or_buf(&self, dst: Option<u64>, shape: Vec<usize>) -> Result<DeviceTensor> {
+        match dst {
+            // Safety: the shape's output staging, which holds `shape`'s values (the last
+            // layer's rows) and lives as long as the shape and its graphs.
+            Some(a) => Ok(unsafe { DeviceTensor::borrowed(&self.gpu, a, shape, DType::F32) }),
+            None => self.buf(shape),
+        }
+    }
+
     fn w(&self, name: &str) -> Result<Operand<'_>> {
         self.weights
             .get(name)
@@ -1130,11 +1159,31 @@ impl CudaEngine {
     }
 
     fn norm(&self, x: &Operand<'_>, name: &str, eps: f64) -> Result<DeviceTensor> {
+        self.norm_to(x, name, eps, None)
+    }
+
+    /// `norm` writing to `dst` when given (`out_or_buf`).
+    fn norm_to(
+        &self,
+        x: &Operand<'_>,
+        name: &str,
+        eps: f64,
+        dst: Option<u64>,
+    ) -> Result<DeviceTensor> {
         let (g, b) = (
             self.w(&format!("{name}/gamma"))?,
             self.w(&format!("{name}/beta"))?,
         );
-        self.norm_with(x, &g, &b, eps)
+        let inputs = norm::Inputs {
+            x,
+            weight: &g,
+            bias: Some(&b),
+            residual: None,
+        };
+        let p = norm::Params::new(norm::Kind::Layer, eps)?;
+        let mut out = self.out_or_buf(dst, x.shape().to_vec())?;
+        norm::cuda_into(&self.gpu, &inputs, p, &mut out, None)?;
+        Ok(out)
     }
 
     fn dw(&self, name: &str) -> Result<&DeviceTensor> {
@@ -1384,8 +1433,27 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, None)
+    }
+
+    /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
+    /// staging of a frame) instead of an arena buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_to(
+        &self,
+        ff: &FrameFns,
+        (b, t): (usize, usize),
+        x: Rows,
+        k: usize,
+        name: &str,
+        n: usize,
+        act: dense::Activation,
+        res: Option<Rows>,
+        eps: f32,
+        dst: Option<u64>,
+    ) -> Result<DeviceTensor> {
         let rows = b * t;
-        let out = self.buf(vec![b, t, n])?;
+        let out = self.out_or_buf(dst, vec![b, t, n])?;
         let w = ptr(self.dw(&format!("{name}/kernel"))?);
         let bias = ptr(self.dw(&format!("{name}/bias"))?);
         let (xg, xb) = x.norm.unwrap_or((0, 0));
@@ -1512,10 +1580,10 @@ impl CudaEngine {
     fn mamba_frame(
         &self,
         ff: &FrameFns,
-        prefix: &str,
-        x: &DeviceTensor,
+        (prefix, x): (&str, &DeviceTensor),
         st: &mut CudaState,
         l: usize,
+        dst: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, hid, inner, n, r, k) = (st.batch, s.hidden, s.inner(), s.state, s.dt_rank, s.conv);
@@ -1631,7 +1699,7 @@ impl CudaEngine {
             ptr: ptr(x),
             norm: None,
         };
-        self.gemv(
+        self.gemv_to(
             ff,
             (b, 1),
             yr,
@@ -1641,6 +1709,7 @@ impl CudaEngine {
             none,
             Some(res),
             eps,
+            dst,
         )
     }
 
@@ -1655,6 +1724,7 @@ impl CudaEngine {
         ff: &FrameFns,
         xd: &DeviceTensor,
         mut st: Option<&mut CudaState>,
+        dst: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
@@ -1676,6 +1746,8 @@ impl CudaEngine {
         let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
+        // `dst` takes the last layer's rows where nothing follows them (no final norm).
+        let last = |l: usize| dst.filter(|_| l == s.layers && s.kind != Kind::Attention);
         for l in 1..=s.layers {
             let input = Rows {
                 ptr: ptr(&y),
@@ -1722,7 +1794,7 @@ impl CudaEngine {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
                     None => self.attn_window(ff, &qkv, bt, true)?,
                 };
-                y = self.gemv(
+                y = self.gemv_to(
                     ff,
                     bt,
                     raw(&a),
@@ -1732,6 +1804,7 @@ impl CudaEngine {
                     none,
                     Some(raw(&y)),
                     eps,
+                    last(l),
                 )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
@@ -1741,13 +1814,13 @@ impl CudaEngine {
                 };
                 let prefix = format!("{prefix}_{l}");
                 y = match st.as_deref_mut() {
-                    Some(st) => self.mamba_frame(ff, &prefix, &y, st, l - 1)?,
+                    Some(st) => self.mamba_frame(ff, (&prefix, &y), st, l - 1, last(l))?,
                     None => self.mamba(&prefix, &y, Stream::Window)?,
                 };
             }
         }
         match y_norm {
-            Some(n) => self.norm(&Operand::Device(&y), &n, s.norm_eps),
+            Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
             None => Ok(y),
         }
     }
@@ -1783,7 +1856,7 @@ impl CudaEngine {
             _ => {
                 if let Some(ff) = &self.frame {
                     if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
-                        return self.gemv_forward(ff, xd, state);
+                        return self.gemv_forward(ff, xd, state, None);
                     }
                 }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
