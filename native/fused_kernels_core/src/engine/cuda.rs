@@ -488,8 +488,8 @@ struct FrameFns {
     gemv: CudaFunction,
     /// Attention/Jamba: the frame's and the window's attention.
     attn: Option<(CudaFunction, CudaFunction)>,
-    /// Mamba/Jamba: the frame's conv and scan step.
-    mamba: Option<(CudaFunction, CudaFunction)>,
+    /// Mamba/Jamba: the frame's scan step (the conv runs in the in_proj GEMV).
+    mamba: Option<CudaFunction>,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -502,6 +502,17 @@ const ATTN_THREADS: u32 = 256;
 /// GEMV re-reads its weights per 8 rows and the window attention runs each query row on one
 /// warp); Jamba 314 against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
+
+/// A Mamba block's conv run by its in_proj GEMV (`engine_gemv_f32`'s conv_*): the conv's
+/// kernel and bias, the conv state, the output xc (device addresses) and the taps.
+#[derive(Clone, Copy, Default)]
+struct Conv {
+    w: u64,
+    b: u64,
+    state: u64,
+    xc: u64,
+    k: i32,
+}
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
 /// fly, the norm's gamma and beta.
@@ -533,11 +544,11 @@ impl FrameFns {
                 "engine_attn_frame_f32",
                 "engine_attn_window_f32",
             )?,
-            mamba: pair(
-                kind != Kind::Attention,
-                "engine_mamba_conv_f32",
-                "engine_mamba_scan_f32",
-            )?,
+            mamba: if kind == Kind::Attention {
+                None
+            } else {
+                Some(f("engine_mamba_scan_f32")?)
+            },
         })
     }
 
@@ -547,7 +558,7 @@ impl FrameFns {
             .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
     }
 
-    fn mamba(&self) -> Result<&(CudaFunction, CudaFunction)> {
+    fn mamba(&self) -> Result<&CudaFunction> {
         self.mamba
             .as_ref()
             .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
@@ -1433,11 +1444,12 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
-        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, None)
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, (None, None))
     }
 
     /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
-    /// staging of a frame) instead of an arena buffer.
+    /// staging of a frame) instead of an arena buffer, and with `conv` a Mamba in_proj's conv
+    /// run on its x half as well.
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
@@ -1450,7 +1462,7 @@ impl CudaEngine {
         act: dense::Activation,
         res: Option<Rows>,
         eps: f32,
-        dst: Option<u64>,
+        (dst, conv): (Option<u64>, Option<Conv>),
     ) -> Result<DeviceTensor> {
         let rows = b * t;
         let out = self.out_or_buf(dst, vec![b, t, n])?;
@@ -1462,6 +1474,7 @@ impl CudaEngine {
         let op = ptr(&out);
         let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
         let code = act.code();
+        let c = conv.unwrap_or_default();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
         l.arg(&x.ptr)
             .arg(&xg)
@@ -1476,7 +1489,12 @@ impl CudaEngine {
             .arg(&ki)
             .arg(&ni)
             .arg(&eps)
-            .arg(&code);
+            .arg(&code)
+            .arg(&c.w)
+            .arg(&c.b)
+            .arg(&c.state)
+            .arg(&c.xc)
+            .arg(&c.k);
         let cfg = LaunchConfig {
             grid_dim: (
                 n.div_ceil(GEMV_COLS) as u32,
@@ -1575,8 +1593,8 @@ impl CudaEngine {
     }
 
     /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
-    /// as one GEMV, the conv, B|C|dt-rank as one GEMV, the scan step (which also moves both
-    /// states of layer `l`, 0-based, on), out_proj with the residual: five launches.
+    /// and the conv as one GEMV, B|C|dt-rank as one GEMV, the scan step (which also moves both
+    /// states of layer `l`, 0-based, on), out_proj with the residual: four launches.
     fn mamba_frame(
         &self,
         ff: &FrameFns,
@@ -1595,7 +1613,17 @@ impl CudaEngine {
             norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
         };
         let eps = s.mamba_norm_eps as f32;
-        let xz = self.gemv(
+        let xc = self.buf(vec![b, inner])?;
+        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
+        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
+        let conv = Conv {
+            w: wp("conv_dw_conv/kernel")?,
+            b: wp("conv_dw_conv/bias")?,
+            state: conv_state,
+            xc: ptr(&xc),
+            k: ki,
+        };
+        let xz = self.gemv_to(
             ff,
             (b, 1),
             xin,
@@ -1605,36 +1633,8 @@ impl CudaEngine {
             none,
             None,
             eps,
+            (None, Some(conv)),
         )?;
-        let xc = self.buf(vec![b, inner])?;
-        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
-        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
-        let elementwise = LaunchConfig {
-            grid_dim: ((b * inner).div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        {
-            let (pxz, w, cb, pxc) = (
-                ptr(&xz),
-                wp("conv_dw_conv/kernel")?,
-                wp("conv_dw_conv/bias")?,
-                ptr(&xc),
-            );
-            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.0);
-            launch
-                .arg(&pxz)
-                .arg(&w)
-                .arg(&cb)
-                .arg(&conv_state)
-                .arg(&pxc)
-                .arg(&bi)
-                .arg(&ii)
-                .arg(&ki);
-            // Safety: the kernel's parameters in order; weights, state and arena buffers of
-            // this engine, alive in its stream's order.
-            unsafe { launch.launch(elementwise) }?;
-        }
         let raw = Rows {
             ptr: ptr(&xc),
             norm: None,
@@ -1669,7 +1669,7 @@ impl CudaEngine {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.1);
+            let mut launch = self.gpu.stream.launch_builder(ff.mamba()?);
             launch
                 .arg(&pxz)
                 .arg(&pxc)
@@ -1709,7 +1709,7 @@ impl CudaEngine {
             none,
             Some(res),
             eps,
-            dst,
+            (dst, None),
         )
     }
 
@@ -1717,7 +1717,7 @@ impl CudaEngine {
     /// `xd` `{b, t, embed}` on the engine's own kernels: every dense one `engine_gemv_f32` (q,
     /// k and v as one, over the kernels joined at load), the post-norms applied by the launches
     /// that read their rows, each attention one `engine_attn_frame_f32` (which also moves the
-    /// caches on) or `engine_attn_window_f32`, each Mamba block of a frame five launches (of a
+    /// caches on) or `engine_attn_window_f32`, each Mamba block of a frame four launches (of a
     /// window: the block's ops).
     fn gemv_forward(
         &self,
@@ -1804,7 +1804,7 @@ impl CudaEngine {
                     none,
                     Some(raw(&y)),
                     eps,
-                    last(l),
+                    (last(l), None),
                 )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
