@@ -649,15 +649,15 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
     if constexpr (FK_WANT(dense_tc_##TN_##_##GN##_##SN)) { \
     fk_dense_tc<T, GLU, BM, BN, WM, WN, VEC>(FK_DENSE_PASS);                                 \
   }}
-#define FK_DENSE_TC_ALL(TN_, T)                                                               \
-  FK_DENSE_TC(TN_, T, mm, false, big, 128, 128, 64, 32, true)                                 \
+// The tiles every element type has (the big tile is f32's; 16-bit types run big2 below).
+#define FK_DENSE_TC_TILES(TN_, T)                                                             \
   FK_DENSE_TC(TN_, T, mm, false, small, 64, 64, 32, 32, true)                                 \
   FK_DENSE_TC(TN_, T, mm, false, tiny, 32, 32, 16, 16, true)                                  \
   FK_DENSE_TC(TN_, T, mm, false, any, 32, 32, 16, 16, false)                                  \
-  FK_DENSE_TC(TN_, T, glu, true, big, 128, 64, 64, 16, true)                                  \
   FK_DENSE_TC(TN_, T, glu, true, small, 64, 32, 32, 16, true)                                 \
   FK_DENSE_TC(TN_, T, glu, true, tiny, 32, 16, 16, 16, true)                                  \
-  FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)                                  \
+  FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)
+#define FK_DENSE_ROWS(TN_, T)                                                                 \
   extern "C" __global__ void __launch_bounds__(256) dense_stats_##TN_(                       \
       const T *x, float2 *stats, int M, int K, int norm, float eps) { \
     if constexpr (FK_WANT(dense_stats_##TN_)) { \
@@ -685,19 +685,29 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
   FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, FK_DENSE_BIG2_MINB)          \
   FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, FK_DENSE_BIG2_MINB)
 
-FK_DENSE_TC_ALL(f32, float)
-FK_DENSE_TC_ALL(bf16, fk_bf16)
-FK_DENSE_TC_ALL(f16, fk_f16)
-FK_DENSE_TC_BIG2(bf16, fk_bf16)
-FK_DENSE_TC_BIG2(f16, fk_f16)
-
 #define FK_DENSE_FFMA(GN, GLU, SN, BM, BN, TM, TNN)                                           \
   extern "C" __global__ void __launch_bounds__((BM / TM) * (BN / TNN))                       \
       dense_ffma_f32_##GN##_##SN(FK_DENSE_ARGS(float)) { \
     if constexpr (FK_WANT(dense_ffma_f32_##GN##_##SN)) { \
     fk_dense_ffma<float, GLU, BM, BN, TM, TNN>(FK_DENSE_PASS);                               \
   }}
+
+// The instances the router (ops/dense/cuda.rs) picks: tensor-core tiles on sm_80 and newer,
+// FFMA tiles (f32 only) below; the table in kernels.rs lists the same.
+FK_DENSE_ROWS(f32, float)
+FK_DENSE_ROWS(bf16, fk_bf16)
+FK_DENSE_ROWS(f16, fk_f16)
+#if FK_ARCH >= 800
+FK_DENSE_TC_TILES(f32, float)
+FK_DENSE_TC(f32, float, mm, false, big, 128, 128, 64, 32, true)
+FK_DENSE_TC(f32, float, glu, true, big, 128, 64, 64, 16, true)
+FK_DENSE_TC_TILES(bf16, fk_bf16)
+FK_DENSE_TC_TILES(f16, fk_f16)
+FK_DENSE_TC_BIG2(bf16, fk_bf16)
+FK_DENSE_TC_BIG2(f16, fk_f16)
+#else
 FK_DENSE_FFMA(mm, false, big, 128, 128, 8, 8)
 FK_DENSE_FFMA(mm, false, small, 64, 64, 4, 4)
 FK_DENSE_FFMA(glu, true, big, 128, 64, 8, 4)
 FK_DENSE_FFMA(glu, true, small, 64, 32, 4, 2)
+#endif

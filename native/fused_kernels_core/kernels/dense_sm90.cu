@@ -468,9 +468,6 @@ __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, 
   fk90_gemm<T>(&ta, &tb, &tb_up, stats, (const T*)gamma, (const T*)beta, (const T*)bias,  \
                (const T*)bias_up, (const T*)res, (T*)out, M, N, K, glu, act)
 #define FK90_STATS(T) fk90_row_stats<T>((const T*)x, stats, M, K, norm, eps)
-#else
-#define FK90_BODY(T)
-#define FK90_STATS(T)
 #endif
 
 #define FK90_GEMM_PARAMS                                                                  \
@@ -479,6 +476,8 @@ __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, 
       const void* beta, const void* bias, const void* bias_up, const void* res, void* out,  \
       int M, int N, int K, int glu, int act
 
+// Only the arch-specific sm_90a build has these (the router takes them on 9.0 only).
+#if FK_SM90A
 extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_bf16(FK90_GEMM_PARAMS) {
   if constexpr (FK_WANT(dense_sm90_bf16)) {
   FK90_BODY(fk_bf16);
@@ -497,3 +496,4 @@ extern "C" __global__ void dense_sm90_row_stats_f16(const void* x, float* stats,
   if constexpr (FK_WANT(dense_sm90_row_stats_f16)) {
   FK90_STATS(fk_f16);
 }}
+#endif

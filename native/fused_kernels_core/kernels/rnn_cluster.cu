@@ -700,6 +700,9 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
     if constexpr (FK_WANT(rnn_cluster_project_##TN)) { \
     rc_project<T>(a);                                                                \
   }}
+// Clusters need sm_90: the router (cuda/cluster.rs) takes this path there only.
+#if FK_ARCH >= 900
 RC_KERNELS(float, f32)
 RC_KERNELS(fk_bf16, bf16)
 RC_KERNELS(fk_f16, f16)
+#endif

@@ -38,10 +38,94 @@ pub const CI_ARCHS: &[&str] = &[
     "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
 ];
 
+/// A kernel file and the table of the functions (instances) it defines.
 #[derive(Debug)]
 pub struct Kernel {
     pub name: &'static str,
     pub body: &'static str,
+    /// Every `extern "C"` function of the file, as families of instances. The launch sites
+    /// name what they launch with [`kernel_name`], the runtime refuses a name not listed here,
+    /// and `kernel_ptx` (CI) checks that the file's compiled entries are exactly these.
+    pub families: &'static [Family],
+}
+
+/// One family of instances: the functions `root_<a>_<b>...`, one per combination of one
+/// entry of each of `parts` (an empty entry adds nothing to the name), named by
+/// [`kernel_name`], defined by the file at the feature levels (`FK_ARCH`) in `levels`.
+#[derive(Debug)]
+pub struct Family {
+    pub root: &'static str,
+    pub parts: &'static [&'static [&'static str]],
+    pub levels: Levels,
+}
+
+/// The feature levels (`FK_ARCH`, e.g. 860 for sm_86) a family is compiled at: `from` up to,
+/// not including, `below`. The router takes a family only where its file defines it, so no
+/// architecture compiles an instance its router never picks.
+#[derive(Debug, Clone, Copy)]
+pub struct Levels {
+    pub from: i32,
+    pub below: i32,
+}
+
+/// Every architecture.
+pub const ANY: Levels = Levels {
+    from: 0,
+    below: i32::MAX,
+};
+
+impl Levels {
+    /// `level` and newer.
+    pub const fn from(level: i32) -> Levels {
+        Levels {
+            from: level,
+            below: i32::MAX,
+        }
+    }
+
+    /// Older than `level`.
+    pub const fn below(level: i32) -> Levels {
+        Levels {
+            from: 0,
+            below: level,
+        }
+    }
+
+    pub fn contains(&self, level: i32) -> bool {
+        (self.from..self.below).contains(&level)
+    }
+}
+
+/// The name of a kernel function: `root` and each non-empty part, joined by `_`
+/// (`kernel_name("rnn_mma", &[&"lstm", &"f32", &"m1_n1"])` is `rnn_mma_lstm_f32_m1_n1`). The
+/// one naming rule, shared by the launch sites and the instance tables.
+pub fn kernel_name(root: &str, parts: &[&dyn std::fmt::Display]) -> String {
+    let mut name = root.to_string();
+    for part in parts {
+        let part = part.to_string();
+        if !part.is_empty() {
+            name.push('_');
+            name.push_str(&part);
+        }
+    }
+    name
+}
+
+/// The element types of most families (`DType::kernel_suffix`).
+const FLOATS: &[&str] = &["f32", "f16", "bf16"];
+
+impl Family {
+    /// Every instance's name, in table order.
+    pub fn names(&self) -> Vec<String> {
+        let mut names = vec![self.root.to_string()];
+        for options in self.parts {
+            names = names
+                .iter()
+                .flat_map(|n| options.iter().map(move |o| kernel_name(n, &[o])))
+                .collect();
+        }
+        names
+    }
 }
 
 /// How one program is built beyond its source and architecture (part of the cache key).
@@ -69,6 +153,38 @@ impl Build {
 }
 
 impl Kernel {
+    /// The names of the functions this file defines when compiled at feature level `level`
+    /// (`FK_ARCH`; see [`Kernel::feature_level`]), in table order.
+    pub fn instances(&self, level: i32) -> Vec<String> {
+        self.families
+            .iter()
+            .filter(|f| f.levels.contains(level))
+            .flat_map(Family::names)
+            .collect()
+    }
+
+    /// Whether `function` is an instance of this file at some level.
+    pub fn has_instance(&self, function: &str) -> bool {
+        self.families
+            .iter()
+            .any(|f| function.starts_with(f.root) && f.names().iter().any(|n| n == function))
+    }
+
+    /// The build of the one program that holds `function` (`FK_ONLY`), routed as `cap`; an
+    /// error when `function` is not in this file's table.
+    pub fn build_of(&self, function: &str, cap: Option<(i32, i32)>) -> Result<Build, String> {
+        if !self.has_instance(function) {
+            return Err(format!(
+                "`{function}` is not an instance of {}.cu (kernels.rs lists its functions)",
+                self.name
+            ));
+        }
+        Ok(Build {
+            only: Some(function.to_string()),
+            cap,
+        })
+    }
+
     /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).
     pub fn source(&self) -> String {
         self.body.to_string()
@@ -160,37 +276,182 @@ fn tests_level(text: &str, level: i32) -> bool {
 pub const SCALED_SOFTMAX: Kernel = Kernel {
     name: "scaled_softmax",
     body: include_str!("../kernels/scaled_softmax.cu"),
+    families: &[
+        // One warp per row, K elements per lane; `v`: 16-byte loads (a run of 4 f32 or 8
+        // f16/bf16 elements, so K = 4 only for f32).
+        Family {
+            root: "scaled_softmax_warp",
+            parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "scaled_softmax_warp",
+            parts: &[&["f32"], &["4"], &["v"]],
+            levels: ANY,
+        },
+        Family {
+            root: "scaled_softmax_warp",
+            parts: &[FLOATS, &["8", "16", "32"], &["v"]],
+            levels: ANY,
+        },
+        Family {
+            root: "scaled_softmax_block",
+            parts: &[FLOATS, &["8", "16"], &["", "v"]],
+            levels: ANY,
+        },
+        Family {
+            root: "scaled_softmax_stream",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const DENSE: Kernel = Kernel {
     name: "dense",
     body: include_str!("../kernels/dense.cu"),
+    families: &[
+        // FFMA tiles: the f32 path below sm_80.
+        Family {
+            root: "dense_ffma",
+            parts: &[&["f32"], &["mm", "glu"], &["small", "big"]],
+            levels: Levels::below(800),
+        },
+        Family {
+            root: "dense_gemv",
+            parts: &[FLOATS, &["mm", "glu"]],
+            levels: ANY,
+        },
+        Family {
+            root: "dense_stats",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+        Family {
+            root: "dense_tc",
+            parts: &[&["f32"], &["mm", "glu"], &["tiny", "small", "big", "any"]],
+            levels: Levels::from(800),
+        },
+        // 16-bit big tiles run as big2 (two blocks per SM).
+        Family {
+            root: "dense_tc",
+            parts: &[
+                &["f16", "bf16"],
+                &["mm", "glu"],
+                &["tiny", "small", "big2", "any"],
+            ],
+            levels: Levels::from(800),
+        },
+    ],
 };
 
 pub const FLASH_ATTENTION: Kernel = Kernel {
     name: "flash_attention",
     body: include_str!("../kernels/flash_attention.cu"),
+    families: &[
+        // FFMA: head-dim chunks of 32 (ND) x query rows per thread (R).
+        Family {
+            root: "fa_ffma",
+            parts: &[FLOATS, &["1", "2", "3", "4", "6", "8"], &["1", "4"]],
+            levels: ANY,
+        },
+        // mma.sync: padded head dim, m-tiles, key block.
+        Family {
+            root: "fa_mma",
+            parts: &[
+                &["f16", "bf16"],
+                &[
+                    "32_2_64", "48_2_64", "64_1_64", "64_2_64", "80_2_32", "96_2_32", "128_1_64",
+                    "128_2_32", "160_1_32", "192_1_32", "256_1_32",
+                ],
+            ],
+            levels: Levels::from(800),
+        },
+        // Short sequences: head-dim chunks x key chunks.
+        Family {
+            root: "fa_short",
+            parts: &[
+                FLOATS,
+                &[
+                    "1_1", "1_2", "1_4", "2_1", "2_2", "3_1", "3_2", "4_1", "6_1",
+                ],
+            ],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const RNN: Kernel = Kernel {
     name: "rnn",
     body: include_str!("../kernels/rnn.cu"),
+    families: &[Family {
+        root: "rnn",
+        parts: &[
+            &["lstm", "gru"],
+            FLOATS,
+            &["b1", "b4", "b16"],
+            &["gmem", "smem"],
+        ],
+        levels: ANY,
+    }],
 };
 
 pub const RNN_BATCHED: Kernel = Kernel {
     name: "rnn_batched",
     body: include_str!("../kernels/rnn_batched.cu"),
+    families: &[
+        Family {
+            root: "rnn_pack",
+            parts: &[&["b2", "b4"]],
+            levels: ANY,
+        },
+        Family {
+            root: "rnn_step",
+            parts: &[&["lstm", "gru"], FLOATS],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const RNN_CLUSTER: Kernel = Kernel {
     name: "rnn_cluster",
     body: include_str!("../kernels/rnn_cluster.cu"),
+    families: &[
+        Family {
+            root: "rnn_cluster",
+            parts: &[&["lstm", "gru"], FLOATS],
+            levels: Levels::from(900),
+        },
+        Family {
+            root: "rnn_cluster_project",
+            parts: &[FLOATS],
+            levels: Levels::from(900),
+        },
+    ],
 };
 
 pub const RNN_MMA: Kernel = Kernel {
     name: "rnn_mma",
     body: include_str!("../kernels/rnn_mma.cu"),
+    families: &[
+        Family {
+            root: "rnn_mma",
+            parts: &[&["lstm", "gru"], FLOATS, &["m1_n1", "m2_n1"]],
+            levels: Levels::from(800),
+        },
+        Family {
+            root: "rnn_mma_pack",
+            parts: &[&["b2", "f32"]],
+            levels: Levels::from(800),
+        },
+    ],
 };
+
+/// The selective scan's tilings (states per lane x lanes per channel).
+const SCAN_TILINGS: [&str; 13] = [
+    "2x8", "4x4", "4x8", "4x16", "8x2", "8x4", "8x8", "8x16", "16x1", "16x2", "16x4", "16x8",
+    "16x16",
+];
 
 // The selective scan is one module per element type: 15 kernels for f32 (both layouts), 14 for
 // f16 and bf16 (no wide layout).
@@ -201,6 +462,25 @@ pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
+    families: &[
+        // States per lane x lanes per channel.
+        Family {
+            root: "selective_scan",
+            parts: &[&["f32"], &SCAN_TILINGS],
+            levels: ANY,
+        },
+        Family {
+            root: "selective_scan_mean_dt",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        // Channels per lane x states per lane x lanes per channel.
+        Family {
+            root: "selective_scan_wide",
+            parts: &[&["f32"], &["2x4x4"]],
+            levels: ANY,
+        },
+    ],
 };
 pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
     name: "selective_scan_f16",
@@ -209,6 +489,19 @@ pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
+    families: &[
+        // States per lane x lanes per channel.
+        Family {
+            root: "selective_scan",
+            parts: &[&["f16"], &SCAN_TILINGS],
+            levels: ANY,
+        },
+        Family {
+            root: "selective_scan_mean_dt",
+            parts: &[&["f16"]],
+            levels: ANY,
+        },
+    ],
 };
 pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
     name: "selective_scan_bf16",
@@ -217,41 +510,157 @@ pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
+    families: &[
+        // States per lane x lanes per channel.
+        Family {
+            root: "selective_scan",
+            parts: &[&["bf16"], &SCAN_TILINGS],
+            levels: ANY,
+        },
+        Family {
+            root: "selective_scan_mean_dt",
+            parts: &[&["bf16"]],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const RNN_RESIDENT: Kernel = Kernel {
     name: "rnn_resident",
     body: include_str!("../kernels/rnn_resident.cu"),
+    families: &[Family {
+        root: "rnn_res",
+        parts: &[
+            &["lstm", "gru"],
+            &["f32", "f16", "bf16", "tf32"],
+            &["m1_n1", "m1_n2", "m2_n1", "m2_n2", "m4_n1", "m4_n2"],
+        ],
+        levels: Levels::from(800),
+    }],
 };
 
 pub const NORM: Kernel = Kernel {
     name: "norm",
     body: include_str!("../kernels/norm.cu"),
+    families: &[
+        Family {
+            root: "layer_norm",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+        Family {
+            root: "layer_norm_f32out",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+        Family {
+            root: "rms_norm",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const MAMBA_BLOCK: Kernel = Kernel {
     name: "mamba_block",
     body: include_str!("../kernels/mamba_block.cu"),
+    families: &[
+        Family {
+            root: "mamba_add_bias",
+            parts: &[],
+            levels: ANY,
+        },
+        Family {
+            root: "mamba_conv_silu",
+            parts: &[],
+            levels: ANY,
+        },
+        Family {
+            root: "mamba_conv_state",
+            parts: &[],
+            levels: ANY,
+        },
+        Family {
+            root: "mamba_out_residual",
+            parts: &[FLOATS],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const STREAM_STATE: Kernel = Kernel {
     name: "stream_state",
     body: include_str!("../kernels/stream_state.cu"),
+    families: &[Family {
+        root: "stream_shift_append",
+        parts: &[&["w2", "w4"]],
+        levels: ANY,
+    }],
 };
 
 pub const ENGINE_RNN: Kernel = Kernel {
     name: "engine_rnn",
     body: include_str!("../kernels/engine_rnn.cu"),
+    families: &[Family {
+        root: "engine_rnn_frame",
+        parts: &[&["f32"]],
+        levels: ANY,
+    }],
 };
 
 pub const ENGINE_FRAME: Kernel = Kernel {
     name: "engine_frame",
     body: include_str!("../kernels/engine_frame.cu"),
+    families: &[
+        Family {
+            root: "engine_attn_frame",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_attn_window",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_gemv",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_mamba_conv",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_mamba_scan",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+    ],
+};
+
+/// Hopper's arch-specific build (`sm_90a`, `FK_SM90A`): wgmma and TMA.
+const HOPPER_ONLY: Levels = Levels {
+    from: 900,
+    below: 1000,
 };
 
 pub const DENSE_SM90: Kernel = Kernel {
     name: "dense_sm90",
     body: include_str!("../kernels/dense_sm90.cu"),
+    families: &[
+        Family {
+            root: "dense_sm90",
+            parts: &[&["bf16", "f16"]],
+            levels: HOPPER_ONLY,
+        },
+        Family {
+            root: "dense_sm90_row_stats",
+            parts: &[&["bf16", "f16"]],
+            levels: HOPPER_ONLY,
+        },
+    ],
 };
 
 /// Every shipped kernel file; CI compiles each for [`CI_ARCHS`] and reads ptxas's report.

@@ -72,3 +72,139 @@ fn build_defines() {
     );
     assert!(Build::default().defines().is_empty());
 }
+
+#[test]
+fn kernel_name_joins_non_empty_parts() {
+    assert_eq!(
+        kernel_name("rnn_mma", &[&"lstm", &"f32", &format_args!("m{}_n1", 2)]),
+        "rnn_mma_lstm_f32_m2_n1"
+    );
+    assert_eq!(
+        kernel_name("scaled_softmax_block", &[&"f16", &8, &""]),
+        "scaled_softmax_block_f16_8"
+    );
+    assert_eq!(kernel_name("mamba_add_bias", &[]), "mamba_add_bias");
+    let f = Family {
+        root: "x",
+        parts: &[&["a", "b"], &["", "v"]],
+        levels: ANY,
+    };
+    assert_eq!(f.names(), ["x_a", "x_a_v", "x_b", "x_b_v"]);
+}
+
+/// Every instance name is listed once in the whole registry (a program is found by its
+/// name), and every family's root is a kernel its file guards with `FK_WANT`.
+#[test]
+fn instance_tables_are_unique_and_rooted_in_their_files() {
+    let mut seen = std::collections::HashSet::new();
+    for k in ALL {
+        assert!(!k.families.is_empty(), "{}: empty table", k.name);
+        for f in k.families {
+            let rooted = [
+                format!("FK_WANT({}_", f.root),
+                format!("FK_WANT({})", f.root),
+            ]
+            .iter()
+            .any(|p| k.body.contains(p.as_str()));
+            assert!(rooted, "{}: no FK_WANT({}..) in the file", k.name, f.root);
+            for n in f.names() {
+                assert!(k.has_instance(&n));
+                // The selective scan's three files share a source, one element type each.
+                assert!(seen.insert(n.clone()), "{n} listed twice");
+            }
+        }
+    }
+    assert!(!DENSE.has_instance("dense_tc_f32_mm_big2"));
+    assert!(DENSE
+        .build_of("dense_tc_f32_mm_huge", None)
+        .unwrap_err()
+        .contains("not an instance of dense.cu"));
+    assert_eq!(RNN_MMA.instances(750), Vec::<String>::new());
+    assert_eq!(RNN_MMA.instances(800).len(), 14);
+}
+
+/// The instance tables are the files' functions: NVRTC's entries for each file at each
+/// feature level are exactly the table's (CI's `kernel_ptx` checks the same on every file it
+/// compiles). Needs libnvrtc.so.13 (`.ci/setup` with FK_NEED_NVRTC=1).
+#[test]
+fn instance_tables_match_the_compiled_functions() {
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::cache;
+    for arch in ["sm_75", "sm_80", "sm_90", "sm_120"] {
+        let level = feature_level(arch).unwrap();
+        for k in ALL {
+            let mut compiled = cache::functions(k, arch, None).unwrap();
+            let mut table = k.instances(level);
+            compiled.sort();
+            table.sort();
+            assert_eq!(compiled, table, "{} for {arch}", k.name);
+        }
+    }
+}
+
+/// What the dense and attention routers pick, over a sweep of shapes, element types and
+/// architectures, is an instance its file defines at the level the call routes at.
+#[test]
+fn routed_names_are_instances_at_their_level() {
+    use fused_kernels_core::ops::dense::{self, Activation, Kind, Params};
+    use fused_kernels_core::ops::flash_attention as fa;
+    use fused_kernels_core::DType;
+    let sizes = [1, 3, 4, 37, 61, 256, 1000, 4096];
+    let mut checked = 0;
+    for cap in [(7, 5), (8, 6), (9, 0), (12, 0)] {
+        let level = cap.0 * 100 + cap.1 * 10;
+        for kind in [Kind::Dense, Kind::Swiglu, Kind::LayerNormDense] {
+            let p = Params::new(kind, Activation::None, 1e-5).unwrap();
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                let shapes = sizes
+                    .iter()
+                    .flat_map(|&m| sizes.iter().flat_map(move |&k| sizes.map(|n| (m, k, n))));
+                for (m, k, n) in shapes {
+                    for aligned in [true, false] {
+                        let g = dense::Geometry {
+                            m,
+                            k,
+                            n,
+                            out_shape: vec![m, n],
+                        };
+                        if let Ok(plan) = dense::plan(&g, &p, dt, cap, 132, aligned) {
+                            assert!(
+                                DENSE.instances(level).contains(&plan.function),
+                                "{} at {level}",
+                                plan.function
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            for d in (1..=256).step_by(7).chain([8, 40, 64, 80, 96, 128, 256]) {
+                for (sq, sk) in [(1, 1), (16, 16), (61, 100), (300, 300), (1000, 1000)] {
+                    let g = fa::Geometry {
+                        batch: 2,
+                        heads: 3,
+                        kv_heads: 3,
+                        sq,
+                        sk,
+                        d,
+                        layout: fa::Layout::Bshd,
+                    };
+                    if let Ok(plan) = fa::plan(&g, dt, cap >= (8, 0), 132) {
+                        assert!(
+                            FLASH_ATTENTION.instances(level).contains(&plan.function),
+                            "{} at {level}",
+                            plan.function
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 10_000, "{checked}");
+}

@@ -184,13 +184,18 @@ fn main() -> ExitCode {
         match compile(k.name, &k.source(), target, Target::Ptx, &[]) {
             Ok(ptx) => {
                 let ptx = String::from_utf8_lossy(&ptx).into_owned();
+                let entries = cache::ptx_entries(&ptx);
                 println!(
                     "compiled {} for {} in {:.0} ms ({} kernels)",
                     k.name,
                     target.replacen("sm_", "compute_", 1),
                     t0.elapsed().as_secs_f64() * 1e3,
-                    cache::ptx_entries(&ptx).len()
+                    entries.len()
                 );
+                if let Err(e) = table_check(k, target, &entries) {
+                    eprintln!("FAILED {e}");
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
                 if let Ok(mut p) = ptx_of.lock() {
                     p.push((k.name, target.clone(), ptx));
                 }
@@ -228,6 +233,24 @@ fn main() -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The functions compiled from `kernel` for `target` must be exactly its instance table's at
+/// that level: a kernel the table misses could never be prefilled or launched by name, and a
+/// table entry the file lacks would fail at its first call.
+fn table_check(kernel: &Kernel, target: &str, entries: &[String]) -> Result<(), String> {
+    let level = feature_level(target).ok_or(format!("{target}: not an architecture"))?;
+    let table = kernel.instances(level);
+    let missing: Vec<&String> = entries.iter().filter(|e| !table.contains(e)).collect();
+    let extra: Vec<&String> = table.iter().filter(|t| !entries.contains(t)).collect();
+    if missing.is_empty() && extra.is_empty() && entries.len() == table.len() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}.cu for {target}: compiled but not in its table (kernels.rs): {missing:?}; \
+         in the table but not compiled: {extra:?}",
+        kernel.name
+    ))
 }
 
 /// `--cache-out` / `--instances`: every program the runtime may request, into `dir`.

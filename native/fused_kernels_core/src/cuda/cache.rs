@@ -184,9 +184,9 @@ pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
     (digits.len() >= 2).then_some((n / 10, n % 10))
 }
 
-/// The functions of `kernel` as the runtime builds it on a device of `arch` (`sm_90` style)
-/// routing as `cap`: the entries of its PTX (the same guards and instance lists as the
-/// runtime's programs see).
+/// The functions of `kernel` as NVRTC compiles it for a device of `arch` (`sm_90` style)
+/// routing as `cap`: the entries of its PTX, what the file's instance table must list
+/// (`kernel_ptx` checks it).
 pub fn functions(kernel: &Kernel, arch: &str, cap: Option<(i32, i32)>) -> Result<Vec<String>> {
     let build = Build {
         only: Some(NO_FUNCTION.to_string()),
@@ -220,22 +220,27 @@ fn route_cap(arch: &str, cap: Option<(i32, i32)>) -> Option<(i32, i32)> {
 }
 
 /// Every program the runtime may request from `kernels` on a device of `arch` routing as
-/// `cap` (`None`: its own paths): one per function of each file.
+/// `cap` (`None`: its own paths): one per function of each file, from the files' instance
+/// tables (the functions the file defines at the level the programs are built at).
 pub fn programs(
     kernels: &[&'static Kernel],
     arch: &str,
     cap: Option<(i32, i32)>,
 ) -> Result<Vec<Program>> {
     // (No feature level below sm_75: the oldest architecture the kernels are written for.)
-    if capability_of(arch).is_none() || crate::kernels::feature_level(arch).is_none() {
+    let Some(device) =
+        capability_of(arch).filter(|_| crate::kernels::feature_level(arch).is_some())
+    else {
         return Err(Error::Argument(format!(
             "arch must be sm_75 or newer, like sm_90, got {arch:?}"
         )));
-    }
+    };
     let cap = route_cap(arch, cap);
+    let (major, minor) = cap.unwrap_or(device);
+    let level = major * 100 + minor * 10;
     let mut out = Vec::new();
     for kernel in kernels {
-        for function in functions(kernel, arch, cap)? {
+        for function in kernel.instances(level) {
             out.push(Program {
                 kernel,
                 function: function.clone(),

@@ -385,9 +385,15 @@ impl Gpu {
     fn load(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
         let arch = kernel.target_arch(&self.arch());
         let source = kernel.source();
-        let build = Build {
-            only: (!function.is_empty()).then(|| function.to_string()),
-            cap: self.route_cap(),
+        let build = if function.is_empty() {
+            Build {
+                only: None,
+                cap: self.route_cap(),
+            }
+        } else {
+            kernel
+                .build_of(function, self.route_cap())
+                .map_err(Error::Cuda)?
         };
         let nvrtc_version = probe()?.nvrtc_version;
         let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version, &build);

@@ -1136,7 +1136,7 @@ fn short_plan(g: &Geometry, tname: &str, nd: usize) -> Option<Plan> {
     }
     let kc = [1, 2, 4].into_iter().find(|kc| 32 * kc >= g.sk)?;
     SHORT_CONFIGS.contains(&(nd, kc)).then(|| Plan {
-        function: format!("fa_short_{tname}_{nd}_{kc}"),
+        function: crate::kernels::kernel_name("fa_short", &[&tname, &nd, &kc]),
         rows: 4 / kc,
         shared_bytes: short_shared_bytes(nd, kc),
     })
@@ -1164,7 +1164,7 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
         }
         let rows = 64 * mt;
         return Ok(Plan {
-            function: format!("fa_mma_{tname}_{dp}_{mt}_{bk}"),
+            function: crate::kernels::kernel_name("fa_mma", &[&tname, &dp, &mt, &bk]),
             rows,
             shared_bytes: (rows + 4 * bk) * (dp + 8) * 2,
         });
@@ -1183,7 +1183,7 @@ pub fn plan(g: &Geometry, dtype: DType, tensor_cores: bool, sms: usize) -> Resul
     };
     let (bm, dp, kp) = (4 * r, 32 * nd, g.d | 1);
     Ok(Plan {
-        function: format!("fa_ffma_{tname}_{nd}_{r}"),
+        function: crate::kernels::kernel_name("fa_ffma", &[&tname, &nd, &r]),
         rows: bm,
         shared_bytes: (bm * dp + 32 * kp + 32 * dp) * 4,
     })

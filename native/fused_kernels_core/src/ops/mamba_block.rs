@@ -19,7 +19,7 @@ use crate::cuda::gemm::{ptr, ptr_opt, sgemm_rows};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::MAMBA_BLOCK;
+use crate::kernels::{kernel_name, MAMBA_BLOCK};
 use crate::operand::{Operand, Placement, Staged, Value};
 use crate::tensor::{finite_option, fmt_shape, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -761,7 +761,7 @@ pub fn cuda_stateful(
     let xn = f32_buf(gpu, vec![m, h])?;
     norm::launch(
         gpu,
-        &format!("layer_norm_f32out_{tname}"),
+        &kernel_name("layer_norm_f32out", &[&tname]),
         (ptr(&xs), 0, ptr(&gamma), ptr(&beta), ptr(&xn), 0),
         m,
         h,
@@ -855,7 +855,7 @@ pub fn cuda_stateful(
     )?;
     let o = f32_buf(gpu, vec![m, h])?;
     sgemm_rows(gpu, ptr(&y), ptr(&w_out), ptr(&o), m, inner, h)?;
-    let f = gpu.function(&MAMBA_BLOCK, &format!("mamba_out_residual_{tname}"))?;
+    let f = gpu.function(&MAMBA_BLOCK, &kernel_name("mamba_out_residual", &[&tname]))?;
     let (po, pb, pr, pout, rows, cols) = (
         ptr(&o),
         ptr_opt(b_out.as_deref()),

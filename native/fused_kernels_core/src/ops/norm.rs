@@ -12,7 +12,7 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f32, decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::NORM;
+use crate::kernels::{kernel_name, NORM};
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{finite_option, fmt_shape};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
@@ -247,8 +247,8 @@ pub fn cuda_into(
     let w = stage_f32("weight", x.weight, gpu)?;
     let b = x.bias.map(|b| stage_f32("beta", b, gpu)).transpose()?;
     let name = match p.kind {
-        Kind::Layer => format!("layer_norm_{tname}"),
-        Kind::Rms => format!("rms_norm_{tname}"),
+        Kind::Layer => kernel_name("layer_norm", &[&tname]),
+        Kind::Rms => kernel_name("rms_norm", &[&tname]),
     };
     // LayerNorm without beta adds zeros.
     let zeros;

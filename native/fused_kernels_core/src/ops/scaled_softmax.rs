@@ -8,7 +8,7 @@ use crate::cpu::{arena, Isa};
 use crate::cuda::{self, DeviceTensor};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::SCALED_SOFTMAX;
+use crate::kernels::{kernel_name, SCALED_SOFTMAX};
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -158,7 +158,7 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
     let run = 16 / x.dtype.size();
     let vec = |k: usize| {
         if g.sk.is_multiple_of(run) && k.is_multiple_of(run) {
-            "_v"
+            "v"
         } else {
             ""
         }
@@ -173,7 +173,7 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
             .unwrap_or(32);
         let blocks = g.rows.div_ceil(4) as u32;
         (
-            format!("scaled_softmax_warp_{tname}_{k}{}", vec(k)),
+            kernel_name("scaled_softmax_warp", &[&tname, &k, &vec(k)]),
             LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (128, 1, 1),
@@ -182,9 +182,9 @@ pub fn cuda(x: &DeviceTensor, out: &mut DeviceTensor, p: Params) -> Result<()> {
         )
     } else {
         let name = match g.sk {
-            sk if sk <= 256 * 8 => format!("scaled_softmax_block_{tname}_8{}", vec(8)),
-            sk if sk <= 256 * 16 => format!("scaled_softmax_block_{tname}_16{}", vec(16)),
-            _ => format!("scaled_softmax_stream_{tname}"),
+            sk if sk <= 256 * 8 => kernel_name("scaled_softmax_block", &[&tname, &8, &vec(8)]),
+            sk if sk <= 256 * 16 => kernel_name("scaled_softmax_block", &[&tname, &16, &vec(16)]),
+            _ => kernel_name("scaled_softmax_stream", &[&tname]),
         };
         (
             name,

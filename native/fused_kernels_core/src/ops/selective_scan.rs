@@ -10,7 +10,9 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::{Kernel, SELECTIVE_SCAN_BF16, SELECTIVE_SCAN_F16, SELECTIVE_SCAN_F32};
+use crate::kernels::{
+    kernel_name, Kernel, SELECTIVE_SCAN_BF16, SELECTIVE_SCAN_F16, SELECTIVE_SCAN_F32,
+};
 use crate::operand::{Operand, Placement, Staged, Value};
 use crate::tensor::{finite_option, fmt_shape, HostTensor, OwnedTensor};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -1018,7 +1020,10 @@ pub fn launch(
         && (args.bc_row as usize).is_multiple_of(v)
         && aligned(&[args.b, args.c])) as i32;
     if mean {
-        let f = gpu.function(module(dtype), &format!("selective_scan_mean_dt_{tname}"))?;
+        let f = gpu.function(
+            module(dtype),
+            &kernel_name("selective_scan_mean_dt", &[&tname]),
+        )?;
         let cfg = LaunchConfig {
             grid_dim: ((g.batch * g.seq) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -1029,8 +1034,8 @@ pub fn launch(
         unsafe { l.launch(cfg) }?;
     }
     let name = match wide {
-        Some(w) => format!("selective_scan_wide_{tname}_{}", w.name()),
-        None => format!("selective_scan_{tname}_{npt}x{tpc}"),
+        Some(w) => kernel_name("selective_scan_wide", &[&tname, &w.name()]),
+        None => kernel_name("selective_scan", &[&tname, &format_args!("{npt}x{tpc}")]),
     };
     let f = gpu.function(module(dtype), &name)?;
     cuda::smem::allow_dynamic_smem(&f, smem)?;

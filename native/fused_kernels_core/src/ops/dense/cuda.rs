@@ -11,7 +11,7 @@ use crate::cuda::gemm::ptr;
 use crate::cuda::DeviceTensor;
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::kernels::DENSE;
+use crate::kernels::{kernel_name, DENSE};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Must match FK_DENSE_STAGES and FK_GEMV_MR in kernels/dense.cu.
@@ -71,7 +71,7 @@ pub fn plan(
     }
     if g.m <= GEMV_MAX_M && g.m * g.k <= GEMV_MAX_X && g.n.is_multiple_of(ch) && aligned {
         return Ok(Plan {
-            function: format!("dense_gemv_{tname}_{gn}"),
+            function: kernel_name("dense_gemv", &[&tname, &gn]),
             grid: (g.n.div_ceil(8 * ch) as u32, 1),
             block: 256,
             shared_bytes: (g.m * g.k * 4) as u32,
@@ -103,7 +103,7 @@ pub fn plan(
             size
         };
         (
-            format!("dense_tc_{tname}_{gn}_{size}"),
+            kernel_name("dense_tc", &[&tname, &gn, &size]),
             bm,
             bn,
             threads,
@@ -118,7 +118,13 @@ pub fn plan(
             (false, true) => (64, 32),
         };
         let size = if big { "big" } else { "small" };
-        (format!("dense_ffma_f32_{gn}_{size}"), bm, bn, 256, 0)
+        (
+            kernel_name("dense_ffma", &[&"f32", &gn, &size]),
+            bm,
+            bn,
+            256,
+            0,
+        )
     } else {
         return Err(Error::Unavailable(format!(
             "x: {} dense kernels use bf16/f16 tensor cores (sm_80 or newer); device is sm_{}{}; use f32",
@@ -183,7 +189,7 @@ pub fn launch(
     let null = 0u64;
     let stats = if plan.stats {
         let t = DeviceTensor::uninit(&gpu, vec![g.m, 2], DType::F32)?;
-        let f = gpu.function(&DENSE, &format!("dense_stats_{}", dt.name()))?;
+        let f = gpu.function(&DENSE, &kernel_name("dense_stats", &[&dt.name()]))?;
         let mut launch = gpu.stream.launch_builder(&f);
         launch.arg(ops.x.slice()).arg(t.slice());
         launch.arg(&m).arg(&k).arg(&norm).arg(&eps);

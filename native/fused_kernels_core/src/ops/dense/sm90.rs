@@ -12,7 +12,7 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::kernels::DENSE_SM90;
+use crate::kernels::{kernel_name, DENSE_SM90};
 use cudarc::driver::sys;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -133,7 +133,7 @@ pub fn cuda(
     };
     let stats = if norm > 0 {
         let stats = DeviceTensor::uninit(&gpu, vec![2 * g.m], DType::F32)?;
-        let f = gpu.function(&DENSE_SM90, &format!("dense_sm90_row_stats_{tname}"))?;
+        let f = gpu.function(&DENSE_SM90, &kernel_name("dense_sm90_row_stats", &[&tname]))?;
         let (x, s, eps) = (ptr(ops.x), ptr(&stats), p.eps as f32);
         let mut launch = gpu.stream.launch_builder(&f);
         launch.arg(&x).arg(&s).arg(&m).arg(&k).arg(&norm).arg(&eps);
@@ -154,7 +154,7 @@ pub fn cuda(
         Some(up) if glu => tensor_map(up, dt, g.k, g.n, BK as u32)?,
         _ => tb,
     };
-    let f = gpu.function(&DENSE_SM90, &format!("dense_sm90_{tname}"))?;
+    let f = gpu.function(&DENSE_SM90, &kernel_name("dense_sm90", &[&tname]))?;
     crate::cuda::smem::allow_dynamic_smem(&f, SMEM_BYTES)?;
     let stats_ptr = ptr_opt(stats.as_ref());
     let (gamma, beta) = (ptr_opt(ops.gamma), ptr_opt(ops.beta));

@@ -16,7 +16,7 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::DeviceTensor;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::RNN_BATCHED;
+use crate::kernels::{kernel_name, RNN_BATCHED};
 use crate::operand::Staged;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -68,7 +68,7 @@ pub(super) fn layer(
         Cell::Gru => None,
     };
     let cname = cell_name(cell);
-    let step_fn = gpu.function(&RNN_BATCHED, &format!("rnn_step_{cname}_{tname}"))?;
+    let step_fn = gpu.function(&RNN_BATCHED, &kernel_name("rnn_step", &[&cname, &tname]))?;
     let StatePtrs {
         h0,
         c0,

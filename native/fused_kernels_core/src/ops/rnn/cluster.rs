@@ -261,7 +261,10 @@ pub fn default_takes(grp: &Group) -> bool {
 
 fn kernel_name(cell: Cell, dtype: DType) -> Result<String> {
     let (tname, _) = type_name(dtype)?;
-    Ok(format!("rnn_cluster_{}_{tname}", cell_name(cell)))
+    Ok(crate::kernels::kernel_name(
+        "rnn_cluster",
+        &[&cell_name(cell), &tname],
+    ))
 }
 
 /// The chosen cluster size by (device ordinal, kernel name, forced size).
@@ -386,7 +389,10 @@ fn project(
     sync: CUdeviceptr,
 ) -> Result<()> {
     let (tname, _) = type_name(dtype)?;
-    let f = gpu.function(&RNN_CLUSTER, &format!("rnn_cluster_project_{tname}"))?;
+    let f = gpu.function(
+        &RNN_CLUSTER,
+        &crate::kernels::kernel_name("rnn_cluster_project", &[&tname]),
+    )?;
     let mut a = RcProj {
         x: ptr(x),
         xp: ptr(xp),

@@ -12,7 +12,7 @@ use crate::cuda::gemm::{ptr, ptr_opt};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::RNN_MMA;
+use crate::kernels::{kernel_name, RNN_MMA};
 use cudarc::driver::sys::{self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
 use cudarc::driver::{CudaFunction, DeviceRepr};
 
@@ -175,7 +175,10 @@ pub(super) fn steps(
     );
     let (tname, _) = type_name(g.dtype)?;
     let cname = cell_name(cell);
-    let f = gpu.function(&RNN_MMA, &format!("rnn_mma_{cname}_{tname}_m{}_n1", tl.mt))?;
+    let f = gpu.function(
+        &RNN_MMA,
+        &kernel_name("rnn_mma", &[&cname, &tname, &format_args!("m{}_n1", tl.mt)]),
+    )?;
     crate::cuda::smem::allow_dynamic_smem(&f, tl.smem_bytes)?;
     let packed = pack_tiles(gpu, call.wh, h, g.dtype, 8)?;
     let cstate = match cell {

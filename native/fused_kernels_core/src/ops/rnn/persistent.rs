@@ -12,7 +12,7 @@ use crate::cuda::gemm::ptr;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
-use crate::kernels::RNN;
+use crate::kernels::{kernel_name, RNN};
 use crate::operand::Staged;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
@@ -204,7 +204,13 @@ fn recurrence(
     let p = plan(cell, b, h, sms, smem_limit, call.tuning.persistent_units)?;
     let cname = cell_name(cell);
     let wname = if p.weights_on_chip { "smem" } else { "gmem" };
-    let f = gpu.function(&RNN, &format!("rnn_{cname}_{tname}_b{}_{wname}", p.chunk))?;
+    let f = gpu.function(
+        &RNN,
+        &kernel_name(
+            "rnn",
+            &[&cname, &tname, &format_args!("b{}", p.chunk), &wname],
+        ),
+    )?;
     crate::cuda::smem::allow_dynamic_smem(&f, p.smem_bytes)?;
     let resident =
         f.occupancy_max_active_blocks_per_multiprocessor(THREADS as u32, p.smem_bytes, None)?

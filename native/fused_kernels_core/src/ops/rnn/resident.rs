@@ -129,7 +129,10 @@ fn kernel_name(cell: Cell, dtype: DType, tf32: bool, mt: usize, nu: usize) -> Re
     let (tname, _) = type_name(dtype)?;
     let tname = if tf32 { "tf32" } else { tname };
     let cname = cell_name(cell);
-    Ok(format!("rnn_res_{cname}_{tname}_m{mt}_n{nu}"))
+    Ok(crate::kernels::kernel_name(
+        "rnn_res",
+        &[&cname, &tname, &format_args!("m{mt}_n{nu}")],
+    ))
 }
 
 /// The tiling on `gpu` (occupancy from the compiled kernels), or None when the layer does not
