@@ -129,7 +129,7 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
             call(Some(&mut prof));
             let c = prof.last;
             let Some(dev) = c.device_ns else {
-                eprintln!("{label} {mode}: not replayed (nor one kernel launched)");
+                eprintln!("{label} {mode}: not replayed as a graph");
                 continue;
             };
             for (v, x) in pieces.iter_mut().zip([

@@ -37,8 +37,9 @@
 #define FK_ER_WARPS (FK_ER_THREADS / 32)
 // Row lanes: two per warp (width <= 16 columns each).
 #define FK_ER_LANES (FK_ER_WARPS * 2)
-// Weight rows per thread loaded before their first use (in flight at once).
-#define FK_ER_PRE 16
+// Weight rows per thread loaded before their first use (in flight at once): 20 takes a layer
+// input of up to 320 (ExPhil's 288) in one go.
+#define FK_ER_PRE 20
 // Columns of a row lane's partial sums in shared memory (the widest block row, LSTM).
 #define FK_ER_COLS 16
 
@@ -111,13 +112,28 @@ __device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const fl
   }
 }
 
-// Waits until `*word` >= `target` (thread 0 spins; the block then reads what was published).
+__device__ __forceinline__ unsigned int fk_er_ld_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Waits until `*word` >= `target` (thread 0 spins with acquire loads; the barrier then orders
+// the block's reads of what was published after it).
 __device__ __forceinline__ void fk_er_wait(const unsigned int* word, unsigned int target) {
   if (threadIdx.x == 0) {
-    while (*(volatile const unsigned int*)word < target) __nanosleep(32);
-    __threadfence();
+    while (fk_er_ld_acquire(word) < target) __nanosleep(20);
   }
   __syncthreads();
+}
+
+// Adds one to `*word` after the block's writes (the caller's barrier makes them thread 0's,
+// release publishes them) and returns the new count (acquire: the block that completes a count
+// sees every write published before it).
+__device__ __forceinline__ unsigned int fk_er_count(unsigned int* word) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(word) : "memory");
+  return old + 1u;
 }
 
 // x {batch, layers[0].in}: the frame (host-mapped or device). in_gamma/in_beta: LayerNorm of x
@@ -125,7 +141,8 @@ __device__ __forceinline__ void fk_er_wait(const unsigned int* word, unsigned in
 // gates, 4}, wh {groups, hidden, gates, 4}, bias {4·hidden} in Axon's order (GRU br, bz, bin,
 // bhn; LSTM bi, bf, bg, bo). scratch: per layer the new h and c {batch, hidden} each, then the
 // frame {batch, layers[0].in}. out {batch, hidden}. sync: nlayers + 2 zeroed words (left
-// zeroed). Dynamic shared memory: 4·(batch·(max in + hidden) + FK_ER_LANES·batch·2·16) bytes.
+// zeroed). Dynamic shared memory: 4·(batch·(max in + hidden) + FK_ER_LANES·batch·2·16 +
+// 2·(max in + hidden)) bytes.
 extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     engine_rnn_frame_f32(const float* x, const float* __restrict__ in_gamma,
                          const float* __restrict__ in_beta, const FkErLayer* __restrict__ layers,
@@ -142,11 +159,19 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     const bool active = sub < 2;
     const int rl = warp * 2 + (active ? sub : 0);
     if (tid == 0) vid_s = atomicAdd(&sync[0], 1u);
+    // Blocks mostly start in blockIdx order: this block's tables, read while the counter
+    // answers, are then the right ones (else read again below).
+    const int lg = min((int)blockIdx.x / groups, nlayers - 1);
+    FkErLayer L = layers[lg];
+    FkErState S = states[lg];
     __syncthreads();
     const int vid = (int)vid_s, l = vid / groups, g = vid - l * groups;
-    const FkErLayer L = layers[l];
+    if (l != lg) {
+      L = layers[l];
+      S = states[l];
+    }
     const int in = (int)L.in, in0 = (int)layers[0].in;
-    const float* h = states[l].h;
+    const float* h = S.h;
     const long long bh = (long long)batch * hidden;
     float* h_new = scratch + 2 * l * bh;
     float* c_new = h_new + bh;
@@ -154,6 +179,29 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     float* xs = fk_er_smem;                  // {batch, in}
     float* hs = xs + batch * in;             // {batch, hidden}
     float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
+    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}: the input norm
+    float* fgb = ngb + 2 * in;               // {2, hidden}: the output norm (last layer)
+    // What the later steps read, in flight now: the input norm's parameters, the output norm's
+    // (last layer), the biases of this thread's unit.
+    const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
+    const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
+    if (ng)
+      for (int i = tid; i < in; i += FK_ER_THREADS) {
+        ngb[i] = ng[i];
+        ngb[in + i] = nb[i];
+      }
+    if (l == nlayers - 1)
+      for (int i = tid; i < hidden; i += FK_ER_THREADS) {
+        fgb[i] = L.gamma[i];
+        fgb[hidden + i] = L.beta[i];
+      }
+    // Four biases per unit for both cells (GRU: br, bz, bin, bhn).
+    const int ju = g * FK_ER_UNITS + (tid % FK_ER_UNITS);
+    float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (tid < batch * FK_ER_UNITS && ju < hidden) {
+#pragma unroll
+      for (int gt = 0; gt < 4; ++gt) bv[gt] = L.bias[gt * hidden + ju];
+    }
     if (vid == 0) {
       // The frame, read once from wherever it lives, published for layer 0's other blocks.
       for (int i = tid; i < batch * in0; i += FK_ER_THREADS) {
@@ -161,9 +209,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
         xs[i] = v;
         xbuf[i] = v;
       }
-      __threadfence();
       __syncthreads();
-      if (tid == 0) atomicExch(&sync[1], 1u);
+      if (tid == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(sync + 1) : "memory");
     }
     for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = h[i];
     __syncthreads();
@@ -179,27 +226,20 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
       fk_er_load(wi, in, width, rl, col, wv);
     }
     // The layer's input: the frame, or the previous layer's new h, normalised.
-    const float *ng, *nb;
-    float neps;
     if (l == 0) {
       if (vid != 0) {
         fk_er_wait(&sync[1], 1u);
         for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(xbuf + i);
       }
-      ng = in_gamma;
-      nb = in_beta;
-      neps = eps;
     } else {
       fk_er_wait(&sync[2 + l - 1], (unsigned int)groups);
       const float* prev = scratch + 2 * (l - 1) * bh;
       for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(prev + i);
-      ng = layers[l - 1].gamma;
-      nb = layers[l - 1].beta;
-      neps = eps;
     }
     __syncthreads();
     if (ng) {
-      for (int b = warp; b < batch; b += FK_ER_WARPS) fk_er_norm_row(xs + b * in, in, ng, nb, neps, lane);
+      for (int b = warp; b < batch; b += FK_ER_WARPS)
+        fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
       __syncthreads();
     }
     if (active) {
@@ -229,51 +269,46 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
             }
           }
         }
-        const float* bias = L.bias;
         const long long o = b * hidden + j;
         if (lstm) {
-          float cc = states[l].c[o];
-          const float hn = fk_lstm_cell<FkExact>(
-              sx[0] + bias[j] + sh[0], sx[1] + bias[hidden + j] + sh[1],
-              sx[2] + bias[2 * hidden + j] + sh[2], sx[3] + bias[3 * hidden + j] + sh[3], cc);
+          float cc = S.c[o];
+          const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                                 sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
           h_new[o] = hn;
           c_new[o] = cc;
         } else {
-          h_new[o] = fk_gru_cell<FkExact>(sx[0] + bias[j] + sh[0],
-                                          sx[1] + bias[hidden + j] + sh[1],
-                                          sx[2] + bias[2 * hidden + j],
-                                          sh[2] + bias[3 * hidden + j], hs[o]);
+          // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
+          h_new[o] = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                          sx[2] + bv[2], sh[2] + bv[3], hs[o]);
         }
       }
     }
     // Publish this block's units, then count them in; the last block of the last layer
     // finishes the frame.
-    __threadfence();
     __syncthreads();
     if (tid == 0) {
-      const unsigned int done = atomicAdd(&sync[2 + l], 1u) + 1u;
+      const unsigned int done = fk_er_count(&sync[2 + l]);
       last_s = l == nlayers - 1 && done == (unsigned int)groups;
     }
     __syncthreads();
     if (!last_s) return;
-    __threadfence();
+    // The output first (its rows cross the bus), then the states moved on.
+    for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = __ldcg(h_new + i);
+    __syncthreads();
+    for (int b = warp; b < batch; b += FK_ER_WARPS) {
+      fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
+      __syncwarp();
+      for (int j = lane; j < hidden; j += 32) out[b * hidden + j] = hs[b * hidden + j];
+    }
     for (int k = 0; k < nlayers; ++k) {
       const float* hn = scratch + 2 * k * bh;
       float* hk = states[k].h;
       float* ck = states[k].c;
       for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) {
-        const float v = __ldcg(hn + i);
-        hk[i] = v;
-        if (k == nlayers - 1) hs[i] = v;
+        hk[i] = __ldcg(hn + i);
         if (lstm) ck[i] = __ldcg(hn + bh + i);
       }
     }
-    __syncthreads();
-    for (int b = warp; b < batch; b += FK_ER_WARPS) {
-      fk_er_norm_row(hs + b * hidden, hidden, L.gamma, L.beta, eps, lane);
-      __syncwarp();
-      for (int j = lane; j < hidden; j += 32) out[b * hidden + j] = hs[b * hidden + j];
-    }
-    if (tid < nlayers + 2) sync[tid] = 0u;
+    for (int i = tid; i < nlayers + 2; i += FK_ER_THREADS) sync[i] = 0u;
   }
 }

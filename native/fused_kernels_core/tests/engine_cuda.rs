@@ -297,13 +297,11 @@ fn gpu_graphs_are_captured_for_every_backbone() {
             "{kind:?}: one window shape and one frame shape"
         );
         for (b, t, f, n) in notes {
-            // LSTM/GRU frames are one kernel launched directly (no graph to capture).
-            let want = if f && matches!(kind, Kind::Lstm | Kind::Gru) {
-                "kernel"
-            } else {
-                "graph"
-            };
-            assert_eq!(n, vec![want.to_string()], "{kind:?} ({b}, {t}, frame {f})");
+            assert_eq!(
+                n,
+                vec!["graph".to_string()],
+                "{kind:?} ({b}, {t}, frame {f})"
+            );
         }
     }
 }
@@ -342,18 +340,11 @@ fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
                 err <= 1e-5,
                 "{kind:?} h{hidden} e{embed} l{layers} b{b}: 61 frames vs cpu window, rel L2 {err}"
             );
-            // Same frames, same answer, bit for bit, launched directly and replayed from a
-            // graph per state.
+            // Same frames, same answer, bit for bit (graph replays of a fresh state included).
             assert_eq!(
                 gpu_stream(&gpu, &x, b, t),
                 first,
                 "{kind:?} h{hidden} b{b}: frames changed between runs"
-            );
-            gpu.set_rnn_frame_graphs(true);
-            assert_eq!(
-                gpu_stream(&gpu, &x, b, t),
-                first,
-                "{kind:?} h{hidden} b{b}: frames replayed from a graph differ"
             );
         }
     }

@@ -41,7 +41,7 @@ use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -190,8 +190,6 @@ pub struct CudaEngine {
     frame: Option<FrameFns>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
-    /// `set_rnn_frame_graphs`.
-    rnn_frame_graphs: AtomicBool,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     _blas_workspace: Option<DeviceTensor>,
@@ -474,7 +472,7 @@ impl RnnFrame {
 
     /// Dynamic shared memory of a launch at `batch` (kernels/engine_rnn.cu).
     fn smem(batch: usize, input: usize, hidden: usize) -> usize {
-        4 * (batch * (input + hidden) + FRAME_LANES * batch * 32)
+        4 * (batch * (input + hidden) + FRAME_LANES * batch * 32 + 2 * (input + hidden))
     }
 
     /// Whether a frame of `batch` rows runs on the frame kernel.
@@ -760,7 +758,6 @@ impl CudaEngine {
             rnn_frame,
             frame,
             shapes: Mutex::new(Vec::new()),
-            rnn_frame_graphs: AtomicBool::new(false),
             _blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
@@ -860,9 +857,6 @@ impl CudaEngine {
             (Some(st), Kind::Attention | Kind::Jamba) if !self.counted(key) => {
                 st.frames >= s.window as u64
             }
-            // One kernel reading and writing the staging in place: launched directly unless
-            // asked to replay it from a graph (`set_rnn_frame_graphs`).
-            _ if self.rnn_direct(sh) => false,
             _ => true,
         };
         let generation = sh.arena.generation;
@@ -936,16 +930,7 @@ impl CudaEngine {
                     attempts: 1,
                 });
             }
-            _ => match prof.as_deref_mut() {
-                // A one-kernel frame launched directly is timed like a replay.
-                Some(p) if self.rnn_direct(sh) => {
-                    p.events.0.record(&self.gpu.stream)?;
-                    self.eager(sh, state)?;
-                    p.events.1.record(&self.gpu.stream)?;
-                    replayed = true;
-                }
-                _ => self.eager(sh, state)?,
-            },
+            _ => self.eager(sh, state)?,
         }
         let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
@@ -1048,22 +1033,6 @@ impl CudaEngine {
                 .is_some_and(|rf| rf.takes(b, self.spec.hidden))
     }
 
-    /// Whether `sh`'s calls launch the one-launch LSTM/GRU frame kernel directly on the
-    /// staging (no graph).
-    fn rnn_direct(&self, sh: &Shape) -> bool {
-        self.rnn_fused(sh.key)
-            && sh.input_dev.is_some()
-            && sh.output_dev.is_some()
-            && !self.rnn_frame_graphs.load(Ordering::Relaxed)
-    }
-
-    /// Replays LSTM/GRU frames on the one-launch frame kernel from a CUDA graph per state
-    /// (`true`) instead of launching the kernel directly (the default): the A/B that
-    /// benches/engine_device measures.
-    pub fn set_rnn_frame_graphs(&self, on: bool) {
-        self.rnn_frame_graphs.store(on, Ordering::Relaxed);
-    }
-
     fn eager(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
         self.enqueue(sh, state)?;
         sh.warm = true;
@@ -1112,9 +1081,6 @@ impl CudaEngine {
             .iter()
             .map(|sh| {
                 let (b, t, f) = sh.key;
-                if sh.warm && sh.graphs.is_empty() && self.rnn_direct(sh) {
-                    return (b, t, f, vec!["kernel".to_string()]);
-                }
                 let notes = sh
                     .graphs
                     .iter()
