@@ -15,12 +15,14 @@
 //! is ever both read as the old state and written as the new one.
 //!
 //! The second call of a shape (and, for frames, of each state) is captured as a CUDA graph
-//! and later calls replay it: input and output go through page-locked staging copied inside
-//! the graph (a recurrent backbone's window is read in place from the staging instead:
-//! `mapped_input`), so a replayed call is the caller writing the input into the staging, one
-//! graph launch, one wait on the engine's stream and one read of the output staging, and runs
-//! none of the ops' host code (their kernel look-ups in the device's module map, their
-//! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
+//! and later calls replay it: input and output go through page-locked staging, copied inside
+//! the graph or, for frames on the frame kernels and recurrent windows, read and written in
+//! place by the kernels (`mapped`), so a replayed call is the caller writing the input into
+//! the staging, one graph launch, one wait on the engine's stream and one read of the output
+//! staging, and runs none of the ops' host code (their kernel look-ups in the device's module
+//! map, their checks). A capture that fails leaves that shape eager, with the reason in
+//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`), a Mamba block of a
+//! frame one (`mamba_frame`), a frame's consecutive GEMVs one (`flush`).
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
