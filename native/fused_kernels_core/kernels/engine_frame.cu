@@ -31,29 +31,16 @@
 #define FK_EG_UNROLL 8
 
 // Mean and 1/sqrt(var + eps) of `n` values of `row` (one warp; every lane gets them).
-// Rows another block of the same launch wrote (kChain: engine_mamba_block_f32, engine_gemv_chain_f32) are read
-// through L2, never the non-coherent read-only path.
-template <bool kChain>
-__device__ __forceinline__ float fk_eg_ld(const float* p) {
-  if constexpr (kChain) {
-    return __ldcg(p);
-  } else {
-    return *p;
-  }
-}
-
-// (kChain: `row` in global memory, written in this launch.)
-template <bool kChain = false>
 __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, int lane,
                                             float& mean, float& inv) {
   // 1/n within an ulp, without true division's slow path (its register saves spill on sm_120).
   const float rn = fk_rcp_normal((float)n);
   float s = 0.0f;
-  for (int j = lane; j < n; j += 32) s += fk_eg_ld<kChain>(row + j);
+  for (int j = lane; j < n; j += 32) s += row[j];
   mean = fk_warp_sum(s) * rn;
   float q = 0.0f;
   for (int j = lane; j < n; j += 32) {
-    const float v = fk_eg_ld<kChain>(row + j) - mean;
+    const float v = row[j] - mean;
     q += v * v;
   }
   inv = rsqrtf(fk_warp_sum(q) * rn + eps);
@@ -61,7 +48,8 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 
 // x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
 // act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
-// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. conv_w (nullptr: none): a Mamba in_proj's conv, {conv_k, inner} (tap j
+// none), LayerNormed first with rg/rb (nullptr: as is; read as is, so a chain's residual has
+// none). out {rows, n}. conv_w (nullptr: none): a Mamba in_proj's conv, {conv_k, inner} (tap j
 // multiplies step t - (conv_k-1) + j), with conv_b {inner} and conv_state {rows, conv_k-1,
 // inner} (the conv inputs of the frames before; read only, the scan moves it on): columns
 // j < inner (the x half, n = 2·inner) also give xc[row, j] = SiLU(conv). Grid (column blocks,
@@ -84,6 +72,17 @@ struct FkGemv {
   float eps;
   int act, conv_k;
 };
+
+// Rows another block of the same launch wrote (kChain: engine_mamba_block_f32) are read
+// through L2, never the non-coherent read-only path.
+template <bool kChain>
+__device__ __forceinline__ float fk_eg_ld(const float* p) {
+  if constexpr (kChain) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
 
 // Block (bx, by) of the GEMV `p` (the grid of engine_gemv_f32).
 template <bool kChain>
@@ -128,7 +127,7 @@ __device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
         float mean, inv;
-        fk_eg_stats<kChain>(res + (long long)b * n, n, eps, lane, mean, inv);
+        fk_eg_stats(res + (long long)b * n, n, eps, lane, mean, inv);
         if (lane == 0) {
           rstat[b][0] = mean;
           rstat[b][1] = inv;
@@ -443,69 +442,6 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
     }
     __syncthreads();
     if (last_s && tid < 5) p.sync[tid] = 0u;
-  }
-}
-
-// Up to FK_CHAIN_MAX GEMVs of one frame in one launch (engine_gemv_chain_f32), step i reading
-// what step i - 1 wrote (its rows, its residual): attention's out_proj, FFN up and down and the
-// next layer's q|k|v. Ordered as engine_mamba_block_f32: blocks take (step, index) from a start
-// counter (sync[0]) and wait for the step before's count (sync[1 + step - 1]); the last block of
-// the last step zeroes the FK_CHAIN_MAX + 1 words. Grid: every step's blocks. Dynamic shared
-// memory: the widest step's.
-#define FK_CHAIN_MAX 4
-struct FkChain {
-  FkGemv step[FK_CHAIN_MAX];
-  unsigned int* sync;
-  int steps;
-};
-
-extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
-    engine_gemv_chain_f32(const FkChain p) {
-  if constexpr (FK_WANT(engine_gemv_chain_f32)) {
-    __shared__ unsigned int vid_s, last_s;
-    const int tid = threadIdx.x;
-    if (tid == 0) vid_s = atomicAdd(&p.sync[0], 1u);
-    __syncthreads();
-    int v = (int)vid_s, step = 0, before = 0;
-#pragma unroll
-    for (int i = 0; i + 1 < FK_CHAIN_MAX; ++i) {
-      const int here = fk_eg_blocks(p.step[i]);
-      if (step == i && i + 1 < p.steps && v >= here) {
-        v -= here;
-        step = i + 1;
-        before = here;
-      }
-    }
-    if (step > 0) {
-      if (tid == 0) {
-        unsigned int seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
-                       : "=r"(seen)
-                       : "l"(p.sync + step)
-                       : "memory");
-          if (seen < (unsigned int)before) __nanosleep(20);
-        } while (seen < (unsigned int)before);
-      }
-      __syncthreads();
-    }
-    FkGemv g = p.step[0];
-#pragma unroll
-    for (int i = 1; i < FK_CHAIN_MAX; ++i)
-      if (step == i) g = p.step[i];
-    const int cols = (g.n + FK_EG_COLS - 1) / FK_EG_COLS;
-    fk_eg_block<true>(g, v % cols, v / cols);
-    __syncthreads();
-    if (tid == 0) {
-      unsigned int old;
-      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                   : "=r"(old)
-                   : "l"(p.sync + 1 + step)
-                   : "memory");
-      last_s = step == p.steps - 1 && old + 1u == (unsigned int)fk_eg_blocks(g);
-    }
-    __syncthreads();
-    if (last_s && tid <= FK_CHAIN_MAX) p.sync[tid] = 0u;
   }
 }
 

@@ -628,11 +628,6 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             levels: ANY,
         },
         Family {
-            root: "engine_gemv_chain",
-            parts: &[&["f32"]],
-            levels: ANY,
-        },
-        Family {
             root: "engine_mamba_block",
             parts: &[&["f32"]],
             levels: ANY,

@@ -42,7 +42,6 @@ use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -489,10 +488,8 @@ struct FrameFns {
     gemv: CudaFunction,
     /// Attention/Jamba: the frame's and the window's attention.
     attn: Option<(CudaFunction, CudaFunction)>,
-    /// Attention/Jamba: the frame's GEMV chains and their `CHAIN_MAX + 1` zeroed sync words
-    /// (the kernel leaves them zeroed).
-    chain: Option<(CudaFunction, DeviceTensor)>,
-    /// Mamba/Jamba: the frame's Mamba block and its five zeroed sync words (likewise).
+    /// Mamba/Jamba: the frame's Mamba block and its five zeroed sync words (the kernel leaves
+    /// them zeroed).
     mamba: Option<(CudaFunction, DeviceTensor)>,
 }
 
@@ -556,27 +553,6 @@ struct FkScan {
     dt_max: f32,
 }
 
-/// The most GEMVs of one `engine_gemv_chain_f32` launch (`FK_CHAIN_MAX`).
-const CHAIN_MAX: usize = 4;
-
-/// `engine_gemv_chain_f32`'s parameter (`FkChain`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FkChain {
-    step: [FkGemv; CHAIN_MAX],
-    sync: u64,
-    steps: i32,
-}
-
-/// A frame's GEMVs queued for one chain launch (`CudaEngine::flush`); `on` false: each GEMV
-/// is launched at once (windows).
-#[derive(Default)]
-struct Chain {
-    on: bool,
-    steps: [FkGemv; CHAIN_MAX],
-    n: usize,
-}
-
 /// `engine_mamba_block_f32`'s parameter (`FkMambaBlock`).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -618,14 +594,6 @@ impl FrameFns {
                 "engine_attn_frame_f32",
                 "engine_attn_window_f32",
             )?,
-            chain: if kind == Kind::Mamba {
-                None
-            } else {
-                Some((
-                    f("engine_gemv_chain_f32")?,
-                    zeros(gpu, vec![CHAIN_MAX + 1]).ok()?,
-                ))
-            },
             mamba: if kind == Kind::Attention {
                 None
             } else {
@@ -1484,7 +1452,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
-        fc: (&FrameFns, &RefCell<Chain>),
+        ff: &FrameFns,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1494,16 +1462,15 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
-        self.gemv_to(fc, (b, t), x, k, name, n, act, res, eps, None)
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, None)
     }
 
     /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
-    /// staging of a frame) instead of an arena buffer. Queued in `chain` when it is on (the
-    /// caller flushes it before anything reads the outputs), else launched.
+    /// staging of a frame) instead of an arena buffer.
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
-        (ff, chain): (&FrameFns, &RefCell<Chain>),
+        ff: &FrameFns,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1514,58 +1481,31 @@ impl CudaEngine {
         eps: f32,
         dst: Option<u64>,
     ) -> Result<DeviceTensor> {
+        let rows = b * t;
         let out = self.out_or_buf(dst, vec![b, t, n])?;
+        let w = ptr(self.dw(&format!("{name}/kernel"))?);
+        let bias = ptr(self.dw(&format!("{name}/bias"))?);
         let (xg, xb) = x.norm.unwrap_or((0, 0));
+        let rp = res.map_or(0, |r| r.ptr);
         let (rg, rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
-        let g = FkGemv {
-            x: x.ptr,
-            xg,
-            xb,
-            w: ptr(self.dw(&format!("{name}/kernel"))?),
-            bias: ptr(self.dw(&format!("{name}/bias"))?),
-            res: res.map_or(0, |r| r.ptr),
-            rg,
-            rb,
-            out: ptr(&out),
-            rows: (b * t) as i32,
-            k: k as i32,
-            n: n as i32,
-            eps,
-            act: act.code(),
-            ..FkGemv::default()
-        };
-        let mut chain = chain.borrow_mut();
-        if chain.on {
-            if chain.n == CHAIN_MAX {
-                self.flush(ff, &mut chain)?;
-            }
-            let i = chain.n;
-            chain.steps[i] = g;
-            chain.n += 1;
-        } else {
-            self.launch_gemv(ff, &g)?;
-        }
-        Ok(out)
-    }
-
-    /// One `engine_gemv_f32` launch of `g` (its `conv_*` unused).
-    fn launch_gemv(&self, ff: &FrameFns, g: &FkGemv) -> Result<()> {
-        let (rows, k, n) = (g.rows as usize, g.k as usize, g.n as usize);
+        let op = ptr(&out);
+        let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
+        let code = act.code();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
-        l.arg(&g.x)
-            .arg(&g.xg)
-            .arg(&g.xb)
-            .arg(&g.w)
-            .arg(&g.bias)
-            .arg(&g.res)
-            .arg(&g.rg)
-            .arg(&g.rb)
-            .arg(&g.out)
-            .arg(&g.rows)
-            .arg(&g.k)
-            .arg(&g.n)
-            .arg(&g.eps)
-            .arg(&g.act);
+        l.arg(&x.ptr)
+            .arg(&xg)
+            .arg(&xb)
+            .arg(&w)
+            .arg(&bias)
+            .arg(&rp)
+            .arg(&rg)
+            .arg(&rb)
+            .arg(&op)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&ni)
+            .arg(&eps)
+            .arg(&code);
         let cfg = LaunchConfig {
             grid_dim: (
                 n.div_ceil(GEMV_COLS) as u32,
@@ -1578,55 +1518,7 @@ impl CudaEngine {
         // Safety: the kernel's parameters in order; every address is a weight or an arena
         // buffer of this engine, alive in its stream's order.
         unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// Launches the GEMVs queued in `chain`: one alone as `engine_gemv_f32`, more as one
-    /// `engine_gemv_chain_f32`.
-    fn flush(&self, ff: &FrameFns, chain: &mut Chain) -> Result<()> {
-        let n = std::mem::take(&mut chain.n);
-        if n <= 1 {
-            return if n == 1 {
-                self.launch_gemv(ff, &chain.steps[0])
-            } else {
-                Ok(())
-            };
-        }
-        let (f, sync) = ff
-            .chain
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("the GEMV chain kernel was not loaded".into()))?;
-        let steps = &chain.steps[..n];
-        let blocks = |g: &FkGemv| {
-            (g.n as usize).div_ceil(GEMV_COLS) * (g.rows as usize).div_ceil(FRAME_MAX_BATCH)
-        };
-        let grid: usize = steps.iter().map(blocks).sum();
-        let smem = steps
-            .iter()
-            .map(|g| 4 * (g.rows as usize).min(FRAME_MAX_BATCH) * g.k as usize)
-            .max()
-            .unwrap_or(0);
-        let mut p = FkChain {
-            step: chain.steps,
-            sync: ptr(sync),
-            steps: n as i32,
-        };
-        let mut params = [&mut p as *mut FkChain as *mut std::ffi::c_void];
-        self.gpu.bind()?;
-        // Safety: the kernel's one parameter, `FkChain` laid out as in
-        // kernels/engine_frame.cu; every address is a weight, the engine's sync words or an
-        // arena/staging buffer of this call, alive in the stream's order.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                (grid as u32, 1, 1),
-                (512, 1, 1),
-                smem as u32,
-                self.gpu.stream.cu_stream(),
-                &mut params,
-            )
-        }?;
-        Ok(())
+        Ok(out)
     }
 
     /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
@@ -1835,16 +1727,9 @@ impl CudaEngine {
             norm: None,
         };
         let eps = s.norm_eps as f32;
-        // A frame's GEMVs between two other launches run as one chain launch.
-        let chain = RefCell::new(Chain {
-            on: st.is_some() && ff.chain.is_some(),
-            ..Chain::default()
-        });
-        let fc = (ff, &chain);
-        let flush = || self.flush(ff, &mut chain.borrow_mut());
         // A frame's count of cached rows follows its rows in the input (`counted`).
         let count = ptr(xd) + (4 * b * t * s.embed) as u64;
-        let mut y = self.gemv(fc, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
+        let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
         // `dst` takes the last layer's rows where nothing follows them (no final norm).
@@ -1859,20 +1744,19 @@ impl CudaEngine {
             };
             if s.kind == Kind::Attention {
                 let p = |n: &str| format!("attn_{l}_{n}");
-                let qkv = self.gemv(fc, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
-                flush()?;
+                let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
                     None => self.attn_window(ff, &qkv, bt, false)?,
                 };
-                let x1 = self.gemv(fc, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
+                let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
                     ptr: ptr(&x1),
                     norm: norm(&p("norm"))?,
                 };
                 let up = format!("ffn_{l}_up");
                 let f = self.gemv(
-                    fc,
+                    ff,
                     bt,
                     x1n,
                     hid,
@@ -1883,7 +1767,7 @@ impl CudaEngine {
                     eps,
                 )?;
                 let down = format!("ffn_{l}_down");
-                y = self.gemv(fc, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
+                y = self.gemv(ff, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
                 y_norm = Some(format!("ffn_{l}_norm"));
             } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
                 let p = |n: &str| format!("jamba_{l}_{n}");
@@ -1891,14 +1775,13 @@ impl CudaEngine {
                     ptr: ptr(&y),
                     norm: norm(&p("attn_norm"))?,
                 };
-                let qkv = self.gemv(fc, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
-                flush()?;
+                let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
                     None => self.attn_window(ff, &qkv, bt, true)?,
                 };
                 y = self.gemv_to(
-                    fc,
+                    ff,
                     bt,
                     raw(&a),
                     hid,
@@ -1916,14 +1799,12 @@ impl CudaEngine {
                     "jamba"
                 };
                 let prefix = format!("{prefix}_{l}");
-                flush()?;
                 y = match st.as_deref_mut() {
                     Some(st) => self.mamba_frame(ff, (&prefix, &y), st, l - 1, last(l))?,
                     None => self.mamba(&prefix, &y, Stream::Window)?,
                 };
             }
         }
-        flush()?;
         match y_norm {
             Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
             None => Ok(y),
