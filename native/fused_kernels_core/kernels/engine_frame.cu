@@ -13,10 +13,12 @@
 //   head's slice of the cache and rewrites it shifted, in place), optionally after the
 //   parameter-free QK LayerNorm of Jamba, then attends the frame's q over the newest `valid`
 //   rows (FlashAttention's causal sliding window for the last position), softmax in f32.
-// engine_mamba_block_f32: a Mamba block of one frame in one launch: in_proj (with the block's
-//   causal depthwise conv and SiLU on the x half of its columns: each column is one channel),
-//   B|C|dt-rank as one GEMV, the scan step (dt, the scan, the gate, both states), out_proj with
-//   the residual, each step's blocks waiting for the step before.
+//   For a Mamba block's in_proj it also runs the block's causal depthwise conv and SiLU on the
+//   x half of its columns (each column is one channel: the conv needs nothing from the other
+//   blocks), so the conv is no launch of its own.
+// engine_mamba_scan_f32: the Mamba block's element-wise stage of one frame between its GEMVs
+//   (in_proj with the conv, B|C|dt-rank as one, out_proj): dt, the scan step, the gate and both
+//   states.
 //
 // Arithmetic: f32, exact exponentials, LayerNorm as kernels/norm.cu (two passes, warp sums).
 
@@ -48,54 +50,23 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 
 // x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
 // act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
-// none), LayerNormed first with rg/rb (nullptr: as is; read as is, so a chain's residual has
-// none). out {rows, n}. conv_w (nullptr: none): a Mamba in_proj's conv, {conv_k, inner} (tap j
-// multiplies step t - (conv_k-1) + j), with conv_b {inner} and conv_state {rows, conv_k-1,
-// inner} (the conv inputs of the frames before; read only, the scan moves it on): columns
-// j < inner (the x half, n = 2·inner) also give xc[row, j] = SiLU(conv). Grid (column blocks,
-// row blocks of FK_EG_MAXB rows). Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
-struct FkGemv {
-  const float* x;
-  const float* xg;
-  const float* xb;
-  const float* w;
-  const float* bias;
-  const float* res;
-  const float* rg;
-  const float* rb;
-  float* out;
-  const float* conv_w;
-  const float* conv_b;
-  const float* conv_state;
-  float* xc;
-  int rows, k, n;
-  float eps;
-  int act, conv_k;
-};
-
-// Rows another block of the same launch wrote (kChain: engine_mamba_block_f32) are read
-// through L2, never the non-coherent read-only path.
-template <bool kChain>
-__device__ __forceinline__ float fk_eg_ld(const float* p) {
-  if constexpr (kChain) {
-    return __ldcg(p);
-  } else {
-    return *p;
-  }
-}
-
-// Block (bx, by) of the GEMV `p` (the grid of engine_gemv_f32).
-template <bool kChain>
-__device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
-  const float* x = p.x;
-  const float *xg = p.xg, *xb = p.xb, *w = p.w, *bias = p.bias, *res = p.res, *rg = p.rg,
-              *rb = p.rb, *conv_w = p.conv_w, *conv_b = p.conv_b, *conv_state = p.conv_state;
-  float *out = p.out, *xc = p.xc;
-  const int rows = p.rows, k = p.k, n = p.n, act = p.act, conv_k = p.conv_k;
-  const float eps = p.eps;
-  {
+// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. conv_w (nullptr: none):
+// a Mamba in_proj's conv, {conv_k, inner} (tap j multiplies step t - (conv_k-1) + j), with
+// conv_b {inner} and conv_state {rows, conv_k-1, inner} (the conv inputs of the frames before;
+// read only, engine_mamba_scan_f32 moves it on): columns j < inner (the x half, n = 2·inner)
+// also give xc[row, j] = SiLU(conv). Grid (column blocks, row blocks of FK_EG_MAXB rows).
+// Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
+extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
+    engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
+                    const float* __restrict__ xb, const float* __restrict__ w,
+                    const float* __restrict__ bias, const float* __restrict__ res,
+                    const float* __restrict__ rg, const float* __restrict__ rb,
+                    float* __restrict__ out, int rows, int k, int n, float eps, int act,
+                    const float* __restrict__ conv_w, const float* __restrict__ conv_b,
+                    const float* __restrict__ conv_state, float* __restrict__ xc, int conv_k) {
+  if constexpr (FK_WANT(engine_gemv_f32)) {
     // This block's rows.
-    const long long row0 = (long long)by * FK_EG_MAXB;
+    const long long row0 = (long long)blockIdx.y * FK_EG_MAXB;
     const int batch = min(FK_EG_MAXB, rows - (int)row0);
     x += row0 * k;
     out += row0 * n;
@@ -113,7 +84,7 @@ __device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
     // FK_EG_UNROLL of its weights are in flight before the rows are read (at k <= 256 that is
     // all of them), so the weights' latency and the rows' overlap.
     const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
-    const int col = bx * FK_EG_COLS + c;
+    const int col = blockIdx.x * FK_EG_COLS + c;
     const bool valid = col < n;
     const int step = 2 * FK_EG_WARPS;
     const int r0 = 2 * warp + half;
@@ -123,7 +94,7 @@ __device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
       const int r = r0 + i * step;
       wv[i] = valid && r < k ? __ldg(w + (long long)r * n + col) : 0.0f;
     }
-    for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = fk_eg_ld<kChain>(x + i);
+    for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
         float mean, inv;
@@ -170,14 +141,14 @@ __device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
     __syncthreads();
     if (tid < batch * FK_EG_COLS) {
       const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;
-      const int j = bx * FK_EG_COLS + cc;
+      const int j = blockIdx.x * FK_EG_COLS + cc;
       if (j < n) {
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < 2 * FK_EG_WARPS; ++i) s += red[i][b][cc];
         s = fk_act<FkExact>(s + bias[j], act);
         if (res) {
-          float rv = fk_eg_ld<kChain>(res + (long long)b * n + j);
+          float rv = res[(long long)b * n + j];
           if (rg) rv = (rv - rstat[b][0]) * rstat[b][1] * rg[j] + rb[j];
           s += rv;
         }
@@ -191,19 +162,6 @@ __device__ __forceinline__ void fk_eg_block(const FkGemv p, int bx, int by) {
         }
       }
     }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
-    engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
-                    const float* __restrict__ xb, const float* __restrict__ w,
-                    const float* __restrict__ bias, const float* __restrict__ res,
-                    const float* __restrict__ rg, const float* __restrict__ rb,
-                    float* __restrict__ out, int rows, int k, int n, float eps, int act) {
-  if constexpr (FK_WANT(engine_gemv_f32)) {
-    const FkGemv p{x,       xg,      xb,      w,       bias, res, rg, rb,  out, nullptr,
-                   nullptr, nullptr, nullptr, rows,    k,    n,   eps, act, 0};
-    fk_eg_block<false>(p, blockIdx.x, blockIdx.y);
   }
 }
 
@@ -310,138 +268,50 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
   }
 }
 
+#define FK_EM_THREADS 256
+
 // Mamba, one frame: per (batch row, channel), one warp: the dt projection (softplus, clipped to
 // [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:
 // h = exp(dt·A)·h + dt·B·u, y = C·h + D·u) with the state across the lanes, the SiLU(z) gate,
 // and both states moved on in place (the warp owns its channel of them). xz {batch, 2·inner};
-// xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank; w_dt {rank, inner}, b_dt
-// {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1, inner}; ssm_state
-// {batch, inner, state}; y {batch, inner}.
-struct FkScan {
-  const float* xz;
-  const float* xc;
-  const float* bcr;
-  const float* w_dt;
-  const float* b_dt;
-  const float* a;
-  const float* d;
-  float* conv_state;
-  float* ssm_state;
-  float* y;
-  int batch, inner, state, rank, k;
-  float dt_min, dt_max;
-};
-
-// Channel-row i (b·inner + c) of the scan `p`, one warp (`lane` its lane); xz, xc and bcr were
-// written by other blocks of the launch (read through L2).
-__device__ __forceinline__ void fk_em_scan(const FkScan& p, int i, int lane) {
-  const int inner = p.inner, state = p.state, rank = p.rank, k = p.k;
-  const int b = i / inner, c = i - b * inner;
-  const float* row = p.bcr + (long long)b * (2 * state + rank);
-  float raw = 0.0f;
-  for (int r = lane; r < rank; r += 32)
-    raw = fmaf(__ldcg(row + 2 * state + r), p.w_dt[(long long)r * inner + c], raw);
-  raw = fk_warp_sum(raw) + p.b_dt[c];
-  const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
-  const float delta = fminf(fmaxf(sp, p.dt_min), p.dt_max);
-  const float u = __ldcg(p.xc + i);
-  float* h = p.ssm_state + ((long long)b * inner + c) * state;
-  float acc = 0.0f;
-  for (int n = lane; n < state; n += 32) {
-    const float hn = expf(delta * p.a[(long long)c * state + n]) * h[n] + delta * __ldcg(row + n) * u;
-    h[n] = hn;
-    acc += hn * __ldcg(row + state + n);
-  }
-  acc = fk_warp_sum(acc);
-  if (lane == 0) {
-    const float z = __ldcg(p.xz + (long long)b * 2 * inner + inner + c);
-    p.y[i] = (acc + (p.d ? p.d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
-    float* cs = p.conv_state + (long long)b * (k - 1) * inner + c;
-    for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
-    cs[(long long)(k - 2) * inner] = __ldcg(p.xz + (long long)b * 2 * inner + c);
-  }
-}
-
-// A Mamba block of one frame in one launch, four steps, each waiting for the one before:
-// in_proj (the block's input LayerNorm on the fly) with the conv and SiLU on its x half
-// (FkGemv conv_*), B|C|dt-rank as one GEMV over the conv output, the scan step (FkScan: one
-// warp per channel, 16 to a block), out_proj with the residual. Blocks take their step and
-// index from a counter when they start (sync[0]), so a block only ever waits for blocks that
-// started before it and run: no wait can hang on a block that is not resident. Step s's
-// blocks count themselves in sync[1 + s]; the last block of the last step zeroes the five
-// words for the next launch. Grid: the four steps' blocks (the GEMVs' column × row blocks,
-// ceil(batch·inner / 16) scan blocks). Dynamic shared memory: the widest GEMV's.
-struct FkMambaBlock {
-  FkGemv in_proj, bcdt;
-  FkScan scan;
-  FkGemv out_proj;
-  unsigned int* sync;
-};
-
-__device__ __forceinline__ int fk_eg_blocks(const FkGemv& g) {
-  return ((g.n + FK_EG_COLS - 1) / FK_EG_COLS) * ((g.rows + FK_EG_MAXB - 1) / FK_EG_MAXB);
-}
-
-extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
-    engine_mamba_block_f32(const FkMambaBlock p) {
-  if constexpr (FK_WANT(engine_mamba_block_f32)) {
-    __shared__ unsigned int vid_s, last_s;
-    const int tid = threadIdx.x;
-    if (tid == 0) vid_s = atomicAdd(&p.sync[0], 1u);
-    __syncthreads();
-    int v = (int)vid_s;
-    const int n0 = fk_eg_blocks(p.in_proj), n1 = fk_eg_blocks(p.bcdt);
-    const int n2 = (p.scan.batch * p.scan.inner + FK_EG_WARPS - 1) / FK_EG_WARPS;
-    const int n3 = fk_eg_blocks(p.out_proj);
-    // This block's step, its index in the step, and the block count of the step before.
-    int step = 0, before = 0;
-    if (v >= n0) {
-      v -= n0;
-      step = 1;
-      before = n0;
-      if (v >= n1) {
-        v -= n1;
-        step = 2;
-        before = n1;
-        if (v >= n2) {
-          v -= n2;
-          step = 3;
-          before = n2;
-        }
-      }
+// xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt
+// {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1,
+// inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks of FK_EM_THREADS / 32
+// channels.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+    engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
+                          const float* __restrict__ bcr, const float* __restrict__ w_dt,
+                          const float* __restrict__ b_dt, const float* __restrict__ a,
+                          const float* __restrict__ d, float* conv_state, float* ssm_state,
+                          float* __restrict__ y, int batch, int inner, int state, int rank,
+                          int k, float dt_min, float dt_max) {
+  if constexpr (FK_WANT(engine_mamba_scan_f32)) {
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
+    if (i >= batch * inner) return;
+    const int b = i / inner, c = i - b * inner;
+    const float* row = bcr + (long long)b * (2 * state + rank);
+    float raw = 0.0f;
+    for (int r = lane; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw = fk_warp_sum(raw) + b_dt[c];
+    const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
+    const float delta = fminf(fmaxf(sp, dt_min), dt_max);
+    const float u = xc[i];
+    float* h = ssm_state + ((long long)b * inner + c) * state;
+    float acc = 0.0f;
+    for (int n = lane; n < state; n += 32) {
+      const float hn = expf(delta * a[(long long)c * state + n]) * h[n] + delta * row[n] * u;
+      h[n] = hn;
+      acc += hn * row[state + n];
     }
-    if (step > 0) {
-      if (tid == 0) {
-        unsigned int seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
-                       : "=r"(seen)
-                       : "l"(p.sync + step)
-                       : "memory");
-          if (seen < (unsigned int)before) __nanosleep(20);
-        } while (seen < (unsigned int)before);
-      }
-      __syncthreads();
+    acc = fk_warp_sum(acc);
+    if (lane == 0) {
+      const float z = xz[(long long)b * 2 * inner + inner + c];
+      y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
+      float* cs = conv_state + (long long)b * (k - 1) * inner + c;
+      for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
+      cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
     }
-    if (step == 2) {
-      const int i = v * FK_EG_WARPS + (tid >> 5);
-      if (i < p.scan.batch * p.scan.inner) fk_em_scan(p.scan, i, tid & 31);
-    } else {
-      const FkGemv& g = step == 0 ? p.in_proj : step == 1 ? p.bcdt : p.out_proj;
-      const int cols = (g.n + FK_EG_COLS - 1) / FK_EG_COLS;
-      fk_eg_block<true>(g, v % cols, v / cols);
-    }
-    __syncthreads();
-    if (tid == 0) {
-      unsigned int old;
-      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                   : "=r"(old)
-                   : "l"(p.sync + 1 + step)
-                   : "memory");
-      last_s = step == 3 && old + 1u == (unsigned int)n3;
-    }
-    __syncthreads();
-    if (last_s && tid < 5) p.sync[tid] = 0u;
   }
 }
 

@@ -628,7 +628,7 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             levels: ANY,
         },
         Family {
-            root: "engine_mamba_block",
+            root: "engine_mamba_scan",
             parts: &[&["f32"]],
             levels: ANY,
         },

@@ -488,9 +488,8 @@ struct FrameFns {
     gemv: CudaFunction,
     /// Attention/Jamba: the frame's and the window's attention.
     attn: Option<(CudaFunction, CudaFunction)>,
-    /// Mamba/Jamba: the frame's Mamba block and its five zeroed sync words (the kernel leaves
-    /// them zeroed).
-    mamba: Option<(CudaFunction, DeviceTensor)>,
+    /// Mamba/Jamba: the frame's scan step (the conv runs in the in_proj GEMV).
+    mamba: Option<CudaFunction>,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -504,64 +503,15 @@ const ATTN_THREADS: u32 = 256;
 /// warp); Jamba 314 against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
 
-/// `engine_gemv_f32`'s work as one step of `engine_mamba_block_f32` (`FkGemv` in
-/// kernels/engine_frame.cu, field for field): device addresses (0: none), then sizes.
-#[repr(C)]
+/// A Mamba block's conv run by its in_proj GEMV (`engine_gemv_f32`'s conv_*): the conv's
+/// kernel and bias, the conv state, the output xc (device addresses) and the taps.
 #[derive(Clone, Copy, Default)]
-struct FkGemv {
-    x: u64,
-    xg: u64,
-    xb: u64,
+struct Conv {
     w: u64,
-    bias: u64,
-    res: u64,
-    rg: u64,
-    rb: u64,
-    out: u64,
-    conv_w: u64,
-    conv_b: u64,
-    conv_state: u64,
+    b: u64,
+    state: u64,
     xc: u64,
-    rows: i32,
     k: i32,
-    n: i32,
-    eps: f32,
-    act: i32,
-    conv_k: i32,
-}
-
-/// The scan step of `engine_mamba_block_f32` (`FkScan`, field for field).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FkScan {
-    xz: u64,
-    xc: u64,
-    bcr: u64,
-    w_dt: u64,
-    b_dt: u64,
-    a: u64,
-    d: u64,
-    conv_state: u64,
-    ssm_state: u64,
-    y: u64,
-    batch: i32,
-    inner: i32,
-    state: i32,
-    rank: i32,
-    k: i32,
-    dt_min: f32,
-    dt_max: f32,
-}
-
-/// `engine_mamba_block_f32`'s parameter (`FkMambaBlock`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FkMambaBlock {
-    in_proj: FkGemv,
-    bcdt: FkGemv,
-    scan: FkScan,
-    out_proj: FkGemv,
-    sync: u64,
 }
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
@@ -597,7 +547,7 @@ impl FrameFns {
             mamba: if kind == Kind::Attention {
                 None
             } else {
-                Some((f("engine_mamba_block_f32")?, zeros(gpu, vec![5]).ok()?))
+                Some(f("engine_mamba_scan_f32")?)
             },
         })
     }
@@ -608,7 +558,7 @@ impl FrameFns {
             .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
     }
 
-    fn mamba(&self) -> Result<&(CudaFunction, DeviceTensor)> {
+    fn mamba(&self) -> Result<&CudaFunction> {
         self.mamba
             .as_ref()
             .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
@@ -1462,11 +1412,12 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
-        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, None)
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, (None, None))
     }
 
     /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
-    /// staging of a frame) instead of an arena buffer.
+    /// staging of a frame) instead of an arena buffer, and with `conv` a Mamba in_proj's conv
+    /// run on its x half as well.
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
@@ -1479,7 +1430,7 @@ impl CudaEngine {
         act: dense::Activation,
         res: Option<Rows>,
         eps: f32,
-        dst: Option<u64>,
+        (dst, conv): (Option<u64>, Option<Conv>),
     ) -> Result<DeviceTensor> {
         let rows = b * t;
         let out = self.out_or_buf(dst, vec![b, t, n])?;
@@ -1491,6 +1442,7 @@ impl CudaEngine {
         let op = ptr(&out);
         let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
         let code = act.code();
+        let c = conv.unwrap_or_default();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
         l.arg(&x.ptr)
             .arg(&xg)
@@ -1505,7 +1457,12 @@ impl CudaEngine {
             .arg(&ki)
             .arg(&ni)
             .arg(&eps)
-            .arg(&code);
+            .arg(&code)
+            .arg(&c.w)
+            .arg(&c.b)
+            .arg(&c.state)
+            .arg(&c.xc)
+            .arg(&c.k);
         let cfg = LaunchConfig {
             grid_dim: (
                 n.div_ceil(GEMV_COLS) as u32,
@@ -1603,11 +1560,9 @@ impl CudaEngine {
         Ok(out)
     }
 
-    /// One Mamba block of a frame in one `engine_mamba_block_f32` launch: in_proj (with the
-    /// block's input norm) and the conv, B|C|dt-rank as one GEMV, the scan step (which also
-    /// moves both states of layer `l`, 0-based, on), out_proj with the residual, written to
-    /// `dst` when given (the mapped output staging) or an arena buffer. The parameters are
-    /// passed from the stack.
+    /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
+    /// and the conv as one GEMV, B|C|dt-rank as one GEMV, the scan step (which also moves both
+    /// states of layer `l`, 0-based, on), out_proj with the residual: four launches.
     fn mamba_frame(
         &self,
         ff: &FrameFns,
@@ -1618,85 +1573,112 @@ impl CudaEngine {
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, hid, inner, n, r, k) = (st.batch, s.hidden, s.inner(), s.state, s.dt_rank, s.conv);
-        let (f, sync) = ff.mamba()?;
         let p = |name: &str| format!("{prefix}_{name}");
         let wp = |name: &str| -> Result<u64> { Ok(ptr(self.dw(&p(name))?)) };
+        let none = dense::Activation::None;
+        let xin = Rows {
+            ptr: ptr(x),
+            norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
+        };
         let eps = s.mamba_norm_eps as f32;
-        let xz = self.buf(vec![b, 2 * inner])?;
         let xc = self.buf(vec![b, inner])?;
-        let bcr = self.buf(vec![b, 2 * n + r])?;
-        let y = self.buf(vec![b, inner])?;
-        let out = self.out_or_buf(dst, vec![b, 1, hid])?;
         let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
-        let gemv = |x: u64, (k, n): (usize, usize), name: &str, out: u64| -> Result<FkGemv> {
-            Ok(FkGemv {
-                x,
-                w: wp(&format!("{name}/kernel"))?,
-                bias: wp(&format!("{name}/bias"))?,
-                out,
-                rows: b as i32,
-                k: k as i32,
-                n: n as i32,
-                eps,
-                ..FkGemv::default()
-            })
+        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
+        let conv = Conv {
+            w: wp("conv_dw_conv/kernel")?,
+            b: wp("conv_dw_conv/bias")?,
+            state: conv_state,
+            xc: ptr(&xc),
+            k: ki,
         };
-        let mut blk = FkMambaBlock {
-            in_proj: FkGemv {
-                xg: wp("norm/gamma")?,
-                xb: wp("norm/beta")?,
-                conv_w: wp("conv_dw_conv/kernel")?,
-                conv_b: wp("conv_dw_conv/bias")?,
-                conv_state,
-                xc: ptr(&xc),
-                conv_k: k as i32,
-                ..gemv(ptr(x), (hid, 2 * inner), "in_proj", ptr(&xz))?
-            },
-            bcdt: gemv(ptr(&xc), (inner, 2 * n + r), "bcdt", ptr(&bcr))?,
-            scan: FkScan {
-                xz: ptr(&xz),
-                xc: ptr(&xc),
-                bcr: ptr(&bcr),
-                w_dt: wp("ssm_dt_proj/kernel")?,
-                b_dt: wp("ssm_dt_proj/bias")?,
-                a: wp("ssm/a")?,
-                d: self.dw(&p("ssm/d")).map_or(0, ptr),
-                conv_state,
-                ssm_state,
-                y: ptr(&y),
-                batch: b as i32,
-                inner: inner as i32,
-                state: n as i32,
-                rank: r as i32,
-                k: k as i32,
-                dt_min: 0.001,
-                dt_max: 0.1,
-            },
-            out_proj: FkGemv {
-                res: ptr(x),
-                ..gemv(ptr(&y), (inner, hid), "out_proj", ptr(&out))?
-            },
-            sync: ptr(sync),
+        let xz = self.gemv_to(
+            ff,
+            (b, 1),
+            xin,
+            hid,
+            &p("in_proj"),
+            2 * inner,
+            none,
+            None,
+            eps,
+            (None, Some(conv)),
+        )?;
+        let raw = Rows {
+            ptr: ptr(&xc),
+            norm: None,
         };
-        let blocks = |n: usize| n.div_ceil(GEMV_COLS) * b.div_ceil(FRAME_MAX_BATCH);
-        let grid = blocks(2 * inner) + blocks(2 * n + r) + (b * inner).div_ceil(16) + blocks(hid);
-        let smem = 4 * b.min(FRAME_MAX_BATCH) * hid.max(inner);
-        let mut params = [&mut blk as *mut FkMambaBlock as *mut std::ffi::c_void];
-        self.gpu.bind()?;
-        // Safety: the kernel's one parameter, `FkMambaBlock` laid out as in
-        // kernels/engine_frame.cu; every address is a weight, a state tensor, the engine's sync
-        // words or an arena/staging buffer of this call, alive in the stream's order.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                (grid as u32, 1, 1),
-                (512, 1, 1),
-                smem as u32,
-                self.gpu.stream.cu_stream(),
-                &mut params,
-            )
-        }?;
-        Ok(out)
+        let bcr = self.gemv(
+            ff,
+            (b, 1),
+            raw,
+            inner,
+            &p("bcdt"),
+            2 * n + r,
+            none,
+            None,
+            eps,
+        )?;
+        let y = self.buf(vec![b, inner])?;
+        {
+            let d = self.dw(&p("ssm/d")).map_or(0, ptr);
+            let (pxz, pxc, pbcr, wdt, bdt, a, py) = (
+                ptr(&xz),
+                ptr(&xc),
+                ptr(&bcr),
+                wp("ssm_dt_proj/kernel")?,
+                wp("ssm_dt_proj/bias")?,
+                wp("ssm/a")?,
+                ptr(&y),
+            );
+            let (dt_min, dt_max) = (0.001f32, 0.1f32);
+            // One warp per (batch row, channel), 8 to a block.
+            let warps = LaunchConfig {
+                grid_dim: ((b * inner).div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self.gpu.stream.launch_builder(ff.mamba()?);
+            launch
+                .arg(&pxz)
+                .arg(&pxc)
+                .arg(&pbcr)
+                .arg(&wdt)
+                .arg(&bdt)
+                .arg(&a)
+                .arg(&d)
+                .arg(&conv_state)
+                .arg(&ssm_state)
+                .arg(&py)
+                .arg(&bi)
+                .arg(&ii)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&ki)
+                .arg(&dt_min)
+                .arg(&dt_max);
+            // Safety: as above.
+            unsafe { launch.launch(warps) }?;
+        }
+        let yr = Rows {
+            ptr: ptr(&y),
+            norm: None,
+        };
+        let res = Rows {
+            ptr: ptr(x),
+            norm: None,
+        };
+        self.gemv_to(
+            ff,
+            (b, 1),
+            yr,
+            inner,
+            &p("out_proj"),
+            hid,
+            none,
+            Some(res),
+            eps,
+            (dst, None),
+        )
     }
 
     /// An attention, Mamba or Jamba frame (`st`: its state) or an attention or Jamba window
@@ -1790,7 +1772,7 @@ impl CudaEngine {
                     none,
                     Some(raw(&y)),
                     eps,
-                    last(l),
+                    (last(l), None),
                 )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
