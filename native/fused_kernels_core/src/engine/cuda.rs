@@ -21,8 +21,7 @@
 //! the staging, one graph launch, one wait on the engine's stream and one read of the output
 //! staging, and runs none of the ops' host code (their kernel look-ups in the device's module
 //! map, their checks). A capture that fails leaves that shape eager, with the reason in
-//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`), a Mamba block of a
-//! frame one (`mamba_frame`), a frame's consecutive GEMVs one (`flush`).
+//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`).
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
