@@ -15,7 +15,8 @@ defmodule FusedKernels do
   `:device_name`, `:compute_capability`, `:memory_total`, `:memory_free`, `:multiprocessors`,
   `:driver_version`, `:nvrtc_version`, `:cublas_available`, `:features` (what the kernels may
   use here: `:cp_async`, `:mma_bf16_tf32`, `:clusters`, `:pdl`, `:wgmma_tma`, ...) and
-  `:paths` (`{op, kernels it launches here}` pairs); without one, `:reason`.
+  `:paths` (`{op, kernels it launches here}` pairs), `:kernels` (`{op, kernel families its
+  files define for this GPU}` pairs, from the instance tables); without one, `:reason`.
   """
   @spec info(keyword) :: map
   def info(opts \\ []) do

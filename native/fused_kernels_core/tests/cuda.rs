@@ -99,7 +99,7 @@ fn key_covers_the_included_headers_only() {
     assert!(names(DENSE.body).contains(&"act.cuh"));
 }
 
-/// The prefill lists a file's functions without compiling their bodies, and stores each
+/// The prefill lists a file's functions from its instance table, and stores each
 /// program under exactly the entry the runtime looks up (`Gpu::load`: the function as
 /// `FK_ONLY`, the route's cap). Needs libnvrtc (skipped without it, as in CI's cargo step).
 #[test]

@@ -1,5 +1,7 @@
 //! The kernel registry: feature levels, header includes, per-instance build options.
 
+mod support;
+
 use fused_kernels_core::kernels::*;
 
 /// Every `FK_ARCH` threshold in the sources is a feature level, so the per-level PTX CI
@@ -207,4 +209,57 @@ fn routed_names_are_instances_at_their_level() {
         }
     }
     assert!(checked > 10_000, "{checked}");
+}
+
+/// What a backbone engine compiles at load: instances of their files at the level the GPU
+/// routes as, the engine's own frame kernels included, no program twice.
+#[test]
+fn engine_prefetch_names_instances() {
+    use fused_kernels_core::engine::plan::Kind;
+    use fused_kernels_core::engine::prefetch::programs_on;
+    let mut seen = 0;
+    for cap in [(7, 5), (8, 6), (9, 0), (12, 0)] {
+        let level = cap.0 * 100 + cap.1 * 10;
+        for kind in [
+            Kind::Lstm,
+            Kind::Gru,
+            Kind::Attention,
+            Kind::Mamba,
+            Kind::Jamba,
+        ] {
+            let spec = support::backbone::spec(kind);
+            let list = programs_on(&spec, cap, 132);
+            for (i, (k, f)) in list.iter().enumerate() {
+                assert!(k.instances(level).contains(f), "{kind:?} {f} at {level}");
+                assert!(!list[..i]
+                    .iter()
+                    .any(|(k2, f2)| k2.name == k.name && f2 == f));
+            }
+            let has = |f: &str| list.iter().any(|(_, g)| g == f);
+            match kind {
+                Kind::Lstm | Kind::Gru => {
+                    assert!(has("engine_rnn_frame_f32"));
+                    assert_eq!(
+                        has("rnn_cluster_lstm_f32"),
+                        kind == Kind::Lstm && cap >= (9, 0)
+                    );
+                }
+                Kind::Attention => {
+                    assert!(has("engine_attn_window_f32") && !has("engine_mamba_scan_f32"));
+                }
+                _ => {
+                    assert!(has("engine_mamba_scan_f32"));
+                    assert!(list.iter().any(|(k, _)| k.name == "selective_scan_f32"));
+                    assert_eq!(has("engine_attn_frame_f32"), kind == Kind::Jamba);
+                    // The Mamba window's input projection is the dense op's.
+                    assert_eq!(
+                        list.iter().any(|(k, _)| k.name == "dense"),
+                        kind == Kind::Mamba
+                    );
+                }
+            }
+            seen += list.len();
+        }
+    }
+    assert!(seen > 30, "{seen}");
 }

@@ -64,6 +64,7 @@ fn info<'a>(env: Env<'a>, device: Term<'a>) -> Term<'a> {
                 m = put(env, m, "features", f);
                 let paths: Vec<(&str, &str)> = routes::paths(&g);
                 m = put(env, m, "paths", paths.encode(env));
+                m = put(env, m, "kernels", routes::kernels(&g).encode(env));
             }
         }
         Err(e) => {

@@ -8,14 +8,16 @@
 //! Default mode (CI): each file is compiled whole to PTX once per feature level the archs need
 //! (`Kernel::feature_level`; Hopper's arch-specific files once more for sm_90a), and that PTX
 //! is written as `OUT_DIR/<file>.<sm_XY>.ptx` for each arch, for `ptxas -v` to report on
-//! (.ci/ptxas_report.py). Files compile in parallel (`--jobs`, default: the core count).
+//! (.ci/ptxas_report.py). Files compile in parallel (`--jobs`, default: the core count). A
+//! file whose PTX entries differ from its instance table (kernels.rs) at that level fails.
 //!
 //! `--direct`: one PTX per arch instead (what the runtime compiles), to check that a level's
 //! PTX reports the same as each arch's own.
 //!
 //! `--cache-out DIR`: pre-fills a kernel cache instead (no PTX, no CI report): every program
-//! the runtime may request on a GPU of each arch (each function of each file, compiled on its
-//! own to a cubin as a first call does, `FK_ONLY`), stored under the runtime's cache key, so a
+//! the runtime may request on a GPU of each arch (each function of each file's instance table
+//! at that arch's level, compiled on its own to a cubin as a first call does, `FK_ONLY`), stored
+//! under the runtime's cache key, so a
 //! machine given that directory as `FUSED_KERNELS_CACHE_DIR` (same NVRTC version) compiles
 //! nothing. `--as sm_XY` builds the programs of a device routed as that older GPU (the
 //! `route-as-*` test builds). Entries already in DIR are kept (so a copy of an older cache

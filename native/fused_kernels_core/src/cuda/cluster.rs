@@ -16,7 +16,12 @@ pub const PORTABLE_CLUSTER: u32 = 8;
 
 /// Whether the device can launch thread-block clusters at all.
 pub fn supported(gpu: &Gpu) -> bool {
-    gpu.compute_capability >= (9, 0)
+    supported_on(gpu.compute_capability)
+}
+
+/// Whether a GPU that routes as compute capability `cap` runs thread-block clusters.
+pub fn supported_on(cap: (i32, i32)) -> bool {
+    cap >= (9, 0)
 }
 
 fn config(

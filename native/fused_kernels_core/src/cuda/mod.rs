@@ -348,6 +348,42 @@ impl Gpu {
         }
     }
 
+    /// Starts compiling (or reading from the disk cache) and loading the programs of
+    /// `functions` on background threads, as [`Gpu::warmup`] does, and returns at once: a
+    /// later [`Gpu::function`] of one of them waits for that program (one compile per program)
+    /// instead of compiling the rest one after another. Errors are dropped here: the call that
+    /// needs a failed program compiles it again and returns its error. Join the handle to wait
+    /// for all of them (None: no thread could be started; the programs compile at first use).
+    pub fn prefetch(
+        self: &Arc<Self>,
+        functions: Vec<(&'static Kernel, String)>,
+    ) -> Option<std::thread::JoinHandle<()>> {
+        // Programs already loaded (every later call of an op) start no thread.
+        let functions: Vec<_> = match self.modules.lock() {
+            Ok(modules) => functions
+                .into_iter()
+                .filter(|(k, f)| {
+                    let loaded = |key: (&'static str, String)| {
+                        modules.get(&key).is_some_and(|c| c.get().is_some())
+                    };
+                    // A preloaded whole file has every function.
+                    !loaded((k.name, f.clone())) && !loaded((k.name, String::new()))
+                })
+                .collect(),
+            Err(_) => return None,
+        };
+        if functions.is_empty() {
+            return None;
+        }
+        let gpu = self.clone();
+        std::thread::Builder::new()
+            .name("fk-prefetch".into())
+            .spawn(move || {
+                let _ = gpu.warmup(&functions, &|_| {});
+            })
+            .ok()
+    }
+
     fn module(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
         // The registry lock is held only to find the function's cell; compilation runs outside
         // it, so different functions compile in parallel and one function compiles once.

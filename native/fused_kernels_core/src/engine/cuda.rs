@@ -712,6 +712,8 @@ impl CudaEngine {
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
         let plan = Plan::build(spec.clone(), params.clone())?;
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
+        // Compiles beside the uploads; joined before returning, so `load` pays it all.
+        let prefetch = gpu.prefetch(super::prefetch::programs(&spec, &gpu));
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
         let qkv = if frame.is_some() {
@@ -762,6 +764,9 @@ impl CudaEngine {
             _blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
+        if let Some(p) = prefetch {
+            let _ = p.join();
+        }
         Ok(engine)
     }
 

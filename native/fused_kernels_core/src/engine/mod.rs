@@ -10,6 +10,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod plan;
+pub mod prefetch;
 pub mod state;
 
 use crate::error::{arg_error, Error, Result};

@@ -4,6 +4,7 @@
 
 use crate::cuda::{cluster, Gpu};
 use crate::dtype::DType;
+use crate::kernels::OP_FILES;
 use crate::ops::dense::{sm90 as dense_sm90, Geometry};
 
 /// The features the kernels use that depend on the architecture, as this device routes.
@@ -27,6 +28,25 @@ fn probe_dense_sm90(gpu: &Gpu) -> bool {
         out_shape: vec![1024, 1024],
     };
     dense_sm90::supports(gpu, DType::BF16, &g)
+}
+
+/// Per op (as `FusedKernels.warmup/2` names them), the kernel families its files define at the
+/// level this device routes as (`kernels.rs`'s instance tables): the kernels it may launch here.
+pub fn kernels(gpu: &Gpu) -> Vec<(&'static str, Vec<&'static str>)> {
+    let (major, minor) = gpu.compute_capability;
+    let level = major * 100 + minor * 10;
+    OP_FILES
+        .iter()
+        .map(|(op, files)| {
+            let mut roots: Vec<&'static str> = Vec::new();
+            for f in files.iter().flat_map(|k| k.families) {
+                if f.levels.contains(level) && !roots.contains(&f.root) {
+                    roots.push(f.root);
+                }
+            }
+            (*op, roots)
+        })
+        .collect()
 }
 
 /// One line per op family: the kernels it launches here.

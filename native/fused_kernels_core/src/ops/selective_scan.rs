@@ -930,6 +930,25 @@ fn smem_budget(gpu: &Gpu, blocks: usize, max_resident: usize) -> Result<usize> {
         .clamp(16 * 1024, per_block.max(16 * 1024)))
 }
 
+/// The scan function [`launch`] runs for `g` on a GPU of `sms` multiprocessors (`plain`: see
+/// [`plain_scan`]); what a backbone compiles ahead of its first call.
+pub fn function_name(
+    dtype: DType,
+    g: Geometry,
+    sms: usize,
+    plain: bool,
+    tuning: &Tuning,
+) -> Result<String> {
+    let tname = kernel_type(dtype, "u")?;
+    Ok(match wide_split(g, sms, dtype, plain, tuning) {
+        Some(w) => kernel_name("selective_scan_wide", &[&tname, &w.name()]),
+        None => {
+            let (npt, tpc) = split(g, tuning);
+            kernel_name("selective_scan", &[&tname, &format_args!("{npt}x{tpc}")])
+        }
+    })
+}
+
 /// Launches the scan on raw device addresses (shared by `cuda` and the Mamba block).
 /// `args` carries the pointers and flags; geometry, split and chunking are filled in here.
 pub fn launch(
@@ -1033,10 +1052,7 @@ pub fn launch(
         l.arg(&args);
         unsafe { l.launch(cfg) }?;
     }
-    let name = match wide {
-        Some(w) => kernel_name("selective_scan_wide", &[&tname, &w.name()]),
-        None => kernel_name("selective_scan", &[&tname, &format_args!("{npt}x{tpc}")]),
-    };
+    let name = function_name(dtype, g, sms, plain_scan(&args), tuning)?;
     let f = gpu.function(module(dtype), &name)?;
     cuda::smem::allow_dynamic_smem(&f, smem)?;
     let cfg = LaunchConfig {

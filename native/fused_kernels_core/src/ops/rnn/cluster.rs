@@ -445,6 +445,9 @@ pub(super) fn run_group(
     reverse: bool,
     prof: CUdeviceptr,
 ) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
+    // The projection's program compiles beside the recurrence's on a first call.
+    let proj = crate::kernels::kernel_name("rnn_cluster_project", &[&type_name(dtype)?.0]);
+    let _ = gpu.prefetch(vec![(&RNN_CLUSTER, proj)]);
     let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
     let h0 = grp.layers[0].units;
     let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
