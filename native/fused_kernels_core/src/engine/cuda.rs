@@ -1011,12 +1011,15 @@ impl CudaEngine {
         })
     }
 
-    /// Whether calls of shape `key` are attention/Mamba/Jamba frames on the frame kernels
-    /// (`gemv_forward`): those read the frame from the mapped input staging (the first GEMV's
-    /// blocks each read the frame's rows once, a few hundred values) and write the last layer's
-    /// rows to the mapped output staging, instead of a copy node each.
+    /// Whether calls of shape `key` are batch-1 attention/Mamba/Jamba frames on the frame
+    /// kernels (`gemv_forward`): those read the frame from the mapped input staging (each of the
+    /// first GEMV's blocks reads the frame's row, a few hundred values, over the bus) and write
+    /// the last layer's rows to the mapped output staging, instead of a copy node each (H100:
+    /// attention 60-61 -> 56 µs, Mamba 45-51 -> 41). Batch 8 frames measured slower that way
+    /// (attention 85 µs, Mamba 69, against 71 and 54 in an earlier run of the copies: every
+    /// block reads all eight rows over the bus), so they keep the copies.
     fn gemv_frame(&self, (b, t, frame): (usize, usize, bool)) -> bool {
-        frame && self.frame.is_some() && FrameFns::takes(&self.spec, (b, t), true)
+        frame && b == 1 && self.frame.is_some() && FrameFns::takes(&self.spec, (b, t), true)
     }
 
     /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
