@@ -80,20 +80,6 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i. The first
-    // FK_EG_UNROLL of its weights are in flight before the rows are read (at k <= 256 that is
-    // all of them), so the weights' latency and the rows' overlap.
-    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
-    const int col = blockIdx.x * FK_EG_COLS + c;
-    const bool valid = col < n;
-    const int step = 2 * FK_EG_WARPS;
-    const int r0 = 2 * warp + half;
-    float wv[FK_EG_UNROLL];
-#pragma unroll
-    for (int i = 0; i < FK_EG_UNROLL; ++i) {
-      const int r = r0 + i * step;
-      wv[i] = valid && r < k ? __ldg(w + (long long)r * n + col) : 0.0f;
-    }
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -116,24 +102,34 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
       }
       __syncthreads();
     }
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
     float acc[FK_EG_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
-    for (int r = r0;; r += FK_EG_UNROLL * step) {
+    int r = 2 * warp + half;
+    for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
+      float wv[FK_EG_UNROLL];
+#pragma unroll
+      for (int i = 0; i < FK_EG_UNROLL; ++i)
+        wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
 #pragma unroll
       for (int b = 0; b < FK_EG_MAXB; ++b) {
         if (b < batch) {
 #pragma unroll
           for (int i = 0; i < FK_EG_UNROLL; ++i)
-            if (r + i * step < k) acc[b] = fmaf(fk_eg_xs[b * k + r + i * step], wv[i], acc[b]);
+            acc[b] = fmaf(fk_eg_xs[b * k + r + i * step], wv[i], acc[b]);
         }
       }
-      if (r + FK_EG_UNROLL * step >= k) break;
+    }
+    for (; r < k; r += step) {
+      const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < FK_EG_UNROLL; ++i) {
-        const int rr = r + FK_EG_UNROLL * step + i * step;
-        wv[i] = valid && rr < k ? __ldg(w + (long long)rr * n + col) : 0.0f;
-      }
+      for (int b = 0; b < FK_EG_MAXB; ++b)
+        if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], wv, acc[b]);
     }
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b)
