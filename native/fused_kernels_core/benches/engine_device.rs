@@ -11,9 +11,13 @@
 //! `cuProfilerStart`/`cuProfilerStop`, for `ncu --profile-from-start off` (the warm-up and
 //! the capture stay out of the report).
 //!
+//! `--threads N` (N > 1): frames only; N threads, each with its own engine and state, start
+//! their timed frames together (engines on one GPU must overlap): one JSON line with each
+//! thread's median and the aggregate frames/s over the slowest thread's timed span.
+//!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
-//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--json FILE]. One JSON line per
-//! (case, what).
+//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--json FILE]. One
+//! JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -68,6 +72,17 @@ fn main() {
     let iters: usize = cli.value::<usize>("--iters").unwrap_or(300).max(1);
     let warm: Option<usize> = cli.value("--warm");
     let profile_last: Option<usize> = cli.value("--profile-last");
+    let threads: usize = cli.value("--threads").unwrap_or(1);
+    if threads > 1 {
+        for name in cases.split(',') {
+            let Some(s) = case(name) else {
+                eprintln!("--case: unknown {name:?}");
+                std::process::exit(2);
+            };
+            concurrent(&mut out, name, &s, (batch, threads, iters), warm);
+        }
+        return;
+    }
     // The profiler range opens before the last `n` of `total` calls (call `i`); `stop`
     // closes it after the loop.
     let profile = |i: usize, total: usize| {
@@ -148,4 +163,55 @@ fn main() {
         }
         eprintln!("{name} graphs: {:?}", e.graphs().unwrap_or_default());
     }
+}
+
+/// `threads` engines of `s` on their own threads, `iters` frames each after `warm` (default:
+/// past the cache window), timed from a common start.
+fn concurrent(
+    out: &mut support::cli::JsonOut,
+    name: &str,
+    s: &Spec,
+    (batch, threads, iters): (usize, usize, usize),
+    warm: Option<usize>,
+) {
+    let start = std::sync::Barrier::new(threads);
+    let results: Vec<(f64, f64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                let start = &start;
+                scope.spawn(move || {
+                    let e = CudaEngine::new(s.clone(), to_params(&random_params(s, 1)), None)
+                        .expect("engine");
+                    let mut st = e.new_state(batch).expect("state");
+                    let x = Rng::new(10 + i as u64).vec_f32(batch * s.embed, 1.0, 0.0);
+                    let mut y = vec![f32::NAN; batch * s.hidden];
+                    for _ in 0..warm.unwrap_or(s.window + 20) {
+                        e.step(&mut st, &x, &mut y).expect("frame");
+                    }
+                    start.wait();
+                    let t0 = Instant::now();
+                    let mut times = Vec::with_capacity(iters);
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        e.step(&mut st, &x, &mut y).expect("frame");
+                        times.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                    let span = t0.elapsed().as_secs_f64();
+                    assert!(y.iter().all(|v| v.is_finite()), "thread {i}: output");
+                    (stats(times).0, span)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let medians: Vec<String> = results.iter().map(|r| format!("{:.1}", r.0)).collect();
+    let span = results.iter().map(|r| r.1).fold(0.0, f64::max);
+    let rate = (threads * iters) as f64 / span;
+    out.line(&format!(
+        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
+        medians.join(",")
+    ));
 }

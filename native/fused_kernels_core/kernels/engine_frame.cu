@@ -13,9 +13,12 @@
 //   head's slice of the cache and rewrites it shifted, in place), optionally after the
 //   parameter-free QK LayerNorm of Jamba, then attends the frame's q over the newest `valid`
 //   rows (FlashAttention's causal sliding window for the last position), softmax in f32.
-// engine_mamba_conv_f32 / engine_mamba_scan_f32: the Mamba block's element-wise stages of one
-//   frame around its GEMVs (in_proj, B|C|dt-rank as one, out_proj): the conv, then dt, the
-//   scan step, the gate and both states.
+//   For a Mamba block's in_proj it also runs the block's causal depthwise conv and SiLU on the
+//   x half of its columns (each column is one channel: the conv needs nothing from the other
+//   blocks), so the conv is no launch of its own.
+// engine_mamba_scan_f32: the Mamba block's element-wise stage of one frame between its GEMVs
+//   (in_proj with the conv, B|C|dt-rank as one, out_proj): dt, the scan step, the gate and both
+//   states.
 //
 // Arithmetic: f32, exact exponentials, LayerNorm as kernels/norm.cu (two passes, warp sums).
 
@@ -47,14 +50,20 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 
 // x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
 // act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
-// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. Grid (column blocks,
-// row blocks of FK_EG_MAXB rows). Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
+// none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. conv_w (nullptr: none):
+// a Mamba in_proj's conv, {conv_k, inner} (tap j multiplies step t - (conv_k-1) + j), with
+// conv_b {inner} and conv_state {rows, conv_k-1, inner} (the conv inputs of the frames before;
+// read only, engine_mamba_scan_f32 moves it on): columns j < inner (the x half, n = 2·inner)
+// also give xc[row, j] = SiLU(conv). Grid (column blocks, row blocks of FK_EG_MAXB rows).
+// Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
 extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
                     const float* __restrict__ xb, const float* __restrict__ w,
                     const float* __restrict__ bias, const float* __restrict__ res,
                     const float* __restrict__ rg, const float* __restrict__ rb,
-                    float* __restrict__ out, int rows, int k, int n, float eps, int act) {
+                    float* __restrict__ out, int rows, int k, int n, float eps, int act,
+                    const float* __restrict__ conv_w, const float* __restrict__ conv_b,
+                    const float* __restrict__ conv_state, float* __restrict__ xc, int conv_k) {
   if constexpr (FK_WANT(engine_gemv_f32)) {
     // This block's rows.
     const long long row0 = (long long)blockIdx.y * FK_EG_MAXB;
@@ -62,6 +71,11 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     x += row0 * k;
     out += row0 * n;
     if (res) res += row0 * n;
+    const int inner = n / 2;
+    if (conv_w) {
+      conv_state += row0 * (conv_k - 1) * inner;
+      xc += row0 * inner;
+    }
     extern __shared__ float fk_eg_xs[];  // {batch, k}
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
@@ -135,6 +149,13 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
           s += rv;
         }
         out[(long long)b * n + j] = s;
+        if (conv_w && j < inner) {
+          float acc = conv_b[j];
+          for (int t = 0; t < conv_k - 1; ++t)
+            acc += conv_w[t * inner + j] * conv_state[((long long)b * (conv_k - 1) + t) * inner + j];
+          acc += conv_w[(conv_k - 1) * inner + j] * s;
+          xc[(long long)b * inner + j] = acc / (1.0f + expf(-acc));
+        }
       }
     }
   }
@@ -146,13 +167,15 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
 
 // qkv {batch, 3·hidden} (q | k | v, head h at h·head_dim of each); kc/vc {batch, window, heads,
 // head_dim}: shifted by one row in place, the frame's k/v rows appended last. out {batch,
-// hidden}. valid: how many of the newest rows the query sees (1..window). qk_norm: LayerNorm of
+// hidden}. valid_at: how many of the newest rows the query sees (1..window), read from the device
+// (it follows the frame in the engine's input, so one captured graph serves every frame count
+// while the cache fills). qk_norm: LayerNorm of
 // q and k over head_dim (unit gain, zero shift, eps 1e-6) before anything else. Grid (heads,
 // batch). Dynamic shared memory: 4·(2·window·head_dim + head_dim + window) bytes.
 extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     engine_attn_frame_f32(const float* __restrict__ qkv, float* kc, float* vc,
                           float* __restrict__ out, int heads, int head_dim, int window,
-                          int valid, int qk_norm, float scale) {
+                          const int* __restrict__ valid_at, int qk_norm, float scale) {
   if constexpr (FK_WANT(engine_attn_frame_f32)) {
     extern __shared__ float fk_ea_smem[];
     const int d = head_dim, hidden = heads * head_dim;
@@ -213,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
         vc[base + (long long)t * hidden + j] = vs[i];
       }
     }
-    const int first = window - valid;
+    const int first = window - *valid_at;
     // Scores: one warp per key, FK_EA_KEYS keys of a warp at once (their loads and reductions
     // independent, so their latencies overlap).
     for (int t0 = first + warp; t0 < window; t0 += FK_EA_KEYS * FK_EA_WARPS) {
@@ -268,27 +291,6 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
 }
 
 #define FK_EM_THREADS 256
-
-// Mamba, one frame: the causal depthwise conv of the frame's x part over the conv state, then
-// SiLU. xz {batch, 2·inner} (in_proj output, bias included: x | z); w {k, inner} (tap j
-// multiplies step t - (k-1) + j); conv_state {batch, k-1, inner}: the conv inputs of the k-1
-// frames before (read only; engine_mamba_scan_f32 moves it on). xc {batch, inner}.
-extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
-    engine_mamba_conv_f32(const float* __restrict__ xz, const float* __restrict__ w,
-                          const float* __restrict__ conv_bias,
-                          const float* __restrict__ conv_state, float* __restrict__ xc,
-                          int batch, int inner, int k) {
-  if constexpr (FK_WANT(engine_mamba_conv_f32)) {
-    const int i = blockIdx.x * FK_EM_THREADS + threadIdx.x;
-    if (i >= batch * inner) return;
-    const int b = i / inner, c = i - b * inner;
-    float acc = conv_bias[c];
-    for (int j = 0; j < k - 1; ++j)
-      acc += w[j * inner + c] * conv_state[((long long)b * (k - 1) + j) * inner + c];
-    acc += w[(k - 1) * inner + c] * xz[(long long)b * 2 * inner + c];
-    xc[i] = acc / (1.0f + expf(-acc));
-  }
-}
 
 // Mamba, one frame: per (batch row, channel), one warp: the dt projection (softplus, clipped to
 // [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:

@@ -1,20 +1,28 @@
-// One LSTM/GRU layer of the backbone engine's frame (one time step, a few batch rows) in one
-// launch: the optional input LayerNorm, both projections (x·Wi and h·Wh), the cell update, the
-// layer's LayerNorm of the new h, and the state moved on. A frame of an L-layer RNN backbone is
-// then L launches instead of norm + projection + recurrent kernel + norm + state copies per
-// layer; at batch 1 the per-launch cost, not arithmetic, is what a frame is made of.
+// A whole LSTM/GRU frame of the backbone engine (one time step, a few batch rows, every layer)
+// in one launch: the input LayerNorm, per layer both projections (x·Wi and h·Wh), the cell
+// update and the layer's LayerNorm of the new h (the next layer's input), the states moved on,
+// and the last layer's normalised h written to `out` (page-locked host memory mapped into the
+// device, or a device buffer). At batch 1 a frame is latency, not arithmetic: one launch, no
+// copy nodes, and the weight loads of every layer issued at once instead of one layer after
+// another.
 //
-// Work split: block u owns units [8u, 8u + 8) of every gate. Its weights are packed at load
-// (engine/cuda.rs) as {rows, gates, 8} per block (rows = inputs, then hidden), so one row of a
-// block is gates·8 contiguous floats: lane l of every warp reads column l (gate l / 8, unit
-// l % 8) of rows warp, warp + warps, ... and keeps one partial sum per batch row for the input
-// and one for the hidden part (GRU needs h·Whn apart: n = tanh(xn + r·(hn + b_hn))). The warps'
-// partials meet in shared memory; threads (b, c) finish unit 8u + c of row b.
+// Work split: the grid is `layers × groups` blocks; block (l, g) owns units [4g, 4g + 4) of
+// every gate of layer l. Its weights are packed at load (engine/cuda.rs) as {rows, gates, 4}
+// per block (rows = inputs, then hidden), so one row of a block is `width` = gates·4
+// contiguous floats; lane (sub, col) of a warp reads column col of every 16th row from row
+// `rl` = 2·warp + sub on (two rows per warp load). Partial sums go through shared memory;
+// threads (b, u) finish unit 4g + u of row b.
 //
-// The last block to finish (a device-wide ticket, reset by that block for the next launch) then
-// normalises the new h rows into `y`, the next layer's input, and copies the new state over the
-// old one: every block has read the old state by the time it takes its ticket, so nothing reads
-// a state that is being replaced.
+// Order between blocks without a grid barrier: a block's (layer, group) comes from a counter
+// taken when it starts (sync[0]), not from blockIdx, so every block a block waits for started
+// before it and is running: no wait can hang on a block that is not resident, however many
+// engines share the GPU. The first block fetches the frame (one read of host memory instead
+// of one per block) into `xbuf` and raises sync[1]; layer l's blocks compute h·Wh and load
+// their first rows of Wi while layer l − 1 (or the frame) is under way, then wait for
+// sync[1] (layer 0) or layer l − 1's count (sync[2 + l − 1] == groups), normalise its new h
+// and finish. The block that completes the last layer's count (the last one to finish)
+// copies every layer's new state over the old one (every block has read its old state by
+// then), writes the output and zeroes the sync words for the next launch.
 //
 // Arithmetic: f32, exact activations (FkExact), LayerNorm as kernels/norm.cu (two passes, warp
 // sums).
@@ -23,10 +31,33 @@
 #include "reduce.cuh"
 #include "rnn_cell.cuh"
 
-#define FK_ER_UNITS 8
+#define FK_ER_UNITS 4
 #define FK_ER_MAXB 8
 #define FK_ER_THREADS 256
 #define FK_ER_WARPS (FK_ER_THREADS / 32)
+// Row lanes: two per warp (width <= 16 columns each).
+#define FK_ER_LANES (FK_ER_WARPS * 2)
+// Weight rows per thread loaded before their first use (in flight at once): 20 takes a layer
+// input of up to 320 (ExPhil's 288) in one go.
+#define FK_ER_PRE 20
+// Columns of a row lane's partial sums in shared memory (the widest block row, LSTM).
+#define FK_ER_COLS 16
+
+// One layer's weights (device addresses; `in` its input width).
+struct FkErLayer {
+  const float* wi;
+  const float* wh;
+  const float* bias;
+  const float* gamma;
+  const float* beta;
+  long long in;
+};
+
+// One layer's state of one stream (c: LSTM only).
+struct FkErState {
+  float* h;
+  float* c;
+};
 
 // LayerNorm of `n` values of `row` in place (one warp; `lane` its lane).
 __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* gamma,
@@ -44,129 +75,240 @@ __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* g
   for (int j = lane; j < n; j += 32) row[j] = (row[j] - mean) * inv * gamma[j] + beta[j];
 }
 
-// Partial sums of `rows` rows of packed weights `w` (this block's, {rows, gates·8}) against the
-// vectors `v` ({batch, rows}, shared memory), into acc[b].
-__device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const float* v, int rows,
-                                           int width, int lane, int warp, int batch,
-                                           float (&acc)[FK_ER_MAXB]) {
-  if (lane >= width) return;
-  int k = warp;
-  // Four rows in flight per warp: independent loads, then the FMAs.
-  for (; k + 3 * FK_ER_WARPS < rows; k += 4 * FK_ER_WARPS) {
-    float wv[4];
+// FK_ER_PRE rows of this thread's column of `w` ({rows, width}) from row k0 on, row lanes apart.
+__device__ __forceinline__ void fk_er_load(const float* __restrict__ w, int rows, int width,
+                                           int k0, int col, float (&wv)[FK_ER_PRE]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wv[i] = __ldg(w + (long long)(k + i * FK_ER_WARPS) * width + lane);
-#pragma unroll
-    for (int b = 0; b < FK_ER_MAXB; ++b) {
-      if (b < batch) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[b] = fmaf(v[b * rows + k + i * FK_ER_WARPS], wv[i], acc[b]);
-      }
-    }
-  }
-  for (; k < rows; k += FK_ER_WARPS) {
-    const float wv = __ldg(w + (long long)k * width + lane);
-#pragma unroll
-    for (int b = 0; b < FK_ER_MAXB; ++b)
-      if (b < batch) acc[b] = fmaf(v[b * rows + k], wv, acc[b]);
+  for (int i = 0; i < FK_ER_PRE; ++i) {
+    const int k = k0 + i * FK_ER_LANES;
+    wv[i] = k < rows ? __ldg(w + (long long)k * width + col) : 0.0f;
   }
 }
 
-// x {batch, in}; in_gamma/in_beta: LayerNorm applied to x first (nullptr: none). wi {blocks,
-// in, gates, 8}, wh {blocks, hidden, gates, 8}, bias {4·hidden} in Axon's order (GRU br, bz,
-// bin, bhn; LSTM bi, bf, bg, bo). h/c {batch, hidden}: the state, replaced by the new one
-// (c: LSTM only). h_new/c_new: scratch {batch, hidden}. y {batch, hidden}: LayerNorm(new h)
-// with gamma/beta. ticket: one zeroed word per layer. Dynamic shared memory:
-// 4·(batch·(in + hidden) + warps·batch·64) bytes.
-extern "C" __global__ void __launch_bounds__(FK_ER_THREADS)
-    engine_rnn_frame_f32(const float* __restrict__ x, const float* __restrict__ in_gamma,
-                         const float* __restrict__ in_beta, float in_eps,
-                         const float* __restrict__ wi, const float* __restrict__ wh,
-                         const float* __restrict__ bias, float* h, float* c, float* h_new,
-                         float* c_new, const float* __restrict__ gamma,
-                         const float* __restrict__ beta, float eps, float* y,
-                         unsigned int* ticket, int batch, int in, int hidden, int lstm) {
+// acc[b] += v[b, k]·wv[i] over the rows loaded by `fk_er_load(.., k0, ..)`.
+__device__ __forceinline__ void fk_er_fma(const float* v, int rows, int k0, int batch,
+                                          const float (&wv)[FK_ER_PRE], float (&acc)[FK_ER_MAXB]) {
+#pragma unroll
+  for (int b = 0; b < FK_ER_MAXB; ++b) {
+    if (b < batch) {
+#pragma unroll
+      for (int i = 0; i < FK_ER_PRE; ++i) {
+        const int k = k0 + i * FK_ER_LANES;
+        if (k < rows) acc[b] = fmaf(v[b * rows + k], wv[i], acc[b]);
+      }
+    }
+  }
+}
+
+// acc += v·w over every row, this thread's rows (row lane rl) and column; `wv` holds the rows
+// from rl on already (fk_er_load).
+__device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const float* v, int rows,
+                                           int width, int rl, int col, int batch,
+                                           float (&wv)[FK_ER_PRE], float (&acc)[FK_ER_MAXB]) {
+  for (int k0 = rl;; k0 += FK_ER_PRE * FK_ER_LANES) {
+    fk_er_fma(v, rows, k0, batch, wv, acc);
+    if (k0 + FK_ER_PRE * FK_ER_LANES >= rows) break;
+    fk_er_load(w, rows, width, k0 + FK_ER_PRE * FK_ER_LANES, col, wv);
+  }
+}
+
+__device__ __forceinline__ unsigned int fk_er_ld_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Waits until `*word` >= `target` (thread 0 spins with acquire loads; the barrier then orders
+// the block's reads of what was published after it).
+__device__ __forceinline__ void fk_er_wait(const unsigned int* word, unsigned int target) {
+  if (threadIdx.x == 0) {
+    while (fk_er_ld_acquire(word) < target) __nanosleep(20);
+  }
+  __syncthreads();
+}
+
+// Adds one to `*word` after the block's writes (the caller's barrier makes them thread 0's,
+// release publishes them) and returns the new count (acquire: the block that completes a count
+// sees every write published before it).
+__device__ __forceinline__ unsigned int fk_er_count(unsigned int* word) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(word) : "memory");
+  return old + 1u;
+}
+
+// x {batch, layers[0].in}: the frame (host-mapped or device). in_gamma/in_beta: LayerNorm of x
+// first (nullptr: none). layers {nlayers}, states {nlayers}: see above; wi {groups, in,
+// gates, 4}, wh {groups, hidden, gates, 4}, bias {4·hidden} in Axon's order (GRU br, bz, bin,
+// bhn; LSTM bi, bf, bg, bo). scratch: per layer the new h and c {batch, hidden} each, then the
+// frame {batch, layers[0].in}. out {batch, hidden}. sync: nlayers + 2 zeroed words (left
+// zeroed). Dynamic shared memory: 4·(batch·(max in + hidden) + FK_ER_LANES·batch·2·16 +
+// 2·(max in + hidden)) bytes.
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
+    engine_rnn_frame_f32(const float* x, const float* __restrict__ in_gamma,
+                         const float* __restrict__ in_beta, const FkErLayer* __restrict__ layers,
+                         const FkErState* __restrict__ states, float* scratch, float eps,
+                         float* out, unsigned int* sync, int nlayers, int batch, int hidden,
+                         int lstm) {
   if constexpr (FK_WANT(engine_rnn_frame_f32)) {
     extern __shared__ float fk_er_smem[];
+    __shared__ unsigned int vid_s, last_s;
     const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
+    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / width, col = lane - sub * width;
+    const bool active = sub < 2;
+    const int rl = warp * 2 + (active ? sub : 0);
+    if (tid == 0) vid_s = atomicAdd(&sync[0], 1u);
+    // Blocks mostly start in blockIdx order: this block's tables, read while the counter
+    // answers, are then the right ones (else read again below).
+    const int lg = min((int)blockIdx.x / groups, nlayers - 1);
+    FkErLayer L = layers[lg];
+    FkErState S = states[lg];
+    __syncthreads();
+    const int vid = (int)vid_s, l = vid / groups, g = vid - l * groups;
+    if (l != lg) {
+      L = layers[l];
+      S = states[l];
+    }
+    const int in = (int)L.in, in0 = (int)layers[0].in;
+    const float* h = S.h;
+    const long long bh = (long long)batch * hidden;
+    float* h_new = scratch + 2 * l * bh;
+    float* c_new = h_new + bh;
+    float* xbuf = scratch + 2 * nlayers * bh;
     float* xs = fk_er_smem;                  // {batch, in}
     float* hs = xs + batch * in;             // {batch, hidden}
-    float* red = hs + batch * hidden;        // {warps, batch, 2, 32}
-    __shared__ unsigned int last;
-    for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = x[i];
+    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
+    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}: the input norm
+    float* fgb = ngb + 2 * in;               // {2, hidden}: the output norm (last layer)
+    // What the later steps read, in flight now: the input norm's parameters, the output norm's
+    // (last layer), the biases of this thread's unit.
+    const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
+    const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
+    if (ng)
+      for (int i = tid; i < in; i += FK_ER_THREADS) {
+        ngb[i] = ng[i];
+        ngb[in + i] = nb[i];
+      }
+    if (l == nlayers - 1)
+      for (int i = tid; i < hidden; i += FK_ER_THREADS) {
+        fgb[i] = L.gamma[i];
+        fgb[hidden + i] = L.beta[i];
+      }
+    // Four biases per unit for both cells (GRU: br, bz, bin, bhn).
+    const int ju = g * FK_ER_UNITS + (tid % FK_ER_UNITS);
+    float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (tid < batch * FK_ER_UNITS && ju < hidden) {
+#pragma unroll
+      for (int gt = 0; gt < 4; ++gt) bv[gt] = L.bias[gt * hidden + ju];
+    }
+    if (vid == 0) {
+      // The frame, read once from wherever it lives, published for layer 0's other blocks.
+      for (int i = tid; i < batch * in0; i += FK_ER_THREADS) {
+        const float v = x[i];
+        xs[i] = v;
+        xbuf[i] = v;
+      }
+      __syncthreads();
+      if (tid == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(sync + 1) : "memory");
+    }
     for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = h[i];
     __syncthreads();
-    if (in_gamma) {
-      for (int b = warp; b < batch; b += FK_ER_WARPS)
-        fk_er_norm_row(xs + b * in, in, in_gamma, in_beta, in_eps, lane);
-      __syncthreads();
-    }
-    float ax[FK_ER_MAXB], ah[FK_ER_MAXB];
+    float ax[FK_ER_MAXB], ah[FK_ER_MAXB], wv[FK_ER_PRE];
 #pragma unroll
     for (int b = 0; b < FK_ER_MAXB; ++b) ax[b] = ah[b] = 0.0f;
-    const long long blk = blockIdx.x;
-    fk_er_gemv(wi + blk * in * width, xs, in, width, lane, warp, batch, ax);
-    fk_er_gemv(wh + blk * hidden * width, hs, hidden, width, lane, warp, batch, ah);
+    const float* wi = L.wi + (long long)g * in * width;
+    const float* wh = L.wh + (long long)g * hidden * width;
+    if (active) {
+      fk_er_load(wh, hidden, width, rl, col, wv);
+      fk_er_gemv(wh, hs, hidden, width, rl, col, batch, wv, ah);
+      // Wi's first rows in flight while the input is still being made.
+      fk_er_load(wi, in, width, rl, col, wv);
+    }
+    // The layer's input: the frame, or the previous layer's new h, normalised.
+    if (l == 0) {
+      if (vid != 0) {
+        fk_er_wait(&sync[1], 1u);
+        for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(xbuf + i);
+      }
+    } else {
+      fk_er_wait(&sync[2 + l - 1], (unsigned int)groups);
+      const float* prev = scratch + 2 * (l - 1) * bh;
+      for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(prev + i);
+    }
+    __syncthreads();
+    if (ng) {
+      for (int b = warp; b < batch; b += FK_ER_WARPS)
+        fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
+      __syncthreads();
+    }
+    if (active) {
+      fk_er_gemv(wi, xs, in, width, rl, col, batch, wv, ax);
 #pragma unroll
-    for (int b = 0; b < FK_ER_MAXB; ++b) {
-      if (b < batch) {
-        red[((warp * batch + b) * 2) * 32 + lane] = ax[b];
-        red[((warp * batch + b) * 2 + 1) * 32 + lane] = ah[b];
+      for (int b = 0; b < FK_ER_MAXB; ++b) {
+        if (b < batch) {
+          red[((rl * batch + b) * 2) * FK_ER_COLS + col] = ax[b];
+          red[((rl * batch + b) * 2 + 1) * FK_ER_COLS + col] = ah[b];
+        }
       }
     }
     __syncthreads();
     if (tid < batch * FK_ER_UNITS) {
       const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
-      const int j = blockIdx.x * FK_ER_UNITS + u;
+      const int j = g * FK_ER_UNITS + u;
       if (j < hidden) {
         // Unrolled over the most gates (4) so that the sums stay in registers.
         float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          if (g < gates) {
+        for (int gt = 0; gt < 4; ++gt) {
+          if (gt < gates) {
 #pragma unroll
-            for (int w = 0; w < FK_ER_WARPS; ++w) {
-              sx[g] += red[((w * batch + b) * 2) * 32 + g * FK_ER_UNITS + u];
-              sh[g] += red[((w * batch + b) * 2 + 1) * 32 + g * FK_ER_UNITS + u];
+            for (int r = 0; r < FK_ER_LANES; ++r) {
+              sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
+              sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
             }
           }
         }
-        const int o = b * hidden + j;
+        const long long o = b * hidden + j;
         if (lstm) {
-          float cc = c[o];
-          const float hn = fk_lstm_cell<FkExact>(
-              sx[0] + bias[j] + sh[0], sx[1] + bias[hidden + j] + sh[1],
-              sx[2] + bias[2 * hidden + j] + sh[2], sx[3] + bias[3 * hidden + j] + sh[3], cc);
+          float cc = S.c[o];
+          const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                                 sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
           h_new[o] = hn;
           c_new[o] = cc;
         } else {
-          h_new[o] = fk_gru_cell<FkExact>(sx[0] + bias[j] + sh[0],
-                                          sx[1] + bias[hidden + j] + sh[1],
-                                          sx[2] + bias[2 * hidden + j],
-                                          sh[2] + bias[3 * hidden + j], hs[o]);
+          // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
+          h_new[o] = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                          sx[2] + bv[2], sh[2] + bv[3], hs[o]);
         }
       }
     }
-    // Publish this block's units, then take a ticket; the last block finishes the layer.
-    __threadfence();
+    // Publish this block's units, then count them in; the last block of the last layer
+    // finishes the frame.
     __syncthreads();
-    if (tid == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) {
-      const float v = __ldcg(h_new + i);
-      hs[i] = v;
-      h[i] = v;
-      if (lstm) c[i] = __ldcg(c_new + i);
+    if (tid == 0) {
+      const unsigned int done = fk_er_count(&sync[2 + l]);
+      last_s = l == nlayers - 1 && done == (unsigned int)groups;
     }
+    __syncthreads();
+    if (!last_s) return;
+    // The output first (its rows cross the bus), then the states moved on.
+    for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = __ldcg(h_new + i);
     __syncthreads();
     for (int b = warp; b < batch; b += FK_ER_WARPS) {
-      fk_er_norm_row(hs + b * hidden, hidden, gamma, beta, eps, lane);
+      fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
       __syncwarp();
-      for (int j = lane; j < hidden; j += 32) y[b * hidden + j] = hs[b * hidden + j];
+      for (int j = lane; j < hidden; j += 32) out[b * hidden + j] = hs[b * hidden + j];
     }
-    if (tid == 0) *ticket = 0u;
+    for (int k = 0; k < nlayers; ++k) {
+      const float* hn = scratch + 2 * k * bh;
+      float* hk = states[k].h;
+      float* ck = states[k].c;
+      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) {
+        hk[i] = __ldcg(hn + i);
+        if (lstm) ck[i] = __ldcg(hn + bh + i);
+      }
+    }
+    for (int i = tid; i < nlayers + 2; i += FK_ER_THREADS) sync[i] = 0u;
   }
 }

@@ -623,11 +623,6 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             levels: ANY,
         },
         Family {
-            root: "engine_mamba_conv",
-            parts: &[&["f32"]],
-            levels: ANY,
-        },
-        Family {
             root: "engine_mamba_scan",
             parts: &[&["f32"]],
             levels: ANY,

@@ -311,7 +311,7 @@ fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
         return;
     }
-    // The frame kernel's unit blocks (8 units) cut off (45, 203), wide layers (512), batch
+    // The frame kernel's unit blocks (4 units) cut off (45, 203), wide layers (512), batch
     // rows up to its limit (8) and past it (9: the layer ops serve those frames).
     for kind in [Kind::Gru, Kind::Lstm] {
         for (i, (hidden, embed, layers, b)) in [

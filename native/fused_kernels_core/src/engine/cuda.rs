@@ -15,12 +15,13 @@
 //! is ever both read as the old state and written as the new one.
 //!
 //! The second call of a shape (and, for frames, of each state) is captured as a CUDA graph
-//! and later calls replay it: input and output go through page-locked staging copied inside
-//! the graph (a recurrent backbone's window is read in place from the staging instead:
-//! `mapped_input`), so a replayed call is the caller writing the input into the staging, one
-//! graph launch, one wait on the engine's stream and one read of the output staging, and runs
-//! none of the ops' host code (their kernel look-ups in the device's module map, their
-//! checks). A capture that fails leaves that shape eager, with the reason in `graphs`.
+//! and later calls replay it: input and output go through page-locked staging, copied inside
+//! the graph or, for frames on the frame kernels and recurrent windows, read and written in
+//! place by the kernels (`mapped`), so a replayed call is the caller writing the input into
+//! the staging, one graph launch, one wait on the engine's stream and one read of the output
+//! staging, and runs none of the ops' host code (their kernel look-ups in the device's module
+//! map, their checks). A capture that fails leaves that shape eager, with the reason in
+//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`).
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -121,6 +122,8 @@ struct Shape {
     /// `input`'s device address when the first layer reads it in place (`mapped_input`).
     input_dev: Option<u64>,
     output: PinnedBytes,
+    /// `output`'s device address when the frame kernel writes it in place (`rnn_fused`).
+    output_dev: Option<u64>,
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
@@ -232,6 +235,9 @@ pub struct CudaState {
     /// Unique per state: the graphs captured for it are found by it.
     id: u64,
     layers: Vec<Vec<DeviceTensor>>,
+    /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
+    /// kernel's `FkErState` table.
+    rnn_table: Option<DeviceTensor>,
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -247,6 +253,20 @@ fn zeros(gpu: &Arc<Gpu>, shape: Vec<usize>) -> Result<DeviceTensor> {
     let mut t = DeviceTensor::uninit_owned(gpu, shape, DType::F32)?;
     t.fill_bytes(0)?;
     Ok(t)
+}
+
+/// Words after a counted frame's rows in its staging (`CudaEngine::counted`): the count, padded
+/// to 16 bytes.
+const COUNT_WORDS: usize = 4;
+
+/// The first `shape` values of a device tensor (a view: same allocation, kept alive by the
+/// arena that served it).
+fn reshaped_view(t: DeviceTensor, shape: Vec<usize>) -> DeviceTensor {
+    if t.numel() == shape.iter().product::<usize>() {
+        return reshaped(t, shape);
+    }
+    // Safety: a prefix of `t`'s allocation, an arena slot alive as long as the shape.
+    unsafe { DeviceTensor::borrowed(&t.gpu, ptr(&t), shape, DType::F32) }
 }
 
 /// A device tensor viewed under another shape of the same size (a view: same allocation).
@@ -290,12 +310,13 @@ fn copy_back(state: &mut [DeviceTensor], new: &[DeviceTensor]) -> Result<()> {
         .try_for_each(|(s, n)| s.copy_from(n))
 }
 
-/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`)
-/// and warps per block (`FK_ER_WARPS`); the batch-row limit is also `engine_gemv_f32`'s rows per
-/// block (`FK_EG_MAXB`).
-const FRAME_UNITS: usize = 8;
+/// Units per block of the frame kernel (`FK_ER_UNITS`), its most batch rows (`FK_ER_MAXB`),
+/// its threads per block and row lanes (`FK_ER_LANES`); the batch-row limit is also
+/// `engine_gemv_f32`'s rows per block (`FK_EG_MAXB`).
+const FRAME_UNITS: usize = 4;
 const FRAME_MAX_BATCH: usize = 8;
-const FRAME_WARPS: usize = 8;
+const FRAME_THREADS: usize = 256;
+const FRAME_LANES: usize = 16;
 /// Shared memory the frame kernel may use without an opt-in, on every GPU.
 const FRAME_SMEM: usize = 48 << 10;
 
@@ -306,17 +327,31 @@ struct FrameLayer {
     wi: DeviceTensor,
     wh: DeviceTensor,
     bias: DeviceTensor,
-    input: usize,
 }
 
+/// The one-launch LSTM/GRU frame (kernels/engine_rnn.cu) and everything it reads besides the
+/// frame and the stream's state, made once at load.
 struct RnnFrame {
     f: CudaFunction,
-    layers: Vec<FrameLayer>,
+    /// Owns the blocked weights that `table` points at.
+    _layers: Vec<FrameLayer>,
+    /// Per layer the kernel's `FkErLayer`: wi, wh, bias, the layer's norm gamma and beta
+    /// (device addresses) and its input width, as 6 words.
+    table: DeviceTensor,
+    /// The input LayerNorm's gamma and beta.
+    input_norm: (u64, u64),
+    /// Per layer the new h and c of `FRAME_MAX_BATCH` rows, then the frame: the kernel's
+    /// `scratch`.
+    scratch: DeviceTensor,
+    /// `layers + 2` zeroed words: the kernel's block order, frame-ready flag and per-layer
+    /// counts (it leaves them zeroed).
+    sync: DeviceTensor,
+    layers: usize,
+    /// The widest layer input (the embedding or hidden).
+    widest: usize,
     /// The dynamic shared memory a launch may use: opted in at load up to what batch
     /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
     smem_limit: usize,
-    /// One zeroed ticket per layer (the kernel's last-block count; it resets its own).
-    tickets: DeviceTensor,
 }
 
 /// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
@@ -340,17 +375,40 @@ fn block_units(w: &[f32], rows: usize, gates: usize, h: usize) -> Vec<f32> {
     out
 }
 
+/// 64-bit words (device addresses, sizes) uploaded as a kernel's parameter table.
+fn upload_words(gpu: &Arc<Gpu>, name: &str, words: &[u64]) -> Result<DeviceTensor> {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    DeviceTensor::upload(
+        gpu,
+        &HostTensor::new(name, &bytes, vec![2 * words.len()], DType::F32)?,
+    )
+}
+
 impl RnnFrame {
-    /// The blocked weights of every RNN layer of `plan`, uploaded; None for backbones without
-    /// RNN layers or where the kernel cannot be built on this device.
-    fn new(gpu: &Arc<Gpu>, plan: &Plan) -> Result<Option<RnnFrame>> {
-        if !matches!(plan.spec.kind, Kind::Lstm | Kind::Gru) {
+    /// The blocked weights of every RNN layer of `plan`, uploaded, with the norms' addresses
+    /// from `weights`; None for backbones without RNN layers or where the kernel cannot be
+    /// built on this device.
+    fn new(
+        gpu: &Arc<Gpu>,
+        plan: &Plan,
+        weights: &HashMap<String, DeviceTensor>,
+    ) -> Result<Option<RnnFrame>> {
+        let s = &plan.spec;
+        if !matches!(s.kind, Kind::Lstm | Kind::Gru) {
             return Ok(None);
         }
         let Ok(f) = gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32") else {
             return Ok(None);
         };
+        let addr = |name: &str| -> Result<u64> {
+            weights
+                .get(name)
+                .map(ptr)
+                .ok_or_else(|| arg_error(format!("params: \"{name}\" is missing")))
+        };
         let mut layers = Vec::new();
+        let mut words = Vec::new();
+        let mut widest = 0;
         for op in &plan.ops {
             if let Op::Rnn {
                 cell,
@@ -367,46 +425,60 @@ impl RnnFrame {
                 let width = g * FRAME_UNITS;
                 let wi = block_units(&plan.weights[*w_in], *input, g, h);
                 let wh = block_units(&plan.weights[*w_h], h, g, h);
-                layers.push(FrameLayer {
+                let lay = FrameLayer {
                     wi: upload(gpu, "frame wi", vec![blocks * input, width], &wi)?,
                     wh: upload(gpu, "frame wh", vec![blocks * h, width], &wh)?,
                     bias: upload(gpu, "frame bias", vec![4 * h], &plan.weights[*bias])?,
-                    input: *input,
-                });
+                };
+                let norm = format!("rnn_{}_norm", layers.len() + 1);
+                words.extend_from_slice(&[
+                    ptr(&lay.wi),
+                    ptr(&lay.wh),
+                    ptr(&lay.bias),
+                    addr(&format!("{norm}/gamma"))?,
+                    addr(&format!("{norm}/beta"))?,
+                    *input as u64,
+                ]);
+                widest = widest.max(*input);
+                layers.push(lay);
             }
         }
-        let tickets = zeros(gpu, vec![layers.len().max(1)])?;
-        let widest = layers
-            .iter()
-            .map(|l| Self::smem(FRAME_MAX_BATCH, l.input, plan.spec.hidden))
-            .max()
-            .unwrap_or(0);
+        if layers.is_empty() {
+            return Err(arg_error("params: at least one layer is needed"));
+        }
+        let n = layers.len();
+        let scratch = zeros(
+            gpu,
+            vec![n * 2 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
+        )?;
+        let most = Self::smem(FRAME_MAX_BATCH, widest, s.hidden);
         let smem_limit =
-            if widest > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, widest).is_ok() {
-                widest
+            if most > FRAME_SMEM && crate::cuda::smem::allow_dynamic_smem(&f, most).is_ok() {
+                most
             } else {
                 FRAME_SMEM
             };
         Ok(Some(RnnFrame {
             f,
-            layers,
+            table: upload_words(gpu, "frame layers", &words)?,
+            _layers: layers,
+            input_norm: (addr("input_norm/gamma")?, addr("input_norm/beta")?),
+            scratch,
+            sync: zeros(gpu, vec![n + 2])?,
+            layers: n,
+            widest,
             smem_limit,
-            tickets,
         }))
     }
 
-    /// Dynamic shared memory of a layer's launch at `batch` (kernels/engine_rnn.cu).
+    /// Dynamic shared memory of a launch at `batch` (kernels/engine_rnn.cu).
     fn smem(batch: usize, input: usize, hidden: usize) -> usize {
-        4 * (batch * (input + hidden) + FRAME_WARPS * batch * 64)
+        4 * (batch * (input + hidden) + FRAME_LANES * batch * 32 + 2 * (input + hidden))
     }
 
-    /// Whether every layer of a frame of `batch` rows runs on the frame kernel.
+    /// Whether a frame of `batch` rows runs on the frame kernel.
     fn takes(&self, batch: usize, hidden: usize) -> bool {
-        batch <= FRAME_MAX_BATCH
-            && self
-                .layers
-                .iter()
-                .all(|l| Self::smem(batch, l.input, hidden) <= self.smem_limit)
+        batch <= FRAME_MAX_BATCH && Self::smem(batch, self.widest, hidden) <= self.smem_limit
     }
 }
 
@@ -416,8 +488,8 @@ struct FrameFns {
     /// Attention/Jamba: the frame's attention (a window's is the short-sequence flash
     /// attention kernel, `attn_window`).
     attn: Option<CudaFunction>,
-    /// Mamba/Jamba: the frame's conv and scan step.
-    mamba: Option<(CudaFunction, CudaFunction)>,
+    /// Mamba/Jamba: the frame's scan step (the conv runs in the in_proj GEMV).
+    mamba: Option<CudaFunction>,
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -430,6 +502,17 @@ const ATTN_THREADS: u32 = 256;
 /// ops, a batch-8 window 307 against 209 (the GEMV re-reads its weights per 8 rows); Jamba 314
 /// against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
+
+/// A Mamba block's conv run by its in_proj GEMV (`engine_gemv_f32`'s conv_*): the conv's
+/// kernel and bias, the conv state, the output xc (device addresses) and the taps.
+#[derive(Clone, Copy, Default)]
+struct Conv {
+    w: u64,
+    b: u64,
+    state: u64,
+    xc: u64,
+    k: i32,
+}
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
 /// fly, the norm's gamma and beta.
@@ -447,24 +530,17 @@ impl FrameFns {
         // Only the functions this backbone launches are compiled (each is a program of its
         // own on a first call); any that cannot be leaves the backbone on the layer ops.
         let f = |name: &str| gpu.function(&ENGINE_FRAME, name).ok();
-        let pair = |wanted: bool, a: &str, b: &str| -> Option<Option<_>> {
-            if wanted {
-                Some(Some((f(a)?, f(b)?)))
-            } else {
-                Some(None)
-            }
-        };
         Some(FrameFns {
             gemv: f("engine_gemv_f32")?,
             attn: match kind {
                 Kind::Mamba => None,
                 _ => Some(f("engine_attn_frame_f32")?),
             },
-            mamba: pair(
-                kind != Kind::Attention,
-                "engine_mamba_conv_f32",
-                "engine_mamba_scan_f32",
-            )?,
+            mamba: if kind == Kind::Attention {
+                None
+            } else {
+                Some(f("engine_mamba_scan_f32")?)
+            },
         })
     }
 
@@ -474,7 +550,7 @@ impl FrameFns {
             .ok_or_else(|| Error::Cuda("the attention frame kernels were not loaded".into()))
     }
 
-    fn mamba(&self) -> Result<&(CudaFunction, CudaFunction)> {
+    fn mamba(&self) -> Result<&CudaFunction> {
         self.mamba
             .as_ref()
             .ok_or_else(|| Error::Cuda("the Mamba frame kernels were not loaded".into()))
@@ -607,6 +683,31 @@ fn concat_frame_kernels(
     Ok(out)
 }
 
+/// The device address of page-locked staging that a kernel reads or writes in place instead
+/// of a copy node moving it (None where the driver gives none: the caller copies). A copy node
+/// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies completes in
+/// 10.3 µs, an empty one in 1.2 µs). Used for the recurrent backbones' windows, whose first
+/// layer is a LayerNorm streaming its input rows once (reading the window in place took the
+/// GRU windows from 240 to 230 µs), and by the one-launch LSTM/GRU frame, which reads the
+/// frame once (its first block publishes it to the others) and writes its output rows once.
+/// Not for the backbones that start with a GEMM, which would fetch its input over the bus
+/// once per output tile.
+fn mapped(p: &PinnedBytes) -> Option<u64> {
+    if p.is_empty() {
+        return None;
+    }
+    let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
+    // Safety: `p` is page-locked memory from cuMemHostAlloc, alive for the call.
+    let r = unsafe {
+        cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+            &mut dev,
+            p.bytes().as_ptr() as *mut std::ffi::c_void,
+            0,
+        )
+    };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && dev != 0).then_some(dev)
+}
+
 impl CudaEngine {
     /// Checks `params` against `spec` exactly as the CPU plan does, then uploads them.
     pub fn new(spec: Spec, params: Params, ordinal: Option<usize>) -> Result<CudaEngine> {
@@ -614,8 +715,6 @@ impl CudaEngine {
         let gpu = Arc::new(cuda::gpu(ordinal)?.with_new_stream()?);
         // Compiles beside the uploads; joined before returning, so `load` pays it all.
         let prefetch = gpu.prefetch(super::prefetch::programs(&spec, &gpu));
-        let rnn_frame = RnnFrame::new(&gpu, &plan)?;
-        drop(plan);
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
         let qkv = if frame.is_some() {
@@ -646,6 +745,8 @@ impl CudaEngine {
                 e.insert(t);
             }
         }
+        let rnn_frame = RnnFrame::new(&gpu, &plan, &weights)?;
+        drop(plan);
         let d = spec.head_dim;
         let shift_append = gpu.function(&STREAM_STATE, "stream_shift_append_w4")?;
         // Best effort: without a workspace of its own cuBLAS uses its default one, and a GEMM
@@ -712,7 +813,12 @@ impl CudaEngine {
         let i = match shapes.iter().position(|sh| sh.key == key) {
             Some(i) => i,
             None => {
-                let input = PinnedBytes::new(&self.gpu, b * t * s.embed * 4)?;
+                let extra = if self.counted(key) { COUNT_WORDS } else { 0 };
+                let input = PinnedBytes::new(&self.gpu, (b * t * s.embed + extra) * 4)?;
+                let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
+                let fused = self.rnn_fused(key);
+                let gemv_frame = self.gemv_frame(key);
+                let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
                 shapes.push(Shape {
                     key,
                     arena: Arena {
@@ -721,13 +827,18 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if t > 1 {
-                        self.mapped_input(&input)
+                    input_dev: if (recurrent && t > 1) || fused || gemv_frame {
+                        mapped(&input)
                     } else {
                         None
                     },
                     input,
-                    output: PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?,
+                    output_dev: if fused || gemv_frame {
+                        mapped(&output)
+                    } else {
+                        None
+                    },
+                    output,
                     warm: false,
                     graphs: Vec::new(),
                 });
@@ -738,11 +849,21 @@ impl CudaEngine {
         let t1 = prof.as_ref().map(|_| Instant::now());
         // The caller writes the input straight into the page-locked staging (no host copy
         // of its own, no allocation).
-        fill(pinned_f32_mut(&mut sh.input)?);
+        let staged = pinned_f32_mut(&mut sh.input)?;
+        let n = b * t * s.embed;
+        fill(&mut staged[..n]);
+        if let (Some(st), Some(word)) = (&state, staged.get_mut(n)) {
+            // The attention frame kernel's `valid_at` (`counted`).
+            *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
+        }
         let t2 = prof.as_ref().map(|_| Instant::now());
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
-            (Some(st), Kind::Attention | Kind::Jamba) => st.frames >= s.window as u64,
+            // Layer ops take the count of cached rows as a host argument: a graph holds
+            // only once the cache is full. The frame kernels read it from the input.
+            (Some(st), Kind::Attention | Kind::Jamba) if !self.counted(key) => {
+                st.frames >= s.window as u64
+            }
             _ => true,
         };
         let generation = sh.arena.generation;
@@ -847,11 +968,21 @@ impl CudaEngine {
     /// The layers queued on the engine's stream, every buffer from `sh`'s arena.
     fn enqueue(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
         let (b, t, _) = sh.key;
+        if let (true, Some(rf), Some(st), Some(x), Some(o)) = (
+            self.rnn_fused(sh.key),
+            &self.rnn_frame,
+            state.as_deref(),
+            sh.input_dev,
+            sh.output_dev,
+        ) {
+            return self.rnn_frame(rf, x, o, st);
+        }
         let Shape {
             arena,
             input,
             input_dev,
             output,
+            output_dev,
             ..
         } = sh;
         arena.next = 0;
@@ -865,39 +996,51 @@ impl CudaEngine {
                 // between calls, after the stream was waited for.
                 Some(addr) => unsafe { DeviceTensor::borrowed(&self.gpu, addr, shape, DType::F32) },
                 None => {
-                    let mut xd = self.buf(shape)?;
+                    // With the count word (`counted`) after the rows: copied along, read by
+                    // the attention frame kernel right after the rows.
+                    let mut xd = self.buf(vec![input.len() / 4])?;
                     xd.copy_from_pinned(input)?;
-                    xd
+                    reshaped_view(xd, shape)
                 }
             };
-            self.forward(&xd, state)?.copy_to_pinned(output)
+            match (*output_dev, &self.frame) {
+                // A frame on the frame kernels (`gemv_frame`): the last launch writes the
+                // mapped output staging itself.
+                (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                _ => self.forward(&xd, state)?.copy_to_pinned(output),
+            }
         })
     }
 
-    /// The device address of the page-locked `input` when the first layer should read a
-    /// window in place instead of a copy node putting it in device memory first. A copy node
-    /// costs ~4-5 µs on an H100 (bench engine_call: a graph of the two staging copies
-    /// completes in 10.3 µs, an empty one in 1.2 µs); reading the window inside the first
-    /// kernel instead took the GRU windows from 240 to 230 µs (2 x 256, window 60) and from
-    /// 73 to 69 µs (1 layer, window 16), but the frames from 70 to 76 and 45 to 51 µs, so
-    /// frames keep the copy (the caller passes only windows here). Only for the recurrent
-    /// backbones, whose first layer is a LayerNorm streaming its input rows; the others
-    /// start with a GEMM, which would fetch its input over the bus once per output tile.
-    /// None (copy) where the driver gives no device address.
-    fn mapped_input(&self, input: &PinnedBytes) -> Option<u64> {
-        if !matches!(self.spec.kind, Kind::Lstm | Kind::Gru) || input.is_empty() {
-            return None;
-        }
-        let mut dev: cudarc::driver::sys::CUdeviceptr = 0;
-        // Safety: `input` is page-locked memory from cuMemHostAlloc, alive for the call.
-        let r = unsafe {
-            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
-                &mut dev,
-                input.bytes().as_ptr() as *mut std::ffi::c_void,
-                0,
-            )
-        };
-        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS && dev != 0).then_some(dev)
+    /// Whether calls of shape `key` are batch-1 attention/Mamba/Jamba frames on the frame
+    /// kernels (`gemv_forward`): those read the frame from the mapped input staging (each of the
+    /// first GEMV's blocks reads the frame's row, a few hundred values, over the bus) and write
+    /// the last layer's rows to the mapped output staging, instead of a copy node each (H100:
+    /// attention 60-61 -> 56 µs, Mamba 45-51 -> 41). Batch 8 frames measured slower that way
+    /// (attention 85 µs, Mamba 69, against 71 and 54 in an earlier run of the copies: every
+    /// block reads all eight rows over the bus), so they keep the copies.
+    fn gemv_frame(&self, (b, t, frame): (usize, usize, bool)) -> bool {
+        frame && b == 1 && self.frame.is_some() && FrameFns::takes(&self.spec, (b, t), true)
+    }
+
+    /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
+    /// input staging carries the count of cached rows the query sees after the frame
+    /// (`COUNT_WORDS`), so that one graph per state replays from the second frame on instead
+    /// of the first `window` frames running eagerly (they were the p99 of a stream's frames).
+    fn counted(&self, (b, t, frame): (usize, usize, bool)) -> bool {
+        frame
+            && matches!(self.spec.kind, Kind::Attention | Kind::Jamba)
+            && self.frame.is_some()
+            && FrameFns::takes(&self.spec, (b, t), true)
+    }
+
+    /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
+    fn rnn_fused(&self, (b, _, frame): (usize, usize, bool)) -> bool {
+        frame
+            && self
+                .rnn_frame
+                .as_ref()
+                .is_some_and(|rf| rf.takes(b, self.spec.hidden))
     }
 
     fn eager(&self, sh: &mut Shape, state: Option<&mut CudaState>) -> Result<()> {
@@ -966,6 +1109,16 @@ impl CudaEngine {
         DeviceTensor::uninit(&self.gpu, shape, DType::F32)
     }
 
+    /// `dst` (the frame's mapped output staging) seen as `shape`, or an arena buffer.
+    fn out_or_buf(&self, dst: Option<u64>, shape: Vec<usize>) -> Result<DeviceTensor> {
+        match dst {
+            // Safety: the shape's output staging, which holds `shape`'s values (the last
+            // layer's rows) and lives as long as the shape and its graphs.
+            Some(a) => Ok(unsafe { DeviceTensor::borrowed(&self.gpu, a, shape, DType::F32) }),
+            None => self.buf(shape),
+        }
+    }
+
     fn w(&self, name: &str) -> Result<Operand<'_>> {
         self.weights
             .get(name)
@@ -993,11 +1146,31 @@ impl CudaEngine {
     }
 
     fn norm(&self, x: &Operand<'_>, name: &str, eps: f64) -> Result<DeviceTensor> {
+        self.norm_to(x, name, eps, None)
+    }
+
+    /// `norm` writing to `dst` when given (`out_or_buf`).
+    fn norm_to(
+        &self,
+        x: &Operand<'_>,
+        name: &str,
+        eps: f64,
+        dst: Option<u64>,
+    ) -> Result<DeviceTensor> {
         let (g, b) = (
             self.w(&format!("{name}/gamma"))?,
             self.w(&format!("{name}/beta"))?,
         );
-        self.norm_with(x, &g, &b, eps)
+        let inputs = norm::Inputs {
+            x,
+            weight: &g,
+            bias: Some(&b),
+            residual: None,
+        };
+        let p = norm::Params::new(norm::Kind::Layer, eps)?;
+        let mut out = self.out_or_buf(dst, x.shape().to_vec())?;
+        norm::cuda_into(&self.gpu, &inputs, p, &mut out, None)?;
+        Ok(out)
     }
 
     fn dw(&self, name: &str) -> Result<&DeviceTensor> {
@@ -1172,81 +1345,60 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
-    /// An LSTM/GRU frame `xd` `{b, 1, embed}`: one `engine_rnn_frame_f32` launch per layer,
-    /// each reading the previous one's normalised output (the first normalises the frame
-    /// itself), updating its state in place. Returns the last layer's `{b, 1, hidden}`.
-    fn rnn_frame(
-        &self,
-        rf: &RnnFrame,
-        xd: &DeviceTensor,
-        st: &mut CudaState,
-    ) -> Result<DeviceTensor> {
+    /// An LSTM/GRU frame of `st.batch` rows read from `x` (a device address: the page-locked
+    /// staging mapped into the device, or a device copy) in one `engine_rnn_frame_f32`
+    /// launch: every layer, the state moved on in place, the last layer's normalised `{batch,
+    /// hidden}` written to `out` (likewise). The arguments are passed from the stack: nothing
+    /// is allocated.
+    fn rnn_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<()> {
         let s = &self.spec;
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
         let (b, h) = (st.batch, s.hidden);
-        let lstm = s.kind == Kind::Lstm;
-        let mut x = ptr(xd);
-        let mut out = None;
-        for (l, lay) in rf.layers.iter().enumerate() {
-            let h_new = self.buf(vec![b, h])?;
-            let c_new = self.buf(vec![b, h])?;
-            let y = self.buf(vec![b, 1, h])?;
-            // Axon's order: LSTM [c, h], GRU [h].
-            let state = &st.layers[l];
-            let (hp, cp) = if lstm {
-                (ptr(&state[1]), ptr(&state[0]))
-            } else {
-                (ptr(&state[0]), 0u64)
-            };
-            let (ig, ib) = if l == 0 {
-                (
-                    ptr(self.dw("input_norm/gamma")?),
-                    ptr(self.dw("input_norm/beta")?),
-                )
-            } else {
-                (0u64, 0u64)
-            };
-            let name = format!("rnn_{}_norm", l + 1);
-            let g = ptr(self.dw(&format!("{name}/gamma"))?);
-            let be = ptr(self.dw(&format!("{name}/beta"))?);
-            let (wi, wh, bias) = (ptr(&lay.wi), ptr(&lay.wh), ptr(&lay.bias));
-            let (hn, cn, yp) = (ptr(&h_new), ptr(&c_new), ptr(&y));
-            let ticket = ptr(&rf.tickets) + 4 * l as u64;
-            let eps = s.norm_eps as f32;
-            let (bi, ii, hi, li) = (b as i32, lay.input as i32, h as i32, lstm as i32);
-            let mut launch = self.gpu.stream.launch_builder(&rf.f);
-            launch
-                .arg(&x)
-                .arg(&ig)
-                .arg(&ib)
-                .arg(&eps)
-                .arg(&wi)
-                .arg(&wh)
-                .arg(&bias)
-                .arg(&hp)
-                .arg(&cp)
-                .arg(&hn)
-                .arg(&cn)
-                .arg(&g)
-                .arg(&be)
-                .arg(&eps)
-                .arg(&yp)
-                .arg(&ticket)
-                .arg(&bi)
-                .arg(&ii)
-                .arg(&hi)
-                .arg(&li);
-            let cfg = LaunchConfig {
-                grid_dim: (h.div_ceil(FRAME_UNITS) as u32, 1, 1),
-                block_dim: ((FRAME_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: RnnFrame::smem(b, lay.input, h) as u32,
-            };
-            // Safety: the kernel's parameters in order; every address is a weight, a state
-            // tensor or an arena buffer of this engine, alive in its stream's order.
-            unsafe { launch.launch(cfg) }?;
-            x = yp;
-            out = Some(y);
+        let (mut x, mut out) = (x, out);
+        let (mut ig, mut ib) = rf.input_norm;
+        let (mut lt, mut stt) = (ptr(&rf.table), ptr(table));
+        let (mut sc, mut sy) = (ptr(&rf.scratch), ptr(&rf.sync));
+        let mut eps = s.norm_eps as f32;
+        let (mut nl, mut bi, mut hi) = (rf.layers as i32, b as i32, h as i32);
+        let mut li = (s.kind == Kind::Lstm) as i32;
+        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+            v as *mut T as *mut std::ffi::c_void
         }
-        out.ok_or_else(|| arg_error("params: at least one layer is needed"))
+        let mut params = [
+            arg(&mut x),
+            arg(&mut ig),
+            arg(&mut ib),
+            arg(&mut lt),
+            arg(&mut stt),
+            arg(&mut sc),
+            arg(&mut eps),
+            arg(&mut out),
+            arg(&mut sy),
+            arg(&mut nl),
+            arg(&mut bi),
+            arg(&mut hi),
+            arg(&mut li),
+        ];
+        let grid = (rf.layers * h.div_ceil(FRAME_UNITS)) as u32;
+        let smem = RnnFrame::smem(b, rf.widest, h) as u32;
+        self.gpu.bind()?;
+        // Safety: the kernel's parameters in order, each a live local of the right type;
+        // every address is a weight, table, scratch or state tensor of this engine or the
+        // shape's staging, alive in its stream's order.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                rf.f.cu_function(),
+                (grid, 1, 1),
+                (FRAME_THREADS as u32, 1, 1),
+                smem,
+                self.gpu.stream.cu_stream(),
+                &mut params,
+            )
+        }?;
+        Ok(())
     }
 
     /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
@@ -1264,8 +1416,28 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, (None, None))
+    }
+
+    /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
+    /// staging of a frame) instead of an arena buffer, and with `conv` a Mamba in_proj's conv
+    /// run on its x half as well.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_to(
+        &self,
+        ff: &FrameFns,
+        (b, t): (usize, usize),
+        x: Rows,
+        k: usize,
+        name: &str,
+        n: usize,
+        act: dense::Activation,
+        res: Option<Rows>,
+        eps: f32,
+        (dst, conv): (Option<u64>, Option<Conv>),
+    ) -> Result<DeviceTensor> {
         let rows = b * t;
-        let out = self.buf(vec![b, t, n])?;
+        let out = self.out_or_buf(dst, vec![b, t, n])?;
         let w = ptr(self.dw(&format!("{name}/kernel"))?);
         let bias = ptr(self.dw(&format!("{name}/bias"))?);
         let (xg, xb) = x.norm.unwrap_or((0, 0));
@@ -1274,6 +1446,7 @@ impl CudaEngine {
         let op = ptr(&out);
         let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
         let code = act.code();
+        let c = conv.unwrap_or_default();
         let mut l = self.gpu.stream.launch_builder(&ff.gemv);
         l.arg(&x.ptr)
             .arg(&xg)
@@ -1288,7 +1461,12 @@ impl CudaEngine {
             .arg(&ki)
             .arg(&ni)
             .arg(&eps)
-            .arg(&code);
+            .arg(&code)
+            .arg(&c.w)
+            .arg(&c.b)
+            .arg(&c.state)
+            .arg(&c.xc)
+            .arg(&c.k);
         let cfg = LaunchConfig {
             grid_dim: (
                 n.div_ceil(GEMV_COLS) as u32,
@@ -1305,11 +1483,12 @@ impl CudaEngine {
     }
 
     /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
-    /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`.
+    /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`. `valid_at`: the device
+    /// address of the count of cached rows the query sees (`counted`).
     fn attn_frame(
         &self,
         ff: &FrameFns,
-        qkv: &DeviceTensor,
+        (qkv, valid_at): (&DeviceTensor, u64),
         st: &mut CudaState,
         l: usize,
         qk_norm: bool,
@@ -1323,7 +1502,6 @@ impl CudaEngine {
             ptr(&st.layers[l][1]),
             ptr(&out),
         );
-        let valid = (st.frames.min(s.window as u64) as i32).max(1);
         let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
         let qn = qk_norm as i32;
         let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
@@ -1336,7 +1514,7 @@ impl CudaEngine {
             .arg(&heads)
             .arg(&d)
             .arg(&w)
-            .arg(&valid)
+            .arg(&valid_at)
             .arg(&qn)
             .arg(&scale);
         let cfg = LaunchConfig {
@@ -1400,15 +1578,15 @@ impl CudaEngine {
     }
 
     /// One Mamba block of a frame on the frame kernels: in_proj (with the block's input norm)
-    /// as one GEMV, the conv, B|C|dt-rank as one GEMV, the scan step (which also moves both
-    /// states of layer `l`, 0-based, on), out_proj with the residual: five launches.
+    /// and the conv as one GEMV, B|C|dt-rank as one GEMV, the scan step (which also moves both
+    /// states of layer `l`, 0-based, on), out_proj with the residual: four launches.
     fn mamba_frame(
         &self,
         ff: &FrameFns,
-        prefix: &str,
-        x: &DeviceTensor,
+        (prefix, x): (&str, &DeviceTensor),
         st: &mut CudaState,
         l: usize,
+        dst: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, hid, inner, n, r, k) = (st.batch, s.hidden, s.inner(), s.state, s.dt_rank, s.conv);
@@ -1420,7 +1598,17 @@ impl CudaEngine {
             norm: Some((wp("norm/gamma")?, wp("norm/beta")?)),
         };
         let eps = s.mamba_norm_eps as f32;
-        let xz = self.gemv(
+        let xc = self.buf(vec![b, inner])?;
+        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
+        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
+        let conv = Conv {
+            w: wp("conv_dw_conv/kernel")?,
+            b: wp("conv_dw_conv/bias")?,
+            state: conv_state,
+            xc: ptr(&xc),
+            k: ki,
+        };
+        let xz = self.gemv_to(
             ff,
             (b, 1),
             xin,
@@ -1430,36 +1618,8 @@ impl CudaEngine {
             none,
             None,
             eps,
+            (None, Some(conv)),
         )?;
-        let xc = self.buf(vec![b, inner])?;
-        let (conv_state, ssm_state) = (ptr(&st.layers[l][0]), ptr(&st.layers[l][1]));
-        let (bi, ii, ni, ri, ki) = (b as i32, inner as i32, n as i32, r as i32, k as i32);
-        let elementwise = LaunchConfig {
-            grid_dim: ((b * inner).div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        {
-            let (pxz, w, cb, pxc) = (
-                ptr(&xz),
-                wp("conv_dw_conv/kernel")?,
-                wp("conv_dw_conv/bias")?,
-                ptr(&xc),
-            );
-            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.0);
-            launch
-                .arg(&pxz)
-                .arg(&w)
-                .arg(&cb)
-                .arg(&conv_state)
-                .arg(&pxc)
-                .arg(&bi)
-                .arg(&ii)
-                .arg(&ki);
-            // Safety: the kernel's parameters in order; weights, state and arena buffers of
-            // this engine, alive in its stream's order.
-            unsafe { launch.launch(elementwise) }?;
-        }
         let raw = Rows {
             ptr: ptr(&xc),
             norm: None,
@@ -1494,7 +1654,7 @@ impl CudaEngine {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.gpu.stream.launch_builder(&ff.mamba()?.1);
+            let mut launch = self.gpu.stream.launch_builder(ff.mamba()?);
             launch
                 .arg(&pxz)
                 .arg(&pxc)
@@ -1524,7 +1684,7 @@ impl CudaEngine {
             ptr: ptr(x),
             norm: None,
         };
-        self.gemv(
+        self.gemv_to(
             ff,
             (b, 1),
             yr,
@@ -1534,6 +1694,7 @@ impl CudaEngine {
             none,
             Some(res),
             eps,
+            (dst, None),
         )
     }
 
@@ -1542,12 +1703,13 @@ impl CudaEngine {
     /// k and v as one, over the kernels joined at load), the post-norms applied by the launches
     /// that read their rows, each attention one `engine_attn_frame_f32` (which also moves the
     /// caches on) or one short-sequence flash attention (`attn_window`), each Mamba block of
-    /// a frame five launches (of a window: the block's ops).
+    /// a frame four launches (of a window: the block's ops).
     fn gemv_forward(
         &self,
         ff: &FrameFns,
         xd: &DeviceTensor,
         mut st: Option<&mut CudaState>,
+        dst: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
@@ -1564,9 +1726,13 @@ impl CudaEngine {
             norm: None,
         };
         let eps = s.norm_eps as f32;
+        // A frame's count of cached rows follows its rows in the input (`counted`).
+        let count = ptr(xd) + (4 * b * t * s.embed) as u64;
         let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
+        // `dst` takes the last layer's rows where nothing follows them (no final norm).
+        let last = |l: usize| dst.filter(|_| l == s.layers && s.kind != Kind::Attention);
         for l in 1..=s.layers {
             let input = Rows {
                 ptr: ptr(&y),
@@ -1579,7 +1745,7 @@ impl CudaEngine {
                 let p = |n: &str| format!("attn_{l}_{n}");
                 let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
-                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, false)?,
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
                     None => self.attn_window(&qkv, bt, false)?,
                 };
                 let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
@@ -1610,10 +1776,10 @@ impl CudaEngine {
                 };
                 let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let a = match st.as_deref_mut() {
-                    Some(st) => self.attn_frame(ff, &qkv, st, l - 1, true)?,
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
                     None => self.attn_window(&qkv, bt, true)?,
                 };
-                y = self.gemv(
+                y = self.gemv_to(
                     ff,
                     bt,
                     raw(&a),
@@ -1623,6 +1789,7 @@ impl CudaEngine {
                     none,
                     Some(raw(&y)),
                     eps,
+                    (last(l), None),
                 )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
@@ -1632,13 +1799,13 @@ impl CudaEngine {
                 };
                 let prefix = format!("{prefix}_{l}");
                 y = match st.as_deref_mut() {
-                    Some(st) => self.mamba_frame(ff, &prefix, &y, st, l - 1)?,
+                    Some(st) => self.mamba_frame(ff, (&prefix, &y), st, l - 1, last(l))?,
                     None => self.mamba(&prefix, &y, Stream::Window)?,
                 };
             }
         }
         match y_norm {
-            Some(n) => self.norm(&Operand::Device(&y), &n, s.norm_eps),
+            Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
             None => Ok(y),
         }
     }
@@ -1655,7 +1822,9 @@ impl CudaEngine {
             Kind::Lstm | Kind::Gru => {
                 if let (Some(rf), Some(st)) = (&self.rnn_frame, state.as_deref_mut()) {
                     if rf.takes(st.batch, s.hidden) {
-                        return self.rnn_frame(rf, xd, st);
+                        let y = self.buf(vec![st.batch, 1, s.hidden])?;
+                        self.rnn_frame(rf, ptr(xd), ptr(&y), st)?;
+                        return Ok(y);
                     }
                 }
                 let mut y = self.norm(&Operand::Device(xd), "input_norm", s.norm_eps)?;
@@ -1672,7 +1841,7 @@ impl CudaEngine {
             _ => {
                 if let Some(ff) = &self.frame {
                     if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
-                        return self.gemv_forward(ff, xd, state);
+                        return self.gemv_forward(ff, xd, state, None);
                     }
                 }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
@@ -1776,12 +1945,28 @@ impl CudaEngine {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
+        let rnn_table = match s.kind {
+            Kind::Lstm | Kind::Gru => {
+                // Axon's order: LSTM [c, h], GRU [h].
+                let words: Vec<u64> = layers
+                    .iter()
+                    .flat_map(|st| match &st[..] {
+                        [c, h] => [ptr(h), ptr(c)],
+                        [h] => [ptr(h), 0],
+                        _ => [0, 0],
+                    })
+                    .collect();
+                Some(upload_words(&self.gpu, "frame states", &words)?)
+            }
+            _ => None,
+        };
         self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
             frames: 0,
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
+            rnn_table,
         })
     }
 

@@ -53,7 +53,6 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
         }
         Kind::Mamba | Kind::Jamba => {
             out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
-            out.add(&ENGINE_FRAME, kernel_name("engine_mamba_conv", &[&f32]));
             out.add(&ENGINE_FRAME, kernel_name("engine_mamba_scan", &[&f32]));
             if spec.kind == Kind::Jamba {
                 out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
