@@ -4,7 +4,8 @@
 
 use crate::ffi::{self, CallFrame, XlaError};
 use crate::frame::{self, Buf, Decoded};
-use fused_kernels_core::cuda::buffer::{with_blas_workspace, with_scratch};
+use fused_kernels_core::cuda::buffer::with_scratch;
+use fused_kernels_core::cuda::with_blas_workspace;
 use fused_kernels_core::cuda::{self, DeviceTensor, Gpu};
 use fused_kernels_core::error::{arg_error, Error, Result};
 use once_cell::sync::Lazy;

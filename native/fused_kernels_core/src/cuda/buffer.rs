@@ -155,31 +155,6 @@ pub fn with_scratch<R>(alloc: &mut ScratchAllocator<'_>, f: impl FnOnce() -> R) 
     f()
 }
 
-thread_local! {
-    // The cuBLAS workspace `with_blas_workspace` installs on this thread: (address, bytes).
-    static BLAS_WORKSPACE: Cell<Option<(u64, usize)>> = const { Cell::new(None) };
-}
-
-/// Runs `f` with every cuBLAS call on this thread (`Gpu::with_blas`) given `bytes` of device
-/// memory at `ptr` as its workspace, memory the caller's runtime owns. Without one, cuBLAS
-/// allocates its own, which inside a CUDA-graph capture adds memory nodes: XLA's command
-/// buffers cannot nest such a graph.
-pub fn with_blas_workspace<R>(ptr: u64, bytes: usize, f: impl FnOnce() -> R) -> R {
-    struct Reset(Option<(u64, usize)>);
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            BLAS_WORKSPACE.with(|w| w.set(self.0));
-        }
-    }
-    let _reset = Reset(BLAS_WORKSPACE.with(|w| w.replace(Some((ptr, bytes)))));
-    f()
-}
-
-/// The cuBLAS workspace installed on this thread, if any.
-pub fn blas_workspace() -> Option<(u64, usize)> {
-    BLAS_WORKSPACE.with(|w| w.get())
-}
-
 fn scratch_alloc(bytes: usize) -> Option<Result<u64>> {
     let alloc = SCRATCH.with(|s| *s.borrow())?;
     // Safety: set by `with_scratch`, whose frame is live while the pointer is installed;

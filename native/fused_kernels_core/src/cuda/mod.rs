@@ -18,6 +18,7 @@ use crate::kernels::{Build, Kernel};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -500,7 +501,7 @@ impl Gpu {
         // (Setting the stream also resets the handle to cuBLAS's own workspace.)
         unsafe { guard.set_stream(self.stream.clone()) }
             .map_err(|e| Error::Cuda(format!("cublasSetStream failed: {e:?}")))?;
-        if let Some((ptr, bytes)) = buffer::blas_workspace() {
+        if let Some((ptr, bytes)) = blas_workspace() {
             // Safety: `with_blas_workspace`'s caller lends `bytes` of device memory at `ptr`
             // for the calls made inside it, and this one is.
             unsafe {
@@ -587,3 +588,28 @@ pub const TEST_ROUTE_CAP: Option<(i32, i32)> = if cfg!(feature = "route-as-sm75"
 } else {
     None
 };
+
+thread_local! {
+    // The cuBLAS workspace `with_blas_workspace` installs on this thread: (address, bytes).
+    static BLAS_WORKSPACE: Cell<Option<(u64, usize)>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every cuBLAS call on this thread (`Gpu::with_blas`) given `bytes` of device
+/// memory at `ptr` as its workspace, memory the caller's runtime owns. Without one, cuBLAS
+/// allocates its own, which inside a CUDA-graph capture adds memory nodes: XLA's command
+/// buffers cannot nest such a graph.
+pub fn with_blas_workspace<R>(ptr: u64, bytes: usize, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<(u64, usize)>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            BLAS_WORKSPACE.with(|w| w.set(self.0));
+        }
+    }
+    let _reset = Reset(BLAS_WORKSPACE.with(|w| w.replace(Some((ptr, bytes)))));
+    f()
+}
+
+/// The cuBLAS workspace installed on this thread, if any.
+pub fn blas_workspace() -> Option<(u64, usize)> {
+    BLAS_WORKSPACE.with(|w| w.get())
+}
