@@ -193,37 +193,21 @@ pub struct CudaEngine {
     shapes: Mutex<Vec<Shape>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
-    _blas_workspace: Option<DeviceTensor>,
+    blas_workspace: Option<DeviceTensor>,
 }
 
 /// cuBLAS workspace per engine (NVIDIA's recommendation for Hopper).
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Gives `gpu`'s cuBLAS handle a workspace of its own; None when cuBLAS is absent.
+/// The engine's own cuBLAS workspace; None when cuBLAS is absent. `enqueue` lends it to every
+/// cuBLAS call it makes (`cuda::with_blas_workspace`): `Gpu::with_blas` sets the handle's
+/// stream on each use, which drops any workspace set before, and a handle without one
+/// allocates its own, which a CUDA-graph capture refuses (the capture is invalidated).
 fn blas_workspace(gpu: &Arc<Gpu>) -> Result<Option<DeviceTensor>> {
     if !cuda::probe().is_ok_and(|p| p.cublas_present) {
         return Ok(None);
     }
-    let ws = DeviceTensor::uninit_owned(gpu, vec![BLAS_WORKSPACE_BYTES / 4], DType::F32)?;
-    let addr = ptr(&ws);
-    gpu.with_blas(|blas| {
-        // Safety: the handle is the engine's; the workspace outlives every GEMM queued with
-        // it (the engine waits for its stream after each call and owns both).
-        let status = unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                addr as *mut std::ffi::c_void,
-                BLAS_WORKSPACE_BYTES,
-            )
-        };
-        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(Error::Cuda(format!(
-                "cublasSetWorkspace failed: {status:?}"
-            )));
-        }
-        Ok(())
-    })?;
-    Ok(Some(ws))
+    DeviceTensor::uninit_owned(gpu, vec![BLAS_WORKSPACE_BYTES / 4], DType::F32).map(Some)
 }
 
 /// One stream's state on the device: per layer its tensors (RNN `[c, h]`/`[h]` in Axon's
@@ -762,7 +746,7 @@ impl CudaEngine {
             rnn_frame,
             frame,
             shapes: Mutex::new(Vec::new()),
-            _blas_workspace: blas_ws,
+            blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
         if let Some(p) = prefetch {
@@ -989,27 +973,36 @@ impl CudaEngine {
         let gpu = self.gpu.clone();
         let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
         let shape = vec![b, t, self.spec.embed];
-        buffer::with_scratch(&mut alloc, || {
-            let xd = match *input_dev {
-                // Safety: `input` holds exactly this shape's f32 values, lives as long as
-                // the shape (and every graph of it), and is written by the host only
-                // between calls, after the stream was waited for.
-                Some(addr) => unsafe { DeviceTensor::borrowed(&self.gpu, addr, shape, DType::F32) },
-                None => {
-                    // With the count word (`counted`) after the rows: copied along, read by
-                    // the attention frame kernel right after the rows.
-                    let mut xd = self.buf(vec![input.len() / 4])?;
-                    xd.copy_from_pinned(input)?;
-                    reshaped_view(xd, shape)
+        let ws = self.blas_workspace.as_ref().map(ptr);
+        let queue = || {
+            buffer::with_scratch(&mut alloc, || {
+                let xd = match *input_dev {
+                    // Safety: `input` holds exactly this shape's f32 values, lives as long as
+                    // the shape (and every graph of it), and is written by the host only
+                    // between calls, after the stream was waited for.
+                    Some(addr) => unsafe {
+                        DeviceTensor::borrowed(&self.gpu, addr, shape, DType::F32)
+                    },
+                    None => {
+                        // With the count word (`counted`) after the rows: copied along, read by
+                        // the attention frame kernel right after the rows.
+                        let mut xd = self.buf(vec![input.len() / 4])?;
+                        xd.copy_from_pinned(input)?;
+                        reshaped_view(xd, shape)
+                    }
+                };
+                match (*output_dev, &self.frame) {
+                    // A frame on the frame kernels (`gemv_frame`): the last launch writes the
+                    // mapped output staging itself.
+                    (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                    _ => self.forward(&xd, state)?.copy_to_pinned(output),
                 }
-            };
-            match (*output_dev, &self.frame) {
-                // A frame on the frame kernels (`gemv_frame`): the last launch writes the
-                // mapped output staging itself.
-                (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
-                _ => self.forward(&xd, state)?.copy_to_pinned(output),
-            }
-        })
+            })
+        };
+        match ws {
+            Some(addr) => cuda::with_blas_workspace(addr, BLAS_WORKSPACE_BYTES, queue),
+            None => queue(),
+        }
     }
 
     /// Whether calls of shape `key` are batch-1 attention/Mamba/Jamba frames on the frame
