@@ -118,9 +118,8 @@ pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
     )
 }
 
-fn flash_attention_validate(d: &Decoded) -> Result<()> {
-    arity("operands (q, k, v)", d.args.len(), &[3])?;
-    arity("results (out, lse)", d.rets.len(), &[2])?;
+/// The call's options and geometry (q, k, v are the first three operands).
+fn attention_call(d: &Decoded) -> Result<(flash_attention::Params, flash_attention::Geometry)> {
     let p = flash_attention_params(&d.attrs)?;
     let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
     let g = flash_attention::geometry(
@@ -129,6 +128,14 @@ fn flash_attention_validate(d: &Decoded) -> Result<()> {
         (&v.dims, v.dtype),
         p.layout,
     )?;
+    Ok((p, g))
+}
+
+fn flash_attention_validate(d: &Decoded) -> Result<()> {
+    arity("operands (q, k, v)", d.args.len(), &[3])?;
+    arity("results (out, lse)", d.rets.len(), &[2])?;
+    let (_, g) = attention_call(d)?;
+    let q = &d.args[0];
     if d.rets[0].dims != q.dims || d.rets[0].dtype != q.dtype {
         return Err(arg_error("out: must have the shape and type of q"));
     }
@@ -150,32 +157,26 @@ static ATTENTION_FUNCTIONS: Lazy<Mutex<AttentionFunctions>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
-    let p = flash_attention_params(&c.d.attrs)?;
-    let (f, g, plan) = attention_function(c.gpu, c.d)?;
+    let (f, p, g, plan) = attention_function(c.gpu, c.d)?;
     let [q, k, v] = [&c.d.args[0], &c.d.args[1], &c.d.args[2]];
     let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
     flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
 }
 
-/// The call's geometry, plan and loaded kernel function (loaded once per device and name; the
-/// initialize stage calls this too, so that the execute stage never loads a module).
+/// The loaded kernel function, the call's options, geometry and plan (the function loaded once
+/// per device and name; the initialize stage calls this too, so that the execute stage never
+/// loads a module).
 fn attention_function(
     gpu: &Arc<Gpu>,
     d: &Decoded,
 ) -> Result<(
     CudaFunction,
+    flash_attention::Params,
     flash_attention::Geometry,
     flash_attention::Plan,
 )> {
-    let p = flash_attention_params(&d.attrs)?;
-    let [q, k, v] = [&d.args[0], &d.args[1], &d.args[2]];
-    let g = flash_attention::geometry(
-        (&q.dims, q.dtype),
-        (&k.dims, k.dtype),
-        (&v.dims, v.dtype),
-        p.layout,
-    )?;
-    let plan = flash_attention::plan(&g, q.dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
+    let (p, g) = attention_call(d)?;
+    let plan = flash_attention::plan(&g, d.args[0].dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
     let key = (gpu.ordinal, plan.function.clone());
     let lock = || {
         ATTENTION_FUNCTIONS
@@ -191,7 +192,7 @@ fn attention_function(
             f
         }
     };
-    Ok((f, g, plan))
+    Ok((f, p, g, plan))
 }
 
 /// The device's SM count (asked of the driver once per device).
