@@ -26,11 +26,32 @@
 #include "reduce.cuh"
 #include "act.cuh"
 
+// Programmatic dependent launch (sm_90+, where the engine launches these kernels with
+// programmatic stream serialization: a grid may start while the launch before it still runs).
+// Each kernel first lets the next launch start (its blocks then load their weights while this
+// one works), reads what no launch of the chain writes (weights, biases, this layer's own
+// state), and only then waits for the launch before it (and so, transitively, every earlier
+// one: each waits before it ends) to finish before it reads an activation or writes anything.
+// Without the launch attribute, or below sm_90, both are no-ops.
+__device__ __forceinline__ void fk_ef_launch_next() {
+#if FK_ARCH >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void fk_ef_wait_prev() {
+#if FK_ARCH >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 #define FK_EG_THREADS 512
 #define FK_EG_WARPS (FK_EG_THREADS / 32)
 #define FK_EG_COLS 16
 #define FK_EG_MAXB 8
 #define FK_EG_UNROLL 8
+// Weight rows a thread holds in registers, loaded before the wait (k <= 2·warps·FK_EG_PRE:
+// every row of the frame shapes); the rows past them are read after it.
+#define FK_EG_PRE 16
 
 // Mean and 1/sqrt(var + eps) of `n` values of `row` (one warp; every lane gets them).
 __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, int lane,
@@ -80,6 +101,23 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    fk_ef_launch_next();
+    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
+    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
+    const int col = blockIdx.x * FK_EG_COLS + c;
+    const bool valid = col < n;
+    const int step = 2 * FK_EG_WARPS;
+    const int r0 = 2 * warp + half;
+    // The weights do not depend on the launch before: in registers before waiting for it.
+    float wpre[FK_EG_PRE];
+#pragma unroll
+    for (int i = 0; i < FK_EG_PRE; ++i)
+      wpre[i] = valid && r0 + i * step < k ? __ldg(w + (long long)(r0 + i * step) * n + col) : 0.0f;
+    // The epilogue's thread (row tid / 16, column tid % 16) and its bias.
+    const int ej = blockIdx.x * FK_EG_COLS + tid % FK_EG_COLS;
+    const bool epi = tid < batch * FK_EG_COLS && ej < n;
+    const float ebias = epi ? bias[ej] : 0.0f;
+    fk_ef_wait_prev();
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -102,15 +140,20 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
       }
       __syncthreads();
     }
-    // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
-    const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
-    const int col = blockIdx.x * FK_EG_COLS + c;
-    const bool valid = col < n;
-    const int step = 2 * FK_EG_WARPS;
     float acc[FK_EG_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
-    int r = 2 * warp + half;
+    // Rows in ascending order, as before the registers held some: the sums are unchanged.
+#pragma unroll
+    for (int i = 0; i < FK_EG_PRE; ++i) {
+      const int rr = r0 + i * step;
+      if (rr < k) {
+#pragma unroll
+        for (int b = 0; b < FK_EG_MAXB; ++b)
+          if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + rr], wpre[i], acc[b]);
+      }
+    }
+    int r = r0 + FK_EG_PRE * step;
     for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
       float wv[FK_EG_UNROLL];
 #pragma unroll
@@ -135,14 +178,14 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     for (int b = 0; b < FK_EG_MAXB; ++b)
       if (b < batch) red[2 * warp + half][b][c] = acc[b];
     __syncthreads();
-    if (tid < batch * FK_EG_COLS) {
+    if (epi) {
       const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;
-      const int j = blockIdx.x * FK_EG_COLS + cc;
-      if (j < n) {
+      const int j = ej;
+      {
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < 2 * FK_EG_WARPS; ++i) s += red[i][b][cc];
-        s = fk_act<FkExact>(s + bias[j], act);
+        s = fk_act<FkExact>(s + ebias, act);
         if (res) {
           float rv = res[(long long)b * n + j];
           if (rg) rv = (rv - rstat[b][0]) * rstat[b][1] * rg[j] + rb[j];
@@ -188,11 +231,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)b * 3 * hidden + h * d;
     const long long base = (long long)b * window * hidden + h * d;  // cache row t at + t·hidden
-    for (int i = tid; i < d; i += FK_EA_THREADS) {
-      qs[i] = row[i];
-      ks[(window - 1) * d + i] = row[hidden + i];
-      vs[(window - 1) * d + i] = row[2 * hidden + i];
-    }
+    fk_ef_launch_next();
     // The cache rows move as 4-float vectors where head_dim allows it (every address below is
     // then a multiple of 4 floats); either way, all of a thread's loads are independent.
     const bool vec = (d & 3) == 0;
@@ -210,6 +249,14 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
         ks[i] = kc[base + (long long)(t + 1) * hidden + j];
         vs[i] = vc[base + (long long)(t + 1) * hidden + j];
       }
+    }
+    // The cached rows above are this layer's state, which no other launch of the chain reads
+    // or writes: read before waiting for the launch before (the q|k|v GEMV).
+    fk_ef_wait_prev();
+    for (int i = tid; i < d; i += FK_EA_THREADS) {
+      qs[i] = row[i];
+      ks[(window - 1) * d + i] = row[hidden + i];
+      vs[(window - 1) * d + i] = row[2 * hidden + i];
     }
     __syncthreads();
     if (qk_norm && warp < 2) {
@@ -310,19 +357,30 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
   if constexpr (FK_WANT(engine_mamba_scan_f32)) {
     const int lane = threadIdx.x & 31;
     const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
-    if (i >= batch * inner) return;
-    const int b = i / inner, c = i - b * inner;
+    fk_ef_launch_next();
+    const bool live = i < batch * inner;
+    const int b = live ? i / inner : 0, c = live ? i - b * inner : 0;
+    float* h = ssm_state + ((long long)b * inner + c) * state;
+    // The weights and the channel's ssm state (which only this launch of the chain touches)
+    // for the first 32 of rank / state: read before waiting for the launch before.
+    const float wdt0 = live && lane < rank ? w_dt[(long long)lane * inner + c] : 0.0f;
+    const float a0 = live && lane < state ? a[(long long)c * state + lane] : 0.0f;
+    const float h0 = live && lane < state ? h[lane] : 0.0f;
+    const float bdt = live ? b_dt[c] : 0.0f;
+    fk_ef_wait_prev();
+    if (!live) return;
     const float* row = bcr + (long long)b * (2 * state + rank);
-    float raw = 0.0f;
-    for (int r = lane; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
-    raw = fk_warp_sum(raw) + b_dt[c];
+    float raw = lane < rank ? row[2 * state + lane] * wdt0 : 0.0f;
+    for (int r = lane + 32; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw = fk_warp_sum(raw) + bdt;
     const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
     const float delta = fminf(fmaxf(sp, dt_min), dt_max);
     const float u = xc[i];
-    float* h = ssm_state + ((long long)b * inner + c) * state;
     float acc = 0.0f;
     for (int n = lane; n < state; n += 32) {
-      const float hn = expf(delta * a[(long long)c * state + n]) * h[n] + delta * row[n] * u;
+      const float an = n < 32 ? a0 : a[(long long)c * state + n];
+      const float hp = n < 32 ? h0 : h[n];
+      const float hn = expf(delta * an) * hp + delta * row[n] * u;
       h[n] = hn;
       acc += hn * row[state + n];
     }
