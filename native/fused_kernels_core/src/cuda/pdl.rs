@@ -11,7 +11,7 @@ use crate::error::Result;
 use cudarc::driver::sys::{
     cuLaunchKernelEx, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig,
 };
-use cudarc::driver::CudaFunction;
+use cudarc::driver::{CudaFunction, CudaStream};
 use std::ffi::c_void;
 
 /// Whether launches on a GPU that routes as `gpu.compute_capability` may be dependent.
@@ -33,23 +33,22 @@ pub fn arg<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
 }
 
-/// Launches `f` on the device's stream with `grid` blocks of `block` threads and `smem`
-/// dynamic shared memory bytes, dependent on the launch before it where `supported`.
+/// Launches `f` on `stream` with `grid` blocks of `block` threads and `smem` dynamic shared
+/// memory bytes; `dependent` (only where `supported`): dependent on the launch before it.
 ///
 /// # Safety
 /// `params` must point at the kernel's arguments in order, each a live value of the kernel's
 /// type; every device address among them must stay valid until the kernel has finished
-/// (stream order). The kernel must wait (`griddepcontrol.wait`, compiled in from sm_90)
-/// before touching what the launch before it reads or writes.
+/// (stream order). A dependent kernel must wait (`griddepcontrol.wait`, compiled in from
+/// sm_90) before touching what the launch before it reads or writes.
 pub unsafe fn launch(
-    gpu: &Gpu,
+    stream: &CudaStream,
     f: &CudaFunction,
-    grid: (u32, u32, u32),
-    block: u32,
-    smem: u32,
+    (grid, block, smem): ((u32, u32, u32), u32, u32),
     params: &mut [*mut c_void],
+    dependent: bool,
 ) -> Result<()> {
-    gpu.bind()?;
+    stream.context().bind_to_thread()?;
     let mut attr = [attribute()];
     let cfg = CUlaunchConfig {
         gridDimX: grid.0,
@@ -59,8 +58,8 @@ pub unsafe fn launch(
         blockDimY: 1,
         blockDimZ: 1,
         sharedMemBytes: smem,
-        hStream: gpu.stream.cu_stream(),
-        numAttrs: supported(gpu) as u32,
+        hStream: stream.cu_stream(),
+        numAttrs: dependent as u32,
         attrs: attr.as_mut_ptr(),
     };
     cuLaunchKernelEx(

@@ -1417,6 +1417,26 @@ impl CudaEngine {
         Ok(())
     }
 
+    /// A frame kernel on the engine's stream, dependent on the launch before it where the
+    /// GPU routes as sm_90+ (`pdl`).
+    ///
+    /// # Safety
+    /// As `pdl::launch`.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        shape: ((u32, u32, u32), u32, u32),
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        pdl::launch(
+            &self.gpu.stream,
+            f,
+            shape,
+            params,
+            pdl::supported(&self.gpu),
+        )
+    }
+
     /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
     /// {name}/kernel + {name}/bias) (+ LN?(res))`, `{b, t, n}`; `eps` is both norms'.
     #[allow(clippy::too_many_arguments)]
@@ -1502,7 +1522,7 @@ impl CudaEngine {
         // Safety: the kernel's parameters in order, each a live local of its type; every
         // address is a weight or an arena buffer of this engine, alive in its stream's order;
         // the kernel waits for the launch before it ahead of reading its rows.
-        unsafe { pdl::launch(&self.gpu, &ff.gemv, grid, 512, smem, &mut params) }?;
+        unsafe { self.launch(&ff.gemv, (grid, 512, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1545,7 +1565,7 @@ impl CudaEngine {
         let grid = (s.heads as u32, b as u32, 1);
         let smem = FrameFns::attn_smem(s) as u32;
         // Safety: as in `gemv`; the caches are the state's own tensors.
-        unsafe { pdl::launch(&self.gpu, ff.attn()?, grid, ATTN_THREADS, smem, &mut params) }?;
+        unsafe { self.launch(ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1595,7 +1615,16 @@ impl CudaEngine {
             ptr(&out),
             ptr(&lse),
         );
-        flash_attention::launch_strided(&self.gpu.stream, &f, &g, addrs, p, &plan, views)?;
+        let dependent = pdl::supported(&self.gpu);
+        flash_attention::launch_strided_with(
+            &self.gpu.stream,
+            &f,
+            &g,
+            addrs,
+            p,
+            &plan,
+            (views, dependent),
+        )?;
         Ok(out)
     }
 
@@ -1694,7 +1723,7 @@ impl CudaEngine {
             // One warp per (batch row, channel), 8 to a block.
             let grid = ((b * inner).div_ceil(8) as u32, 1, 1);
             // Safety: as in `gemv`.
-            unsafe { pdl::launch(&self.gpu, ff.mamba()?, grid, 256, 0, &mut params) }?;
+            unsafe { self.launch(ff.mamba()?, (grid, 256, 0), &mut params) }?;
         }
         let yr = Rows {
             ptr: ptr(&y),
