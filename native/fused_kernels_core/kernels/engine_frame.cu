@@ -113,11 +113,19 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     const bool valid = col < n;
     const int step = 2 * FK_EG_WARPS;
     const int r0 = 2 * warp + half;
+#ifdef FK_EG_L1
+    // The weights do not depend on the launch before: into this SM's L1 before waiting for it.
+    if (valid)
+      for (int rr = r0; rr < k; rr += step)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(w + (long long)rr * n + col));
+#endif
+#if FK_EG_PRE > 0
     // The weights do not depend on the launch before: in registers before waiting for it.
     float wpre[FK_EG_PRE];
 #pragma unroll
     for (int i = 0; i < FK_EG_PRE; ++i)
       wpre[i] = valid && r0 + i * step < k ? __ldg(w + (long long)(r0 + i * step) * n + col) : 0.0f;
+#endif
     // The epilogue's thread (row tid / 16, column tid % 16) and its bias.
     const int ej = blockIdx.x * FK_EG_COLS + tid % FK_EG_COLS;
     const bool epi = tid < batch * FK_EG_COLS && ej < n;
@@ -148,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     float acc[FK_EG_MAXB];
 #pragma unroll
     for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
+#if FK_EG_PRE > 0
     // Rows in ascending order, as before the registers held some: the sums are unchanged.
 #pragma unroll
     for (int i = 0; i < FK_EG_PRE; ++i) {
@@ -158,6 +167,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
           if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + rr], wpre[i], acc[b]);
       }
     }
+#endif
     int r = r0 + FK_EG_PRE * step;
     for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
       float wv[FK_EG_UNROLL];
@@ -283,8 +293,25 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
         vs[i] = vc[base + (long long)(t + 1) * hidden + j];
       }
     }
+    __syncthreads();
     // The cached rows above are this layer's state, which no other launch of the chain reads
-    // or writes: read before waiting for the launch before (the q|k|v GEMV).
+    // or writes: read, and written back shifted (every block has read its own slice only),
+    // before waiting for the launch before (the q|k|v GEMV).
+    if (vec) {
+      const int d4 = d >> 2;
+      for (int i = tid; i < (window - 1) * d4; i += FK_EA_THREADS) {
+        const int t = i / d4, j = i - t * d4;
+        const long long g = base + (long long)t * hidden + 4 * j;
+        *reinterpret_cast<float4*>(kc + g) = reinterpret_cast<const float4*>(ks)[i];
+        *reinterpret_cast<float4*>(vc + g) = reinterpret_cast<const float4*>(vs)[i];
+      }
+    } else {
+      for (int i = tid; i < (window - 1) * d; i += FK_EA_THREADS) {
+        const int t = i / d, j = i - t * d;
+        kc[base + (long long)t * hidden + j] = ks[i];
+        vc[base + (long long)t * hidden + j] = vs[i];
+      }
+    }
     fk_ef_wait_prev();
     for (int i = tid; i < d; i += FK_EA_THREADS) {
       qs[i] = row[i];
@@ -300,21 +327,11 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
       for (int j = lane; j < d; j += 32) v[j] = (v[j] - mean) * inv;
     }
     __syncthreads();
-    // Every block has read its own slice only: write it back shifted.
-    if (vec) {
-      const int d4 = d >> 2;
-      for (int i = tid; i < window * d4; i += FK_EA_THREADS) {
-        const int t = i / d4, j = i - t * d4;
-        const long long g = base + (long long)t * hidden + 4 * j;
-        *reinterpret_cast<float4*>(kc + g) = reinterpret_cast<const float4*>(ks)[i];
-        *reinterpret_cast<float4*>(vc + g) = reinterpret_cast<const float4*>(vs)[i];
-      }
-    } else {
-      for (int i = tid; i < window * d; i += FK_EA_THREADS) {
-        const int t = i / d, j = i - t * d;
-        kc[base + (long long)t * hidden + j] = ks[i];
-        vc[base + (long long)t * hidden + j] = vs[i];
-      }
+    // The frame's k/v rows, last.
+    for (int j = tid; j < d; j += FK_EA_THREADS) {
+      const long long g = base + (long long)(window - 1) * hidden + j;
+      kc[g] = ks[(window - 1) * d + j];
+      vc[g] = vs[(window - 1) * d + j];
     }
     const int first = window - *valid_at;
     // Scores: one warp per key, FK_EA_KEYS keys of a warp at once (their loads and reductions
