@@ -491,6 +491,9 @@ const ATTN_THREADS: u32 = 256;
 /// against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
 
+const PDL_WINDOWS: bool = true;
+const PDL_FA: bool = true;
+
 /// Row blocks (of `FRAME_MAX_BATCH` rows) whose final LayerNorm the last GEMV can apply
 /// (`CudaEngine::norm_done`'s counters): frames of up to 8,192 rows, every window it serves.
 const NORM_DONE_BLOCKS: usize = 1024;
@@ -1428,13 +1431,8 @@ impl CudaEngine {
         shape: ((u32, u32, u32), u32, u32),
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
-        pdl::launch(
-            &self.gpu.stream,
-            f,
-            shape,
-            params,
-            pdl::supported(&self.gpu),
-        )
+        let dependent = pdl::supported(&self.gpu) && (PDL_WINDOWS || shape.0 .1 == 1);
+        pdl::launch(&self.gpu.stream, f, shape, params, dependent)
     }
 
     /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
@@ -1615,7 +1613,7 @@ impl CudaEngine {
             ptr(&out),
             ptr(&lse),
         );
-        let dependent = pdl::supported(&self.gpu);
+        let dependent = pdl::supported(&self.gpu) && PDL_FA;
         flash_attention::launch_strided_with(
             &self.gpu.stream,
             &f,
