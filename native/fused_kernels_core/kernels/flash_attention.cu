@@ -226,12 +226,6 @@ template <typename T, int ND, int KC>
 __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, T* __restrict__ o,
                                          float* __restrict__ lse, const FaArgs a) {
-#if FK_ARCH >= 900
-  // Programmatic dependent launch (the engine's chains, cuda/pdl.rs): the next launch may
-  // start now; q, k and v are the launch before's output. No-ops when not launched so.
-  asm volatile("griddepcontrol.launch_dependents;");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   constexpr int QR = 4 / KC, DP = 32 * ND, NK = 32 * KC, KP = DP + 4;
   extern __shared__ float4 fa_smem4[];
   float* Qs = reinterpret_cast<float*>(fa_smem4);  // QR x DP

@@ -7,13 +7,13 @@
 
 use crate::cpu::{arena, pool, Isa};
 use crate::cuda::gemm::ptr;
-use crate::cuda::{self, pdl, DeviceTensor, Gpu};
+use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Error, Result};
 use crate::kernels::FLASH_ATTENTION;
 use crate::operand::{Operand, Placement, Value};
 use crate::tensor::{fmt_shape, HostTensor, OwnedTensor};
-use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 use super::Backend;
@@ -1590,31 +1590,11 @@ pub fn launch_strided(
     stream: &CudaStream,
     f: &CudaFunction,
     g: &Geometry,
-    addrs: (u64, u64, u64, u64, u64),
+    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
     p: Params,
     plan: &Plan,
     views: Views,
 ) -> Result<()> {
-    launch_strided_with(stream, f, g, addrs, p, plan, (views, false))
-}
-
-/// `launch_strided`, `dependent`: with programmatic dependent launch (`cuda::pdl`; the
-/// short-sequence kernel only, which waits for the launch before it first thing on sm_90+).
-pub fn launch_strided_with(
-    stream: &CudaStream,
-    f: &CudaFunction,
-    g: &Geometry,
-    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
-    p: Params,
-    plan: &Plan,
-    (views, dependent): (Views, bool),
-) -> Result<()> {
-    if dependent && !plan.function.starts_with("fa_short_") {
-        return Err(Error::Cuda(format!(
-            "{}: only the short-sequence kernel waits for a dependent launch",
-            plan.function
-        )));
-    }
     if views.qk_norm && !plan.function.starts_with("fa_short_") {
         return Err(Error::Cuda(format!(
             "{}: the QK norm is served by the short-sequence kernel only",
@@ -1659,20 +1639,22 @@ pub fn launch_strided_with(
         o_sh: os.sh as i64,
         qk_norm: views.qk_norm as i32,
     };
-    let (mut q, mut k, mut v, mut out, mut lse, mut args) = (q, k, v, out, lse, args);
-    let mut params = [
-        pdl::arg(&mut q),
-        pdl::arg(&mut k),
-        pdl::arg(&mut v),
-        pdl::arg(&mut out),
-        pdl::arg(&mut lse),
-        pdl::arg(&mut args),
-    ];
-    let shape = ((blocks as u32, 1, 1), 128, plan.shared_bytes as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: plan.shared_bytes as u32,
+    };
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&q)
+        .arg(&k)
+        .arg(&v)
+        .arg(&out)
+        .arg(&lse)
+        .arg(&args);
     // Safety: the kernel's parameters in order (five device pointers, then the by-value
-    // argument struct), each a live local; the addresses are the caller's, alive in `stream`
-    // order; the short-sequence kernel waits for the launch before it first thing.
-    unsafe { pdl::launch(stream, f, shape, &mut params, dependent) }?;
+    // argument struct); the addresses are the caller's, alive in `stream` order.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
