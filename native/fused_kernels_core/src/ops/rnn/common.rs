@@ -11,7 +11,7 @@ use crate::kernels::{RNN_BATCHED, RNN_MMA};
 use crate::operand::{Operand, Staged};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -230,12 +230,9 @@ pub(super) fn dim(d: usize) -> Result<i32> {
     i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
 }
 
-/// Shared memory a block of this device may opt in to.
+/// Shared memory a block of this device may opt in to (as the GPU it routes as allows).
 pub(super) fn smem_limit(gpu: &Gpu) -> Result<usize> {
-    Ok(gpu
-        .ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-        as usize)
+    gpu.smem_per_block()
 }
 
 pub(super) fn stage<'a>(ts: &[Operand<'a>], name: &str, gpu: &Arc<Gpu>) -> Result<Vec<Staged<'a>>> {

@@ -126,6 +126,7 @@ fn cluster_group_at(
         });
     split
         .or_else(|| ctas.and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem)))
+        .or_else(|| ctas.and_then(|c| cluster::group_regs(cell, g.dtype, &g.hidden, l, c, smem)))
         .filter(|grp| tuning.path == Some(Path::Cluster) || cluster::default_takes(grp))
 }
 
