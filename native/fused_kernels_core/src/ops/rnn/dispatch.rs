@@ -124,9 +124,15 @@ fn cluster_group_at(
             tuning.split == Some(true)
                 || cluster::split_fits(gpu, cell, g.dtype, grp).unwrap_or(false)
         });
-    split
+    let regs = || {
+        ctas.filter(|_| tuning.cluster_regs != Some(false))
+            .and_then(|c| cluster::group_regs(cell, g.dtype, &g.hidden, l, c, smem))
+    };
+    let forced_regs = regs().filter(|_| tuning.cluster_regs == Some(true));
+    forced_regs
+        .or(split)
         .or_else(|| ctas.and_then(|c| cluster::group(cell, g.dtype, &g.hidden, l, c, smem)))
-        .or_else(|| ctas.and_then(|c| cluster::group_regs(cell, g.dtype, &g.hidden, l, c, smem)))
+        .or_else(regs)
         .filter(|grp| tuning.path == Some(Path::Cluster) || cluster::default_takes(grp))
 }
 
