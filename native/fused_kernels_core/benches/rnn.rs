@@ -342,7 +342,10 @@ fn cluster_regs(out: &mut JsonOut) {
                     ));
                 }
             }
-            for (p, label) in [(Path::Resident, "resident"), (Path::Persistent, "persistent")] {
+            for (p, label) in [
+                (Path::Resident, "resident"),
+                (Path::Persistent, "persistent"),
+            ] {
                 let tuning = Tuning {
                     path: Some(p),
                     ..Tuning::default()

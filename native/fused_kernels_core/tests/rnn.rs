@@ -550,10 +550,21 @@ fn cuda_cluster_regs_matches_f64_reference_with_poisoned_output() {
                 cluster_ctas: ctas,
                 ..Tuning::default()
             };
-            let (a, err) = check_with(Backend::Cuda(None), c, 700 + i as u64, &tuning, Precision::F32);
+            let (a, err) = check_with(
+                Backend::Cuda(None),
+                c,
+                700 + i as u64,
+                &tuning,
+                Precision::F32,
+            );
             for _ in 0..2 {
-                let (b, _) =
-                    check_with(Backend::Cuda(None), c, 700 + i as u64, &tuning, Precision::F32);
+                let (b, _) = check_with(
+                    Backend::Cuda(None),
+                    c,
+                    700 + i as u64,
+                    &tuning,
+                    Precision::F32,
+                );
                 assert_eq!(a, b, "result moved between runs: a race");
             }
             println!(

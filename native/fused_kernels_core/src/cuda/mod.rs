@@ -170,8 +170,8 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
                 g
             }
         };
-        let routed = cache::routed_cap(native.device_capability, cap)
-            .unwrap_or(native.device_capability);
+        let routed =
+            cache::routed_cap(native.device_capability, cap).unwrap_or(native.device_capability);
         let view = Arc::new(Gpu {
             ordinal,
             name: native.name.clone(),
@@ -292,7 +292,10 @@ impl Gpu {
             .ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
             .max(0) as usize;
-        Ok(self.route_limits().smem_per_block.map_or(own, |l| own.min(l)))
+        Ok(self
+            .route_limits()
+            .smem_per_block
+            .map_or(own, |l| own.min(l)))
     }
 
     /// Shared memory of one multiprocessor (as the routed GPU has).

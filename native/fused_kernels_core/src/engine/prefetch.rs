@@ -46,7 +46,10 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
                 // An RTX 50's 99 KB per block: H256 layers keep part of their weights in
                 // registers (cluster::group_regs).
                 if cap.0 == 12 {
-                    out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_regs", &[&cell, &f32]));
+                    out.add(
+                        &RNN_CLUSTER,
+                        kernel_name("rnn_cluster_regs", &[&cell, &f32]),
+                    );
                 }
             }
         }
