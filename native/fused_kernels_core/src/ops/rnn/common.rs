@@ -139,8 +139,8 @@ pub struct Tuning {
     /// Cluster size of the cluster path (8 or 16) where the device allows it.
     pub cluster_ctas: Option<usize>,
     /// One-layer groups with part of the recurrent weights in registers (`cluster::group_regs`)
-    /// wherever they apply (`Some(true)`), never (`Some(false)`); `None`: where a layer does not
-    /// fit shared memory otherwise.
+    /// wherever they apply (`Some(true)`), never (`Some(false)`); `None`: where a group would
+    /// hold that one layer anyway, or the layer does not fit shared memory otherwise.
     pub cluster_regs: Option<bool>,
     /// Split groups (a cluster per layer, `Some(true)`) or one-cluster wavefronts
     /// (`Some(false)`); `None`: split wherever the device runs the clusters together.
