@@ -508,6 +508,11 @@ fn cuda_cluster_regs_matches_f64_reference_with_poisoned_output() {
         "routes as {:?} on {:?}: {} B of shared memory per block",
         gpu.compute_capability, gpu.device_capability, smem
     );
+    use fused_kernels_core::ops::routes;
+    println!("features: {:?}", routes::features(&gpu));
+    for (op, path) in routes::paths(&gpu) {
+        println!("path {op}: {path}");
+    }
     for (cell, seq, hidden) in [
         (Cell::Gru, 60, vec![256, 256]),
         (Cell::Lstm, 60, vec![256, 256]),
