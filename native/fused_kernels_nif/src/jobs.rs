@@ -242,7 +242,10 @@ macro_rules! op_nifs {
         #[rustler::nif(schedule = "DirtyCpu")]
         #[allow(clippy::too_many_arguments)]
         fn $name<'a>(env: rustler::Env<'a>, $($arg: rustler::Term<'a>),*) -> rustler::Term<'a> {
-            $imp(env, $($arg),*)
+            let reply = $imp(env, $($arg),*);
+            // As after a job: the CPU pool's idle workers give their cores back.
+            fused_kernels_core::cpu::pool::rest();
+            reply
         }
 
         #[rustler::nif]
