@@ -246,13 +246,11 @@ const KEY_BLOCK: usize = 64;
 const ROW_BLOCK: usize = 16;
 const _: () = assert!(ROW_BLOCK == 16);
 /// Below this many multiply-adds a call runs on the calling thread. B1 H4 S60 D64 causal
-/// (~1M) splits: since the pool's idle workers park when a call ends (`pool::rest`), the op
-/// alone from the BEAM at 2 threads reads the same split or not (waking the worker costs
-/// what the second thread saves), and inside a CPU engine window, whose products have just
-/// woken the worker, the attention backbone's window is 5% faster (0.767 -> 0.724 ms,
-/// interleaved, 2-core EPYC). Before that change the split lost from the BEAM to the workers'
-/// spinning.
-const PARALLEL_MACS: usize = 1 << 19;
+/// (~1M) measured faster unsplit from the BEAM at 2 threads, with the row-pair kernel (0.100
+/// against 0.122 ms) and again with the block kernel on a busy 2-core machine (median 0.083
+/// against 0.094 ms); split it wins only in a bare Rust loop, where the pool's threads are
+/// already awake.
+const PARALLEL_MACS: usize = 1 << 21;
 
 /// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
 trait Float:
