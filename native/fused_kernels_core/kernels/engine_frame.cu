@@ -75,10 +75,7 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 // a Mamba in_proj's conv, {conv_k, inner} (tap j multiplies step t - (conv_k-1) + j), with
 // conv_b {inner} and conv_state {rows, conv_k-1, inner} (the conv inputs of the frames before;
 // read only, engine_mamba_scan_f32 moves it on): columns j < inner (the x half, n = 2·inner)
-// also give xc[row, j] = SiLU(conv). fg (nullptr: none): the rows out (all n columns) are
-// LayerNormed with fg/fb into fout {rows, n} as well, by the last column block of each row block
-// to finish (done {row blocks}: zero before the launch, zero again after it), so a norm that
-// ends a chain is no launch of its own. Grid (column blocks, row blocks of FK_EG_MAXB rows).
+// also give xc[row, j] = SiLU(conv). Grid (column blocks, row blocks of FK_EG_MAXB rows).
 // Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
 extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
@@ -87,9 +84,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
                     const float* __restrict__ rg, const float* __restrict__ rb,
                     float* __restrict__ out, int rows, int k, int n, float eps, int act,
                     const float* __restrict__ conv_w, const float* __restrict__ conv_b,
-                    const float* __restrict__ conv_state, float* __restrict__ xc, int conv_k,
-                    const float* __restrict__ fg, const float* __restrict__ fb,
-                    float* __restrict__ fout, unsigned* __restrict__ done) {
+                    const float* __restrict__ conv_state, float* __restrict__ xc, int conv_k) {
   if constexpr (FK_WANT(engine_gemv_f32)) {
     // This block's rows.
     const long long row0 = (long long)blockIdx.y * FK_EG_MAXB;
@@ -190,44 +185,6 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
           xc[(long long)b * inner + j] = acc / (1.0f + expf(-acc));
         }
       }
-    }
-    if (fg) {
-      // The last block of this row block to finish LayerNorms the rows (all n columns,
-      // written by every column block) into fout, and re-arms the counter for the next launch.
-      __shared__ bool last;
-      if (epi) __threadfence();
-      __syncthreads();
-      if (tid == 0) last = atomicAdd(done + blockIdx.y, 1u) == gridDim.x - 1;
-      __syncthreads();
-      if (!last) return;
-      __threadfence();
-      // The rows in one round of loads, through L2 (__ldcg: the other blocks' columns never
-      // passed this SM's L1), staged in `red` where they fit.
-      float* rows = &red[0][0][0];
-      const bool staged = batch * n <= (int)(sizeof(red) / sizeof(float));
-      if (staged) {
-        for (int i = tid; i < batch * n; i += FK_EG_THREADS) rows[i] = __ldcg(out + i);
-        __syncthreads();
-      }
-      const float rn = fk_rcp_normal((float)n);
-      for (int b = warp; b < batch; b += FK_EG_WARPS) {
-        const float* row = out + (long long)b * n;
-        const float* srow = rows + b * n;
-        float s = 0.0f;
-        for (int j = lane; j < n; j += 32) s += staged ? srow[j] : __ldcg(row + j);
-        const float mean = fk_warp_sum(s) * rn;
-        float q = 0.0f;
-        for (int j = lane; j < n; j += 32) {
-          const float v = (staged ? srow[j] : __ldcg(row + j)) - mean;
-          q += v * v;
-        }
-        const float inv = rsqrtf(fk_warp_sum(q) * rn + eps);
-        for (int j = lane; j < n; j += 32) {
-          const float v = staged ? srow[j] : __ldcg(row + j);
-          fout[(long long)(row0 + b) * n + j] = (v - mean) * inv * fg[j] + fb[j];
-        }
-      }
-      if (tid == 0) done[blockIdx.y] = 0;
     }
   }
 }

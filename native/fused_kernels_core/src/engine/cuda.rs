@@ -190,10 +190,6 @@ pub struct CudaEngine {
     /// Attention/Jamba: the frame kernels (None for the other backbones, or where they could
     /// not be built: frames then run the layer ops).
     frame: Option<FrameFns>,
-    /// Attention on the frame kernels: the counter of the GEMV that also applies the final
-    /// LayerNorm to a frame of at most `FRAME_MAX_BATCH` rows (`FinalNorm`), zero between
-    /// launches.
-    norm_done: Option<DeviceTensor>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
@@ -483,7 +479,7 @@ struct FrameFns {
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
 const GEMV_COLS: usize = 16;
-const GEMV_STATIC_SMEM: usize = 16464;
+const GEMV_STATIC_SMEM: usize = 16448;
 const ATTN_THREADS: u32 = 256;
 /// The most rows (batch × window) a window runs on the GEMV kernels. Measured on the H100
 /// (engine_device, ExPhil's attention backbone, with the window attention of the time, one
@@ -491,18 +487,6 @@ const ATTN_THREADS: u32 = 256;
 /// ops, a batch-8 window 307 against 209 (the GEMV re-reads its weights per 8 rows); Jamba 314
 /// against 321 and 572 against 479.
 const GEMV_WINDOW_ROWS: usize = 64;
-
-const FOLD_NORM: bool = true;
-
-/// A LayerNorm applied by a GEMV to its own output rows (`engine_gemv_f32`'s fg/fb/fout/done):
-/// gamma, beta, the normalised rows' address and the row blocks' counters.
-#[derive(Clone, Copy)]
-struct FinalNorm {
-    g: u64,
-    b: u64,
-    out: u64,
-    done: u64,
-}
 
 /// A Mamba block's conv run by its in_proj GEMV (`engine_gemv_f32`'s conv_*): the conv's
 /// kernel and bias, the conv state, the output xc (device addresses) and the taps.
@@ -753,10 +737,6 @@ impl CudaEngine {
         // Best effort: without a workspace of its own cuBLAS uses its default one, and a GEMM
         // that cannot be captured then only leaves its shape eager.
         let blas_ws = blas_workspace(&gpu).ok().flatten();
-        let norm_done = match (&frame, spec.kind) {
-            (Some(_), Kind::Attention) => Some(zeros(&gpu, vec![1])?),
-            _ => None,
-        };
         let engine = CudaEngine {
             qk_gamma: upload(&gpu, "qk gamma", vec![d], &vec![1.0; d])?,
             qk_beta: upload(&gpu, "qk beta", vec![d], &vec![0.0; d])?,
@@ -765,7 +745,6 @@ impl CudaEngine {
             weights,
             shift_append,
             rnn_frame,
-            norm_done,
             frame,
             shapes: Mutex::new(Vec::new()),
             blas_workspace: blas_ws,
@@ -1449,12 +1428,12 @@ impl CudaEngine {
         res: Option<Rows>,
         eps: f32,
     ) -> Result<DeviceTensor> {
-        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, (None, None, None))
+        self.gemv_to(ff, (b, t), x, k, name, n, act, res, eps, (None, None))
     }
 
     /// `gemv` writing to `dst` (a device address of `{b, t, n}` values: the mapped output
-    /// staging of a frame) instead of an arena buffer, with `conv` a Mamba in_proj's conv
-    /// run on its x half as well, and with `fin` its rows LayerNormed into `fin.out` too.
+    /// staging of a frame) instead of an arena buffer, and with `conv` a Mamba in_proj's conv
+    /// run on its x half as well.
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
@@ -1467,7 +1446,7 @@ impl CudaEngine {
         act: dense::Activation,
         res: Option<Rows>,
         eps: f32,
-        (dst, conv, fin): (Option<u64>, Option<Conv>, Option<FinalNorm>),
+        (dst, conv): (Option<u64>, Option<Conv>),
     ) -> Result<DeviceTensor> {
         let rows = b * t;
         let out = self.out_or_buf(dst, vec![b, t, n])?;
@@ -1483,8 +1462,6 @@ impl CudaEngine {
         let (mut eps, mut code) = (eps, act.code());
         let c = conv.unwrap_or_default();
         let (mut cw, mut cb, mut cs, mut cx, mut ck) = (c.w, c.b, c.state, c.xc, c.k);
-        let (mut fg, mut fb, mut fo, mut fd) =
-            fin.map_or((0, 0, 0, 0), |f| (f.g, f.b, f.out, f.done));
         let mut params = [
             arg(&mut xp),
             arg(&mut xg),
@@ -1505,10 +1482,6 @@ impl CudaEngine {
             arg(&mut cs),
             arg(&mut cx),
             arg(&mut ck),
-            arg(&mut fg),
-            arg(&mut fb),
-            arg(&mut fo),
-            arg(&mut fd),
         ];
         let grid = (
             n.div_ceil(GEMV_COLS) as u32,
@@ -1657,7 +1630,7 @@ impl CudaEngine {
             none,
             None,
             eps,
-            (None, Some(conv), None),
+            (None, Some(conv)),
         )?;
         let raw = Rows {
             ptr: ptr(&xc),
@@ -1731,7 +1704,7 @@ impl CudaEngine {
             none,
             Some(res),
             eps,
-            (dst, None, None),
+            (dst, None),
         )
     }
 
@@ -1803,40 +1776,7 @@ impl CudaEngine {
                     eps,
                 )?;
                 let down = format!("ffn_{l}_down");
-                let fin = match (&self.norm_done, l == s.layers) {
-                    // One row block (a frame): there the launch saved counts (a window's
-                    // last GEMV measured as slow with the norm as with its own launch).
-                    (Some(done), true) if FOLD_NORM && b * t <= FRAME_MAX_BATCH => {
-                        let (g, beta) = norm(&format!("ffn_{l}_norm"))?.unwrap_or((0, 0));
-                        let out = self.out_or_buf(dst, vec![b, t, hid])?;
-                        Some((
-                            FinalNorm {
-                                g,
-                                b: beta,
-                                out: ptr(&out),
-                                done: ptr(done),
-                            },
-                            out,
-                        ))
-                    }
-                    _ => None,
-                };
-                y = self.gemv_to(
-                    ff,
-                    bt,
-                    raw(&f),
-                    s.ffn,
-                    &down,
-                    hid,
-                    none,
-                    Some(x1n),
-                    eps,
-                    (None, None, fin.as_ref().map(|f| f.0)),
-                )?;
-                if let Some((_, out)) = fin {
-                    // The last GEMV applied the final norm.
-                    return Ok(out);
-                }
+                y = self.gemv(ff, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
                 y_norm = Some(format!("ffn_{l}_norm"));
             } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
                 let p = |n: &str| format!("jamba_{l}_{n}");
@@ -1859,7 +1799,7 @@ impl CudaEngine {
                     none,
                     Some(raw(&y)),
                     eps,
-                    (last(l), None, None),
+                    (last(l), None),
                 )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
