@@ -1,10 +1,10 @@
 //! Programmatic dependent launch (sm_90+): a kernel launched with programmatic stream
 //! serialization may start while the launch before it on the stream still runs (a stream
-//! capture records a programmatic edge), so its blocks can load what does not depend on that
-//! launch (weights) meanwhile. Such a kernel must execute `griddepcontrol.wait` before it
-//! reads anything an earlier launch wrote or writes anything one reads; below sm_90 (and in a
-//! build capped below it, `Gpu::route_cap`) the kernels compile without it, so the attribute
-//! is only set where `supported` says so.
+//! capture records a programmatic edge), so its blocks are resident, and can read what does
+//! not depend on that launch, by the time it ends. Such a kernel must execute
+//! `griddepcontrol.wait` before it reads anything an earlier launch wrote or writes anything
+//! one reads; below sm_90 (and in a build capped below it, `Gpu::route_cap`) the kernels
+//! compile without it, so the attribute is only set where `supported` says so.
 
 use super::Gpu;
 use crate::error::Result;
