@@ -291,6 +291,8 @@ def setup(lib_path, platform):
     lib.fused_kernels_xla_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.fused_kernels_xla_workspace_words.restype = ctypes.c_int64
     lib.fused_kernels_xla_workspace_words.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
+    lib.fused_kernels_xla_initializes.restype = ctypes.c_int
+    lib.fused_kernels_xla_initializes.argtypes = [ctypes.c_char_p]
     on_load = lib.fused_kernels_xla_registered_on_load()
     how = {}
     for name in TARGETS:
@@ -305,12 +307,17 @@ def setup(lib_path, platform):
                 extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
             except Exception:
                 extra = {}
+        # The initialize stage only where the library serves it: XLA calls that stage before
+        # every run of an executable (command-buffer replays included), once per custom call.
+        init = lib.fused_kernels_xla_initializes(name.encode()) == 1
+        stages = {"initialize": cap, "execute": cap} if init else cap
         try:
             try:
-                jax.ffi.register_ffi_target(name, {"initialize": cap, "execute": cap}, platform=platform, **extra)
+                jax.ffi.register_ffi_target(name, stages, platform=platform, **extra)
             except TypeError:
-                jax.ffi.register_ffi_target(name, {"initialize": cap, "execute": cap}, platform=platform)
-            how[name] = "initialize+execute" + (" (traits: command buffer compatible)" if extra else "")
+                jax.ffi.register_ffi_target(name, stages, platform=platform)
+            how[name] = ("initialize+execute" if init else "execute") + (
+                " (traits: command buffer compatible)" if extra else "")
         except Exception as e:  # a JAX that takes one capsule only
             try:
                 jax.ffi.register_ffi_target(name, cap, platform=platform)

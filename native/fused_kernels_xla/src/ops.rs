@@ -103,7 +103,7 @@ pub const FLASH_ATTENTION: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: flash_attention_validate,
     execute: flash_attention_execute,
-    preload: Some(|gpu, d| attention_launch(gpu, d).map(|_| ())),
+    preload: None,
 };
 
 pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
@@ -173,8 +173,8 @@ fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
     launch.run(&c.gpu.stream, &f, addrs)
 }
 
-/// The call's loaded kernel function and prepared launch (made once per device and key; the
-/// initialize stage calls this too, so that the execute stage never loads a module).
+/// The call's loaded kernel function and prepared launch (made once per device and key, at the
+/// first execute of the shape, which XLA runs directly before it records a command buffer).
 fn attention_launch(
     gpu: &Arc<Gpu>,
     d: &Decoded,
