@@ -21,12 +21,14 @@ handler with `jax.ffi.register_ffi_target` (initialize + execute stages) and cal
           (one CUDA graph), and 20 GRU/LSTM calls, time per call, ours vs JAX;
   loopgraph  the 1,000-call loops in a child whose command buffers also take loops (WHILE,
           CONDITIONAL): each loop captured once, then replayed with no handler call, i.e. on
-          the device alone;
+          the device alone; and attention's fori_loop of 200 there, ours vs JAX;
   time    ours vs the same computation in JAX (jax.nn.dot_product_attention, lax.scan GRU and
           LSTM with the same weights, lax.scan selective scan) at GRU 2x256 window 60 batch 1,
-          attention B1 H4 S60 D64 causal, scan B32 D512 L60 N16: median of per-call wall time
-          (dispatch included), in-graph time per call (fori_loop of 200; for attention also
-          200 calls written out in one executable), and the handlers' host time per call.
+          attention B1 H4 S60 D64 causal, scan B32 D512 L60 N16: per-call wall time (dispatch
+          included), in-graph time per call (fori_loop of 200; for attention also 200 calls
+          written out in one executable), and the handlers' host time per call. Ours and
+          JAX's are timed call by call in alternation over 5 rounds: the median of the round
+          medians, their min..max, and the ratio's (`--cases` picks the cases).
 
 Build here:  bash bench/gpu/xla_ffi_build.sh       (-> .gpu/xla/libfused_kernels_xla.so)
 Run there:   python3 bench/gpu/xla_ffi.py --out $OUT        (carry [".gpu/xla"])
@@ -1178,6 +1180,34 @@ def bench_chain(jax, results):
     return 0
 
 
+def bench_loop_graph(jax, results):
+    """Attention B1 H4 S60 D64 causal f32 in a jitted fori_loop of 200 (run in the loopgraph
+    child, whose command buffers take the whole loop: one CUDA graph with a conditional node),
+    per call: ours vs jax.nn.dot_product_attention."""
+    if "attention" not in CASES:
+        return 0
+    jnp, lax = jax.numpy, jax.lax
+    rng = np.random.default_rng(11)
+    b, s, h, d = 1, 60, 4, 64
+    q, k, v = (jnp.asarray(rng.uniform(-2, 2, (b, s, h, d)), jnp.float32) for _ in range(3))
+    fa = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                          [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
+    n = 200
+
+    def loop(fn):
+        return jax.jit(lambda q, k, v: lax.fori_loop(0, n, lambda _, x: fn(x, k, v), q))
+
+    ours = loop(lambda q, k, v: fa(q, k, v, causal=True)[0])
+    theirs = loop(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    agree = rel_l2(np.asarray(ours(q, k, v)), np.asarray(theirs(q, k, v)))
+    t = timed_pair(ours, [q, k, v], theirs, [q, k, v], reps=10, rounds=5, per=n)
+    row = {"case": "attention B1 H4 S60 D64 causal f32, fori_loop of 200 as one command buffer, per call",
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree}
+    results.append({"time": row})
+    print(f"time {row['case']}: {pair_text(t)} (outputs agree to {agree:.1e})", flush=True)
+    return 0
+
+
 LOOP_GRAPH_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
 
@@ -1186,7 +1216,7 @@ def loop_graph_child(args):
     """The 1,000-call loops again in a child whose command buffers take whole loops (WHILE,
     CONDITIONAL): each loop must be captured and then replayed with no handler call."""
     cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform, "--cases", args.cases,
-           "--part", "loop", "--json", os.path.join(args.out, "xla_ffi_loopgraph.json")]
+           "--part", "loop,looptime", "--json", os.path.join(args.out, "xla_ffi_loopgraph.json")]
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" {LOOP_GRAPH_FLAGS}").strip()
     print(f"== loops under command buffers: XLA_FLAGS='{env['XLA_FLAGS']}'", flush=True)
@@ -1237,7 +1267,8 @@ def main():
     results = []
     fails = 0
     for part, fn in [("check", check_all), ("errors", check_errors), ("loop", loop_check),
-                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain)]:
+                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain),
+                     ("looptime", bench_loop_graph)]:
         if part not in parts:
             continue
         try:
