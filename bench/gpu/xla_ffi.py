@@ -293,8 +293,11 @@ def setup(lib_path, platform):
     lib.fused_kernels_xla_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.fused_kernels_xla_workspace_words.restype = ctypes.c_int64
     lib.fused_kernels_xla_workspace_words.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
-    lib.fused_kernels_xla_initializes.restype = ctypes.c_int
-    lib.fused_kernels_xla_initializes.argtypes = [ctypes.c_char_p]
+    # Older libraries (before fused_kernels_xla_initializes) served both stages for every target.
+    initializes = getattr(lib, "fused_kernels_xla_initializes", None)
+    if initializes is not None:
+        initializes.restype = ctypes.c_int
+        initializes.argtypes = [ctypes.c_char_p]
     on_load = lib.fused_kernels_xla_registered_on_load()
     how = {}
     for name in TARGETS:
@@ -311,7 +314,7 @@ def setup(lib_path, platform):
                 extra = {}
         # The initialize stage only where the library serves it: XLA calls that stage before
         # every run of an executable (command-buffer replays included), once per custom call.
-        init = lib.fused_kernels_xla_initializes(name.encode()) == 1
+        init = initializes is None or initializes(name.encode()) == 1
         stages = {"initialize": cap, "execute": cap} if init else cap
         try:
             try:
@@ -456,6 +459,29 @@ def check_all(jax, results):
         record(name + " out", rel_l2(np.asarray(out, np.float64), ro), TOL[dt])
         fin = np.isfinite(rl)
         record(name + " lse", rel_l2(np.asarray(lse, np.float64)[fin], rl[fin]), 1e-5 if dt == "float32" else 1e-3)
+
+    # Out aliasing q (`input_output_aliases={0: 0}`): the kernel reads q from the buffer it
+    # writes (each block reads its own query rows before it writes them). The short kernel, the
+    # FFMA kernel (plain, GQA with sk != sq, a window) and the tensor-core kernel.
+    for i in (0, 3, 4, 5, 6):
+        b, sq, h, kvh, sk, d, causal, dt, window = cases[i]
+        q = rounded(f64s(b, sq, h, d), dt)
+        k = rounded(f64s(b, sk, kvh, d), dt)
+        v = rounded(f64s(b, sk, kvh, d), dt)
+        ro, _ = ref_attention(q, k, v, causal, window=window)
+        name = f"attention b{b} sq{sq} h{h}/{kvh} sk{sk} d{d} causal={causal} window={window} {dt} out aliasing q"
+        call = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                [jax.ShapeDtypeStruct((b, sq, h, d), dt), jax.ShapeDtypeStruct((b, h, sq), "float32")],
+                                input_output_aliases={0: 0})
+        attrs = {"causal": causal, "layout": "bshd", "window_left": window[0], "window_right": window[1]}
+        try:
+            out = jax.jit(lambda q, k, v: call(q, k, v, **attrs)[0])(
+                as_dev(jnp, q, dt), as_dev(jnp, k, dt), as_dev(jnp, v, dt))
+            err = rel_l2(np.asarray(out, np.float64), ro)
+        except Exception as e:
+            print(f"ERROR {name}: {str(e).splitlines()[0][:300]}", flush=True)
+            err = float("inf")
+        record(name, err, TOL[dt])
 
     # GRU / LSTM: the production GRU (2x256, window 60, batch 1, input 288), hidden 200/512,
     # seq 1 and 61, batch 3, given initial state.
@@ -1059,6 +1085,14 @@ def bench(jax, results):
               f"{host['execute_us_max']:.1f} us", flush=True)
         add("attention B1 H4 S60 D64 causal f32, in-graph fori_loop (x200)", loop_of(ours), [q, k, v], loop_of(theirs),
             [q, k, v], reps=20)
+        # The same loop with out declared to alias q: XLA then writes each result into the
+        # loop-carried buffer instead of copying it there.
+        fa_alias = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                    [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32),
+                                     jax.ShapeDtypeStruct((b, h, s), jnp.float32)], input_output_aliases={0: 0})
+        ours_alias = lambda q, k, v: fa_alias(q, k, v, causal=True)[0]  # noqa: E731
+        add("attention B1 H4 S60 D64 causal f32, in-graph fori_loop, out aliasing q (x200)", loop_of(ours_alias),
+            [q, k, v], loop_of(theirs), [q, k, v], reps=20)
         add("attention B1 H4 S60 D64 causal f32, in-graph unrolled chain (x200)", chain_of(ours), [q, k, v],
             chain_of(theirs), [q, k, v], reps=20)
 
@@ -1197,14 +1231,18 @@ def bench_loop_graph(jax, results):
     def loop(fn):
         return jax.jit(lambda q, k, v: lax.fori_loop(0, n, lambda _, x: fn(x, k, v), q))
 
-    ours = loop(lambda q, k, v: fa(q, k, v, causal=True)[0])
+    fa_alias = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((b, h, s), jnp.float32)], input_output_aliases={0: 0})
     theirs = loop(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    agree = rel_l2(np.asarray(ours(q, k, v)), np.asarray(theirs(q, k, v)))
-    t = timed_pair(ours, [q, k, v], theirs, [q, k, v], reps=10, rounds=5, per=n)
-    row = {"case": "attention B1 H4 S60 D64 causal f32, fori_loop of 200 as one command buffer, per call",
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree}
-    results.append({"time": row})
-    print(f"time {row['case']}: {pair_text(t)} (outputs agree to {agree:.1e})", flush=True)
+    for label, ours in [("", loop(lambda q, k, v: fa(q, k, v, causal=True)[0])),
+                        (", out aliasing q", loop(lambda q, k, v: fa_alias(q, k, v, causal=True)[0]))]:
+        agree = rel_l2(np.asarray(ours(q, k, v)), np.asarray(theirs(q, k, v)))
+        t = timed_pair(ours, [q, k, v], theirs, [q, k, v], reps=10, rounds=5, per=n)
+        row = {"case": f"attention B1 H4 S60 D64 causal f32, fori_loop of 200 as one command buffer{label}, per call",
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree}
+        results.append({"time": row})
+        print(f"time {row['case']}: {pair_text(t)} (outputs agree to {agree:.1e})", flush=True)
     return 0
 
 

@@ -95,7 +95,10 @@ impl<'t> Named<'t> {
 // Attention
 
 /// `fused_kernels_flash_attention`: q, k, v -> out, lse (lse `{batch, heads, seq_q}` f32;
-/// callers that do not want it drop it: it is XLA-owned memory either way).
+/// callers that do not want it drop it: it is XLA-owned memory either way). out may alias q
+/// (XLA's output-operand aliasing, e.g. JAX's `input_output_aliases={0: 0}`): every kernel's
+/// block reads its own query rows, and only those, before it writes their output; in a loop
+/// that lets XLA write the result into the loop-carried buffer instead of copying it there.
 /// Attributes: `layout` ("bshd" | "bhsd"), `scale` (absent or <= 0: head_dim^-0.5),
 /// `causal`, `window_left`, `window_right` (-1 unbounded).
 pub const FLASH_ATTENTION: OpSpec = OpSpec {
