@@ -12,7 +12,7 @@
 #                aliasing q.
 set -eu
 LIB=$(realpath "$1")
-OUT=${2:-out}
+OUT=$(realpath -m "${2:-out}")
 mkdir -p "$OUT"
 cd "$(dirname "$0")"
 K=../../../native/fused_kernels_core/kernels
