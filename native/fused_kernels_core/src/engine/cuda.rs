@@ -38,6 +38,7 @@ use crate::kernels::{ENGINE_FRAME, ENGINE_RNN, STREAM_STATE};
 use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
+use super::persist::{FrameArgs, Persist};
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
@@ -336,6 +337,10 @@ struct RnnFrame {
     /// The dynamic shared memory a launch may use: opted in at load up to what batch
     /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
     smem_limit: usize,
+    /// The persistent frame kernel (`engine_rnn_persist_f32`) and its mailbox, with the
+    /// dynamic shared memory its launches may use; None where it cannot be built or mapped.
+    persist: Option<(Mutex<Persist>, usize)>,
+    gates: usize,
 }
 
 /// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
@@ -442,6 +447,24 @@ impl RnnFrame {
             } else {
                 FRAME_SMEM
             };
+        let gates = if s.kind == Kind::Lstm { 4 } else { 3 };
+        let persist = match gpu.function(&ENGINE_RNN, "engine_rnn_persist_f32") {
+            Ok(pf) => {
+                // Opted in for batch FRAME_MAX_BATCH where the device allows it, else batch 1.
+                let limit = [FRAME_MAX_BATCH, 1]
+                    .into_iter()
+                    .map(|b| Self::persist_smem(b, widest, s.hidden, gates))
+                    .find(|&need| {
+                        need <= FRAME_SMEM
+                            || crate::cuda::smem::allow_dynamic_smem(&pf, need).is_ok()
+                    });
+                match limit {
+                    Some(limit) => Persist::new(gpu, pf, n)?.map(|p| (Mutex::new(p), limit)),
+                    None => None,
+                }
+            }
+            Err(_) => None,
+        };
         Ok(Some(RnnFrame {
             f,
             table: upload_words(gpu, "frame layers", &words)?,
@@ -452,7 +475,27 @@ impl RnnFrame {
             layers: n,
             widest,
             smem_limit,
+            persist,
+            gates,
         }))
+    }
+
+    /// Dynamic shared memory of a persistent launch at `batch`: the frame kernel's and a
+    /// block's weights (`{input + hidden, gates, FRAME_UNITS}`).
+    fn persist_smem(batch: usize, input: usize, hidden: usize, gates: usize) -> usize {
+        Self::smem(batch, input, hidden) + 4 * (input + hidden) * gates * FRAME_UNITS
+    }
+
+    /// Stops the persistent kernel if it runs (before anything else uses the engine's
+    /// stream).
+    fn stop_persist(&self) -> Result<()> {
+        match &self.persist {
+            Some((p, _)) => p
+                .lock()
+                .map_err(|_| Error::Cuda("engine lock poisoned".into()))?
+                .stop(),
+            None => Ok(()),
+        }
     }
 
     /// Dynamic shared memory of a launch at `batch` (kernels/engine_rnn.cu).
@@ -676,7 +719,7 @@ fn concat_frame_kernels(
 /// frame once (its first block publishes it to the others) and writes its output rows once.
 /// Not for the backbones that start with a GEMM, which would fetch its input over the bus
 /// once per output tile.
-fn mapped(p: &PinnedBytes) -> Option<u64> {
+pub(super) fn mapped(p: &PinnedBytes) -> Option<u64> {
     if p.is_empty() {
         return None;
     }
@@ -841,6 +884,34 @@ impl CudaEngine {
             *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
         }
         let t2 = prof.as_ref().map(|_| Instant::now());
+        if let Some(rf) = &self.rnn_frame {
+            // An LSTM/GRU frame runs on the persistent kernel where it can; anything else
+            // stops it first (it holds the engine's stream).
+            let taken = match (state.as_deref(), self.rnn_fused(key), sh.input_dev, sh.output_dev)
+            {
+                (Some(st), true, Some(x), Some(o)) => self.persist_frame(rf, x, o, st)?,
+                _ => {
+                    rf.stop_persist()?;
+                    false
+                }
+            };
+            if taken {
+                let t3 = Instant::now();
+                read(pinned_f32(&sh.output)?);
+                if let (Some(p), Some(t0), Some(t1), Some(t2)) = (prof, t0, t1, t2) {
+                    let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+                    p.last = CallTimes {
+                        lock_ns: ns(t0, t1),
+                        stage_ns: ns(t1, t2),
+                        launch_ns: 0,
+                        wait_ns: ns(t2, t3),
+                        read_ns: ns(t3, Instant::now()),
+                        device_ns: None,
+                    };
+                }
+                return Ok(());
+            }
+        }
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
             // Layer ops take the count of cached rows as a host argument: a graph holds
@@ -1336,6 +1407,64 @@ impl CudaEngine {
             }
         };
         Ok(reshaped(a, vec![b, t, s.hidden]))
+    }
+
+    /// An LSTM/GRU frame of `st.batch` rows (in the mapped staging `x`, out to the mapped
+    /// staging `out`) on the persistent kernel (engine/persist.rs); Ok(false) where it does not
+    /// take it (none built, switched off, too much shared memory for this batch, or more
+    /// blocks than the device holds at once): the caller runs `rnn_frame` in a graph.
+    fn persist_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<bool> {
+        let Some((p, limit)) = &rf.persist else {
+            return Ok(false);
+        };
+        let mut p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        let (b, h) = (st.batch, self.spec.hidden);
+        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
+        if smem > *limit {
+            p.stop()?;
+            return Ok(false);
+        }
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
+        let a = FrameArgs {
+            x,
+            in_gamma: rf.input_norm.0,
+            in_beta: rf.input_norm.1,
+            layers: ptr(&rf.table),
+            states: ptr(table),
+            scratch: ptr(&rf.scratch),
+            eps: self.spec.norm_eps as f32,
+            out,
+            nlayers: rf.layers as i32,
+            batch: b as i32,
+            hidden: h as i32,
+            lstm: (self.spec.kind == Kind::Lstm) as i32,
+            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
+            threads: FRAME_THREADS as u32,
+            smem: smem as u32,
+        };
+        p.frame(st.id, &a)
+    }
+
+    /// Whether LSTM/GRU frames may run on the persistent kernel (on by default); off, frames
+    /// replay the one-kernel graph (`rnn_frame`). Returns whether this engine has the
+    /// persistent kernel at all.
+    pub fn set_persistent_frames(&self, on: bool) -> Result<bool> {
+        let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
+            return Ok(false);
+        };
+        let mut p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        p.enabled = on;
+        if !on {
+            p.stop()?;
+        }
+        Ok(true)
     }
 
     /// An LSTM/GRU frame of `st.batch` rows read from `x` (a device address: the page-locked
@@ -1917,6 +2046,10 @@ impl CudaEngine {
         if batch == 0 {
             return Err(arg_error("batch must be a positive integer, got 0"));
         }
+        // Its zeroing is queued on the engine's stream, which a persistent kernel holds.
+        if let Some(rf) = &self.rnn_frame {
+            rf.stop_persist()?;
+        }
         let s = &self.spec;
         let layers = (1..=s.layers)
             .map(|l| {
@@ -1964,6 +2097,9 @@ impl CudaEngine {
     }
 
     pub fn reset(&self, state: &mut CudaState) -> Result<()> {
+        if let Some(rf) = &self.rnn_frame {
+            rf.stop_persist()?;
+        }
         for t in state.layers.iter_mut().flatten() {
             t.fill_bytes(0)?;
         }
