@@ -1467,6 +1467,17 @@ impl CudaEngine {
         Ok(true)
     }
 
+    /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
+    pub fn persistent_counts(&self) -> Result<(u64, u64)> {
+        let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
+            return Ok((0, 0));
+        };
+        let p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        Ok((p.frames, p.launches))
+    }
+
     /// An LSTM/GRU frame of `st.batch` rows read from `x` (a device address: the page-locked
     /// staging mapped into the device, or a device copy) in one `engine_rnn_frame_f32`
     /// launch: every layer, the state moved on in place, the last layer's normalised `{batch,

@@ -42,6 +42,13 @@ const QUERY_AFTER: Duration = Duration::from_micros(50);
 /// `groups` per frame in 32 bits.
 const MAX_RUN: u32 = 1 << 22;
 
+/// Blocks of persistent kernels running per device (index: ordinal), against a budget of
+/// all but one block per multiprocessor of what the device holds at once: a block per
+/// multiprocessor stays free for other work (a graph's frame kernel, other engines' windows),
+/// which would otherwise wait for a persistent kernel to go idle. An engine whose launch
+/// would exceed it runs its frames in a graph instead.
+static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+
 /// Mailbox words (u32): the frame number posted, stop, the frame number done.
 const POSTED: usize = 0;
 const STOP: usize = 1;
@@ -95,8 +102,13 @@ pub struct Persist {
     broken: Option<String>,
     /// Frame paths may be switched off (benches compare against the graph path).
     pub enabled: bool,
-    /// Blocks of one launch the device holds at once (occupancy × multiprocessors).
-    resident: u32,
+    /// Blocks of persistent launches the device may run at once (see `RUNNING_BLOCKS`).
+    budget: u32,
+    /// Blocks this engine holds of `RUNNING_BLOCKS` (0 when not running).
+    held: u32,
+    /// Frames run on the kernel and launches made (tests read them).
+    pub frames: u64,
+    pub launches: u64,
 }
 
 fn word<'a>(m: &'a PinnedBytes, i: usize) -> &'a AtomicU32 {
@@ -133,13 +145,46 @@ impl Persist {
             last: Instant::now(),
             broken: None,
             enabled: true,
-            resident: 0,
+            budget: 0,
+            held: 0,
+            frames: 0,
+            launches: 0,
         }))
     }
 
-    /// Whether a launch of `grid` blocks of `threads` with `smem` bytes fits on the device at
-    /// once (a cooperative launch of more is refused).
-    pub fn fits(&mut self, grid: u32, threads: u32, smem: u32) -> bool {
+    fn counter(&self) -> Option<&'static AtomicU32> {
+        RUNNING_BLOCKS.get(self.gpu.ordinal)
+    }
+
+    /// Takes `grid` blocks of the device's budget for persistent kernels (a launch of
+    /// `threads` with `smem` bytes); false when they do not fit beside the others running.
+    fn reserve(&mut self, grid: u32, threads: u32, smem: u32) -> bool {
+        let Some(c) = self.counter() else {
+            return false;
+        };
+        if self.gpu.bind().is_err() || !self.fits(threads, smem) {
+            return false;
+        }
+        let budget = self.budget;
+        let took = c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            (used + grid <= budget).then_some(used + grid)
+        });
+        if took.is_ok() {
+            self.held = grid;
+        }
+        took.is_ok()
+    }
+
+    fn release(&mut self) {
+        if let Some(c) = self.counter() {
+            c.fetch_sub(self.held, Ordering::AcqRel);
+        }
+        self.held = 0;
+    }
+
+    /// The device's budget for blocks of `threads` with `smem` bytes (`RUNNING_BLOCKS`);
+    /// false when none fits.
+    fn fits(&mut self, threads: u32, smem: u32) -> bool {
         let mut per_sm: i32 = 0;
         // Safety: a loaded function and a valid out pointer.
         let r = unsafe {
@@ -151,8 +196,8 @@ impl Persist {
             )
         };
         let sms = self.gpu.multiprocessors().unwrap_or(0);
-        self.resident = (per_sm.max(0) * sms.max(0)) as u32;
-        r == CUresult::CUDA_SUCCESS && grid <= self.resident
+        self.budget = ((per_sm - 1).max(0) * sms.max(0)) as u32;
+        r == CUresult::CUDA_SUCCESS && self.budget > 0
     }
 
     /// Stops a running kernel and waits for it (between frames: the state is the stream's).
@@ -163,6 +208,7 @@ impl Persist {
         word(&self.mbox, STOP).store(1, Ordering::Release);
         let r = self.gpu.synchronize();
         word(&self.mbox, STOP).store(0, Ordering::Release);
+        self.release();
         r
     }
 
@@ -225,6 +271,7 @@ impl Persist {
             return Err(Error::Cuda(format!("persistent frame: launch: {r:?}")));
         }
         self.base = self.seq;
+        self.launches += 1;
         Ok(())
     }
 
@@ -254,10 +301,13 @@ impl Persist {
             self.stop()?;
         }
         if self.running.is_none() {
-            if !self.fits(a.grid, a.threads, a.smem) {
+            if !self.reserve(a.grid, a.threads, a.smem) {
                 return Ok(false);
             }
-            self.launch(a)?;
+            if let Err(e) = self.launch(a) {
+                self.release();
+                return Err(e);
+            }
             self.running = Some(bound);
         }
         let k = self.seq.wrapping_add(1);
@@ -303,6 +353,7 @@ impl Persist {
         }
         self.seq = k;
         self.last = Instant::now();
+        self.frames += 1;
         Ok(true)
     }
 }
