@@ -42,11 +42,11 @@ const QUERY_AFTER: Duration = Duration::from_micros(50);
 /// `groups` per frame in 32 bits.
 const MAX_RUN: u32 = 1 << 22;
 
-/// Blocks of persistent kernels running per device (index: ordinal), against a budget of
-/// all but one block per multiprocessor of what the device holds at once: a block per
-/// multiprocessor stays free for other work (a graph's frame kernel, other engines' windows),
-/// which would otherwise wait for a persistent kernel to go idle. An engine whose launch
-/// would exceed it runs its frames in a graph instead.
+/// Blocks of persistent kernels running per device (index: ordinal), against a budget of one
+/// block per multiprocessor (where a multiprocessor holds at least two): the rest of every
+/// multiprocessor stays free for other work (other engines' graph frames and windows), which
+/// would otherwise wait for a persistent kernel to go idle. An engine whose launch would
+/// exceed it runs its frames in a graph instead.
 static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
 
 /// Mailbox words (u32): the frame number posted, stop, the frame number done.
@@ -196,7 +196,7 @@ impl Persist {
             )
         };
         let sms = self.gpu.multiprocessors().unwrap_or(0);
-        self.budget = ((per_sm - 1).max(0) * sms.max(0)) as u32;
+        self.budget = if per_sm >= 2 { sms.max(0) as u32 } else { 0 };
         r == CUresult::CUDA_SUCCESS && self.budget > 0
     }
 
