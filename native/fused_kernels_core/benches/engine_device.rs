@@ -78,7 +78,9 @@ fn main() {
     let warm: Option<usize> = cli.value("--warm");
     let profile_last: Option<usize> = cli.value("--profile-last");
     let threads: usize = cli.value("--threads").unwrap_or(1);
-    let path: String = cli.value("--frame-path").unwrap_or_else(|| "persist".into());
+    let path: String = cli
+        .value("--frame-path")
+        .unwrap_or_else(|| "persist".into());
     let persist = path != "graph";
     let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
     if threads > 1 {

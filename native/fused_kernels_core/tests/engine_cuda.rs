@@ -511,7 +511,10 @@ fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
                 None,
             )
             .unwrap();
-            assert!(graph.set_persistent_frames(false).unwrap(), "{kind:?}: no persistent kernel");
+            assert!(
+                graph.set_persistent_frames(false).unwrap(),
+                "{kind:?}: no persistent kernel"
+            );
             let x = Rng::new(91 + i as u64).vec_f32(7 * b * embed, 1.0, 0.0);
             let (mut sg, mut sp) = (graph.new_state(b).unwrap(), persist.new_state(b).unwrap());
             let (want, got) = (
@@ -519,19 +522,24 @@ fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
                 frames_out(&persist, &mut sp, &x, 40),
             );
             let tag = format!("{kind:?} h{hidden} e{embed} l{layers} b{b}");
-            assert_eq!(got, want, "{tag}: persistent frames differ from the graph's");
+            assert_eq!(
+                got, want,
+                "{tag}: persistent frames differ from the graph's"
+            );
             // Wider layers may need more blocks than the device keeps for persistent kernels
             // (then every frame is the graph's).
             if hidden <= 256 {
-                assert!(persist.persistent_counts().unwrap().0 > 0, "{tag}: never persistent");
+                assert!(
+                    persist.persistent_counts().unwrap().0 > 0,
+                    "{tag}: never persistent"
+                );
             }
             // Against the CPU engine's window over the same 7 frames.
             let mut window = vec![0.0f32; b * 7 * embed];
             for t in 0..7 {
                 for r in 0..b {
-                    window[(r * 7 + t) * embed..(r * 7 + t + 1) * embed].copy_from_slice(
-                        &x[(t * b + r) * embed..(t * b + r + 1) * embed],
-                    );
+                    window[(r * 7 + t) * embed..(r * 7 + t + 1) * embed]
+                        .copy_from_slice(&x[(t * b + r) * embed..(t * b + r + 1) * embed]);
                 }
             }
             let err = rel_l2(&got[6], &cpu_predict(&cpu, &window, b, 7));
@@ -580,9 +588,15 @@ fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
         };
         let want = script(&graph);
         let got = script(&persist);
-        assert_eq!(got, want, "{kind:?}: persistent stream differs from the graph's");
+        assert_eq!(
+            got, want,
+            "{kind:?}: persistent stream differs from the graph's"
+        );
         let (frames, launches) = persist.persistent_counts().unwrap();
-        assert!(frames > 0 && launches >= 5, "{kind:?}: {frames} frames, {launches} launches");
+        assert!(
+            frames > 0 && launches >= 5,
+            "{kind:?}: {frames} frames, {launches} launches"
+        );
         // Dropped right after a frame (running) and while idle.
         let e = CudaEngine::new(s.clone(), params(), None).unwrap();
         let mut st = e.new_state(1).unwrap();

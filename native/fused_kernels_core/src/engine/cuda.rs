@@ -29,6 +29,7 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
+use super::persist::{FrameArgs, Persist};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -38,7 +39,6 @@ use crate::kernels::{ENGINE_FRAME, ENGINE_RNN, STREAM_STATE};
 use crate::operand::Operand;
 use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan, stream_state};
 use crate::tensor::HostTensor;
-use super::persist::{FrameArgs, Persist};
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
@@ -887,8 +887,12 @@ impl CudaEngine {
         if let Some(rf) = &self.rnn_frame {
             // An LSTM/GRU frame runs on the persistent kernel where it can; anything else
             // stops it first (it holds the engine's stream).
-            let taken = match (state.as_deref(), self.rnn_fused(key), sh.input_dev, sh.output_dev)
-            {
+            let taken = match (
+                state.as_deref(),
+                self.rnn_fused(key),
+                sh.input_dev,
+                sh.output_dev,
+            ) {
                 (Some(st), true, Some(x), Some(o)) => self.persist_frame(rf, x, o, st)?,
                 _ => {
                     rf.stop_persist()?;

@@ -111,7 +111,7 @@ pub struct Persist {
     pub launches: u64,
 }
 
-fn word<'a>(m: &'a PinnedBytes, i: usize) -> &'a AtomicU32 {
+fn word(m: &PinnedBytes, i: usize) -> &AtomicU32 {
     let p = m.bytes().as_ptr() as *const AtomicU32;
     // Safety: the mailbox is page-locked memory of at least 16 aligned bytes, alive as long
     // as `m`; the device reads and writes it only with 32-bit accesses.
@@ -217,7 +217,12 @@ impl Persist {
         // Safety: the sync words of this value, on the engine's stream (ordered before the
         // launch that reads them).
         let r = unsafe {
-            sys::cuMemsetD32Async(ptr(&self.sync), 0, self.sync_words, self.gpu.stream.cu_stream())
+            sys::cuMemsetD32Async(
+                ptr(&self.sync),
+                0,
+                self.sync_words,
+                self.gpu.stream.cu_stream(),
+            )
         };
         if r != CUresult::CUDA_SUCCESS {
             return Err(Error::Cuda(format!("persistent frame: sync reset: {r:?}")));
@@ -341,7 +346,9 @@ impl Persist {
             if q != CUresult::CUDA_ERROR_NOT_READY {
                 self.running = None;
                 self.broken = Some(format!("the kernel failed: {q:?}"));
-                return Err(Error::Cuda(format!("persistent frame kernel failed: {q:?}")));
+                return Err(Error::Cuda(format!(
+                    "persistent frame kernel failed: {q:?}"
+                )));
             }
             if waited > FRAME_TIMEOUT {
                 let why = format!("no answer within {FRAME_TIMEOUT:?}");
