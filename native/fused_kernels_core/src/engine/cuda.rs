@@ -21,7 +21,9 @@
 //! the staging, one graph launch, one wait on the engine's stream and one read of the output
 //! staging, and runs none of the ops' host code (their kernel look-ups in the device's module
 //! map, their checks). A capture that fails leaves that shape eager, with the reason in
-//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`).
+//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`), or, where the device
+//! keeps its blocks resident, a frame posted to a persistent kernel that is already running
+//! (engine/persist.rs: no launch, no stream wait); any other call on the engine stops it.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -458,9 +460,12 @@ impl RnnFrame {
                         need <= FRAME_SMEM
                             || crate::cuda::smem::allow_dynamic_smem(&pf, need).is_ok()
                     });
-                match limit {
-                    Some(limit) => Persist::new(gpu, pf, n)?.map(|p| (Mutex::new(p), limit)),
-                    None => None,
+                let mbox = PinnedBytes::new(gpu, 64)?;
+                match (limit, mapped(&mbox)) {
+                    (Some(limit), Some(dev)) => {
+                        Some((Mutex::new(Persist::new(gpu, pf, n, mbox, dev)?), limit))
+                    }
+                    _ => None,
                 }
             }
             Err(_) => None,
@@ -719,7 +724,7 @@ fn concat_frame_kernels(
 /// frame once (its first block publishes it to the others) and writes its output rows once.
 /// Not for the backbones that start with a GEMM, which would fetch its input over the bus
 /// once per output tile.
-pub(super) fn mapped(p: &PinnedBytes) -> Option<u64> {
+fn mapped(p: &PinnedBytes) -> Option<u64> {
     if p.is_empty() {
         return None;
     }

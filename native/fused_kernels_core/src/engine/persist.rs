@@ -119,20 +119,27 @@ fn word(m: &PinnedBytes, i: usize) -> &AtomicU32 {
 }
 
 impl Persist {
-    /// The mailbox and sync words for a kernel of `layers` layers; None where the kernel
-    /// cannot be mapped (no device address for page-locked memory).
-    pub fn new(gpu: &Arc<Gpu>, f: CudaFunction, layers: usize) -> Result<Option<Persist>> {
-        let mbox = PinnedBytes::new(gpu, 64)?;
-        let Some(mbox_dev) = super::cuda::mapped(&mbox) else {
-            return Ok(None);
-        };
+    /// The host side of `f` for `layers` layers, fed through `mbox` (at least 16 bytes of
+    /// page-locked memory, `mbox_dev` its device address).
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        f: CudaFunction,
+        layers: usize,
+        mbox: PinnedBytes,
+        mbox_dev: u64,
+    ) -> Result<Persist> {
+        if mbox.len() < 16 {
+            return Err(Error::Cuda(
+                "persistent frame: the mailbox is too small".into(),
+            ));
+        }
         for i in 0..4 {
             word(&mbox, i).store(0, Ordering::Relaxed);
         }
         let sync_words = layers + 2;
         let mut sync = DeviceTensor::uninit_owned(gpu, vec![sync_words], crate::dtype::DType::F32)?;
         sync.fill_bytes(0)?;
-        Ok(Some(Persist {
+        Ok(Persist {
             gpu: gpu.clone(),
             f,
             mbox,
@@ -149,7 +156,7 @@ impl Persist {
             held: 0,
             frames: 0,
             launches: 0,
-        }))
+        })
     }
 
     fn counter(&self) -> Option<&'static AtomicU32> {
