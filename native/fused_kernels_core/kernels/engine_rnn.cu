@@ -324,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
 // layer by layer the input norm, x·Wi and the cell, the output norm and write.
 //
 // mbox (mapped host memory, u32 words): [0] the frame number the host posted (its frame in
-// `x`), [1] non-zero: stop, [2] the last frame number done (written by the kernel after `out`).
+// `x`) or FK_EP_STOP, [2] the last frame number done (written by the kernel after `out`).
 // Frame numbers run on from `base` (the last one done before this launch). sync (device, u32
 // words zeroed before the launch): [0] start barrier, [1] the frame number the other blocks
 // may run (FK_EP_STOP: leave), [2 + l] layer l's count (`groups` per frame). scratch: per
@@ -481,11 +481,12 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
           const unsigned long long t0 = fk_ep_now();
           unsigned int st = 0u;
           for (unsigned int n = 0;; ++n) {
-            if (fk_ep_ld_sys(mbox + 1) != 0u) {
+            const unsigned int posted = fk_ep_ld_sys(mbox);
+            if (posted == seq) break;
+            if (posted == FK_EP_STOP) {
               st = 1u;
               break;
             }
-            if (fk_ep_ld_sys(mbox) == seq) break;
             if ((n & 63u) == 63u && fk_ep_now() - t0 > idle_ns) {
               st = 1u;
               break;
@@ -585,10 +586,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
           for (int jj = lane; jj < hidden; jj += 32) out[b * hidden + jj] = hs[b * hidden + jj];
         }
         __syncthreads();
-        if (tid == 0) {
-          __threadfence_system();
+        // Release at system scope: the block's output writes (ordered before thread 0's by the
+        // barrier) reach the host before the frame number does.
+        if (tid == 0)
           asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(mbox + 2), "r"(seq) : "memory");
-        }
       }
       // The next frame's h·Wh reads every unit of this layer's new h.
       if (fk_ep_wait(&sync[2 + l], (j + 1u) * (unsigned int)groups, &sync[1], &flag_s)) return;

@@ -49,10 +49,11 @@ const MAX_RUN: u32 = 1 << 22;
 /// exceed it runs its frames in a graph instead.
 static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
 
-/// Mailbox words (u32): the frame number posted, stop, the frame number done.
+/// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
+/// for both frames and stop: the kernel's poller reads one word over the bus per look.
 const POSTED: usize = 0;
-const STOP: usize = 1;
 const DONE: usize = 2;
+const STOP: u32 = u32::MAX;
 
 /// What a running kernel is bound to: the stream state and the shape's staging.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -212,15 +213,21 @@ impl Persist {
         if self.running.take().is_none() {
             return Ok(());
         }
-        word(&self.mbox, STOP).store(1, Ordering::Release);
+        // Only between frames: no frame is posted and not yet done.
+        word(&self.mbox, POSTED).store(STOP, Ordering::Release);
         let r = self.gpu.synchronize();
-        word(&self.mbox, STOP).store(0, Ordering::Release);
+        word(&self.mbox, POSTED).store(self.seq, Ordering::Release);
         self.release();
         r
     }
 
     fn launch(&mut self, a: &FrameArgs) -> Result<()> {
         self.gpu.bind()?;
+        // Frame numbers of a launch stay below `STOP` (a launch runs at most `MAX_RUN`).
+        if self.seq > STOP - 2 * MAX_RUN {
+            self.seq = 0;
+            word(&self.mbox, DONE).store(0, Ordering::Release);
+        }
         // Safety: the sync words of this value, on the engine's stream (ordered before the
         // launch that reads them).
         let r = unsafe {
@@ -322,7 +329,7 @@ impl Persist {
             }
             self.running = Some(bound);
         }
-        let k = self.seq.wrapping_add(1);
+        let mut k = self.seq.wrapping_add(1);
         word(&self.mbox, POSTED).store(k, Ordering::Release);
         let t0 = Instant::now();
         let mut spins: u32 = 0;
@@ -348,6 +355,9 @@ impl Persist {
                     break;
                 }
                 self.launch(a)?;
+                // Posted again: the launch may have started the numbers over.
+                k = self.seq.wrapping_add(1);
+                word(&self.mbox, POSTED).store(k, Ordering::Release);
                 continue;
             }
             if q != CUresult::CUDA_ERROR_NOT_READY {
@@ -359,7 +369,7 @@ impl Persist {
             }
             if waited > FRAME_TIMEOUT {
                 let why = format!("no answer within {FRAME_TIMEOUT:?}");
-                word(&self.mbox, STOP).store(1, Ordering::Release);
+                word(&self.mbox, POSTED).store(STOP, Ordering::Release);
                 self.running = None;
                 self.broken = Some(why.clone());
                 return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
