@@ -326,17 +326,37 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
 // mbox (mapped host memory, u32 words): [0] the frame number the host posted (its frame in
 // `x`) or FK_EP_STOP, [2] the last frame number done (written by the kernel after `out`).
 // Frame numbers run on from `base` (the last one done before this launch). sync (device, u32
-// words zeroed before the launch): [0] start barrier, [1] the frame number the other blocks
-// may run (FK_EP_STOP: leave), [2 + l] layer l's count (`groups` per frame). scratch: per
-// layer two {batch, hidden} h buffers used in turn, then the frame {batch, layers[0].in}.
+// words zeroed before the launch): [1] the frame number the blocks may run (FK_EP_STOP:
+// leave). scratch: per layer two {batch, hidden} h buffers of (value, frame number) pairs
+// used in turn (cleared before the launch), then the frame {batch, layers[0].in} as floats.
 // Block (l, g) = blockIdx.x (all resident: no ordering by ticket needed); it updates its
 // units of the state in place (h written beside the scratch copy, c only ever read and
-// written by its owner), so the state is the stream's after every frame done.
+// written by its owner), so the state is the stream's after every frame done. A buffer is
+// written again two frames later, and the next frame starts only after the host saw this one
+// done, by when every reader of the frame before has read it.
 //
 // Arithmetic: the same sums in the same order as engine_rnn_frame_f32 (its results are
 // bit-identical).
 
 #define FK_EP_STOP 0xffffffffu
+
+// An h value and the frame number it belongs to, stored and loaded as one 64-bit access (single
+// copy atomic): a reader waits for the value of its frame itself instead of a count of the
+// blocks done and then the values (one round trip through L2 instead of two).
+__device__ __forceinline__ void fk_ep_put(unsigned long long* p, float v, unsigned int frame) {
+  const unsigned long long w =
+      ((unsigned long long)frame << 32) | (unsigned long long)__float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+__device__ __forceinline__ float fk_ep_get(const unsigned long long* p, unsigned int frame) {
+  for (;;) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    if ((unsigned int)(w >> 32) == frame) return __uint_as_float((unsigned int)w);
+    __nanosleep(64);
+  }
+}
 
 __device__ __forceinline__ unsigned int fk_ep_ld_sys(const volatile unsigned int* p) {
   unsigned int v;
@@ -389,7 +409,7 @@ __device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int r
 // Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
 // `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
 // gates·4 bytes (the block's weights).
-extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     engine_rnn_persist_f32(const float* x, const float* __restrict__ in_gamma,
                            const float* __restrict__ in_beta,
                            const FkErLayer* __restrict__ layers,
@@ -399,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
                            unsigned long long idle_ns) {
   if constexpr (FK_WANT(engine_rnn_persist_f32)) {
     extern __shared__ float fk_ep_smem[];
-    __shared__ unsigned int flag_s, last_s;
+    __shared__ unsigned int flag_s;
     __shared__ float bias_s[4][FK_ER_UNITS];
     const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
     const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
@@ -412,8 +432,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
     const FkErState S = states[l];
     const int in = (int)L.in, in0 = (int)layers[0].in;
     const long long bh = (long long)batch * hidden;
-    float* hbuf = scratch + 2 * l * bh;  // {2, batch, hidden}
-    float* xbuf = scratch + 2 * nlayers * bh;
+    // Per layer {2, batch, hidden} (value, frame number) pairs, used in turn; then the frame.
+    unsigned long long* tagged = reinterpret_cast<unsigned long long*>(scratch);
+    unsigned long long* hbuf = tagged + 2 * l * bh;
+    float* xbuf = scratch + 4 * nlayers * bh;
     float* wis = fk_ep_smem;                 // {in, width}
     float* whs = wis + in * width;           // {hidden, width}
     float* xs = whs + hidden * width;        // {batch, in}
@@ -445,24 +467,19 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
       const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
       bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
     }
-    // The state's h into the first scratch buffer (this block's units), then every block
-    // waits for every other: from here on h is read from the scratch only.
+    // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
+    // host cleared the pairs before the launch): from here on h is read from the scratch only.
     for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
       const int b = i / FK_ER_UNITS, j = g * FK_ER_UNITS + i % FK_ER_UNITS;
-      if (j < hidden) hbuf[b * hidden + j] = S.h[b * hidden + j];
+      if (j < hidden) fk_ep_put(hbuf + b * hidden + j, S.h[b * hidden + j], base);
     }
-    __syncthreads();
-    if (tid == 0) {
-      fk_er_count(&sync[0]);
-      while (fk_er_ld_acquire(&sync[0]) < gridDim.x) __nanosleep(32);
-    }
-    __syncthreads();
     for (unsigned int j = 0;; ++j) {
       const unsigned int seq = base + 1u + j;
-      const float* hp = hbuf + (j & 1u) * bh;
-      float* hn = hbuf + ((j + 1u) & 1u) * bh;
-      // h·Wh of the next frame while it has not come yet.
-      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = __ldcg(hp + i);
+      const unsigned long long* hp = hbuf + (j & 1u) * bh;
+      unsigned long long* hn = hbuf + ((j + 1u) & 1u) * bh;
+      // h·Wh of the next frame while it has not come yet (the layer's h of the frame before,
+      // every unit of it).
+      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
       __syncthreads();
       if (active) {
         // Parked in the reduction's slots while the frame comes.
@@ -514,10 +531,11 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
         if (!stop)
           for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(xbuf + i);
       } else {
-        stop = fk_ep_wait(&sync[2 + l - 1], (j + 1u) * (unsigned int)groups, &sync[1], &flag_s);
+        // The frame has come (else stop), then the layer below's h of it.
+        stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
         if (!stop) {
-          const float* prev = scratch + 2 * (l - 1) * bh + ((j + 1u) & 1u) * bh;
-          for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(prev + i);
+          const unsigned long long* prev = tagged + 2 * (l - 1) * bh + ((j + 1u) & 1u) * bh;
+          for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = fk_ep_get(prev + i, seq);
         }
       }
       if (stop) return;
@@ -566,19 +584,15 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
             hv = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
                                       sx[2] + bv[2], sh[2] + bv[3], hs[o]);
           }
-          hn[o] = hv;
+          fk_ep_put(hn + o, hv, seq);
           S.h[o] = hv;
         }
       }
       __syncthreads();
-      if (tid == 0) {
-        const unsigned int done = fk_er_count(&sync[2 + l]);
-        last_s = l == nlayers - 1 && done == (j + 1u) * (unsigned int)groups;
-      }
-      __syncthreads();
-      if (last_s) {
-        // Every unit of the last layer is in: the output, then the frame number after it.
-        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = __ldcg(hn + i);
+      if (l == nlayers - 1 && g == 0) {
+        // The last layer's first block: every unit of the frame, the output, then the frame
+        // number after it.
+        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hn + i, seq);
         __syncthreads();
         for (int b = warp; b < batch; b += FK_ER_WARPS) {
           fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
@@ -591,8 +605,6 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 3)
         if (tid == 0)
           asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(mbox + 2), "r"(seq) : "memory");
       }
-      // The next frame's h·Wh reads every unit of this layer's new h.
-      if (fk_ep_wait(&sync[2 + l], (j + 1u) * (unsigned int)groups, &sync[1], &flag_s)) return;
     }
   }
 }

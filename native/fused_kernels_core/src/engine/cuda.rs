@@ -328,7 +328,8 @@ struct RnnFrame {
     /// The input LayerNorm's gamma and beta.
     input_norm: (u64, u64),
     /// Per layer the new h and c of `FRAME_MAX_BATCH` rows, then the frame: the kernel's
-    /// `scratch`.
+    /// `scratch` (the persistent kernel's: per layer two h buffers of (value, frame number)
+    /// pairs, then the frame).
     scratch: DeviceTensor,
     /// `layers + 2` zeroed words: the kernel's block order, frame-ready flag and per-layer
     /// counts (it leaves them zeroed).
@@ -438,9 +439,10 @@ impl RnnFrame {
             return Err(arg_error("params: at least one layer is needed"));
         }
         let n = layers.len();
+        // The persistent kernel's h pairs (two words each) take twice the frame kernel's.
         let scratch = zeros(
             gpu,
-            vec![n * 2 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
+            vec![n * 4 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
         )?;
         let most = Self::smem(FRAME_MAX_BATCH, widest, s.hidden);
         let smem_limit =
@@ -1446,6 +1448,7 @@ impl CudaEngine {
             layers: ptr(&rf.table),
             states: ptr(table),
             scratch: ptr(&rf.scratch),
+            pair_words: rf.layers * 4 * b * h,
             eps: self.spec.norm_eps as f32,
             out,
             nlayers: rf.layers as i32,

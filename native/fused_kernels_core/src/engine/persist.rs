@@ -29,6 +29,10 @@ use std::time::{Duration, Instant};
 /// keeps it running).
 pub const IDLE: Duration = Duration::from_millis(20);
 
+/// A frame posted later than `IDLE - IDLE_MARGIN` after the last one relaunches the kernel
+/// first rather than race its time-out.
+const IDLE_MARGIN: Duration = Duration::from_millis(2);
+
 /// The longest a frame may take before the kernel is deemed stuck: far above a frame's ~10 µs
 /// and a relaunch's wait for multiprocessors that other engines' kernels hold (each leaves
 /// within `IDLE`).
@@ -73,6 +77,8 @@ pub struct FrameArgs {
     pub layers: u64,
     pub states: u64,
     pub scratch: u64,
+    /// Words at the start of `scratch` cleared before a launch (the h pairs).
+    pub pair_words: usize,
     pub eps: f32,
     pub out: u64,
     pub nlayers: i32,
@@ -238,8 +244,14 @@ impl Persist {
                 self.gpu.stream.cu_stream(),
             )
         };
-        if r != CUresult::CUDA_SUCCESS {
-            return Err(Error::Cuda(format!("persistent frame: sync reset: {r:?}")));
+        // Safety: the engine's frame scratch, at least `pair_words` words, on its stream.
+        let r2 = unsafe {
+            sys::cuMemsetD32Async(a.scratch, 0, a.pair_words, self.gpu.stream.cu_stream())
+        };
+        if r != CUresult::CUDA_SUCCESS || r2 != CUresult::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!(
+                "persistent frame: clearing its words: {r:?} {r2:?}"
+            )));
         }
         let (mut x, mut ig, mut ib, mut lt, mut stt, mut sc, mut eps, mut out) = (
             a.x, a.in_gamma, a.in_beta, a.layers, a.states, a.scratch, a.eps, a.out,
@@ -311,10 +323,11 @@ impl Persist {
             x: a.x,
             out: a.out,
         };
-        // Another state or staging, a kernel that has probably left (idle), or a long run:
-        // stopped (waited for) and launched again below.
+        // Another state or staging, a kernel that has left or is about to (idle), or a long
+        // run: stopped (waited for) and launched again below. A kernel that leaves after all
+        // just before it sees the frame is found below by asking the driver.
         if self.running.is_some_and(|b| b != bound)
-            || self.last.elapsed() > IDLE / 2
+            || self.last.elapsed() + IDLE_MARGIN > IDLE
             || self.seq.wrapping_sub(self.base) >= MAX_RUN
         {
             self.stop()?;
