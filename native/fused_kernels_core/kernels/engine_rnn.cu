@@ -392,6 +392,37 @@ __device__ __forceinline__ bool fk_ep_wait(const unsigned int* word, unsigned in
   return *flag != 0u;
 }
 
+// n floats of `src` (16-byte aligned) into `dst` (and `dst2` unless null), each thread's loads
+// issued before its stores, so that up to 16 per thread cost one round trip: a frame over the
+// bus, or its copy in L2. `volatile_src`: loaded past every cache (the host's frame, which
+// changes under a running kernel); else from L2.
+__device__ __forceinline__ void fk_ep_copy(const float* src, float* dst, float* dst2, int n,
+                                           bool volatile_src) {
+  const int n4 = n >> 2;
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+  for (int i0 = 0; i0 < n4; i0 += 4 * FK_ER_THREADS) {
+    float4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
+      if (i < n4) v[k] = volatile_src ? __ldcv(s4 + i) : __ldcg(s4 + i);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
+      if (i < n4) {
+        reinterpret_cast<float4*>(dst)[i] = v[k];
+        if (dst2) reinterpret_cast<float4*>(dst2)[i] = v[k];
+      }
+    }
+  }
+  for (int i = 4 * n4 + (int)threadIdx.x; i < n; i += FK_ER_THREADS) {
+    const float v = volatile_src ? __ldcv(src + i) : __ldcg(src + i);
+    dst[i] = v;
+    if (dst2) dst2[i] = v;
+  }
+}
+
 // acc[b] += v[b, k]·w[k, col] over this thread's rows of a {rows, width} block in shared
 // memory: rows rl, rl + lanes, ... in engine_rnn_frame_f32's order.
 __device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int rows, int width,
@@ -513,13 +544,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         }
         __syncthreads();
         stop = flag_s != 0u;
-        if (!stop) {
-          for (int i = tid; i < batch * in0; i += FK_ER_THREADS) {
-            const float v = x[i];
-            xs[i] = v;
-            xbuf[i] = v;
-          }
-        }
+        if (!stop) fk_ep_copy(x, xs, xbuf, batch * in0, true);
         __syncthreads();
         if (tid == 0) {
           const unsigned int go = stop ? FK_EP_STOP : seq;
@@ -528,8 +553,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         }
       } else if (l == 0) {
         stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
-        if (!stop)
-          for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = __ldcg(xbuf + i);
+        if (!stop) fk_ep_copy(xbuf, xs, nullptr, batch * in, false);
       } else {
         // The frame has come (else stop), then the layer below's h of it.
         stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
