@@ -4,10 +4,10 @@
 //! per frame.
 //!
 //! A frame: the caller has written it into the shape's page-locked input; the host stores the
-//! next frame number into the mailbox (x86 keeps stores in order, and the release store keeps
-//! the compiler from moving the frame's stores after it), launches the kernel if it is not
-//! running, and spins on the mailbox's done word (the kernel writes the output before it,
-//! behind a system fence). The wait is bounded (`FRAME_TIMEOUT`): a kernel that does not
+//! next frame number into the mailbox with a release store (the frame's stores are visible to
+//! the device, which reads host memory coherently over the bus, before the number is),
+//! launches the kernel if it is not running, and spins on the mailbox's done word (the kernel
+//! writes the output before it, with a release store at system scope). The wait is bounded (`FRAME_TIMEOUT`): a kernel that does not
 //! answer is stopped and the engine's persistent path is marked broken (FusedKernels.Error
 //! from then on). The kernel leaves by itself after `IDLE` without a frame, so an idle engine
 //! holds no multiprocessor; a frame that finds it gone relaunches it. Everything else that
@@ -50,7 +50,11 @@ const MAX_RUN: u32 = 1 << 22;
 /// block per multiprocessor (where a multiprocessor holds at least two): the rest of every
 /// multiprocessor stays free for other work (other engines' graph frames and windows), which
 /// would otherwise wait for a persistent kernel to go idle. An engine whose launch would
-/// exceed it runs its frames in a graph instead.
+/// exceed it runs its frames in a graph instead. Blocks stay counted until the engine stops
+/// its kernel (its next call or its drop), also after the kernel left by its idle time-out.
+/// The count is this process's: kernels of other processes on the device are not seen (a
+/// launch that cannot be resident waits for room, and a frame that waits past
+/// `FRAME_TIMEOUT` is an error).
 static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
 
 /// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
