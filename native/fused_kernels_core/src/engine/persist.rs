@@ -233,10 +233,13 @@ impl Persist {
 
     fn launch(&mut self, a: &FrameArgs) -> Result<()> {
         self.gpu.bind()?;
-        // Frame numbers of a launch stay below `STOP` (a launch runs at most `MAX_RUN`).
-        if self.seq > STOP - 2 * MAX_RUN {
-            self.seq = 0;
-            word(&self.mbox, DONE).store(0, Ordering::Release);
+        // The h pairs are cleared to frame number 0 before the launch: a launch's frame
+        // numbers start at 1 or later (else a reader could take a cleared pair for the state's
+        // h), and stay below `STOP` (a launch runs at most `MAX_RUN`).
+        if self.seq == 0 || self.seq > STOP - 2 * MAX_RUN {
+            self.seq = 1;
+            word(&self.mbox, DONE).store(1, Ordering::Release);
+            word(&self.mbox, POSTED).store(1, Ordering::Release);
         }
         // Safety: the sync words of this value, on the engine's stream (ordered before the
         // launch that reads them).
