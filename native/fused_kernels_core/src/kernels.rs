@@ -606,11 +606,18 @@ pub const STREAM_STATE: Kernel = Kernel {
 pub const ENGINE_RNN: Kernel = Kernel {
     name: "engine_rnn",
     body: include_str!("../kernels/engine_rnn.cu"),
-    families: &[Family {
-        root: "engine_rnn_frame",
-        parts: &[&["f32"]],
-        levels: ANY,
-    }],
+    families: &[
+        Family {
+            root: "engine_rnn_frame",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_rnn_persist",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const ENGINE_FRAME: Kernel = Kernel {
