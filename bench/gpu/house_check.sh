@@ -12,18 +12,19 @@
 # (bench/gpu/house_ab_run.sh as DIR/run.sh, house_compare.py beside it): A is BEFORE (default
 # main), B is AFTER (default HEAD). Each side's benches and kernel_ptx (which fills the kernel
 # cache on the GPU host before the runs) are built from `git archive` of its commit in
-# $HOUSE_AB_WORK (default /tmp/house-ab), sharing this checkout's target directory.
+# $HOUSE_AB_WORK (default /tmp/house-ab), each side in its own target directory there (a shared
+# one let cargo take the other side's library as fresh: both trees are the same package).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = ab-build ]; then
   set -e
   dir=$(realpath -m "$2") before=${3:-main} after=${4:-HEAD}
   work=${HOUSE_AB_WORK:-/tmp/house-ab}
-  target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
   mkdir -p "$dir/bin"
   for side in a b; do
     rev=$before
     [ $side = b ] && rev=$after
+    target=$work/target-$side
     rm -rf "${work:?}/$side" && mkdir -p "$work/$side"
     git archive "$rev" | tar -x -C "$work/$side"
     (cd "$work/$side" && CARGO_TARGET_DIR=$target cargo bench -p fused_kernels_core --no-run \
@@ -41,6 +42,7 @@ for l in sys.stdin:
     cp "$target/release/kernel_ptx" "$dir/bin/${side}_kernel_ptx"
   done
   strip "$dir"/bin/*
+  tar -C "$dir" -cJf "$dir/bin.tar.xz" bin && rm -rf "$dir/bin"
   cp bench/gpu/house_ab_run.sh "$dir/run.sh"
   cp bench/gpu/house_compare.py "$dir/"
   du -sh "$dir"
