@@ -6,7 +6,7 @@
 # `house_check.sh ab-build` makes (bin.tar.xz of bin/{a,b}_<bench> and bin/{a,b}_kernel_ptx,
 # this script, house_compare.py). Each side's kernel_ptx first fills one cache for sm_90 with the programs
 # the benches load (kept apart by their cache keys; started from a copy of
-# $FUSED_KERNELS_CACHE_DIR when there is one; at most 60 s a side), so no timed run compiles.
+# $FUSED_KERNELS_CACHE_DIR, else /tmp/fk-kernel-cache, when there is one; at most 60 s a side), so no timed run compiles.
 # Every run has its own time cap and the runs stay under HOUSE_AB_BUDGET seconds (default 140,
 # counted after the prefill); a run cut by its cap still gives the cases it printed, and the
 # comparison uses the cases both sides reached.
@@ -28,7 +28,8 @@ python3 -c "import sys, tarfile; tarfile.open('bin.tar.xz').extractall(sys.argv[
 chmod +x "$BIN"/*
 CACHE=/tmp/house-ab-cache
 rm -rf "$CACHE" && mkdir -p "$CACHE"
-[ -d "${FUSED_KERNELS_CACHE_DIR:-}" ] && cp -r "$FUSED_KERNELS_CACHE_DIR"/. "$CACHE"/
+src=${FUSED_KERNELS_CACHE_DIR:-/tmp/fk-kernel-cache}
+[ -d "$src" ] && cp -r "$src"/. "$CACHE"/
 export FUSED_KERNELS_CACHE_DIR=$CACHE
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 files=dense,dense_sm90,flash_attention,rnn,rnn_batched,rnn_cluster,rnn_mma,rnn_resident,selective_scan_f32
