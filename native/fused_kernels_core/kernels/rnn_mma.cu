@@ -24,6 +24,7 @@
 #include "copy.cuh"
 #include "mma.cuh"
 #include "rnn_cell.cuh"
+#include "pdl.cuh"
 
 #define RNN_MMA_THREADS 128
 

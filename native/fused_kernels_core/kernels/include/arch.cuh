@@ -40,17 +40,3 @@ __host__ __device__ constexpr bool fk_same(const char* a, const char* b) {
 #else
 #define FK_WANT(name) true
 #endif
-
-// Programmatic dependent launch (sm_90+; without the launch attribute, and below sm_90, both
-// are no-ops): wait for the grid this one depends on to finish (its writes visible), and let
-// the next grid start its prologue.
-__device__ __forceinline__ void fk_pdl_wait() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fk_pdl_launch_dependents() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
