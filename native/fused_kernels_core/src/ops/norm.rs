@@ -177,25 +177,10 @@ fn cpu_f64(x: &Inputs<'_>, p: Params, cols: usize) -> Result<(Vec<f64>, Option<V
     Ok((out, residual.map(|_| s)))
 }
 
-/// Launches the norm on raw addresses (the Mamba block uses the f32-output variant), on the
-/// device's stream.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    gpu: &Arc<Gpu>,
-    name: &str,
-    args: (u64, u64, u64, u64, u64, u64),
-    rows: usize,
-    cols: usize,
-    eps: f32,
-) -> Result<()> {
-    let f = gpu.function(&NORM, name)?;
-    launch_on(&gpu.stream, &f, name, args, rows, cols, eps)
-}
-
-/// The launch layer: the norm kernel `f` (looked up once by the caller as `name`) on `stream`
-/// with raw addresses `(x, residual, weight, bias, y, sum)` (0 where unused). Takes no lock,
-/// so callers that cache `f` and own `stream` (the backbone engine) launch without touching
-/// the device's module map.
+/// The launch layer: the norm kernel `f` (looked up by the caller as `name`, e.g.
+/// `gpu.function(&NORM, name)`) on `stream` with raw addresses `(x, residual, weight, bias, y,
+/// sum)` (0 where unused). Takes no lock, so callers that cache `f` and own `stream` (the
+/// backbone engine) launch without touching the device's module map.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_on(
     stream: &CudaStream,
@@ -264,8 +249,9 @@ pub fn cuda_into(
         (None, Kind::Rms) => 0,
     };
     let sptr = ptr_opt(sum.as_deref());
-    launch(
-        gpu,
+    launch_on(
+        &gpu.stream,
+        &gpu.function(&NORM, &name)?,
         &name,
         (
             ptr(&xs),
