@@ -8,8 +8,8 @@
 
 use super::norm;
 use super::selective_scan::{
-    self, kernel_type, scan_f32_into, scan_f64, stage_f32, Discretization,
-    Geometry as ScanGeometry, HostInputs, Initial, ScanArgs, SlicesF32,
+    self, scan_f32_into, scan_f64, stage_f32, Discretization, Geometry as ScanGeometry, HostInputs,
+    Initial, ScanArgs, SlicesF32,
 };
 use super::Backend;
 use crate::alloc::{self, count};
@@ -714,7 +714,7 @@ pub fn cuda_stateful(
         .transpose()?;
     let h0 = state.map(|s| s.ssm.on_gpu("ssm_state", gpu)).transpose()?;
     let dtype = x.dtype();
-    let tname = kernel_type(dtype, "x")?;
+    let tname = dtype.kernel_suffix("x")?;
     if out.shape != x.shape() || out.dtype != dtype {
         return Err(arg_error("out: must have x's shape and type"));
     }

@@ -3,7 +3,7 @@
 //! add-and-norm). Statistics in f32 (f64 for f64 inputs); weights are taken as f32. The CPU
 //! rows are `cpu::math::norm_rows` (SIMD, a shifted two-pass scheme).
 
-use super::selective_scan::{kernel_type, stage_f32};
+use super::selective_scan::stage_f32;
 use super::Backend;
 use crate::cpu::math::{self, NormKind};
 use crate::cpu::pool::for_each_row_chunk;
@@ -222,7 +222,7 @@ pub fn cuda_into(
     sum: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let (rows, cols) = geometry(x, p)?;
-    let tname = kernel_type(x.x.dtype(), "x")?;
+    let tname = x.x.dtype().kernel_suffix("x")?;
     if out.shape != x.x.shape() || out.dtype != x.x.dtype() || sum.is_some() != x.residual.is_some()
     {
         return Err(arg_error("out: must have x's shape and type"));
