@@ -428,6 +428,11 @@ pub const RNN_CLUSTER: Kernel = Kernel {
             parts: &[FLOATS],
             levels: Levels::from(900),
         },
+        Family {
+            root: "rnn_cluster_regs",
+            parts: &[&["lstm", "gru"], &["f32"]],
+            levels: Levels::from(900),
+        },
     ],
 };
 

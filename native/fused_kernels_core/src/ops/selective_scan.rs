@@ -914,10 +914,8 @@ fn wide_smem(stages: usize, chunk: usize, cpb: usize, npad: usize) -> usize {
 /// beat one wave of small ones (the wide layout's long scan: 16-step chunks 612 µs against
 /// 496 µs at 32, measured on an H200).
 fn smem_budget(gpu: &Gpu, blocks: usize, max_resident: usize) -> Result<usize> {
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    let attr = |a| -> Result<usize> { Ok(gpu.ctx.attribute(a)?.max(0) as usize) };
-    let per_block = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-    let per_sm = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+    let per_block = gpu.smem_per_block()?;
+    let per_sm = gpu.smem_per_sm()?;
     let sms = (gpu.multiprocessors()?.max(1)) as usize;
     // A few KB per resident block go to the runtime's own reservation.
     let resident = blocks.div_ceil(sms).clamp(1, max_resident.max(1));
