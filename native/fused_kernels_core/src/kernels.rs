@@ -14,6 +14,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("copy.cuh", include_str!("../kernels/include/copy.cuh")),
     ("mma.cuh", include_str!("../kernels/include/mma.cuh")),
     ("act.cuh", include_str!("../kernels/include/act.cuh")),
+    ("pdl.cuh", include_str!("../kernels/include/pdl.cuh")),
     (
         "rnn_cell.cuh",
         include_str!("../kernels/include/rnn_cell.cuh"),
