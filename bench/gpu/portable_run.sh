@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 mkdir -p "$OUT"
 source bench/gpu/erlang.sh && erlang_here
-export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
+export FUSED_KERNELS_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if ls .gpu/erl_libs 2>/dev/null | grep -q '^nx'; then mix compile --force >/dev/null; fi
 status=0

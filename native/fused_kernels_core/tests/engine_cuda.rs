@@ -330,6 +330,8 @@ fn gpu_graphs_are_captured_for_every_backbone() {
     for kind in KINDS {
         let s = small(kind);
         let (_, gpu) = engines(&s, 51);
+        // LSTM/GRU frames: their graph path (the persistent kernel's is tests/engine_persist.rs).
+        gpu.set_persistent_frames(false).unwrap();
         let (b, t) = (2, 5);
         let x = Rng::new(52).vec_f32(b * t * s.embed, 1.0, 0.0);
         for _ in 0..3 {

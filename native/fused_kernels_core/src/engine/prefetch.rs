@@ -39,6 +39,7 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
                 "gru"
             };
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
+            out.add(&ENGINE_RNN, kernel_name("engine_rnn_persist", &[&f32]));
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
             if cluster::supported_on(cap) {
                 out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));

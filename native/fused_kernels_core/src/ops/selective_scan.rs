@@ -778,10 +778,6 @@ fn module(dtype: DType) -> &'static Kernel {
     }
 }
 
-pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
-    dtype.kernel_suffix(name)
-}
-
 /// States per lane and lanes per channel, from the splits the kernels are instantiated for:
 /// the state row padded to at least 16 (fewer states cost no more than 16: the lanes are
 /// there anyway), at most 16 states per lane and 16 lanes per channel. Problems with few
@@ -937,7 +933,7 @@ pub fn function_name(
     plain: bool,
     tuning: &Tuning,
 ) -> Result<String> {
-    let tname = kernel_type(dtype, "u")?;
+    let tname = dtype.kernel_suffix("u")?;
     Ok(match wide_split(g, sms, dtype, plain, tuning) {
         Some(w) => kernel_name("selective_scan_wide", &[&tname, &w.name()]),
         None => {
@@ -956,7 +952,7 @@ pub fn launch(
     mut args: ScanArgs,
     tuning: &Tuning,
 ) -> Result<()> {
-    let tname = kernel_type(dtype, "u")?;
+    let tname = dtype.kernel_suffix("u")?;
     if g.batch > 65535 {
         return Err(arg_error(format!(
             "u: batch {} is more than one launch covers (65535); split the batch",
@@ -1085,7 +1081,7 @@ pub fn stage_f32<'a>(name: &str, op: &Operand<'a>, gpu: &Arc<Gpu>) -> Result<Sta
 pub fn cuda(gpu: &Arc<Gpu>, x: &Inputs<'_>, p: Params) -> Result<Outputs<DeviceTensor>> {
     let g = geometry(x)?;
     let dtype = x.u.dtype();
-    kernel_type(dtype, "u")?;
+    dtype.kernel_suffix("u")?;
     let mut out = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, g.dim], dtype)?;
     let mut last = p
         .return_last_state
