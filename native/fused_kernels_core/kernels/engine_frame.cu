@@ -25,8 +25,9 @@
 #include "types.cuh"
 #include "reduce.cuh"
 #include "act.cuh"
+#include "pdl.cuh"
 
-// Programmatic dependent launch (sm_90+, where the engine launches these kernels with
+// Programmatic dependent launch (pdl.cuh; sm_90+, where the engine launches these kernels with
 // programmatic stream serialization: a grid may start while the launch before it still runs).
 // Each kernel first lets the next launch start (so that launch's blocks are resident and
 // waiting when this one ends), reads what no launch of the chain writes (biases, the count of
@@ -36,16 +37,6 @@
 // sm_90, both are no-ops. The GEMV's weights stay after the wait: holding its weight rows in
 // registers before it measured slower on the H100 (attention frame 61 µs against 48, Mamba 46
 // against 34; 8 rows a thread instead of 16: 58 and 41).
-__device__ __forceinline__ void fk_ef_launch_next() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void fk_ef_wait_prev() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 #define FK_EG_THREADS 512
 #define FK_EG_WARPS (FK_EG_THREADS / 32)
@@ -101,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     __shared__ float red[FK_EG_WARPS * 2][FK_EG_MAXB][FK_EG_COLS];
     __shared__ float rstat[FK_EG_MAXB][2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    fk_ef_launch_next();
+    fk_pdl_launch_dependents();
     // Lane l: column l % 16 of this block, rows 2·warp + l / 16 + 2·warps·i.
     const int c = lane & (FK_EG_COLS - 1), half = lane >> 4;
     const int col = blockIdx.x * FK_EG_COLS + c;
@@ -112,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
     const int ej = blockIdx.x * FK_EG_COLS + tid % FK_EG_COLS;
     const bool epi = tid < batch * FK_EG_COLS && ej < n;
     const float ebias = epi ? bias[ej] : 0.0f;
-    fk_ef_wait_prev();
+    fk_pdl_wait();
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -216,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)b * 3 * hidden + h * d;
     const long long base = (long long)b * window * hidden + h * d;  // cache row t at + t·hidden
-    fk_ef_launch_next();
+    fk_pdl_launch_dependents();
     // The count follows the frame in the input (for a batch-1 frame, page-locked host memory
     // read over the bus): written before the chain started, so read first.
     const int first = window - *valid_at;
@@ -257,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
         vc[base + (long long)t * hidden + j] = vs[i];
       }
     }
-    fk_ef_wait_prev();
+    fk_pdl_wait();
     for (int i = tid; i < d; i += FK_EA_THREADS) {
       qs[i] = row[i];
       ks[(window - 1) * d + i] = row[hidden + i];
@@ -351,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
   if constexpr (FK_WANT(engine_mamba_scan_f32)) {
     const int lane = threadIdx.x & 31;
     const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
-    fk_ef_launch_next();
+    fk_pdl_launch_dependents();
     const bool live = i < batch * inner;
     const int b = live ? i / inner : 0, c = live ? i - b * inner : 0;
     float* h = ssm_state + ((long long)b * inner + c) * state;
@@ -361,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
     const float a0 = live && lane < state ? a[(long long)c * state + lane] : 0.0f;
     const float h0 = live && lane < state ? h[lane] : 0.0f;
     const float bdt = live ? b_dt[c] : 0.0f;
-    fk_ef_wait_prev();
+    fk_pdl_wait();
     if (!live) return;
     const float* row = bcr + (long long)b * (2 * state + rank);
     float raw = lane < rank ? row[2 * state + lane] * wdt0 : 0.0f;
