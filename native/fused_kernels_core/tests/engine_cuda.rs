@@ -505,7 +505,10 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
             for call in 1..4 {
                 let o = gpu_predict(&gpu, &other, 1, t);
                 let err = rel_l2(&o, &want_other);
-                assert!(err <= 1e-5, "{what}: other window call {call}, rel L2 {err}");
+                assert!(
+                    err <= 1e-5,
+                    "{what}: other window call {call}, rel L2 {err}"
+                );
                 assert_eq!(
                     gpu_predict(&gpu, &x, 1, t),
                     first,

@@ -999,7 +999,8 @@ impl CudaEngine {
                     // where `predict` reads it.
                     (Some(o), _)
                         if state.is_none()
-                            && self.rnn_window(&xd, o + ((t - 1) * self.spec.hidden * 4) as u64)? =>
+                            && self
+                                .rnn_window(&xd, o + ((t - 1) * self.spec.hidden * 4) as u64)? =>
                     {
                         Ok(())
                     }

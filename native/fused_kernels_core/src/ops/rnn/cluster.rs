@@ -251,7 +251,10 @@ pub fn pipe_group(
     let l1 = layout(cell, dtype, 0, h1, ctas, &mut end1)?;
     let gu = cell.gates() * l1.per_cta;
     let warps = THREADS / 32;
-    if h0 > 256 || gu > 128 || 2 * (l1.per_cta / GROUP) > warps - 2 || 2 * (l0.per_cta / GROUP) > warps
+    if h0 > 256
+        || gu > 128
+        || 2 * (l1.per_cta / GROUP) > warps - 2
+        || 2 * (l0.per_cta / GROUP) > warps
     {
         return None;
     }
