@@ -267,7 +267,7 @@ pub fn cuda_on(
     })
 }
 
-/// A batch-1 stack with LayerNorms folded into the cluster path (`cluster::run_normed`):
+/// A batch-1 f32 stack with LayerNorms folded into the cluster path (`cluster::run_normed`):
 /// `norms[0]` on `x`'s rows, `norms[l]` on layer l-1's output before layer l, and the last
 /// norm on the last layer's final h, written as `{h}` f32 to `out` (device or mapped host
 /// memory). Two layers run as one pipe launch (a projection stage between the layers'
@@ -286,7 +286,13 @@ pub fn cuda_normed_window_on(
     if norms.len() != layers.len() + 1 {
         return Err(arg_error("norms: one per layer and one more are needed"));
     }
-    if g.batch != 1 || g.seq == 0 || layers.iter().any(|l| !l.initial_state.is_empty()) {
+    // f32 only: the norms' outputs feed the projections unrounded, which is the f32 stack's
+    // arithmetic (the engine's), not a 16-bit stack's.
+    if g.dtype != DType::F32
+        || g.batch != 1
+        || g.seq == 0
+        || layers.iter().any(|l| !l.initial_state.is_empty())
+    {
         return Ok(false);
     }
     let Some(ctas) = cluster::cluster_ctas(gpu, cell, g.dtype, None)? else {
