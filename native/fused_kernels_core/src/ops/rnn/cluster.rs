@@ -6,6 +6,11 @@
 //! them together (split), else a wavefront on one cluster (T + L - 1 steps). The first layer's
 //! input projection is this module's own kernel, launched just before. Layers that do not fit
 //! (f32 H512 LSTM, say) use the other paths.
+//!
+//! `run_normed` runs a batch-1 f32 stack with LayerNorms between its layers (the engine's
+//! windows) with every norm folded in: two layers as one pipe launch (layer 0, a projection
+//! stage, layer 1 on three clusters, `pipe_group`), else a projection and a recurrence per
+//! layer.
 
 use super::common::{cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell};
 use crate::cuda::cluster as cl;
