@@ -757,7 +757,9 @@ fn cuda_normed_window_matches_f64_reference_with_poisoned_output() {
     // Two layers: the pipe launch; one or three: a launch per layer; 512 units and 16-bit
     // types are not taken (Ok(false), nothing written). Windows 1/16/60/61/100, odd widths,
     // inputs with a large mean (the norms' centring).
-    let cases: [(usize, usize, &[usize], f64, DType, bool); 9] = [
+    // (seq, features, hidden, input mean, type, taken)
+    type NormedCase = (usize, usize, &'static [usize], f64, DType, bool);
+    let cases: [NormedCase; 9] = [
         (60, 288, &[256, 256], 0.0, DType::F32, true),
         (16, 288, &[256], 0.0, DType::F32, true),
         (1, 288, &[256, 256], 0.0, DType::F32, true),
