@@ -108,6 +108,12 @@ template <typename T> __device__ __forceinline__ float rc_round(float v) {
   return fk_to_f32(fk_from_f32<T>(v));
 }
 
+__device__ __forceinline__ float rc_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Four consecutive-k weights of one column.
 template <typename T> __device__ __forceinline__ float4 rc_w4(const unsigned char* w, int i);
 template <> __device__ __forceinline__ float4 rc_w4<float>(const unsigned char* w, int i) {
@@ -228,7 +234,7 @@ __device__ __forceinline__ void rc_load_weights(const void* const* src, int K, i
 #define RC_PM 8
 #define RC_PN 32
 #define RC_PK 288
-#define RC_PB 24  // W elements per thread in flight per batch (3 batches of the 72)
+#define RC_PB 18  // W elements per thread in flight per batch (4 batches of the 72)
 struct RcProj {
   const void* x;
   const void* w[4];
@@ -285,32 +291,39 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
 #endif
   if (a.sync && blockIdx.x == 0)
     for (int i = tid; i < a.zero; i += RC_PT) a.sync[i] = 0u;
-  if (a.gamma) {
-    // Warp w: rows 2w and 2w + 1.
+  // Row statistics (warp w: rows 2w and 2w + 1), centred two-pass. x may be mapped host
+  // memory (the engine's window staging), so each block reads its rows once: from the staged
+  // chunk in shared memory when a row fits one chunk, else from x (more than RC_PK features).
+  const bool one = a.K <= RC_PK;
+  auto stats = [&](bool from_smem) {
 #pragma unroll
     for (int rr = 2 * warp; rr < 2 * warp + 2; ++rr) {
       const int m = m0 + rr;
+      auto at = [&](int k) {
+        return from_smem ? xs[rr][k] : fk_ld<T>(a.x, (size_t)m * a.K + k);
+      };
       float mean = 0.0f, var = 0.0f;
       if (m < a.T) {
         float s = 0.0f;
-        for (int k = lane; k < a.K; k += 32) s += fk_ld<T>(a.x, (size_t)m * a.K + k);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        mean = s / (float)a.K;
+#pragma unroll 4
+        for (int k = lane; k < a.K; k += 32) s += at(k);
+        mean = rc_warp_sum(s) / (float)a.K;
         float q = 0.0f;
+#pragma unroll 4
         for (int k = lane; k < a.K; k += 32) {
-          const float d = fk_ld<T>(a.x, (size_t)m * a.K + k) - mean;
+          const float d = at(k) - mean;
           q = fmaf(d, d, q);
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-        var = q / (float)a.K;
+        var = rc_warp_sum(q) / (float)a.K;
       }
       if (lane == 0) {
         stat[rr][0] = mean;
         stat[rr][1] = rsqrtf(var + a.eps);
       }
     }
+  };
+  if (a.gamma && !one) {
+    stats(false);
     __syncthreads();
   }
   float acc0 = 0.0f, acc1 = 0.0f;
@@ -329,6 +342,16 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
         const int kk = tid + RC_PT * j, m = m0 + rr, k = k0 + kk;
         v[rr][j] = kk < RC_PK && m < a.T && k < a.K ? fk_ld<T>(a.x, (size_t)m * a.K + k) : 0.0f;
       }
+    if (a.gamma && one) {
+#pragma unroll
+      for (int rr = 0; rr < RC_PM; ++rr)
+#pragma unroll
+        for (int j = 0; j < XJ; ++j)
+          if (tid + RC_PT * j < RC_PK) xs[rr][tid + RC_PT * j] = v[rr][j];
+      __syncthreads();
+      stats(true);
+      __syncthreads();
+    }
 #pragma unroll
     for (int rr = 0; rr < RC_PM; ++rr)
 #pragma unroll
@@ -443,21 +466,25 @@ __device__ __forceinline__ void rc_flag(unsigned* p) {
 }
 __device__ __forceinline__ unsigned long long rc_ns();
 // Waits until *p >= v (acquire). The clusters that write p took their tickets earlier and are
-// running, so the wait ends; should it not within 2 s (a broken device or launch), the kernel
-// traps: the call fails with a launch error instead of hanging.
+// running, so the wait ends; should it not within 20 s (a broken device or launch; the bound
+// leaves room for the sanitizers' slowdown), the kernel traps: the call fails with a launch
+// error instead of hanging.
 __device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v) {
   if (rc_ld_acquire(p) >= v) return;
   const unsigned long long t0 = rc_ns();
   while (rc_ld_acquire(p) < v)
-    if (rc_ns() - t0 > 2000000000ull) __trap();
+    if (rc_ns() - t0 > 20000000000ull) __trap();
+}
+// The count of publishes (one per unit group and step, in a counter shared by the layer's
+// groups) that guarantees step tau of a T-step layer is published by every group: a group
+// publishes step tau before it sends h_tau, and nobody finishes step tau + 2 before receiving
+// every h_(tau+1), so while one group's step tau is missing the others reach at most
+// (tau + 2) * groups - 1.
+__device__ __forceinline__ unsigned rc_step_done(int tau, int T, unsigned groups) {
+  return (unsigned)min(tau + 2, T) * groups;
 }
 __device__ __forceinline__ void rc_bar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ float rc_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 // Element i of another cluster's output, from L2 (its writes are not in this SM's L1).
 template <typename T> __device__ __forceinline__ float rc_ld_cg(const void* p, size_t i) {
@@ -542,7 +569,7 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
   const int GH = G * B.h;
   for (int tau = warp; tau < len; tau += RC_WARPS) {
     const int t = a.reverse ? len - 1 - tau : tau;
-    rc_wait_ge(a.sync + 1, (unsigned)(tau + 1) * per_step);
+    rc_wait_ge(a.sync + 1, rc_step_done(tau, len, per_step));
     float x[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -600,17 +627,20 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   if (a.split) {
     // The ticket counter is zeroed by the projection launched just before.
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    // CTA 0 takes the ticket into its own shared memory; the others read it there once the
+    // cluster barrier says every CTA has started (remote shared memory of a CTA that has not
+    // started may not be addressed).
     unsigned* slot = reinterpret_cast<unsigned*>(rc_smem + a.bar_off + 16);
-    if (rank == 0 && tid == 0) {
-      const unsigned ticket = atomicAdd(a.sync, 1u);
-      for (int r = 0; r < N; ++r)
-        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(rc_remote(fk_smem_addr(slot), r)),
-                     "r"(ticket)
-                     : "memory");
-    }
+    if (rank == 0 && tid == 0) *slot = atomicAdd(a.sync, 1u);
     rc_cluster_sync();
-    J = (int)(*reinterpret_cast<volatile unsigned*>(slot) % (unsigned)(a.pipe ? 3 : NL));
+    unsigned ticket;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];"
+                 : "=r"(ticket)
+                 : "r"(rc_remote(fk_smem_addr(slot), 0))
+                 : "memory");
+    J = (int)(ticket % (unsigned)(a.pipe ? 3 : NL));
     if (a.pipe && J == 1) {
+      rc_cluster_sync();  // CTA 0 stays until every CTA read its ticket
       rc_pipe_mid<T, G, SL>(a, rank, N);
       return;
     }
@@ -698,8 +728,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   float xr[8];
   auto published = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
-    const unsigned need = (unsigned)(tau + 1) * N * (P.u / Q);
-    rc_wait_ge(a.sync + J, need);
+    rc_wait_ge(a.sync + J, rc_step_done(tau, len, (unsigned)(N * (P.u / Q))));
   };
   auto fetch_in = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
@@ -715,12 +744,15 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     fetch_in(0);
     if (len > 1) published(1);
   }
-  // Pipe, layer 1: warp W - 2 (never an owner or partner there; the last warp's last thread
-  // sets the mbarrier's byte count) waits for the projection stage's flag of step tau + 2,
-  // loads that step's values for this CTA's units into registers, and at step tau + 1 stores
-  // them into slot (tau + 2) & 1 before arriving on the mbarrier that step tau + 1 waits on.
-  // Slot (s + 1) & 1 was last read at step s - 1, before every CTA's h of step s - 1 was sent.
-  const bool gfeed = pipe_b && warp == W - 2;
+  // Pipe, layer 1: two feeder warps, W - 2 for even steps and W - 3 for odd ones (never owners
+  // or partners there; the last warp's last thread sets the mbarrier's byte count). The feeder
+  // of step tau waits for the projection stage's flag of tau and loads that step's values for
+  // this CTA's units into registers at step tau - 3, and at step tau - 1 stores them into slot
+  // tau & 1 and arrives on the mbarrier that step tau waits on: a flag's round trip and the
+  // loads' have two steps to land. Slot (s + 1) & 1 was last read at step s - 1, before every
+  // CTA's h of step s - 1 was sent.
+  const int gf = W - 2 - warp;
+  const bool gfeed = pipe_b && (gf == 0 || gf == 1);
   const int GUb = G * a.l[pipe_b ? 1 : 0].u;
   float gr[4];
   float* gxs = reinterpret_cast<float*>(rc_smem + a.gxs_off);
@@ -740,11 +772,13 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     for (int i = 0; i < 4; ++i)
       if (lane + 32 * i < GUb) gxs[(tau & 1) * GUb + lane + 32 * i] = gr[i];
   };
-  if (gfeed && len > 0) {
+  if (gfeed && gf == 0 && len > 0) {
     gload(0);
     gput(0);
-    if (len > 1) gload(1);
   }
+  // The next step each feeder stores (at step 1 and step 0): 2 for W - 2, 1 for W - 3.
+  const int g_next = gf == 0 ? 2 : 1;
+  if (gfeed && g_next < len) gload(g_next);
 
   for (int s = 0; s < steps; ++s) {
     const int p = s & 1;
@@ -757,13 +791,13 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     // The last thread writes nothing global or remote, so its arrive (a release) waits for
     // nothing of its own.
     if (tid == RC_THREADS - 1 && send) rc_bar_expect(bar, rc_bytes(a, s, N, J));
-    if (gfeed) {
+    if (gfeed && ((s + 1) & 1) == gf) {
       if (send) {
         if (s + 1 < len) gput(s + 1);
         __syncwarp();
         if (lane == 0) rc_bar_arrive(bar);
       }
-      if (s + 2 < len) gload(s + 2);
+      if (s + 3 < len) gload(s + 3);
     }
 
     int base = 0;
@@ -940,7 +974,7 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
 #define RC_KERNELS(T, TN)                                                            \
   RC_KERNEL(T, TN, true, lstm)                                                       \
   RC_KERNEL(T, TN, false, gru)                                                       \
-  extern "C" __global__ void __launch_bounds__(RC_PT)                                \
+  extern "C" __global__ void __launch_bounds__(RC_PT, 1)                              \
       rnn_cluster_project_##TN(const __grid_constant__ RcProj a) { \
     if constexpr (FK_WANT(rnn_cluster_project_##TN)) { \
     rc_project<T>(a);                                                                \

@@ -811,7 +811,12 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if (recurrent && t > 1) || fused || gemv_frame {
+                    // A batch-1 LSTM/GRU window on the cluster path is read by every column
+                    // block of its first projection: copied to the device once instead.
+                    input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
+                        || fused
+                        || gemv_frame
+                    {
                         mapped(&input)
                     } else {
                         None

@@ -240,7 +240,8 @@ pub fn split_group(
 /// W_in1's slice in shared memory as f32) and layer 1, each on its own cluster, layer 1 reading
 /// its input projection like a first layer. Needs h0 <= 256 (the stage holds a row in 8
 /// registers per lane), at most 128 projection values per CTA of layer 1 (its feeder warp's 4
-/// registers per lane) and warp W - 2 free of unit groups there (the feeder). None otherwise.
+/// registers per lane) and warps W - 3 and W - 2 free of unit groups there (its feeders).
+/// None otherwise.
 pub fn pipe_group(
     cell: Cell,
     dtype: DType,
@@ -258,7 +259,7 @@ pub fn pipe_group(
     let warps = THREADS / 32;
     if h0 > 256
         || gu > 128
-        || 2 * (l1.per_cta / GROUP) > warps - 2
+        || 2 * (l1.per_cta / GROUP) > warps - 3
         || 2 * (l0.per_cta / GROUP) > warps
     {
         return None;
