@@ -20,8 +20,8 @@
 //
 // Several layers run in one launch. Split mode (the default where the device runs the clusters
 // side by side): one cluster per layer, each holding only its layer's weights, layer j reading
-// layer j-1's output sequence from global memory step by step as it is published (a counter
-// per layer). Otherwise a wavefront on one cluster: layer j computes timestep s - j at
+// layer j-1's output sequence from global memory step by step as it is published (a count
+// per layer and step). Otherwise a wavefront on one cluster: layer j computes timestep s - j at
 // super-step s from layer j-1's h of the previous super-step, so L layers take T + L - 1 steps.
 // The first layer reads x_t . W_in from `xp`, computed by `rnn_cluster_project`, which the host
 // queues before allocating the outputs so it runs while the call is being set up; the
@@ -84,8 +84,9 @@ struct RcArgs {
   int split;     // one layer per cluster (grid = layers clusters), see rc_run
   int xin_off;   // split: [groups][xin_len] f32 input vector of each partner warp
   int xin_len;
-  unsigned* sync;  // split, zeroed per call: [0] ticket, [1 + j] groups x steps layer j published,
-                   // pipe: [4 + r * T + tau] projection stage CTA r wrote step tau
+  unsigned* sync;  // split, zeroed per call: [0] ticket; pipe: [4 + r * T + tau] projection
+                   // stage CTA r wrote step tau; then per layer j and step tau the unit groups
+                   // of layer j that published it (rc_counts)
   unsigned long long* prof;  // null, or counters written by one CTA (tests)
   // Pipe (split, 2 layers, 3 clusters; see rc_pipe_mid): the clusters' roles by ticket are layer
   // 0, the projection stage, layer 1; layer 1 reads its input projection like a first layer.
@@ -475,13 +476,11 @@ __device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v) {
   while (rc_ld_acquire(p) < v)
     if (rc_ns() - t0 > 20000000000ull) __trap();
 }
-// The count of publishes (one per unit group and step, in a counter shared by the layer's
-// groups) that guarantees step tau of a T-step layer is published by every group: a group
-// publishes step tau before it sends h_tau, and nobody finishes step tau + 2 before receiving
-// every h_(tau+1), so while one group's step tau is missing the others reach at most
-// (tau + 2) * groups - 1.
-__device__ __forceinline__ unsigned rc_step_done(int tau, int T, unsigned groups) {
-  return (unsigned)min(tau + 2, T) * groups;
+// Layer j's per-step publish counts in `sync` (split and pipe): one counter per step, so that a
+// reader waits for exactly the groups of the step it needs. (A counter summed over steps cannot
+// say that: a group may publish step tau + 1 before another's step tau is visible.)
+__device__ __forceinline__ unsigned* rc_counts(const RcArgs& a, int j, int N) {
+  return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T;
 }
 __device__ __forceinline__ void rc_bar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -569,7 +568,7 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
   const int GH = G * B.h;
   for (int tau = warp; tau < len; tau += RC_WARPS) {
     const int t = a.reverse ? len - 1 - tau : tau;
-    rc_wait_ge(a.sync + 1, rc_step_done(tau, len, per_step));
+    rc_wait_ge(rc_counts(a, 0, N) + tau, per_step);
     float x[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -728,7 +727,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   float xr[8];
   auto published = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
-    rc_wait_ge(a.sync + J, rc_step_done(tau, len, (unsigned)(N * (P.u / Q))));
+    rc_wait_ge(rc_counts(a, J - 1, N) + tau, (unsigned)(N * (P.u / Q)));
   };
   auto fetch_in = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
@@ -918,7 +917,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         // release).
         if (J >= 0 && J + 1 < NL) {
           __syncwarp();
-          if (lane == 0) rc_publish(a.sync + 1 + J);
+          if (lane == 0) rc_publish(rc_counts(a, J, N) + tau);
         }
       }
     }

@@ -473,6 +473,7 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
     // run eager, captured and replayed; between its repeats a window of other inputs runs (so
     // a repeat that wrote nothing would keep that window's row, not this one's), and every
     // repeat must be bit for bit the first.
+    let mut failures = Vec::new();
     for kind in [Kind::Gru, Kind::Lstm] {
         for (i, (hidden, embed, layers, t, center)) in [
             (256, 288, 2, 60, 0.0),
@@ -501,20 +502,28 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
             let want_other = cpu_predict(&cpu, &other, 1, t);
             let first = gpu_predict(&gpu, &x, 1, t);
             let err = rel_l2(&first, &want);
-            assert!(err <= 1e-5, "{what}: window vs cpu, rel L2 {err}");
+            eprintln!("{what}: window vs cpu, rel L2 {err:.2e}");
+            if err > 1e-5 {
+                failures.push(format!("{what}: window vs cpu, rel L2 {err}"));
+            }
             for call in 1..4 {
                 let o = gpu_predict(&gpu, &other, 1, t);
                 let err = rel_l2(&o, &want_other);
-                assert!(
-                    err <= 1e-5,
-                    "{what}: other window call {call}, rel L2 {err}"
-                );
-                assert_eq!(
-                    gpu_predict(&gpu, &x, 1, t),
-                    first,
-                    "{what}: window call {call} changed"
-                );
+                if err > 1e-5 {
+                    failures.push(format!("{what}: other window call {call}, rel L2 {err}"));
+                }
+                let again = gpu_predict(&gpu, &x, 1, t);
+                if again != first {
+                    let moved = again.iter().zip(&first).filter(|(a, b)| a != b).count();
+                    failures.push(format!("{what}: window call {call}: {moved} values moved"));
+                }
             }
         }
     }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -1067,7 +1067,8 @@ impl CudaEngine {
             .chain((1..=s.layers).map(|l| format!("rnn_{l}_norm")))
             .map(|n| norm(&n))
             .collect::<Result<Vec<_>>>()?;
-        rnn::cuda_normed_window_on(&self.gpu, self.cell(), xd, &layers, &norms, out)
+        let tuning = rnn::Tuning::default();
+        rnn::cuda_normed_window_on(&self.gpu, self.cell(), xd, &layers, &norms, out, &tuning)
     }
 
     /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.

@@ -647,15 +647,17 @@ pub(super) fn run_group(
     let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
     let h0 = grp.layers[0].units;
     let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
-    // Split: the ticket and the per-layer progress counters, zeroed by the projection.
+    // Split: the ticket and each layer's count per step (`rc_counts`), zeroed by the
+    // projection.
+    let words = 4 + grp.layers.len() * seq;
     let sync = if grp.split {
-        Some(DeviceTensor::uninit(gpu, vec![4], DType::F32)?)
+        Some(DeviceTensor::uninit(gpu, vec![words], DType::F32)?)
     } else {
         None
     };
     let extras = ProjExtras {
         sync: ptr_opt(sync.as_ref()),
-        zero: if grp.split { 4 } else { 0 },
+        zero: if grp.split { words } else { 0 },
         ..Default::default()
     };
     // Queued first, so the device projects while the host sets up the rest of the call.
@@ -675,8 +677,9 @@ pub(super) enum NormedPlan {
     Layers(Vec<Group>),
 }
 
-/// The plan for a batch-1 stack of `hidden` on clusters of `ctas` CTAs, or None when a layer
-/// does not fit the cluster path (the caller composes the other paths then).
+/// The plan for a batch-1 stack of `hidden` on clusters of `ctas` CTAs (two layers as a pipe
+/// launch where `pipe` and the device holds it), or None when a layer does not fit the cluster
+/// path (the caller composes the other paths then).
 pub(super) fn normed_plan(
     gpu: &Gpu,
     cell: Cell,
@@ -684,8 +687,9 @@ pub(super) fn normed_plan(
     hidden: &[usize],
     ctas: usize,
     smem_limit: usize,
+    pipe: bool,
 ) -> Result<Option<NormedPlan>> {
-    if let Some(grp) = pipe_group(cell, dtype, hidden, ctas, smem_limit) {
+    if let Some(grp) = pipe_group(cell, dtype, hidden, ctas, smem_limit).filter(|_| pipe) {
         if split_fits(gpu, cell, dtype, &grp)? {
             return Ok(Some(NormedPlan::Pipe(grp)));
         }
@@ -726,7 +730,8 @@ pub(super) fn run_normed(
             let (h0, h1) = (grp.layers[0].units, grp.layers[1].units);
             let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
             let gx = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h1], DType::F32)?;
-            let words = 4 + grp.ctas * seq;
+            // The ticket, the stage's flags per CTA and step, each layer's count per step.
+            let words = 4 + grp.ctas * seq + grp.layers.len() * seq;
             let sync = DeviceTensor::uninit(gpu, vec![words], DType::F32)?;
             let extras = ProjExtras {
                 norm: Some(norms[0]),

@@ -274,6 +274,7 @@ pub fn cuda_on(
 /// clusters) where the device holds the three clusters together, else a launch per layer.
 /// `Ok(false)` (nothing queued) where the cluster path does not take the stack (batch > 1, no
 /// sm_90, a layer too wide): the caller composes `cuda_on` and norm launches then.
+/// `tuning.split == Some(false)` keeps two layers off the pipe launch (tests compare both).
 pub fn cuda_normed_window_on(
     gpu: &std::sync::Arc<crate::cuda::Gpu>,
     cell: Cell,
@@ -281,6 +282,7 @@ pub fn cuda_normed_window_on(
     layers: &[Layer<'_>],
     norms: &[cluster::NormPtrs],
     out: u64,
+    tuning: &Tuning,
 ) -> Result<bool> {
     let g = geometry(cell, &x.shape, x.dtype, layers)?;
     if norms.len() != layers.len() + 1 {
@@ -299,7 +301,8 @@ pub fn cuda_normed_window_on(
         return Ok(false);
     };
     let smem = common::smem_limit(gpu)?;
-    let Some(plan) = cluster::normed_plan(gpu, cell, g.dtype, &g.hidden, ctas, smem)? else {
+    let pipe = tuning.split != Some(false);
+    let Some(plan) = cluster::normed_plan(gpu, cell, g.dtype, &g.hidden, ctas, smem, pipe)? else {
         return Ok(false);
     };
     let groups: Vec<&ClusterGroup> = match &plan {
