@@ -651,7 +651,9 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // The last layer's final h, normalised into `out`: the last step sends h as the others do.
   const bool onorm = a.og != nullptr && (J < 0 || J == NL - 1);
   const int steps = J >= 0 ? len : len + NL - 1;
-  const bool prof = a.prof != nullptr && rank == 0 && tid == 0 && (J < 0 || J == NL - 1);
+  // Pipe: layer 0's CTA 0 records its loop too (prof[6], prof[7]).
+  const bool prof_last = J < 0 || J == NL - 1, prof_first = a.pipe && J == 0;
+  const bool prof = a.prof != nullptr && rank == 0 && tid == 0 && (prof_last || prof_first);
 
   if (tid == 0) {
     // Pipe, layer 1: the feeder warp's arrival counts too (its slot for the next step is full).
@@ -944,7 +946,11 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   }
   // No CTA leaves while another may still address its shared memory.
   rc_cluster_sync();
-  if (prof) {
+  if (prof && prof_first) {
+    a.prof[6] = rc_clock() - t_loop;  // cycles: layer 0's recurrence
+    a.prof[7] = rc_ns() - ns_start;   // ns: layer 0's CTA 0 start to end
+  }
+  if (prof && prof_last) {
     const unsigned long long t_end = rc_clock();
     a.prof[0] = t_loop - t_start;    // cycles: weights, buffers, waiting for xp, first barrier
     a.prof[1] = t_end - t_loop;      // cycles: the recurrence

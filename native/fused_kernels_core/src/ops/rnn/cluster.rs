@@ -717,6 +717,7 @@ pub(super) fn run_normed(
     params: &[LayerParams<'_>],
     norms: &[NormPtrs],
     out: CUdeviceptr,
+    prof: CUdeviceptr,
 ) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
     let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
     let last = *norms
@@ -745,6 +746,7 @@ pub(super) fn run_normed(
             a.gx = ptr(&gx);
             (a.mg, a.mb, a.meps) = (norms[1].gamma, norms[1].beta, norms[1].eps);
             set_out(&mut a);
+            a.prof = prof;
             let outs = fill_layers(gpu, cell, dtype, seq, grp, params, &mut a)?;
             launch_recurrence(gpu, &f, grp, &mut a)?;
             // Freed in stream order, after the kernel.
@@ -769,6 +771,7 @@ pub(super) fn run_normed(
                 let mut a = base_args(grp, &xp, seq, false);
                 if l + 1 == groups.len() {
                     set_out(&mut a);
+                    a.prof = prof;
                 }
                 let o = fill_layers(gpu, cell, dtype, seq, grp, &params[l..=l], &mut a)?;
                 launch_recurrence(gpu, &f, grp, &mut a)?;

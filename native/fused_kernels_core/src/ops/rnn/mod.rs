@@ -274,7 +274,8 @@ pub fn cuda_on(
 /// clusters) where the device holds the three clusters together, else a launch per layer.
 /// `Ok(false)` (nothing queued) where the cluster path does not take the stack (batch > 1, no
 /// sm_90, a layer too wide): the caller composes `cuda_on` and norm launches then.
-/// `tuning.split == Some(false)` keeps two layers off the pipe launch (tests compare both).
+/// `tuning.split == Some(false)` keeps two layers off the pipe launch (tests compare both);
+/// `tuning.cluster_profile` receives the last launch's counters (`RcArgs::prof`).
 pub fn cuda_normed_window_on(
     gpu: &std::sync::Arc<crate::cuda::Gpu>,
     cell: Cell,
@@ -324,7 +325,17 @@ pub fn cuda_normed_window_on(
         })
         .collect::<Result<Vec<_>>>()?;
     cluster::run_normed(
-        gpu, cell, g.dtype, g.seq, &plan, x, g.features, &params, norms, out,
+        gpu,
+        cell,
+        g.dtype,
+        g.seq,
+        &plan,
+        x,
+        g.features,
+        &params,
+        norms,
+        out,
+        tuning.cluster_profile,
     )?;
     Ok(true)
 }
