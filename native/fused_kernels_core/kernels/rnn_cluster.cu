@@ -290,8 +290,8 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
 #if FK_ARCH >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (a.sync && blockIdx.x == 0)
-    for (int i = tid; i < a.zero; i += RC_PT) a.sync[i] = 0u;
+  if (a.sync)
+    for (int i = blockIdx.x * RC_PT + tid; i < a.zero; i += gridDim.x * RC_PT) a.sync[i] = 0u;
   // Row statistics (warp w: rows 2w and 2w + 1), centred two-pass. x may be mapped host
   // memory (the engine's window staging), so each block reads its rows once: from the staged
   // chunk in shared memory when a row fits one chunk, else from x (more than RC_PK features).
@@ -470,17 +470,24 @@ __device__ __forceinline__ unsigned long long rc_ns();
 // running, so the wait ends; should it not within 20 s (a broken device or launch; the bound
 // leaves room for the sanitizers' slowdown), the kernel traps: the call fails with a launch
 // error instead of hanging.
-__device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v) {
+// `nap` (ns, 0: none) sleeps between polls: waiters with slack poll less, so that the counter's
+// L2 line is not kept busy under the publishers.
+__device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v, unsigned nap = 0) {
   if (rc_ld_acquire(p) >= v) return;
   const unsigned long long t0 = rc_ns();
-  while (rc_ld_acquire(p) < v)
+  while (rc_ld_acquire(p) < v) {
+    if (nap) __nanosleep(nap);
     if (rc_ns() - t0 > 20000000000ull) __trap();
+  }
 }
 // Layer j's per-step publish counts in `sync` (split and pipe): one counter per step, so that a
 // reader waits for exactly the groups of the step it needs. (A counter summed over steps cannot
 // say that: a group may publish step tau + 1 before another's step tau is visible.)
+// Each step's count has a 128-byte line of its own (RC_COUNT_STRIDE words), so that waiters
+// polling later steps do not share the line the publishers of this step update.
+#define RC_COUNT_STRIDE 32
 __device__ __forceinline__ unsigned* rc_counts(const RcArgs& a, int j, int N) {
-  return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T;
+  return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T * RC_COUNT_STRIDE;
 }
 __device__ __forceinline__ void rc_bar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -568,7 +575,8 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
   const int GH = G * B.h;
   for (int tau = warp; tau < len; tau += RC_WARPS) {
     const int t = a.reverse ? len - 1 - tau : tau;
-    rc_wait_ge(rc_counts(a, 0, N) + tau, per_step);
+    // A warp waits 16 steps for its next one: it can nap.
+    rc_wait_ge(rc_counts(a, 0, N) + RC_COUNT_STRIDE * tau, per_step, 256);
     float x[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -729,7 +737,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   float xr[8];
   auto published = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
-    rc_wait_ge(rc_counts(a, J - 1, N) + tau, (unsigned)(N * (P.u / Q)));
+    rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, (unsigned)(N * (P.u / Q)));
   };
   auto fetch_in = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
@@ -780,6 +788,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // The next step each feeder stores (at step 1 and step 0): 2 for W - 2, 1 for W - 3.
   const int g_next = gf == 0 ? 2 : 1;
   if (gfeed && g_next < len) gload(g_next);
+  // Slot 0 is read at step 0, with no mbarrier wait before it.
+  if (pipe_b) __syncthreads();
 
   for (int s = 0; s < steps; ++s) {
     const int p = s & 1;
@@ -919,7 +929,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         // release).
         if (J >= 0 && J + 1 < NL) {
           __syncwarp();
-          if (lane == 0) rc_publish(rc_counts(a, J, N) + tau);
+          if (lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
         }
       }
     }

@@ -459,6 +459,9 @@ const _: () = assert!(std::mem::size_of::<RcProj>() == 9 * 8 + 6 * 4);
 // Safety: plain old data laid out exactly like the CUDA struct.
 unsafe impl cudarc::driver::DeviceRepr for RcProj {}
 
+/// Words per step count in the recurrence's `sync` buffer (`RC_COUNT_STRIDE`).
+const COUNT_STRIDE: usize = 32;
+
 /// Tile of `rnn_cluster_project` (`RC_PM` rows x `RC_PN` columns, `RC_PT` threads).
 const PROJ_ROWS: usize = 8;
 const PROJ_COLS: usize = 32;
@@ -649,7 +652,7 @@ pub(super) fn run_group(
     let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
     // Split: the ticket and each layer's count per step (`rc_counts`), zeroed by the
     // projection.
-    let words = 4 + grp.layers.len() * seq;
+    let words = 4 + grp.layers.len() * seq * COUNT_STRIDE;
     let sync = if grp.split {
         Some(DeviceTensor::uninit(gpu, vec![words], DType::F32)?)
     } else {
@@ -732,7 +735,7 @@ pub(super) fn run_normed(
             let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
             let gx = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h1], DType::F32)?;
             // The ticket, the stage's flags per CTA and step, each layer's count per step.
-            let words = 4 + grp.ctas * seq + grp.layers.len() * seq;
+            let words = 4 + grp.ctas * seq + grp.layers.len() * seq * COUNT_STRIDE;
             let sync = DeviceTensor::uninit(gpu, vec![words], DType::F32)?;
             let extras = ProjExtras {
                 norm: Some(norms[0]),
