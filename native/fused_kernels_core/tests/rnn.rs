@@ -505,6 +505,23 @@ fn cluster_groups_fit_a_hopper_cta() {
             assert!(grp.xin_len >= 4 * grp.layers[1].ni_in * 2);
         }
     }
+    // Pipe groups (two layers and a projection stage): ExPhil's f32 stacks, the stage's row
+    // of at most 256 floats, the feeders' 128 values and two free warps per CTA of layer 1.
+    let pg = |cell, hidden: &[usize]| cluster_pipe_group(cell, F32, hidden, 16, smem);
+    for cell in [Cell::Lstm, Cell::Gru] {
+        let grp = pg(cell, &[256, 256]).unwrap();
+        assert!(grp.pipe && grp.split && grp.partners && grp.smem_bytes <= smem);
+        assert!(grp.gxs_off + 2 * cell.gates() * grp.layers[1].per_cta * 4 <= grp.bar_off);
+        // The stage's weights: G x u x 256 f32 below the barriers.
+        assert!(cell.gates() * grp.layers[1].per_cta * 256 * 4 <= grp.bar_off);
+        assert!(pg(cell, &[200, 200]).is_some());
+        assert!(pg(cell, &[48, 64]).is_some());
+        assert!(pg(cell, &[512, 256]).is_none());
+        assert!(pg(cell, &[256]).is_none());
+        assert!(pg(cell, &[256, 256, 256]).is_none());
+        // 512 units: 32 per CTA, 8 unit groups: no free warps for the feeders.
+        assert!(pg(cell, &[256, 512]).is_none());
+    }
 }
 
 #[test]

@@ -14,7 +14,8 @@ mod resident;
 
 pub use cluster::NormPtrs;
 pub use cluster::{
-    cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
+    cluster_ctas, group as cluster_group, pipe_group as cluster_pipe_group,
+    split_group as cluster_split_group, Group as ClusterGroup,
 };
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
 pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch, TimeLoop};
