@@ -256,7 +256,7 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
 #endif
   __shared__ __align__(16) float ws[RC_PK][RC_PN];
   __shared__ __align__(16) float xs[RC_PM][RC_PK + 4];
-  __shared__ float stat[RC_PM][2];
+  __shared__ float stat[RC_PM][3];  // pivot, mean - pivot, 1 / std
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int GH = a.G * a.H, mt = (a.T + RC_PM - 1) / RC_PM;
   const int m0 = (blockIdx.x % mt) * RC_PM, n0 = (blockIdx.x / mt) * RC_PN;
@@ -292,7 +292,8 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
 #endif
   if (a.sync)
     for (int i = blockIdx.x * RC_PT + tid; i < a.zero; i += gridDim.x * RC_PT) a.sync[i] = 0u;
-  // Row statistics (warp w: rows 2w and 2w + 1), centred two-pass. x may be mapped host
+  // Row statistics (warp w: rows 2w and 2w + 1), two passes about the row's first value as
+  // norm.cu takes them (a large mean is not lost to the rounding of a sum). x may be mapped host
   // memory (the engine's window staging), so each block reads its rows once: from the staged
   // chunk in shared memory when a row fits one chunk, else from x (more than RC_PK features).
   const bool one = a.K <= RC_PK;
@@ -303,23 +304,25 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
       auto at = [&](int k) {
         return from_smem ? xs[rr][k] : fk_ld<T>(a.x, (size_t)m * a.K + k);
       };
-      float mean = 0.0f, var = 0.0f;
+      float pivot = 0.0f, d = 0.0f, var = 0.0f;
       if (m < a.T) {
+        pivot = at(0);
         float s = 0.0f;
 #pragma unroll 4
-        for (int k = lane; k < a.K; k += 32) s += at(k);
-        mean = rc_warp_sum(s) / (float)a.K;
+        for (int k = lane; k < a.K; k += 32) s += at(k) - pivot;
+        d = rc_warp_sum(s) / (float)a.K;
         float q = 0.0f;
 #pragma unroll 4
         for (int k = lane; k < a.K; k += 32) {
-          const float d = at(k) - mean;
-          q = fmaf(d, d, q);
+          const float c = (at(k) - pivot) - d;
+          q = fmaf(c, c, q);
         }
         var = rc_warp_sum(q) / (float)a.K;
       }
       if (lane == 0) {
-        stat[rr][0] = mean;
-        stat[rr][1] = rsqrtf(var + a.eps);
+        stat[rr][0] = pivot;
+        stat[rr][1] = d;
+        stat[rr][2] = rsqrtf(var + a.eps);
       }
     }
   };
@@ -361,7 +364,7 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
         if (kk >= RC_PK) continue;
         float y = v[rr][j];
         if (a.gamma && m0 + rr < a.T && k < a.K)
-          y = (y - stat[rr][0]) * stat[rr][1] * a.gamma[k] + a.beta[k];
+          y = ((y - stat[rr][0]) - stat[rr][1]) * stat[rr][2] * a.gamma[k] + a.beta[k];
         xs[rr][kk] = y;
       }
     __syncthreads();
@@ -583,20 +586,22 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
       const int k = lane + 32 * m;
       x[m] = k < K ? rc_ld_cg<T>(A.seq, (size_t)t * K + k) : 0.0f;
     }
+    // Statistics about the row's first value, as norm.cu takes them.
+    const float pivot = __shfl_sync(0xffffffffu, x[0], 0);
     float sum = 0.0f;
 #pragma unroll
-    for (int m = 0; m < 8; ++m) sum += x[m];
-    const float mean = rc_warp_sum(sum) / (float)K;
+    for (int m = 0; m < 8; ++m) sum += lane + 32 * m < K ? x[m] - pivot : 0.0f;
+    const float d = rc_warp_sum(sum) / (float)K;
     float q = 0.0f;
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
-      const float d = lane + 32 * m < K ? x[m] - mean : 0.0f;
-      q = fmaf(d, d, q);
+      const float c = lane + 32 * m < K ? (x[m] - pivot) - d : 0.0f;
+      q = fmaf(c, c, q);
     }
     const float rstd = rsqrtf(rc_warp_sum(q) / (float)K + a.meps);
 #pragma unroll
     for (int m = 0; m < 8; ++m)
-      x[m] = lane + 32 * m < K ? (x[m] - mean) * rstd * gm[m] + bt[m] : 0.0f;
+      x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
     for (int c = 0; c < GU; ++c) {
       const float* w = ws + c * Kp + lane;
       float v = 0.0f;
@@ -943,16 +948,18 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     // The last step sent h like the others: this CTA holds all of it.
     const RcLayer& L = a.l[J >= 0 ? J : NL - 1];
     const float* hb = reinterpret_cast<const float*>(rc_smem + L.hb_off) + (steps & 1) * L.hb_len;
+    const float pivot = hb[0];
     float sum = 0.0f;
-    for (int k = lane; k < L.h; k += 32) sum += hb[k];
-    const float mean = rc_warp_sum(sum) / (float)L.h;
+    for (int k = lane; k < L.h; k += 32) sum += hb[k] - pivot;
+    const float d = rc_warp_sum(sum) / (float)L.h;
     float q = 0.0f;
     for (int k = lane; k < L.h; k += 32) {
-      const float d = hb[k] - mean;
-      q = fmaf(d, d, q);
+      const float c = (hb[k] - pivot) - d;
+      q = fmaf(c, c, q);
     }
     const float rstd = rsqrtf(rc_warp_sum(q) / (float)L.h + a.oeps);
-    for (int k = lane; k < L.h; k += 32) a.out[k] = (hb[k] - mean) * rstd * a.og[k] + a.ob[k];
+    for (int k = lane; k < L.h; k += 32)
+      a.out[k] = ((hb[k] - pivot) - d) * rstd * a.og[k] + a.ob[k];
   }
   // No CTA leaves while another may still address its shared memory.
   rc_cluster_sync();
