@@ -862,13 +862,18 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if (recurrent && t > 1) || fused || gemv_frame {
+                    // A batch-1 LSTM/GRU window on the cluster path is read by every column
+                    // block of its first projection: copied to the device once instead.
+                    input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
+                        || fused
+                        || gemv_frame
+                    {
                         mapped(&input)
                     } else {
                         None
                     },
                     input,
-                    output_dev: if fused || gemv_frame {
+                    output_dev: if fused || gemv_frame || self.rnn_window_staged(key) {
                         mapped(&output)
                     } else {
                         None
@@ -1078,6 +1083,15 @@ impl CudaEngine {
                     // A frame on the frame kernels (`gemv_frame`): the last launch writes the
                     // mapped output staging itself.
                     (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                    // A batch-1 LSTM/GRU window on the cluster path writes the last row, normed,
+                    // where `predict` reads it.
+                    (Some(o), _)
+                        if state.is_none()
+                            && self
+                                .rnn_window(&xd, o + ((t - 1) * self.spec.hidden * 4) as u64)? =>
+                    {
+                        Ok(())
+                    }
                     _ => self.forward(&xd, state)?.copy_to_pinned(output),
                 }
             })
@@ -1108,6 +1122,36 @@ impl CudaEngine {
             && matches!(self.spec.kind, Kind::Attention | Kind::Jamba)
             && self.frame.is_some()
             && FrameFns::takes(&self.spec, (b, t), true)
+    }
+
+    /// Whether calls of shape `key` are batch-1 LSTM/GRU windows, whose output staging is mapped
+    /// for `rnn_window` to write the last row into.
+    fn rnn_window_staged(&self, (b, _, frame): (usize, usize, bool)) -> bool {
+        !frame && b == 1 && matches!(self.spec.kind, Kind::Lstm | Kind::Gru)
+    }
+
+    /// A batch-1 LSTM/GRU window on the cluster path with every LayerNorm folded in (input norm
+    /// and the norms between layers in the projections, the last layer's norm on its final h);
+    /// the last row goes to `out` (the mapped output staging). False (nothing queued) where the
+    /// cluster path does not take the stack.
+    fn rnn_window(&self, xd: &DeviceTensor, out: u64) -> Result<bool> {
+        let s = &self.spec;
+        let layers = (1..=s.layers)
+            .map(|l| self.rnn_weights(l, Vec::new()))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = |name: &str| -> Result<rnn::NormPtrs> {
+            Ok(rnn::NormPtrs {
+                gamma: ptr(self.dw(&format!("{name}/gamma"))?),
+                beta: ptr(self.dw(&format!("{name}/beta"))?),
+                eps: s.norm_eps as f32,
+            })
+        };
+        let norms = std::iter::once("input_norm".to_string())
+            .chain((1..=s.layers).map(|l| format!("rnn_{l}_norm")))
+            .map(|n| norm(&n))
+            .collect::<Result<Vec<_>>>()?;
+        let tuning = rnn::Tuning::default();
+        rnn::cuda_normed_window_on(&self.gpu, self.cell(), xd, &layers, &norms, out, &tuning)
     }
 
     /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
@@ -1292,6 +1336,23 @@ impl CudaEngine {
         self.spec.kind.cell()
     }
 
+    /// Recurrent layer `l`'s weights (1-based) with `init` as its initial state.
+    fn rnn_weights<'a>(&'a self, l: usize, init: Vec<Operand<'a>>) -> Result<rnn::Layer<'a>> {
+        let cell = self.cell();
+        let group = |g: &str, names: &[&str]| -> Result<Vec<Operand<'_>>> {
+            names
+                .iter()
+                .map(|n| self.w(&format!("rnn_{l}/{g}/{n}")))
+                .collect()
+        };
+        Ok(rnn::Layer {
+            input_kernel: group("input_kernel", cell.input_names())?,
+            hidden_kernel: group("hidden_kernel", cell.hidden_names())?,
+            bias: group("bias", cell.bias_names())?,
+            initial_state: init,
+        })
+    }
+
     /// One recurrent layer; with a stream state its tensors are the initial state and are
     /// replaced by the final one.
     fn rnn_layer(
@@ -1301,22 +1362,11 @@ impl CudaEngine {
         state: Option<&mut Vec<DeviceTensor>>,
     ) -> Result<DeviceTensor> {
         let cell = self.cell();
-        let group = |g: &str, names: &[&str]| -> Result<Vec<Operand<'_>>> {
-            names
-                .iter()
-                .map(|n| self.w(&format!("rnn_{l}/{g}/{n}")))
-                .collect()
-        };
         let init = match &state {
             Some(s) => s.iter().map(Operand::Device).collect(),
             None => Vec::new(),
         };
-        let layer = rnn::Layer {
-            input_kernel: group("input_kernel", cell.input_names())?,
-            hidden_kernel: group("hidden_kernel", cell.hidden_names())?,
-            bias: group("bias", cell.bias_names())?,
-            initial_state: init,
-        };
+        let layer = self.rnn_weights(l, init)?;
         let out = rnn::cuda_on(&self.gpu, cell, x, &[layer], false)?;
         if let Some(s) = state {
             let new = out
