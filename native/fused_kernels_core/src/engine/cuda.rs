@@ -1523,10 +1523,7 @@ impl CudaEngine {
         let mut p = p
             .lock()
             .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        p.enabled = on;
-        if !on {
-            p.stop()?;
-        }
+        p.set_enabled(on)?;
         Ok(true)
     }
 

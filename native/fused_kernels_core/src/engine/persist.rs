@@ -57,6 +57,14 @@ const MAX_RUN: u32 = 1 << 22;
 /// `FRAME_TIMEOUT` is an error).
 static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
 
+/// Engines per device (index: ordinal) alive in this process with the persistent path switched
+/// on. The path is taken only while there is one: with several engines in one process (several
+/// policies, each its own BEAM process) the kernels measured far worse than graph frames (H100,
+/// `bench/backbone_concurrency.exs`: 1-layer GRU frames, 4 processes 16,000 frames/s against
+/// 47,000 for one, p99 0.45 ms; 8 processes p99 20 ms, a launch waiting out another kernel's
+/// idle time-out), so they all take the graph path, whose frames scale (3.6x at 4).
+static ENABLED_ENGINES: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+
 /// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
 /// for both frames and stop: the kernel's poller reads one word over the bus per look.
 const POSTED: usize = 0;
@@ -111,8 +119,9 @@ pub struct Persist {
     last: Instant,
     /// Why the persistent path may no longer be used (a kernel that did not answer).
     broken: Option<String>,
-    /// Frame paths may be switched off (benches compare against the graph path).
-    pub enabled: bool,
+    /// Frame paths may be switched off (benches compare against the graph path): see
+    /// `set_enabled`, which keeps `ENABLED_ENGINES` in step.
+    enabled: bool,
     /// Blocks of persistent launches the device may run at once (see `RUNNING_BLOCKS`).
     budget: u32,
     /// Blocks this engine holds of `RUNNING_BLOCKS` (0 when not running).
@@ -150,6 +159,9 @@ impl Persist {
         let sync_words = layers + 2;
         let mut sync = DeviceTensor::uninit_owned(gpu, vec![sync_words], crate::dtype::DType::F32)?;
         sync.fill_bytes(0)?;
+        if let Some(c) = ENABLED_ENGINES.get(gpu.ordinal) {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(Persist {
             gpu: gpu.clone(),
             f,
@@ -168,6 +180,32 @@ impl Persist {
             frames: 0,
             launches: 0,
         })
+    }
+
+    /// Switches the persistent path on or off (off: a running kernel is stopped).
+    pub fn set_enabled(&mut self, on: bool) -> Result<()> {
+        if on != self.enabled {
+            if let Some(c) = ENABLED_ENGINES.get(self.gpu.ordinal) {
+                if on {
+                    c.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    c.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            self.enabled = on;
+        }
+        if on {
+            Ok(())
+        } else {
+            self.stop()
+        }
+    }
+
+    /// Whether another engine of this process on the device has the path switched on.
+    fn shared_device(&self) -> bool {
+        ENABLED_ENGINES
+            .get(self.gpu.ordinal)
+            .is_some_and(|c| c.load(Ordering::Acquire) > 1)
     }
 
     fn counter(&self) -> Option<&'static AtomicU32> {
@@ -320,7 +358,7 @@ impl Persist {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
-        if !self.enabled {
+        if !self.enabled || self.shared_device() {
             self.stop()?;
             return Ok(false);
         }
@@ -404,6 +442,6 @@ impl Persist {
 
 impl Drop for Persist {
     fn drop(&mut self) {
-        let _ = self.stop();
+        let _ = self.set_enabled(false);
     }
 }
