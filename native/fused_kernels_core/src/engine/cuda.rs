@@ -1471,6 +1471,41 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
+    /// The arguments of an LSTM/GRU frame of `st.batch` rows from `x` to `out` (device
+    /// addresses) with `smem` bytes of dynamic shared memory, for either frame kernel.
+    fn frame_args(
+        &self,
+        rf: &RnnFrame,
+        x: u64,
+        out: u64,
+        st: &CudaState,
+        smem: usize,
+    ) -> Result<FrameArgs> {
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
+        let (b, h) = (st.batch, self.spec.hidden);
+        Ok(FrameArgs {
+            x,
+            in_gamma: rf.input_norm.0,
+            in_beta: rf.input_norm.1,
+            layers: ptr(&rf.table),
+            states: ptr(table),
+            scratch: ptr(&rf.scratch),
+            pair_words: rf.layers * 4 * b * h,
+            eps: self.spec.norm_eps as f32,
+            out,
+            nlayers: rf.layers as i32,
+            batch: b as i32,
+            hidden: h as i32,
+            lstm: (self.spec.kind == Kind::Lstm) as i32,
+            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
+            threads: FRAME_THREADS as u32,
+            smem: smem as u32,
+        })
+    }
+
     /// An LSTM/GRU frame of `st.batch` rows (in the mapped staging `x`, out to the mapped
     /// staging `out`) on the persistent kernel (engine/persist.rs); Ok(false) where it does not
     /// take it (none built, switched off, too much shared memory for this batch, or more
@@ -1488,28 +1523,7 @@ impl CudaEngine {
             p.stop()?;
             return Ok(false);
         }
-        let table = st
-            .rnn_table
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
-        let a = FrameArgs {
-            x,
-            in_gamma: rf.input_norm.0,
-            in_beta: rf.input_norm.1,
-            layers: ptr(&rf.table),
-            states: ptr(table),
-            scratch: ptr(&rf.scratch),
-            pair_words: rf.layers * 4 * b * h,
-            eps: self.spec.norm_eps as f32,
-            out,
-            nlayers: rf.layers as i32,
-            batch: b as i32,
-            hidden: h as i32,
-            lstm: (self.spec.kind == Kind::Lstm) as i32,
-            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
-            threads: FRAME_THREADS as u32,
-            smem: smem as u32,
-        };
+        let a = self.frame_args(rf, x, out, st, smem)?;
         p.frame(st.id, &a)
     }
 
@@ -1544,39 +1558,10 @@ impl CudaEngine {
     /// hidden}` written to `out` (likewise). The arguments are passed from the stack: nothing
     /// is allocated.
     fn rnn_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<()> {
-        let s = &self.spec;
-        let table = st
-            .rnn_table
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
-        let (b, h) = (st.batch, s.hidden);
-        let (mut x, mut out) = (x, out);
-        let (mut ig, mut ib) = rf.input_norm;
-        let (mut lt, mut stt) = (ptr(&rf.table), ptr(table));
-        let (mut sc, mut sy) = (ptr(&rf.scratch), ptr(&rf.sync));
-        let mut eps = s.norm_eps as f32;
-        let (mut nl, mut bi, mut hi) = (rf.layers as i32, b as i32, h as i32);
-        let mut li = (s.kind == Kind::Lstm) as i32;
-        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
-            v as *mut T as *mut std::ffi::c_void
-        }
-        let mut params = [
-            arg(&mut x),
-            arg(&mut ig),
-            arg(&mut ib),
-            arg(&mut lt),
-            arg(&mut stt),
-            arg(&mut sc),
-            arg(&mut eps),
-            arg(&mut out),
-            arg(&mut sy),
-            arg(&mut nl),
-            arg(&mut bi),
-            arg(&mut hi),
-            arg(&mut li),
-        ];
-        let grid = (rf.layers * h.div_ceil(FRAME_UNITS)) as u32;
-        let smem = RnnFrame::smem(b, rf.widest, h) as u32;
+        let smem = RnnFrame::smem(st.batch, rf.widest, self.spec.hidden);
+        let a = self.frame_args(rf, x, out, st, smem)?;
+        let mut shared = a.params(ptr(&rf.sync));
+        let mut params = shared.ptrs();
         self.gpu.bind()?;
         // Safety: the kernel's parameters in order, each a live local of the right type;
         // every address is a weight, table, scratch or state tensor of this engine or the
@@ -1584,9 +1569,9 @@ impl CudaEngine {
         unsafe {
             cudarc::driver::result::launch_kernel(
                 rf.f.cu_function(),
-                (grid, 1, 1),
-                (FRAME_THREADS as u32, 1, 1),
-                smem,
+                (a.grid, 1, 1),
+                (a.threads, 1, 1),
+                a.smem,
                 self.gpu.stream.cu_stream(),
                 &mut params,
             )

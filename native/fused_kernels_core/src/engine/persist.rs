@@ -17,6 +17,7 @@
 
 use crate::cuda::buffer::PinnedBytes;
 use crate::cuda::gemm::ptr;
+use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
@@ -100,6 +101,66 @@ pub struct FrameArgs {
     pub grid: u32,
     pub threads: u32,
     pub smem: u32,
+}
+
+/// The parameters `engine_rnn_frame_f32` and `engine_rnn_persist_f32` both begin with, in the
+/// kernels' order, as locals a launch can point at.
+pub struct FrameParams {
+    x: u64,
+    in_gamma: u64,
+    in_beta: u64,
+    layers: u64,
+    states: u64,
+    scratch: u64,
+    eps: f32,
+    out: u64,
+    sync: u64,
+    nlayers: i32,
+    batch: i32,
+    hidden: i32,
+    lstm: i32,
+}
+
+impl FrameParams {
+    /// Pointers to the parameters in order, for a launch's `params` (valid while `self` is).
+    pub fn ptrs(&mut self) -> [*mut std::ffi::c_void; 13] {
+        [
+            arg(&mut self.x),
+            arg(&mut self.in_gamma),
+            arg(&mut self.in_beta),
+            arg(&mut self.layers),
+            arg(&mut self.states),
+            arg(&mut self.scratch),
+            arg(&mut self.eps),
+            arg(&mut self.out),
+            arg(&mut self.sync),
+            arg(&mut self.nlayers),
+            arg(&mut self.batch),
+            arg(&mut self.hidden),
+            arg(&mut self.lstm),
+        ]
+    }
+}
+
+impl FrameArgs {
+    /// The shared parameters, with `sync` the launch's block counters.
+    pub fn params(&self, sync: u64) -> FrameParams {
+        FrameParams {
+            x: self.x,
+            in_gamma: self.in_gamma,
+            in_beta: self.in_beta,
+            layers: self.layers,
+            states: self.states,
+            scratch: self.scratch,
+            eps: self.eps,
+            out: self.out,
+            sync,
+            nlayers: self.nlayers,
+            batch: self.batch,
+            hidden: self.hidden,
+            lstm: self.lstm,
+        }
+    }
 }
 
 pub struct Persist {
@@ -298,33 +359,11 @@ impl Persist {
                 "persistent frame: clearing its words: {r:?} {r2:?}"
             )));
         }
-        let (mut x, mut ig, mut ib, mut lt, mut stt, mut sc, mut eps, mut out) = (
-            a.x, a.in_gamma, a.in_beta, a.layers, a.states, a.scratch, a.eps, a.out,
-        );
-        let (mut sy, mut nl, mut bi, mut hi, mut li) =
-            (ptr(&self.sync), a.nlayers, a.batch, a.hidden, a.lstm);
+        let mut shared = a.params(ptr(&self.sync));
         let (mut mb, mut base, mut idle) = (self.mbox_dev, self.seq, IDLE.as_nanos() as u64);
-        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
-            v as *mut T as *mut std::ffi::c_void
-        }
-        let mut params = [
-            arg(&mut x),
-            arg(&mut ig),
-            arg(&mut ib),
-            arg(&mut lt),
-            arg(&mut stt),
-            arg(&mut sc),
-            arg(&mut eps),
-            arg(&mut out),
-            arg(&mut sy),
-            arg(&mut nl),
-            arg(&mut bi),
-            arg(&mut hi),
-            arg(&mut li),
-            arg(&mut mb),
-            arg(&mut base),
-            arg(&mut idle),
-        ];
+        let mut params = [std::ptr::null_mut(); 16];
+        params[..13].copy_from_slice(&shared.ptrs());
+        params[13..].copy_from_slice(&[arg(&mut mb), arg(&mut base), arg(&mut idle)]);
         // Safety: the kernel's parameters in order, each a live local of the right type; every
         // address is the engine's (weights, tables, scratch), the state's or the shape's
         // staging, alive until the kernel is stopped (the engine stops it before any of them
