@@ -180,20 +180,32 @@ pub fn group(
         }
     }
     let groups: usize = layers.iter().map(|l| l.per_cta / GROUP).sum();
-    Some(Group {
+    Some(one_cluster(ctas, layers, at, 2 * groups <= THREADS / 32, 0))
+}
+
+/// A group whose layers share one cluster (not split), their buffers ending at `at`, the
+/// mbarriers and partner sums after them.
+fn one_cluster(
+    ctas: usize,
+    layers: Vec<LayerLayout>,
+    at: usize,
+    partners: bool,
+    regs: usize,
+) -> Group {
+    Group {
         ctas,
         layers,
         bar_off: at,
         pp_off: at + BARS,
-        partners: 2 * groups <= THREADS / 32,
+        partners,
         split: false,
         xin_off: 0,
         xin_len: 0,
         pipe: false,
         gxs_off: 0,
-        smem_bytes: at + TAIL,
-        regs: 0,
-    })
+        smem_bytes: at + BARS + PARTNER_SUMS,
+        regs,
+    }
 }
 
 /// The one-layer group of layer `first` with `REGS` 4-vectors of each warp's range of its
@@ -228,20 +240,7 @@ pub fn group_regs(
     if at + TAIL > smem_limit {
         return None;
     }
-    Some(Group {
-        ctas,
-        layers: vec![l0],
-        bar_off: at,
-        pp_off: at + BARS,
-        partners,
-        split: false,
-        xin_off: 0,
-        xin_len: 0,
-        pipe: false,
-        gxs_off: 0,
-        smem_bytes: at + TAIL,
-        regs: REGS,
-    })
+    Some(one_cluster(ctas, vec![l0], at, partners, REGS))
 }
 
 /// The split group starting at layer `first`: consecutive layers (2 to `MAX_LAYERS`), each on
