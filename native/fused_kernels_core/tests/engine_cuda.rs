@@ -6,9 +6,8 @@
 mod support;
 
 use fused_kernels_core::engine::cuda::CudaEngine;
-use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
-use fused_kernels_core::engine::Engine;
-use support::backbone::{random_params, small, spec, to_params};
+use fused_kernels_core::engine::plan::{Kind, Spec};
+use support::backbone::{cpu_predict, engines, gpu_predict, small, spec};
 use support::{gpu_for_tests, rel_l2, Rng};
 
 const KINDS: [Kind; 5] = [
@@ -18,26 +17,6 @@ const KINDS: [Kind; 5] = [
     Kind::Mamba,
     Kind::Jamba,
 ];
-
-fn engines(s: &Spec, seed: u64) -> (Engine, CudaEngine) {
-    let named = random_params(s, seed);
-    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
-    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
-    (cpu, gpu)
-}
-
-fn cpu_predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.hidden()];
-    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
-        .unwrap();
-    out
-}
-
-fn gpu_predict(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.spec.hidden];
-    e.predict(b, t, x, &mut out).unwrap();
-    out
-}
 
 fn gpu_stream(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
     let emb = e.spec.embed;
