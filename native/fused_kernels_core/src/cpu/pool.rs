@@ -65,6 +65,8 @@ struct Pool {
     submit: Mutex<()>,
     /// Workers started (fewer than asked if the OS refused some).
     workers: AtomicUsize,
+    /// CPUs the participants of the running job sit on ([`place`]).
+    cpus: AtomicU64,
 }
 
 /// How long an idle worker, or a submitter waiting for its workers, watches before it parks:
@@ -106,6 +108,7 @@ static POOL: Lazy<&'static Pool> = Lazy::new(|| {
         panicked: AtomicBool::new(false),
         submit: Mutex::new(()),
         workers: AtomicUsize::new(0),
+        cpus: AtomicU64::new(0),
     }));
     let mut started = 0;
     for i in 0..threads().saturating_sub(1) {
@@ -162,6 +165,7 @@ fn worker(pool: &'static Pool) {
                 None => continue,
             }
         };
+        place::leave_taken(&pool.cpus);
         // Safety: `job.f` stays valid until `inside` drops back to zero (see `submit`).
         let f = unsafe { &*job.f };
         if catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, job.tasks, f))).is_err() {
@@ -216,6 +220,7 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
     }
     pool.next.store(0, Ordering::SeqCst);
     pool.panicked.store(false, Ordering::SeqCst);
+    pool.cpus.store(place::bit(place::current()), Ordering::Relaxed);
     {
         let mut st = lock(&pool.state);
         // Safety: erasing the lifetime is sound because this function does not return before
@@ -245,6 +250,85 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
         panic!("a CPU pool task panicked");
     }
     true
+}
+
+/// Keeps the participants of a job on different CPUs.
+///
+/// A worker woken from its park is placed by the OS, which puts it beside the thread that
+/// woke it (the submitter) when no CPU looks idle: on a 2-core machine a BEAM scheduler that
+/// spins for a few milliseconds after its process went to wait for our reply (`+sbwt`, on by
+/// default) makes the other core look busy. There the two halves of a split recurrence took
+/// turns on one core, the split handed its window to one thread, and the OS left the pair
+/// together for tens of milliseconds (`perf sched` showed the job-lane thread and the worker
+/// alternating on one core while the BEAM scheduler spun alone on the other; 2-thread windows
+/// at their one-thread times). A spinning BEAM scheduler yields its core to any other runnable
+/// thread on it, so a worker that moves there runs at once. Linux only; elsewhere a no-op.
+mod place {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// The CPU the calling thread runs on, if known and below 64.
+    #[cfg(target_os = "linux")]
+    pub fn current() -> Option<usize> {
+        // Safety: no arguments; returns -1 on failure.
+        let cpu = unsafe { libc::sched_getcpu() };
+        usize::try_from(cpu).ok().filter(|c| *c < 64)
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn current() -> Option<usize> {
+        None
+    }
+
+    pub fn bit(cpu: Option<usize>) -> u64 {
+        cpu.map_or(0, |c| 1 << c)
+    }
+
+    /// Claims the calling worker's CPU in `taken` (the job's participants' CPUs); a worker
+    /// that finds its CPU already taken moves to one that is not, if its affinity allows one.
+    pub fn leave_taken(taken: &AtomicU64) {
+        let Some(cpu) = current() else { return };
+        let before = taken.fetch_or(1 << cpu, Ordering::Relaxed);
+        if before & (1 << cpu) != 0 {
+            if let Some(to) = move_off(before) {
+                taken.fetch_or(1 << to, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Moves the calling thread to a CPU of its affinity outside `avoid` (the OS migrates a
+    /// thread at once when its current CPU leaves its mask), then restores its mask, which
+    /// leaves it where it is. Returns the CPU it runs on now.
+    #[cfg(target_os = "linux")]
+    fn move_off(avoid: u64) -> Option<usize> {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // Safety: a zeroed cpu_set_t is a valid empty set; the calls get its true size and
+        // only pid 0 (this thread); a failed call leaves the thread as it was.
+        unsafe {
+            let mut mask: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, size, &mut mask) != 0 {
+                return None;
+            }
+            let mut away = mask;
+            let mut left = 0;
+            for c in 0..libc::CPU_SETSIZE as usize {
+                if libc::CPU_ISSET(c, &away) && (c >= 64 || avoid & (1 << c) == 0) {
+                    left += 1;
+                } else {
+                    libc::CPU_CLR(c, &mut away);
+                }
+            }
+            if left == 0 || libc::sched_setaffinity(0, size, &away) != 0 {
+                return None;
+            }
+            libc::sched_setaffinity(0, size, &mask);
+        }
+        current()
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn move_off(_avoid: u64) -> Option<usize> {
+        None
+    }
 }
 
 /// A barrier for the tasks of one [`run_together`] job: each `wait` returns once all `n`
