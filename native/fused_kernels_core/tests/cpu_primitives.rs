@@ -500,6 +500,96 @@ fn norm_rows_match_f64_on_every_path_at_large_means() {
     println!("norm rows: worst rel. L2 {worst:e}");
 }
 
+/// A pool worker that joins a job on the CPU its submitter runs on moves to another one (two
+/// threads taking turns on one core halve a split recurrence): the worker is pinned beside
+/// the pinned submitter in one job, then, still spinning there, joins the next.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_job_worker_leaves_the_submitters_cpu() {
+    use fused_kernels_core::cpu::pool::run_together;
+    use std::sync::atomic::{AtomicI32, Ordering};
+    if fused_kernels_core::cpu::pool::threads() < 2 {
+        return;
+    }
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    let affinity = || {
+        // Safety: a zeroed cpu_set_t is a valid empty set, filled by the call.
+        unsafe {
+            let mut m: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(libc::sched_getaffinity(0, size, &mut m), 0);
+            m
+        }
+    };
+    let set = |m: &libc::cpu_set_t| {
+        // Safety: a valid set of the right size for this thread.
+        assert_eq!(unsafe { libc::sched_setaffinity(0, size, m) }, 0);
+    };
+    let cpu_now = || unsafe { libc::sched_getcpu() };
+    let mine = affinity();
+    if unsafe { libc::CPU_COUNT(&mine) } < 2 {
+        return;
+    }
+    // The pool's workers start on first use with the affinity of the thread that starts them:
+    // started before this thread pins itself.
+    run_together(2, &|_| {});
+    let c = cpu_now();
+    let only = |c: i32| {
+        // Safety: as above.
+        let mut m: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        unsafe { libc::CPU_SET(c as usize, &mut m) };
+        m
+    };
+    set(&only(c));
+    let on_worker = || {
+        std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("fk-cpu"))
+    };
+    // Each task holds its thread until the other has started, so the worker runs one of them.
+    let meet = |n: &AtomicI32| {
+        n.fetch_add(1, Ordering::SeqCst);
+        while n.load(Ordering::SeqCst) < 2 {
+            std::thread::yield_now();
+        }
+    };
+    // The other tests of this binary share the pool (a busy pool runs nothing): tries until
+    // 10 pairs of jobs have run, for at most 20 s.
+    let (mut moved, start) = (0, std::time::Instant::now());
+    while moved < 10 && start.elapsed() < std::time::Duration::from_secs(20) {
+        let beside = AtomicI32::new(-1);
+        let (met, met2) = (AtomicI32::new(0), AtomicI32::new(0));
+        let ran = run_together(2, &|_| {
+            meet(&met);
+            if on_worker() {
+                let was = affinity();
+                set(&only(c));
+                beside.store(cpu_now(), Ordering::SeqCst);
+                set(&was);
+            }
+        });
+        let joined = AtomicI32::new(-1);
+        let ran2 = run_together(2, &|_| {
+            if on_worker() {
+                joined.store(cpu_now(), Ordering::SeqCst);
+            }
+            meet(&met2);
+        });
+        if !(ran && ran2) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            continue;
+        }
+        assert_eq!(beside.load(Ordering::SeqCst), c);
+        assert_ne!(
+            joined.load(Ordering::SeqCst),
+            c,
+            "the worker stayed on the submitter's CPU"
+        );
+        moved += 1;
+    }
+    set(&mine);
+    assert!(moved > 0, "the pool never ran the jobs");
+}
+
 /// The split recurrence's barrier: every crossing returns the same answer to every task
 /// (all in time, or late for all), with partners that are on time, late by a sleep, or
 /// racing the patience; and the tasks never get a crossing ahead of each other.

@@ -220,7 +220,8 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
     }
     pool.next.store(0, Ordering::SeqCst);
     pool.panicked.store(false, Ordering::SeqCst);
-    pool.cpus.store(place::bit(place::current()), Ordering::Relaxed);
+    pool.cpus
+        .store(place::bit(place::current()), Ordering::Relaxed);
     {
         let mut st = lock(&pool.state);
         // Safety: erasing the lifetime is sound because this function does not return before
