@@ -11,8 +11,8 @@ rotating each round), so drift and other jobs on the machine touch all variants 
 per variant the median ms per call over all rounds, and per variant after the first the median
 over rounds of its per-round median divided by the first variant's (with the 25th and 75th
 percentiles of that ratio). Needs numpy only: no ONNX Runtime or PyTorch in the process, so no
-foreign thread pool spins beside ours, unless --foreign times them after ours in each row as
-side.py does. --backbones adds our backbone rows (ours only).
+foreign thread pool spins beside ours, unless --foreign times them too, in the same rotating
+order as ours (as side.py does). --backbones adds our backbone rows (ours only).
 """
 
 import argparse
@@ -36,8 +36,8 @@ def main():
     ap.add_argument("--calls", type=int, default=0, help="calls per row per round (0: side.py's)")
     ap.add_argument("--variant", action="append", required=True, help="NAME=K1=V1,K2=V2")
     ap.add_argument("--foreign", action="store_true",
-                    help="also time ONNX Runtime and PyTorch after ours in each row, as side.py "
-                         "does (their thread pools then run beside ours)")
+                    help="also time ONNX Runtime and PyTorch in each row, in the rotating order, as "
+                         "side.py does (their thread pools then run beside ours)")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     variants = []
@@ -76,13 +76,17 @@ def main():
                 foreign[row] = ([("onnxruntime", ort.runner(row))] if ort.has(row) else []) + [
                     ("pytorch", tch.runner(row))]
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
             for row in rows:
-                for name in order:
-                    ms = servers[name].time(row, calls[row])
-                    per_round.setdefault((row, name), []).append(float(np.median(ms[1:])))
-                for name, run in foreign.get(row, []):
-                    ms = side.time_py(run, calls[row])
+                # Ours and the foreign libraries in one order that rotates each round, as in
+                # side.py: each runs right after each other one in turn (a foreign pool still
+                # spinning from its batch, our workers parking after ours).
+                order = [(n, None) for n in names] + foreign.get(row, [])
+                order = order[r % len(order):] + order[:r % len(order)]
+                for name, run in order:
+                    if run is None:
+                        ms = servers[name].time(row, calls[row])
+                    else:
+                        ms = side.time_py(run, calls[row])
                     per_round.setdefault((row, name), []).append(float(np.median(ms[1:])))
         for s in servers.values():
             s.close()
