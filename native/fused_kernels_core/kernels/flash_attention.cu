@@ -262,16 +262,9 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
     const float rn = 1.0f / (float)a.d;
     for (int r = warp; r < nrows; r += 4) {
       float* x = r < nq ? Qs + r * DP : Ks + (klo + r - nq) * KP;
-      float sum = 0.0f;
-      for (int c = lane; c < a.d; c += 32) sum += x[c];
-      const float mean = fk_warp_sum(sum) * rn;
-      float var = 0.0f;
-      for (int c = lane; c < a.d; c += 32) {
-        const float dv = x[c] - mean;
-        var = fmaf(dv, dv, var);
-      }
-      const float inv = rsqrtf(fk_warp_sum(var) * rn + 1e-6f);
-      for (int c = lane; c < a.d; c += 32) x[c] = (x[c] - mean) * inv;
+      const float2 st =
+          fk_warp_moments([&](int c) { return x[c]; }, a.d, true, 1e-6f, FkMulRn{rn});
+      for (int c = lane; c < a.d; c += 32) x[c] = (x[c] - st.x) * st.y;
     }
     __syncthreads();
   }
@@ -392,24 +385,6 @@ FA_SHORT_ALL(bf16, fk_bf16)
 // Tensor-core kernel (sm_80+)
 
 #if FK_ARCH >= 800
-
-// Packs two floats into one register of T pairs (for the P operand of O += P V).
-template <typename T> struct FaMma;
-template <> struct FaMma<fk_bf16> {
-  // lo goes to the low half (the element with the smaller index).
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-template <> struct FaMma<fk_f16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
 
 // Copies `rows` rows of d 16-bit values (d % 8 == 0) starting at row r0 of a strided tensor
 // into shared memory (pitch P halves), zero-filling rows past `limit` and columns past d.
@@ -536,8 +511,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
             }
             mx = fmaxf(mx, sv);
           }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fk_xor_max<1, 4>(mx);
         const float mn = fmaxf(m[mt][x], mx);
         const float mu = mn == FK_NEG_INF ? 0.0f : mn;
         const float alpha = exp2f(m[mt][x] - mu);
@@ -566,10 +540,10 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
       unsigned pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = FaMma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = FaMma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = FaMma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = FaMma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        pa[mt][0] = fk_pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = fk_pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = fk_pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = fk_pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
@@ -590,8 +564,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       float sum = l[mt][x];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum = fk_xor_sum<1, 4>(sum);
       const int i = wrow + mt * 16 + g + 8 * x;
       if (i >= a.sq) continue;
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -601,7 +574,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
         const int c = dt * 8 + 2 * t;
         if (c < a.d) {
           const unsigned pr =
-              FaMma<T>::pack(acc[mt][dt][2 * x] * inv, acc[mt][dt][2 * x + 1] * inv);
+              fk_pack2<T>(acc[mt][dt][2 * x] * inv, acc[mt][dt][2 * x + 1] * inv);
           *reinterpret_cast<unsigned*>(orow + c) = pr;
         }
       }
