@@ -156,21 +156,16 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   }
 }
 
-#define FA_FFMA(NAME, T, ND, R)                                                               \
+// The instances (kernels.rs FLASH_ATTENTION): head-dim chunks of 32 (ND) x query rows per
+// thread (R).
+#define FA_FFMA(FN, TN, ND, R)                                                                \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
-      fa_ffma_##NAME##_##ND##_##R(const T* q, const T* k, const T* v, T* o, float* lse,       \
-                                  const FaArgs a) { \
-    if constexpr (FK_WANT(fa_ffma_##NAME##_##ND##_##R)) { \
-    fa_ffma<T, ND, R>(q, k, v, o, lse, a);                                                    \
-  }}
-#define FA_FFMA_R(NAME, T, ND) FA_FFMA(NAME, T, ND, 1) FA_FFMA(NAME, T, ND, 4)
-#define FA_FFMA_ALL(NAME, T)                                                                  \
-  FA_FFMA_R(NAME, T, 1) FA_FFMA_R(NAME, T, 2) FA_FFMA_R(NAME, T, 3) FA_FFMA_R(NAME, T, 4)      \
-  FA_FFMA_R(NAME, T, 6) FA_FFMA_R(NAME, T, 8)
-
-FA_FFMA_ALL(f32, float)
-FA_FFMA_ALL(f16, fk_f16)
-FA_FFMA_ALL(bf16, fk_bf16)
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_ffma<FK_T(TN), ND, R>(q, k, v, o, lse, a);                                           \
+    }                                                                                         \
+  }
 
 // ---------------------------------------------------------------------------------------
 // Short-sequence kernel: sk <= 32 * KC
@@ -362,24 +357,15 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
         sum > 0.0f ? (mt + log2f(sum)) / FA_LOG2E : __int_as_float(0x7f800000);
 }
 
-#define FA_SHORT(NAME, T, ND, KC)                                                             \
+// The instances (kernels.rs FLASH_ATTENTION): head-dim chunks of 32 (ND) x key chunks (KC).
+#define FA_SHORT(FN, TN, ND, KC)                                                              \
   extern "C" __global__ void __launch_bounds__(128, 1)                                        \
-      fa_short_##NAME##_##ND##_##KC(const T* q, const T* k, const T* v, T* o, float* lse,     \
-                                    const FaArgs a) {                                         \
-    if constexpr (FK_WANT(fa_short_##NAME##_##ND##_##KC)) {                                   \
-      fa_short<T, ND, KC>(q, k, v, o, lse, a);                                                \
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_short<FK_T(TN), ND, KC>(q, k, v, o, lse, a);                                         \
     }                                                                                         \
   }
-// The (head_dim / 32, key chunks) pairs whose shared memory fits in 64 KiB (see
-// `short_plan` in flash_attention.rs).
-#define FA_SHORT_ALL(NAME, T)                                                                 \
-  FA_SHORT(NAME, T, 1, 1) FA_SHORT(NAME, T, 1, 2) FA_SHORT(NAME, T, 1, 4)                     \
-  FA_SHORT(NAME, T, 2, 1) FA_SHORT(NAME, T, 2, 2) FA_SHORT(NAME, T, 3, 1)                     \
-  FA_SHORT(NAME, T, 3, 2) FA_SHORT(NAME, T, 4, 1) FA_SHORT(NAME, T, 6, 1)
-
-FA_SHORT_ALL(f32, float)
-FA_SHORT_ALL(f16, fk_f16)
-FA_SHORT_ALL(bf16, fk_bf16)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (sm_80+)
@@ -585,21 +571,15 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
   }
 }
 
-#define FA_MMA(NAME, T, DP, MT, BK)                                                           \
+// The instances (kernels.rs FLASH_ATTENTION): padded head dim DP, m-tiles per warp MT, key
+// block BK.
+#define FA_MMA(FN, TN, DP, MT, BK)                                                            \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
-      fa_mma_##NAME##_##DP##_##MT##_##BK(const T* q, const T* k, const T* v, T* o,            \
-                                         float* lse, const FaArgs a) { \
-    if constexpr (FK_WANT(fa_mma_##NAME##_##DP##_##MT##_##BK)) { \
-    fa_mma<T, DP, MT, BK>(q, k, v, o, lse, a);                                                \
-  }}
-// Tile shapes per padded head dim (see `mma_config` in flash_attention.rs).
-#define FA_MMA_ALL(NAME, T)                                                                   \
-  FA_MMA(NAME, T, 32, 2, 64) FA_MMA(NAME, T, 48, 2, 64) FA_MMA(NAME, T, 64, 2, 64)             \
-  FA_MMA(NAME, T, 80, 2, 32) FA_MMA(NAME, T, 96, 2, 32) FA_MMA(NAME, T, 128, 2, 32)            \
-  FA_MMA(NAME, T, 160, 1, 32) FA_MMA(NAME, T, 192, 1, 32) FA_MMA(NAME, T, 256, 1, 32)          \
-  FA_MMA(NAME, T, 64, 1, 64) FA_MMA(NAME, T, 128, 1, 64)
-
-FA_MMA_ALL(f16, fk_f16)
-FA_MMA_ALL(bf16, fk_bf16)
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_mma<FK_T(TN), DP, MT, BK>(q, k, v, o, lse, a);                                       \
+    }                                                                                         \
+  }
 
 #endif

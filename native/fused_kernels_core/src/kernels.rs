@@ -5,6 +5,14 @@
 //! A program is one kernel *instance*: the runtime compiles a file with `FK_ONLY=<function>`
 //! (see `include/arch.cuh`), so a first call pays only for the functions it launches. CI
 //! compiles each file whole, once per feature level ([`FEATURE_LEVELS`]).
+//!
+//! The tables below are the one list of instances. A family with a `define` macro is
+//! instantiated from its table: [`Kernel::source`] appends one `define(name, part, ...)` line
+//! per instance to the file (the .cu defines the macro, never calls it). A function written
+//! out in its file (`define: None`, the one-instance kernels) is checked both ways when the file
+//! compiles: its `FK_WANT` guard needs the `FK_LISTED_<name>` that the table defines, and the
+//! table names it after the file's text. So an instance added in one place only fails to
+//! compile.
 
 /// Every header, by the name the kernels include it under.
 pub const HEADERS: &[(&str, &str)] = &[
@@ -58,6 +66,9 @@ pub struct Family {
     pub root: &'static str,
     pub parts: &'static [&'static [&'static str]],
     pub levels: Levels,
+    /// The file's macro that defines one instance, called as `DEFINE(name, part, ...)` with
+    /// every part (empty ones as empty arguments); `None`: the file writes the function out.
+    pub define: Option<&'static str>,
 }
 
 /// The feature levels (`FK_ARCH`, e.g. 860 for sm_86) a family is compiled at: `from` up to,
@@ -118,15 +129,62 @@ const FLOATS: &[&str] = &["f32", "f16", "bf16"];
 impl Family {
     /// Every instance's name, in table order.
     pub fn names(&self) -> Vec<String> {
-        let mut names = vec![self.root.to_string()];
+        self.instances().into_iter().map(|(name, _)| name).collect()
+    }
+
+    /// Every instance's name and parts, in table order.
+    fn instances(&self) -> Vec<(String, Vec<&'static str>)> {
+        let mut out = vec![(self.root.to_string(), Vec::new())];
         for options in self.parts {
-            names = names
+            out = out
                 .iter()
-                .flat_map(|n| options.iter().map(move |o| kernel_name(n, &[o])))
+                .flat_map(|(n, ps)| {
+                    options.iter().map(move |o| {
+                        let mut ps = ps.clone();
+                        ps.push(*o);
+                        (kernel_name(n, &[o]), ps)
+                    })
+                })
                 .collect();
         }
-        names
+        out
     }
+}
+
+impl Levels {
+    /// The preprocessor condition of these levels (`None`: every level).
+    fn condition(&self) -> Option<String> {
+        match (self.from > 0, self.below < i32::MAX) {
+            (false, false) => None,
+            (true, false) => Some(format!("FK_ARCH >= {}", self.from)),
+            (false, true) => Some(format!("FK_ARCH < {}", self.below)),
+            (true, true) => Some(format!(
+                "FK_ARCH >= {} && FK_ARCH < {}",
+                self.from, self.below
+            )),
+        }
+    }
+}
+
+/// `lines` under the families' level guards (one `#if` per family that has one).
+fn guarded(families: &[Family], line: impl Fn(&Family, &str, &[&str]) -> Option<String>) -> String {
+    let mut text = String::new();
+    for f in families {
+        let cond = f.levels.condition();
+        if let Some(c) = &cond {
+            text.push_str(&format!("#if {c}\n"));
+        }
+        for (name, parts) in f.instances() {
+            if let Some(l) = line(f, &name, &parts) {
+                text.push_str(&l);
+                text.push('\n');
+            }
+        }
+        if cond.is_some() {
+            text.push_str("#endif\n");
+        }
+    }
+    text
 }
 
 /// How one program is built beyond its source and architecture (part of the cache key).
@@ -186,9 +244,28 @@ impl Kernel {
         })
     }
 
-    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).
+    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]): the
+    /// table's `FK_LISTED_<name>` marks (what `FK_WANT` accepts), the body, then the
+    /// instances of the families it defines by macro, and a use of each function it writes out
+    /// (an error if the file lacks one).
     pub fn source(&self) -> String {
-        self.body.to_string()
+        let listed = guarded(self.families, |_, name, _| {
+            Some(format!("#define FK_LISTED_{name} true"))
+        });
+        let defined = guarded(self.families, |f, name, parts| {
+            Some(match f.define {
+                Some(m) => {
+                    let args: Vec<&str> =
+                        std::iter::once(name).chain(parts.iter().copied()).collect();
+                    format!("{m}({})", args.join(", "))
+                }
+                None => format!("using fk_listed_{name} = decltype(&{name});"),
+            })
+        });
+        format!(
+            "// The instance table of kernels.rs (see Kernel::source).\n#include \"arch.cuh\"\n{listed}\n{}\n// Instances (kernels.rs).\n{defined}",
+            self.body
+        )
     }
 
     /// The level whose PTX of this file runs on `arch`: the highest level at or below it that
@@ -203,6 +280,10 @@ impl Kernel {
             .filter(|l| {
                 CODEGEN_LEVELS.contains(l)
                     || tests_level(self.body, *l)
+                    || self
+                        .families
+                        .iter()
+                        .any(|f| f.levels.from == *l || f.levels.below == *l)
                     || self.headers().iter().any(|h| tests_level(h, *l))
             })
             .max()
@@ -282,28 +363,33 @@ pub const SCALED_SOFTMAX: Kernel = Kernel {
         // f16/bf16 elements, so K = 4 only for f32).
         Family {
             root: "scaled_softmax_warp",
-            parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"]],
+            parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"], &[""]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[&["f32"], &["4"], &["v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[FLOATS, &["8", "16", "32"], &["v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_block",
             parts: &[FLOATS, &["8", "16"], &["", "v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_BLOCK"),
         },
         Family {
             root: "scaled_softmax_stream",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_SOFTMAX_STREAM"),
         },
     ],
 };
@@ -317,21 +403,25 @@ pub const DENSE: Kernel = Kernel {
             root: "dense_ffma",
             parts: &[&["f32"], &["mm", "glu"], &["small", "big"]],
             levels: Levels::below(800),
+            define: Some("FK_DENSE_FFMA"),
         },
         Family {
             root: "dense_gemv",
             parts: &[FLOATS, &["mm", "glu"]],
             levels: ANY,
+            define: Some("FK_DENSE_GEMV"),
         },
         Family {
             root: "dense_stats",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_DENSE_STATS"),
         },
         Family {
             root: "dense_tc",
             parts: &[&["f32"], &["mm", "glu"], &["tiny", "small", "big", "any"]],
             levels: Levels::from(800),
+            define: Some("FK_DENSE_TC"),
         },
         // 16-bit big tiles run as big2 (two blocks per SM).
         Family {
@@ -342,6 +432,7 @@ pub const DENSE: Kernel = Kernel {
                 &["tiny", "small", "big2", "any"],
             ],
             levels: Levels::from(800),
+            define: Some("FK_DENSE_TC"),
         },
     ],
 };
@@ -355,29 +446,53 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
             root: "fa_ffma",
             parts: &[FLOATS, &["1", "2", "3", "4", "6", "8"], &["1", "4"]],
             levels: ANY,
+            define: Some("FA_FFMA"),
         },
-        // mma.sync: padded head dim, m-tiles, key block.
+        // mma.sync: padded head dim, m-tiles, key block (the tile shapes `mma_config` in
+        // ops/flash_attention.rs picks per padded head dim).
         Family {
             root: "fa_mma",
-            parts: &[
-                &["f16", "bf16"],
-                &[
-                    "32_2_64", "48_2_64", "64_1_64", "64_2_64", "80_2_32", "96_2_32", "128_1_64",
-                    "128_2_32", "160_1_32", "192_1_32", "256_1_32",
-                ],
-            ],
+            parts: &[&["f16", "bf16"], &["32", "48", "64"], &["2"], &["64"]],
             levels: Levels::from(800),
+            define: Some("FA_MMA"),
         },
-        // Short sequences: head-dim chunks x key chunks.
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["64", "128"], &["1"], &["64"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["80", "96", "128"], &["2"], &["32"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["160", "192", "256"], &["1"], &["32"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        // Short sequences: head-dim chunks x key chunks, the pairs whose shared memory fits in
+        // 64 KiB (`short_plan` in ops/flash_attention.rs).
         Family {
             root: "fa_short",
-            parts: &[
-                FLOATS,
-                &[
-                    "1_1", "1_2", "1_4", "2_1", "2_2", "3_1", "3_2", "4_1", "6_1",
-                ],
-            ],
+            parts: &[FLOATS, &["1"], &["1", "2", "4"]],
             levels: ANY,
+            define: Some("FA_SHORT"),
+        },
+        Family {
+            root: "fa_short",
+            parts: &[FLOATS, &["2", "3"], &["1", "2"]],
+            levels: ANY,
+            define: Some("FA_SHORT"),
+        },
+        Family {
+            root: "fa_short",
+            parts: &[FLOATS, &["4", "6"], &["1"]],
+            levels: ANY,
+            define: Some("FA_SHORT"),
         },
     ],
 };
@@ -394,6 +509,7 @@ pub const RNN: Kernel = Kernel {
             &["gmem", "smem"],
         ],
         levels: ANY,
+        define: Some("RNN_KERNEL"),
     }],
 };
 
@@ -405,11 +521,13 @@ pub const RNN_BATCHED: Kernel = Kernel {
             root: "rnn_pack",
             parts: &[&["b2", "b4"]],
             levels: ANY,
+            define: Some("RNN_PACK"),
         },
         Family {
             root: "rnn_step",
             parts: &[&["lstm", "gru"], FLOATS],
             levels: ANY,
+            define: Some("RNN_STEP"),
         },
     ],
 };
@@ -422,16 +540,19 @@ pub const RNN_CLUSTER: Kernel = Kernel {
             root: "rnn_cluster",
             parts: &[&["lstm", "gru"], FLOATS],
             levels: Levels::from(900),
+            define: None,
         },
         Family {
             root: "rnn_cluster_project",
             parts: &[FLOATS],
             levels: Levels::from(900),
+            define: None,
         },
         Family {
             root: "rnn_cluster_regs",
             parts: &[&["lstm", "gru"], &["f32"]],
             levels: Levels::from(900),
+            define: None,
         },
     ],
 };
@@ -444,11 +565,13 @@ pub const RNN_MMA: Kernel = Kernel {
             root: "rnn_mma",
             parts: &[&["lstm", "gru"], FLOATS, &["m1_n1", "m2_n1"]],
             levels: Levels::from(800),
+            define: Some("RNN_MMA_KERNEL"),
         },
         Family {
             root: "rnn_mma_pack",
             parts: &[&["b2", "f32"]],
             levels: Levels::from(800),
+            define: Some("RNN_MMA_PACK"),
         },
     ],
 };
@@ -459,12 +582,11 @@ const SCAN_TILINGS: [&str; 13] = [
     "16x16",
 ];
 
-// The selective scan is one module per element type: 15 kernels for f32 (both layouts), 14 for
-// f16 and bf16 (no wide layout).
+// The selective scan is one module per element type (each compiles only its own table): 15
+// kernels for f32 (both layouts), 14 for f16 and bf16 (no wide layout).
 pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
     name: "selective_scan_f32",
     body: concat!(
-        "#define FK_SCAN_TYPE_F32\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -474,24 +596,26 @@ pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["f32"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f32"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
         // Channels per lane x states per lane x lanes per channel.
         Family {
             root: "selective_scan_wide",
             parts: &[&["f32"], &["2x4x4"]],
             levels: ANY,
+            define: Some("FK_SCAN_WIDE"),
         },
     ],
 };
 pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
     name: "selective_scan_f16",
     body: concat!(
-        "#define FK_SCAN_TYPE_F16\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -501,18 +625,19 @@ pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["f16"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f16"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
     ],
 };
 pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
     name: "selective_scan_bf16",
     body: concat!(
-        "#define FK_SCAN_TYPE_BF16\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -522,11 +647,13 @@ pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["bf16"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["bf16"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
     ],
 };
@@ -542,6 +669,7 @@ pub const RNN_RESIDENT: Kernel = Kernel {
             &["m1_n1", "m1_n2", "m2_n1", "m2_n2", "m4_n1", "m4_n2"],
         ],
         levels: Levels::from(800),
+        define: Some("RNN_RES_KERNEL"),
     }],
 };
 
@@ -553,16 +681,19 @@ pub const NORM: Kernel = Kernel {
             root: "layer_norm",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_LAYER_NORM"),
         },
         Family {
             root: "layer_norm_f32out",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_LAYER_NORM_F32OUT"),
         },
         Family {
             root: "rms_norm",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_RMS_NORM"),
         },
     ],
 };
@@ -575,21 +706,25 @@ pub const MAMBA_BLOCK: Kernel = Kernel {
             root: "mamba_add_bias",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_conv_silu",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_conv_state",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_out_residual",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_OUT_RESIDUAL"),
         },
     ],
 };
@@ -601,6 +736,7 @@ pub const STREAM_STATE: Kernel = Kernel {
         root: "stream_shift_append",
         parts: &[&["w2", "w4"]],
         levels: ANY,
+        define: Some("FK_SHIFT_APPEND"),
     }],
 };
 
@@ -612,11 +748,13 @@ pub const ENGINE_RNN: Kernel = Kernel {
             root: "engine_rnn_frame",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_rnn_persist",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
     ],
 };
@@ -629,16 +767,19 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             root: "engine_attn_frame",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_gemv",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_mamba_scan",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
     ],
 };
@@ -657,11 +798,13 @@ pub const DENSE_SM90: Kernel = Kernel {
             root: "dense_sm90",
             parts: &[&["bf16", "f16"]],
             levels: HOPPER_ONLY,
+            define: Some("FK90_GEMM"),
         },
         Family {
             root: "dense_sm90_row_stats",
             parts: &[&["bf16", "f16"]],
             levels: HOPPER_ONLY,
+            define: Some("FK90_ROW_STATS"),
         },
     ],
 };

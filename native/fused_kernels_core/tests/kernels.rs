@@ -90,25 +90,45 @@ fn kernel_name_joins_non_empty_parts() {
         root: "x",
         parts: &[&["a", "b"], &["", "v"]],
         levels: ANY,
+        define: None,
     };
     assert_eq!(f.names(), ["x_a", "x_a_v", "x_b", "x_b_v"]);
 }
 
 /// Every instance name is listed once in the whole registry (a program is found by its
-/// name), and every family's root is a kernel its file guards with `FK_WANT`.
+/// name); a family the table instantiates has its macro in the file, one the file writes out
+/// is guarded with `FK_WANT` there; the levels are feature levels.
 #[test]
 fn instance_tables_are_unique_and_rooted_in_their_files() {
     let mut seen = std::collections::HashSet::new();
     for k in ALL {
         assert!(!k.families.is_empty(), "{}: empty table", k.name);
         for f in k.families {
-            let rooted = [
-                format!("FK_WANT({}_", f.root),
-                format!("FK_WANT({})", f.root),
-            ]
-            .iter()
-            .any(|p| k.body.contains(p.as_str()));
-            assert!(rooted, "{}: no FK_WANT({}..) in the file", k.name, f.root);
+            match f.define {
+                Some(m) => assert!(
+                    k.body.contains(&format!("#define {m}(")),
+                    "{}: no macro {m} for {}",
+                    k.name,
+                    f.root
+                ),
+                None => {
+                    let rooted = [
+                        format!("FK_WANT({}_", f.root),
+                        format!("FK_WANT({})", f.root),
+                    ]
+                    .iter()
+                    .any(|p| k.body.contains(p.as_str()));
+                    assert!(rooted, "{}: no FK_WANT({}..) in the file", k.name, f.root);
+                }
+            }
+            for l in [f.levels.from, f.levels.below] {
+                assert!(
+                    l == 0 || l == i32::MAX || FEATURE_LEVELS.contains(&l),
+                    "{}: level {l} of {} is not a feature level",
+                    k.name,
+                    f.root
+                );
+            }
             for n in f.names() {
                 assert!(k.has_instance(&n));
                 // The selective scan's three files share a source, one element type each.
@@ -145,6 +165,66 @@ fn instance_tables_match_the_compiled_functions() {
             assert_eq!(compiled, table, "{} for {arch}", k.name);
         }
     }
+}
+
+/// The table is the one list: a function the file defines but the table lacks, or one the
+/// table lists but the file does not define, fails the file's compile (not only CI's check).
+#[test]
+fn an_instance_in_one_place_only_does_not_compile() {
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::cache;
+    const BODY: &str = r#"#include "types.cuh"
+#define FK_TEST_SCALE(FN, TN)                                                       \
+  extern "C" __global__ void FN(FK_T(TN)* y) {                                      \
+    if constexpr (FK_WANT(FN)) y[0] = fk_from_f32<FK_T(TN)>(2.0f);                  \
+  }
+extern "C" __global__ void test_written(float* y) {
+  if constexpr (FK_WANT(test_written)) y[0] = 1.0f;
+}
+"#;
+    const SCALE: Family = Family {
+        root: "test_scale",
+        parts: &[&["f32", "f16"]],
+        levels: ANY,
+        define: Some("FK_TEST_SCALE"),
+    };
+    const WRITTEN: Family = Family {
+        root: "test_written",
+        parts: &[],
+        levels: ANY,
+        define: None,
+    };
+    const MISSING: Family = Family {
+        root: "test_missing",
+        parts: &[],
+        levels: ANY,
+        define: None,
+    };
+    let whole = Kernel {
+        name: "test_whole",
+        body: BODY,
+        families: &[SCALE, WRITTEN],
+    };
+    let mut got = cache::functions(&whole, "sm_80", None).unwrap();
+    got.sort();
+    assert_eq!(got, ["test_scale_f16", "test_scale_f32", "test_written"]);
+    // The written-out function missing from the table.
+    let unlisted = Kernel {
+        name: "test_unlisted",
+        body: BODY,
+        families: &[SCALE],
+    };
+    assert!(cache::functions(&unlisted, "sm_80", None).is_err());
+    // A table entry the file does not define.
+    let undefined = Kernel {
+        name: "test_undefined",
+        body: BODY,
+        families: &[SCALE, WRITTEN, MISSING],
+    };
+    assert!(cache::functions(&undefined, "sm_80", None).is_err());
 }
 
 /// What the dense and attention routers pick, over a sweep of shapes, element types and
