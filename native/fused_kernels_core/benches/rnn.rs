@@ -89,6 +89,25 @@ fn timing_fields(
     }
 }
 
+/// The cluster kernel's own counters (`RcArgs::prof`: 8 words) after one profiled `call`
+/// (`prof` zeroed first; the download synchronises the stream); `None` if the call failed.
+fn counters(
+    prof: &mut DeviceTensor,
+    call: impl FnOnce() -> fused_kernels_core::error::Result<()>,
+) -> Option<Vec<u64>> {
+    let p = prof
+        .fill_bytes(0)
+        .and_then(|_| call())
+        .and_then(|_| prof.download())
+        .ok()?;
+    Some(
+        p.data
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+    )
+}
+
 fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
     let Some(gpu) = gpu_for_tests() else { return };
     use DType::{BF16, F32};
@@ -253,7 +272,7 @@ fn cluster_profile(out: &mut JsonOut) {
         (60, 288, 256, 2, BF16),
         (60, 288, 256, 3, BF16),
     ];
-    let prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    let mut prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
     for cell in [Cell::Lstm, Cell::Gru] {
         for &(t, i, h, layers, dt) in &cases {
             let c = case(cell, 1, t, i, &vec![h; layers], false, true, dt);
@@ -297,13 +316,7 @@ fn cluster_profile(out: &mut JsonOut) {
                         cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
                         ..tuning
                     };
-                    let counted = call_with(&profiled).and_then(|_| prof.download());
-                    if let Ok(p) = counted {
-                        let n: Vec<u64> = p
-                            .data
-                            .chunks_exact(8)
-                            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
-                            .collect();
+                    if let Some(n) = counters(&mut prof, || call_with(&profiled)) {
                         line += &format!(
                             ",\"setup_cycles\":{},\"load_cycles\":{},\"loop_cycles\":{},\"wait_cycles\":{},\"kernel_ns\":{},\"steps\":{}",
                             n[0], n[5], n[1], n[2], n[3], n[4]
@@ -432,18 +445,10 @@ fn normed(out: &mut JsonOut) {
                     cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
                     ..tuning
                 };
-                let counted = prof
-                    .fill_bytes(0)
-                    .and_then(|_| {
-                        cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &profiled)
-                    })
-                    .and_then(|_| prof.download());
-                if let Ok(p) = counted {
-                    let n: Vec<u64> = p
-                        .data
-                        .chunks_exact(8)
-                        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
-                        .collect();
+                let call = || {
+                    cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &profiled).map(drop)
+                };
+                if let Some(n) = counters(&mut prof, call) {
                     line += &format!(
                         ",\"last_setup_cycles\":{},\"last_loop_cycles\":{},\"last_wait_cycles\":{},\"last_ns\":{},\"first_loop_cycles\":{},\"first_ns\":{}",
                         n[0], n[1], n[2], n[3], n[6], n[7]

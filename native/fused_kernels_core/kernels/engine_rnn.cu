@@ -453,6 +453,16 @@ __device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int r
   }
 }
 
+// fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh).
+__device__ __forceinline__ void fk_ep_product(const float* w, const float* v, int rows, int width,
+                                              int rl, int col, int batch, float* red, int half) {
+  float acc[FK_ER_MAXB];
+#pragma unroll
+  for (int b = 0; b < FK_ER_MAXB; ++b) acc[b] = 0.0f;
+  fk_ep_gemv(w, v, rows, width, rl, col, batch, acc);
+  fk_er_park(red, rl, batch, half, col, acc);
+}
+
 // Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
 // `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
 // gates·4 bytes (the block's weights).
@@ -518,14 +528,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       // every unit of it).
       for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
       __syncthreads();
-      if (active) {
-        // Parked in the reduction's slots while the frame comes.
-        float ah[FK_ER_MAXB];
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b) ah[b] = 0.0f;
-        fk_ep_gemv(whs, hs, hidden, width, rl, col, batch, ah);
-        fk_er_park(red, rl, batch, 1, col, ah);
-      }
+      // Parked in the reduction's slots while the frame comes.
+      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
       bool stop;
       if (l == 0 && g == 0) {
         // The poller: the host's frame number (or stop), then the frame, published.
@@ -571,13 +575,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         fk_er_norm_rows(xs, batch, in, ngb, eps);
         __syncthreads();
       }
-      if (active) {
-        float ax[FK_ER_MAXB];
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b) ax[b] = 0.0f;
-        fk_ep_gemv(wis, xs, in, width, rl, col, batch, ax);
-        fk_er_park(red, rl, batch, 0, col, ax);
-      }
+      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
       __syncthreads();
       if (tid < batch * FK_ER_UNITS) {
         const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;

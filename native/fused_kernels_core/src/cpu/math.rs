@@ -639,22 +639,29 @@ mod lanes {
     pub unsafe fn exp<T: V>(x: T) -> T {
         // max/min with x second propagate NaN.
         let x = splat::<T>(89.0).min(splat::<T>(-104.0).max(x));
-        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
-        let r = n.fnmadd(splat(0.693_359_4), x);
-        let r = n.fnmadd(splat(-2.121_944_4e-4), r);
-        let p = poly(
-            &[
-                5.000_000_1e-1,
-                1.666_666_5e-1,
-                4.166_579_6e-2,
-                8.333_452e-3,
-                1.398_2e-3,
-                1.987_569_1e-4,
-            ],
-            r,
-        );
+        let (n, r) = exp_split(x);
+        let p = poly(&EXP_POLY, r);
         let y = p.fmadd(r.mul(r), r).add(splat(1.0));
         y.ldexp(n)
+    }
+
+    /// exp's polynomial: e^r = 1 + r + r²·p(r) for |r| <= ln2/2.
+    const EXP_POLY: [f32; 6] = [
+        5.000_000_1e-1,
+        1.666_666_5e-1,
+        4.166_579_6e-2,
+        8.333_452e-3,
+        1.398_2e-3,
+        1.987_569_1e-4,
+    ];
+
+    /// x = n·ln2 + r with n an integer (as a float) and |r| <= ln2/2, ln2 in two parts so
+    /// that r keeps its low bits.
+    #[inline(always)]
+    unsafe fn exp_split<T: V>(x: T) -> (T, T) {
+        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
+        let r = n.fnmadd(splat(0.693_359_4), x);
+        (n, n.fnmadd(splat(-2.121_944_4e-4), r))
     }
 
     /// [`exp`] for x in [-87, 88] (finite, normal result), or NaN: the same polynomial
@@ -663,20 +670,8 @@ mod lanes {
     /// third cheaper.
     #[inline(always)]
     unsafe fn exp_normal<T: V>(x: T) -> T {
-        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
-        let r = n.fnmadd(splat(0.693_359_4), x);
-        let r = n.fnmadd(splat(-2.121_944_4e-4), r);
-        let p = poly_estrin(
-            &[
-                5.000_000_1e-1,
-                1.666_666_5e-1,
-                4.166_579_6e-2,
-                8.333_452e-3,
-                1.398_2e-3,
-                1.987_569_1e-4,
-            ],
-            r,
-        );
+        let (n, r) = exp_split(x);
+        let p = poly_estrin(&EXP_POLY, r);
         let y = p.fmadd(r.mul(r), r).add(splat(1.0));
         y.mul(n.pow2())
     }
