@@ -130,6 +130,8 @@ __device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, 
                                             int gates, bool lstm, const float (&bv)[4],
                                             float h_old, const float* c_in, float* c_out,
                                             long long o) {
+  // The old c first: its load (global memory) is then in flight while the sums are made.
+  float cc = lstm ? c_in[o] : 0.0f;
   // Unrolled over the most gates (4) so that the sums stay in registers.
   float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -143,7 +145,6 @@ __device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, 
     }
   }
   if (lstm) {
-    float cc = c_in[o];
     const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
                                            sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
     c_out[o] = cc;
