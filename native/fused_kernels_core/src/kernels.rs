@@ -167,7 +167,7 @@ impl Levels {
 }
 
 /// `lines` under the families' level guards (one `#if` per family that has one).
-fn guarded(families: &[Family], line: impl Fn(&Family, &str, &[&str]) -> Option<String>) -> String {
+fn guarded(families: &[Family], line: impl Fn(&Family, &str, &[&str]) -> String) -> String {
     let mut text = String::new();
     for f in families {
         let cond = f.levels.condition();
@@ -175,10 +175,8 @@ fn guarded(families: &[Family], line: impl Fn(&Family, &str, &[&str]) -> Option<
             text.push_str(&format!("#if {c}\n"));
         }
         for (name, parts) in f.instances() {
-            if let Some(l) = line(f, &name, &parts) {
-                text.push_str(&l);
-                text.push('\n');
-            }
+            text.push_str(&line(f, &name, &parts));
+            text.push('\n');
         }
         if cond.is_some() {
             text.push_str("#endif\n");
@@ -250,17 +248,14 @@ impl Kernel {
     /// (an error if the file lacks one).
     pub fn source(&self) -> String {
         let listed = guarded(self.families, |_, name, _| {
-            Some(format!("#define FK_LISTED_{name} true"))
+            format!("#define FK_LISTED_{name} true")
         });
-        let defined = guarded(self.families, |f, name, parts| {
-            Some(match f.define {
-                Some(m) => {
-                    let args: Vec<&str> =
-                        std::iter::once(name).chain(parts.iter().copied()).collect();
-                    format!("{m}({})", args.join(", "))
-                }
-                None => format!("using fk_listed_{name} = decltype(&{name});"),
-            })
+        let defined = guarded(self.families, |f, name, parts| match f.define {
+            Some(m) => {
+                let args: Vec<&str> = std::iter::once(name).chain(parts.iter().copied()).collect();
+                format!("{m}({})", args.join(", "))
+            }
+            None => format!("using fk_listed_{name} = decltype(&{name});"),
         });
         format!(
             "// The instance table of kernels.rs (see Kernel::source).\n#include \"arch.cuh\"\n{listed}\n{}\n// Instances (kernels.rs).\n{defined}",
