@@ -19,7 +19,7 @@ __device__ __forceinline__ void fa_w_rows(float* dst, int P, const float* src, l
   for (; r <= r1; r += RS, s += RS * rs, t += RS * P * 4) fk_cp16_to(t, s, 16);
 }
 
-template <int ND, int KC, int W>
+template <int ND, int KC, int W, int U = 2>
 __device__ __forceinline__ void fa_w(const float* __restrict__ q, const float* __restrict__ k,
                                      const float* __restrict__ v, float* __restrict__ o,
                                      float* __restrict__ lse, const FaArgs a) {
@@ -69,32 +69,39 @@ __device__ __forceinline__ void fa_w(const float* __restrict__ q, const float* _
   const float m = fk_warp_max(s);
   const float mu = m == FK_NEG_INF ? 0.0f : m;
   const float p = exp2f(s - mu);
-  float acc[ND], acc2[ND];
+  // P.V over this warp's keys, U keys per step into U sets of sums (U = 2: fa_short's loop).
+  float acc[ND], accu[U][ND];
 #pragma unroll
-  for (int e = 0; e < ND; ++e) acc[e] = acc2[e] = 0.0f;
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < ND; ++e) accu[u][e] = 0.0f;
   const int jlo = max(lo, c0), jhi = row ? min(hi, c0 + 31) : jlo - 1;
   fk_cp_wait<0>();
   __syncthreads();
   int jj = jlo;
-#pragma unroll 2
-  for (; jj + 1 <= jhi; jj += 2) {
-    const float p0 = __shfl_sync(0xffffffffu, p, jj - c0);
-    const float p1 = __shfl_sync(0xffffffffu, p, jj + 1 - c0);
-    const float* vr = Vs + jj * DP + lane;
+  for (; jj + U - 1 <= jhi; jj += U) {
+    float pp[U];
 #pragma unroll
-    for (int e = 0; e < ND; ++e) {
-      acc[e] = fmaf(p0, vr[32 * e], acc[e]);
-      acc2[e] = fmaf(p1, vr[DP + 32 * e], acc2[e]);
+    for (int u = 0; u < U; ++u) pp[u] = __shfl_sync(0xffffffffu, p, jj + u - c0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float* vr = Vs + (jj + u) * DP + lane;
+#pragma unroll
+      for (int e = 0; e < ND; ++e) accu[u][e] = fmaf(pp[u], vr[32 * e], accu[u][e]);
     }
   }
-  const float plast = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
-  if (jj <= jhi) {
+  for (; jj <= jhi; ++jj) {  // warp-uniform: jj and jhi are the warp's
+    const float pl = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
     const float* vr = Vs + jj * DP + lane;
 #pragma unroll
-    for (int e = 0; e < ND; ++e) acc[e] = fmaf(plast, vr[32 * e], acc[e]);
+    for (int e = 0; e < ND; ++e) accu[0][e] = fmaf(pl, vr[32 * e], accu[0][e]);
   }
 #pragma unroll
-  for (int e = 0; e < ND; ++e) acc[e] += acc2[e];
+  for (int e = 0; e < ND; ++e) {
+    acc[e] = accu[0][e];
+#pragma unroll
+    for (int u = 1; u < U; ++u) acc[e] += accu[u][e];
+  }
   float sum = fk_warp_sum(p), mt = m;
   if (KC > 1) {
     if (warp % KC != 0) {
@@ -146,4 +153,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 extern "C" __global__ void __launch_bounds__(512, 1)
     fa_xla_w16(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
   fa_w<2, 2, 16>(q, k, v, o, lse, *a);
+}
+// fa_short's launch shape (4 warps, 2 rows per block) with the P.V loop taking 4 / 8 keys per step.
+extern "C" __global__ void __launch_bounds__(128, 1)
+    fa_xla_u4(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
+  fa_w<2, 2, 4, 4>(q, k, v, o, lse, *a);
+}
+extern "C" __global__ void __launch_bounds__(128, 1)
+    fa_xla_u8(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
+  fa_w<2, 2, 4, 8>(q, k, v, o, lse, *a);
 }
