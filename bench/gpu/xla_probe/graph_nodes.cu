@@ -1,10 +1,11 @@
 // What one attention node costs in a CUDA graph (what XLA's command buffers replay), beside
 // kernels that do nothing with the same launch shape: B1 H4 S60 D64 causal f32, fa_short's body
-// (probe_fa_w.cu's fa_xla_param = fa_short_f32_2_2, and its 8/16-warp variants), 200 dependent
+// (probe_fa_w.cu's fa_xla_param = fa_short_f32_2_2 as kernels/ has it, and variants), 200 dependent
 // launches captured into one graph, replayed; per node, median of 30 replays. Also the same
 // launches back to back on a stream (no graph) and one launch + synchronize.
 // Build (GPU machine): nvcc -O2 -arch=sm_90 -std=c++17 -I<kernels>/include -I<kernels>
-//   -DFK_ONLY=fa_xla_none -o graph_nodes graph_nodes.cu
+//   -DFK_ONLY=fa_xla_none -DFK_CAP=900 -o graph_nodes graph_nodes.cu (FK_CAP: the host pass
+//   must see the same kernels as the device pass)
 // Run: ./graph_nodes [rounds]   or   ./graph_nodes --once (10 launches of each, for ncu)
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -91,6 +92,7 @@ int main(int argc, char** argv) {
       {"fa_short_f32_2_2 body (120 x 128)", fa_xla_param, 2, 128, 35360, false, false},
       {"same, max shared carveout", fa_xla_carve, 2, 128, 35360, true, false},
       {"same, programmatic dependent launch", fa_xla_pdl, 2, 128, 35360, false, true},
+      {"P.V 2 keys per step (fa_xla_u2)", fa_xla_u2, 2, 128, 35360, false, false},
       {"P.V 4 keys per step (fa_xla_u4)", fa_xla_u4, 2, 128, 35360, false, false},
       {"P.V 8 keys per step (fa_xla_u8)", fa_xla_u8, 2, 128, 35360, false, false},
       {"8 warps, 4 rows (60 x 256)", fa_xla_w8, 4, 256, 36928, false, false},

@@ -154,7 +154,12 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     fa_xla_w16(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
   fa_w<2, 2, 16>(q, k, v, o, lse, *a);
 }
-// fa_short's launch shape (4 warps, 2 rows per block) with the P.V loop taking 4 / 8 keys per step.
+// fa_short's launch shape (4 warps, 2 rows per block) with the P.V loop taking 2 / 4 / 8 keys
+// per step (fa_short took 2 before it took 8).
+extern "C" __global__ void __launch_bounds__(128, 1)
+    fa_xla_u2(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
+  fa_w<2, 2, 4, 2>(q, k, v, o, lse, *a);
+}
 extern "C" __global__ void __launch_bounds__(128, 1)
     fa_xla_u4(const float* q, const float* k, const float* v, const FaArgs* a, float* o, float* lse) {
   fa_w<2, 2, 4, 4>(q, k, v, o, lse, *a);
