@@ -298,43 +298,37 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
   const float m = fk_warp_max(s);
   const float mu = m == FK_NEG_INF ? 0.0f : m;  // no visible key in this chunk: p = 0
   const float p = exp2f(s - mu);
-  // P.V over this warp's keys, U keys per step into U sets of sums: the steps' loads and
-  // shuffles overlap and each chain of FMAs is 32 / U long (the loop is latency-bound: one
-  // warp per scheduler; bench/RESULTS.md, "XLA FFI handlers under JAX", has U = 2 / 4 / 8 at S60 D64).
-  constexpr int U = ND <= 2 ? 8 : 4;
-  float acc[ND], accu[U][ND];
+  float acc[ND];
 #pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int e = 0; e < ND; ++e) accu[u][e] = 0.0f;
+  for (int e = 0; e < ND; ++e) acc[e] = 0.0f;
   const int jlo = max(lo, c0), jhi = row ? min(hi, c0 + 31) : jlo - 1;
   fk_cp_wait<0>();
   __syncthreads();
+  // Two keys per step into two sets of sums: half the dependent chain of FMAs.
+  float acc2[ND];
+#pragma unroll
+  for (int e = 0; e < ND; ++e) acc2[e] = 0.0f;
   int jj = jlo;
-  for (; jj + U - 1 <= jhi; jj += U) {
-    float pp[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) pp[u] = __shfl_sync(0xffffffffu, p, jj + u - c0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const float* vr = Vs + (jj + u) * DP + lane;
-#pragma unroll
-      for (int e = 0; e < ND; ++e) accu[u][e] = fmaf(pp[u], vr[32 * e], accu[u][e]);
-    }
-  }
-  // The last keys (fewer than U; every lane takes the same branch: jj and jhi are the warp's).
-  for (; jj <= jhi; ++jj) {
-    const float pl = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
+#pragma unroll 2
+  for (; jj + 1 <= jhi; jj += 2) {
+    const float p0 = __shfl_sync(0xffffffffu, p, jj - c0);
+    const float p1 = __shfl_sync(0xffffffffu, p, jj + 1 - c0);
     const float* vr = Vs + jj * DP + lane;
 #pragma unroll
-    for (int e = 0; e < ND; ++e) accu[0][e] = fmaf(pl, vr[32 * e], accu[0][e]);
+    for (int e = 0; e < ND; ++e) {
+      acc[e] = fmaf(p0, vr[32 * e], acc[e]);
+      acc2[e] = fmaf(p1, vr[DP + 32 * e], acc2[e]);
+    }
+  }
+  // The odd key out (every lane takes the same branch: jj and jhi are the warp's).
+  const float plast = __shfl_sync(0xffffffffu, p, (jj - c0) & 31);
+  if (jj <= jhi) {
+    const float* vr = Vs + jj * DP + lane;
+#pragma unroll
+    for (int e = 0; e < ND; ++e) acc[e] = fmaf(plast, vr[32 * e], acc[e]);
   }
 #pragma unroll
-  for (int e = 0; e < ND; ++e) {
-    acc[e] = accu[0][e];
-#pragma unroll
-    for (int u = 1; u < U; ++u) acc[e] += accu[u][e];
-  }
+  for (int e = 0; e < ND; ++e) acc[e] += acc2[e];
   float sum = fk_warp_sum(p), mt = m;
 
   if (KC > 1) {
