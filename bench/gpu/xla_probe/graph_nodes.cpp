@@ -64,10 +64,10 @@ int main(int argc, char** argv) {
       {"tiny kernel (1 x 32, no smem)", "k_tiny", 2, 32, 0, false, false, nullptr},
       {"empty, 120 x 128, no smem", "k_empty", 2, 128, 0, false, false, nullptr},
       {"empty, 120 x 128, 35360 B smem", "k_empty", 2, 128, 35360, false, false, nullptr},
-      {"fa_short_f32_2_2 body (P.V 8 keys/step)", "fa_xla_param", 2, 128, 35360, false, false, nullptr},
+      {"fa_short_f32_2_2 body (the module's)", "fa_xla_param", 2, 128, 35360, false, false, nullptr},
       {"same, max shared carveout", "fa_xla_carve", 2, 128, 35360, true, false, nullptr},
       {"same, programmatic dependent launch", "fa_xla_pdl", 2, 128, 35360, false, true, nullptr},
-      {"P.V 2 keys/step (fa_short before)", "fa_xla_u2", 2, 128, 35360, false, false, nullptr},
+      {"P.V 2 keys/step, no unroll pragma", "fa_xla_u2", 2, 128, 35360, false, false, nullptr},
       {"P.V 4 keys/step", "fa_xla_u4", 2, 128, 35360, false, false, nullptr},
       {"8 warps, 4 rows (60 x 256)", "fa_xla_w8", 4, 256, 36928, false, false, nullptr},
   };
