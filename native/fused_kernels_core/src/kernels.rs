@@ -38,6 +38,13 @@ pub const CI_ARCHS: &[&str] = &[
     "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
 ];
 
+/// The families (file, root) whose full build takes seconds where their first call must not:
+/// on a cold cache their first use loads a quick build (`nvrtc::QUICK_OPTIONS`) and compiles
+/// the full one in the background (`Gpu::function`). `rnn_cluster_{lstm,gru}_f32` took
+/// 2.1-2.9 s on the H100's host (bench/RESULTS.md, first calls), the bound of every cold
+/// LSTM/GRU first call; quick, ~0.3 s on this 2-core EPYC (1.5 s full).
+pub const QUICK_FIRST: &[(&str, &str)] = &[("rnn_cluster", "rnn_cluster")];
+
 /// A kernel file and the table of the functions (instances) it defines.
 #[derive(Debug)]
 pub struct Kernel {
@@ -168,6 +175,13 @@ impl Kernel {
         self.families
             .iter()
             .any(|f| function.starts_with(f.root) && f.names().iter().any(|n| n == function))
+    }
+
+    /// Whether `function` has a quick build for its first use (see [`QUICK_FIRST`]).
+    pub fn quick_first(&self, function: &str) -> bool {
+        self.families.iter().any(|f| {
+            QUICK_FIRST.contains(&(self.name, f.root)) && f.names().iter().any(|n| n == function)
+        })
     }
 
     /// The build of the one program that holds `function` (`FK_ONLY`), routed as `cap`; an

@@ -850,7 +850,9 @@ impl CudaEngine {
             }
             _ => true,
         };
-        let generation = sh.arena.generation;
+        // A graph holds the arena's addresses and the functions loaded when it was captured:
+        // either moving on (a reallocation, a full build replacing a quick one) recaptures.
+        let generation = sh.arena.generation + self.gpu.modules_generation();
         let found = sh.graphs.iter().position(|g| g.state == sid);
         if let Some(gi) = found {
             if sh.graphs[gi].generation != generation {

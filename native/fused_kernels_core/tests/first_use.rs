@@ -1,0 +1,155 @@
+//! A program's quick build (`kernels::QUICK_FIRST`: the cluster recurrences) serves the first
+//! calls on a cold kernel cache while its full build compiles in the background; these check
+//! that the switch is invisible to results: the same call on the quick and on the full build
+//! gives the same numbers (rel. L2 <= 1e-5 in f32, each also against the f64 reference or the
+//! CPU engine), and an engine whose graphs were captured on the quick build captures them again
+//! on the full one. One test: it needs a cold cache directory for the whole process. Needs a
+//! GPU with clusters (sm_90+); skipped elsewhere (fails with FUSED_KERNELS_REQUIRE_GPU=1
+//! without a GPU).
+
+mod support;
+
+use fused_kernels_core::cuda::{cache, Gpu};
+use fused_kernels_core::engine::cuda::CudaEngine;
+use fused_kernels_core::engine::plan::{Kind, Plan};
+use fused_kernels_core::engine::Engine;
+use fused_kernels_core::kernels::{kernel_name, RNN_CLUSTER};
+use fused_kernels_core::ops::rnn::Cell;
+use fused_kernels_core::DType;
+use std::sync::Arc;
+use support::backbone::{random_params, spec, to_params};
+use support::rnn::{case, check_cluster};
+use support::{gpu_for_tests, rel_l2, Rng};
+
+fn full_build(gpu: &Gpu, function: &str) {
+    gpu.warmup(&[(&RNN_CLUSTER, function.to_string())], &|_| {})
+        .unwrap();
+    assert!(
+        !gpu.serves_quick_build(&RNN_CLUSTER, function),
+        "{function}: warmup returned before its full build replaced the quick one"
+    );
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|x| *x as f64).collect()
+}
+
+/// The rnn op on the cluster path: a cold program's first call on its quick build, then the
+/// same calls on its full build.
+fn op_on_both_builds(gpu: &Arc<Gpu>, cell: Cell, dtype: DType, failures: &mut Vec<String>) {
+    let tname = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        _ => "f16",
+    };
+    let cname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+    let function = kernel_name("rnn_cluster", &[&cname, &tname]);
+    let cases = [
+        case(cell, 1, 60, 288, &[256, 256], false, true, dtype),
+        case(cell, 1, 61, 200, &[200, 200, 200], true, true, dtype),
+        case(cell, 1, 1, 288, &[256], false, false, dtype),
+    ];
+    let mut quick = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        // Each against the f64 reference (check_cluster asserts), split where it fits and
+        // as a wavefront.
+        quick.push(check_cluster(c, 40 + i as u64, None));
+        quick.push(check_cluster(c, 40 + i as u64, Some(false)));
+    }
+    if !gpu.serves_quick_build(&RNN_CLUSTER, &function) {
+        failures.push(format!(
+            "{function}: not served by its quick build after its first calls on a cold cache"
+        ));
+        return;
+    }
+    full_build(gpu, &function);
+    for (i, c) in cases.iter().enumerate() {
+        for (j, split) in [None, Some(false)].into_iter().enumerate() {
+            let full = check_cluster(c, 40 + i as u64, split);
+            let err = rel_l2(&quick[2 * i + j], &full);
+            let same = quick[2 * i + j] == full;
+            eprintln!(
+                "{function} case {i} split {split:?}: quick vs full rel L2 {err:.2e}{}",
+                if same { " (bit-identical)" } else { "" }
+            );
+            if err > 1e-5 {
+                failures.push(format!("{function} case {i} split {split:?}: {err:e}"));
+            }
+        }
+    }
+}
+
+/// A backbone engine built on a cold cache: windows on the quick build (eager, then a captured
+/// graph), then the full build (a new generation: the graph is captured again).
+fn engine_on_both_builds(gpu: &Arc<Gpu>, kind: Kind, failures: &mut Vec<String>) {
+    let cname = if kind == Kind::Lstm { "lstm" } else { "gru" };
+    let function = kernel_name("rnn_cluster", &[&cname, &"f32"]);
+    let s = spec(kind);
+    let named = random_params(&s, 21);
+    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
+    let engine = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
+    let x = Rng::new(22).vec_f32(s.window * s.embed, 1.0, 0.0);
+    let mut want = vec![f32::NAN; s.hidden];
+    cpu.predict(1, s.window, |b| b.copy_from_slice(&x), &mut want)
+        .unwrap();
+    let run = || {
+        let mut out = vec![f32::NAN; s.hidden];
+        engine.predict(1, s.window, &x, &mut out).unwrap();
+        out
+    };
+    // Eager, captured, replayed.
+    let quick: Vec<Vec<f32>> = (0..3).map(|_| run()).collect();
+    if !gpu.serves_quick_build(&RNN_CLUSTER, &function) {
+        failures.push(format!(
+            "{kind:?} engine: {function} not served by its quick build after three windows"
+        ));
+        return;
+    }
+    let before = gpu.modules_generation();
+    full_build(gpu, &function);
+    if gpu.modules_generation() == before {
+        failures.push(format!(
+            "{kind:?} engine: the full build of {function} did not move the module generation"
+        ));
+    }
+    // Captured again on the full build, replayed.
+    let full: Vec<Vec<f32>> = (0..3).map(|_| run()).collect();
+    let graphs = engine.graphs().unwrap();
+    eprintln!("{kind:?} engine graphs: {graphs:?}");
+    for (i, out) in quick.iter().chain(&full).enumerate() {
+        let tier = if i < 3 { "quick" } else { "full" };
+        let vs_cpu = rel_l2(&f64s(out), &f64s(&want));
+        let vs_first = rel_l2(&f64s(out), &f64s(&quick[0]));
+        eprintln!(
+            "{kind:?} engine window {i} ({tier}): vs CPU engine {vs_cpu:.2e}, vs first window \
+             {vs_first:.2e}"
+        );
+        if vs_cpu > 1e-5 || vs_first > 1e-5 || out.iter().any(|v| !v.is_finite()) {
+            failures.push(format!(
+                "{kind:?} engine window {i} ({tier}): vs CPU {vs_cpu:e}, vs first {vs_first:e}"
+            ));
+        }
+    }
+}
+
+#[test]
+fn quick_builds_serve_first_calls_and_match_the_full_builds() {
+    let Some(gpu) = gpu_for_tests() else {
+        return;
+    };
+    if gpu.compute_capability < (9, 0) {
+        eprintln!("skipping: the cluster recurrences (the quick-first programs) need sm_90");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fk-first-use-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    cache::set_dir(dir.clone());
+    let mut failures = Vec::new();
+    engine_on_both_builds(&gpu, Kind::Gru, &mut failures);
+    engine_on_both_builds(&gpu, Kind::Lstm, &mut failures);
+    op_on_both_builds(&gpu, Cell::Lstm, DType::BF16, &mut failures);
+    op_on_both_builds(&gpu, Cell::Gru, DType::F16, &mut failures);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
