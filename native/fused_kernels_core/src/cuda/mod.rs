@@ -121,6 +121,57 @@ enum Want {
     Full,
 }
 
+/// The full builds compiling in the background. A process that exits while NVRTC runs on
+/// another thread would tear NVRTC's globals down under it (exit runs the library's static
+/// destructors), so exit waits for them (one compile at most, bounded by `EXIT_WAIT`).
+mod background {
+    use std::sync::{Condvar, Mutex, Once};
+    use std::time::Duration;
+
+    static RUNNING: Mutex<usize> = Mutex::new(0);
+    static DONE: Condvar = Condvar::new();
+    static AT_EXIT: Once = Once::new();
+    const EXIT_WAIT: Duration = Duration::from_secs(30);
+
+    extern "C" {
+        fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+    }
+
+    extern "C" fn wait_at_exit() {
+        let Ok(mut n) = RUNNING.lock() else { return };
+        let deadline = std::time::Instant::now() + EXIT_WAIT;
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match DONE.wait_timeout(n, left) {
+                Ok((guard, _)) => n = guard,
+                Err(_) => return,
+            }
+        }
+    }
+
+    pub(super) fn started() {
+        // Registered after NVRTC was loaded (a quick build ran), so it runs before NVRTC's
+        // destructors: exit handlers run in reverse order of registration.
+        AT_EXIT.call_once(|| {
+            // Safety: registers a function without arguments that only takes a lock.
+            unsafe { atexit(wait_at_exit) };
+        });
+        if let Ok(mut n) = RUNNING.lock() {
+            *n += 1;
+        }
+    }
+
+    pub(super) fn finished() {
+        if let Ok(mut n) = RUNNING.lock() {
+            *n = n.saturating_sub(1);
+        }
+        DONE.notify_all();
+    }
+}
+
 /// What loading one program needs, owned, so that a background thread can finish it.
 struct Loader {
     ctx: Arc<CudaContext>,
@@ -636,18 +687,23 @@ impl Gpu {
     fn finish_in_background(&self, slot: Arc<Slot>, loader: Loader) {
         let modules = self.modules.clone();
         let function = loader.function.clone();
+        background::started();
         let spawned = std::thread::Builder::new()
             .name("fk-full-build".into())
-            .spawn(move || match slot.full.get_or_try_init(|| loader.load()) {
-                Ok(_) => {
-                    modules.generation.fetch_add(1, Ordering::AcqRel);
+            .spawn(move || {
+                match slot.full.get_or_try_init(|| loader.load()) {
+                    Ok(_) => {
+                        modules.generation.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Err(e) => eprintln!(
+                        "[fused_kernels] the full build of {} ({}.cu) failed, its quick build stays: {e}",
+                        loader.function, loader.name
+                    ),
                 }
-                Err(e) => eprintln!(
-                    "[fused_kernels] the full build of {} ({}.cu) failed, its quick build stays: {e}",
-                    loader.function, loader.name
-                ),
+                background::finished();
             });
         if let Err(e) = spawned {
+            background::finished();
             eprintln!(
                 "[fused_kernels] no thread for the full build of {function} ({e}); its quick build \
                  serves until a warmup"
