@@ -121,7 +121,7 @@ fn time_backbone(kind: Kind, runs: usize) -> Result<String> {
 /// `--tiers N`, after the first two calls: N more calls as they come (on a cold cache, on the
 /// quick build of the case's cluster recurrence while its full build compiles), then, once
 /// `warmup` returns that full build, N calls on it.
-fn time_tiers(case: &str, n: usize, mut call: Box<dyn FnMut() -> Result<()>>) -> Result<()> {
+fn time_tiers(case: &str, n: usize, mut call: Call) -> Result<()> {
     let cell = match case.trim_start_matches("backbone_") {
         "lstm" => "lstm",
         "gru" => "gru",
@@ -148,8 +148,11 @@ fn time_tiers(case: &str, n: usize, mut call: Box<dyn FnMut() -> Result<()>>) ->
     Ok(())
 }
 
+/// One call of an op or a backbone, built once.
+type Call = Box<dyn FnMut() -> Result<()>>;
+
 /// One call of the op or backbone named `case` (built once, called twice).
-fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
+fn call_maker(case: &str) -> Result<Call> {
     let mut rng = Rng::new(7);
     let dev = Backend::Cuda(None);
     let (b, t, e, h) = (1, 60, 288, 256);
@@ -309,7 +312,7 @@ fn main() {
     let ctx_ms = t0.elapsed().as_secs_f64() * 1e3;
     // A backbone's engine is built in `call_maker` (its weights uploaded, some functions
     // looked up): counted with the first call.
-    let run = || -> Result<(f64, f64, f64, Box<dyn FnMut() -> Result<()>>)> {
+    let run = || -> Result<(f64, f64, f64, Call)> {
         let t1 = Instant::now();
         let mut call = call_maker(&arg)?;
         let setup = t1.elapsed().as_secs_f64() * 1e3;

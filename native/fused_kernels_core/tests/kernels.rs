@@ -266,3 +266,56 @@ fn engine_prefetch_names_instances() {
     }
     assert!(seen > 30, "{seen}");
 }
+
+/// Every program with a quick build (`QUICK_FIRST`) compiles with the quick options at the
+/// architectures that define it (cubins, as the runtime loads them), and only those programs
+/// have one. Needs libnvrtc.so.13.
+#[test]
+fn quick_builds_compile() {
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
+    assert!(!RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
+    assert!(!NORM.quick_first("layer_norm_f32"));
+    for (file, root) in QUICK_FIRST {
+        let k = ALL
+            .iter()
+            .find(|k| k.name == *file)
+            .expect("a QUICK_FIRST file");
+        assert!(
+            k.families.iter().any(|f| f.root == *root),
+            "QUICK_FIRST names a family {file}.cu lacks: {root}"
+        );
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped compiling: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::nvrtc;
+    for arch in ["sm_90", "sm_120"] {
+        let level = feature_level(arch).unwrap();
+        for k in ALL {
+            for function in k.instances(level) {
+                if !k.quick_first(&function) {
+                    continue;
+                }
+                let build = k.build_of(&function, None).unwrap();
+                let mut options = build.defines();
+                options.extend(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()));
+                let started = std::time::Instant::now();
+                let cubin = nvrtc::compile(
+                    k.name,
+                    &k.source(),
+                    &k.target_arch(arch),
+                    nvrtc::Target::Cubin,
+                    &options,
+                )
+                .unwrap_or_else(|e| panic!("quick build of {function} for {arch}: {e}"));
+                assert!(!cubin.is_empty());
+                eprintln!(
+                    "quick build of {function} for {arch}: {:.0} ms",
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
+}
