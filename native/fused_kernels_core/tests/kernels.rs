@@ -268,12 +268,13 @@ fn engine_prefetch_names_instances() {
 }
 
 /// Every program with a quick build (`QUICK_FIRST`) compiles with the quick options at the
-/// architectures that define it (cubins, as the runtime loads them), and only those programs
+/// architectures that define it (of sm_75, sm_86, sm_90, sm_120) (cubins, as the runtime loads them), and only those programs
 /// have one. Needs libnvrtc.so.13.
 #[test]
 fn quick_builds_compile() {
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_frame_f32"));
     assert!(!RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
     assert!(!NORM.quick_first("layer_norm_f32"));
     for (file, root) in QUICK_FIRST {
@@ -291,7 +292,7 @@ fn quick_builds_compile() {
         return;
     }
     use fused_kernels_core::cuda::nvrtc;
-    for arch in ["sm_90", "sm_120"] {
+    for arch in ["sm_75", "sm_86", "sm_90", "sm_120"] {
         let level = feature_level(arch).unwrap();
         for k in ALL {
             for function in k.instances(level) {

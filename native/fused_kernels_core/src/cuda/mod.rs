@@ -692,7 +692,10 @@ impl Gpu {
             .name("fk-full-build".into())
             .spawn(move || {
                 match slot.full.get_or_try_init(|| loader.load()) {
-                    Ok(_) => {
+                    Ok(m) => {
+                        // Resolved here, so that the first launch of the full build (often
+                        // inside a graph capture) finds the function loaded.
+                        let _ = m.load_function(&loader.function);
                         modules.generation.fetch_add(1, Ordering::AcqRel);
                     }
                     Err(e) => eprintln!(

@@ -316,7 +316,6 @@ struct FrameLayer {
 /// The one-launch LSTM/GRU frame (kernels/engine_rnn.cu) and everything it reads besides the
 /// frame and the stream's state, made once at load.
 struct RnnFrame {
-    f: CudaFunction,
     /// Owns the blocked weights that `table` points at.
     _layers: Vec<FrameLayer>,
     /// Per layer the kernel's `FkErLayer`: wi, wh, bias, the layer's norm gamma and beta
@@ -443,7 +442,6 @@ impl RnnFrame {
                 FRAME_SMEM
             };
         Ok(Some(RnnFrame {
-            f,
             table: upload_words(gpu, "frame layers", &words)?,
             _layers: layers,
             input_norm: (addr("input_norm/gamma")?, addr("input_norm/beta")?),
@@ -1379,13 +1377,20 @@ impl CudaEngine {
         ];
         let grid = (rf.layers * h.div_ceil(FRAME_UNITS)) as u32;
         let smem = RnnFrame::smem(b, rf.widest, h) as u32;
-        self.gpu.bind()?;
+        // Looked up per launch (launches are eager or captured, not replayed): on a cold cache
+        // the kernel's quick build serves until its full build lands (`Gpu::function`).
+        let f = self.gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32")?;
+        if smem as usize > FRAME_SMEM {
+            // Once per function handle (the full build's is a new one); `takes` kept `smem`
+            // within what the load allowed.
+            crate::cuda::smem::allow_dynamic_smem(&f, smem as usize)?;
+        }
         // Safety: the kernel's parameters in order, each a live local of the right type;
         // every address is a weight, table, scratch or state tensor of this engine or the
         // shape's staging, alive in its stream's order.
         unsafe {
             cudarc::driver::result::launch_kernel(
-                rf.f.cu_function(),
+                f.cu_function(),
                 (grid, 1, 1),
                 (FRAME_THREADS as u32, 1, 1),
                 smem,
