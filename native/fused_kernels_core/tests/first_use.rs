@@ -4,22 +4,26 @@
 //! gives the same numbers (rel. L2 <= 1e-5 in f32, 1e-4 for 16-bit outputs; each also against
 //! the f64 reference or the CPU engine), and an engine whose graphs were captured on the quick
 //! builds (windows: the cluster recurrence; frames: `engine_rnn_frame_f32`) captures them
-//! again on the full ones. One test: it needs a cold cache directory for the whole process. Needs a
+//! again on the full ones; likewise the f32 selective scan. One test: it needs a cold cache directory for the whole process. Needs a
 //! GPU with clusters (sm_90+); skipped elsewhere (fails with FUSED_KERNELS_REQUIRE_GPU=1
 //! without a GPU).
 
 mod support;
 
-use fused_kernels_core::cuda::{cache, Gpu};
+use fused_kernels_core::cuda::{cache, DeviceTensor, Gpu};
+use fused_kernels_core::dtype::decode_f64;
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Plan};
 use fused_kernels_core::engine::Engine;
-use fused_kernels_core::kernels::{kernel_name, Kernel, ENGINE_RNN, RNN_CLUSTER};
+use fused_kernels_core::kernels::{
+    kernel_name, Kernel, ENGINE_RNN, RNN_CLUSTER, SELECTIVE_SCAN_F32,
+};
 use fused_kernels_core::ops::rnn::Cell;
 use fused_kernels_core::DType;
 use std::sync::Arc;
 use support::backbone::{random_params, spec, to_params};
 use support::rnn::{case, check_cluster};
+use support::selective_scan as ss;
 use support::{gpu_for_tests, rel_l2, Rng};
 
 fn full_build(gpu: &Gpu, kernel: &'static Kernel, function: &str) {
@@ -156,6 +160,71 @@ fn engine_on_both_builds(gpu: &Arc<Gpu>, kind: Kind, failures: &mut Vec<String>)
     }
 }
 
+/// The f32 selective scan (Mamba's window, at ExPhil's sizes, with D and z): its first call
+/// on a cold cache on the quick build, then on the full one.
+fn scan_on_both_builds(gpu: &Arc<Gpu>, failures: &mut Vec<String>) {
+    use fused_kernels_core::ops::selective_scan::{cuda_into, Tuning};
+    let o = ss::Opts {
+        d: true,
+        z: true,
+        ..ss::BASE
+    };
+    let c = ss::make_case(
+        &mut Rng::new(31),
+        ss::geometry_of(1, 60, 512, 16, o),
+        DType::F32,
+        o,
+    );
+    let g = c.g;
+    let run = || {
+        let ops = ss::operands(&c);
+        let mut out = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, g.dim], DType::F32).unwrap();
+        out.fill_bytes(0xFF).unwrap();
+        let p = ss::params(o);
+        let mut last = p
+            .return_last_state
+            .then(|| DeviceTensor::uninit(gpu, vec![g.batch, g.dim, g.state], DType::F32).unwrap());
+        cuda_into(
+            gpu,
+            &ss::inputs(&ops),
+            p,
+            &mut out,
+            last.as_mut(),
+            &Tuning::default(),
+        )
+        .unwrap();
+        decode_f64(&out.download().unwrap().data, DType::F32)
+    };
+    let (want, _) = ss::expected(&c);
+    let quick = run();
+    let serving: Vec<String> = SELECTIVE_SCAN_F32
+        .instances(900)
+        .into_iter()
+        .filter(|f| gpu.serves_quick_build(&SELECTIVE_SCAN_F32, f))
+        .collect();
+    if serving.is_empty() {
+        failures.push("selective scan: no quick build served its first call".into());
+        return;
+    }
+    for f in &serving {
+        full_build(gpu, &SELECTIVE_SCAN_F32, f);
+    }
+    let full = run();
+    let (eq, ef, qf) = (
+        rel_l2(&quick, &want),
+        rel_l2(&full, &want),
+        rel_l2(&quick, &full),
+    );
+    eprintln!(
+        "selective scan {serving:?}: quick vs f64 {eq:.2e}, full vs f64 {ef:.2e}, quick vs full {qf:.2e}"
+    );
+    if eq > 1e-5 || ef > 1e-5 || qf > 1e-5 {
+        failures.push(format!(
+            "selective scan: quick {eq:e}, full {ef:e}, quick vs full {qf:e}"
+        ));
+    }
+}
+
 #[test]
 fn quick_builds_serve_first_calls_and_match_the_full_builds() {
     let Some(gpu) = gpu_for_tests() else {
@@ -174,6 +243,7 @@ fn quick_builds_serve_first_calls_and_match_the_full_builds() {
     engine_on_both_builds(&gpu, Kind::Lstm, &mut failures);
     op_on_both_builds(&gpu, Cell::Lstm, DType::BF16, &mut failures);
     op_on_both_builds(&gpu, Cell::Gru, DType::F16, &mut failures);
+    scan_on_both_builds(&gpu, &mut failures);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
