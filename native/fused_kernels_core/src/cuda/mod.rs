@@ -714,6 +714,37 @@ impl Gpu {
         }
     }
 
+    /// Waits for the full build of every program this device serves from a quick build now
+    /// (compiling it here if its background thread never started), one `progress` line each;
+    /// returns how many. `warmup` callers that ran first calls use it so that every program is
+    /// at full speed afterwards.
+    pub fn finish_quick_builds(&self, progress: &(dyn Fn(&str) + Sync)) -> Result<usize> {
+        let pending: Vec<((&'static str, String), Arc<Slot>)> = self
+            .modules
+            .slots
+            .lock()
+            .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?
+            .iter()
+            .filter(|(_, slot)| slot.full.get().is_none() && slot.quick.get().is_some())
+            .map(|(key, slot)| (key.clone(), slot.clone()))
+            .collect();
+        for ((file, function), slot) in &pending {
+            let kernel = crate::kernels::ALL
+                .iter()
+                .copied()
+                .find(|k| k.name == *file)
+                .ok_or_else(|| Error::Cuda(format!("no kernel file {file}")))?;
+            let started = Instant::now();
+            let loader = Loader::new(self, kernel, function)?;
+            slot.full.get_or_try_init(|| loader.load())?;
+            progress(&format!(
+                "[fused_kernels] full build of {function} ({file}.cu) ready after {:.0} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            ));
+        }
+        Ok(pending.len())
+    }
+
     /// Changes whenever a program's full build replaces its quick build on this device: a
     /// caller that captured launches (a CUDA graph) compares it to capture them again.
     pub fn modules_generation(&self) -> u64 {
