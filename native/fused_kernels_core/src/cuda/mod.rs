@@ -664,17 +664,24 @@ impl Gpu {
             }
             if cache::read(&loader.path).is_none() {
                 let mut built = false;
-                let m = slot
-                    .quick
-                    .get_or_try_init(|| {
-                        built = true;
-                        loader.quick()
-                    })?
-                    .clone();
-                if built {
-                    self.finish_in_background(slot, loader);
+                match slot.quick.get_or_try_init(|| {
+                    built = true;
+                    loader.quick()
+                }) {
+                    Ok(m) => {
+                        let m = m.clone();
+                        if built {
+                            self.finish_in_background(slot, loader);
+                        }
+                        return Ok(m);
+                    }
+                    // The full build then, here (its error, if any, is the caller's).
+                    Err(e) => eprintln!(
+                        "[fused_kernels] the quick build of {function} ({}.cu) failed ({e}); \
+                         compiling the full build",
+                        kernel.name
+                    ),
                 }
-                return Ok(m);
             }
         }
         slot.full.get_or_try_init(|| loader.load()).cloned()
