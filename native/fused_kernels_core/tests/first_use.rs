@@ -150,6 +150,12 @@ fn engine_on_both_builds(gpu: &Arc<Gpu>, kind: Kind, frame_cold: bool, failures:
         full_build(gpu, &ENGINE_RNN, f);
     }
     let swaps = (recurrences.len() + frames.len()) as u64;
+    // The background thread moves the generation on just after its full build is in place,
+    // which is when `warmup` returns: allow it a moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while gpu.modules_generation() < before + swaps && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     if gpu.modules_generation() < before + swaps {
         failures.push(format!(
             "{kind:?} engine: the full builds did not move the module generation {swaps} times"
