@@ -56,8 +56,8 @@ defmodule FusedKernels do
   Options:
     * `archs` - list like `["sm_90", "sm_120"]`; default: the local GPU's (raises without one)
     * `cache_dir` - default: the runtime's cache directory (`info()[:cache_dir]`)
-    * `route_as` - `"sm_86"`: the programs of a GPU routed as that older one (the
-      `route-as-*` test builds); default `nil`
+    * `route_as` - `"sm_86"`: the programs of a GPU routed as that older one, or
+      `"sm_120"` on a Hopper (the `route-as-*` test builds); default `nil`
     * `jobs` - compilations at once; default: the number of schedulers
 
   Returns `%{compiled: n, present: n, failed: [String.t()], bytes: n}`.

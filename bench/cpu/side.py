@@ -11,8 +11,9 @@ session and PyTorch's modules hold theirs), ONNX Runtime through its own LSTM/GR
 i,o,f,c; GRU z,r,h with linear_before_reset=1, which is Axon's `r * (h Whn + bhn)`), PyTorch
 through nn.LSTM/nn.GRU, scaled_dot_product_attention, matmul+gelu and a selective-scan loop
 (mamba_ssm's selective_scan_ref). Outputs are checked against ONNX Runtime (PyTorch for the
-scan, which has no ONNX Runtime row), then the three are timed in interleaved rounds; the
-table prints median ms per call and ours / best. Options: --rounds, --threads 1,2, --rows.
+scan, which has no ONNX Runtime row), then the three are timed in interleaved rounds (the order
+rotating each round); the table prints median ms per call and ours / best. Options: --rounds,
+--threads 1,2, --rows.
 
 --backbones gru,lstm,attention,mamba,jamba (or `all`) adds the backbone rows: our CPU engine
 (`Backbone.load(..., backend: :cpu)`, predict per window, step per frame with the state
@@ -529,7 +530,11 @@ def main():
             for r in range(args.rounds):
                 for row in row_order:
                     n = CALLS[row]
-                    for name, run in runners[row].items():
+                    # The order rotates each round: a batch right after another library's
+                    # (whose pool threads may still spin for a while) is each one's turn alike.
+                    order = list(runners[row].items())
+                    order = order[r % len(order):] + order[:r % len(order)]
+                    for name, run in order:
                         ms = ours.time(row, n) if name == "ours" else time_py(run, n)
                         samples.setdefault((row, name), []).extend(ms[1:] if r == 0 else ms)
             ours.close()

@@ -21,5 +21,4 @@ timeout 120 .gpu/bin/test_dense --test-threads=4 --nocapture 2>&1 | tee "$OUT/de
   grep -E "test result|panicked|FAILED|rel L2" | tail -20
 echo "== ExUnit dense tests (with :cuda)"
 source bench/gpu/erlang.sh && erlang_here
-export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
 timeout 40 mix test --include cuda test/dense_test.exs 2>&1 | tee "$OUT/exunit_dense.log" | tail -5

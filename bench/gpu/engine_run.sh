@@ -17,9 +17,8 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/.gpu/out}
 mkdir -p "$out"
 # shellcheck source=bench/gpu/erlang.sh
-source bench/gpu/erlang.sh
-erlang_here
-export FUSED_KERNELS_SKIP_NIF=1 FUSED_KERNELS_REQUIRE_GPU=1 MIX_ENV=test
+source bench/gpu/erlang.sh && erlang_here
+export FUSED_KERNELS_REQUIRE_GPU=1
 export FUSED_KERNELS_CACHE_DIR=/tmp/fk-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null; fi

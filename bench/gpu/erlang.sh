@@ -1,6 +1,7 @@
 # Sourced by the GPU scripts (run from the repository root): `erlang_here` unpacks the Debian
 # Erlang/Elixir packages carried in .gpu/debs into /tmp/erlroot, points their start scripts
-# there, and puts Erlang, Elixir and the carried apps (.gpu/erl_libs) on PATH / ERL_LIBS.
+# there, and puts Erlang, Elixir and the carried apps (.gpu/erl_libs) on PATH / ERL_LIBS; mix
+# runs in the test environment with the NIF the harness built (priv/native, not recompiled).
 erlang_here() {
   local root=/tmp/erlroot
   rm -rf $root && mkdir -p $root
@@ -11,4 +12,5 @@ erlang_here() {
   done
   export PATH=$er/bin:$root/usr/lib/elixir/bin:$PATH
   export ERL_LIBS=$PWD/.gpu/erl_libs
+  export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
 }

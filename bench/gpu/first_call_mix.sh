@@ -13,9 +13,7 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/.gpu/out}
 mkdir -p "$out"
 # shellcheck source=bench/gpu/erlang.sh
-source bench/gpu/erlang.sh
-erlang_here
-export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
+source bench/gpu/erlang.sh && erlang_here
 unset FUSED_KERNELS_CACHE_DIR
 log=$out/first_call_mix.txt
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"

@@ -22,7 +22,6 @@ if [ -d .gpu/debs ]; then
   # shellcheck source=bench/gpu/erlang.sh
   source bench/gpu/erlang.sh
   erlang_here
-  export FUSED_KERNELS_SKIP_NIF=1
 fi
 export MIX_ENV=test FUSED_KERNELS_CACHE_DIR=${FUSED_KERNELS_CACHE_DIR:-/tmp/fk-kernel-cache}
 [ "$BACKEND" = cuda ] && export FUSED_KERNELS_REQUIRE_GPU=1

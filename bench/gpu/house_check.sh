@@ -7,46 +7,42 @@
 # run `bash bench/gpu/house_check.sh [tests|benches]` from the bundle root (no argument: both;
 # two calls on one warm machine share the kernel cache in /tmp).
 #
-# `bash bench/gpu/house_check.sh ab-build DIR [BEFORE [AFTER]]` (here, with Rust and NVRTC) makes
-# instead a device bundle in DIR that times the op benches of two commits on one GPU, A, B, A,
-# B (bench/gpu/house_ab_run.sh as DIR/run.sh, house_compare.py beside it): A is BEFORE (default
-# ff33192, the last commit before the rnn split; its benches were ignored unit tests steered
-# by environment variables), B is AFTER (default main; benches/<op>.rs). A's kernels are
-# compiled here into the bundle's cache (acache.tar.xz) by A's own kernel_ptx. Work trees in
-# $HOUSE_AB_WORK (default /tmp/house-ab).
+# `bash bench/gpu/house_check.sh ab-build DIR [BEFORE [AFTER]]` (here, with Rust) makes instead
+# a device bundle in DIR that times the op benches of two commits on one GPU, A, B, A, B
+# (bench/gpu/house_ab_run.sh as DIR/run.sh, house_compare.py beside it): A is BEFORE (default
+# main), B is AFTER (default HEAD). Each side's benches and kernel_ptx (which fills the kernel
+# cache on the GPU host before the runs) are built from `git archive` of its commit in
+# $HOUSE_AB_WORK (default /tmp/house-ab), each side in its own target directory there (a shared
+# one let cargo take the other side's library as fresh: both trees are the same package).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = ab-build ]; then
   set -e
-  dir=$(realpath -m "$2") before=${3:-ff33192} after=${4:-main}
+  dir=$(realpath -m "$2") before=${3:-main} after=${4:-HEAD}
   work=${HOUSE_AB_WORK:-/tmp/house-ab}
-  mkdir -p "$dir/bin" "$work/before" "$work/after" "$work/acache"
-  git archive "$before" | tar -x -C "$work/before"
-  git archive "$after" | tar -x -C "$work/after"
-  artifacts() { # the executables of a `cargo --message-format=json` build: kind name path
-    python3 -c 'import json,sys
+  mkdir -p "$dir/bin"
+  for side in a b; do
+    rev=$before
+    [ $side = b ] && rev=$after
+    target=$work/target-$side
+    rm -rf "${work:?}/$side" && mkdir -p "$work/$side"
+    git archive "$rev" | tar -x -C "$work/$side"
+    (cd "$work/$side" && CARGO_TARGET_DIR=$target cargo bench -p fused_kernels_core --no-run \
+      --message-format=json --bench rnn --bench selective_scan --bench dense --bench dense_sm90 \
+      --bench flash_attention) | python3 -c 'import json,sys
 for l in sys.stdin:
     try: m=json.loads(l)
     except ValueError: continue
-    if m.get("reason")=="compiler-artifact" and m.get("executable"):
-        print(m["target"]["kind"][0], m["target"]["name"], m["executable"])'
-  }
-  (cd "$work/before" && cargo test --release -p fused_kernels_core --lib --no-run \
-    --message-format=json) | artifacts | while read -r kind name path; do
-    if [ "$kind" = lib ]; then cp "$path" "$dir/bin/a_core_tests"; fi
-  done
-  (cd "$work/after" && cargo bench -p fused_kernels_core --no-run --message-format=json \
-    --bench rnn --bench selective_scan --bench dense --bench dense_sm90 \
-    --bench flash_attention) | artifacts | while read -r kind name path; do
-    if [ "$kind" = bench ]; then cp "$path" "$dir/bin/b_$name"; fi
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["kind"][0]=="bench":
+        print(m["target"]["name"], m["executable"])' | while read -r name path; do
+      cp "$path" "$dir/bin/${side}_$name"
+    done
+    (cd "$work/$side" && CARGO_TARGET_DIR=$target cargo build --release -p fused_kernels_core \
+      --bin kernel_ptx)
+    cp "$target/release/kernel_ptx" "$dir/bin/${side}_kernel_ptx"
   done
   strip "$dir"/bin/*
-  # A's kernel cache for sm_90, the files these benches load: its kernel_ptx writes each
-  # file's cubin as a cache entry (and the PTX beside it, unused here).
-  (cd "$work/before" && cargo build --release -p fused_kernels_core --bin kernel_ptx &&
-    FK_KERNELS=dense,dense_sm90,flash_attention,rnn,rnn_batched,rnn_cluster,rnn_mma,rnn_resident,selective_scan_f32 \
-      FK_CACHE_OUT="$work/acache" ./target/release/kernel_ptx "$work/ptx" sm_90)
-  tar -C "$work/acache" -cJf "$dir/acache.tar.xz" .
+  tar -C "$dir" -cJf "$dir/bin.tar.xz" bin && rm -rf "$dir/bin"
   cp bench/gpu/house_ab_run.sh "$dir/run.sh"
   cp bench/gpu/house_compare.py "$dir/"
   du -sh "$dir"

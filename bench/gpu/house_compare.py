@@ -1,4 +1,4 @@
-"""The op benches before (A) and after (B) the layout move, run interleaved on one GPU by
+"""The op benches of two commits, before (A) and after (B), run interleaved on one GPU by
 bench/gpu/house_ab_run.sh (A1, B1, A2, B2 per bench): per case the ratio B/A of the mean of
 each side's two medians, and the run-to-run noise of that case, the larger of |A2/A1 - 1| and
 |B2/B1 - 1|. A case is "within noise" when |B/A - 1| <= max(noise, FLOOR); per bench the

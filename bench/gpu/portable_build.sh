@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Builds (here, after `bash bench/gpu/harness build`) what bench/gpu/portable_run.sh needs on
 # top of the harness bundle: the Rust test binaries (tests/<op>.rs), the Rust benches and the
-# NIF routed as an RTX 30/40/50 (sm_86) and as a T4/T400 (sm_75), i.e. with the `route-as-*`
+# NIF routed as an RTX 5090 (sm_120: clusters of 8 CTAs with 99 KB each, no wgmma/TMA; on a
+# Hopper only), as an RTX 30/40 (sm_86) and as a T4/T400 (sm_75), i.e. with the `route-as-*`
 # features of fused_kernels_core (cuda::TEST_ROUTE_CAP). Into .gpu/portable/<cap>/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source .ci/setup
-for cap in sm86 sm75; do
+for cap in sm120 sm86 sm75; do
   echo "== routed as $cap: Rust tests, benches, NIF"
   dir=.gpu/portable/$cap
   rm -rf "$dir" && mkdir -p "$dir"

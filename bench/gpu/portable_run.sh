@@ -2,9 +2,10 @@
 # The paths other GPUs take, run on this one (an H100/H200) against the f64 references and
 # timed beside the native (Hopper) path. Built here first: `bash bench/gpu/harness build &&
 # bash bench/gpu/portable_build.sh`; on the GPU machine, carry [".gpu", "_build",
-# "priv/native"] and run `bash bench/gpu/portable_run.sh` (budget: about 8 minutes).
+# "priv/native"] and run `bash bench/gpu/portable_run.sh` (budget: about 10 minutes).
 #
-# For each route - native, as sm_86 (no clusters, wgmma/TMA or PDL: the RTX 30/40/50 paths),
+# For each route - native, as sm_120 (an RTX 5090: clusters of 8 CTAs with 99 KB of shared
+# memory each, no wgmma/TMA), as sm_86 (no clusters, wgmma/TMA or PDL: the RTX 30/40 paths),
 # as sm_75 (also no cp.async, no bf16/tf32 tensor cores) - the Rust GPU tests of every op
 # (tests/<op>.rs: f64 references, poisoned outputs, odd sizes), the Rust kernel benches, and
 # mix bench's op and backbone rows through the NIF built for that route. Logs and JSON in
@@ -14,11 +15,11 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 mkdir -p "$OUT"
 source bench/gpu/erlang.sh && erlang_here
-export FUSED_KERNELS_REQUIRE_GPU=1 FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
+export FUSED_KERNELS_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if ls .gpu/erl_libs 2>/dev/null | grep -q '^nx'; then mix compile --force >/dev/null; fi
 status=0
-for route in native sm86 sm75; do
+for route in native sm120 sm86 sm75; do
   dir="$OUT/$route"
   mkdir -p "$dir"
   if [ "$route" = native ]; then bins=.gpu/bin nif=""; else

@@ -39,7 +39,6 @@ fi
 [ -n "${RNN_SKIP_EXUNIT:-}" ] && exit 0
 echo "== ExUnit rnn tests (with :cuda) and mix bench rows"
 source bench/gpu/erlang.sh && erlang_here
-export FUSED_KERNELS_SKIP_NIF=1 MIX_ENV=test
 if ls .gpu/erl_libs | grep -q '^nx'; then mix compile --force >/dev/null 2>&1; fi
 timeout 40 mix test --include cuda test/rnn_test.exs 2>&1 | tee "$OUT/exunit_rnn.log" | tail -6
 [ -n "${RNN_MIXBENCH:-}" ] && timeout 90 mix bench --only "lstm exphil" --json "$OUT/bench_rnn.json" 2>&1 | tee "$OUT/bench_rnn.log" | tail -8

@@ -15,9 +15,14 @@
 //! their timed frames together (engines on one GPU must overlap): one JSON line with each
 //! thread's median and the aggregate frames/s over the slowest thread's timed span.
 //!
+//! `--frame-path graph|persist`: LSTM/GRU frames on the one-kernel graph or on the persistent
+//! kernel (the default where it runs: engine/persist.rs), for the two side by side in one run.
+//! `--gap-ms G`: each timed frame after a pause of G ms (longer than the persistent kernel's
+//! idle time-out: every frame relaunches it).
+//!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
-//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--json FILE]. One
-//! JSON line per (case, what).
+//! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--frame-path P]
+//! [--gap-ms G] [--json FILE]. One JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -73,13 +78,18 @@ fn main() {
     let warm: Option<usize> = cli.value("--warm");
     let profile_last: Option<usize> = cli.value("--profile-last");
     let threads: usize = cli.value("--threads").unwrap_or(1);
+    let path: String = cli
+        .value("--frame-path")
+        .unwrap_or_else(|| "persist".into());
+    let persist = path != "graph";
+    let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
     if threads > 1 {
         for name in cases.split(',') {
             let Some(s) = case(name) else {
                 eprintln!("--case: unknown {name:?}");
                 std::process::exit(2);
             };
-            concurrent(&mut out, name, &s, (batch, threads, iters), warm);
+            concurrent(&mut out, name, &s, (batch, threads, iters), warm, persist);
         }
         return;
     }
@@ -109,6 +119,7 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        let has_persist = e.set_persistent_frames(persist).expect("frame path");
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -117,8 +128,9 @@ fn main() {
             let (med, p99) = stats(times);
             let finite = y.iter().all(|v| v.is_finite());
             out.line(&format!(
-                "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite}}}",
-                if w == "window" { t } else { 1 }
+                "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite},\"path\":\"{}\",\"gap_ms\":{gap_ms}}}",
+                if w == "window" { t } else { 1 },
+                if w == "frame" && persist && has_persist { "persist" } else { "graph" }
             ));
         };
         if what == "window" || what == "both" {
@@ -149,6 +161,9 @@ fn main() {
             for i in 0..w + iters {
                 let f = &frames[i % frames.len()];
                 profile(i, w + iters);
+                if gap_ms > 0 && i >= w {
+                    std::thread::sleep(std::time::Duration::from_millis(gap_ms));
+                }
                 let t0 = Instant::now();
                 if let Err(err) = e.step(&mut st, f, &mut y) {
                     eprintln!("{name} frame: {err}");
@@ -173,6 +188,7 @@ fn concurrent(
     s: &Spec,
     (batch, threads, iters): (usize, usize, usize),
     warm: Option<usize>,
+    persist: bool,
 ) {
     let start = std::sync::Barrier::new(threads);
     let results: Vec<(f64, f64)> = std::thread::scope(|scope| {
@@ -182,6 +198,7 @@ fn concurrent(
                 scope.spawn(move || {
                     let e = CudaEngine::new(s.clone(), to_params(&random_params(s, 1)), None)
                         .expect("engine");
+                    e.set_persistent_frames(persist).expect("frame path");
                     let mut st = e.new_state(batch).expect("state");
                     let x = Rng::new(10 + i as u64).vec_f32(batch * s.embed, 1.0, 0.0);
                     let mut y = vec![f32::NAN; batch * s.hidden];
@@ -211,7 +228,8 @@ fn concurrent(
     let span = results.iter().map(|r| r.1).fold(0.0, f64::max);
     let rate = (threads * iters) as f64 / span;
     out.line(&format!(
-        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
+        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"path\":\"{}\",\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
+        if persist { "persist" } else { "graph" },
         medians.join(",")
     ));
 }

@@ -9,8 +9,10 @@
 //! crossover.
 //!
 //! Usage: rnn [--no-crossover] [--batch1-extra] [--mma-tilings] [--cluster-profile]
-//! [--json FILE]. `--cluster-profile` instead times where the batch-1 cluster call spends
-//! its time (see `cluster_profile`). Lines go to stdout, and to FILE with `--json`.
+//! [--cluster-regs] [--json FILE]. `--cluster-profile` instead times where the batch-1 cluster
+//! call spends its time (see `cluster_profile`); `--cluster-regs` the batch-1 f32 H256 shapes
+//! on clusters of 16 and 8 CTAs with and without weights in registers (`cluster_regs`), the
+//! resident and persistent kernels beside. Lines go to stdout, and to FILE with `--json`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -30,6 +32,8 @@ fn main() {
     let mut out = cli.json();
     if cli.flag("--cluster-profile") {
         cluster_profile(&mut out);
+    } else if cli.flag("--cluster-regs") {
+        cluster_regs(&mut out);
     } else {
         bench(
             &mut out,
@@ -297,6 +301,71 @@ fn cluster_profile(out: &mut JsonOut) {
                     }
                 }
                 out.line(&format!("{line}}}"));
+            }
+        }
+    }
+}
+
+/// ExPhil's batch-1 f32 H256 shapes (2 layers T60, 1 layer T16 and T60) on every cluster
+/// variant this GPU takes (16 or 8 CTAs, weights in shared memory only or partly in
+/// registers) and the resident and persistent kernels: what an RTX 50 (8 CTAs, 99 KB) runs
+/// set against the Hopper path in one process. A variant that cannot take the case reports
+/// its error.
+fn cluster_regs(out: &mut JsonOut) {
+    let Some(gpu) = gpu_for_tests() else { return };
+    let dt = DType::F32;
+    for cell in [Cell::Gru, Cell::Lstm] {
+        for (t, layers) in [(60, 2), (16, 1), (60, 1)] {
+            let (b, i, h) = (1, 288, 256);
+            let name = format!("B{b} T{t} I{i} H{h} x{layers} f32");
+            let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
+            let mut rng = Rng::new(77);
+            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
+            let lbytes = make_layers(&mut rng, &c);
+            let x = upload(&gpu, &xb, vec![b, t, i], dt);
+            let dev = upload_layers(&gpu, &lbytes, b, dt);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
+            let xo = Operand::Device(&x);
+            let g = geometry(cell, &[b, t, i], dt, &ops).unwrap();
+            let default = format!("{:?}", default_paths(&gpu, cell, &g).unwrap());
+            let mut paths = vec![("default".to_string(), Tuning::default())];
+            for ctas in [16, 8] {
+                for (regs, label) in [(Some(false), "smem"), (Some(true), "regs")] {
+                    paths.push((
+                        format!("cluster{ctas}:{label}"),
+                        Tuning {
+                            path: Some(Path::Cluster),
+                            cluster_ctas: Some(ctas),
+                            cluster_regs: regs,
+                            ..Tuning::default()
+                        },
+                    ));
+                }
+            }
+            for (p, label) in [
+                (Path::Resident, "resident"),
+                (Path::Persistent, "persistent"),
+            ] {
+                let tuning = Tuning {
+                    path: Some(p),
+                    ..Tuning::default()
+                };
+                paths.push((label.to_string(), tuning));
+            }
+            let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
+            for (label, tuning) in paths {
+                let call = |_: usize| on_device(cell, &xo, &ops, Precision::F32, &tuning);
+                let timing = call(0).and_then(|_| time_calls(&gpu, 5, 100, call));
+                match timing {
+                    Ok(tm) => out.line(&format!(
+                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default_paths\":{default:?},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1}}}",
+                        tm.median_us, tm.p10_us, tm.p90_us
+                    )),
+                    Err(e) => out.line(&format!(
+                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"error\":{:?}}}",
+                        e.to_string()
+                    )),
+                }
             }
         }
     }

@@ -50,24 +50,6 @@ __device__ __noinline__ float fk_dense_epilogue(float acc, float acc_up, long lo
   return v;
 }
 
-// Mean and rstd of one row of K values held by a warp (lane-strided reads `at(k)`); two
-// passes (the second from cache) so a large mean does not cancel the variance.
-template <typename F>
-__device__ __forceinline__ float2 fk_dense_row_moments(F at, int K, int norm, float eps) {
-  const int lane = threadIdx.x & 31;
-  float mean = 0.0f, s = 0.0f;
-  if (norm == 2) {
-    for (int k = lane; k < K; k += 32) s += at(k);
-    mean = fk_warp_sum(s) / (float)K;
-    s = 0.0f;
-  }
-  for (int k = lane; k < K; k += 32) {
-    const float d = at(k) - mean;
-    s += d * d;
-  }
-  return make_float2(mean, rsqrtf(fk_warp_sum(s) / (float)K + eps));
-}
-
 // Pre-pass of the norm kinds: stats[r] = (mean, rstd) of row r, one warp per row.
 template <typename T>
 __device__ __forceinline__ void fk_dense_stats(const T* __restrict__ x, float2* __restrict__ stats,
@@ -75,7 +57,8 @@ __device__ __forceinline__ void fk_dense_stats(const T* __restrict__ x, float2* 
   const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (r >= M) return;
   const T* xr = x + r * K;
-  const float2 st = fk_dense_row_moments([&](int k) { return fk_to_f32(xr[k]); }, K, norm, eps);
+  const float2 st =
+      fk_warp_moments([&](int k) { return fk_to_f32(xr[k]); }, K, norm == 2, eps, FkDivN{(float)K});
   if ((threadIdx.x & 31) == 0) stats[r] = st;
 }
 
@@ -447,7 +430,8 @@ __device__ __forceinline__ void fk_dense_gemv(const T* __restrict__ x, const T* 
     __shared__ float2 st[MR];
     if (warp < M) {
       const float* xr = xs + warp * K;
-      const float2 s = fk_dense_row_moments([&](int k) { return xr[k]; }, K, norm, eps);
+      const float2 s =
+          fk_warp_moments([&](int k) { return xr[k]; }, K, norm == 2, eps, FkDivN{(float)K});
       if (lane == 0) st[warp] = s;
     }
     __syncthreads();
@@ -494,8 +478,7 @@ __device__ __forceinline__ void fk_dense_gemv(const T* __restrict__ x, const T* 
 #pragma unroll
       for (int e = 0; e < CH; ++e) {
         float v = acc[m][q][e];
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        v = fk_xor_sum<8, 32>(v);
         if (lane < TX) red[warp][m][q][tx * CH + e] = v;
       }
   __syncthreads();

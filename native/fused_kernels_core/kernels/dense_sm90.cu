@@ -44,10 +44,6 @@ struct __align__(64) Fk90TensorMap {
 
 #if FK_SM90A
 
-__device__ __forceinline__ unsigned fk90_smem(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-
 __device__ __forceinline__ void fk90_bar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -147,32 +143,13 @@ template <> struct Fk90Mma<fk_f16> {
   }
 };
 
-// Two floats to a packed pair (lo, hi), rounded to nearest even by one cvt (NaN stays NaN).
-template <typename T> __device__ __forceinline__ unsigned fk90_pack(float lo, float hi);
-template <> __device__ __forceinline__ unsigned fk90_pack<fk_bf16>(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <> __device__ __forceinline__ unsigned fk90_pack<fk_f16>(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <typename T>
-__device__ __forceinline__ float2 fk90_unpack(unsigned u) {
-  T lo, hi;
-  lo.bits = (unsigned short)(u & 0xffffu);
-  hi.bits = (unsigned short)(u >> 16);
-  return make_float2(fk_to_f32(lo), fk_to_f32(hi));
-}
 // 8 packed elements as floats.
 template <typename T>
 __device__ __forceinline__ void fk90_floats(uint4 u, float* o) {
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const float2 f = fk90_unpack<T>(w[q]);
+    const float2 f = fk_unpack2<T>(w[q]);
     o[2 * q] = f.x;
     o[2 * q + 1] = f.y;
   }
@@ -252,10 +229,10 @@ __device__ __forceinline__ void fk90_epilogue(const float* tile, long long row0,
         }
       }
       uint4 o;
-      o.x = fk90_pack<T>(v[0], v[1]);
-      o.y = fk90_pack<T>(v[2], v[3]);
-      o.z = fk90_pack<T>(v[4], v[5]);
-      o.w = fk90_pack<T>(v[6], v[7]);
+      o.x = fk_pack2<T>(v[0], v[1]);
+      o.y = fk_pack2<T>(v[2], v[3]);
+      o.z = fk_pack2<T>(v[4], v[5]);
+      o.w = fk_pack2<T>(v[6], v[7]);
       *reinterpret_cast<uint4*>(out + row * N + col) = o;
     }
   }
@@ -268,7 +245,7 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
                                           const T* bias_up, const T* res, T* out, int M, int N,
                                           int K, int glu, int act) {
   extern __shared__ unsigned char fk90_raw[];
-  const unsigned base = (fk90_smem(fk90_raw) + 1023u) & ~1023u;
+  const unsigned base = (fk_smem_addr(fk90_raw) + 1023u) & ~1023u;
   const unsigned bars = base + FK90_STAGES * FK90_STAGE_BYTES;
   // Per stage: TMA landed (1 arrival + bytes); consumed (one arrival per consumer warp).
   auto tma_bar = [&](int s) { return bars + 8u * s; };
@@ -364,8 +341,8 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
 #pragma unroll
       for (int q = 0; q < 8; ++q) x[q] = fmaf((x[q] - mean[i]) * rstd[i], g[q], b[q]);
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a + 2048u * i),
-                   "r"(fk90_pack<T>(x[0], x[1])), "r"(fk90_pack<T>(x[2], x[3])),
-                   "r"(fk90_pack<T>(x[4], x[5])), "r"(fk90_pack<T>(x[6], x[7]))
+                   "r"(fk_pack2<T>(x[0], x[1])), "r"(fk_pack2<T>(x[2], x[3])),
+                   "r"(fk_pack2<T>(x[4], x[5])), "r"(fk_pack2<T>(x[6], x[7]))
                    : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -404,7 +381,7 @@ __device__ __forceinline__ void fk90_gemm(const Fk90TensorMap* ta, const Fk90Ten
   // Stage the accumulators through the (now idle) ring: wait until both consumers' wgmmas
   // are done reading it, then each writes and reads back only its own 64 rows.
   asm volatile("bar.sync 1, 256;" ::: "memory");
-  float* tile = reinterpret_cast<float*>(fk90_raw + (base - fk90_smem(fk90_raw))) +
+  float* tile = reinterpret_cast<float*>(fk90_raw + (base - fk_smem_addr(fk90_raw))) +
                 cw * 64 * FK90_EPI_STRIDE;
   fk90_stage_acc(tile, acc);
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");

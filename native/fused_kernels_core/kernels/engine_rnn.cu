@@ -312,3 +312,323 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     for (int i = tid; i < nlayers + 2; i += FK_ER_THREADS) sync[i] = 0u;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same frame as a persistent kernel: launched once (cooperatively: every block resident),
+// it keeps each block's weights in shared memory and runs frame after frame as the host posts
+// them through a mailbox in mapped page-locked memory, until the host asks it to stop or no
+// frame came for `idle_ns` (an idle engine holds no multiprocessor). Per frame this saves the
+// launch (a graph replay's ~5 µs on an H100), the host's stream wait, and the weight loads;
+// the h·Wh half of every unit is computed as soon as the previous frame's h is known, i.e.
+// while the kernel waits for the next frame, so a frame's path is: the frame read over the bus,
+// layer by layer the input norm, x·Wi and the cell, the output norm and write.
+//
+// mbox (mapped host memory, u32 words): [0] the frame number the host posted (its frame in
+// `x`) or FK_EP_STOP, [2] the last frame number done (written by the kernel after `out`).
+// Frame numbers run on from `base` (the last one done before this launch). sync (device, u32
+// words zeroed before the launch): [1] the frame number the blocks may run (FK_EP_STOP:
+// leave). scratch: per layer two {batch, hidden} h buffers of (value, frame number) pairs
+// used in turn (cleared before the launch), then the frame {batch, layers[0].in} as floats.
+// Block (l, g) = blockIdx.x (all resident: no ordering by ticket needed); it updates its
+// units of the state in place (h written beside the scratch copy, c only ever read and
+// written by its owner), so the state is the stream's after every frame done. A buffer is
+// written again two frames later, and the next frame starts only after the host saw this one
+// done, by when every reader of the frame before has read it.
+//
+// Arithmetic: the same sums in the same order as engine_rnn_frame_f32 (its results are
+// bit-identical).
+
+#define FK_EP_STOP 0xffffffffu
+
+// An h value and the frame number it belongs to, stored and loaded as one 64-bit access (single
+// copy atomic): a reader waits for the value of its frame itself instead of a count of the
+// blocks done and then the values (one round trip through L2 instead of two).
+__device__ __forceinline__ void fk_ep_put(unsigned long long* p, float v, unsigned int frame) {
+  const unsigned long long w =
+      ((unsigned long long)frame << 32) | (unsigned long long)__float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+__device__ __forceinline__ float fk_ep_get(const unsigned long long* p, unsigned int frame) {
+  for (;;) {
+    unsigned long long w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    if ((unsigned int)(w >> 32) == frame) return __uint_as_float((unsigned int)w);
+    __nanosleep(64);
+  }
+}
+
+__device__ __forceinline__ unsigned int fk_ep_ld_sys(const volatile unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long fk_ep_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits (thread 0, then the block) until `*word` >= `target` (a count, or `go` itself) or `go`
+// says stop; true to stop. A count reached wins over a stop (the poller stops only between
+// frames, when every layer's count of the frame before is reached or on its way).
+__device__ __forceinline__ bool fk_ep_wait(const unsigned int* word, unsigned int target,
+                                           const unsigned int* go, unsigned int* flag) {
+  if (threadIdx.x == 0) {
+    unsigned int stop = 0u;
+    for (;;) {
+      const unsigned int v = fk_er_ld_acquire(word);
+      if (v >= target && v != FK_EP_STOP) break;
+      if (fk_er_ld_acquire(go) == FK_EP_STOP) {
+        stop = 1u;
+        break;
+      }
+      __nanosleep(32);
+    }
+    *flag = stop;
+  }
+  __syncthreads();
+  return *flag != 0u;
+}
+
+// n floats of `src` (16-byte aligned) into `dst` (and `dst2` unless null), each thread's loads
+// issued before its stores, so that up to 16 per thread cost one round trip: a frame over the
+// bus, or its copy in L2. `volatile_src`: loaded past every cache (the host's frame, which
+// changes under a running kernel); else from L2.
+__device__ __forceinline__ void fk_ep_copy(const float* src, float* dst, float* dst2, int n,
+                                           bool volatile_src) {
+  const int n4 = n >> 2;
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+  for (int i0 = 0; i0 < n4; i0 += 4 * FK_ER_THREADS) {
+    float4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
+      if (i < n4) v[k] = volatile_src ? __ldcv(s4 + i) : __ldcg(s4 + i);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
+      if (i < n4) {
+        reinterpret_cast<float4*>(dst)[i] = v[k];
+        if (dst2) reinterpret_cast<float4*>(dst2)[i] = v[k];
+      }
+    }
+  }
+  for (int i = 4 * n4 + (int)threadIdx.x; i < n; i += FK_ER_THREADS) {
+    const float v = volatile_src ? __ldcv(src + i) : __ldcg(src + i);
+    dst[i] = v;
+    if (dst2) dst2[i] = v;
+  }
+}
+
+// acc[b] += v[b, k]·w[k, col] over this thread's rows of a {rows, width} block in shared
+// memory: rows rl, rl + lanes, ... in engine_rnn_frame_f32's order.
+__device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int rows, int width,
+                                           int rl, int col, int batch,
+                                           float (&acc)[FK_ER_MAXB]) {
+#pragma unroll 4
+  for (int k = rl; k < rows; k += FK_ER_LANES) {
+    const float wk = w[k * width + col];
+#pragma unroll
+    for (int b = 0; b < FK_ER_MAXB; ++b)
+      if (b < batch) acc[b] = fmaf(v[b * rows + k], wk, acc[b]);
+  }
+}
+
+// Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
+// `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
+// gates·4 bytes (the block's weights).
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
+    engine_rnn_persist_f32(const float* x, const float* __restrict__ in_gamma,
+                           const float* __restrict__ in_beta,
+                           const FkErLayer* __restrict__ layers,
+                           const FkErState* __restrict__ states, float* scratch, float eps,
+                           float* out, unsigned int* sync, int nlayers, int batch, int hidden,
+                           int lstm, unsigned int* mbox, unsigned int base,
+                           unsigned long long idle_ns) {
+  if constexpr (FK_WANT(engine_rnn_persist_f32)) {
+    extern __shared__ float fk_ep_smem[];
+    __shared__ unsigned int flag_s;
+    __shared__ float bias_s[4][FK_ER_UNITS];
+    const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
+    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / width, col = lane - sub * width;
+    const bool active = sub < 2;
+    const int rl = warp * 2 + (active ? sub : 0);
+    const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
+    const FkErLayer L = layers[l];
+    const FkErState S = states[l];
+    const int in = (int)L.in, in0 = (int)layers[0].in;
+    const long long bh = (long long)batch * hidden;
+    // Per layer {2, batch, hidden} (value, frame number) pairs, used in turn; then the frame.
+    unsigned long long* tagged = reinterpret_cast<unsigned long long*>(scratch);
+    unsigned long long* hbuf = tagged + 2 * l * bh;
+    float* xbuf = scratch + 4 * nlayers * bh;
+    float* wis = fk_ep_smem;                 // {in, width}
+    float* whs = wis + in * width;           // {hidden, width}
+    float* xs = whs + hidden * width;        // {batch, in}
+    float* hs = xs + batch * in;             // {batch, hidden}
+    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
+    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
+    float* fgb = ngb + 2 * in;               // {2, hidden}
+    {
+      const float4* wi4 = reinterpret_cast<const float4*>(L.wi + (long long)g * in * width);
+      const float4* wh4 = reinterpret_cast<const float4*>(L.wh + (long long)g * hidden * width);
+      float4* wis4 = reinterpret_cast<float4*>(wis);
+      float4* whs4 = reinterpret_cast<float4*>(whs);
+      for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
+      for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
+    }
+    const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
+    const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
+    if (ng)
+      for (int i = tid; i < in; i += FK_ER_THREADS) {
+        ngb[i] = ng[i];
+        ngb[in + i] = nb[i];
+      }
+    if (l == nlayers - 1)
+      for (int i = tid; i < hidden; i += FK_ER_THREADS) {
+        fgb[i] = L.gamma[i];
+        fgb[hidden + i] = L.beta[i];
+      }
+    if (tid < 4 * FK_ER_UNITS) {
+      const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
+      bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
+    }
+    // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
+    // host cleared the pairs before the launch): from here on h is read from the scratch only.
+    for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
+      const int b = i / FK_ER_UNITS, j = g * FK_ER_UNITS + i % FK_ER_UNITS;
+      if (j < hidden) fk_ep_put(hbuf + b * hidden + j, S.h[b * hidden + j], base);
+    }
+    for (unsigned int j = 0;; ++j) {
+      const unsigned int seq = base + 1u + j;
+      const unsigned long long* hp = hbuf + (j & 1u) * bh;
+      unsigned long long* hn = hbuf + ((j + 1u) & 1u) * bh;
+      // h·Wh of the next frame while it has not come yet (the layer's h of the frame before,
+      // every unit of it).
+      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
+      __syncthreads();
+      if (active) {
+        // Parked in the reduction's slots while the frame comes.
+        float ah[FK_ER_MAXB];
+#pragma unroll
+        for (int b = 0; b < FK_ER_MAXB; ++b) ah[b] = 0.0f;
+        fk_ep_gemv(whs, hs, hidden, width, rl, col, batch, ah);
+#pragma unroll
+        for (int b = 0; b < FK_ER_MAXB; ++b)
+          if (b < batch) red[((rl * batch + b) * 2 + 1) * FK_ER_COLS + col] = ah[b];
+      }
+      bool stop;
+      if (l == 0 && g == 0) {
+        // The poller: the host's frame number (or stop), then the frame, published.
+        if (tid == 0) {
+          const unsigned long long t0 = fk_ep_now();
+          unsigned int st = 0u;
+          for (unsigned int n = 0;; ++n) {
+            const unsigned int posted = fk_ep_ld_sys(mbox);
+            if (posted == seq) break;
+            if (posted == FK_EP_STOP) {
+              st = 1u;
+              break;
+            }
+            if ((n & 63u) == 63u && fk_ep_now() - t0 > idle_ns) {
+              st = 1u;
+              break;
+            }
+          }
+          flag_s = st;
+        }
+        __syncthreads();
+        stop = flag_s != 0u;
+        if (!stop) fk_ep_copy(x, xs, xbuf, batch * in0, true);
+        __syncthreads();
+        if (tid == 0) {
+          const unsigned int go = stop ? FK_EP_STOP : seq;
+          asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + 1), "r"(go)
+                       : "memory");
+        }
+      } else if (l == 0) {
+        stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
+        if (!stop) fk_ep_copy(xbuf, xs, nullptr, batch * in, false);
+      } else {
+        // The frame has come (else stop), then the layer below's h of it.
+        stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
+        if (!stop) {
+          const unsigned long long* prev = tagged + 2 * (l - 1) * bh + ((j + 1u) & 1u) * bh;
+          for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = fk_ep_get(prev + i, seq);
+        }
+      }
+      if (stop) return;
+      __syncthreads();
+      if (ng) {
+        for (int b = warp; b < batch; b += FK_ER_WARPS)
+          fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
+        __syncthreads();
+      }
+      if (active) {
+        float ax[FK_ER_MAXB];
+#pragma unroll
+        for (int b = 0; b < FK_ER_MAXB; ++b) ax[b] = 0.0f;
+        fk_ep_gemv(wis, xs, in, width, rl, col, batch, ax);
+#pragma unroll
+        for (int b = 0; b < FK_ER_MAXB; ++b)
+          if (b < batch) red[((rl * batch + b) * 2) * FK_ER_COLS + col] = ax[b];
+      }
+      __syncthreads();
+      if (tid < batch * FK_ER_UNITS) {
+        const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
+        const int jj = g * FK_ER_UNITS + u;
+        if (jj < hidden) {
+          float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int gt = 0; gt < 4; ++gt) {
+            if (gt < gates) {
+#pragma unroll
+              for (int r = 0; r < FK_ER_LANES; ++r) {
+                sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
+                sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
+              }
+            }
+          }
+          const long long o = b * hidden + jj;
+          float bv[4];
+#pragma unroll
+          for (int gt = 0; gt < 4; ++gt) bv[gt] = bias_s[gt][u];
+          float hv;
+          if (lstm) {
+            float cc = S.c[o];
+            hv = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                       sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
+            S.c[o] = cc;
+          } else {
+            hv = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                      sx[2] + bv[2], sh[2] + bv[3], hs[o]);
+          }
+          fk_ep_put(hn + o, hv, seq);
+          S.h[o] = hv;
+        }
+      }
+      __syncthreads();
+      if (l == nlayers - 1 && g == 0) {
+        // The last layer's first block: every unit of the frame, the output, then the frame
+        // number after it.
+        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hn + i, seq);
+        __syncthreads();
+        for (int b = warp; b < batch; b += FK_ER_WARPS) {
+          fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
+          __syncwarp();
+          for (int jj = lane; jj < hidden; jj += 32) out[b * hidden + jj] = hs[b * hidden + jj];
+        }
+        __syncthreads();
+        // Release at system scope: the block's output writes (ordered before thread 0's by the
+        // barrier) reach the host before the frame number does.
+        if (tid == 0)
+          asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(mbox + 2), "r"(seq) : "memory");
+      }
+    }
+  }
+}

@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(256)
     else if (prev)
       acc += w[j * inner + c] * prev[((row0 / seq) * (k - 1) + (k - 1) + s) * inner + c];
   }
-  xc[i] = acc / (1.0f + expf(-acc));
+  xc[i] = fk_silu<FkExact>(acc);
   z[i] = xz[bt * width + inner + c] + (in_bias ? in_bias[inner + c] : 0.0f);
 }}
 

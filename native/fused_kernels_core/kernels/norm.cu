@@ -29,18 +29,9 @@ __device__ __forceinline__ void fk_norm(const T* __restrict__ x, const T* __rest
   const T* rr = r ? r + row * cols : nullptr;
   // LayerNorm centres on pivot + d (d: the mean of s - pivot); RMSNorm does not centre.
   const float pivot = RMS ? 0.0f : fk_norm_in(xr, rr, 0);
-  float d = 0.0f;
-  if (!RMS) {
-    float s = 0.0f;
-    for (int j = lane; j < cols; j += 32) s += fk_norm_in(xr, rr, j) - pivot;
-    d = fk_warp_sum(s) / cols;
-  }
-  float q = 0.0f;
-  for (int j = lane; j < cols; j += 32) {
-    const float v = (fk_norm_in(xr, rr, j) - pivot) - d;
-    q += v * v;
-  }
-  const float inv = rsqrtf(fk_warp_sum(q) / cols + eps);
+  const float2 st = fk_warp_moments([&](int j) { return fk_norm_in(xr, rr, j) - pivot; }, cols,
+                                    !RMS, eps, FkDivN{(float)cols});
+  const float d = st.x, inv = st.y;
   for (int j = lane; j < cols; j += 32) {
     const float v = fk_norm_in(xr, rr, j);
     const float o = ((v - pivot) - d) * inv * gamma[j] + (RMS ? 0.0f : beta[j]);

@@ -29,15 +29,6 @@ struct RnnArgs {
 
 
 
-// Hidden states written by other blocks: bypass L1, which may hold a stale line.
-__device__ __forceinline__ float4 rnn_ld_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // Grid-wide barrier on a monotonically increasing counter: episode n waits for n * gridDim
 // arrivals, so the counter never needs resetting within a launch. All blocks are co-resident
 // (cooperative launch), so the spin cannot deadlock.
@@ -46,11 +37,9 @@ __device__ __forceinline__ void rnn_grid_barrier(unsigned* counter, unsigned tar
   if (threadIdx.x == 0) {
     // Release: this block's h writes (ordered before by __syncthreads) become visible
     // before the arrival does.
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-    unsigned seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    } while (seen < target);
+    fk_red_release_add(counter, 1u);
+    while (fk_ld_acquire(counter) < target) {
+    }
     __threadfence();
   }
   __syncthreads();
@@ -120,7 +109,7 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
       }
       for (int idx = tid; idx < BC * H4; idx += RNN_THREADS) {
         const int bb = idx / H4, k4 = idx % H4;
-        hs4[idx] = bb < nb ? rnn_ld_cg4(hprev + (size_t)(b0 + bb) * Hp + 4 * k4)
+        hs4[idx] = bb < nb ? fk_ldcg_f4(hprev + (size_t)(b0 + bb) * Hp + 4 * k4)
                            : make_float4(0.f, 0.f, 0.f, 0.f);
       }
       __syncthreads();

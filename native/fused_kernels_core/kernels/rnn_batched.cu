@@ -23,7 +23,7 @@ template <typename E> __device__ __forceinline__ void rnn_pack(const RnnPackArgs
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / gc, rem = i % gc;
     const int g = (int)(rem / a.cols), c = (int)(rem % a.cols);
-    const void* s = g == 0 ? a.src[0] : g == 1 ? a.src[1] : g == 2 ? a.src[2] : a.src[3];
+    const void* s = fk_pick(a.src, g);
     reinterpret_cast<E*>(a.dst)[i] = reinterpret_cast<const E*>(s)[r * a.cols + c];
   }
 }

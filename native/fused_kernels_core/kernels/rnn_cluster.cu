@@ -28,6 +28,13 @@
 // recurrence is launched dependent on it (PDL) and waits for it only after loading its weights
 // (in split mode, before taking its ticket: the projection zeroes the counters).
 //
+// Where a cluster's shared memory is short of a layer's recurrent weights (an RTX 50: clusters
+// of 8 CTAs with 99 KB each, so an f32 H256 GRU layer's 96 KB of weights plus its buffers, or an
+// LSTM's 128 KB, do not fit), the `_regs` kernels keep the first RC_REGS 4-vectors of each warp's
+// share of the group's first layer's recurrent dot in registers (a persistent RNN's classic),
+// loaded once, and only the rest in shared memory: 2 x RC_REGS / ni_h of that layer's weights.
+// Those warps then also read that much less shared memory per step.
+//
 // Why this is race-free: h of super-step s lands in buffer (s+1)&1 of every CTA and completes
 // mbarrier (s+1)&1. A CTA can only write buffer b of another CTA again (super-step s+2) after it
 // received that CTA's h of super-step s+1, which that CTA sends after all its warps finished
@@ -108,12 +115,12 @@ template <> __device__ __forceinline__ float4 rc_w4<fk_f16>(const unsigned char*
 }
 
 // Lane `lane`'s share of a group's dot products: its 4-vectors i = i0..i1-1 (rows row + i of
-// LW lanes each) against x's 4-vectors sl + SL * i.
+// LW lanes each) against x's 4-vectors sl + SL * i, added to the four partial sums a.
 template <typename T, bool ROUND, int LW, int SL>
-__device__ __forceinline__ float rc_dot(const unsigned char* w, const float* x, int i0, int i1,
-                                        int row, int lane, int sl) {
+__device__ __forceinline__ void rc_dot_acc(float (&a)[4], const unsigned char* w, const float* x,
+                                           int i0, int i1, int row, int lane, int sl) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
 #pragma unroll 4
   for (int i = i0; i < i1; ++i) {
     const float4 wv = rc_w4<T>(w, (row + i) * LW + lane);
@@ -129,7 +136,35 @@ __device__ __forceinline__ float rc_dot(const unsigned char* w, const float* x, 
     a2 = fmaf(wv.z, xv.z, a2);
     a3 = fmaf(wv.w, xv.w, a3);
   }
-  return (a0 + a1) + (a2 + a3);
+  a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
+}
+
+template <typename T, bool ROUND, int LW, int SL>
+__device__ __forceinline__ float rc_dot(const unsigned char* w, const float* x, int i0, int i1,
+                                        int row, int lane, int sl) {
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  rc_dot_acc<T, ROUND, LW, SL>(a, w, x, i0, i1, row, lane, sl);
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// rc_dot whose first R 4-vectors (i0..i0+R-1) are the lane's registers wr and the rest at rows
+// row + i of shared memory; the same sums in the same order as rc_dot over those weights.
+template <typename T, int LW, int SL, int R>
+__device__ __forceinline__ float rc_dot_regs(const float4 (&wr)[R], const unsigned char* w,
+                                             const float* x, int i0, int i1, int row, int lane,
+                                             int sl) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float4 xv = x4[sl + SL * (i0 + r)];
+    a[0] = fmaf(wr[r].x, xv.x, a[0]);
+    a[1] = fmaf(wr[r].y, xv.y, a[1]);
+    a[2] = fmaf(wr[r].z, xv.z, a[2]);
+    a[3] = fmaf(wr[r].w, xv.w, a[3]);
+  }
+  rc_dot_acc<T, false, LW, SL>(a, w, x, i0 + R, i1, row, lane, sl);
+  return (a[0] + a[1]) + (a[2] + a[3]);
 }
 
 // PER consecutive elements of a weight row (PER = 4: one 16- or 8-byte load).
@@ -159,9 +194,13 @@ __device__ __forceinline__ RcChunk<R, PER> rc_ld_chunk(const R* p, bool ok) {
 // 4-vector layout (k >= K and units >= H zero). Thread (uq, kk) takes units uq*PER.. and rows
 // k = kk, kk + KT, ...; two rows of all gates are in flight per thread (PER = 4 needs H a
 // multiple of 4 and aligned weights).
-template <typename T, int G, int SL, int PER>
+// REG > 0: the vectors kept in registers instead (the first REG of each warp's range: from 0,
+// and from `second` when a partner warp takes [second, ni)) are left out, the others packed
+// into [U/Q][ni - REG * ranges][Q*G*SL].
+template <typename T, int G, int SL, int PER, int REG>
 __device__ __forceinline__ void rc_load_weights(const void* const* src, int K, int H, int j0,
-                                                int U, int ni, unsigned char* dst) {
+                                                int U, int ni, int second,
+                                                unsigned char* dst) {
   typedef typename RcRaw<T>::type R;
   constexpr int Q = 8 / SL, LW = Q * G * SL, KB = 2;  // KB: rows in flight
   const int Kp = ni * SL * 4, UQ = (U + PER - 1) / PER, KT = RC_THREADS / UQ;
@@ -183,13 +222,20 @@ __device__ __forceinline__ void rc_load_weights(const void* const* src, int K, i
     for (int b = 0; b < KB; ++b) {
       const int k = k0 + b * KT;
       if (k >= Kp) break;
-      const int k4 = k >> 2, sl = k4 % SL, it = k4 / SL;
+      const int k4 = k >> 2, sl = k4 % SL;
+      int it = k4 / SL, rows = ni;
+      if (REG > 0) {
+        const bool two = second < ni, late = two && it >= second;
+        if (it < REG || (late && it < second + REG)) continue;
+        it -= late ? 2 * REG : REG;
+        rows = ni - (two ? 2 : 1) * REG;
+      }
 #pragma unroll
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int e = 0; e < PER; ++e) {
           const int u = uq * PER + e, lane = (u % Q) * G * SL + g * SL + sl;
-          if (u < U) d[((((u / Q) * ni + it) * LW + lane) << 2) + (k & 3)] = v[b][g].v[e];
+          if (u < U) d[((((u / Q) * rows + it) * LW + lane) << 2) + (k & 3)] = v[b][g].v[e];
         }
     }
   }
@@ -388,27 +434,57 @@ __device__ __forceinline__ unsigned rc_bytes(const RcArgs& a, int s, int N, int 
   return b;
 }
 
-template <typename T, int G, int SL>
-__device__ __forceinline__ void rc_load_layer(const RcLayer& L, int j0, unsigned char* smem) {
+// REG: the recurrent vectors kept in registers (the group's first layer only; `second`: the
+// partner warps' range start, or ni_h).
+template <typename T, int G, int SL, int REG>
+__device__ __forceinline__ void rc_load_layer(const RcLayer& L, int j0, int second,
+                                              unsigned char* smem) {
+  const int ni = L.ni_in;
   if (L.vec) {
-    if (L.in > 0) rc_load_weights<T, G, SL, 4>(L.wi, L.in, L.h, j0, L.u, L.ni_in, smem + L.wi_off);
-    rc_load_weights<T, G, SL, 4>(L.wh, L.h, L.h, j0, L.u, L.ni_h, smem + L.wh_off);
+    if (L.in > 0) rc_load_weights<T, G, SL, 4, 0>(L.wi, L.in, L.h, j0, L.u, ni, ni, smem + L.wi_off);
+    rc_load_weights<T, G, SL, 4, REG>(L.wh, L.h, L.h, j0, L.u, L.ni_h, second, smem + L.wh_off);
   } else {
-    if (L.in > 0) rc_load_weights<T, G, SL, 1>(L.wi, L.in, L.h, j0, L.u, L.ni_in, smem + L.wi_off);
-    rc_load_weights<T, G, SL, 1>(L.wh, L.h, L.h, j0, L.u, L.ni_h, smem + L.wh_off);
+    if (L.in > 0) rc_load_weights<T, G, SL, 1, 0>(L.wi, L.in, L.h, j0, L.u, ni, ni, smem + L.wi_off);
+    rc_load_weights<T, G, SL, 1, REG>(L.wh, L.h, L.h, j0, L.u, L.ni_h, second, smem + L.wh_off);
   }
 }
 
-template <typename T, bool LSTM, int SL>
+// This lane's REG register vectors of the group's first layer: vectors i0.. of unit group c
+// (k = 4 * (sl + SL * i) + e of unit j0 + c * Q + q, gate g), zeros past K = H or H units.
+template <typename T, int G, int SL, int REG>
+__device__ __forceinline__ void rc_load_regs(float4 (&wr)[REG], const RcLayer& L, int j0, int c,
+                                             int i0, int q, int g, int sl, bool live) {
+  constexpr int Q = 8 / SL;
+  const int j = j0 + c * Q + q;
+  const void* w = fk_pick(L.wh, g);
+#pragma unroll
+  for (int r = 0; r < REG; ++r) {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = 4 * (sl + SL * (i0 + r)) + e;
+      v[e] = (live && c >= 0 && k < L.h && j < L.h) ? fk_ld<T>(w, (size_t)k * L.h + j) : 0.0f;
+    }
+    wr[r] = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+// REG > 0 (the `_regs` kernels): the group's first layer keeps REG 4-vectors of each warp's
+// recurrent range in registers (see the top). The host runs them only where every unit group of
+// that layer has its own warp (u / Q <= warps) and each range is at least REG long, on groups
+// of that one layer, not split.
+template <typename T, bool LSTM, int SL, int REG>
 __device__ __forceinline__ void rc_run(const RcArgs& a) {
   constexpr int G = LSTM ? 4 : 3, Q = 8 / SL, LW = Q * G * SL, W = RC_WARPS;
+  constexpr int NR = REG > 0 ? REG : 1;  // register array length
   extern __shared__ __align__(16) unsigned char rc_smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Lane (q, g, sl); the idle lanes of a GRU warp (lane >= LW) shadow the last unit.
   const int q = min(lane / (G * SL), Q - 1), g = (lane / SL) % G, sl = lane % SL;
   const bool live = lane < LW, head = live && g == 0 && sl == 0;
   const int rank = rc_rank(), N = rc_ranks();
-  const int NL = a.layers, len = a.T;
+  // The host runs the _regs kernels on one-layer groups only, never split: compiled as such.
+  const int NL = REG > 0 ? 1 : a.layers, len = a.T;
   const unsigned long long t_start = rc_clock(), ns_start = rc_ns();
   const unsigned bar0 = fk_smem_addr(rc_smem + a.bar_off);
 
@@ -418,7 +494,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // earlier layers are running or done: the waits below cannot deadlock whatever the order
   // the clusters are scheduled in.
   int J = -1;
-  if (a.split) {
+  if (REG == 0 && a.split) {
     // The ticket counter is zeroed by the projection launched just before.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     unsigned* slot = reinterpret_cast<unsigned*>(rc_smem + a.bar_off + 16);
@@ -440,13 +516,29 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     rc_bar_init(bar0 + 8, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  int total = 0;  // unit groups of all layers (of this cluster's layer, split)
+  for (int j = 0; j < NL; ++j)
+    if (J < 0 || j == J) total += a.l[j].u / Q;
+  // The partner warps' share of the first layer's recurrent dot starts here.
+  const int second0 = a.partners ? a.l[0].ni_h / 2 : a.l[0].ni_h;
+  float4 wr[NR];
+  if (REG > 0 && J <= 0) {
+    const int g0 = a.l[0].u / Q;
+    const bool owner = warp < g0, partner = a.partners && warp >= total && warp < total + g0;
+    rc_load_regs<T, G, SL, NR>(wr, a.l[0], rank * a.l[0].u,
+                                               owner ? warp : partner ? warp - total : -1,
+                                               owner ? 0 : second0, q, g, sl, live);
+  }
 #pragma unroll
   for (int j = 0; j < RC_MAX_LAYERS; ++j) {
     if (j >= NL) break;
     if (J >= 0 && j != J) continue;
     const RcLayer& L = a.l[j];
     const int U = L.u, j0 = rank * U, first_step = J >= 0 ? 0 : j;
-    rc_load_layer<T, G, SL>(L, j0, rc_smem);
+    if (REG > 0 && j == 0)
+      rc_load_layer<T, G, SL, REG>(L, j0, second0, rc_smem);
+    else
+      rc_load_layer<T, G, SL, 0>(L, j0, L.ni_h, rc_smem);
     float* bs = reinterpret_cast<float*>(rc_smem + L.bias_off);
     for (int i = tid; i < 4 * U; i += RC_THREADS) {
       const int gg = i / U, k = j0 + i % U;
@@ -494,9 +586,6 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   const unsigned long long t_loop = prof ? rc_clock() : 0;
   unsigned long long t_wait = 0;
 
-  int total = 0;  // unit groups of all layers (of this cluster's layer, split)
-  for (int j = 0; j < NL; ++j)
-    if (J < 0 || j == J) total += a.l[j].u / Q;
   float* pp = reinterpret_cast<float*>(rc_smem + a.pp_off);
 
   // Split, layers after the first: partner warp f holds the next input vector (the previous
@@ -570,7 +659,12 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
           warp - total < base) {
         const int c = warp - total - (base - groups), f = warp - total;
         float v = 0.0f;
-        if (live)
+        if (live && REG > 0 && j == 0)
+          // Rows of the packed layout: this group's [ni_h - 2 REG], the range after REG.
+          v = rc_dot_regs<T, LW, SL, NR>(
+              wr, rc_smem + L.wh_off, hb + p * L.hb_len, hsplit, L.ni_h,
+              c * (L.ni_h - 2 * REG) - 2 * REG, lane, sl);
+        else if (live)
           // Split inputs come from the output sequence, already in T: no rounding.
           v = j == 0 ? rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, hsplit,
                                                 L.ni_h, c * L.ni_h, lane, sl)
@@ -589,8 +683,13 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         const int u = c * Q + q, k0 = rank * U + c * Q, k = k0 + q;
         float acc = 0.0f, accx = 0.0f;
         if (live) {
-          acc = rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, 0, hsplit,
-                                         c * L.ni_h, lane, sl);
+          if (REG > 0 && j == 0)
+            acc = rc_dot_regs<T, LW, SL, NR>(
+                wr, rc_smem + L.wh_off, hb + p * L.hb_len, 0, hsplit,
+                c * (L.ni_h - (a.partners ? 2 : 1) * REG) - REG, lane, sl);
+          else
+            acc = rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, 0, hsplit,
+                                           c * L.ni_h, lane, sl);
           if (j > 0 && !a.partners)
             accx = rc_dot<T, true, LW, SL>(rc_smem + L.wi_off, hin, 0, L.ni_in, c * L.ni_in,
                                            lane, sl);
@@ -677,7 +776,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   }
 }
 #else
-template <typename T, bool LSTM, int SL>
+template <typename T, bool LSTM, int SL, int REG>
 __device__ __forceinline__ void rc_run(const RcArgs&) {
   __trap();  // the host launches this path only on sm_90+
 }
@@ -690,7 +789,16 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
   extern "C" __global__ void __launch_bounds__(RC_THREADS, 1)                        \
       rnn_cluster_##CN##_##TN(const __grid_constant__ RcArgs a) { \
     if constexpr (FK_WANT(rnn_cluster_##CN##_##TN)) { \
-    rc_run<T, LSTM, 2>(a);                                                           \
+    rc_run<T, LSTM, 2, 0>(a);                                                        \
+  }}
+// 8 register vectors (32 registers) per lane: an f32 H256 layer on 8 CTAs keeps half its
+// recurrent weights in registers (LSTM: 64 of 128 KB per CTA in shared memory).
+#define RC_REGS 8
+#define RC_KERNEL_REGS(T, TN, LSTM, CN)                                              \
+  extern "C" __global__ void __launch_bounds__(RC_THREADS, 1)                        \
+      rnn_cluster_regs_##CN##_##TN(const __grid_constant__ RcArgs a) { \
+    if constexpr (FK_WANT(rnn_cluster_regs_##CN##_##TN)) { \
+    rc_run<T, LSTM, 2, RC_REGS>(a);                                                  \
   }}
 #define RC_KERNELS(T, TN)                                                            \
   RC_KERNEL(T, TN, true, lstm)                                                       \
@@ -703,6 +811,8 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
 // Clusters need sm_90: the router (cuda/cluster.rs) takes this path there only.
 #if FK_ARCH >= 900
 RC_KERNELS(float, f32)
+RC_KERNEL_REGS(float, f32, true, lstm)
+RC_KERNEL_REGS(float, f32, false, gru)
 RC_KERNELS(fk_bf16, bf16)
 RC_KERNELS(fk_f16, f16)
 #endif

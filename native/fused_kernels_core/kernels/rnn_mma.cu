@@ -24,6 +24,7 @@
 #include "copy.cuh"
 #include "mma.cuh"
 #include "rnn_cell.cuh"
+#include "pdl.cuh"
 
 #define RNN_MMA_THREADS 128
 
@@ -40,17 +41,6 @@ __device__ __forceinline__ void rm_wait_upto(int n) {
   else if (n == 2) fk_cp_wait<2>();
   else if (n == 1) fk_cp_wait<1>();
   else fk_cp_wait<0>();
-}
-// Programmatic dependent launch (sm_90+; without the launch attribute both are no-ops).
-__device__ __forceinline__ void rm_grid_wait() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void rm_launch_dependents() {
-#if FK_ARCH >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -72,7 +62,7 @@ template <typename E> __device__ __forceinline__ void rm_pack(const RnnMmaPackAr
     const size_t row = i / a.kp;
     const int nl = (int)(row % bn), tile = (int)(row / bn);
     const int g = nl / a.un, unit = tile * a.un + nl % a.un;
-    const void* s = g == 0 ? a.src[0] : g == 1 ? a.src[1] : g == 2 ? a.src[2] : a.src[3];
+    const void* s = fk_pick(a.src, g);
     const bool in = unit < a.h && k < a.h;
     const E v = in ? reinterpret_cast<const E*>(s)[(size_t)k * a.h + unit] : E(0);
     if (sizeof(E) == 4) {
@@ -203,8 +193,8 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
     }
     fk_cp_commit();
   }
-  rm_launch_dependents();
-  rm_grid_wait();
+  fk_pdl_launch_dependents();
+  fk_pdl_wait();
 
   // What the previous step wrote: the cell state (LSTM) or h_{t-1} (GRU) of each element.
   float keep[MT];

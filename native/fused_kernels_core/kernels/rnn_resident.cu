@@ -167,10 +167,8 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
       // Every block of this batch tile has written h_{t_prev}.
       if (tid == 0) {
         const unsigned target = (unsigned)s * nblk;
-        unsigned seen;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-        } while (seen < target);
+        while (fk_ld_acquire(counter) < target) {
+        }
       }
       __syncthreads();
       hsrc = reinterpret_cast<const unsigned char*>(a.seq) + (size_t)t_prev * H * sizeof(T);
@@ -292,7 +290,7 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
       // Arrive: this block's h_t (ordered before by the barrier) is released with the add.
       __syncthreads();
       if (tid == 0) {
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+        fk_red_release_add(counter, 1u);
       }
     }
   }

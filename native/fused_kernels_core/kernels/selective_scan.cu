@@ -38,20 +38,12 @@ struct FkScanArgs {
   int stages;                 // the wide layout's cp.async ring: 2 or 3 stages
 };
 
-#define FK_LOG2E 1.4426950408889634f
 #define FK_SCAN_THREADS 128
 
 __device__ __forceinline__ float fk_dt_transform(float dt, const FkScanArgs& p) {
-  // mamba_ssm's softplus: log1p(exp(x)) below 20, x above.
-  if (p.softplus) dt = dt <= 20.0f ? log1pf(expf(dt)) : dt;
+  if (p.softplus) dt = fk_softplus(dt);
   if (p.clip) dt = fminf(fmaxf(dt, p.dt_min), p.dt_max);
   return dt;
-}
-
-__device__ __forceinline__ float fk_ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
 }
 
 __device__ __forceinline__ unsigned fk_align16(unsigned bytes) { return (bytes + 15u) & ~15u; }
@@ -151,13 +143,6 @@ __device__ __forceinline__ void fk_scan_issue(const FkScanArgs& p, FkScanStage<T
   }
 }
 
-template <typename T>
-__device__ __forceinline__ T fk_bits16(unsigned v) {
-  T r;
-  r.bits = (unsigned short)(v & 0xffffu);
-  return r;
-}
-
 // NPT consecutive elements of a shared row as floats (vector loads where NPT allows; the
 // row must then be aligned to the vector).
 template <typename T, int NPT>
@@ -176,10 +161,10 @@ __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
 #pragma unroll
     for (int j = 0; j < NPT; j += 4) {
       const uint2 v = *reinterpret_cast<const uint2*>(src + j);
-      dst[j] = fk_to_f32(fk_bits16<T>(v.x));
-      dst[j + 1] = fk_to_f32(fk_bits16<T>(v.x >> 16));
-      dst[j + 2] = fk_to_f32(fk_bits16<T>(v.y));
-      dst[j + 3] = fk_to_f32(fk_bits16<T>(v.y >> 16));
+      dst[j] = fk_to_f32(fk_bits<T>(v.x));
+      dst[j + 1] = fk_to_f32(fk_bits<T>(v.x >> 16));
+      dst[j + 2] = fk_to_f32(fk_bits<T>(v.y));
+      dst[j + 3] = fk_to_f32(fk_bits<T>(v.y >> 16));
     }
   } else if constexpr (sizeof(T) == 4 && NPT == 2) {
     const float2 v = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(src));
@@ -187,8 +172,8 @@ __device__ __forceinline__ void fk_load_row(const T* src, float* dst) {
     dst[1] = v.y;
   } else if constexpr (sizeof(T) == 2 && NPT == 2) {
     const unsigned v = *reinterpret_cast<const unsigned*>(src);
-    dst[0] = fk_to_f32(fk_bits16<T>(v));
-    dst[1] = fk_to_f32(fk_bits16<T>(v >> 16));
+    dst[0] = fk_to_f32(fk_bits<T>(v));
+    dst[1] = fk_to_f32(fk_bits<T>(v >> 16));
   } else {
 #pragma unroll
     for (int j = 0; j < NPT; ++j) dst[j] = fk_to_f32(src[j]);
@@ -434,7 +419,7 @@ __device__ __forceinline__ void fk_scan(const FkScanArgs& p) {
             if (p.d) o += dskip * fk_to_f32(s.u[i * CPB + oc]);
             if (p.z) {
               const float zz = fk_to_f32(s.z[i * CPB + oc]);
-              o *= zz / (1.0f + __expf(-zz));
+              o *= fk_silu<FkFast>(zz);
             }
             out[(row + i) * p.dim + c0 + oc] = fk_from_f32<T>(o);
           }

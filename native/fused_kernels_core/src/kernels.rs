@@ -14,6 +14,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("copy.cuh", include_str!("../kernels/include/copy.cuh")),
     ("mma.cuh", include_str!("../kernels/include/mma.cuh")),
     ("act.cuh", include_str!("../kernels/include/act.cuh")),
+    ("pdl.cuh", include_str!("../kernels/include/pdl.cuh")),
     (
         "rnn_cell.cuh",
         include_str!("../kernels/include/rnn_cell.cuh"),
@@ -449,6 +450,11 @@ pub const RNN_CLUSTER: Kernel = Kernel {
             parts: &[FLOATS],
             levels: Levels::from(900),
         },
+        Family {
+            root: "rnn_cluster_regs",
+            parts: &[&["lstm", "gru"], &["f32"]],
+            levels: Levels::from(900),
+        },
     ],
 };
 
@@ -623,11 +629,18 @@ pub const STREAM_STATE: Kernel = Kernel {
 pub const ENGINE_RNN: Kernel = Kernel {
     name: "engine_rnn",
     body: include_str!("../kernels/engine_rnn.cu"),
-    families: &[Family {
-        root: "engine_rnn_frame",
-        parts: &[&["f32"]],
-        levels: ANY,
-    }],
+    families: &[
+        Family {
+            root: "engine_rnn_frame",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+        Family {
+            root: "engine_rnn_persist",
+            parts: &[&["f32"]],
+            levels: ANY,
+        },
+    ],
 };
 
 pub const ENGINE_FRAME: Kernel = Kernel {

@@ -81,6 +81,58 @@ fn gpu_windows_match_the_cpu_engine() {
     }
 }
 
+/// The LSTM/GRU windows alone (what a GPU routed as another compiles least for): ExPhil's
+/// shapes at batch 1 (the cluster path; on an RTX 50's route its `_regs` kernels), H200 and
+/// small odd ones, batch 3.
+#[test]
+fn gpu_rnn_windows_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let mut cases = Vec::new();
+    for kind in [Kind::Gru, Kind::Lstm] {
+        cases.extend([
+            (
+                Spec {
+                    layers: 1,
+                    ..spec(kind)
+                },
+                1,
+                16,
+            ),
+            (spec(kind), 1, 60),
+            (spec(kind), 1, 61),
+            (
+                Spec {
+                    hidden: 200,
+                    ..spec(kind)
+                },
+                1,
+                100,
+            ),
+            (small(kind), 3, 17),
+        ]);
+    }
+    for (i, (s, b, t)) in cases.into_iter().enumerate() {
+        let (cpu, gpu) = engines(&s, i as u64 + 90);
+        let x = Rng::new(i as u64 + 95).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let got = gpu_predict(&gpu, &x, b, t);
+        let err = rel_l2(&got, &cpu_predict(&cpu, &x, b, t));
+        assert!(
+            err <= 1e-5,
+            "{:?} h{} b{b} t{t}: gpu vs cpu rel L2 {err}",
+            s.kind,
+            s.hidden
+        );
+        assert_eq!(
+            gpu_predict(&gpu, &x, b, t),
+            got,
+            "{:?}: window changed between runs",
+            s.kind
+        );
+    }
+}
+
 #[test]
 fn gpu_frames_equal_the_window_and_reset_starts_over() {
     if gpu_for_tests().is_none() {
@@ -278,6 +330,8 @@ fn gpu_graphs_are_captured_for_every_backbone() {
     for kind in KINDS {
         let s = small(kind);
         let (_, gpu) = engines(&s, 51);
+        // LSTM/GRU frames: their graph path (the persistent kernel's is tests/engine_persist.rs).
+        gpu.set_persistent_frames(false).unwrap();
         let (b, t) = (2, 5);
         let x = Rng::new(52).vec_f32(b * t * s.embed, 1.0, 0.0);
         for _ in 0..3 {

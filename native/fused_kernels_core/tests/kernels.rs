@@ -243,6 +243,11 @@ fn engine_prefetch_names_instances() {
                         has("rnn_cluster_lstm_f32"),
                         kind == Kind::Lstm && cap >= (9, 0)
                     );
+                    // The engine's one-layer groups keep part of their weights in registers.
+                    assert_eq!(
+                        has("rnn_cluster_regs_gru_f32"),
+                        kind == Kind::Gru && cap >= (9, 0)
+                    );
                 }
                 Kind::Attention => {
                     // The window's attention: the short-sequence kernel (ExPhil: window 60,

@@ -398,6 +398,32 @@ fn has_clusters() -> bool {
     gpu_for_tests().is_some_and(|g| g.compute_capability >= (9, 0))
 }
 
+/// Whether every layer of `c` has a cluster group on this GPU (as it routes: an RTX 50's
+/// clusters of 8 CTAs with 99 KB each take no f32 or 16-bit H512 layer); printed when not.
+fn cluster_runs(c: &Case) -> bool {
+    let gpu = gpu_for_tests().unwrap();
+    let smem = gpu.smem_per_block().unwrap();
+    let Some(ctas) = cluster_ctas(&gpu, c.cell, c.dtype, None).unwrap() else {
+        return false;
+    };
+    let mut l = 0;
+    while l < c.hidden.len() {
+        let grp = cluster_group(c.cell, c.dtype, &c.hidden, l, ctas, smem)
+            .or_else(|| cluster_group_regs(c.cell, c.dtype, &c.hidden, l, ctas, smem));
+        match grp {
+            Some(g) => l += g.layers.len(),
+            None => {
+                println!(
+                    "not on clusters of {ctas} x {smem} B: {:?} {:?} hidden {:?} (layer {l})",
+                    c.cell, c.dtype, c.hidden
+                );
+                return false;
+            }
+        }
+    }
+    true
+}
+
 #[test]
 fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     if !has_clusters() {
@@ -406,7 +432,9 @@ fn cuda_cluster_matches_f64_reference_with_poisoned_output() {
     // Split groups (a cluster per layer) where they fit, and every group as a wavefront.
     for split in [None, Some(false)] {
         for (i, c) in cluster_cases().iter().enumerate() {
-            check_cluster(c, 500 + i as u64, split);
+            if cluster_runs(c) {
+                check_cluster(c, 500 + i as u64, split);
+            }
         }
     }
     // The default at batch 1: cluster groups where the weights fit and H <= 256, the
@@ -445,6 +473,138 @@ fn cuda_cluster_is_deterministic() {
                     check_cluster(&c, 9, split),
                     "result moved between runs: a race"
                 );
+            }
+        }
+    }
+}
+
+/// Cases for the `_regs` kernels: f32 layers of H >= 128 (each warp range at least 8 vectors),
+/// seq 1/16/60/61/100, reverse, with and without initial state, stacks run one layer per
+/// launch; H512 (32 units per CTA on 16 CTAs).
+fn cluster_regs_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        v.push(case(cell, 1, 60, 288, &[256, 256], false, true, DType::F32));
+        v.push(case(cell, 1, 16, 288, &[256], false, true, DType::F32));
+        v.push(case(cell, 1, 1, 64, &[256], true, false, DType::F32));
+        v.push(case(cell, 1, 61, 200, &[200, 200], true, true, DType::F32));
+        v.push(case(cell, 1, 100, 40, &[128, 256], false, true, DType::F32));
+        v.push(case(cell, 1, 60, 96, &[512], false, true, DType::F32));
+    }
+    v
+}
+
+/// The `_regs` kernels (part of each warp's recurrent weights in registers), forced, on
+/// clusters of 8 and of the device's choice, against the f64 reference with poisoned outputs;
+/// reruns bit-identical. Also prints the default paths of the backbones' windows here.
+#[test]
+fn cuda_cluster_regs_matches_f64_reference_with_poisoned_output() {
+    if !has_clusters() {
+        return;
+    }
+    let gpu = gpu_for_tests().unwrap();
+    let smem = gpu.smem_per_block().unwrap();
+    println!(
+        "routes as {:?} on {:?}: {} B of shared memory per block",
+        gpu.compute_capability, gpu.device_capability, smem
+    );
+    use fused_kernels_core::ops::routes;
+    println!("features: {:?}", routes::features(&gpu));
+    for (op, path) in routes::paths(&gpu) {
+        println!("path {op}: {path}");
+    }
+    for (cell, seq, hidden) in [
+        (Cell::Gru, 60, vec![256, 256]),
+        (Cell::Lstm, 60, vec![256, 256]),
+        (Cell::Gru, 16, vec![256]),
+        (Cell::Gru, 60, vec![512]),
+    ] {
+        let g = Geometry {
+            batch: 1,
+            seq,
+            features: 288,
+            hidden: hidden.clone(),
+            dtype: DType::F32,
+            tf32: false,
+        };
+        let ctas = cluster_ctas(&gpu, cell, DType::F32, None).unwrap();
+        let regs = ctas.and_then(|c| cluster_group_regs(cell, DType::F32, &hidden, 0, c, smem));
+        println!(
+            "default paths {cell:?} T{seq} H{hidden:?} f32: {:?} (clusters of {ctas:?}; one layer in registers: {:?})",
+            default_paths(&gpu, cell, &g).unwrap(),
+            regs.map(|r| (r.smem_bytes, r.regs, r.partners))
+        );
+    }
+    let mut ran = 0;
+    for ctas in [None, Some(8)] {
+        for (i, c) in cluster_regs_cases().iter().enumerate() {
+            let Some(n) = cluster_ctas(&gpu, c.cell, c.dtype, ctas).unwrap() else {
+                continue;
+            };
+            if c.hidden
+                .iter()
+                .enumerate()
+                .any(|(l, _)| cluster_group_regs(c.cell, c.dtype, &c.hidden, l, n, smem).is_none())
+            {
+                println!("no register group on {n} CTAs: {:?} {:?}", c.cell, c.hidden);
+                continue;
+            }
+            let tuning = Tuning {
+                path: Some(Path::Cluster),
+                cluster_regs: Some(true),
+                cluster_ctas: ctas,
+                ..Tuning::default()
+            };
+            let (a, err) = check_with(
+                Backend::Cuda(None),
+                c,
+                700 + i as u64,
+                &tuning,
+                Precision::F32,
+            );
+            for _ in 0..2 {
+                let (b, _) = check_with(
+                    Backend::Cuda(None),
+                    c,
+                    700 + i as u64,
+                    &tuning,
+                    Precision::F32,
+                );
+                assert_eq!(a, b, "result moved between runs: a race");
+            }
+            println!(
+                "regs {:?} T{} H{:?} on {n} CTAs: rel. L2 {err:.2e}",
+                c.cell, c.seq, c.hidden
+            );
+            ran += 1;
+        }
+    }
+    assert!(ran >= 10, "only {ran} register cases ran");
+}
+
+#[test]
+fn cluster_regs_groups_fit_an_rtx50_cta() {
+    use DType::{BF16, F32};
+    let smem = 101_376;
+    for cell in [Cell::Lstm, Cell::Gru] {
+        // f32 H256 on 8 CTAs: not in 99 KB as it is, in it with registers.
+        assert_eq!(cluster_group(cell, F32, &[256, 256], 0, 8, smem), None);
+        let r = cluster_group_regs(cell, F32, &[256, 256], 1, 8, smem).unwrap();
+        assert!(r.smem_bytes <= smem && r.partners && r.regs == 8 && r.layers.len() == 1);
+        // Smaller layers and 16-bit weights fit as they are.
+        assert!(cluster_group(cell, F32, &[200], 0, 8, smem).is_some());
+        assert!(cluster_group(cell, BF16, &[256], 0, 8, smem).is_some());
+        // Too short a range for 8 register vectors, 16-bit, or too large even so.
+        assert_eq!(cluster_group_regs(cell, F32, &[64], 0, 8, smem), None);
+        assert_eq!(cluster_group_regs(cell, BF16, &[256], 0, 8, smem), None);
+        assert_eq!(cluster_group_regs(cell, F32, &[512], 0, 8, smem), None);
+        for h in [128, 200, 256, 300, 512] {
+            for ctas in [8, 16] {
+                if let Some(g) = cluster_group_regs(cell, F32, &[h], 0, ctas, 227 * 1024) {
+                    let l = &g.layers[0];
+                    let ranges = if g.partners { 2 } else { 1 };
+                    assert!(l.ni_h >= ranges * g.regs && l.per_cta / 4 <= 16);
+                }
             }
         }
     }

@@ -188,6 +188,9 @@ fn check(
 fn lstm_matches_f64_reference() {
     let c = Cell::Lstm;
     check(c, 1, 1, 288, &[256, 256], false, true, 1);
+    // One step: layer 0 small enough for one thread, layer 1 with its two products side by
+    // side on a pool of 2+ threads.
+    check(c, 1, 1, 40, &[200, 512], true, true, 8);
     check(c, 1, 60, 288, &[256, 256], false, false, 2);
     check(c, 3, 61, 200, &[200], true, true, 3);
     check(c, 1, 61, 40, &[512], true, true, 7);
@@ -200,6 +203,7 @@ fn lstm_matches_f64_reference() {
 fn gru_matches_f64_reference() {
     let c = Cell::Gru;
     check(c, 1, 1, 288, &[256, 256], false, true, 11);
+    check(c, 1, 1, 40, &[200, 512], true, true, 18);
     check(c, 1, 60, 288, &[256, 256], false, false, 12);
     check(c, 3, 61, 200, &[200], true, true, 13);
     check(c, 1, 61, 40, &[512], true, true, 17);

@@ -153,6 +153,8 @@ fn execute(mut job: Job) {
             .unwrap_or_else(|_| internal(env, "the native op panicked (a bug: please report it)"));
         (reference, result).encode(env)
     });
+    // The call is over: the CPU pool's idle workers give their cores back to the BEAM.
+    fused_kernels_core::cpu::pool::rest();
 }
 
 fn internal<'a>(env: Env<'a>, message: &str) -> Term<'a> {
@@ -240,7 +242,10 @@ macro_rules! op_nifs {
         #[rustler::nif(schedule = "DirtyCpu")]
         #[allow(clippy::too_many_arguments)]
         fn $name<'a>(env: rustler::Env<'a>, $($arg: rustler::Term<'a>),*) -> rustler::Term<'a> {
-            $imp(env, $($arg),*)
+            let reply = $imp(env, $($arg),*);
+            // As after a job: the CPU pool's idle workers give their cores back.
+            fused_kernels_core::cpu::pool::rest();
+            reply
         }
 
         #[rustler::nif]

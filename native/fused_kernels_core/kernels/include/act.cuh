@@ -23,6 +23,21 @@ struct FkFast {
 
 __device__ __forceinline__ float fk_sigmoid(float x) { return FkExact::sigmoid(x); }
 
+// silu(x) = x · sigmoid(x), written as x / (1 + e^-x); E picks the exponential.
+template <class E> __device__ __forceinline__ float fk_silu(float x) {
+  return x / (1.0f + E::exp(-x));
+}
+// mamba_ssm's softplus (dt's): log1p(e^x) up to 20, x itself above (where they agree in f32).
+__device__ __forceinline__ float fk_softplus(float x) { return x <= 20.0f ? log1pf(expf(x)) : x; }
+// 2^x on the special-function unit (PTX ex2.approx, flush-to-zero), for exponentials whose
+// argument the caller has already scaled by log2(e) (FK_LOG2E).
+#define FK_LOG2E 1.4426950408889634f
+__device__ __forceinline__ float fk_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // The activation codes of ops/dense/common.rs: 0 identity, 1 relu, 2 gelu (erf), 3 gelu (tanh
 // approximation), 4 silu, 5 sigmoid, 6 tanh. E picks the exponential (silu, sigmoid).
 template <class E> __device__ __forceinline__ float fk_act(float v, int act) {
@@ -33,7 +48,7 @@ template <class E> __device__ __forceinline__ float fk_act(float v, int act) {
       const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
       return 0.5f * v * (1.0f + tanhf(u));
     }
-    case 4: return v / (1.0f + E::exp(-v));
+    case 4: return fk_silu<E>(v);
     case 5: return 1.0f / (1.0f + E::exp(-v));
     case 6: return tanhf(v);
     default: return v;
@@ -41,7 +56,7 @@ template <class E> __device__ __forceinline__ float fk_act(float v, int act) {
 }
 // SwiGLU's gate: silu(g) · u.
 template <class E> __device__ __forceinline__ float fk_swiglu(float g, float u) {
-  return g / (1.0f + E::exp(-g)) * u;
+  return fk_silu<E>(g) * u;
 }
 
 // 1 / x for a normal, finite x (a softmax sum, >= 1): the approximate reciprocal refined by one

@@ -13,13 +13,15 @@
 // wgmma and TMA need Hopper's arch-specific target: FK_SM90A.
 #pragma once
 
-#if defined(FK_CAP) && FK_CAP < __CUDA_ARCH__
+// A Hopper routed as an RTX 50 (FK_CAP 1200 on sm_90) builds the RTX 50's code too: it uses
+// no feature Hopper lacks, only other register budgets.
+#if defined(FK_CAP) && (FK_CAP < __CUDA_ARCH__ || (FK_CAP == 1200 && __CUDA_ARCH__ == 900))
 #define FK_ARCH FK_CAP
 #else
 #define FK_ARCH __CUDA_ARCH__
 #endif
 
-// A capped build (FK_CAP, always below the device's own capability) never uses them.
+// A capped build (FK_CAP: another GPU's code) never uses them.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FK_CAP)
 #define FK_SM90A 1
 #else

@@ -21,6 +21,23 @@ __device__ __forceinline__ unsigned short fk_ldcg16(const void* p) {
   asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
+__device__ __forceinline__ float4 fk_ldcg_f4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p));
+  return v;
+}
+// A counter other blocks publish to: the acquire load sees every write a block made before
+// its release add (red.release) that the load observes.
+__device__ __forceinline__ unsigned fk_ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fk_red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 #if FK_ARCH >= 800
 // 16 bytes to shared address `dst` (as fk_smem_addr gives it) of which the first `bytes` are

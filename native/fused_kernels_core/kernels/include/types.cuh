@@ -38,6 +38,30 @@ template <> __device__ __forceinline__ fk_bf16 fk_from_f32<fk_bf16>(float f) {
   return r;
 }
 
+// A 16-bit element from the low half of a word, and the two halves of a word (lo, hi) as floats.
+template <typename T> __device__ __forceinline__ T fk_bits(unsigned v) {
+  T r;
+  r.bits = (unsigned short)(v & 0xffffu);
+  return r;
+}
+template <typename T> __device__ __forceinline__ float2 fk_unpack2(unsigned u) {
+  return make_float2(fk_to_f32(fk_bits<T>(u)), fk_to_f32(fk_bits<T>(u >> 16)));
+}
+#if FK_ARCH >= 800
+// Two floats to a packed pair (lo, hi), rounded to nearest even by one cvt (NaN stays NaN).
+template <typename T> __device__ __forceinline__ unsigned fk_pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned fk_pack2<fk_bf16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned fk_pack2<fk_f16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
 // Element i of a T array as float, and a float stored into one.
 template <typename T> __device__ __forceinline__ float fk_ld(const void* p, size_t i) {
   return fk_to_f32(reinterpret_cast<const T*>(p)[i]);

@@ -98,8 +98,11 @@ pub fn gemm_rhs(
     gemm_act(isa, m, a, lda, b, c, ldc, init, None)
 }
 
-/// [`gemm_rhs`] followed by `act` on every element of C, applied by the thread that computed
-/// the columns while they are still in its cache (a dense layer's activation epilogue).
+/// [`gemm_rhs`] followed by `act` on every element of C (a dense layer's activation epilogue).
+/// A split product applies it in a second pass over whole rows, spread over the pool: applied
+/// by each task to its own column block right after computing it, the row segments are short
+/// and a 60 x 256 x 1024 dense + gelu at 2 threads took 0.252 ms against 0.220 this way (the
+/// product alone 0.167) on the 2-core EPYC.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_act(
     isa: Isa,
@@ -140,20 +143,29 @@ pub fn gemm_act(
         // Safety: task t writes only the columns of panels p0..p1 of C, disjoint from every
         // other task's; the extents were checked above.
         unsafe { run_panels(isa, m, a, lda, b, cp.get(), ldc, init, p0, p1) };
-        if let Some(f) = act {
-            let (c0, c1) = (p0 * NR, (p1 * NR).min(n));
-            for i in 0..m {
-                // Safety: as above; row i's columns c0..c1 belong to this task.
-                let row =
-                    unsafe { std::slice::from_raw_parts_mut(cp.get().add(i * ldc + c0), c1 - c0) };
-                apply(isa, f, row);
-            }
+    };
+    // `act` on rows r0..r1 of C, all n columns.
+    let act_rows = |f: Func, r0: usize, r1: usize| {
+        for i in r0..r1 {
+            // Safety: row i's n columns lie inside C (checked above); the caller gives each
+            // task disjoint rows.
+            let row = unsafe { std::slice::from_raw_parts_mut(cp.get().add(i * ldc), n) };
+            apply(isa, f, row);
         }
     };
     if tasks <= 1 {
         body(0);
+        if let Some(f) = act {
+            act_rows(f, 0, m);
+        }
     } else {
         pool::run(panels.div_ceil(per), &body);
+        if let Some(f) = act {
+            let rows_per = m.div_ceil(tasks);
+            pool::run(m.div_ceil(rows_per), &|t| {
+                act_rows(f, t * rows_per, ((t + 1) * rows_per).min(m))
+            });
+        }
     }
 }
 

@@ -636,6 +636,39 @@ mod lanes {
         acc
     }
 
+    /// `poly` in Estrin's form: coefficient pairs `c[2i] + c[2i+1] x` first, then pairs of
+    /// those with x², x⁴, ...: the same polynomial with a dependency chain of about log2(len)
+    /// FMAs instead of len - 1, for the long fits whose Horner chain bounds the throughput.
+    #[inline(always)]
+    unsafe fn poly_estrin<T: V>(c: &[f32], x: T) -> T {
+        let mut v = [splat::<T>(0.0); 8];
+        let mut n = 0;
+        for pair in c.chunks(2) {
+            v[n] = match *pair {
+                [a, b] => splat::<T>(b).fmadd(x, splat(a)),
+                _ => splat(pair[0]),
+            };
+            n += 1;
+        }
+        let mut p = x.mul(x);
+        while n > 1 {
+            let mut m = 0;
+            for j in (0..n).step_by(2) {
+                v[m] = if j + 1 < n {
+                    v[j + 1].fmadd(p, v[j])
+                } else {
+                    v[j]
+                };
+                m += 1;
+            }
+            n = m;
+            if n > 1 {
+                p = p.mul(p);
+            }
+        }
+        v[0]
+    }
+
     /// e^x: x = n ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact product), a degree-7
     /// Taylor-like polynomial (Cephes expf), and 2ⁿ applied as two factors so that results in
     /// the subnormal range and up to FLT_MAX come out right.
@@ -670,7 +703,7 @@ mod lanes {
         let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
         let r = n.fnmadd(splat(0.693_359_4), x);
         let r = n.fnmadd(splat(-2.121_944_4e-4), r);
-        let p = poly(
+        let p = poly_estrin(
             &[
                 5.000_000_1e-1,
                 1.666_666_5e-1,
@@ -730,7 +763,7 @@ mod lanes {
         let zc = splat::<T>(ERFC_ZERO).min(z);
         let t = splat::<T>(1.0).div(splat::<T>(0.5).fmadd(zc, splat(1.0)));
         // -zc² + P(t) lies in [-82.2, 0.1]: inside `exp_normal`'s range.
-        let arg = zc.fnmadd(zc, poly(&ERFC_P, t));
+        let arg = zc.fnmadd(zc, poly_estrin(&ERFC_P, t));
         T::select(
             splat::<T>(ERFC_ZERO).lt(z),
             splat(0.0),

@@ -125,10 +125,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Bumped by [`rest`]: idle workers that see it change stop spinning and park.
+static REST: AtomicU64 = AtomicU64::new(0);
+
+/// Tells the pool that the call it served has ended (the NIF's job lanes once a reply is
+/// sent, the dirty op NIFs as they return, the CPU engine after each window or frame): idle
+/// workers park now instead of spinning out `SPIN`. On a 2-core machine
+/// the BEAM scheduler that runs the caller's next step needs a core right then, and a worker
+/// spinning there (beside the job-lane worker that also waits for the next call) took it: a
+/// prepared dense at 2 threads spent ~90 µs from Elixir beyond its 221 µs of work. Jobs
+/// within one call (a window's products and time loops) still find their workers spinning.
+pub fn rest() {
+    REST.fetch_add(1, Ordering::Release);
+}
+
 fn worker(pool: &'static Pool) {
     let mut seen = 0u64;
     loop {
-        spin_until(|| pool.generation.load(Ordering::Acquire) != seen);
+        let rest = REST.load(Ordering::Acquire);
+        spin_until(|| {
+            pool.generation.load(Ordering::Acquire) != seen || REST.load(Ordering::Relaxed) != rest
+        });
         let job = {
             let mut st = lock(&pool.state);
             while st.generation == seen {

@@ -212,11 +212,17 @@ pub fn ptx_entries(ptx: &str) -> Vec<String> {
         .collect()
 }
 
-/// The cap a device of `arch` asked to route as `cap` builds with: `cap` when older than the
-/// device (as `cuda::gpu_as` does), else none.
+/// The cap a device of `arch` asked to route as `cap` builds with (see [`routed_cap`]).
 fn route_cap(arch: &str, cap: Option<(i32, i32)>) -> Option<(i32, i32)> {
-    let device = capability_of(arch)?;
-    cap.filter(|c| *c < device)
+    routed_cap(capability_of(arch)?, cap)
+}
+
+/// The capability a device of capability `device` asked to route as `cap` takes the paths of
+/// (what `cuda::gpu_as` and the cache key use): `cap` when older than the device, or 12.x (an
+/// RTX 50: no feature the kernels use beyond Hopper's, smaller limits, see `cuda::RouteLimits`)
+/// on a Hopper; otherwise none (the device as it is).
+pub fn routed_cap(device: (i32, i32), cap: Option<(i32, i32)>) -> Option<(i32, i32)> {
+    cap.filter(|c| *c < device || (c.0 == 12 && device.0 == 9))
 }
 
 /// Every program the runtime may request from `kernels` on a device of `arch` routing as

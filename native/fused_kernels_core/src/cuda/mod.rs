@@ -386,9 +386,8 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
                 g
             }
         };
-        let routed = cap
-            .filter(|c| *c < native.device_capability)
-            .unwrap_or(native.device_capability);
+        let routed =
+            cache::routed_cap(native.device_capability, cap).unwrap_or(native.device_capability);
         let view = Arc::new(Gpu {
             ordinal,
             name: native.name.clone(),
@@ -489,9 +488,40 @@ impl Gpu {
         )
     }
 
-    /// The capability this view routes as, when older than the device's own.
+    /// The capability this view routes as, when not the device's own.
     pub fn route_cap(&self) -> Option<(i32, i32)> {
-        (self.compute_capability < self.device_capability).then_some(self.compute_capability)
+        (self.compute_capability != self.device_capability).then_some(self.compute_capability)
+    }
+
+    /// The limits of the GPU this view routes as, where they are below the device's own.
+    pub fn route_limits(&self) -> RouteLimits {
+        match self.route_cap() {
+            Some((12, _)) => RouteLimits::SM120,
+            _ => RouteLimits::NONE,
+        }
+    }
+
+    /// Dynamic shared memory one block may opt in to (as the routed GPU allows).
+    pub fn smem_per_block(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let own = self
+            .ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
+            .max(0) as usize;
+        Ok(self
+            .route_limits()
+            .smem_per_block
+            .map_or(own, |l| own.min(l)))
+    }
+
+    /// Shared memory of one multiprocessor (as the routed GPU has).
+    pub fn smem_per_sm(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let own = self
+            .ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?
+            .max(0) as usize;
+        Ok(self.route_limits().smem_per_sm.map_or(own, |l| own.min(l)))
     }
 
     /// Tensor-core (`mma.sync` bf16/f16) paths need sm_80 or newer.
@@ -873,13 +903,41 @@ pub fn device_info(ordinal: Option<usize>) -> Result<DeviceInfo> {
 
 /// The capability every device routes as: its own, or, in a build with a `route-as-*` feature
 /// (for the GPU tests of other GPUs' paths only; never in a release), that GPU's.
-pub const TEST_ROUTE_CAP: Option<(i32, i32)> = if cfg!(feature = "route-as-sm75") {
+pub const TEST_ROUTE_CAP: Option<(i32, i32)> = if cfg!(feature = "route-as-sm120") {
+    Some((12, 0))
+} else if cfg!(feature = "route-as-sm75") {
     Some((7, 5))
 } else if cfg!(feature = "route-as-sm86") {
     Some((8, 6))
 } else {
     None
 };
+
+/// Limits of a GPU a view routes as that are smaller than the device's own (`None`: the
+/// device's). On a Hopper routed as 12.x (`route-as-sm120`), an RTX 5090's: 99 KB of shared
+/// memory per block opt-in and 100 KB per multiprocessor (CUDA's compute capability table),
+/// and clusters of at most 8 CTAs, the portable size (the opt-in to 16 is documented for
+/// Hopper only, so this route assumes the driver refuses it). The multiprocessor count stays
+/// the device's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteLimits {
+    pub smem_per_block: Option<usize>,
+    pub smem_per_sm: Option<usize>,
+    pub max_cluster: Option<u32>,
+}
+
+impl RouteLimits {
+    pub const NONE: RouteLimits = RouteLimits {
+        smem_per_block: None,
+        smem_per_sm: None,
+        max_cluster: None,
+    };
+    pub const SM120: RouteLimits = RouteLimits {
+        smem_per_block: Some(101_376),
+        smem_per_sm: Some(102_400),
+        max_cluster: Some(8),
+    };
+}
 
 thread_local! {
     // The cuBLAS workspace `with_blas_workspace` installs on this thread: (address, bytes).

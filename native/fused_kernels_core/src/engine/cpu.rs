@@ -197,6 +197,8 @@ pub fn run(plan: &Plan, ws: &mut Workspace, slots: &mut [Vec<f32>], mode: Mode) 
             Op::Mamba(m) => mamba(m, w, bufs, slots, (b, t))?,
         }
     }
+    // The call is over: the pool's idle workers give their cores back to the caller.
+    crate::cpu::pool::rest();
     Ok(())
 }
 

@@ -21,7 +21,9 @@
 //! the staging, one graph launch, one wait on the engine's stream and one read of the output
 //! staging, and runs none of the ops' host code (their kernel look-ups in the device's module
 //! map, their checks). A capture that fails leaves that shape eager, with the reason in
-//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`).
+//! `graphs`. An LSTM/GRU frame is one kernel for all layers (`rnn_frame`), or, where the device
+//! keeps its blocks resident, a frame posted to a persistent kernel that is already running
+//! (engine/persist.rs: no launch, no stream wait); any other call on the engine stops it.
 //!
 //! Cross-stream safety without cudarc's event tracking (disabled in `cuda::gpu`): every
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
@@ -29,6 +31,7 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
+use super::persist::{FrameArgs, Persist};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -324,7 +327,8 @@ struct RnnFrame {
     /// The input LayerNorm's gamma and beta.
     input_norm: (u64, u64),
     /// Per layer the new h and c of `FRAME_MAX_BATCH` rows, then the frame: the kernel's
-    /// `scratch`.
+    /// `scratch` (the persistent kernel's: per layer two h buffers of (value, frame number)
+    /// pairs, then the frame).
     scratch: DeviceTensor,
     /// `layers + 2` zeroed words: the kernel's block order, frame-ready flag and per-layer
     /// counts (it leaves them zeroed).
@@ -335,6 +339,10 @@ struct RnnFrame {
     /// The dynamic shared memory a launch may use: opted in at load up to what batch
     /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
     smem_limit: usize,
+    /// The persistent frame kernel (`engine_rnn_persist_f32`) and its mailbox, with the
+    /// dynamic shared memory its launches may use; None where it cannot be built or mapped.
+    persist: Option<(Mutex<Persist>, usize)>,
+    gates: usize,
 }
 
 /// `{rows, gates * h}` (gates side by side, the plan's layout) as `{blocks, rows, gates, U}`.
@@ -430,9 +438,10 @@ impl RnnFrame {
             return Err(arg_error("params: at least one layer is needed"));
         }
         let n = layers.len();
+        // The persistent kernel's h pairs (two words each) take twice the frame kernel's.
         let scratch = zeros(
             gpu,
-            vec![n * 2 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
+            vec![n * 4 * FRAME_MAX_BATCH * s.hidden + FRAME_MAX_BATCH * s.embed],
         )?;
         let most = Self::smem(FRAME_MAX_BATCH, widest, s.hidden);
         let smem_limit =
@@ -441,6 +450,27 @@ impl RnnFrame {
             } else {
                 FRAME_SMEM
             };
+        let gates = if s.kind == Kind::Lstm { 4 } else { 3 };
+        let persist = match gpu.function(&ENGINE_RNN, "engine_rnn_persist_f32") {
+            Ok(pf) => {
+                // Opted in for batch FRAME_MAX_BATCH where the device allows it, else batch 1.
+                let limit = [FRAME_MAX_BATCH, 1]
+                    .into_iter()
+                    .map(|b| Self::persist_smem(b, widest, s.hidden, gates))
+                    .find(|&need| {
+                        need <= FRAME_SMEM
+                            || crate::cuda::smem::allow_dynamic_smem(&pf, need).is_ok()
+                    });
+                let mbox = PinnedBytes::new(gpu, 64)?;
+                match (limit, mapped(&mbox)) {
+                    (Some(limit), Some(dev)) => {
+                        Some((Mutex::new(Persist::new(gpu, pf, n, mbox, dev)?), limit))
+                    }
+                    _ => None,
+                }
+            }
+            Err(_) => None,
+        };
         Ok(Some(RnnFrame {
             table: upload_words(gpu, "frame layers", &words)?,
             _layers: layers,
@@ -450,7 +480,27 @@ impl RnnFrame {
             layers: n,
             widest,
             smem_limit,
+            persist,
+            gates,
         }))
+    }
+
+    /// Dynamic shared memory of a persistent launch at `batch`: the frame kernel's and a
+    /// block's weights (`{input + hidden, gates, FRAME_UNITS}`).
+    fn persist_smem(batch: usize, input: usize, hidden: usize, gates: usize) -> usize {
+        Self::smem(batch, input, hidden) + 4 * (input + hidden) * gates * FRAME_UNITS
+    }
+
+    /// Stops the persistent kernel if it runs (before anything else uses the engine's
+    /// stream).
+    fn stop_persist(&self) -> Result<()> {
+        match &self.persist {
+            Some((p, _)) => p
+                .lock()
+                .map_err(|_| Error::Cuda("engine lock poisoned".into()))?
+                .stop(),
+            None => Ok(()),
+        }
     }
 
     /// Dynamic shared memory of a launch at `batch` (kernels/engine_rnn.cu).
@@ -839,6 +889,38 @@ impl CudaEngine {
             *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
         }
         let t2 = prof.as_ref().map(|_| Instant::now());
+        if let Some(rf) = &self.rnn_frame {
+            // An LSTM/GRU frame runs on the persistent kernel where it can; anything else
+            // stops it first (it holds the engine's stream).
+            let taken = match (
+                state.as_deref(),
+                self.rnn_fused(key),
+                sh.input_dev,
+                sh.output_dev,
+            ) {
+                (Some(st), true, Some(x), Some(o)) => self.persist_frame(rf, x, o, st)?,
+                _ => {
+                    rf.stop_persist()?;
+                    false
+                }
+            };
+            if taken {
+                let t3 = Instant::now();
+                read(pinned_f32(&sh.output)?);
+                if let (Some(p), Some(t0), Some(t1), Some(t2)) = (prof, t0, t1, t2) {
+                    let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+                    p.last = CallTimes {
+                        lock_ns: ns(t0, t1),
+                        stage_ns: ns(t1, t2),
+                        launch_ns: 0,
+                        wait_ns: ns(t2, t3),
+                        read_ns: ns(t3, Instant::now()),
+                        device_ns: None,
+                    };
+                }
+                return Ok(());
+            }
+        }
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = match (&state, s.kind) {
             // Layer ops take the count of cached rows as a host argument: a graph holds
@@ -1336,6 +1418,76 @@ impl CudaEngine {
             }
         };
         Ok(reshaped(a, vec![b, t, s.hidden]))
+    }
+
+    /// An LSTM/GRU frame of `st.batch` rows (in the mapped staging `x`, out to the mapped
+    /// staging `out`) on the persistent kernel (engine/persist.rs); Ok(false) where it does not
+    /// take it (none built, switched off, too much shared memory for this batch, or more
+    /// blocks than the device holds at once): the caller runs `rnn_frame` in a graph.
+    fn persist_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<bool> {
+        let Some((p, limit)) = &rf.persist else {
+            return Ok(false);
+        };
+        let mut p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        let (b, h) = (st.batch, self.spec.hidden);
+        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
+        if smem > *limit {
+            p.stop()?;
+            return Ok(false);
+        }
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
+        let a = FrameArgs {
+            x,
+            in_gamma: rf.input_norm.0,
+            in_beta: rf.input_norm.1,
+            layers: ptr(&rf.table),
+            states: ptr(table),
+            scratch: ptr(&rf.scratch),
+            pair_words: rf.layers * 4 * b * h,
+            eps: self.spec.norm_eps as f32,
+            out,
+            nlayers: rf.layers as i32,
+            batch: b as i32,
+            hidden: h as i32,
+            lstm: (self.spec.kind == Kind::Lstm) as i32,
+            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
+            threads: FRAME_THREADS as u32,
+            smem: smem as u32,
+        };
+        p.frame(st.id, &a)
+    }
+
+    /// Whether LSTM/GRU frames may run on the persistent kernel (on by default); off, frames
+    /// replay the one-kernel graph (`rnn_frame`). Returns whether this engine has the
+    /// persistent kernel at all.
+    pub fn set_persistent_frames(&self, on: bool) -> Result<bool> {
+        let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
+            return Ok(false);
+        };
+        let mut p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        p.enabled = on;
+        if !on {
+            p.stop()?;
+        }
+        Ok(true)
+    }
+
+    /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
+    pub fn persistent_counts(&self) -> Result<(u64, u64)> {
+        let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
+            return Ok((0, 0));
+        };
+        let p = p
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        Ok((p.frames, p.launches))
     }
 
     /// An LSTM/GRU frame of `st.batch` rows read from `x` (a device address: the page-locked
@@ -1924,6 +2076,10 @@ impl CudaEngine {
         if batch == 0 {
             return Err(arg_error("batch must be a positive integer, got 0"));
         }
+        // Its zeroing is queued on the engine's stream, which a persistent kernel holds.
+        if let Some(rf) = &self.rnn_frame {
+            rf.stop_persist()?;
+        }
         let s = &self.spec;
         let layers = (1..=s.layers)
             .map(|l| {
@@ -1971,6 +2127,9 @@ impl CudaEngine {
     }
 
     pub fn reset(&self, state: &mut CudaState) -> Result<()> {
+        if let Some(rf) = &self.rnn_frame {
+            rf.stop_persist()?;
+        }
         for t in state.layers.iter_mut().flatten() {
             t.fill_bytes(0)?;
         }

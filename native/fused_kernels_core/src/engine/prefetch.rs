@@ -39,10 +39,17 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
                 "gru"
             };
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
+            out.add(&ENGINE_RNN, kernel_name("engine_rnn_persist", &[&f32]));
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
             if cluster::supported_on(cap) {
                 out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));
                 out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_project", &[&f32]));
+                // The engine's layers are one-layer groups: part of their weights in registers
+                // (cluster::group_regs; the H256 layers an RTX 50's 99 KB hold only so).
+                out.add(
+                    &RNN_CLUSTER,
+                    kernel_name("rnn_cluster_regs", &[&cell, &f32]),
+                );
             }
         }
         Kind::Attention => {

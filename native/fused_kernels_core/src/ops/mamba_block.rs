@@ -8,8 +8,8 @@
 
 use super::norm;
 use super::selective_scan::{
-    self, kernel_type, scan_f32_into, scan_f64, stage_f32, Discretization,
-    Geometry as ScanGeometry, HostInputs, Initial, ScanArgs, SlicesF32,
+    self, scan_f32_into, scan_f64, stage_f32, Discretization, Geometry as ScanGeometry, HostInputs,
+    Initial, ScanArgs, SlicesF32,
 };
 use super::Backend;
 use crate::alloc::{self, count};
@@ -19,7 +19,7 @@ use crate::cuda::gemm::{ptr, ptr_opt, sgemm_rows};
 use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
-use crate::kernels::{kernel_name, MAMBA_BLOCK};
+use crate::kernels::{kernel_name, MAMBA_BLOCK, NORM};
 use crate::operand::{Operand, Placement, Staged, Value};
 use crate::tensor::{finite_option, fmt_shape, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -714,7 +714,7 @@ pub fn cuda_stateful(
         .transpose()?;
     let h0 = state.map(|s| s.ssm.on_gpu("ssm_state", gpu)).transpose()?;
     let dtype = x.dtype();
-    let tname = kernel_type(dtype, "x")?;
+    let tname = dtype.kernel_suffix("x")?;
     if out.shape != x.shape() || out.dtype != dtype {
         return Err(arg_error("out: must have x's shape and type"));
     }
@@ -759,9 +759,11 @@ pub fn cuda_stateful(
 
     // LayerNorm -> f32 rows for the first GEMM.
     let xn = f32_buf(gpu, vec![m, h])?;
-    norm::launch(
-        gpu,
-        &kernel_name("layer_norm_f32out", &[&tname]),
+    let norm_name = kernel_name("layer_norm_f32out", &[&tname]);
+    norm::launch_on(
+        &gpu.stream,
+        &gpu.function(&NORM, &norm_name)?,
+        &norm_name,
         (ptr(&xs), 0, ptr(&gamma), ptr(&beta), ptr(&xn), 0),
         m,
         h,

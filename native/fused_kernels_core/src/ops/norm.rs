@@ -3,7 +3,7 @@
 //! add-and-norm). Statistics in f32 (f64 for f64 inputs); weights are taken as f32. The CPU
 //! rows are `cpu::math::norm_rows` (SIMD, a shifted two-pass scheme).
 
-use super::selective_scan::{kernel_type, stage_f32};
+use super::selective_scan::stage_f32;
 use super::Backend;
 use crate::cpu::math::{self, NormKind};
 use crate::cpu::pool::for_each_row_chunk;
@@ -177,25 +177,10 @@ fn cpu_f64(x: &Inputs<'_>, p: Params, cols: usize) -> Result<(Vec<f64>, Option<V
     Ok((out, residual.map(|_| s)))
 }
 
-/// Launches the norm on raw addresses (the Mamba block uses the f32-output variant), on the
-/// device's stream.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    gpu: &Arc<Gpu>,
-    name: &str,
-    args: (u64, u64, u64, u64, u64, u64),
-    rows: usize,
-    cols: usize,
-    eps: f32,
-) -> Result<()> {
-    let f = gpu.function(&NORM, name)?;
-    launch_on(&gpu.stream, &f, name, args, rows, cols, eps)
-}
-
-/// The launch layer: the norm kernel `f` (looked up once by the caller as `name`) on `stream`
-/// with raw addresses `(x, residual, weight, bias, y, sum)` (0 where unused). Takes no lock,
-/// so callers that cache `f` and own `stream` (the backbone engine) launch without touching
-/// the device's module map.
+/// The launch layer: the norm kernel `f` (looked up by the caller as `name`, e.g.
+/// `gpu.function(&NORM, name)`) on `stream` with raw addresses `(x, residual, weight, bias, y,
+/// sum)` (0 where unused). Takes no lock, so callers that cache `f` and own `stream` (the
+/// backbone engine) launch without touching the device's module map.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_on(
     stream: &CudaStream,
@@ -237,7 +222,7 @@ pub fn cuda_into(
     sum: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let (rows, cols) = geometry(x, p)?;
-    let tname = kernel_type(x.x.dtype(), "x")?;
+    let tname = x.x.dtype().kernel_suffix("x")?;
     if out.shape != x.x.shape() || out.dtype != x.x.dtype() || sum.is_some() != x.residual.is_some()
     {
         return Err(arg_error("out: must have x's shape and type"));
@@ -264,8 +249,9 @@ pub fn cuda_into(
         (None, Kind::Rms) => 0,
     };
     let sptr = ptr_opt(sum.as_deref());
-    launch(
-        gpu,
+    launch_on(
+        &gpu.stream,
+        &gpu.function(&NORM, &name)?,
         &name,
         (
             ptr(&xs),

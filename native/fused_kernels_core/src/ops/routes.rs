@@ -74,7 +74,11 @@ pub fn paths(gpu: &Gpu) -> Vec<(&'static str, &'static str)> {
         (
             "lstm/gru, small batch",
             if cluster::supported(gpu) {
-                "one thread-block cluster, DSMEM + st.async (rnn_cluster)"
+                if gpu.compute_capability.0 == 12 {
+                    "one thread-block cluster (8 CTAs of 99 KB), DSMEM + st.async; f32 H256 weights partly in registers (rnn_cluster, rnn_cluster_regs)"
+                } else {
+                    "one thread-block cluster, DSMEM + st.async (rnn_cluster)"
+                }
             } else {
                 "persistent cooperative kernel, grid barrier per step (rnn)"
             },

@@ -778,10 +778,6 @@ fn module(dtype: DType) -> &'static Kernel {
     }
 }
 
-pub fn kernel_type(dtype: DType, name: &str) -> Result<&'static str> {
-    dtype.kernel_suffix(name)
-}
-
 /// States per lane and lanes per channel, from the splits the kernels are instantiated for:
 /// the state row padded to at least 16 (fewer states cost no more than 16: the lanes are
 /// there anyway), at most 16 states per lane and 16 lanes per channel. Problems with few
@@ -918,10 +914,8 @@ fn wide_smem(stages: usize, chunk: usize, cpb: usize, npad: usize) -> usize {
 /// beat one wave of small ones (the wide layout's long scan: 16-step chunks 612 µs against
 /// 496 µs at 32, measured on an H200).
 fn smem_budget(gpu: &Gpu, blocks: usize, max_resident: usize) -> Result<usize> {
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    let attr = |a| -> Result<usize> { Ok(gpu.ctx.attribute(a)?.max(0) as usize) };
-    let per_block = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-    let per_sm = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+    let per_block = gpu.smem_per_block()?;
+    let per_sm = gpu.smem_per_sm()?;
     let sms = (gpu.multiprocessors()?.max(1)) as usize;
     // A few KB per resident block go to the runtime's own reservation.
     let resident = blocks.div_ceil(sms).clamp(1, max_resident.max(1));
@@ -939,7 +933,7 @@ pub fn function_name(
     plain: bool,
     tuning: &Tuning,
 ) -> Result<String> {
-    let tname = kernel_type(dtype, "u")?;
+    let tname = dtype.kernel_suffix("u")?;
     Ok(match wide_split(g, sms, dtype, plain, tuning) {
         Some(w) => kernel_name("selective_scan_wide", &[&tname, &w.name()]),
         None => {
@@ -958,7 +952,7 @@ pub fn launch(
     mut args: ScanArgs,
     tuning: &Tuning,
 ) -> Result<()> {
-    let tname = kernel_type(dtype, "u")?;
+    let tname = dtype.kernel_suffix("u")?;
     if g.batch > 65535 {
         return Err(arg_error(format!(
             "u: batch {} is more than one launch covers (65535); split the batch",
@@ -1087,7 +1081,7 @@ pub fn stage_f32<'a>(name: &str, op: &Operand<'a>, gpu: &Arc<Gpu>) -> Result<Sta
 pub fn cuda(gpu: &Arc<Gpu>, x: &Inputs<'_>, p: Params) -> Result<Outputs<DeviceTensor>> {
     let g = geometry(x)?;
     let dtype = x.u.dtype();
-    kernel_type(dtype, "u")?;
+    dtype.kernel_suffix("u")?;
     let mut out = DeviceTensor::uninit(gpu, vec![g.batch, g.seq, g.dim], dtype)?;
     let mut last = p
         .return_last_state

@@ -4,8 +4,10 @@
 //! through distributed shared memory (`st.async` counted on mbarriers). Consecutive layers
 //! form a group run by one launch: one cluster per layer side by side where the device holds
 //! them together (split), else a wavefront on one cluster (T + L - 1 steps). The first layer's
-//! input projection is this module's own kernel, launched just before. Layers that do not fit
-//! (f32 H512 LSTM, say) use the other paths.
+//! input projection is this module's own kernel, launched just before. A layer whose weights do
+//! not fit shared memory alone may keep part of its recurrent weights in registers
+//! (`group_regs`: an f32 H256 layer on clusters of 8 CTAs with 99 KB each, an RTX 50's).
+//! Layers that do not fit either way (f32 H512 LSTM, say) use the other paths.
 
 use super::common::{cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell};
 use crate::cuda::cluster as cl;
@@ -30,6 +32,10 @@ const GROUP: usize = 8 / SLICES;
 
 /// Cluster sizes tried, largest first (16 needs the non-portable opt-in).
 const CLUSTER_SIZES: [u32; 2] = [16, 8];
+
+/// 4-vectors per lane of the first layer's recurrent dot that the `_regs` kernels keep in
+/// registers, per warp range (`RC_REGS` in rnn_cluster.cu).
+pub const REGS: usize = 8;
 
 /// One layer's share of each CTA and where its buffers sit in shared memory (bytes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +73,9 @@ pub struct Group {
     pub xin_off: usize,
     pub xin_len: usize,
     pub smem_bytes: usize,
+    /// 4-vectors per warp range of the first layer's recurrent weights kept in registers (0,
+    /// or `REGS`: the `_regs` kernel; those vectors are left out of `wh_off`'s layout).
+    pub regs: usize,
 }
 
 /// After the layers' buffers: two mbarriers and the split mode's ticket word (32 bytes), then
@@ -84,12 +93,14 @@ fn lane_vectors(k: usize) -> usize {
 }
 
 /// Appends one layer's buffers at `*at`; None when its share does not suit the kernel.
+/// `in_regs`: recurrent 4-vectors per unit group held in registers instead (left out).
 fn layout(
     cell: Cell,
     dtype: DType,
     input: usize,
     units: usize,
     ctas: usize,
+    in_regs: usize,
     at: &mut usize,
 ) -> Option<LayerLayout> {
     // Units per CTA come in groups of 4 (one warp's units, a 16-byte send).
@@ -112,7 +123,7 @@ fn layout(
         off
     };
     let wi_off = take(if input > 0 { weights(ni_in) } else { 0 });
-    let wh_off = take(weights(ni_h));
+    let wh_off = take(weights(ni_h.checked_sub(in_regs)?));
     let hb_off = take(2 * hb_len * 4);
     let cst_off = take(per_cta * 4);
     let bias_off = take(4 * per_cta * 4);
@@ -144,14 +155,14 @@ pub fn group(
 ) -> Option<Group> {
     const TAIL: usize = BARS + PARTNER_SUMS;
     let mut at = 0;
-    let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, &mut at)?;
+    let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, 0, &mut at)?;
     if at + TAIL > smem_limit {
         return None;
     }
     let mut layers = vec![l0];
     for l in first + 1..hidden.len().min(first + MAX_LAYERS) {
         let mut next = at;
-        match layout(cell, dtype, hidden[l - 1], hidden[l], ctas, &mut next) {
+        match layout(cell, dtype, hidden[l - 1], hidden[l], ctas, 0, &mut next) {
             Some(lay) if next + TAIL <= smem_limit => {
                 layers.push(lay);
                 at = next;
@@ -170,6 +181,53 @@ pub fn group(
         xin_off: 0,
         xin_len: 0,
         smem_bytes: at + TAIL,
+        regs: 0,
+    })
+}
+
+/// The one-layer group of layer `first` with `REGS` 4-vectors of each warp's range of its
+/// recurrent dot in registers (the `_regs` kernel), for a layer whose weights alone exceed
+/// `smem_limit`. f32 only; None where the layer does not suit it (a unit group per warp, each
+/// range at least `REGS` long) or still does not fit.
+pub fn group_regs(
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    first: usize,
+    ctas: usize,
+    smem_limit: usize,
+) -> Option<Group> {
+    const TAIL: usize = BARS + PARTNER_SUMS;
+    if dtype != DType::F32 {
+        return None;
+    }
+    let units = *hidden.get(first)?;
+    let per_cta = units.div_ceil(ctas).div_ceil(4) * 4;
+    let groups = per_cta / GROUP;
+    let partners = 2 * groups <= THREADS / 32;
+    let ni_h = lane_vectors(units);
+    // The owner's range [0, ni_h / 2) (all of it without partners), the partner's the rest.
+    let shortest = if partners { ni_h / 2 } else { ni_h };
+    if groups > THREADS / 32 || shortest < REGS {
+        return None;
+    }
+    let in_regs = if partners { 2 * REGS } else { REGS };
+    let mut at = 0;
+    let l0 = layout(cell, dtype, 0, units, ctas, in_regs, &mut at)?;
+    if at + TAIL > smem_limit {
+        return None;
+    }
+    Some(Group {
+        ctas,
+        layers: vec![l0],
+        bar_off: at,
+        pp_off: at + BARS,
+        partners,
+        split: false,
+        xin_off: 0,
+        xin_len: 0,
+        smem_bytes: at + TAIL,
+        regs: REGS,
     })
 }
 
@@ -190,7 +248,7 @@ pub fn split_group(
     for l in first..hidden.len().min(first + MAX_LAYERS) {
         let input = if l == first { 0 } else { hidden[l - 1] };
         let mut at = 0;
-        let Some(lay) = layout(cell, dtype, input, hidden[l], ctas, &mut at) else {
+        let Some(lay) = layout(cell, dtype, input, hidden[l], ctas, 0, &mut at) else {
             break;
         };
         let x_len = 4 * SLICES * lay.ni_in;
@@ -219,6 +277,7 @@ pub fn split_group(
         xin_len,
         smem_bytes: xin_off + (THREADS / 64) * xin_len * 4,
         layers,
+        regs: 0,
     })
 }
 
@@ -232,7 +291,7 @@ pub const DEFAULT_MAX_UNITS: usize = 256;
 pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bool> {
     type Key = (usize, String, usize, usize, usize);
     static FITS: Lazy<Mutex<HashMap<Key, bool>>> = Lazy::new(Default::default);
-    let name = kernel_name(cell, dtype)?;
+    let name = kernel_name(cell, dtype, grp.regs)?;
     let key = (
         gpu.ordinal,
         name.clone(),
@@ -259,10 +318,16 @@ pub fn default_takes(grp: &Group) -> bool {
     grp.layers.iter().all(|l| l.units <= DEFAULT_MAX_UNITS)
 }
 
-fn kernel_name(cell: Cell, dtype: DType) -> Result<String> {
+/// The recurrence kernel of `cell`/`dtype` (`regs` > 0: the `_regs` kernel).
+pub fn kernel_name(cell: Cell, dtype: DType, regs: usize) -> Result<String> {
     let (tname, _) = type_name(dtype)?;
+    let root = if regs > 0 {
+        "rnn_cluster_regs"
+    } else {
+        "rnn_cluster"
+    };
     Ok(crate::kernels::kernel_name(
-        "rnn_cluster",
+        root,
         &[&cell_name(cell), &tname],
     ))
 }
@@ -282,7 +347,7 @@ pub fn cluster_ctas(
     if !cl::supported(gpu) {
         return Ok(None);
     }
-    let name = kernel_name(cell, dtype)?;
+    let name = kernel_name(cell, dtype, 0)?;
     let key = (gpu.ordinal, name.clone(), forced);
     if let Some(v) = CLUSTER_CTAS.lock().ok().and_then(|m| m.get(&key).copied()) {
         return Ok(v);
@@ -290,8 +355,9 @@ pub fn cluster_ctas(
     let f = gpu.function(&RNN_CLUSTER, &name)?;
     let smem = smem_limit(gpu)? as u32;
     let mut found = None;
+    let largest = gpu.route_limits().max_cluster.unwrap_or(u32::MAX);
     for c in CLUSTER_SIZES {
-        if forced.is_some_and(|f| f != c as usize) {
+        if forced.is_some_and(|f| f != c as usize) || c > largest {
             continue;
         }
         cl::prepare(&f, smem, c)?;
@@ -445,7 +511,7 @@ pub(super) fn run_group(
     reverse: bool,
     prof: CUdeviceptr,
 ) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
-    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype)?)?;
+    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype, grp.regs)?)?;
     let h0 = grp.layers[0].units;
     let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
     // Split: the ticket and the per-layer progress counters, zeroed by the projection.

