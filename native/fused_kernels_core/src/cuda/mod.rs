@@ -686,12 +686,18 @@ impl Gpu {
                 return Ok(m);
             }
         }
-        let loader = Loader::new(self, kernel, function)?;
-        if want == Want::First && !function.is_empty() && kernel.quick_first(function) {
+        let quick_first =
+            want == Want::First && !function.is_empty() && kernel.quick_first(function);
+        if quick_first {
             if let Some(m) = slot.quick.get() {
                 cache::STATS.record_memory_hit();
                 return Ok(m.clone());
             }
+        }
+        // (Hashes the source for the cache key: not on the paths above, which every call of a
+        // loaded program takes.)
+        let loader = Loader::new(self, kernel, function)?;
+        if quick_first {
             if cache::read(&loader.path).is_none() {
                 let mut built = false;
                 match slot.quick.get_or_try_init(|| {
