@@ -697,27 +697,25 @@ impl Gpu {
         // (Hashes the source for the cache key: not on the paths above, which every call of a
         // loaded program takes.)
         let loader = Loader::new(self, kernel, function)?;
-        if quick_first {
-            if cache::read(&loader.path).is_none() {
-                let mut built = false;
-                match slot.quick.get_or_try_init(|| {
-                    built = true;
-                    loader.quick()
-                }) {
-                    Ok(m) => {
-                        let m = m.clone();
-                        if built {
-                            self.finish_in_background(slot, loader);
-                        }
-                        return Ok(m);
+        if quick_first && cache::read(&loader.path).is_none() {
+            let mut built = false;
+            match slot.quick.get_or_try_init(|| {
+                built = true;
+                loader.quick()
+            }) {
+                Ok(m) => {
+                    let m = m.clone();
+                    if built {
+                        self.finish_in_background(slot, loader);
                     }
-                    // The full build then, here (its error, if any, is the caller's).
-                    Err(e) => eprintln!(
-                        "[fused_kernels] the quick build of {function} ({}.cu) failed ({e}); \
-                         compiling the full build",
-                        kernel.name
-                    ),
+                    return Ok(m);
                 }
+                // The full build then, here (its error, if any, is the caller's).
+                Err(e) => eprintln!(
+                    "[fused_kernels] the quick build of {function} ({}.cu) failed ({e}); \
+                         compiling the full build",
+                    kernel.name
+                ),
             }
         }
         slot.full.get_or_try_init(|| loader.load()).cloned()
