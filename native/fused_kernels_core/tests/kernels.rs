@@ -281,6 +281,7 @@ fn quick_builds_compile() {
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
     assert!(ENGINE_RNN.quick_first("engine_rnn_frame_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_regs_gru_f32"));
     assert!(!RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
     assert!(!NORM.quick_first("layer_norm_f32"));
     assert!(SELECTIVE_SCAN_F32.quick_first("selective_scan_f32_2x8"));
