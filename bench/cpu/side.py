@@ -13,7 +13,7 @@ through nn.LSTM/nn.GRU, scaled_dot_product_attention, matmul+gelu and a selectiv
 (mamba_ssm's selective_scan_ref). Outputs are checked against ONNX Runtime (PyTorch for the
 scan, which has no ONNX Runtime row), then the three are timed in interleaved rounds (the order
 rotating each round); the table prints median ms per call and ours / best. Options: --rounds,
---threads 1,2, --rows.
+--threads 1,2, --rows, --trace (each batch's median and the batch that ran before it).
 
 --backbones gru,lstm,attention,mamba,jamba (or `all`) adds the backbone rows: our CPU engine
 (`Backbone.load(..., backend: :cpu)`, predict per window, step per frame with the state
@@ -464,6 +464,8 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--backbones", default="", help="gru,lstm,attention,mamba,jamba or all")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each batch's median with the batch that ran before it")
     args = ap.parse_args()
     rows_sel = [r for r in args.rows.split(",") if r]
     kinds = BACKBONES if args.backbones == "all" else [k for k in args.backbones.split(",") if k]
@@ -527,6 +529,7 @@ def main():
                           + ", ".join(f"{k} {e:.1e}" for k, e in errs.items())
                           + ("" if ok else "  <-- MISMATCH"))
             samples = {}
+            prev = "the checks"
             for r in range(args.rounds):
                 for row in row_order:
                     n = CALLS[row]
@@ -536,6 +539,10 @@ def main():
                     order = order[r % len(order):] + order[:r % len(order)]
                     for name, run in order:
                         ms = ours.time(row, n) if name == "ours" else time_py(run, n)
+                        if args.trace:
+                            print(f"trace round {r} {row} {name} after {prev}: "
+                                  f"{float(np.median(ms)):.3f} ms", flush=True)
+                        prev = f"{name} ({row})"
                         samples.setdefault((row, name), []).extend(ms[1:] if r == 0 else ms)
             ours.close()
             print(f"{'row':<24} {'ours':>9} {'onnxrt':>9} {'pytorch':>9} {'ours/best':>9}   (median ms per call)")

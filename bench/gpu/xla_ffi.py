@@ -21,12 +21,14 @@ handler with `jax.ffi.register_ffi_target` (initialize + execute stages) and cal
           (one CUDA graph), and 20 GRU/LSTM calls, time per call, ours vs JAX;
   loopgraph  the 1,000-call loops in a child whose command buffers also take loops (WHILE,
           CONDITIONAL): each loop captured once, then replayed with no handler call, i.e. on
-          the device alone;
+          the device alone; and attention's fori_loop of 200 there, ours vs JAX;
   time    ours vs the same computation in JAX (jax.nn.dot_product_attention, lax.scan GRU and
           LSTM with the same weights, lax.scan selective scan) at GRU 2x256 window 60 batch 1,
-          attention B1 H4 S60 D64 causal, scan B32 D512 L60 N16: median of per-call wall time
-          (dispatch included), in-graph time per call (fori_loop of 200; for attention also
-          200 calls written out in one executable), and the handlers' host time per call.
+          attention B1 H4 S60 D64 causal, scan B32 D512 L60 N16: per-call wall time (dispatch
+          included), in-graph time per call (fori_loop of 200; for attention also 200 calls
+          written out in one executable), and the handlers' host time per call. Ours and
+          JAX's are timed call by call in alternation over 5 rounds: the median of the round
+          medians, their min..max, and the ratio's (`--cases` picks the cases).
 
 Build here:  bash bench/gpu/xla_ffi_build.sh       (-> .gpu/xla/libfused_kernels_xla.so)
 Run there:   python3 bench/gpu/xla_ffi.py --out $OUT        (carry [".gpu/xla"])
@@ -50,6 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 
 LIB = None  # the handler library (ctypes), set by main
+CASES = {"attention", "gru", "lstm", "scan"}  # the timed cases (--cases), set by main
 
 TARGETS = [
     "fused_kernels_flash_attention",
@@ -290,6 +293,11 @@ def setup(lib_path, platform):
     lib.fused_kernels_xla_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
     lib.fused_kernels_xla_workspace_words.restype = ctypes.c_int64
     lib.fused_kernels_xla_workspace_words.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t]
+    # Older libraries (before fused_kernels_xla_initializes) served both stages for every target.
+    initializes = getattr(lib, "fused_kernels_xla_initializes", None)
+    if initializes is not None:
+        initializes.restype = ctypes.c_int
+        initializes.argtypes = [ctypes.c_char_p]
     on_load = lib.fused_kernels_xla_registered_on_load()
     how = {}
     for name in TARGETS:
@@ -304,12 +312,17 @@ def setup(lib_path, platform):
                 extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
             except Exception:
                 extra = {}
+        # The initialize stage only where the library serves it: XLA calls that stage before
+        # every run of an executable (command-buffer replays included), once per custom call.
+        init = initializes is None or initializes(name.encode()) == 1
+        stages = {"initialize": cap, "execute": cap} if init else cap
         try:
             try:
-                jax.ffi.register_ffi_target(name, {"initialize": cap, "execute": cap}, platform=platform, **extra)
+                jax.ffi.register_ffi_target(name, stages, platform=platform, **extra)
             except TypeError:
-                jax.ffi.register_ffi_target(name, {"initialize": cap, "execute": cap}, platform=platform)
-            how[name] = "initialize+execute" + (" (traits: command buffer compatible)" if extra else "")
+                jax.ffi.register_ffi_target(name, stages, platform=platform)
+            how[name] = ("initialize+execute" if init else "execute") + (
+                " (traits: command buffer compatible)" if extra else "")
         except Exception as e:  # a JAX that takes one capsule only
             try:
                 jax.ffi.register_ffi_target(name, cap, platform=platform)
@@ -446,6 +459,29 @@ def check_all(jax, results):
         record(name + " out", rel_l2(np.asarray(out, np.float64), ro), TOL[dt])
         fin = np.isfinite(rl)
         record(name + " lse", rel_l2(np.asarray(lse, np.float64)[fin], rl[fin]), 1e-5 if dt == "float32" else 1e-3)
+
+    # Out aliasing q (`input_output_aliases={0: 0}`): the kernel reads q from the buffer it
+    # writes (each block reads its own query rows before it writes them). The short kernel, the
+    # FFMA kernel (plain, GQA with sk != sq, a window) and the tensor-core kernel.
+    for i in (0, 3, 4, 5, 6):
+        b, sq, h, kvh, sk, d, causal, dt, window = cases[i]
+        q = rounded(f64s(b, sq, h, d), dt)
+        k = rounded(f64s(b, sk, kvh, d), dt)
+        v = rounded(f64s(b, sk, kvh, d), dt)
+        ro, _ = ref_attention(q, k, v, causal, window=window)
+        name = f"attention b{b} sq{sq} h{h}/{kvh} sk{sk} d{d} causal={causal} window={window} {dt} out aliasing q"
+        call = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                [jax.ShapeDtypeStruct((b, sq, h, d), dt), jax.ShapeDtypeStruct((b, h, sq), "float32")],
+                                input_output_aliases={0: 0})
+        attrs = {"causal": causal, "layout": "bshd", "window_left": window[0], "window_right": window[1]}
+        try:
+            out = jax.jit(lambda q, k, v: call(q, k, v, **attrs)[0])(
+                as_dev(jnp, q, dt), as_dev(jnp, k, dt), as_dev(jnp, v, dt))
+            err = rel_l2(np.asarray(out, np.float64), ro)
+        except Exception as e:
+            print(f"ERROR {name}: {str(e).splitlines()[0][:300]}", flush=True)
+            err = float("inf")
+        record(name, err, TOL[dt])
 
     # GRU / LSTM: the production GRU (2x256, window 60, batch 1, input 288), hidden 200/512,
     # seq 1 and 61, batch 3, given initial state.
@@ -672,6 +708,41 @@ def timed(fn, args, reps=100):
         jax_block(fn(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts)) * 1e6
+
+
+def timed_pair(ours, ours_args, theirs, theirs_args, reps=100, rounds=5, per=1):
+    """Ours and JAX's timed call by call in alternation (which goes first flips every round),
+    `rounds` rounds of `reps` calls each; each call's wall time divided by `per` (calls inside
+    one executable). Per round the median of each side and their ratio; returned: the median
+    over rounds of each, its min..max, and the ratios' median and min..max (the spread is what
+    a single run could have read)."""
+    jax_block(ours(*ours_args))
+    jax_block(theirs(*theirs_args))
+    o_r, j_r = [], []
+    for r in range(rounds):
+        to, tj = [], []
+        pair = [(ours, ours_args, to), (theirs, theirs_args, tj)]
+        if r % 2:
+            pair.reverse()
+        for _ in range(reps):
+            for fn, args, acc in pair:
+                t0 = time.perf_counter()
+                jax_block(fn(*args))
+                acc.append((time.perf_counter() - t0) * 1e6 / per)
+        o_r.append(float(np.median(to)))
+        j_r.append(float(np.median(tj)))
+    ratios = [j / o for o, j in zip(o_r, j_r)]
+    return {"ours_us": float(np.median(o_r)), "ours_us_range": [min(o_r), max(o_r)],
+            "jax_us": float(np.median(j_r)), "jax_us_range": [min(j_r), max(j_r)],
+            "speedup": float(np.median(ratios)), "speedup_range": [min(ratios), max(ratios)],
+            "rounds": rounds, "reps_per_round": reps}
+
+
+def pair_text(t):
+    return (f"ours {t['ours_us']:.2f} us ({t['ours_us_range'][0]:.2f}..{t['ours_us_range'][1]:.2f}), "
+            f"JAX {t['jax_us']:.2f} us ({t['jax_us_range'][0]:.2f}..{t['jax_us_range'][1]:.2f}), "
+            f"JAX/ours {t['speedup']:.2f}x ({t['speedup_range'][0]:.2f}..{t['speedup_range'][1]:.2f}; "
+            f"medians of {t['rounds']} alternating rounds of {t['reps_per_round']})")
 
 
 def jax_block(x):
@@ -957,17 +1028,15 @@ def bench(jax, results):
     rng = np.random.default_rng(11)
     rows = []
 
-    def add(name, ours_fn, ours_args, jax_fn, jax_args, check=None, reps=100):
-        to = timed(ours_fn, ours_args, reps)
-        tj = timed(jax_fn, jax_args, reps)
-        row = {"case": name, "ours_us": to, "jax_us": tj, "speedup": tj / to}
-        if "(x200)" in name:
-            row["ours_us_per_call"], row["jax_us_per_call"] = to / 200, tj / 200
+    def add(name, ours_fn, ours_args, jax_fn, jax_args, check=None, reps=100, rounds=5):
+        per = 200 if "(x200)" in name else 1
+        row = {"case": name, **timed_pair(ours_fn, ours_args, jax_fn, jax_args, reps, rounds, per)}
+        if per > 1:
+            row["per_call"] = True
         if check is not None:
             row["agree_rel_l2"] = check
         rows.append(row)
-        print(f"time {name}: ours {to:8.1f} us, JAX {tj:8.1f} us, JAX/ours {tj / to:5.2f}x"
-              + (f" ({to / 200:.2f} vs {tj / 200:.2f} us per call)" if "(x200)" in name else "")
+        print(f"time {name}{' per call' if per > 1 else ''}: {pair_text(row)}"
               + (f" (outputs agree to {check:.1e})" if check is not None else ""), flush=True)
 
     def chain_of(fn, n=200):
@@ -988,37 +1057,47 @@ def bench(jax, results):
             return lax.fori_loop(0, n, lambda _, a0: fn(a0, *args[1:]), args[0])
         return run
 
-    # Attention B1 H4 S60 D64 causal, f32.
-    b, s, h, d = 1, 60, 4, 64
-    q, k, v = (jnp.asarray(rng.uniform(-2, 2, (b, s, h, d)), jnp.float32) for _ in range(3))
-    fa = jax.ffi.ffi_call("fused_kernels_flash_attention",
-                          [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
-    ours = lambda q, k, v: fa(q, k, v, causal=True)[0]  # noqa: E731
-    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    agree = rel_l2(np.asarray(jax.jit(ours)(q, k, v)), np.asarray(jax.jit(theirs)(q, k, v)))
-    add("attention B1 H4 S60 D64 causal f32, per call", jax.jit(ours), [q, k, v], jax.jit(theirs), [q, k, v], agree)
-    # The handler's own host time, call by call (medians: a first call may load things).
-    fo = jax.jit(ours)
-    per = []
-    for _ in range(100):
-        c0 = counters(LIB)
-        jax_block(fo(q, k, v))
-        per.append(counters_delta(c0, counters(LIB)))
-    med = lambda key: float(np.median([p[key] for p in per])) / 1e3  # noqa: E731
-    host = {"execute_us": med("execute_ns"), "op_us": med("op_ns"), "initialize_us": med("initialize_ns"),
-            "executes_per_call": med("executes") * 1e3, "initializes_per_call": med("initializes") * 1e3,
-            "execute_us_max": max(p["execute_ns"] for p in per) / 1e3}
-    rows[-1]["handler_host"] = host
-    print(f"  handler host time per call (median of 100): execute {host['execute_us']:.2f} us (of which the "
-          f"op {host['op_us']:.2f} us), initialize {host['initialize_us']:.2f} us; max execute "
-          f"{host['execute_us_max']:.1f} us", flush=True)
-    add("attention B1 H4 S60 D64 causal f32, in-graph fori_loop (x200)", loop_of(ours), [q, k, v], loop_of(theirs),
-        [q, k, v])
-    add("attention B1 H4 S60 D64 causal f32, in-graph unrolled chain (x200)", chain_of(ours), [q, k, v],
-        chain_of(theirs), [q, k, v])
+    if "attention" in CASES:
+        # Attention B1 H4 S60 D64 causal, f32.
+        b, s, h, d = 1, 60, 4, 64
+        q, k, v = (jnp.asarray(rng.uniform(-2, 2, (b, s, h, d)), jnp.float32) for _ in range(3))
+        fa = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                              [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
+        ours = lambda q, k, v: fa(q, k, v, causal=True)[0]  # noqa: E731
+        theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        agree = rel_l2(np.asarray(jax.jit(ours)(q, k, v)), np.asarray(jax.jit(theirs)(q, k, v)))
+        add("attention B1 H4 S60 D64 causal f32, per call", jax.jit(ours), [q, k, v], jax.jit(theirs), [q, k, v], agree,
+            reps=60)
+        # The handler's own host time, call by call (medians: a first call may load things).
+        fo = jax.jit(ours)
+        per = []
+        for _ in range(100):
+            c0 = counters(LIB)
+            jax_block(fo(q, k, v))
+            per.append(counters_delta(c0, counters(LIB)))
+        med = lambda key: float(np.median([p[key] for p in per])) / 1e3  # noqa: E731
+        host = {"execute_us": med("execute_ns"), "op_us": med("op_ns"), "initialize_us": med("initialize_ns"),
+                "executes_per_call": med("executes") * 1e3, "initializes_per_call": med("initializes") * 1e3,
+                "execute_us_max": max(p["execute_ns"] for p in per) / 1e3}
+        rows[-1]["handler_host"] = host
+        print(f"  handler host time per call (median of 100): execute {host['execute_us']:.2f} us (of which the "
+              f"op {host['op_us']:.2f} us), initialize {host['initialize_us']:.2f} us; max execute "
+              f"{host['execute_us_max']:.1f} us", flush=True)
+        add("attention B1 H4 S60 D64 causal f32, in-graph fori_loop (x200)", loop_of(ours), [q, k, v], loop_of(theirs),
+            [q, k, v], reps=20)
+        # The same loop with out declared to alias q: XLA then writes each result into the
+        # loop-carried buffer instead of copying it there.
+        fa_alias = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                    [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32),
+                                     jax.ShapeDtypeStruct((b, h, s), jnp.float32)], input_output_aliases={0: 0})
+        ours_alias = lambda q, k, v: fa_alias(q, k, v, causal=True)[0]  # noqa: E731
+        add("attention B1 H4 S60 D64 causal f32, in-graph fori_loop, out aliasing q (x200)", loop_of(ours_alias),
+            [q, k, v], loop_of(theirs), [q, k, v], reps=20)
+        add("attention B1 H4 S60 D64 causal f32, in-graph unrolled chain (x200)", chain_of(ours), [q, k, v],
+            chain_of(theirs), [q, k, v], reps=20)
 
     # GRU / LSTM 2x256, window 60, batch 1, input 288, f32: the same weights in a lax.scan.
-    for cell in ["gru", "lstm"]:
+    for cell in [c for c in ["gru", "lstm"] if c in CASES]:
         gates = 3 if cell == "gru" else 4
         feat, hid, t = 288, 256, 60
         x = jnp.asarray(rng.uniform(-2, 2, (1, t, feat)), jnp.float32)
@@ -1038,27 +1117,29 @@ def bench(jax, results):
         fed = lambda f: (lambda x, *w: x + 1e-3 * f(x, *w).mean(axis=-1, keepdims=True))  # noqa: E731
         with jax.default_matmul_precision("highest"):
             agree = rel_l2(np.asarray(jax.jit(ours)(x, *flat)), np.asarray(jax.jit(theirs)(x, *flat)))
-            add(f"{cell} 2x256 window 60 batch 1 f32, per call", jax.jit(ours), [x, *flat], jax.jit(theirs), [x, *flat], agree)
+            add(f"{cell} 2x256 window 60 batch 1 f32, per call", jax.jit(ours), [x, *flat], jax.jit(theirs), [x, *flat], agree,
+                reps=30)
             add(f"{cell} 2x256 window 60 batch 1 f32, in-graph fori_loop (x200)", loop_of(fed(ours)), [x, *flat],
-                loop_of(fed(theirs)), [x, *flat], reps=5)
+                loop_of(fed(theirs)), [x, *flat], reps=1)
 
-    # Selective scan B32 D512 L60 N16 f32 (plain: delta given, no D/z), lax.scan over time.
-    bsz, length, dim, state = 32, 60, 512, 16
-    u = jnp.asarray(rng.uniform(-2, 2, (bsz, length, dim)), jnp.float32)
-    delta = jnp.asarray(rng.uniform(0, 0.5, (bsz, length, dim)), jnp.float32)
-    a = jnp.asarray(-np.exp(rng.uniform(-1, 1, (dim, state))), jnp.float32)
-    bm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
-    cm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
-    sc = jax.ffi.ffi_call("fused_kernels_selective_scan", jax.ShapeDtypeStruct((bsz, length, dim), jnp.float32))
-    ours = lambda u, delta, a, bm, cm: sc(u, delta, a, bm, cm)  # noqa: E731
+    if "scan" in CASES:
+        # Selective scan B32 D512 L60 N16 f32 (plain: delta given, no D/z), lax.scan over time.
+        bsz, length, dim, state = 32, 60, 512, 16
+        u = jnp.asarray(rng.uniform(-2, 2, (bsz, length, dim)), jnp.float32)
+        delta = jnp.asarray(rng.uniform(0, 0.5, (bsz, length, dim)), jnp.float32)
+        a = jnp.asarray(-np.exp(rng.uniform(-1, 1, (dim, state))), jnp.float32)
+        bm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
+        cm = jnp.asarray(rng.uniform(-2, 2, (bsz, length, state)), jnp.float32)
+        sc = jax.ffi.ffi_call("fused_kernels_selective_scan", jax.ShapeDtypeStruct((bsz, length, dim), jnp.float32))
+        ours = lambda u, delta, a, bm, cm: sc(u, delta, a, bm, cm)  # noqa: E731
 
-    theirs = functools.partial(jax_scan, jax)
+        theirs = functools.partial(jax_scan, jax)
 
-    args = [u, delta, a, bm, cm]
-    with jax.default_matmul_precision("highest"):
-        agree = rel_l2(np.asarray(jax.jit(ours)(*args)), np.asarray(jax.jit(theirs)(*args)))
-        add("selective scan B32 D512 L60 N16 f32, per call", jax.jit(ours), args, jax.jit(theirs), args, agree)
-        add("selective scan B32 D512 L60 N16 f32, in-graph (x200)", loop_of(ours), args, loop_of(theirs), args)
+        args = [u, delta, a, bm, cm]
+        with jax.default_matmul_precision("highest"):
+            agree = rel_l2(np.asarray(jax.jit(ours)(*args)), np.asarray(jax.jit(theirs)(*args)))
+            add("selective scan B32 D512 L60 N16 f32, per call", jax.jit(ours), args, jax.jit(theirs), args, agree, reps=30)
+            add("selective scan B32 D512 L60 N16 f32, in-graph (x200)", loop_of(ours), args, loop_of(theirs), args, reps=1)
     results.extend({"time": r} for r in rows)
     return 0
 
@@ -1086,22 +1167,20 @@ def bench_chain(jax, results):
     theirs = chain(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
     agree = rel_l2(np.asarray(ours(q, k, v)), np.asarray(theirs(q, k, v)))
     c0 = counters(LIB)
-    to = timed(ours, [q, k, v], reps=30) / n
+    t = timed_pair(ours, [q, k, v], theirs, [q, k, v], reps=10, rounds=5, per=n)
     c1 = counters_delta(c0, counters(LIB))
-    tj = timed(theirs, [q, k, v], reps=30) / n
     row = {"case": "attention B1 H4 S60 D64 causal f32, chain of 200 in one executable, per call",
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "ours_us": to, "jax_us": tj, "speedup": tj / to,
-           "agree_rel_l2": agree, "handler_calls_in_31_runs": c1}
-    print(f"  chain: 31 runs of 200 calls made {c1['executes']} handler executes "
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree, "handler_calls": c1}
+    print(f"  chain: {5 * 10 + 1} runs of 200 calls made {c1['executes']} handler executes "
           f"({c1['captured_executes']} under capture)", flush=True)
     results.append({"time": row})
-    print(f"time {row['case']} (XLA_FLAGS {row['xla_flags']!r}): ours {to:.2f} us, JAX {tj:.2f} us, "
-          f"JAX/ours {tj / to:.2f}x (outputs agree to {agree:.1e})", flush=True)
+    print(f"time {row['case']} (XLA_FLAGS {row['xla_flags']!r}): {pair_text(t)} (outputs agree to {agree:.1e})",
+          flush=True)
 
     # GRU / LSTM 2x256 window 60 batch 1: a chain of 20 dependent calls in one executable
     # (the sequence fed back into x as in `bench`), per call.
     m = 20
-    for cell in ["gru", "lstm"]:
+    for cell in [c for c in ["gru", "lstm"] if c in CASES]:
         gates = 3 if cell == "gru" else 4
         feat, hid, t = 288, 256, 60
         x = jnp.asarray(rng.uniform(-2, 2, (1, t, feat)), jnp.float32)
@@ -1125,16 +1204,45 @@ def bench_chain(jax, results):
         with jax.default_matmul_precision("highest"):
             agree = rel_l2(np.asarray(ours(x, *flat)), np.asarray(theirs(x, *flat)))
             c0 = counters(LIB)
-            to = timed(ours, [x, *flat], reps=10) / m
+            t = timed_pair(ours, [x, *flat], theirs, [x, *flat], reps=2, rounds=5, per=m)
             c1 = counters_delta(c0, counters(LIB))
-            tj = timed(theirs, [x, *flat], reps=10) / m
         row = {"case": f"{cell} 2x256 window 60 batch 1 f32, chain of {m} in one executable, per call",
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "ours_us": to, "jax_us": tj, "speedup": tj / to,
-               "agree_rel_l2": agree, "handler_calls_in_11_runs": c1}
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree, "handler_calls": c1}
         results.append({"time": row})
-        print(f"time {row['case']}: ours {to:.2f} us, JAX {tj:.2f} us, JAX/ours {tj / to:.2f}x (outputs agree to "
-              f"{agree:.1e}); 11 runs made {c1['executes']} handler executes ({c1['captured_executes']} under capture)",
-              flush=True)
+        print(f"time {row['case']}: {pair_text(t)} (outputs agree to {agree:.1e}); {c1['executes']} handler "
+              f"executes ({c1['captured_executes']} under capture)", flush=True)
+    return 0
+
+
+def bench_loop_graph(jax, results):
+    """Attention B1 H4 S60 D64 causal f32 in a jitted fori_loop of 200 (run in the loopgraph
+    child, whose command buffers take the whole loop: one CUDA graph with a conditional node),
+    per call: ours vs jax.nn.dot_product_attention."""
+    if "attention" not in CASES:
+        return 0
+    jnp, lax = jax.numpy, jax.lax
+    rng = np.random.default_rng(11)
+    b, s, h, d = 1, 60, 4, 64
+    q, k, v = (jnp.asarray(rng.uniform(-2, 2, (b, s, h, d)), jnp.float32) for _ in range(3))
+    fa = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                          [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, s), jnp.float32)])
+    n = 200
+
+    def loop(fn):
+        return jax.jit(lambda q, k, v: lax.fori_loop(0, n, lambda _, x: fn(x, k, v), q))
+
+    fa_alias = jax.ffi.ffi_call("fused_kernels_flash_attention",
+                                [jax.ShapeDtypeStruct((b, s, h, d), jnp.float32),
+                                 jax.ShapeDtypeStruct((b, h, s), jnp.float32)], input_output_aliases={0: 0})
+    theirs = loop(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    for label, ours in [("", loop(lambda q, k, v: fa(q, k, v, causal=True)[0])),
+                        (", out aliasing q", loop(lambda q, k, v: fa_alias(q, k, v, causal=True)[0]))]:
+        agree = rel_l2(np.asarray(ours(q, k, v)), np.asarray(theirs(q, k, v)))
+        t = timed_pair(ours, [q, k, v], theirs, [q, k, v], reps=10, rounds=5, per=n)
+        row = {"case": f"attention B1 H4 S60 D64 causal f32, fori_loop of 200 as one command buffer{label}, per call",
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), **t, "agree_rel_l2": agree}
+        results.append({"time": row})
+        print(f"time {row['case']}: {pair_text(t)} (outputs agree to {agree:.1e})", flush=True)
     return 0
 
 
@@ -1145,8 +1253,8 @@ LOOP_GRAPH_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,C
 def loop_graph_child(args):
     """The 1,000-call loops again in a child whose command buffers take whole loops (WHILE,
     CONDITIONAL): each loop must be captured and then replayed with no handler call."""
-    cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform,
-           "--part", "loop", "--json", os.path.join(args.out, "xla_ffi_loopgraph.json")]
+    cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform, "--cases", args.cases,
+           "--part", "loop,looptime", "--json", os.path.join(args.out, "xla_ffi_loopgraph.json")]
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" {LOOP_GRAPH_FLAGS}").strip()
     print(f"== loops under command buffers: XLA_FLAGS='{env['XLA_FLAGS']}'", flush=True)
@@ -1158,7 +1266,7 @@ def loop_graph_child(args):
 def graphs_child(args):
     """Runs in a child with command buffers forced on: the checks again, the command-buffer
     proof (the handlers' capture counters) and the attention chain's device time."""
-    cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform,
+    cmd = [sys.executable, __file__, "--lib", args.lib, "--out", args.out, "--platform", args.platform, "--cases", args.cases,
            "--part", "errors,cb,chain", "--json", os.path.join(args.out, "xla_ffi_graphs.json")]
     # A flag this XLA does not know aborts it: then try the one that matters alone.
     for flags in [GRAPH_FLAGS, "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"]:
@@ -1182,10 +1290,13 @@ def main():
     # "cpu" registers the handlers for JAX's CPU backend: a dry run of this script without a
     # GPU (the handlers then fail with "XLA did not provide a CUDA stream").
     ap.add_argument("--platform", default="CUDA")
+    ap.add_argument("--cases", default="attention,gru,lstm,scan",
+                    help="the cases the time and chain parts time (comma list)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     parts = set(args.part.split(","))
-    global LIB
+    global LIB, CASES
+    CASES = set(args.cases.split(","))
     jax, lib, info = setup(args.lib, args.platform)
     LIB = lib
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -1194,7 +1305,8 @@ def main():
     results = []
     fails = 0
     for part, fn in [("check", check_all), ("errors", check_errors), ("loop", loop_check),
-                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain)]:
+                     ("cb", command_buffer_check), ("time", bench), ("chain", bench_chain),
+                     ("looptime", bench_loop_graph)]:
         if part not in parts:
             continue
         try:

@@ -9,10 +9,12 @@
 //! crossover.
 //!
 //! Usage: rnn [--no-crossover] [--batch1-extra] [--mma-tilings] [--cluster-profile]
-//! [--cluster-regs] [--json FILE]. `--cluster-profile` instead times where the batch-1 cluster
-//! call spends its time (see `cluster_profile`); `--cluster-regs` the batch-1 f32 H256 shapes
-//! on clusters of 16 and 8 CTAs with and without weights in registers (`cluster_regs`), the
-//! resident and persistent kernels beside. Lines go to stdout, and to FILE with `--json`.
+//! [--cluster-regs] [--normed] [--json FILE]. `--cluster-profile` instead times where the
+//! batch-1 cluster call spends its time (see `cluster_profile`); `--cluster-regs` the batch-1
+//! f32 H256 shapes on clusters of 16 and 8 CTAs with and without weights in registers
+//! (`cluster_regs`), the resident and persistent kernels beside; `--normed` the engine's normed
+//! windows (`cuda_normed_window_on`, see `normed`). Lines go to stdout, and to FILE with
+//! `--json`.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -34,6 +36,8 @@ fn main() {
         cluster_profile(&mut out);
     } else if cli.flag("--cluster-regs") {
         cluster_regs(&mut out);
+    } else if cli.flag("--normed") {
+        normed(&mut out);
     } else {
         bench(
             &mut out,
@@ -366,6 +370,102 @@ fn cluster_regs(out: &mut JsonOut) {
                         e.to_string()
                     )),
                 }
+            }
+        }
+    }
+}
+
+/// The engine's batch-1 windows with their LayerNorms folded in (`cuda_normed_window_on`, ExPhil's
+/// shapes): each call timed with CUDA events (median of 300, the projection and the recurrence
+/// launches of one window), as the pipe launch and as a launch per layer, and the kernel's own
+/// counters (`RcArgs::prof`): the last layer's CTA 0 (set-up incl. waiting for the pipeline to
+/// fill, recurrence cycles, cycles thread 0 waited on its mbarrier, ns start to end) and, in the
+/// pipe, layer 0's CTA 0 (recurrence cycles, ns).
+fn normed(out: &mut JsonOut) {
+    let Some(gpu) = gpu_for_tests() else { return };
+    if gpu.compute_capability < (9, 0) {
+        return;
+    }
+    let mut prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    for cell in [Cell::Gru, Cell::Lstm] {
+        for (t, hidden) in [(60, vec![256, 256]), (16, vec![256])] {
+            let (i, h) = (288, 256);
+            let c = case(cell, 1, t, i, &hidden, false, false, DType::F32);
+            let mut rng = Rng::new(5);
+            let xb = random_bytes(&mut rng, t * i, 1.0, DType::F32);
+            let lbytes = make_layers(&mut rng, &c);
+            let x = upload(&gpu, &xb, vec![1, t, i], DType::F32);
+            let dev = upload_layers(&gpu, &lbytes, 1, DType::F32);
+            let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
+            let widths: Vec<usize> = std::iter::once(i).chain(hidden.iter().copied()).collect();
+            let params: Vec<(DeviceTensor, DeviceTensor)> = widths
+                .iter()
+                .map(|&k| {
+                    let g = random_bytes(&mut rng, k, 0.5, DType::F32);
+                    let b = random_bytes(&mut rng, k, 0.5, DType::F32);
+                    (
+                        upload(&gpu, &g, vec![k], DType::F32),
+                        upload(&gpu, &b, vec![k], DType::F32),
+                    )
+                })
+                .collect();
+            let norms: Vec<NormPtrs> = params
+                .iter()
+                .map(|(g, b)| NormPtrs {
+                    gamma: fused_kernels_core::cuda::gemm::ptr(g),
+                    beta: fused_kernels_core::cuda::gemm::ptr(b),
+                    eps: 1e-5,
+                })
+                .collect();
+            let o = DeviceTensor::uninit(&gpu, vec![h], DType::F32).unwrap();
+            let optr = fused_kernels_core::cuda::gemm::ptr(&o);
+            for (split, label) in [(None, "pipe"), (Some(false), "per_layer")] {
+                if hidden.len() == 1 && split.is_none() {
+                    continue;
+                }
+                let tuning = Tuning {
+                    split,
+                    ..Tuning::default()
+                };
+                let call = |_: usize| {
+                    cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &tuning).map(drop)
+                };
+                let mut line = format!(
+                    "{{\"bench\":\"rnn_normed\",\"cell\":\"{}\",\"case\":\"B1 T{t} I{i} H{h} x{}\",\"plan\":\"{label}\"",
+                    if cell == Cell::Lstm { "lstm" } else { "gru" },
+                    hidden.len()
+                );
+                match time_calls(&gpu, 20, 300, call) {
+                    Ok(tm) => {
+                        line += &format!(
+                            ",\"median_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}",
+                            tm.median_us, tm.p90_us, tm.back_to_back_us
+                        )
+                    }
+                    Err(e) => line += &format!(",\"error\":{:?}", e.to_string()),
+                }
+                let profiled = Tuning {
+                    cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
+                    ..tuning
+                };
+                let counted = prof
+                    .fill_bytes(0)
+                    .and_then(|_| {
+                        cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &profiled)
+                    })
+                    .and_then(|_| prof.download());
+                if let Ok(p) = counted {
+                    let n: Vec<u64> = p
+                        .data
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+                        .collect();
+                    line += &format!(
+                        ",\"last_setup_cycles\":{},\"last_loop_cycles\":{},\"last_wait_cycles\":{},\"last_ns\":{},\"first_loop_cycles\":{},\"first_ns\":{}",
+                        n[0], n[1], n[2], n[3], n[6], n[7]
+                    );
+                }
+                out.line(&format!("{line}}}"));
             }
         }
     }

@@ -20,8 +20,8 @@
 //
 // Several layers run in one launch. Split mode (the default where the device runs the clusters
 // side by side): one cluster per layer, each holding only its layer's weights, layer j reading
-// layer j-1's output sequence from global memory step by step as it is published (a counter
-// per layer). Otherwise a wavefront on one cluster: layer j computes timestep s - j at
+// layer j-1's output sequence from global memory step by step as it is published (a count
+// per layer and step). Otherwise a wavefront on one cluster: layer j computes timestep s - j at
 // super-step s from layer j-1's h of the previous super-step, so L layers take T + L - 1 steps.
 // The first layer reads x_t . W_in from `xp`, computed by `rnn_cluster_project`, which the host
 // queues before allocating the outputs so it runs while the call is being set up; the
@@ -34,6 +34,15 @@
 // share of the group's first layer's recurrent dot in registers (a persistent RNN's classic),
 // loaded once, and only the rest in shared memory: 2 x RC_REGS / ni_h of that layer's weights.
 // Those warps then also read that much less shared memory per step.
+//
+// Pipe mode (two layers with LayerNorms between them, the engine's windows): three clusters,
+// layer 0, a projection stage and layer 1. A split layer 1 that computes its own input dot
+// takes ~2.0 us a step against ~1.4 for a first layer, whose partner warps halve the recurrent
+// dot instead; so the stage (rc_pipe_mid) computes layer 1's input projection from layer 0's
+// published steps on SMs of its own, and layer 1 reads it like a first layer reads xp. The
+// projection kernel can LayerNorm x's rows first, the stage normalises layer 0's output, and
+// the recurrence can normalise the last layer's final h into `out`: a normed window launches
+// no norm kernels.
 //
 // Why this is race-free: h of super-step s lands in buffer (s+1)&1 of every CTA and completes
 // mbarrier (s+1)&1. A CTA can only write buffer b of another CTA again (super-step s+2) after it
@@ -82,8 +91,21 @@ struct RcArgs {
   int split;     // one layer per cluster (grid = layers clusters), see rc_run
   int xin_off;   // split: [groups][xin_len] f32 input vector of each partner warp
   int xin_len;
-  unsigned* sync;  // split, zeroed per call: [0] ticket, [1 + j] groups x steps layer j published
+  unsigned* sync;  // split, zeroed per call: [0] ticket; pipe: [4 + r * T + tau] projection
+                   // stage CTA r wrote step tau; then per layer j and step tau the unit groups
+                   // of layer j that published it (rc_counts)
   unsigned long long* prof;  // null, or counters written by one CTA (tests)
+  // Pipe (split, 2 layers, 3 clusters; see rc_pipe_mid): the clusters' roles by ticket are layer
+  // 0, the projection stage, layer 1; layer 1 reads its input projection like a first layer.
+  int pipe;
+  int gxs_off;      // layer 1: [2][G * u] f32 input projection of its units by step parity
+  float* gx;        // {T, G * H1} layer 1's input projection, written by the projection stage
+  const float* mg;  // {H0} LayerNorm of layer 0's output before layer 1 (gamma, beta)
+  const float* mb;
+  const float* og;  // {H} or null: LayerNorm of the last layer's final h into `out`
+  const float* ob;
+  float* out;
+  float meps, oeps;
 };
 
 template <typename T> struct RcRaw { typedef unsigned short type; };
@@ -92,6 +114,12 @@ template <> struct RcRaw<float> { typedef float type; };
 // The value the next layer would read back from this layer's output sequence.
 template <typename T> __device__ __forceinline__ float rc_round(float v) {
   return fk_to_f32(fk_from_f32<T>(v));
+}
+
+__device__ __forceinline__ float rc_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // Four consecutive-k weights of one column.
@@ -241,18 +269,28 @@ __device__ __forceinline__ void rc_load_weights(const void* const* src, int K, i
   }
 }
 
-// xp {T, G*H} f32 = x {T, K} . [W_0 | ... | W_{G-1}] (each {K, H}; bias not added): the first
-// layer's input projection for every gate in one launch. 32x32 tiles, 128 threads, 2x4 outputs
-// per thread, f32 FMA (exact enough for the f32 path; 16-bit inputs are widened).
+// xp {T, G*H} f32 = LN(x) {T, K} . [W_0 | ... | W_{G-1}] (each {K, H}; bias not added): a
+// layer's input projection for every gate in one launch, optionally of x's rows LayerNormed
+// first (the norm before the layer folded in: no norm kernel, no normed copy of x). It is a
+// small GEMM (60 x 288 x 768 for ExPhil) whose time is latency: blocks of 8 rows x 32 columns
+// (192 blocks there, most SMs busy) stage a whole 288-deep slice of W in shared memory with
+// every load in flight at once, then run f32 FMA (exact enough for the f32 path; 16-bit inputs
+// are widened). Each block computes the mean and variance of its rows itself (two passes over
+// the row, centred: no cancellation for inputs with a large mean).
 #define RC_PT 128
-#define RC_PM 32
+#define RC_PM 8
 #define RC_PN 32
-#define RC_PK 32
+#define RC_PK 288
+#define RC_PB 18  // W elements per thread in flight per batch (4 batches of the 72)
 struct RcProj {
   const void* x;
   const void* w[4];
   float* xp;
-  unsigned* sync;  // split recurrence's counters to zero (4 words), or null
+  unsigned* sync;      // split recurrence's counters to zero (`zero` words), or null
+  const float* gamma;  // {K} LayerNorm of x's rows first, or null
+  const float* beta;   // {K}
+  float eps;
+  int zero;
   int T, K, H, G;
 };
 
@@ -262,63 +300,137 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
   // The recurrence (launched next, programmatically dependent) may start loading its weights.
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-  if (a.sync && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 4) a.sync[threadIdx.x] = 0u;
-  __shared__ float xs[RC_PK][RC_PM + 4];
-  __shared__ float ws[RC_PK][RC_PN];
-  const int tid = threadIdx.x, m0 = blockIdx.x * RC_PM, n0 = blockIdx.y * RC_PN;
-  const int tr = tid / 8, tc = tid % 8;  // rows 2*tr.., columns 4*tc..
-  const int GH = a.G * a.H;
-  float acc[2][4] = {};
-  float xr[8], wr[8];
-  auto fetch = [&](int k0) {
+  __shared__ __align__(16) float ws[RC_PK][RC_PN];
+  __shared__ __align__(16) float xs[RC_PM][RC_PK + 4];
+  __shared__ float stat[RC_PM][3];  // pivot, mean - pivot, 1 / std
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int GH = a.G * a.H, mt = (a.T + RC_PM - 1) / RC_PM;
+  const int m0 = (blockIdx.x % mt) * RC_PM, n0 = (blockIdx.x / mt) * RC_PN;
+  const int r = tid / 16, cp = tid % 16;  // row m0 + r, columns n0 + 2cp, n0 + 2cp + 1
+  static_assert(RC_PT == 16 * RC_PM && RC_PN == 32 && RC_PK % (RC_PT / RC_PN * RC_PB) == 0,
+                "tile shape");
+  // W: this thread's column c of the tile, rows kr, kr + 4, ... (a warp reads 32 consecutive
+  // columns of one row).
+  constexpr int KS = RC_PT / RC_PN;
+  const int c = tid % RC_PN, kr = tid / RC_PN, n = n0 + c;
+  const bool nok = n < GH;
+  const int g = nok ? n / a.H : 0;
+  const void* wg = fk_pick(a.w, g);
+  const size_t wcol = (size_t)(n - g * a.H);
+  auto load_w = [&](int k0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int e = tid + i * RC_PT;
-      {  // x: row e / 32, k e % 32 (32 threads read one row's 32 consecutive k)
-        const int m = m0 + e / RC_PK, k = k0 + e % RC_PK;
-        xr[i] = (m < a.T && k < a.K) ? fk_ld<T>(a.x, (size_t)m * a.K + k) : 0.0f;
+    for (int b = 0; b < RC_PK / KS; b += RC_PB) {
+      float v[RC_PB];
+#pragma unroll
+      for (int i = 0; i < RC_PB; ++i) {
+        const int k = k0 + kr + KS * (b + i);
+        v[i] = nok && k < a.K ? fk_ld<T>(wg, (size_t)k * a.H + wcol) : 0.0f;
       }
-      {  // w: k e / 32, column e % 32
-        const int k = k0 + e / RC_PN, n = n0 + e % RC_PN;
-        float v = 0.0f;
-        if (k < a.K && n < GH) {
-          const int g = n / a.H, jj = n - g * a.H;
-          v = fk_ld<T>(fk_pick(a.w, g), (size_t)k * a.H + jj);
+#pragma unroll
+      for (int i = 0; i < RC_PB; ++i) ws[kr + KS * (b + i)][c] = v[i];
+    }
+  };
+  // The weights do not depend on the kernel before (the previous layer): loaded before the
+  // wait for it.
+  load_w(0);
+#if FK_ARCH >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  if (a.sync)
+    for (int i = blockIdx.x * RC_PT + tid; i < a.zero; i += gridDim.x * RC_PT) a.sync[i] = 0u;
+  // Row statistics (warp w: rows 2w and 2w + 1), two passes about the row's first value as
+  // norm.cu takes them (a large mean is not lost to the rounding of a sum). x may be mapped host
+  // memory (the engine's window staging), so each block reads its rows once: from the staged
+  // chunk in shared memory when a row fits one chunk, else from x (more than RC_PK features).
+  const bool one = a.K <= RC_PK;
+  auto stats = [&](bool from_smem) {
+#pragma unroll
+    for (int rr = 2 * warp; rr < 2 * warp + 2; ++rr) {
+      const int m = m0 + rr;
+      auto at = [&](int k) {
+        return from_smem ? xs[rr][k] : fk_ld<T>(a.x, (size_t)m * a.K + k);
+      };
+      float pivot = 0.0f, d = 0.0f, var = 0.0f;
+      if (m < a.T) {
+        pivot = at(0);
+        float s = 0.0f;
+#pragma unroll 4
+        for (int k = lane; k < a.K; k += 32) s += at(k) - pivot;
+        d = rc_warp_sum(s) / (float)a.K;
+        float q = 0.0f;
+#pragma unroll 4
+        for (int k = lane; k < a.K; k += 32) {
+          const float c = (at(k) - pivot) - d;
+          q = fmaf(c, c, q);
         }
-        wr[i] = v;
+        var = rc_warp_sum(q) / (float)a.K;
+      }
+      if (lane == 0) {
+        stat[rr][0] = pivot;
+        stat[rr][1] = d;
+        stat[rr][2] = rsqrtf(var + a.eps);
       }
     }
   };
-  fetch(0);
+  if (a.gamma && !one) {
+    stats(false);
+    __syncthreads();
+  }
+  float acc0 = 0.0f, acc1 = 0.0f;
   for (int k0 = 0; k0 < a.K; k0 += RC_PK) {
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int e = tid + i * RC_PT;
-      xs[e % RC_PK][e / RC_PK] = xr[i];
-      ws[e / RC_PN][e % RC_PN] = wr[i];
+    if (k0 > 0) {
+      __syncthreads();  // everyone is done with the previous chunk
+      load_w(k0);
     }
+    // x: k = kk + 128 j of every row (consecutive threads read consecutive k), all in flight.
+    constexpr int XJ = (RC_PK + RC_PT - 1) / RC_PT;
+    float v[RC_PM][XJ];
+#pragma unroll
+    for (int rr = 0; rr < RC_PM; ++rr)
+#pragma unroll
+      for (int j = 0; j < XJ; ++j) {
+        const int kk = tid + RC_PT * j, m = m0 + rr, k = k0 + kk;
+        v[rr][j] = kk < RC_PK && m < a.T && k < a.K ? fk_ld<T>(a.x, (size_t)m * a.K + k) : 0.0f;
+      }
+    if (a.gamma && one) {
+#pragma unroll
+      for (int rr = 0; rr < RC_PM; ++rr)
+#pragma unroll
+        for (int j = 0; j < XJ; ++j)
+          if (tid + RC_PT * j < RC_PK) xs[rr][tid + RC_PT * j] = v[rr][j];
+      __syncthreads();
+      stats(true);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int rr = 0; rr < RC_PM; ++rr)
+#pragma unroll
+      for (int j = 0; j < XJ; ++j) {
+        const int kk = tid + RC_PT * j, k = k0 + kk;
+        if (kk >= RC_PK) continue;
+        float y = v[rr][j];
+        if (a.gamma && m0 + rr < a.T && k < a.K)
+          y = ((y - stat[rr][0]) - stat[rr][1]) * stat[rr][2] * a.gamma[k] + a.beta[k];
+        xs[rr][kk] = y;
+      }
     __syncthreads();
-    if (k0 + RC_PK < a.K) fetch(k0 + RC_PK);
-#pragma unroll 8
-    for (int k = 0; k < RC_PK; ++k) {
-      const float2 xv = *reinterpret_cast<const float2*>(&xs[k][2 * tr]);
-      const float4 wv = *reinterpret_cast<const float4*>(&ws[k][4 * tc]);
-      const float xa[2] = {xv.x, xv.y}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
+    const int kc = min(RC_PK, (a.K - k0 + 3) & ~3);
+#pragma unroll 4
+    for (int kk = 0; kk < kc; kk += 4) {
+      const float4 xv = *reinterpret_cast<const float4*>(&xs[r][kk]);
+      const float xa[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(xa[r], wa[c], acc[r][c]);
+      for (int i = 0; i < 4; ++i) {
+        const float2 wv = *reinterpret_cast<const float2*>(&ws[kk + i][2 * cp]);
+        acc0 = fmaf(xa[i], wv.x, acc0);
+        acc1 = fmaf(xa[i], wv.y, acc1);
+      }
     }
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int m = m0 + 2 * tr + r;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int n = n0 + 4 * tc + c;
-      if (m < a.T && n < GH) a.xp[(size_t)m * GH + n] = acc[r][c];
-    }
+  const int mo = m0 + r, no = n0 + 2 * cp;
+  if (mo < a.T) {
+    if (no < GH) a.xp[(size_t)mo * GH + no] = acc0;
+    if (no + 1 < GH) a.xp[(size_t)mo * GH + no + 1] = acc1;
   }
 }
 
@@ -399,6 +511,36 @@ __device__ __forceinline__ unsigned rc_ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void rc_publish(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
 }
+__device__ __forceinline__ void rc_flag(unsigned* p) {
+  asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(p) : "memory");
+}
+__device__ __forceinline__ unsigned long long rc_ns();
+// Waits until *p >= v (acquire). The clusters that write p took their tickets earlier and are
+// running, so the wait ends; should it not within 20 s (a broken device or launch; the bound
+// leaves room for the sanitizers' slowdown), the kernel traps: the call fails with a launch
+// error instead of hanging.
+// `nap` (ns, 0: none) sleeps between polls: waiters with slack poll less, so that the counter's
+// L2 line is not kept busy under the publishers.
+__device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v, unsigned nap = 0) {
+  if (rc_ld_acquire(p) >= v) return;
+  const unsigned long long t0 = rc_ns();
+  while (rc_ld_acquire(p) < v) {
+    if (nap) __nanosleep(nap);
+    if (rc_ns() - t0 > 20000000000ull) __trap();
+  }
+}
+// Layer j's per-step publish counts in `sync` (split and pipe): one counter per step, so that a
+// reader waits for exactly the groups of the step it needs. (A counter summed over steps cannot
+// say that: a group may publish step tau + 1 before another's step tau is visible.)
+// Each step's count has a 128-byte line of its own (RC_COUNT_STRIDE words), so that waiters
+// polling later steps do not share the line the publishers of this step update.
+#define RC_COUNT_STRIDE 32
+__device__ __forceinline__ unsigned* rc_counts(const RcArgs& a, int j, int N) {
+  return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T * RC_COUNT_STRIDE;
+}
+__device__ __forceinline__ void rc_bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
 // Element i of another cluster's output, from L2 (its writes are not in this SM's L1).
 template <typename T> __device__ __forceinline__ float rc_ld_cg(const void* p, size_t i) {
   T v;
@@ -469,6 +611,82 @@ __device__ __forceinline__ void rc_load_regs(float4 (&wr)[REG], const RcLayer& L
   }
 }
 
+// Pipe mode's projection stage: the cluster between the two layers' clusters. CTA r computes
+// layer 1's input projection gx[tau] = LN(h0_tau) . W_in1 for the units layer 1's CTA r owns
+// (G * u values; W_in1's slice stays in shared memory as [G * u][Kp] f32), as soon as layer 0
+// published step tau, and flags it for that CTA alone. So layer 1's steps read a precomputed
+// projection as layer 0's do (its partner warps free to halve the recurrent dot), and the
+// input dot runs on SMs of its own. Warp w takes steps w, w + 16, ...: each warp normalises
+// the whole row in registers (lane k holds k = lane + 32 m, K <= 256) and computes every
+// output of its step, so 16 steps are in flight and no step waits for another.
+template <typename T, int G, int SL>
+__device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
+  constexpr int Q = 8 / SL;
+  extern __shared__ __align__(16) unsigned char rc_smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const RcLayer& A = a.l[0];
+  const RcLayer& B = a.l[1];
+  const int K = A.h, U = B.u, GU = G * U, j0 = rank * U, len = a.T, Kp = (K + 31) & ~31;
+  float* ws = reinterpret_cast<float*>(rc_smem);
+  // Units fastest: 16 consecutive floats of a weight row per load group.
+#pragma unroll 8
+  for (int e = tid; e < GU * Kp; e += RC_THREADS) {
+    const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp), unit = j0 + ui;
+    ws[(g * U + ui) * Kp + k] =
+        (k < K && unit < B.h) ? fk_ld<T>(fk_pick(B.wi, g), (size_t)k * B.h + unit) : 0.0f;
+  }
+  float gm[8], bt[8];
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const int k = lane + 32 * m;
+    gm[m] = k < K ? a.mg[k] : 0.0f;
+    bt[m] = k < K ? a.mb[k] : 0.0f;
+  }
+  __syncthreads();
+  const unsigned per_step = (unsigned)N * (unsigned)(A.u / Q);
+  unsigned* flags = a.sync + 4;
+  const int GH = G * B.h;
+  for (int tau = warp; tau < len; tau += RC_WARPS) {
+    const int t = a.reverse ? len - 1 - tau : tau;
+    // A warp waits 16 steps for its next one: it can nap.
+    rc_wait_ge(rc_counts(a, 0, N) + RC_COUNT_STRIDE * tau, per_step, 256);
+    float x[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int k = lane + 32 * m;
+      x[m] = k < K ? rc_ld_cg<T>(A.seq, (size_t)t * K + k) : 0.0f;
+    }
+    // Statistics about the row's first value, as norm.cu takes them.
+    const float pivot = __shfl_sync(0xffffffffu, x[0], 0);
+    float sum = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) sum += lane + 32 * m < K ? x[m] - pivot : 0.0f;
+    const float d = rc_warp_sum(sum) / (float)K;
+    float q = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const float c = lane + 32 * m < K ? (x[m] - pivot) - d : 0.0f;
+      q = fmaf(c, c, q);
+    }
+    const float rstd = rsqrtf(rc_warp_sum(q) / (float)K + a.meps);
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+      x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
+    for (int c = 0; c < GU; ++c) {
+      const float* w = ws + c * Kp + lane;
+      float v = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+        if (32 * m < Kp) v = fmaf(w[32 * m], x[m], v);
+      v = rc_warp_sum(v);
+      const int g = c / U, unit = j0 + c % U;
+      if (lane == (c & 31) && unit < B.h) a.gx[(size_t)tau * GH + g * B.h + unit] = v;
+    }
+    __syncwarp();
+    if (lane == 0) rc_flag(flags + (size_t)rank * len + tau);
+  }
+}
+
 // REG > 0 (the `_regs` kernels): the group's first layer keeps REG 4-vectors of each warp's
 // recurrent range in registers (see the top). The host runs them only where every unit group of
 // that layer has its own warp (u / Q <= warps) and each range is at least REG long, on groups
@@ -497,23 +715,39 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   if (REG == 0 && a.split) {
     // The ticket counter is zeroed by the projection launched just before.
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    // CTA 0 takes the ticket into its own shared memory; the others read it there once the
+    // cluster barrier says every CTA has started (remote shared memory of a CTA that has not
+    // started may not be addressed).
     unsigned* slot = reinterpret_cast<unsigned*>(rc_smem + a.bar_off + 16);
-    if (rank == 0 && tid == 0) {
-      const unsigned ticket = atomicAdd(a.sync, 1u);
-      for (int r = 0; r < N; ++r)
-        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(rc_remote(fk_smem_addr(slot), r)),
-                     "r"(ticket)
-                     : "memory");
-    }
+    if (rank == 0 && tid == 0) *slot = atomicAdd(a.sync, 1u);
     rc_cluster_sync();
-    J = (int)(*reinterpret_cast<volatile unsigned*>(slot) % (unsigned)NL);
+    unsigned ticket;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];"
+                 : "=r"(ticket)
+                 : "r"(rc_remote(fk_smem_addr(slot), 0))
+                 : "memory");
+    J = (int)(ticket % (unsigned)(a.pipe ? 3 : NL));
+    if (a.pipe && J == 1) {
+      rc_cluster_sync();  // CTA 0 stays until every CTA read its ticket
+      rc_pipe_mid<T, G, SL>(a, rank, N);
+      return;
+    }
+    if (a.pipe && J == 2) J = 1;
   }
+  // Pipe, layer 1: its input projection comes from the projection stage, through shared-memory
+  // slots that a feeder warp fills a step ahead (see below).
+  const bool pipe_b = a.pipe && J == 1;
+  // The last layer's final h, normalised into `out`: the last step sends h as the others do.
+  const bool onorm = a.og != nullptr && (J < 0 || J == NL - 1);
   const int steps = J >= 0 ? len : len + NL - 1;
-  const bool prof = a.prof != nullptr && rank == 0 && tid == 0 && (J < 0 || J == NL - 1);
+  // Pipe: layer 0's CTA 0 records its loop too (prof[6], prof[7]).
+  const bool prof_last = J < 0 || J == NL - 1, prof_first = a.pipe && J == 0;
+  const bool prof = a.prof != nullptr && rank == 0 && tid == 0 && (prof_last || prof_first);
 
   if (tid == 0) {
-    rc_bar_init(bar0, 1);
-    rc_bar_init(bar0 + 8, 1);
+    // Pipe, layer 1: the feeder warp's arrival counts too (its slot for the next step is full).
+    rc_bar_init(bar0, pipe_b ? 2 : 1);
+    rc_bar_init(bar0 + 8, pipe_b ? 2 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   int total = 0;  // unit groups of all layers (of this cluster's layer, split)
@@ -593,13 +827,11 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // previous layer published that step, and copies it to its xin row when the step comes.
   // The loads of step tau's vector are issued a step ahead, and the wait for the previous layer
   // to publish it two steps ahead, so both overlap a step's work.
-  const bool feeder = J > 0 && warp >= total && warp < 2 * total;
+  const bool feeder = J > 0 && !a.pipe && warp >= total && warp < 2 * total;
   float xr[8];
   auto published = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
-    const unsigned need = (unsigned)(tau + 1) * N * (P.u / Q);
-    while (rc_ld_acquire(a.sync + J) < need) {
-    }
+    rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, (unsigned)(N * (P.u / Q)));
   };
   auto fetch_in = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
@@ -615,10 +847,47 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     fetch_in(0);
     if (len > 1) published(1);
   }
+  // Pipe, layer 1: two feeder warps, W - 2 for even steps and W - 3 for odd ones (never owners
+  // or partners there; the last warp's last thread sets the mbarrier's byte count). The feeder
+  // of step tau waits for the projection stage's flag of tau and loads that step's values for
+  // this CTA's units into registers at step tau - 3, and at step tau - 1 stores them into slot
+  // tau & 1 and arrives on the mbarrier that step tau waits on: a flag's round trip and the
+  // loads' have two steps to land. Slot (s + 1) & 1 was last read at step s - 1, before every
+  // CTA's h of step s - 1 was sent.
+  const int gf = W - 2 - warp;
+  const bool gfeed = pipe_b && (gf == 0 || gf == 1);
+  const int GUb = G * a.l[pipe_b ? 1 : 0].u;
+  float gr[4];
+  float* gxs = reinterpret_cast<float*>(rc_smem + a.gxs_off);
+  auto gload = [&](int tau) {
+    const RcLayer& B = a.l[1];
+    rc_wait_ge(a.sync + 4 + (size_t)rank * len + tau, 1u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = lane + 32 * i, unit = rank * B.u + e % B.u;
+      gr[i] = e < GUb && unit < B.h
+                  ? rc_ld_cg<float>(a.gx, (size_t)tau * G * B.h + (e / B.u) * B.h + unit)
+                  : 0.0f;
+    }
+  };
+  auto gput = [&](int tau) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (lane + 32 * i < GUb) gxs[(tau & 1) * GUb + lane + 32 * i] = gr[i];
+  };
+  if (gfeed && gf == 0 && len > 0) {
+    gload(0);
+    gput(0);
+  }
+  // The next step each feeder stores (at step 1 and step 0): 2 for W - 2, 1 for W - 3.
+  const int g_next = gf == 0 ? 2 : 1;
+  if (gfeed && g_next < len) gload(g_next);
+  // Slot 0 is read at step 0, with no mbarrier wait before it.
+  if (pipe_b) __syncthreads();
 
   for (int s = 0; s < steps; ++s) {
     const int p = s & 1;
-    const bool send = s + 1 < steps;
+    const bool send = s + 1 < steps || onorm;
     const unsigned bar = bar0 + 8 * ((s + 1) & 1);
     // This step's input projection leaves the prefetch slots, which take the next step's at
     // once: the load has the whole step to land.
@@ -627,6 +896,14 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     // The last thread writes nothing global or remote, so its arrive (a release) waits for
     // nothing of its own.
     if (tid == RC_THREADS - 1 && send) rc_bar_expect(bar, rc_bytes(a, s, N, J));
+    if (gfeed && ((s + 1) & 1) == gf) {
+      if (send) {
+        if (s + 1 < len) gput(s + 1);
+        __syncwarp();
+        if (lane == 0) rc_bar_arrive(bar);
+      }
+      if (s + 3 < len) gload(s + 3);
+    }
 
     int base = 0;
 #pragma unroll
@@ -638,6 +915,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       const int first = ((warp - base) % W + W) % W;
       base += groups;
       if (tau < 0 || tau >= len) continue;
+      // The input projection was computed beforehand (the first layer; pipe's layer 1).
+      const bool lead_in = j == 0 || pipe_b;
       const float* hb = reinterpret_cast<const float*>(rc_smem + L.hb_off);
       const float* bs = reinterpret_cast<const float*>(rc_smem + L.bias_off);
       // The input vector: the previous layer's h (wavefront: its copy in this CTA; split: this
@@ -654,7 +933,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       }
       // With partners, the partner warp of group c takes the input dot (later layers) or the
       // second half of the recurrent dot (first layer) and hands its sums over in pp.
-      const int hsplit = a.partners && j == 0 ? L.ni_h / 2 : L.ni_h;
+      const int hsplit = a.partners && lead_in ? L.ni_h / 2 : L.ni_h;
       if (a.partners && warp >= total && warp - total >= base - groups &&
           warp - total < base) {
         const int c = warp - total - (base - groups), f = warp - total;
@@ -666,7 +945,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
               c * (L.ni_h - 2 * REG) - 2 * REG, lane, sl);
         else if (live)
           // Split inputs come from the output sequence, already in T: no rounding.
-          v = j == 0 ? rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, hsplit,
+          v = lead_in ? rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, hsplit,
                                                 L.ni_h, c * L.ni_h, lane, sl)
               : J > 0 ? rc_dot<T, false, LW, SL>(rc_smem + L.wi_off, hin, 0, L.ni_in,
                                                   c * L.ni_in, lane, sl)
@@ -674,7 +953,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
                                                 lane, sl);
         pp[f * 32 + lane] = v;
         rc_pair_arrive(1 + f);
-        if (J > 0 && tau + 1 < len) {
+        if (feeder && tau + 1 < len) {
           fetch_in(tau + 1);
           if (tau + 2 < len) published(tau + 2);
         }
@@ -690,16 +969,17 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
           else
             acc = rc_dot<T, false, LW, SL>(rc_smem + L.wh_off, hb + p * L.hb_len, 0, hsplit,
                                            c * L.ni_h, lane, sl);
-          if (j > 0 && !a.partners)
+          if (!lead_in && !a.partners)
             accx = rc_dot<T, true, LW, SL>(rc_smem + L.wi_off, hin, 0, L.ni_in, c * L.ni_in,
                                            lane, sl);
-          if (j == 0 && sl == 0) accx = c == first ? xq0 : xq1;
+          if (lead_in && sl == 0)
+            accx = pipe_b ? gxs[(tau & 1) * GUb + g * U + u] : c == first ? xq0 : xq1;
         }
         if (a.partners) {
           const int f = base - groups + c;
           rc_pair_sync(1 + f);
           const float v = pp[f * 32 + lane];
-          if (j > 0) accx = v;
+          if (!lead_in) accx = v;
           else acc += v;
         }
         if (live && sl == 0) accx += bs[g * U + u];
@@ -753,7 +1033,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         // release).
         if (J >= 0 && J + 1 < NL) {
           __syncwarp();
-          if (lane == 0) rc_publish(a.sync + 1 + J);
+          if (lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
         }
       }
     }
@@ -763,9 +1043,30 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       if (prof) t_wait += rc_clock() - w0;
     }
   }
+  if (onorm && rank == 0 && warp == 0) {
+    // The last step sent h like the others: this CTA holds all of it.
+    const RcLayer& L = a.l[J >= 0 ? J : NL - 1];
+    const float* hb = reinterpret_cast<const float*>(rc_smem + L.hb_off) + (steps & 1) * L.hb_len;
+    const float pivot = hb[0];
+    float sum = 0.0f;
+    for (int k = lane; k < L.h; k += 32) sum += hb[k] - pivot;
+    const float d = rc_warp_sum(sum) / (float)L.h;
+    float q = 0.0f;
+    for (int k = lane; k < L.h; k += 32) {
+      const float c = (hb[k] - pivot) - d;
+      q = fmaf(c, c, q);
+    }
+    const float rstd = rsqrtf(rc_warp_sum(q) / (float)L.h + a.oeps);
+    for (int k = lane; k < L.h; k += 32)
+      a.out[k] = ((hb[k] - pivot) - d) * rstd * a.og[k] + a.ob[k];
+  }
   // No CTA leaves while another may still address its shared memory.
   rc_cluster_sync();
-  if (prof) {
+  if (prof && prof_first) {
+    a.prof[6] = rc_clock() - t_loop;  // cycles: layer 0's recurrence
+    a.prof[7] = rc_ns() - ns_start;   // ns: layer 0's CTA 0 start to end
+  }
+  if (prof && prof_last) {
     const unsigned long long t_end = rc_clock();
     a.prof[0] = t_loop - t_start;    // cycles: weights, buffers, waiting for xp, first barrier
     a.prof[1] = t_end - t_loop;      // cycles: the recurrence
@@ -803,7 +1104,7 @@ __device__ __forceinline__ void rc_run(const RcArgs&) {
 #define RC_KERNELS(T, TN)                                                            \
   RC_KERNEL(T, TN, true, lstm)                                                       \
   RC_KERNEL(T, TN, false, gru)                                                       \
-  extern "C" __global__ void __launch_bounds__(RC_PT)                                \
+  extern "C" __global__ void __launch_bounds__(RC_PT, 1)                              \
       rnn_cluster_project_##TN(const __grid_constant__ RcProj a) { \
     if constexpr (FK_WANT(rnn_cluster_project_##TN)) { \
     rc_project<T>(a);                                                                \

@@ -6,9 +6,8 @@
 mod support;
 
 use fused_kernels_core::engine::cuda::CudaEngine;
-use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
-use fused_kernels_core::engine::Engine;
-use support::backbone::{random_params, small, spec, to_params};
+use fused_kernels_core::engine::plan::{Kind, Spec};
+use support::backbone::{cpu_predict, engines, gpu_predict, small, spec};
 use support::{gpu_for_tests, rel_l2, Rng};
 
 const KINDS: [Kind; 5] = [
@@ -18,26 +17,6 @@ const KINDS: [Kind; 5] = [
     Kind::Mamba,
     Kind::Jamba,
 ];
-
-fn engines(s: &Spec, seed: u64) -> (Engine, CudaEngine) {
-    let named = random_params(s, seed);
-    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
-    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
-    (cpu, gpu)
-}
-
-fn cpu_predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.hidden()];
-    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
-        .unwrap();
-    out
-}
-
-fn gpu_predict(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.spec.hidden];
-    e.predict(b, t, x, &mut out).unwrap();
-    out
-}
 
 fn gpu_stream(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
     let emb = e.spec.embed;
@@ -514,4 +493,133 @@ fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
             );
         }
     }
+}
+
+#[test]
+fn gpu_frame_chains_repeat_bit_for_bit() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // On sm_90+ the frame kernels start while the launch before them runs (programmatic
+    // dependent launch) and wait for it only before reading its output: a read or write on the
+    // wrong side of that wait is a race, which shows as a frame or window that differs between
+    // runs of the same inputs. ExPhil's sizes at batch 1 (the mapped staging, one graph per
+    // state) and 8, frames past the cache window, each frame compared bit for bit over fresh
+    // states, windows over repeated replays.
+    for kind in [Kind::Attention, Kind::Mamba, Kind::Jamba] {
+        let s = spec(kind);
+        let (cpu, gpu) = engines(&s, 120);
+        for b in [1, 8] {
+            let t = s.window + 40;
+            let x = Rng::new(121 + b as u64).vec_f32(b * t * s.embed, 1.0, 0.0);
+            let run = || {
+                let mut st = gpu.new_state(b).unwrap();
+                let mut out = vec![f32::NAN; b * s.hidden];
+                let mut all = Vec::with_capacity(t * b * s.hidden);
+                for i in 0..t {
+                    gpu.step(&mut st, &frame(&x, b, t, s.embed, i), &mut out)
+                        .unwrap();
+                    all.extend_from_slice(&out);
+                }
+                all
+            };
+            let first = run();
+            let last = &first[(t - 1) * b * s.hidden..];
+            let err = rel_l2(last, &cpu_predict(&cpu, &x, b, t));
+            assert!(
+                err <= 1e-5,
+                "{kind:?} b{b}: {t} frames vs cpu window, rel L2 {err}"
+            );
+            for r in 0..4 {
+                let again = run();
+                let bad = (0..t).find(|&i| {
+                    let w = b * s.hidden;
+                    again[i * w..(i + 1) * w] != first[i * w..(i + 1) * w]
+                });
+                assert!(
+                    bad.is_none(),
+                    "{kind:?} b{b} run {r}: frame {bad:?} changed"
+                );
+            }
+            let tw = s.window.min(64 / b);
+            let xw = &x[..b * tw * s.embed];
+            let want = cpu_predict(&cpu, xw, b, tw);
+            let w0 = gpu_predict(&gpu, xw, b, tw);
+            let err = rel_l2(&w0, &want);
+            assert!(err <= 1e-5, "{kind:?} b{b} t{tw} window: rel L2 {err}");
+            for call in 0..20 {
+                assert_eq!(
+                    gpu_predict(&gpu, xw, b, tw),
+                    w0,
+                    "{kind:?} b{b} t{tw} window call {call} changed"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // The batch-1 windows on the cluster path (norms folded in; two layers as one pipe launch,
+    // one or three as a launch per layer) and where it does not take them (512 units): odd
+    // widths (200, 37), windows of 1, 16, 61, 100, inputs with a large mean. Each window is
+    // run eager, captured and replayed; between its repeats a window of other inputs runs (so
+    // a repeat that wrote nothing would keep that window's row, not this one's), and every
+    // repeat must be bit for bit the first.
+    let mut failures = Vec::new();
+    for kind in [Kind::Gru, Kind::Lstm] {
+        for (i, (hidden, embed, layers, t, center)) in [
+            (256, 288, 2, 60, 0.0),
+            (256, 288, 1, 16, 0.0),
+            (256, 288, 2, 1, 0.0),
+            (256, 288, 2, 16, 300.0),
+            (200, 37, 3, 61, 0.0),
+            (200, 288, 2, 100, 0.0),
+            (256, 288, 1, 61, 0.0),
+            (512, 288, 2, 61, 0.0),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = Spec {
+                hidden,
+                embed,
+                layers,
+                ..spec(kind)
+            };
+            let what = format!("{kind:?} h{hidden} e{embed} l{layers} t{t}");
+            let (cpu, gpu) = engines(&s, 80 + i as u64);
+            let x = Rng::new(90 + i as u64).vec_f32(t * embed, 1.0, center);
+            let other = Rng::new(190 + i as u64).vec_f32(t * embed, 1.0, center);
+            let want = cpu_predict(&cpu, &x, 1, t);
+            let want_other = cpu_predict(&cpu, &other, 1, t);
+            let first = gpu_predict(&gpu, &x, 1, t);
+            let err = rel_l2(&first, &want);
+            eprintln!("{what}: window vs cpu, rel L2 {err:.2e}");
+            if err > 1e-5 {
+                failures.push(format!("{what}: window vs cpu, rel L2 {err}"));
+            }
+            for call in 1..4 {
+                let o = gpu_predict(&gpu, &other, 1, t);
+                let err = rel_l2(&o, &want_other);
+                if err > 1e-5 {
+                    failures.push(format!("{what}: other window call {call}, rel L2 {err}"));
+                }
+                let again = gpu_predict(&gpu, &x, 1, t);
+                if again != first {
+                    let moved = again.iter().zip(&first).filter(|(a, b)| a != b).count();
+                    failures.push(format!("{what}: window call {call}: {moved} values moved"));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

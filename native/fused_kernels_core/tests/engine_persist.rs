@@ -8,33 +8,12 @@
 mod support;
 
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
-use fused_kernels_core::engine::plan::{Kind, Plan, Spec};
-use fused_kernels_core::engine::Engine;
+use fused_kernels_core::engine::plan::{Kind, Spec};
 use std::sync::Mutex;
-use support::backbone::{random_params, spec, to_params};
+use support::backbone::{cpu_predict, engines, gpu_predict, random_params, spec, to_params};
 use support::{gpu_for_tests, rel_l2, Rng};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn engines(s: &Spec, seed: u64) -> (Engine, CudaEngine) {
-    let named = random_params(s, seed);
-    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
-    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
-    (cpu, gpu)
-}
-
-fn cpu_predict(e: &Engine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.hidden()];
-    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
-        .unwrap();
-    out
-}
-
-fn gpu_predict(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> Vec<f32> {
-    let mut out = vec![f32::NAN; b * e.spec.hidden];
-    e.predict(b, t, x, &mut out).unwrap();
-    out
-}
 
 /// `n` frames of `b` rows from `st`, every output kept.
 fn frames_out(e: &CudaEngine, st: &mut CudaState, x: &[f32], n: usize) -> Vec<Vec<f32>> {

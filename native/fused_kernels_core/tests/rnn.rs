@@ -3,13 +3,14 @@
 
 mod support;
 
+use fused_kernels_core::cuda::DeviceTensor;
 use fused_kernels_core::dtype::encode_f64;
-use fused_kernels_core::operand::{Operand, Placement};
+use fused_kernels_core::operand::{Operand, Placement, Value};
 use fused_kernels_core::ops::rnn::*;
 use fused_kernels_core::ops::Backend;
 use fused_kernels_core::{DType, HostTensor};
 use support::rnn::*;
-use support::{gpu_for_tests, Rng};
+use support::{gpu_for_tests, rel_l2, Rng};
 
 #[test]
 fn cpu_matches_f64_reference() {
@@ -664,6 +665,23 @@ fn cluster_groups_fit_a_hopper_cta() {
             assert!(grp.xin_len >= 4 * grp.layers[1].ni_in * 2);
         }
     }
+    // Pipe groups (two layers and a projection stage): ExPhil's f32 stacks, the stage's row
+    // of at most 256 floats, the feeders' 128 values and two free warps per CTA of layer 1.
+    let pg = |cell, hidden: &[usize]| cluster_pipe_group(cell, F32, hidden, 16, smem);
+    for cell in [Cell::Lstm, Cell::Gru] {
+        let grp = pg(cell, &[256, 256]).unwrap();
+        assert!(grp.pipe && grp.split && grp.partners && grp.smem_bytes <= smem);
+        assert!(grp.gxs_off + 2 * cell.gates() * grp.layers[1].per_cta * 4 <= grp.bar_off);
+        // The stage's weights: G x u x 256 f32 below the barriers.
+        assert!(cell.gates() * grp.layers[1].per_cta * 256 * 4 <= grp.bar_off);
+        assert!(pg(cell, &[200, 200]).is_some());
+        assert!(pg(cell, &[48, 64]).is_some());
+        assert!(pg(cell, &[512, 256]).is_none());
+        assert!(pg(cell, &[256]).is_none());
+        assert!(pg(cell, &[256, 256, 256]).is_none());
+        // 512 units: 32 per CTA, 8 unit groups: no free warps for the feeders.
+        assert!(pg(cell, &[256, 512]).is_none());
+    }
 }
 
 #[test]
@@ -890,4 +908,155 @@ fn rejects_bad_params_naming_them() {
         Precision::F32,
     )
     .is_err());
+}
+
+/// Rows of `x` (`{rows, k}`) LayerNormed in f64.
+fn layer_norm_f64(x: &[f64], k: usize, gamma: &[f64], beta: &[f64], eps: f64) -> Vec<f64> {
+    x.chunks(k)
+        .flat_map(|r| {
+            let mean = r.iter().sum::<f64>() / k as f64;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / k as f64;
+            let rstd = 1.0 / (var + eps).sqrt();
+            r.iter()
+                .zip(gamma.iter().zip(beta))
+                .map(move |(v, (g, b))| (v - mean) * rstd * g + b)
+        })
+        .collect()
+}
+
+#[test]
+fn cuda_normed_window_matches_f64_reference_with_poisoned_output() {
+    if !has_clusters() {
+        return;
+    }
+    let gpu = gpu_for_tests().unwrap();
+    let eps = 1e-5;
+    // Two layers: the pipe launch; one or three: a launch per layer; 512 units and 16-bit
+    // types are not taken (Ok(false), nothing written). Windows 1/16/60/61/100, odd widths,
+    // inputs with a large mean (the norms' centring).
+    // (seq, features, hidden, input mean, type, taken)
+    type NormedCase = (usize, usize, &'static [usize], f64, DType, bool);
+    let cases: [NormedCase; 9] = [
+        (60, 288, &[256, 256], 0.0, DType::F32, true),
+        (16, 288, &[256], 0.0, DType::F32, true),
+        (1, 288, &[256, 256], 0.0, DType::F32, true),
+        (61, 37, &[200, 200, 200], 0.0, DType::F32, true),
+        (100, 288, &[200, 200], 0.0, DType::F32, true),
+        (60, 288, &[256, 256], 300.0, DType::F32, true),
+        (61, 64, &[64, 48], 0.0, DType::F32, true),
+        (60, 288, &[512, 512], 0.0, DType::F32, false),
+        (60, 288, &[256, 256], 0.0, DType::BF16, false),
+    ];
+    let mut failures = Vec::new();
+    for cell in [Cell::Lstm, Cell::Gru] {
+        for (i, &(seq, features, hidden, center, dt, taken)) in cases.iter().enumerate() {
+            let c = case(cell, 1, seq, features, hidden, false, false, dt);
+            let mut rng = Rng::new(700 + i as u64);
+            let xf: Vec<f64> = rng
+                .vec(seq * features)
+                .into_iter()
+                .map(|v| v + center)
+                .collect();
+            let xb = encode_f64(&xf, dt);
+            let layers = make_layers(&mut rng, &c);
+            let widths: Vec<usize> = std::iter::once(features)
+                .chain(hidden.iter().copied())
+                .collect();
+            let norm_params: Vec<(Vec<f64>, Vec<f64>)> = widths
+                .iter()
+                .map(|&k| {
+                    let g = rng.vec(k).into_iter().map(|v| 1.0 + 0.5 * v).collect();
+                    (g, rng.vec(k))
+                })
+                .collect();
+            let dev =
+                |v: &[f64]| upload(&gpu, &encode_f64(v, DType::F32), vec![v.len()], DType::F32);
+            let norm_dev: Vec<(DeviceTensor, DeviceTensor)> =
+                norm_params.iter().map(|(g, b)| (dev(g), dev(b))).collect();
+            let norms: Vec<NormPtrs> = norm_dev
+                .iter()
+                .map(|(g, b)| NormPtrs {
+                    gamma: fused_kernels_core::cuda::gemm::ptr(g),
+                    beta: fused_kernels_core::cuda::gemm::ptr(b),
+                    eps: eps as f32,
+                })
+                .collect();
+            let h = *hidden.last().unwrap();
+            let x = upload(&gpu, &xb, vec![1, seq, features], dt);
+            let ops: Vec<Layer> = layers.iter().map(|l| operands(l, 1, dt)).collect();
+            // f64: norm, layer, norm, layer, ..., the last layer's final h normed.
+            let mut cur = layer_norm_f64(&xf, features, &norm_params[0].0, &norm_params[0].1, eps);
+            let mut last = Vec::new();
+            for (l, lb) in layers.iter().enumerate() {
+                let (sq, states) = fused_kernels_core::reference::rnn::reference(
+                    cell,
+                    &cur,
+                    [1, seq, widths[l]],
+                    &[ref_layer(lb, dt)],
+                    false,
+                );
+                let (g, b) = &norm_params[l + 1];
+                cur = layer_norm_f64(&sq, widths[l + 1], g, b, eps);
+                // Axon's state order: LSTM [c, h], GRU [h]: h is the last.
+                last = states[0].last().unwrap().clone();
+            }
+            let (g, b) = &norm_params[hidden.len()];
+            let want = layer_norm_f64(&last, h, g, b, eps);
+            // The pipe launch (two layers) and a launch per layer; three calls each, the
+            // output poisoned before every call, each call bit for bit the first.
+            for split in [None, Some(false)] {
+                let tuning = Tuning {
+                    split,
+                    ..Tuning::default()
+                };
+                let what = format!(
+                    "{cell:?} {dt:?} T{seq} I{features} H{hidden:?} center {center} split {split:?}"
+                );
+                let mut first: Option<Vec<f64>> = None;
+                for call in 0..3 {
+                    poison_device_pool(&c);
+                    let mut out = DeviceTensor::uninit(&gpu, vec![h], DType::F32).unwrap();
+                    out.fill_bytes(0xFF).unwrap();
+                    let ran = cuda_normed_window_on(
+                        &gpu,
+                        cell,
+                        &x,
+                        &ops,
+                        &norms,
+                        fused_kernels_core::cuda::gemm::ptr(&out),
+                        &tuning,
+                    )
+                    .unwrap();
+                    assert_eq!(ran, taken, "{what}: taken");
+                    let got = host_f64(&Value::Device(out));
+                    if !taken {
+                        assert!(
+                            got.iter().all(|v| v.is_nan()),
+                            "{what}: written though not taken"
+                        );
+                        break;
+                    }
+                    let err = rel_l2(&got, &want);
+                    eprintln!("normed window {what} call {call}: rel L2 {err:.2e}");
+                    if err > 1e-5 {
+                        failures.push(format!("{what} call {call}: rel L2 {err:e}"));
+                    }
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) if *f != got => {
+                            let moved = f.iter().zip(&got).filter(|(a, b)| a != b).count();
+                            failures.push(format!("{what} call {call}: {moved} values moved"));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

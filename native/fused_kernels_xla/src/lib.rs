@@ -16,9 +16,14 @@
 //!
 //! Kernels are NVRTC-compiled for the device on first use, one function per program, and
 //! cached (fused_kernels_core; `FusedKernels.prefill/1` fills the cache ahead). A kernel
-//! function is never loaded under a CUDA-graph capture: attention loads its function at XLA's
-//! initialize stage; the others load theirs at the first execute, which XLA runs directly
-//! before it records a command buffer (their functions depend on the device's routing).
+//! function is never loaded under a CUDA-graph capture: the handlers load theirs at the first
+//! execute, which XLA runs directly before it records a command buffer.
+//!
+//! Only the targets that have work there (the cuBLAS handle of the RNNs and the Mamba block)
+//! register XLA's initialize stage: XLA calls it before every run of an executable, once per
+//! custom call, on the host, even when the run replays a command buffer. For attention that
+//! stage cost ~3.4 us of host time per call in every run (decoding the frame to find the
+//! function to load) — more than half of its kernel's time inside a CUDA graph.
 
 pub mod ffi;
 pub mod frame;
@@ -42,9 +47,10 @@ macro_rules! handlers {
             }
         )*
 
-        /// (target name, handler, traits) of every exported handler.
-        pub const TARGETS: &[(&str, ffi::Handler, u32)] = &[
-            $((stringify!($symbol), $symbol as ffi::Handler, $spec.traits)),*
+        /// (target name, handler, traits, whether it serves XLA's initialize stage) of every
+        /// exported handler.
+        pub const TARGETS: &[(&str, ffi::Handler, u32, bool)] = &[
+            $((stringify!($symbol), $symbol as ffi::Handler, $spec.traits, $spec.preload.is_some())),*
         ];
     };
 }
@@ -60,8 +66,9 @@ handlers! {
     fused_kernels_gru => ops::GRU,
 }
 
-/// Registers every target with `api` for `platform` (e.g. "CUDA"), each handler serving the
-/// initialize and execute stages. Returns 0, or the number of targets XLA refused.
+/// Registers every target with `api` for `platform` (e.g. "CUDA"): each handler serves the
+/// execute stage, and the initialize stage where the op loads something there
+/// (`fused_kernels_xla_initializes`). Returns 0, or the number of targets XLA refused.
 ///
 /// # Safety
 /// `api` must be null or XLA's API table; `platform` null or a C string.
@@ -94,7 +101,7 @@ pub fn register_all(api: &ffi::Api, platform: &str) -> Vec<&'static str> {
     };
     TARGETS
         .iter()
-        .filter(|(name, handler, traits)| {
+        .filter(|(name, handler, traits, initialize)| {
             let mut args = ffi::HandlerRegisterArgs {
                 struct_size: ffi::HANDLER_REGISTER_ARGS_STRUCT_SIZE,
                 extension_start: std::ptr::null_mut(),
@@ -109,7 +116,7 @@ pub fn register_all(api: &ffi::Api, platform: &str) -> Vec<&'static str> {
                 bundle: ffi::HandlerBundle {
                     instantiate: None,
                     prepare: None,
-                    initialize: Some(*handler),
+                    initialize: initialize.then_some(*handler),
                     execute: Some(*handler),
                 },
                 traits: *traits,
@@ -119,6 +126,24 @@ pub fn register_all(api: &ffi::Api, platform: &str) -> Vec<&'static str> {
         })
         .map(|t| t.0)
         .collect()
+}
+
+/// 1 when `target` (a C string naming one of `TARGETS`) serves XLA's initialize stage, so that
+/// a caller registering the exported handlers itself (JAX) registers that stage for it too; 0
+/// when it serves execute only; -1 for an unknown target.
+///
+/// # Safety
+/// `target` must be null or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn fused_kernels_xla_initializes(target: *const c_char) -> c_int {
+    if target.is_null() {
+        return -1;
+    }
+    let name = unsafe { CStr::from_ptr(target) }.to_bytes();
+    TARGETS
+        .iter()
+        .find(|t| t.0.as_bytes() == name)
+        .map_or(-1, |t| c_int::from(t.3))
 }
 
 /// The mangled name of `const XLA_FFI_Api* xla::ffi::GetXlaFfiApi()`, which XLA's shared

@@ -95,7 +95,10 @@ impl<'t> Named<'t> {
 // Attention
 
 /// `fused_kernels_flash_attention`: q, k, v -> out, lse (lse `{batch, heads, seq_q}` f32;
-/// callers that do not want it drop it: it is XLA-owned memory either way).
+/// callers that do not want it drop it: it is XLA-owned memory either way). out may alias q
+/// (XLA's output-operand aliasing, e.g. JAX's `input_output_aliases={0: 0}`): every kernel's
+/// block reads its own query rows, and only those, before it writes their output; in a loop
+/// that lets XLA write the result into the loop-carried buffer instead of copying it there.
 /// Attributes: `layout` ("bshd" | "bhsd"), `scale` (absent or <= 0: head_dim^-0.5),
 /// `causal`, `window_left`, `window_right` (-1 unbounded).
 pub const FLASH_ATTENTION: OpSpec = OpSpec {
@@ -103,7 +106,7 @@ pub const FLASH_ATTENTION: OpSpec = OpSpec {
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: flash_attention_validate,
     execute: flash_attention_execute,
-    preload: Some(|gpu, d| attention_function(gpu, d).map(|_| ())),
+    preload: None,
 };
 
 pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
@@ -148,51 +151,59 @@ fn flash_attention_validate(d: &Decoded) -> Result<()> {
     Ok(())
 }
 
-/// (device ordinal, kernel function name) -> the loaded function and the device's SM count:
-/// the handler launches through the op's launch layer on raw addresses, so a call costs one
-/// map lookup and the launch (no tensors, no module lookup, no device query).
-type AttentionFunctions = HashMap<(usize, String), CudaFunction>;
+/// Everything that decides an attention call's kernel and launch.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct AttentionKey {
+    ordinal: usize,
+    dtype: DType,
+    geometry: flash_attention::Geometry,
+    scale_bits: Option<u64>,
+    causal: bool,
+    window: (i64, i64),
+}
 
-static ATTENTION_FUNCTIONS: Lazy<Mutex<AttentionFunctions>> =
+/// AttentionKey -> the loaded function and its prepared launch: an execute after the first
+/// of a shape costs one map lookup and the launch (no plan, no function name, no module).
+type AttentionLaunches = HashMap<AttentionKey, (CudaFunction, flash_attention::Launch)>;
+
+static ATTENTION_LAUNCHES: Lazy<Mutex<AttentionLaunches>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn flash_attention_execute(c: &Call<'_>) -> Result<()> {
-    let (f, p, g, plan) = attention_function(c.gpu, c.d)?;
+    let (f, launch) = attention_launch(c.gpu, c.d)?;
     let [q, k, v] = [&c.d.args[0], &c.d.args[1], &c.d.args[2]];
     let addrs = (q.data, k.data, v.data, c.d.rets[0].data, c.d.rets[1].data);
-    flash_attention::launch_on(&c.gpu.stream, &f, &g, addrs, p, &plan)
+    launch.run(&c.gpu.stream, &f, addrs)
 }
 
-/// The loaded kernel function, the call's options, geometry and plan (the function loaded once
-/// per device and name; the initialize stage calls this too, so that the execute stage never
-/// loads a module).
-fn attention_function(
+/// The call's loaded kernel function and prepared launch (made once per device and key, at the
+/// first execute of the shape, which XLA runs directly before it records a command buffer).
+fn attention_launch(
     gpu: &Arc<Gpu>,
     d: &Decoded,
-) -> Result<(
-    CudaFunction,
-    flash_attention::Params,
-    flash_attention::Geometry,
-    flash_attention::Plan,
-)> {
+) -> Result<(CudaFunction, flash_attention::Launch)> {
     let (p, g) = attention_call(d)?;
-    let plan = flash_attention::plan(&g, d.args[0].dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
-    let key = (gpu.ordinal, plan.function.clone());
+    let key = AttentionKey {
+        ordinal: gpu.ordinal,
+        dtype: d.args[0].dtype,
+        geometry: g,
+        scale_bits: p.scale.map(f64::to_bits),
+        causal: p.causal,
+        window: p.window,
+    };
     let lock = || {
-        ATTENTION_FUNCTIONS
+        ATTENTION_LAUNCHES
             .lock()
-            .map_err(|_| Error::Cuda("attention function cache lock poisoned".into()))
+            .map_err(|_| Error::Cuda("attention launch cache lock poisoned".into()))
     };
-    let cached = lock()?.get(&key).cloned();
-    let f = match cached {
-        Some(f) => f,
-        None => {
-            let f = flash_attention::function(gpu, &plan)?;
-            lock()?.insert(key, f.clone());
-            f
-        }
-    };
-    Ok((f, p, g, plan))
+    if let Some(hit) = lock()?.get(&key).cloned() {
+        return Ok(hit);
+    }
+    let plan = flash_attention::plan(&g, key.dtype, gpu.has_tensor_cores(), sm_count(gpu)?)?;
+    let f = flash_attention::function(gpu, &plan)?;
+    let launch = flash_attention::prepare(&g, p, &plan)?;
+    lock()?.insert(key, (f.clone(), launch));
+    Ok((f, launch))
 }
 
 /// The device's SM count (asked of the driver once per device).

@@ -57,20 +57,21 @@ fn add_elapsed(counter: &AtomicU64, since: Instant) {
     counter.fetch_add(ns, Ordering::Relaxed);
 }
 
-/// What a target loads at XLA's initialize stage, given the device and the call.
+/// What a target does at XLA's initialize stage, given the device and the call.
 pub type Preload = fn(&Arc<Gpu>, &Decoded) -> Result<()>;
 
-/// One call target: its name, traits, what it runs, and what it loads at XLA's initialize
-/// stage (before any CUDA-graph capture).
+/// One call target: its name, traits, what it runs, and what it prepares at XLA's initialize
+/// stage (never under a CUDA-graph capture).
 pub struct OpSpec {
     pub name: &'static str,
     pub traits: u32,
     /// Everything that can be checked without the device (counts, attributes, shapes).
     pub validate: fn(&Decoded) -> Result<()>,
     pub execute: fn(&Call<'_>) -> Result<()>,
-    /// Loads the kernel functions the call will launch, where they can be named without the
-    /// device's routing (None: they load at the first execute, which XLA runs directly, not
-    /// under capture, before it records a command buffer).
+    /// Work done at XLA's initialize stage, never under a capture (the cuBLAS handle). None:
+    /// the target does not register that stage, which XLA calls before every run of the
+    /// executable; kernel functions load at the first execute, which XLA runs directly before
+    /// it records a command buffer.
     pub preload: Option<Preload>,
 }
 
@@ -319,9 +320,8 @@ unsafe fn dispatch(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     }
 }
 
-/// Loads the op's kernel functions before XLA may capture the execute stage into a CUDA
-/// graph (module loading is not a capturable operation). Only the functions the call needs:
-/// the kernel cache is filled per function, and a whole file compiles for minutes.
+/// The op's `preload`, before XLA may capture the execute stage into a CUDA graph; nothing
+/// for a target registered without this stage.
 unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     let Some(preload) = op.preload else {
         return Ok(());

@@ -52,7 +52,7 @@ fn registration_table_names_every_target_once() {
         ]
     );
     // The exported symbol of each target is the spec of the same name.
-    for ((name, _, traits), spec) in fused_kernels_xla::TARGETS.iter().zip(ops::ALL) {
+    for ((name, _, traits, _), spec) in fused_kernels_xla::TARGETS.iter().zip(ops::ALL) {
         assert_eq!(*name, spec.name);
         assert_eq!(*traits, spec.traits);
     }
@@ -72,16 +72,43 @@ fn register_hands_every_handler_to_xla() {
     let refused = unsafe { fused_kernels_xla::fused_kernels_xla_register(&a, c"CUDA".as_ptr()) };
     assert_eq!(refused, 0);
     let got = support::REGISTERED.lock().unwrap().clone();
-    for (name, handler, traits) in fused_kernels_xla::TARGETS {
+    for (name, handler, traits, initialize) in fused_kernels_xla::TARGETS {
         let entry = got
             .iter()
             .find(|e| e.0 == *name)
             .unwrap_or_else(|| panic!("{name} not registered"));
         assert_eq!(entry.1, "CUDA");
-        assert_eq!(entry.2, *handler as usize, "{name}: initialize stage");
+        let init = if *initialize { *handler as usize } else { 0 };
+        assert_eq!(entry.2, init, "{name}: initialize stage");
         assert_eq!(entry.3, *handler as usize, "{name}: execute stage");
         assert_eq!(entry.4, *traits);
+        let cname = std::ffi::CString::new(*name).unwrap();
+        let asked = unsafe { fused_kernels_xla::fused_kernels_xla_initializes(cname.as_ptr()) };
+        assert_eq!(asked, i32::from(*initialize), "{name}");
     }
+    // XLA calls the initialize stage before every run, replays of a command buffer included:
+    // only the targets with work there (the cuBLAS handle) take it; attention does not.
+    let with_init: Vec<&str> = fused_kernels_xla::TARGETS
+        .iter()
+        .filter(|t| t.3)
+        .map(|t| t.0)
+        .collect();
+    assert_eq!(
+        with_init,
+        [
+            "fused_kernels_mamba_block",
+            "fused_kernels_lstm",
+            "fused_kernels_gru"
+        ]
+    );
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_initializes(c"no_such_target".as_ptr()) },
+        -1
+    );
+    assert_eq!(
+        unsafe { fused_kernels_xla::fused_kernels_xla_initializes(std::ptr::null()) },
+        -1
+    );
     // No API: nothing registered, every target reported refused.
     let n = unsafe {
         fused_kernels_xla::fused_kernels_xla_register(std::ptr::null(), std::ptr::null())
@@ -92,7 +119,7 @@ fn register_hands_every_handler_to_xla() {
 #[test]
 fn handlers_answer_the_metadata_query() {
     let a = api();
-    for (name, handler, traits) in fused_kernels_xla::TARGETS {
+    for (name, handler, traits, _) in fused_kernels_xla::TARGETS {
         let mut f = Frame::new(&a, ffi::STAGE_EXECUTE, &[], &[], &[]);
         let md = f.metadata_query(ffi::METADATA_STRUCT_SIZE + 8);
         let err = unsafe { handler(f.ptr()) };

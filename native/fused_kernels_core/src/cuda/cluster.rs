@@ -118,11 +118,7 @@ pub struct Launch {
 /// stay valid until the kernel has finished (stream order).
 pub unsafe fn launch<A>(gpu: &Gpu, f: &CudaFunction, shape: &Launch, args: &mut A) -> Result<()> {
     gpu.bind()?;
-    // Safety: a plain C struct/union; all-zero is a valid value of every field.
-    let mut pdl: CUlaunchAttribute = std::mem::zeroed();
-    pdl.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    pdl.value.programmaticStreamSerializationAllowed = 1;
-    let mut attrs = [cluster_attr(shape.cluster), pdl];
+    let mut attrs = [cluster_attr(shape.cluster), super::pdl::attribute()];
     let n = if shape.dependent { 2 } else { 1 };
     let cfg = config(gpu, shape.grid, shape.block, shape.smem, &mut attrs[..n]);
     let mut params = [args as *mut A as *mut c_void];

@@ -10,6 +10,7 @@ pub mod cache;
 pub mod cluster;
 pub mod gemm;
 pub mod nvrtc;
+pub mod pdl;
 pub mod smem;
 pub mod timing;
 

@@ -34,6 +34,7 @@
 use super::persist::{FrameArgs, Persist};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
+use crate::cuda::pdl::{self, arg};
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Error, Result};
@@ -43,7 +44,7 @@ use crate::ops::{dense, flash_attention, mamba_block, norm, rnn, selective_scan,
 use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -859,13 +860,18 @@ impl CudaEngine {
                         generation: 0,
                         capturing: false,
                     },
-                    input_dev: if (recurrent && t > 1) || fused || gemv_frame {
+                    // A batch-1 LSTM/GRU window on the cluster path is read by every column
+                    // block of its first projection: copied to the device once instead.
+                    input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
+                        || fused
+                        || gemv_frame
+                    {
                         mapped(&input)
                     } else {
                         None
                     },
                     input,
-                    output_dev: if fused || gemv_frame {
+                    output_dev: if fused || gemv_frame || self.rnn_window_staged(key) {
                         mapped(&output)
                     } else {
                         None
@@ -1077,6 +1083,15 @@ impl CudaEngine {
                     // A frame on the frame kernels (`gemv_frame`): the last launch writes the
                     // mapped output staging itself.
                     (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                    // A batch-1 LSTM/GRU window on the cluster path writes the last row, normed,
+                    // where `predict` reads it.
+                    (Some(o), _)
+                        if state.is_none()
+                            && self
+                                .rnn_window(&xd, o + ((t - 1) * self.spec.hidden * 4) as u64)? =>
+                    {
+                        Ok(())
+                    }
                     _ => self.forward(&xd, state)?.copy_to_pinned(output),
                 }
             })
@@ -1107,6 +1122,36 @@ impl CudaEngine {
             && matches!(self.spec.kind, Kind::Attention | Kind::Jamba)
             && self.frame.is_some()
             && FrameFns::takes(&self.spec, (b, t), true)
+    }
+
+    /// Whether calls of shape `key` are batch-1 LSTM/GRU windows, whose output staging is mapped
+    /// for `rnn_window` to write the last row into.
+    fn rnn_window_staged(&self, (b, _, frame): (usize, usize, bool)) -> bool {
+        !frame && b == 1 && matches!(self.spec.kind, Kind::Lstm | Kind::Gru)
+    }
+
+    /// A batch-1 LSTM/GRU window on the cluster path with every LayerNorm folded in (input norm
+    /// and the norms between layers in the projections, the last layer's norm on its final h);
+    /// the last row goes to `out` (the mapped output staging). False (nothing queued) where the
+    /// cluster path does not take the stack.
+    fn rnn_window(&self, xd: &DeviceTensor, out: u64) -> Result<bool> {
+        let s = &self.spec;
+        let layers = (1..=s.layers)
+            .map(|l| self.rnn_weights(l, Vec::new()))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = |name: &str| -> Result<rnn::NormPtrs> {
+            Ok(rnn::NormPtrs {
+                gamma: ptr(self.dw(&format!("{name}/gamma"))?),
+                beta: ptr(self.dw(&format!("{name}/beta"))?),
+                eps: s.norm_eps as f32,
+            })
+        };
+        let norms = std::iter::once("input_norm".to_string())
+            .chain((1..=s.layers).map(|l| format!("rnn_{l}_norm")))
+            .map(|n| norm(&n))
+            .collect::<Result<Vec<_>>>()?;
+        let tuning = rnn::Tuning::default();
+        rnn::cuda_normed_window_on(&self.gpu, self.cell(), xd, &layers, &norms, out, &tuning)
     }
 
     /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
@@ -1291,6 +1336,23 @@ impl CudaEngine {
         self.spec.kind.cell()
     }
 
+    /// Recurrent layer `l`'s weights (1-based) with `init` as its initial state.
+    fn rnn_weights<'a>(&'a self, l: usize, init: Vec<Operand<'a>>) -> Result<rnn::Layer<'a>> {
+        let cell = self.cell();
+        let group = |g: &str, names: &[&str]| -> Result<Vec<Operand<'_>>> {
+            names
+                .iter()
+                .map(|n| self.w(&format!("rnn_{l}/{g}/{n}")))
+                .collect()
+        };
+        Ok(rnn::Layer {
+            input_kernel: group("input_kernel", cell.input_names())?,
+            hidden_kernel: group("hidden_kernel", cell.hidden_names())?,
+            bias: group("bias", cell.bias_names())?,
+            initial_state: init,
+        })
+    }
+
     /// One recurrent layer; with a stream state its tensors are the initial state and are
     /// replaced by the final one.
     fn rnn_layer(
@@ -1300,22 +1362,11 @@ impl CudaEngine {
         state: Option<&mut Vec<DeviceTensor>>,
     ) -> Result<DeviceTensor> {
         let cell = self.cell();
-        let group = |g: &str, names: &[&str]| -> Result<Vec<Operand<'_>>> {
-            names
-                .iter()
-                .map(|n| self.w(&format!("rnn_{l}/{g}/{n}")))
-                .collect()
-        };
         let init = match &state {
             Some(s) => s.iter().map(Operand::Device).collect(),
             None => Vec::new(),
         };
-        let layer = rnn::Layer {
-            input_kernel: group("input_kernel", cell.input_names())?,
-            hidden_kernel: group("hidden_kernel", cell.hidden_names())?,
-            bias: group("bias", cell.bias_names())?,
-            initial_state: init,
-        };
+        let layer = self.rnn_weights(l, init)?;
         let out = rnn::cuda_on(&self.gpu, cell, x, &[layer], false)?;
         if let Some(s) = state {
             let new = out
@@ -1420,6 +1471,41 @@ impl CudaEngine {
         Ok(reshaped(a, vec![b, t, s.hidden]))
     }
 
+    /// The arguments of an LSTM/GRU frame of `st.batch` rows from `x` to `out` (device
+    /// addresses) with `smem` bytes of dynamic shared memory, for either frame kernel.
+    fn frame_args(
+        &self,
+        rf: &RnnFrame,
+        x: u64,
+        out: u64,
+        st: &CudaState,
+        smem: usize,
+    ) -> Result<FrameArgs> {
+        let table = st
+            .rnn_table
+            .as_ref()
+            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
+        let (b, h) = (st.batch, self.spec.hidden);
+        Ok(FrameArgs {
+            x,
+            in_gamma: rf.input_norm.0,
+            in_beta: rf.input_norm.1,
+            layers: ptr(&rf.table),
+            states: ptr(table),
+            scratch: ptr(&rf.scratch),
+            pair_words: rf.layers * 4 * b * h,
+            eps: self.spec.norm_eps as f32,
+            out,
+            nlayers: rf.layers as i32,
+            batch: b as i32,
+            hidden: h as i32,
+            lstm: (self.spec.kind == Kind::Lstm) as i32,
+            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
+            threads: FRAME_THREADS as u32,
+            smem: smem as u32,
+        })
+    }
+
     /// An LSTM/GRU frame of `st.batch` rows (in the mapped staging `x`, out to the mapped
     /// staging `out`) on the persistent kernel (engine/persist.rs); Ok(false) where it does not
     /// take it (none built, switched off, too much shared memory for this batch, or more
@@ -1437,28 +1523,7 @@ impl CudaEngine {
             p.stop()?;
             return Ok(false);
         }
-        let table = st
-            .rnn_table
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
-        let a = FrameArgs {
-            x,
-            in_gamma: rf.input_norm.0,
-            in_beta: rf.input_norm.1,
-            layers: ptr(&rf.table),
-            states: ptr(table),
-            scratch: ptr(&rf.scratch),
-            pair_words: rf.layers * 4 * b * h,
-            eps: self.spec.norm_eps as f32,
-            out,
-            nlayers: rf.layers as i32,
-            batch: b as i32,
-            hidden: h as i32,
-            lstm: (self.spec.kind == Kind::Lstm) as i32,
-            grid: (rf.layers * h.div_ceil(FRAME_UNITS)) as u32,
-            threads: FRAME_THREADS as u32,
-            smem: smem as u32,
-        };
+        let a = self.frame_args(rf, x, out, st, smem)?;
         p.frame(st.id, &a)
     }
 
@@ -1472,10 +1537,7 @@ impl CudaEngine {
         let mut p = p
             .lock()
             .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        p.enabled = on;
-        if !on {
-            p.stop()?;
-        }
+        p.set_enabled(on)?;
         Ok(true)
     }
 
@@ -1496,46 +1558,17 @@ impl CudaEngine {
     /// hidden}` written to `out` (likewise). The arguments are passed from the stack: nothing
     /// is allocated.
     fn rnn_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<()> {
-        let s = &self.spec;
-        let table = st
-            .rnn_table
-            .as_ref()
-            .ok_or_else(|| Error::Cuda("the state has no frame table".into()))?;
-        let (b, h) = (st.batch, s.hidden);
-        let (mut x, mut out) = (x, out);
-        let (mut ig, mut ib) = rf.input_norm;
-        let (mut lt, mut stt) = (ptr(&rf.table), ptr(table));
-        let (mut sc, mut sy) = (ptr(&rf.scratch), ptr(&rf.sync));
-        let mut eps = s.norm_eps as f32;
-        let (mut nl, mut bi, mut hi) = (rf.layers as i32, b as i32, h as i32);
-        let mut li = (s.kind == Kind::Lstm) as i32;
-        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
-            v as *mut T as *mut std::ffi::c_void
-        }
-        let mut params = [
-            arg(&mut x),
-            arg(&mut ig),
-            arg(&mut ib),
-            arg(&mut lt),
-            arg(&mut stt),
-            arg(&mut sc),
-            arg(&mut eps),
-            arg(&mut out),
-            arg(&mut sy),
-            arg(&mut nl),
-            arg(&mut bi),
-            arg(&mut hi),
-            arg(&mut li),
-        ];
-        let grid = (rf.layers * h.div_ceil(FRAME_UNITS)) as u32;
-        let smem = RnnFrame::smem(b, rf.widest, h) as u32;
+        let smem = RnnFrame::smem(st.batch, rf.widest, self.spec.hidden);
+        let a = self.frame_args(rf, x, out, st, smem)?;
+        let mut shared = a.params(ptr(&rf.sync));
+        let mut params = shared.ptrs();
         // Looked up per launch (launches are eager or captured, not replayed): on a cold cache
         // the kernel's quick build serves until its full build lands (`Gpu::function`).
         let f = self.gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32")?;
-        if smem as usize > FRAME_SMEM {
+        if smem > FRAME_SMEM {
             // Once per function handle (the full build's is a new one); `takes` kept `smem`
             // within what the load allowed.
-            crate::cuda::smem::allow_dynamic_smem(&f, smem as usize)?;
+            crate::cuda::smem::allow_dynamic_smem(&f, smem)?;
         }
         // Safety: the kernel's parameters in order, each a live local of the right type;
         // every address is a weight, table, scratch or state tensor of this engine or the
@@ -1543,14 +1576,32 @@ impl CudaEngine {
         unsafe {
             cudarc::driver::result::launch_kernel(
                 f.cu_function(),
-                (grid, 1, 1),
-                (FRAME_THREADS as u32, 1, 1),
-                smem,
+                (a.grid, 1, 1),
+                (a.threads, 1, 1),
+                a.smem,
                 self.gpu.stream.cu_stream(),
                 &mut params,
             )
         }?;
         Ok(())
+    }
+
+    /// A frame kernel on the engine's stream, dependent on the launch before it where the
+    /// GPU routes as sm_90+ (`pdl`).
+    ///
+    /// # Safety
+    /// As `pdl::launch`.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        shape: ((u32, u32, u32), u32, u32),
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        // Launches of one row block only (frames): a window's GEMVs (8 row blocks of 60 rows)
+        // measured no faster dependent (H100: attention window 76.6-78.6 µs against
+        // 74.7-77.7, Jamba window 248.8-255.4 against 248.6-255.5).
+        let dependent = pdl::supported(&self.gpu) && shape.0 .1 == 1;
+        pdl::launch(&self.gpu.stream, f, shape, params, dependent)
     }
 
     /// `engine_gemv_f32` over the `{b, t}` rows of `x` (`k` wide): `act(LN?(x) ·
@@ -1593,44 +1644,46 @@ impl CudaEngine {
         let w = ptr(self.dw(&format!("{name}/kernel"))?);
         let bias = ptr(self.dw(&format!("{name}/bias"))?);
         let (xg, xb) = x.norm.unwrap_or((0, 0));
-        let rp = res.map_or(0, |r| r.ptr);
-        let (rg, rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
-        let op = ptr(&out);
-        let (ri, ki, ni) = (rows as i32, k as i32, n as i32);
-        let code = act.code();
+        let (mut xp, mut xg, mut xb) = (x.ptr, xg, xb);
+        let (mut w, mut bias) = (w, bias);
+        let mut rp = res.map_or(0, |r| r.ptr);
+        let (mut rg, mut rb) = res.and_then(|r| r.norm).unwrap_or((0, 0));
+        let mut op = ptr(&out);
+        let (mut ri, mut ki, mut ni) = (rows as i32, k as i32, n as i32);
+        let (mut eps, mut code) = (eps, act.code());
         let c = conv.unwrap_or_default();
-        let mut l = self.gpu.stream.launch_builder(&ff.gemv);
-        l.arg(&x.ptr)
-            .arg(&xg)
-            .arg(&xb)
-            .arg(&w)
-            .arg(&bias)
-            .arg(&rp)
-            .arg(&rg)
-            .arg(&rb)
-            .arg(&op)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&ni)
-            .arg(&eps)
-            .arg(&code)
-            .arg(&c.w)
-            .arg(&c.b)
-            .arg(&c.state)
-            .arg(&c.xc)
-            .arg(&c.k);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                n.div_ceil(GEMV_COLS) as u32,
-                rows.div_ceil(FRAME_MAX_BATCH) as u32,
-                1,
-            ),
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: (4 * rows.min(FRAME_MAX_BATCH) * k) as u32,
-        };
-        // Safety: the kernel's parameters in order; every address is a weight or an arena
-        // buffer of this engine, alive in its stream's order.
-        unsafe { l.launch(cfg) }?;
+        let (mut cw, mut cb, mut cs, mut cx, mut ck) = (c.w, c.b, c.state, c.xc, c.k);
+        let mut params = [
+            arg(&mut xp),
+            arg(&mut xg),
+            arg(&mut xb),
+            arg(&mut w),
+            arg(&mut bias),
+            arg(&mut rp),
+            arg(&mut rg),
+            arg(&mut rb),
+            arg(&mut op),
+            arg(&mut ri),
+            arg(&mut ki),
+            arg(&mut ni),
+            arg(&mut eps),
+            arg(&mut code),
+            arg(&mut cw),
+            arg(&mut cb),
+            arg(&mut cs),
+            arg(&mut cx),
+            arg(&mut ck),
+        ];
+        let grid = (
+            n.div_ceil(GEMV_COLS) as u32,
+            rows.div_ceil(FRAME_MAX_BATCH) as u32,
+            1,
+        );
+        let smem = (4 * rows.min(FRAME_MAX_BATCH) * k) as u32;
+        // Safety: the kernel's parameters in order, each a live local of its type; every
+        // address is a weight or an arena buffer of this engine, alive in its stream's order;
+        // the kernel waits for the launch before it ahead of reading its rows.
+        unsafe { self.launch(&ff.gemv, (grid, 512, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1648,34 +1701,32 @@ impl CudaEngine {
         let s = &self.spec;
         let b = st.batch;
         let out = self.buf(vec![b, 1, s.hidden])?;
-        let (q, kc, vc, op) = (
+        let (mut q, mut kc, mut vc, mut op) = (
             ptr(qkv),
             ptr(&st.layers[l][0]),
             ptr(&st.layers[l][1]),
             ptr(&out),
         );
-        let (heads, d, w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
-        let qn = qk_norm as i32;
-        let scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let mut launch = self.gpu.stream.launch_builder(ff.attn()?);
-        launch
-            .arg(&q)
-            .arg(&kc)
-            .arg(&vc)
-            .arg(&op)
-            .arg(&heads)
-            .arg(&d)
-            .arg(&w)
-            .arg(&valid_at)
-            .arg(&qn)
-            .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (s.heads as u32, b as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: FrameFns::attn_smem(s) as u32,
-        };
+        let (mut heads, mut d, mut w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
+        let mut valid_at = valid_at;
+        let mut qn = qk_norm as i32;
+        let mut scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+        let mut params = [
+            arg(&mut q),
+            arg(&mut kc),
+            arg(&mut vc),
+            arg(&mut op),
+            arg(&mut heads),
+            arg(&mut d),
+            arg(&mut w),
+            arg(&mut valid_at),
+            arg(&mut qn),
+            arg(&mut scale),
+        ];
+        let grid = (s.heads as u32, b as u32, 1);
+        let smem = FrameFns::attn_smem(s) as u32;
         // Safety: as in `gemv`; the caches are the state's own tensors.
-        unsafe { launch.launch(cfg) }?;
+        unsafe { self.launch(ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1790,7 +1841,7 @@ impl CudaEngine {
         let y = self.buf(vec![b, inner])?;
         {
             let d = self.dw(&p("ssm/d")).map_or(0, ptr);
-            let (pxz, pxc, pbcr, wdt, bdt, a, py) = (
+            let (mut pxz, mut pxc, mut pbcr, mut wdt, mut bdt, mut a, mut py) = (
                 ptr(&xz),
                 ptr(&xc),
                 ptr(&bcr),
@@ -1799,34 +1850,32 @@ impl CudaEngine {
                 wp("ssm/a")?,
                 ptr(&y),
             );
-            let (dt_min, dt_max) = (0.001f32, 0.1f32);
+            let (mut d, mut cst, mut sst) = (d, conv_state, ssm_state);
+            let (mut bi, mut ii, mut ni, mut ri, mut ki) = (bi, ii, ni, ri, ki);
+            let (mut dt_min, mut dt_max) = (0.001f32, 0.1f32);
+            let mut params = [
+                arg(&mut pxz),
+                arg(&mut pxc),
+                arg(&mut pbcr),
+                arg(&mut wdt),
+                arg(&mut bdt),
+                arg(&mut a),
+                arg(&mut d),
+                arg(&mut cst),
+                arg(&mut sst),
+                arg(&mut py),
+                arg(&mut bi),
+                arg(&mut ii),
+                arg(&mut ni),
+                arg(&mut ri),
+                arg(&mut ki),
+                arg(&mut dt_min),
+                arg(&mut dt_max),
+            ];
             // One warp per (batch row, channel), 8 to a block.
-            let warps = LaunchConfig {
-                grid_dim: ((b * inner).div_ceil(8) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = self.gpu.stream.launch_builder(ff.mamba()?);
-            launch
-                .arg(&pxz)
-                .arg(&pxc)
-                .arg(&pbcr)
-                .arg(&wdt)
-                .arg(&bdt)
-                .arg(&a)
-                .arg(&d)
-                .arg(&conv_state)
-                .arg(&ssm_state)
-                .arg(&py)
-                .arg(&bi)
-                .arg(&ii)
-                .arg(&ni)
-                .arg(&ri)
-                .arg(&ki)
-                .arg(&dt_min)
-                .arg(&dt_max);
-            // Safety: as above.
-            unsafe { launch.launch(warps) }?;
+            let grid = ((b * inner).div_ceil(8) as u32, 1, 1);
+            // Safety: as in `gemv`.
+            unsafe { self.launch(ff.mamba()?, (grid, 256, 0), &mut params) }?;
         }
         let yr = Rows {
             ptr: ptr(&y),

@@ -17,6 +17,7 @@
 
 use crate::cuda::buffer::PinnedBytes;
 use crate::cuda::gemm::ptr;
+use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
@@ -57,6 +58,14 @@ const MAX_RUN: u32 = 1 << 22;
 /// `FRAME_TIMEOUT` is an error).
 static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
 
+/// Engines per device (index: ordinal) alive in this process with the persistent path switched
+/// on. The path is taken only while there is one: with several engines in one process (several
+/// policies, each its own BEAM process) the kernels measured far worse than graph frames (H100,
+/// `bench/backbone_concurrency.exs`: 1-layer GRU frames, 4 processes 16,000 frames/s against
+/// 47,000 for one, p99 0.45 ms; 8 processes p99 20 ms, a launch waiting out another kernel's
+/// idle time-out), so they all take the graph path, whose frames scale (3.6x at 4).
+static ENABLED_ENGINES: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+
 /// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
 /// for both frames and stop: the kernel's poller reads one word over the bus per look.
 const POSTED: usize = 0;
@@ -94,6 +103,66 @@ pub struct FrameArgs {
     pub smem: u32,
 }
 
+/// The parameters `engine_rnn_frame_f32` and `engine_rnn_persist_f32` both begin with, in the
+/// kernels' order, as locals a launch can point at.
+pub struct FrameParams {
+    x: u64,
+    in_gamma: u64,
+    in_beta: u64,
+    layers: u64,
+    states: u64,
+    scratch: u64,
+    eps: f32,
+    out: u64,
+    sync: u64,
+    nlayers: i32,
+    batch: i32,
+    hidden: i32,
+    lstm: i32,
+}
+
+impl FrameParams {
+    /// Pointers to the parameters in order, for a launch's `params` (valid while `self` is).
+    pub fn ptrs(&mut self) -> [*mut std::ffi::c_void; 13] {
+        [
+            arg(&mut self.x),
+            arg(&mut self.in_gamma),
+            arg(&mut self.in_beta),
+            arg(&mut self.layers),
+            arg(&mut self.states),
+            arg(&mut self.scratch),
+            arg(&mut self.eps),
+            arg(&mut self.out),
+            arg(&mut self.sync),
+            arg(&mut self.nlayers),
+            arg(&mut self.batch),
+            arg(&mut self.hidden),
+            arg(&mut self.lstm),
+        ]
+    }
+}
+
+impl FrameArgs {
+    /// The shared parameters, with `sync` the launch's block counters.
+    pub fn params(&self, sync: u64) -> FrameParams {
+        FrameParams {
+            x: self.x,
+            in_gamma: self.in_gamma,
+            in_beta: self.in_beta,
+            layers: self.layers,
+            states: self.states,
+            scratch: self.scratch,
+            eps: self.eps,
+            out: self.out,
+            sync,
+            nlayers: self.nlayers,
+            batch: self.batch,
+            hidden: self.hidden,
+            lstm: self.lstm,
+        }
+    }
+}
+
 pub struct Persist {
     gpu: Arc<Gpu>,
     f: CudaFunction,
@@ -111,8 +180,9 @@ pub struct Persist {
     last: Instant,
     /// Why the persistent path may no longer be used (a kernel that did not answer).
     broken: Option<String>,
-    /// Frame paths may be switched off (benches compare against the graph path).
-    pub enabled: bool,
+    /// Frame paths may be switched off (benches compare against the graph path): see
+    /// `set_enabled`, which keeps `ENABLED_ENGINES` in step.
+    enabled: bool,
     /// Blocks of persistent launches the device may run at once (see `RUNNING_BLOCKS`).
     budget: u32,
     /// Blocks this engine holds of `RUNNING_BLOCKS` (0 when not running).
@@ -150,6 +220,9 @@ impl Persist {
         let sync_words = layers + 2;
         let mut sync = DeviceTensor::uninit_owned(gpu, vec![sync_words], crate::dtype::DType::F32)?;
         sync.fill_bytes(0)?;
+        if let Some(c) = ENABLED_ENGINES.get(gpu.ordinal) {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(Persist {
             gpu: gpu.clone(),
             f,
@@ -168,6 +241,32 @@ impl Persist {
             frames: 0,
             launches: 0,
         })
+    }
+
+    /// Switches the persistent path on or off (off: a running kernel is stopped).
+    pub fn set_enabled(&mut self, on: bool) -> Result<()> {
+        if on != self.enabled {
+            if let Some(c) = ENABLED_ENGINES.get(self.gpu.ordinal) {
+                if on {
+                    c.fetch_add(1, Ordering::AcqRel);
+                } else {
+                    c.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            self.enabled = on;
+        }
+        if on {
+            Ok(())
+        } else {
+            self.stop()
+        }
+    }
+
+    /// Whether another engine of this process on the device has the path switched on.
+    fn shared_device(&self) -> bool {
+        ENABLED_ENGINES
+            .get(self.gpu.ordinal)
+            .is_some_and(|c| c.load(Ordering::Acquire) > 1)
     }
 
     fn counter(&self) -> Option<&'static AtomicU32> {
@@ -260,33 +359,11 @@ impl Persist {
                 "persistent frame: clearing its words: {r:?} {r2:?}"
             )));
         }
-        let (mut x, mut ig, mut ib, mut lt, mut stt, mut sc, mut eps, mut out) = (
-            a.x, a.in_gamma, a.in_beta, a.layers, a.states, a.scratch, a.eps, a.out,
-        );
-        let (mut sy, mut nl, mut bi, mut hi, mut li) =
-            (ptr(&self.sync), a.nlayers, a.batch, a.hidden, a.lstm);
+        let mut shared = a.params(ptr(&self.sync));
         let (mut mb, mut base, mut idle) = (self.mbox_dev, self.seq, IDLE.as_nanos() as u64);
-        fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
-            v as *mut T as *mut std::ffi::c_void
-        }
-        let mut params = [
-            arg(&mut x),
-            arg(&mut ig),
-            arg(&mut ib),
-            arg(&mut lt),
-            arg(&mut stt),
-            arg(&mut sc),
-            arg(&mut eps),
-            arg(&mut out),
-            arg(&mut sy),
-            arg(&mut nl),
-            arg(&mut bi),
-            arg(&mut hi),
-            arg(&mut li),
-            arg(&mut mb),
-            arg(&mut base),
-            arg(&mut idle),
-        ];
+        let mut params = [std::ptr::null_mut(); 16];
+        params[..13].copy_from_slice(&shared.ptrs());
+        params[13..].copy_from_slice(&[arg(&mut mb), arg(&mut base), arg(&mut idle)]);
         // Safety: the kernel's parameters in order, each a live local of the right type; every
         // address is the engine's (weights, tables, scratch), the state's or the shape's
         // staging, alive until the kernel is stopped (the engine stops it before any of them
@@ -320,7 +397,7 @@ impl Persist {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
-        if !self.enabled {
+        if !self.enabled || self.shared_device() {
             self.stop()?;
             return Ok(false);
         }
@@ -404,6 +481,6 @@ impl Persist {
 
 impl Drop for Persist {
     fn drop(&mut self) {
-        let _ = self.stop();
+        let _ = self.set_enabled(false);
     }
 }

@@ -20,7 +20,7 @@ use super::Backend;
 
 pub const MAX_HEAD_DIM: usize = 256;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Layout {
     /// `{batch, seq, heads, head_dim}` (FlashAttention's).
     Bshd,
@@ -88,7 +88,7 @@ impl Params {
 }
 
 /// The problem's sizes, read from and checked against q, k and v.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Geometry {
     pub batch: usize,
     pub heads: usize,
@@ -1564,13 +1564,7 @@ pub fn launch_on(
     p: Params,
     plan: &Plan,
 ) -> Result<()> {
-    let views = Views {
-        q: g.q_strides(),
-        k: g.k_strides(),
-        o: g.q_strides(),
-        qk_norm: false,
-    };
-    launch_strided(stream, f, g, addrs, p, plan, views)
+    prepare(g, p, plan)?.run(stream, f, addrs)
 }
 
 /// How a launch addresses its operands when they are views into wider rows (element (b, s, h,
@@ -1590,11 +1584,35 @@ pub fn launch_strided(
     stream: &CudaStream,
     f: &CudaFunction,
     g: &Geometry,
-    (q, k, v, out, lse): (u64, u64, u64, u64, u64),
+    addrs: (u64, u64, u64, u64, u64),
     p: Params,
     plan: &Plan,
     views: Views,
 ) -> Result<()> {
+    prepare_strided(g, p, plan, views)?.run(stream, f, addrs)
+}
+
+/// A launch with everything but the operands' addresses worked out: its grid and the kernel's
+/// argument block. Callers that launch one shape many times (the XLA handler) keep it.
+#[derive(Clone, Copy, Debug)]
+pub struct Launch {
+    cfg: LaunchConfig,
+    args: FaArgs,
+}
+
+/// The launch of `plan` for `g` and `p` on operands laid out as `g` says (`launch_on`'s).
+pub fn prepare(g: &Geometry, p: Params, plan: &Plan) -> Result<Launch> {
+    let views = Views {
+        q: g.q_strides(),
+        k: g.k_strides(),
+        o: g.q_strides(),
+        qk_norm: false,
+    };
+    prepare_strided(g, p, plan, views)
+}
+
+/// The launch of `plan` for `g`, `p` and `views` (checked: block count, the QK norm's kernel).
+pub fn prepare_strided(g: &Geometry, p: Params, plan: &Plan, views: Views) -> Result<Launch> {
     if views.qk_norm && !plan.function.starts_with("fa_short_") {
         return Err(Error::Cuda(format!(
             "{}: the QK norm is served by the short-sequence kernel only",
@@ -1644,18 +1662,31 @@ pub fn launch_strided(
         block_dim: (128, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
-    let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&q)
-        .arg(&k)
-        .arg(&v)
-        .arg(&out)
-        .arg(&lse)
-        .arg(&args);
-    // Safety: the kernel's parameters in order (five device pointers, then the by-value
-    // argument struct); the addresses are the caller's, alive in `stream` order.
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
+    Ok(Launch { cfg, args })
+}
+
+impl Launch {
+    /// Launches kernel `f` (the function of the plan this was prepared for) on `stream` with
+    /// raw addresses `(q, k, v, out, lse)`.
+    pub fn run(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        (q, k, v, out, lse): (u64, u64, u64, u64, u64),
+    ) -> Result<()> {
+        let mut launch = stream.launch_builder(f);
+        launch
+            .arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&out)
+            .arg(&lse)
+            .arg(&self.args);
+        // Safety: the kernel's parameters in order (five device pointers, then the by-value
+        // argument struct); the addresses are the caller's, alive in `stream` order.
+        unsafe { launch.launch(self.cfg) }?;
+        Ok(())
+    }
 }
 
 /// Runs on `backend`; returns (out, lse), lse only when asked.

@@ -185,3 +185,43 @@ pub fn to_params(named: &Named) -> Params {
     }
     p
 }
+
+/// The CPU engine and the GPU engine of `s`, both with the params of `seed`.
+pub fn engines(
+    s: &Spec,
+    seed: u64,
+) -> (
+    fused_kernels_core::engine::Engine,
+    fused_kernels_core::engine::cuda::CudaEngine,
+) {
+    use fused_kernels_core::engine::{cuda::CudaEngine, plan::Plan, Engine};
+    let named = random_params(s, seed);
+    let cpu = Engine::new(Plan::build(s.clone(), to_params(&named)).unwrap());
+    let gpu = CudaEngine::new(s.clone(), to_params(&named), None).unwrap();
+    (cpu, gpu)
+}
+
+/// The CPU engine's window output for `b` rows of `t` frames (NaN-poisoned before the call).
+pub fn cpu_predict(
+    e: &fused_kernels_core::engine::Engine,
+    x: &[f32],
+    b: usize,
+    t: usize,
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.hidden()];
+    e.predict(b, t, |buf| buf.copy_from_slice(x), &mut out)
+        .unwrap();
+    out
+}
+
+/// The GPU engine's window output for `b` rows of `t` frames (NaN-poisoned before the call).
+pub fn gpu_predict(
+    e: &fused_kernels_core::engine::cuda::CudaEngine,
+    x: &[f32],
+    b: usize,
+    t: usize,
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; b * e.spec.hidden];
+    e.predict(b, t, x, &mut out).unwrap();
+    out
+}

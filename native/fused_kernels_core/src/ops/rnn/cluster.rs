@@ -8,6 +8,11 @@
 //! not fit shared memory alone may keep part of its recurrent weights in registers
 //! (`group_regs`: an f32 H256 layer on clusters of 8 CTAs with 99 KB each, an RTX 50's).
 //! Layers that do not fit either way (f32 H512 LSTM, say) use the other paths.
+//!
+//! `run_normed` runs a batch-1 f32 stack with LayerNorms between its layers (the engine's
+//! windows) with every norm folded in: two layers as one pipe launch (layer 0, a projection
+//! stage, layer 1 on three clusters, `pipe_group`), else a projection and a recurrence per
+//! layer.
 
 use super::common::{cell_name, smem_limit, state_buffers, state_ptrs, type_name, Cell};
 use crate::cuda::cluster as cl;
@@ -18,7 +23,7 @@ use crate::error::Result;
 use crate::kernels::RNN_CLUSTER;
 use crate::operand::Staged;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::CudaFunction;
 use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -72,6 +77,10 @@ pub struct Group {
     pub split: bool,
     pub xin_off: usize,
     pub xin_len: usize,
+    /// Two layers and a projection stage between them on three clusters (`pipe_group`); the
+    /// second layer's input projection slots at `gxs_off`.
+    pub pipe: bool,
+    pub gxs_off: usize,
     pub smem_bytes: usize,
     /// 4-vectors per warp range of the first layer's recurrent weights kept in registers (0,
     /// or `REGS`: the `_regs` kernel; those vectors are left out of `wh_off`'s layout).
@@ -171,18 +180,32 @@ pub fn group(
         }
     }
     let groups: usize = layers.iter().map(|l| l.per_cta / GROUP).sum();
-    Some(Group {
+    Some(one_cluster(ctas, layers, at, 2 * groups <= THREADS / 32, 0))
+}
+
+/// A group whose layers share one cluster (not split), their buffers ending at `at`, the
+/// mbarriers and partner sums after them.
+fn one_cluster(
+    ctas: usize,
+    layers: Vec<LayerLayout>,
+    at: usize,
+    partners: bool,
+    regs: usize,
+) -> Group {
+    Group {
         ctas,
         layers,
         bar_off: at,
         pp_off: at + BARS,
-        partners: 2 * groups <= THREADS / 32,
+        partners,
         split: false,
         xin_off: 0,
         xin_len: 0,
-        smem_bytes: at + TAIL,
-        regs: 0,
-    })
+        pipe: false,
+        gxs_off: 0,
+        smem_bytes: at + BARS + PARTNER_SUMS,
+        regs,
+    }
 }
 
 /// The one-layer group of layer `first` with `REGS` 4-vectors of each warp's range of its
@@ -217,18 +240,7 @@ pub fn group_regs(
     if at + TAIL > smem_limit {
         return None;
     }
-    Some(Group {
-        ctas,
-        layers: vec![l0],
-        bar_off: at,
-        pp_off: at + BARS,
-        partners,
-        split: false,
-        xin_off: 0,
-        xin_len: 0,
-        smem_bytes: at + TAIL,
-        regs: REGS,
-    })
+    Some(one_cluster(ctas, vec![l0], at, partners, REGS))
 }
 
 /// The split group starting at layer `first`: consecutive layers (2 to `MAX_LAYERS`), each on
@@ -275,8 +287,63 @@ pub fn split_group(
         split: true,
         xin_off,
         xin_len,
+        pipe: false,
+        gxs_off: 0,
         smem_bytes: xin_off + (THREADS / 64) * xin_len * 4,
         layers,
+        regs: 0,
+    })
+}
+
+/// The pipe group of the two layers `hidden` (`[h0, h1]`) on clusters of `ctas` CTAs: layer 0,
+/// the projection stage (`rc_pipe_mid`: LayerNorm of layer 0's output and layer 1's input dot,
+/// W_in1's slice in shared memory as f32) and layer 1, each on its own cluster, layer 1 reading
+/// its input projection like a first layer. Needs h0 <= 256 (the stage holds a row in 8
+/// registers per lane), at most 128 projection values per CTA of layer 1 (its feeder warp's 4
+/// registers per lane) and warps W - 3 and W - 2 free of unit groups there (its feeders).
+/// None otherwise.
+pub fn pipe_group(
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    ctas: usize,
+    smem_limit: usize,
+) -> Option<Group> {
+    let [h0, h1] = *hidden else {
+        return None;
+    };
+    let (mut end0, mut end1) = (0, 0);
+    let l0 = layout(cell, dtype, 0, h0, ctas, 0, &mut end0)?;
+    let l1 = layout(cell, dtype, 0, h1, ctas, 0, &mut end1)?;
+    let gu = cell.gates() * l1.per_cta;
+    let warps = THREADS / 32;
+    if h0 > 256
+        || gu > 128
+        || 2 * (l1.per_cta / GROUP) > warps - 3
+        || 2 * (l0.per_cta / GROUP) > warps
+    {
+        return None;
+    }
+    let gxs_off = end1;
+    end1 += align16(2 * gu * 4);
+    let mid = gu * h0.div_ceil(32) * 32 * 4;
+    let end = end0.max(end1).max(mid);
+    let smem_bytes = end + BARS + PARTNER_SUMS;
+    if smem_bytes > smem_limit {
+        return None;
+    }
+    Some(Group {
+        ctas,
+        layers: vec![l0, l1],
+        bar_off: end,
+        pp_off: end + BARS,
+        partners: true,
+        split: true,
+        xin_off: 0,
+        xin_len: 0,
+        pipe: true,
+        gxs_off,
+        smem_bytes,
         regs: 0,
     })
 }
@@ -286,8 +353,8 @@ pub fn split_group(
 /// stacks), at H512 (32 units per CTA, one layer per launch) it is 5-20% slower.
 pub const DEFAULT_MAX_UNITS: usize = 256;
 
-/// Whether this device runs the clusters of split group `grp` side by side (needed for the
-/// split to pay: its layers wait on each other). Asked once per kernel and shape.
+/// Whether this device runs the clusters of split (or pipe) group `grp` side by side (needed
+/// for the split to pay: its layers wait on each other). Asked once per kernel and shape.
 pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bool> {
     type Key = (usize, String, usize, usize, usize);
     static FITS: Lazy<Mutex<HashMap<Key, bool>>> = Lazy::new(Default::default);
@@ -297,7 +364,7 @@ pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bo
         name.clone(),
         grp.smem_bytes,
         grp.ctas,
-        grp.layers.len(),
+        clusters_of(grp) as usize,
     );
     if let Some(&v) = FITS.lock().ok().as_ref().and_then(|m| m.get(&key)) {
         return Ok(v);
@@ -305,12 +372,21 @@ pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bo
     let f = gpu.function(&RNN_CLUSTER, &name)?;
     let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
     cl::prepare(&f, smem, ctas)?;
-    let fits =
-        cl::max_active_clusters(gpu, &f, THREADS as u32, smem, ctas)? as usize >= grp.layers.len();
+    let fits = cl::max_active_clusters(gpu, &f, THREADS as u32, smem, ctas)? as usize
+        >= clusters_of(grp) as usize;
     if let Ok(mut m) = FITS.lock() {
         m.insert(key, fits);
     }
     Ok(fits)
+}
+
+/// Clusters a launch of `grp` takes: one per layer (split), plus the projection stage (pipe).
+fn clusters_of(grp: &Group) -> u32 {
+    match (grp.split, grp.pipe) {
+        (_, true) => 3,
+        (true, false) => grp.layers.len() as u32,
+        (false, false) => 1,
+    }
 }
 
 /// Whether `path: None` runs `grp` on the cluster path.
@@ -415,10 +491,20 @@ struct RcArgs {
     xin_len: i32,
     sync: CUdeviceptr,
     prof: CUdeviceptr,
+    pipe: i32,
+    gxs_off: i32,
+    gx: CUdeviceptr,
+    mg: CUdeviceptr,
+    mb: CUdeviceptr,
+    og: CUdeviceptr,
+    ob: CUdeviceptr,
+    out: CUdeviceptr,
+    meps: f32,
+    oeps: f32,
 }
 
 const _: () = assert!(std::mem::size_of::<RcLayer>() == 184);
-const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16);
+const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16 + 8 + 48 + 8);
 
 /// `RcProj` in rnn_cluster.cu.
 #[repr(C)]
@@ -428,20 +514,47 @@ struct RcProj {
     w: [CUdeviceptr; 4],
     xp: CUdeviceptr,
     sync: CUdeviceptr,
+    gamma: CUdeviceptr,
+    beta: CUdeviceptr,
+    eps: f32,
+    zero: i32,
     t: i32,
     k: i32,
     h: i32,
     g: i32,
 }
+const _: () = assert!(std::mem::size_of::<RcProj>() == 9 * 8 + 6 * 4);
 // Safety: plain old data laid out exactly like the CUDA struct.
 unsafe impl cudarc::driver::DeviceRepr for RcProj {}
 
-/// Tile of `rnn_cluster_project` (`RC_PM` x `RC_PN`, `RC_PT` threads).
-const PROJ_TILE: usize = 32;
+/// Words per step count in the recurrence's `sync` buffer (`RC_COUNT_STRIDE`).
+const COUNT_STRIDE: usize = 32;
+
+/// Tile of `rnn_cluster_project` (`RC_PM` rows x `RC_PN` columns, `RC_PT` threads).
+const PROJ_ROWS: usize = 8;
+const PROJ_COLS: usize = 32;
 const PROJ_THREADS: u32 = 128;
 
-/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added);
-/// also zeroes the split recurrence's counters `sync` (4 words) when given.
+/// A LayerNorm's device parameters (f32 gamma and beta `{features}`) and epsilon.
+#[derive(Clone, Copy, Debug)]
+pub struct NormPtrs {
+    pub gamma: CUdeviceptr,
+    pub beta: CUdeviceptr,
+    pub eps: f32,
+}
+
+/// What a projection launch does besides `xp = x . W_in`: LayerNorm x's rows first, zero the
+/// first `zero` words of `sync`, wait for the kernel before it (PDL) only once its weights are
+/// loaded.
+#[derive(Clone, Copy, Default)]
+struct ProjExtras {
+    norm: Option<NormPtrs>,
+    sync: CUdeviceptr,
+    zero: usize,
+    dependent: bool,
+}
+
+/// `xp` {T, G*H} f32 = x {T, K} . [W_0 | ... ] for every gate in one launch (bias not added).
 #[allow(clippy::too_many_arguments)]
 fn project(
     gpu: &Gpu,
@@ -452,17 +565,22 @@ fn project(
     k: usize,
     h: usize,
     xp: &DeviceTensor,
-    sync: CUdeviceptr,
+    extras: ProjExtras,
 ) -> Result<()> {
     let (tname, _) = type_name(dtype)?;
     let f = gpu.function(
         &RNN_CLUSTER,
         &crate::kernels::kernel_name("rnn_cluster_project", &[&tname]),
     )?;
+    let norm = extras.norm;
     let mut a = RcProj {
         x: ptr(x),
         xp: ptr(xp),
-        sync,
+        sync: extras.sync,
+        gamma: norm.map_or(0, |n| n.gamma),
+        beta: norm.map_or(0, |n| n.beta),
+        eps: norm.map_or(0.0, |n| n.eps),
+        zero: extras.zero as i32,
         t: seq as i32,
         k: k as i32,
         h: h as i32,
@@ -472,19 +590,17 @@ fn project(
     for (d, w) in a.w.iter_mut().zip(wi) {
         *d = ptr(w);
     }
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (
-            seq.div_ceil(PROJ_TILE) as u32,
-            (wi.len() * h).div_ceil(PROJ_TILE) as u32,
-            1,
-        ),
-        block_dim: (PROJ_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    let blocks = seq.div_ceil(PROJ_ROWS) * (wi.len() * h).div_ceil(PROJ_COLS);
+    let shape = cl::Launch {
+        grid: u32::try_from(blocks)
+            .map_err(|_| crate::error::arg_error("x: too many timesteps for one launch"))?,
+        block: PROJ_THREADS,
+        smem: 0,
+        cluster: 1,
+        dependent: extras.dependent,
     };
-    let mut launch = gpu.stream.launch_builder(&f);
-    launch.arg(&a);
     // Safety: `a` mirrors RcProj; its addresses belong to tensors alive in stream order.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { cl::launch(gpu, &f, &shape, &mut a) }?;
     Ok(())
 }
 
@@ -496,65 +612,25 @@ pub(super) struct LayerParams<'a> {
     pub init: Vec<Staged<'a>>,
 }
 
-/// Runs `grp` (batch 1, `seq` steps) on the first layer's input `x` ({1, T, features}):
-/// the projection launch, then the recurrence; returns each layer's sequence and final states.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run_group(
+/// Fills `a.l` for `grp`'s layers (input kernels on chip for layers with `input > 0`, and always
+/// passed for pipe's layer 1, whose projection stage reads them); returns each layer's sequence
+/// and final states.
+fn fill_layers(
     gpu: &Arc<Gpu>,
     cell: Cell,
     dtype: DType,
     seq: usize,
     grp: &Group,
-    x: &DeviceTensor,
-    features: usize,
     params: &[LayerParams<'_>],
-    reverse: bool,
-    prof: CUdeviceptr,
+    a: &mut RcArgs,
 ) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
-    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype, grp.regs)?)?;
-    let h0 = grp.layers[0].units;
-    let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
-    // Split: the ticket and the per-layer progress counters, zeroed by the projection.
-    let sync = if grp.split {
-        Some(DeviceTensor::uninit(gpu, vec![4], DType::F32)?)
-    } else {
-        None
-    };
-    let sync_ptr = ptr_opt(sync.as_ref());
-    // Queued first, so the device projects while the host sets up the rest of the call.
-    project(
-        gpu,
-        dtype,
-        x,
-        &params[0].wi,
-        seq,
-        features,
-        h0,
-        &xp,
-        sync_ptr,
-    )?;
-    let mut a = RcArgs {
-        xp: ptr(&xp),
-        sync: sync_ptr,
-        layers: grp.layers.len() as i32,
-        t: seq as i32,
-        reverse: reverse as i32,
-        bar_off: grp.bar_off as i32,
-        pp_off: grp.pp_off as i32,
-        partners: grp.partners as i32,
-        split: grp.split as i32,
-        xin_off: grp.xin_off as i32,
-        xin_len: grp.xin_len as i32,
-        prof,
-        ..Default::default()
-    };
     let mut outs = Vec::with_capacity(grp.layers.len());
     for (j, (lay, p)) in grp.layers.iter().zip(params).enumerate() {
         let h = lay.units;
         let sq = DeviceTensor::uninit(gpu, vec![1, seq, h], dtype)?;
         let states = state_buffers(gpu, cell, 1, h, dtype)?;
         let r = &mut a.l[j];
-        if lay.input > 0 {
+        if lay.input > 0 || (grp.pipe && j == 1) {
             for (d, w) in r.wi.iter_mut().zip(&p.wi) {
                 *d = ptr(w);
             }
@@ -585,17 +661,35 @@ pub(super) fn run_group(
         r.bias_off = lay.bias_off as i32;
         outs.push((sq, states));
     }
+    Ok(outs)
+}
+
+fn base_args(grp: &Group, xp: &DeviceTensor, seq: usize, reverse: bool) -> RcArgs {
+    RcArgs {
+        xp: ptr(xp),
+        layers: grp.layers.len() as i32,
+        t: seq as i32,
+        reverse: reverse as i32,
+        bar_off: grp.bar_off as i32,
+        pp_off: grp.pp_off as i32,
+        partners: grp.partners as i32,
+        split: grp.split as i32,
+        xin_off: grp.xin_off as i32,
+        xin_len: grp.xin_len as i32,
+        pipe: grp.pipe as i32,
+        gxs_off: grp.gxs_off as i32,
+        ..Default::default()
+    }
+}
+
+/// Launches the recurrence of `grp` (programmatically dependent on the projection before it).
+fn launch_recurrence(gpu: &Gpu, f: &CudaFunction, grp: &Group, a: &mut RcArgs) -> Result<()> {
     let (smem, ctas) = (grp.smem_bytes as u32, grp.ctas as u32);
-    let clusters = if grp.split {
-        grp.layers.len() as u32
-    } else {
-        1
-    };
-    cl::prepare(&f, smem, ctas)?;
+    cl::prepare(f, smem, ctas)?;
     // Dependent: the kernel waits for the projection (griddepcontrol.wait) only after loading
     // its weights (split: before taking its ticket).
     let shape = cl::Launch {
-        grid: clusters * ctas,
+        grid: clusters_of(grp) * ctas,
         block: THREADS as u32,
         smem,
         cluster: ctas,
@@ -603,7 +697,160 @@ pub(super) fn run_group(
     };
     // Safety: `a` mirrors RcArgs; every address in it belongs to a tensor that outlives the
     // kernel in stream order (outputs returned, inputs borrowed by the caller).
-    unsafe { cl::launch(gpu, &f, &shape, &mut a) }?;
+    unsafe { cl::launch(gpu, f, &shape, a) }
+}
+
+/// Runs `grp` (batch 1, `seq` steps) on the first layer's input `x` ({1, T, features}):
+/// the projection launch, then the recurrence; returns each layer's sequence and final states.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_group(
+    gpu: &Arc<Gpu>,
+    cell: Cell,
+    dtype: DType,
+    seq: usize,
+    grp: &Group,
+    x: &DeviceTensor,
+    features: usize,
+    params: &[LayerParams<'_>],
+    reverse: bool,
+    prof: CUdeviceptr,
+) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
+    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype, grp.regs)?)?;
+    let h0 = grp.layers[0].units;
+    let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
+    // Split: the ticket and each layer's count per step (`rc_counts`), zeroed by the
+    // projection.
+    let words = 4 + grp.layers.len() * seq * COUNT_STRIDE;
+    let sync = if grp.split {
+        Some(DeviceTensor::uninit(gpu, vec![words], DType::F32)?)
+    } else {
+        None
+    };
+    let extras = ProjExtras {
+        sync: ptr_opt(sync.as_ref()),
+        zero: if grp.split { words } else { 0 },
+        ..Default::default()
+    };
+    // Queued first, so the device projects while the host sets up the rest of the call.
+    project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp, extras)?;
+    let mut a = base_args(grp, &xp, seq, reverse);
+    a.sync = extras.sync;
+    a.prof = prof;
+    let outs = fill_layers(gpu, cell, dtype, seq, grp, params, &mut a)?;
+    launch_recurrence(gpu, &f, grp, &mut a)?;
     drop(sync); // freed in stream order, after the kernel
     Ok(outs)
+}
+
+/// How `run_normed` runs a stack: the two layers as one pipe launch, or a launch per layer.
+pub(super) enum NormedPlan {
+    Pipe(Group),
+    Layers(Vec<Group>),
+}
+
+/// The plan for a batch-1 stack of `hidden` on clusters of `ctas` CTAs (two layers as a pipe
+/// launch where `pipe` and the device holds it), or None when a layer does not fit the cluster
+/// path (the caller composes the other paths then).
+pub(super) fn normed_plan(
+    gpu: &Gpu,
+    cell: Cell,
+    dtype: DType,
+    hidden: &[usize],
+    ctas: usize,
+    smem_limit: usize,
+    pipe: bool,
+) -> Result<Option<NormedPlan>> {
+    if let Some(grp) = pipe_group(cell, dtype, hidden, ctas, smem_limit).filter(|_| pipe) {
+        if split_fits(gpu, cell, dtype, &grp)? {
+            return Ok(Some(NormedPlan::Pipe(grp)));
+        }
+    }
+    let per_layer: Option<Vec<Group>> = (0..hidden.len())
+        .map(|l| group(cell, dtype, &hidden[l..=l], 0, ctas, smem_limit))
+        .collect();
+    Ok(per_layer.map(NormedPlan::Layers))
+}
+
+/// A batch-1 stack with LayerNorms folded in: `norms[0]` on `x`'s rows, `norms[l]` on layer
+/// l-1's output before layer l, `norms[L]` on the last layer's final h, written as f32 to
+/// `out` (`{h}`, device or mapped host memory). Every norm is applied where its input is read
+/// (in the projection kernels, the projection stage, the recurrence's last step): no norm
+/// launches. Returns each layer's sequence (un-normed) and final states.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_normed(
+    gpu: &Arc<Gpu>,
+    cell: Cell,
+    dtype: DType,
+    seq: usize,
+    plan: &NormedPlan,
+    x: &DeviceTensor,
+    features: usize,
+    params: &[LayerParams<'_>],
+    norms: &[NormPtrs],
+    out: CUdeviceptr,
+    prof: CUdeviceptr,
+) -> Result<Vec<(DeviceTensor, Vec<DeviceTensor>)>> {
+    // `normed_plan` builds its groups without registers (`group`, `pipe_group`).
+    let f = gpu.function(&RNN_CLUSTER, &kernel_name(cell, dtype, 0)?)?;
+    let last = *norms
+        .last()
+        .ok_or_else(|| crate::error::arg_error("norms: one per layer and one more are needed"))?;
+    let set_out = |a: &mut RcArgs| {
+        (a.og, a.ob, a.oeps, a.out) = (last.gamma, last.beta, last.eps, out);
+    };
+    match plan {
+        NormedPlan::Pipe(grp) => {
+            let (h0, h1) = (grp.layers[0].units, grp.layers[1].units);
+            let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
+            let gx = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h1], DType::F32)?;
+            // The ticket, the stage's flags per CTA and step, each layer's count per step.
+            let words = 4 + grp.ctas * seq + grp.layers.len() * seq * COUNT_STRIDE;
+            let sync = DeviceTensor::uninit(gpu, vec![words], DType::F32)?;
+            let extras = ProjExtras {
+                norm: Some(norms[0]),
+                sync: ptr(&sync),
+                zero: words,
+                dependent: false,
+            };
+            project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp, extras)?;
+            let mut a = base_args(grp, &xp, seq, false);
+            a.sync = ptr(&sync);
+            a.gx = ptr(&gx);
+            (a.mg, a.mb, a.meps) = (norms[1].gamma, norms[1].beta, norms[1].eps);
+            set_out(&mut a);
+            a.prof = prof;
+            let outs = fill_layers(gpu, cell, dtype, seq, grp, params, &mut a)?;
+            launch_recurrence(gpu, &f, grp, &mut a)?;
+            // Freed in stream order, after the kernel.
+            drop((sync, gx, xp));
+            Ok(outs)
+        }
+        NormedPlan::Layers(groups) => {
+            let mut outs: Vec<(DeviceTensor, Vec<DeviceTensor>)> = Vec::new();
+            for (l, grp) in groups.iter().enumerate() {
+                let h = grp.layers[0].units;
+                let (input, k) = match outs.last() {
+                    Some((sq, _)) => (sq, sq.shape[2]),
+                    None => (x, features),
+                };
+                let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h], DType::F32)?;
+                let extras = ProjExtras {
+                    norm: Some(norms[l]),
+                    dependent: l > 0,
+                    ..Default::default()
+                };
+                project(gpu, dtype, input, &params[l].wi, seq, k, h, &xp, extras)?;
+                let mut a = base_args(grp, &xp, seq, false);
+                if l + 1 == groups.len() {
+                    set_out(&mut a);
+                    a.prof = prof;
+                }
+                let o = fill_layers(gpu, cell, dtype, seq, grp, &params[l..=l], &mut a)?;
+                launch_recurrence(gpu, &f, grp, &mut a)?;
+                drop(xp);
+                outs.extend(o);
+            }
+            Ok(outs)
+        }
+    }
 }

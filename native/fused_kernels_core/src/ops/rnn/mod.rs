@@ -12,9 +12,10 @@ mod mma;
 mod persistent;
 mod resident;
 
+pub use cluster::NormPtrs;
 pub use cluster::{
     cluster_ctas, group as cluster_group, group_regs as cluster_group_regs,
-    split_group as cluster_split_group, Group as ClusterGroup,
+    pipe_group as cluster_pipe_group, split_group as cluster_split_group, Group as ClusterGroup,
 };
 pub use common::{Cell, Geometry, Layer, Path, Tuning};
 pub use cpu::{LayerWeights, PreparedCall, PreparedRnn, RnnScratch, TimeLoop};
@@ -265,4 +266,77 @@ pub fn cuda_on(
         sequence: out.sequence,
         states: out.states,
     })
+}
+
+/// A batch-1 f32 stack with LayerNorms folded into the cluster path (`cluster::run_normed`):
+/// `norms[0]` on `x`'s rows, `norms[l]` on layer l-1's output before layer l, and the last
+/// norm on the last layer's final h, written as `{h}` f32 to `out` (device or mapped host
+/// memory). Two layers run as one pipe launch (a projection stage between the layers'
+/// clusters) where the device holds the three clusters together, else a launch per layer.
+/// `Ok(false)` (nothing queued) where the cluster path does not take the stack (batch > 1, no
+/// sm_90, a layer too wide): the caller composes `cuda_on` and norm launches then.
+/// `tuning.split == Some(false)` keeps two layers off the pipe launch (tests compare both);
+/// `tuning.cluster_profile` receives the last launch's counters (`RcArgs::prof`).
+pub fn cuda_normed_window_on(
+    gpu: &std::sync::Arc<crate::cuda::Gpu>,
+    cell: Cell,
+    x: &crate::cuda::DeviceTensor,
+    layers: &[Layer<'_>],
+    norms: &[cluster::NormPtrs],
+    out: u64,
+    tuning: &Tuning,
+) -> Result<bool> {
+    let g = geometry(cell, &x.shape, x.dtype, layers)?;
+    if norms.len() != layers.len() + 1 {
+        return Err(arg_error("norms: one per layer and one more are needed"));
+    }
+    // f32 only: the norms' outputs feed the projections unrounded, which is the f32 stack's
+    // arithmetic (the engine's), not a 16-bit stack's.
+    if g.dtype != DType::F32
+        || g.batch != 1
+        || g.seq == 0
+        || layers.iter().any(|l| !l.initial_state.is_empty())
+    {
+        return Ok(false);
+    }
+    let Some(ctas) = cluster::cluster_ctas(gpu, cell, g.dtype, None)? else {
+        return Ok(false);
+    };
+    let smem = common::smem_limit(gpu)?;
+    let pipe = tuning.split != Some(false);
+    let Some(plan) = cluster::normed_plan(gpu, cell, g.dtype, &g.hidden, ctas, smem, pipe)? else {
+        return Ok(false);
+    };
+    let groups: Vec<&ClusterGroup> = match &plan {
+        cluster::NormedPlan::Pipe(grp) => vec![grp],
+        cluster::NormedPlan::Layers(gs) => gs.iter().collect(),
+    };
+    if !groups.into_iter().all(cluster::default_takes) {
+        return Ok(false);
+    }
+    let params = layers
+        .iter()
+        .map(|layer| {
+            Ok(cluster::LayerParams {
+                wi: common::stage(&layer.input_kernel, "input_kernel", gpu)?,
+                wh: common::stage(&layer.hidden_kernel, "hidden_kernel", gpu)?,
+                bias: common::stage(&layer.bias, "bias", gpu)?,
+                init: Vec::new(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    cluster::run_normed(
+        gpu,
+        cell,
+        g.dtype,
+        g.seq,
+        &plan,
+        x,
+        g.features,
+        &params,
+        norms,
+        out,
+        tuning.cluster_profile,
+    )?;
+    Ok(true)
 }
