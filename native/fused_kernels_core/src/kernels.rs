@@ -43,7 +43,10 @@ pub const CI_ARCHS: &[&str] = &[
 /// on a cold cache their first use loads a quick build (`nvrtc::QUICK_OPTIONS`) and compiles
 /// the full one in the background (`Gpu::function`); a caller that keeps launches (a graph)
 /// captures them again when `Gpu::modules_generation` moves on, and looks the function up
-/// again. On the H100's host (16-core Xeon, bench/RESULTS.md, first calls) the full
+/// again. Both builds of these programs are exact (`Build::exact`: every multiply and add
+/// rounded as written, fused only where the source calls `fmaf`), so the quick build computes
+/// what the full build does, bit for bit: the optimizer levels differ in what they inline and
+/// unroll, which with `--fmad=true` changes which products get fused into an add. On the H100's host (16-core Xeon, bench/RESULTS.md, first calls) the full
 /// `rnn_cluster_{lstm,gru}_f32` took 2.2-3.0 s and `engine_rnn_frame_f32` 1.7-2.1 s, the
 /// bounds of every cold LSTM/GRU first call; their quick builds 0.4-0.65 s. The f32 scans
 /// (`selective_scan_f32_2x8`: 1.6-1.7 s there, the bound of the Mamba/Jamba first calls at
@@ -154,9 +157,25 @@ pub struct Build {
     /// Build the code of an older GPU (`FK_CAP`, e.g. (8, 6)): the path that GPU takes,
     /// compiled for the device at hand.
     pub cap: Option<(i32, i32)>,
+    /// Compiled with `--fmad=false` after [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS):
+    /// no multiply and add fused unless the source says `fmaf`, so the arithmetic is the
+    /// source's whatever the optimizer inlines or unrolls (the programs with a quick build,
+    /// see [`QUICK_FIRST`]; their hot products are `fmaf` already).
+    pub exact: bool,
 }
 
 impl Build {
+    /// The NVRTC options beyond [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS) (part of the
+    /// cache key): the `-D` options, then `--fmad=false` for an exact build (the later
+    /// `--fmad` wins).
+    pub fn options(&self) -> Vec<String> {
+        let mut o = self.defines();
+        if self.exact {
+            o.push("--fmad=false".into());
+        }
+        o
+    }
+
     /// NVRTC `-D` options.
     pub fn defines(&self) -> Vec<String> {
         let mut d = Vec::new();
@@ -204,10 +223,14 @@ impl Kernel {
                 self.name
             ));
         }
-        Ok(Build {
-            only: Some(function.to_string()),
-            cap,
-        })
+        Ok(self.build(Some(function.to_string()), cap))
+    }
+
+    /// The build of `only` (None: the whole file) routed as `cap`: exact where `only` has a
+    /// quick build.
+    pub fn build(&self, only: Option<String>, cap: Option<(i32, i32)>) -> Build {
+        let exact = only.as_deref().is_some_and(|f| self.quick_first(f));
+        Build { only, cap, exact }
     }
 
     /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).

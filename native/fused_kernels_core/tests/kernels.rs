@@ -67,12 +67,22 @@ fn build_defines() {
     let b = Build {
         only: Some("rnn_mma_lstm_f32_m1_n1".into()),
         cap: Some((8, 6)),
+        exact: false,
     };
     assert_eq!(
         b.defines(),
         ["-DFK_ONLY=rnn_mma_lstm_f32_m1_n1", "-DFK_CAP=860"]
     );
+    assert_eq!(b.options(), b.defines());
     assert!(Build::default().defines().is_empty());
+    // The programs with a quick build are exact (both builds), the others as before.
+    let quick = RNN_CLUSTER.build_of("rnn_cluster_lstm_f32", None).unwrap();
+    assert!(quick.exact);
+    assert_eq!(
+        quick.options(),
+        ["-DFK_ONLY=rnn_cluster_lstm_f32", "--fmad=false"]
+    );
+    assert!(!RNN_MMA.build_of("rnn_mma_lstm_f32_m1_n1", None).unwrap().exact);
 }
 
 #[test]
@@ -316,7 +326,7 @@ fn quick_builds_compile() {
                     continue;
                 }
                 let build = k.build_of(&function, None).unwrap();
-                let mut options = build.defines();
+                let mut options = build.options();
                 options.extend(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()));
                 let started = std::time::Instant::now();
                 let cubin = nvrtc::compile(

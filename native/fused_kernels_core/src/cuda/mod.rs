@@ -191,10 +191,7 @@ impl Loader {
         let arch = kernel.target_arch(&gpu.arch());
         let source = kernel.source();
         let build = if function.is_empty() {
-            Build {
-                only: None,
-                cap: gpu.route_cap(),
-            }
+            kernel.build(None, gpu.route_cap())
         } else {
             kernel
                 .build_of(function, gpu.route_cap())
@@ -250,7 +247,7 @@ impl Loader {
             &self.source,
             &self.arch,
             nvrtc::Target::Cubin,
-            &self.build.defines(),
+            &self.build.options(),
         )?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         cache::STATS.record_compile();
@@ -277,7 +274,7 @@ impl Loader {
         let started = Instant::now();
         let options: Vec<String> = self
             .build
-            .defines()
+            .options()
             .into_iter()
             .chain(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()))
             .collect();
