@@ -56,6 +56,8 @@ pub const QUICK_FIRST: &[(&str, &str)] = &[
     // The one-layer groups' kernel (1.13-1.26 s on the host; looked up per call like the others).
     ("rnn_cluster", "rnn_cluster_regs"),
     ("engine_rnn", "engine_rnn_frame"),
+    // The persistent frame kernel (1.5 s full on the host; looked up at each of its launches).
+    ("engine_rnn", "engine_rnn_persist"),
     ("selective_scan_f32", "selective_scan"),
 ];
 

@@ -172,7 +172,14 @@ fn key_covers_the_included_headers_only() {
 fn prefill_stores_what_the_runtime_looks_up() {
     use fused_kernels_core::cuda::cache::{capability_of, functions, prefill, programs};
     use fused_kernels_core::cuda::nvrtc;
-    use fused_kernels_core::kernels::{Build, STREAM_STATE};
+    use fused_kernels_core::kernels::{ENGINE_RNN, STREAM_STATE};
+    // A pre-filled entry of a program with a quick build is its exact full build, the one the
+    // runtime looks up (`Kernel::build_of`).
+    for p in programs(&[&ENGINE_RNN], "sm_90", None).unwrap() {
+        let runtime = ENGINE_RNN.build_of(&p.function, None).unwrap();
+        assert_eq!(p.build, runtime, "{}", p.function);
+        assert_eq!(p.build.exact, ENGINE_RNN.quick_first(&p.function));
+    }
     assert_eq!(capability_of("sm_86"), Some((8, 6)));
     assert_eq!(capability_of("sm_90a"), Some((9, 0)));
     assert_eq!(capability_of("sm_120"), Some((12, 0)));

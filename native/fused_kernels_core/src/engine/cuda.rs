@@ -452,7 +452,7 @@ impl RnnFrame {
                 FRAME_SMEM
             };
         let gates = if s.kind == Kind::Lstm { 4 } else { 3 };
-        let persist = match gpu.function(&ENGINE_RNN, "engine_rnn_persist_f32") {
+        let persist = match gpu.function(&ENGINE_RNN, super::persist::PERSIST_FUNCTION) {
             Ok(pf) => {
                 // Opted in for batch FRAME_MAX_BATCH where the device allows it, else batch 1.
                 let limit = [FRAME_MAX_BATCH, 1]

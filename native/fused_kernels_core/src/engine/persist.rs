@@ -20,11 +20,18 @@ use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
+use crate::kernels::ENGINE_RNN;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::CudaFunction;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The kernel (kernels/engine_rnn.cu).
+pub const PERSIST_FUNCTION: &str = "engine_rnn_persist_f32";
+
+/// Dynamic shared memory a launch may use without an opt-in, on every GPU.
+const DEFAULT_SMEM: usize = 48 << 10;
 
 /// Without a frame for this long the kernel leaves (one frame each 16.7 ms, a 60 Hz game,
 /// keeps it running).
@@ -417,6 +424,13 @@ impl Persist {
             self.stop()?;
         }
         if self.running.is_none() {
+            // Looked up per launch (launches are rare: the first frame, after an idle exit or a
+            // stop): on a cold cache the kernel's quick build serves (`kernels::QUICK_FIRST`)
+            // until its full build lands; the next launch takes that one.
+            self.f = self.gpu.function(&ENGINE_RNN, PERSIST_FUNCTION)?;
+            if a.smem as usize > DEFAULT_SMEM {
+                crate::cuda::smem::allow_dynamic_smem(&self.f, a.smem as usize)?;
+            }
             if !self.reserve(a.grid, a.threads, a.smem) {
                 return Ok(false);
             }
