@@ -291,6 +291,8 @@ fn quick_builds_compile() {
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
     assert!(ENGINE_RNN.quick_first("engine_rnn_frame_f32"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_persist_f32"));
+    assert!(!ENGINE_FRAME.quick_first("engine_gemv_f32"));
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_regs_gru_f32"));
     assert!(!RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
     assert!(!NORM.quick_first("layer_norm_f32"));
