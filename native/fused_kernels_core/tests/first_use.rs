@@ -182,7 +182,10 @@ fn engine_on_both_builds(gpu: &Arc<Gpu>, kind: Kind, frame_cold: bool, failures:
     }
     // The same calls on the quick and on the full builds: the same bits.
     for (i, (q, f)) in quick.iter().zip(&full).enumerate() {
-        if q.iter().map(|v| v.to_bits()).ne(f.iter().map(|v| v.to_bits())) {
+        if q.iter()
+            .map(|v| v.to_bits())
+            .ne(f.iter().map(|v| v.to_bits()))
+        {
             failures.push(format!(
                 "{kind:?} engine call {i}: the quick and the full builds differ (rel L2 {:e})",
                 rel_l2(&f64s(q), &f64s(f))

@@ -94,7 +94,9 @@ fn engines_on_many_threads_across_the_build_swap() {
                         }
                         let err = rel_l2(&f64s(&out), &c.want);
                         if err > 1e-5 || out.iter().any(|v| !v.is_finite()) {
-                            fail(format!("case {ci} thread {t} round {r} window {i}: vs CPU {err:e}"));
+                            fail(format!(
+                                "case {ci} thread {t} round {r} window {i}: vs CPU {err:e}"
+                            ));
                         }
                         let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                         let mut f = first[ci].lock().unwrap();
@@ -122,7 +124,9 @@ fn engines_on_many_threads_across_the_build_swap() {
                     }
                     let err = rel_l2(&f64s(&out), &c.want);
                     if err > 1e-5 || out.iter().any(|v| !v.is_finite()) {
-                        fail(format!("case {ci} thread {t} round {r} frames: vs CPU {err:e}"));
+                        fail(format!(
+                            "case {ci} thread {t} round {r} frames: vs CPU {err:e}"
+                        ));
                     }
                     // One thread, half-way, asks for every full build (what warmup ends with).
                     if t == 0 && r == ROUNDS / 2 {
@@ -142,6 +146,9 @@ fn engines_on_many_threads_across_the_build_swap() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     let failures = failures.into_inner().unwrap();
-    assert!(swaps > 0, "no full build replaced a quick one: the cache was not cold");
+    assert!(
+        swaps > 0,
+        "no full build replaced a quick one: the cache was not cold"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -82,7 +82,12 @@ fn build_defines() {
         quick.options(),
         ["-DFK_ONLY=rnn_cluster_lstm_f32", "--fmad=false"]
     );
-    assert!(!RNN_MMA.build_of("rnn_mma_lstm_f32_m1_n1", None).unwrap().exact);
+    assert!(
+        !RNN_MMA
+            .build_of("rnn_mma_lstm_f32_m1_n1", None)
+            .unwrap()
+            .exact
+    );
 }
 
 #[test]

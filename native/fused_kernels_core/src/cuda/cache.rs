@@ -124,7 +124,10 @@ pub fn elf_fits(bytes: &[u8]) -> bool {
         let b = bytes.get(at..at.checked_add(n)?)?;
         Some(b.iter().rev().fold(0u64, |v, &x| (v << 8) | x as u64))
     };
-    let inside = |off: u64, len: u64| off.checked_add(len).is_some_and(|end| end <= bytes.len() as u64);
+    let inside = |off: u64, len: u64| {
+        off.checked_add(len)
+            .is_some_and(|end| end <= bytes.len() as u64)
+    };
     // ELF magic, 64-bit, little-endian.
     if bytes.len() < 64 || bytes[..4] != *b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
         return false;
