@@ -161,8 +161,9 @@ pub struct Build {
     pub cap: Option<(i32, i32)>,
     /// Compiled with `--fmad=false` after [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS):
     /// no multiply and add fused unless the source says `fmaf`, so the arithmetic is the
-    /// source's whatever the optimizer inlines or unrolls (the programs with a quick build,
-    /// see [`QUICK_FIRST`]; their hot products are `fmaf` already).
+    /// source's whatever the optimizer inlines or unrolls (the files with a quick-first
+    /// family, see [`QUICK_FIRST`] and [`Kernel::exact`]; their hot products are `fmaf`
+    /// already).
     pub exact: bool,
 }
 
@@ -228,11 +229,20 @@ impl Kernel {
         Ok(self.build(Some(function.to_string()), cap))
     }
 
-    /// The build of `only` (None: the whole file) routed as `cap`: exact where `only` has a
-    /// quick build.
+    /// The build of `only` (None: the whole file) routed as `cap`.
     pub fn build(&self, only: Option<String>, cap: Option<(i32, i32)>) -> Build {
-        let exact = only.as_deref().is_some_and(|f| self.quick_first(f));
-        Build { only, cap, exact }
+        Build {
+            only,
+            cap,
+            exact: self.exact(),
+        }
+    }
+
+    /// Whether this file's programs build exact (`Build::exact`): every function of a file
+    /// with a quick-first family, so that CI's whole-file PTX (`kernel_ptx`) is compiled as
+    /// the runtime compiles each of them.
+    pub fn exact(&self) -> bool {
+        QUICK_FIRST.iter().any(|(file, _)| *file == self.name)
     }
 
     /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).

@@ -178,7 +178,7 @@ fn prefill_stores_what_the_runtime_looks_up() {
     for p in programs(&[&ENGINE_RNN], "sm_90", None).unwrap() {
         let runtime = ENGINE_RNN.build_of(&p.function, None).unwrap();
         assert_eq!(p.build, runtime, "{}", p.function);
-        assert_eq!(p.build.exact, ENGINE_RNN.quick_first(&p.function));
+        assert!(p.build.exact);
     }
     assert_eq!(capability_of("sm_86"), Some((8, 6)));
     assert_eq!(capability_of("sm_90a"), Some((9, 0)));

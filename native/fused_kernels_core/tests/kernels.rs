@@ -75,7 +75,7 @@ fn build_defines() {
     );
     assert_eq!(b.options(), b.defines());
     assert!(Build::default().defines().is_empty());
-    // The programs with a quick build are exact (both builds), the others as before.
+    // The files with quick builds build exact (both builds), the others as before.
     let quick = RNN_CLUSTER.build_of("rnn_cluster_lstm_f32", None).unwrap();
     assert!(quick.exact);
     assert_eq!(
