@@ -299,7 +299,7 @@ fn quick_builds_compile() {
     assert!(ENGINE_RNN.quick_first("engine_rnn_persist_f32"));
     assert!(!ENGINE_FRAME.quick_first("engine_gemv_f32"));
     assert!(RNN_CLUSTER.quick_first("rnn_cluster_regs_gru_f32"));
-    assert!(!RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
     assert!(!NORM.quick_first("layer_norm_f32"));
     assert!(SELECTIVE_SCAN_F32.quick_first("selective_scan_f32_2x8"));
     assert!(!SELECTIVE_SCAN_F32.quick_first("selective_scan_mean_dt_f32"));
