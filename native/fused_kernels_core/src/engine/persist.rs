@@ -187,6 +187,10 @@ impl FrameArgs {
 pub struct Persist {
     gpu: Arc<Gpu>,
     f: CudaFunction,
+    /// The module generation `f` was looked up at (`Gpu::modules_generation`), and the dynamic
+    /// shared memory `f` is opted in to.
+    generation: u64,
+    opted: usize,
     mbox: PinnedBytes,
     mbox_dev: u64,
     /// `nlayers + 2` words zeroed before each launch.
@@ -241,6 +245,9 @@ impl Persist {
         Ok(Persist {
             gpu: gpu.clone(),
             f,
+            // Looked up again at the first launch (a quick build may have been replaced since).
+            generation: u64::MAX,
+            opted: DEFAULT_SMEM,
             mbox,
             mbox_dev,
             sync,
@@ -439,12 +446,18 @@ impl Persist {
             self.stop()?;
         }
         if self.running.is_none() {
-            // Looked up per launch (launches are rare: the first frame, after an idle exit or a
-            // stop): on a cold cache the kernel's quick build serves (`kernels::QUICK_FIRST`)
-            // until its full build lands; the next launch takes that one.
-            self.f = self.gpu.function(&ENGINE_RNN, PERSIST_FUNCTION)?;
-            if a.smem as usize > DEFAULT_SMEM {
+            // On a cold cache the kernel's quick build serves (`kernels::QUICK_FIRST`) until
+            // its full build lands (the device's module generation moves on): the next launch
+            // takes that one.
+            let generation = self.gpu.modules_generation();
+            if generation != self.generation {
+                self.f = self.gpu.function(&ENGINE_RNN, PERSIST_FUNCTION)?;
+                self.generation = generation;
+                self.opted = DEFAULT_SMEM;
+            }
+            if a.smem as usize > self.opted {
                 crate::cuda::smem::allow_dynamic_smem(&self.f, a.smem as usize)?;
+                self.opted = a.smem as usize;
             }
             if !self.reserve(a.grid, a.threads, a.smem) {
                 return Ok(false);
