@@ -68,11 +68,11 @@ __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* g
   float q = 0.0f;
   for (int j = lane; j < n; j += 32) {
     const float v = row[j] - mean;
-    q += v * v;
+    q = fmaf(v, v, q);
   }
   const float inv = rsqrtf(fk_warp_sum(q) / n + eps);
   __syncwarp();
-  for (int j = lane; j < n; j += 32) row[j] = (row[j] - mean) * inv * gamma[j] + beta[j];
+  for (int j = lane; j < n; j += 32) row[j] = fmaf((row[j] - mean) * inv, gamma[j], beta[j]);
 }
 
 // FK_ER_PRE rows of this thread's column of `w` ({rows, width}) from row k0 on, row lanes apart.
