@@ -319,7 +319,57 @@ pub struct Gpu {
     /// Shared with the `Gpu`s that `on_stream` makes for this device.
     modules: Arc<Modules>,
     /// Shared with the `Gpu`s that `on_stream` makes (see `with_blas`).
-    blas: Arc<OnceCell<std::result::Result<Mutex<CudaBlas>, String>>>,
+    blas: Arc<BlasCell>,
+}
+
+/// A cuBLAS handle made at first use (or the error that kept it from being made).
+type BlasSlot = OnceCell<std::result::Result<Mutex<CudaBlas>, String>>;
+
+/// The cuBLAS handle of one `Gpu` (and the views sharing it). When the last of them goes, the
+/// handle goes to `SPARE_BLAS` rather than to `cublasDestroy`: cuBLAS's destroy synchronizes
+/// the whole context (`cuCtxSynchronize`), and with engines on other threads capturing graphs
+/// that crashed inside the driver (H100, `engine_cuda` with 4-8 test threads, natively and
+/// routed as sm_86: SIGSEGV in libcuda under `cublasDestroy_v2` from an engine's drop while
+/// another thread was in `cuGraphInstantiate`). A process keeps at most as many handles as
+/// it had engines alive at once.
+struct BlasCell {
+    ordinal: usize,
+    /// The stream the handle's calls were queued on last (the owner's).
+    stream: Arc<CudaStream>,
+    slot: BlasSlot,
+}
+
+impl BlasCell {
+    fn new(ordinal: usize, stream: &Arc<CudaStream>) -> Arc<BlasCell> {
+        Arc::new(BlasCell {
+            ordinal,
+            stream: stream.clone(),
+            slot: OnceCell::new(),
+        })
+    }
+}
+
+/// Handles of engines that are gone, per device ordinal, for the next engine's first GEMM.
+static SPARE_BLAS: Mutex<Vec<(usize, CudaBlas)>> = Mutex::new(Vec::new());
+
+impl Drop for BlasCell {
+    fn drop(&mut self) {
+        let Some(Ok(blas)) = self.slot.take() else {
+            return;
+        };
+        let blas = blas.into_inner().unwrap_or_else(|e| e.into_inner());
+        // Its last GEMMs (and its default workspace) are done before another stream takes it:
+        // this stream's work only, not the context's.
+        if self.stream.synchronize().is_ok() {
+            if let Ok(mut spare) = SPARE_BLAS.lock() {
+                spare.push((self.ordinal, blas));
+                return;
+            }
+        }
+        // A stream that failed (a poisoned context) or a poisoned lock: the handle is not
+        // reused, and not destroyed either (see above).
+        std::mem::forget(blas);
+    }
 }
 
 type GpuKey = (usize, Option<(i32, i32)>);
@@ -394,7 +444,7 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
             compute_capability: routed,
             device_capability: native.device_capability,
             modules: Arc::new(Modules::default()),
-            blas: Arc::new(OnceCell::new()),
+            blas: BlasCell::new(ordinal, &native.stream),
         });
         gpus.insert((ordinal, cap), view.clone());
         return Ok(view);
@@ -415,15 +465,16 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
             compute_capability.0, compute_capability.1
         )));
     }
+    let stream = ctx.default_stream();
     let g = Arc::new(Gpu {
         ordinal,
         name: ctx.name()?,
-        stream: ctx.default_stream(),
+        blas: BlasCell::new(ordinal, &stream),
+        stream,
         ctx,
         compute_capability,
         device_capability: compute_capability,
         modules: Arc::new(Modules::default()),
-        blas: Arc::new(OnceCell::new()),
     });
     gpus.insert((ordinal, None), g.clone());
     Ok(g)
@@ -452,20 +503,21 @@ impl Gpu {
     }
 
     /// This device with its work ordered on a new stream of its own (a backbone engine's):
-    /// loaded modules are shared with `self`; the cuBLAS handle is the new value's own, bound
-    /// to the new stream. Nothing orders the new stream after `self.stream`: buffers must be
+    /// loaded modules are shared with `self`; the cuBLAS handle is the new value's own (one
+    /// left by an engine that is gone, or a new one: `BlasCell`), bound to the new stream. Nothing orders the new stream after `self.stream`: buffers must be
     /// made and used on the returned value's stream only (see `gpu` on event tracking).
     pub fn with_new_stream(&self) -> Result<Gpu> {
         self.bind()?;
+        let stream = self.ctx.new_stream()?;
         Ok(Gpu {
             ordinal: self.ordinal,
-            stream: self.ctx.new_stream()?,
+            blas: BlasCell::new(self.ordinal, &stream),
+            stream,
             ctx: self.ctx.clone(),
             compute_capability: self.compute_capability,
             device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
-            blas: Arc::new(OnceCell::new()),
         })
     }
 
@@ -801,20 +853,29 @@ impl Gpu {
             .is_some_and(|slot| slot.full.get().is_none() && slot.quick.get().is_some())
     }
 
-    /// Runs `f` with this device's cuBLAS handle (created on first use), set to this value's
+    /// Runs `f` with this device's cuBLAS handle (made or taken over at first use), set to this value's
     /// stream. The handle is shared (with the `on_stream` views too), so calls are serialised
     /// by a lock; the GEMMs it queues are ordered with every other op on the stream.
     pub fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
         self.bind()?;
         let blas = self
             .blas
+            .slot
             .get_or_init(|| {
                 if !probe().is_ok_and(|p| p.cublas_present) {
                     return Err("libcublas.so.13 was not found".to_string());
                 }
-                CudaBlas::new(self.stream.clone())
-                    .map(Mutex::new)
-                    .map_err(|e| format!("cuBLAS handle creation failed: {e:?}"))
+                // A handle of an engine that is gone, else a new one (see `BlasCell`).
+                let spare = SPARE_BLAS.lock().ok().and_then(|mut spare| {
+                    let i = spare.iter().position(|(o, _)| *o == self.ordinal)?;
+                    Some(spare.swap_remove(i).1)
+                });
+                match spare {
+                    Some(b) => Ok(Mutex::new(b)),
+                    None => CudaBlas::new(self.stream.clone())
+                        .map(Mutex::new)
+                        .map_err(|e| format!("cuBLAS handle creation failed: {e:?}")),
+                }
             })
             .as_ref()
             .map_err(|e| Error::Unavailable(e.clone()))?;
