@@ -43,12 +43,13 @@ pub const CI_ARCHS: &[&str] = &[
 /// on a cold cache their first use loads a quick build (`nvrtc::QUICK_OPTIONS`) and compiles
 /// the full one in the background (`Gpu::function`); a caller that keeps launches (a graph)
 /// captures them again when `Gpu::modules_generation` moves on, and looks the function up
-/// again. Both builds of these programs are exact (`Build::exact`: every multiply and add
-/// rounded as written, fused only where the source calls `fmaf`), so the quick build computes
-/// what the full build does, bit for bit: the optimizer levels differ in what they inline and
-/// unroll, which with `--fmad=true` changes which products get fused into an add. On the H100's host (16-core Xeon, bench/RESULTS.md, first calls) the full
-/// `rnn_cluster_{lstm,gru}_f32` took 2.2-3.0 s and `engine_rnn_frame_f32` 1.7-2.1 s, the
-/// bounds of every cold LSTM/GRU first call; their quick builds 0.4-0.65 s. The f32 scans
+/// again. Both builds of these files are exact (`Build::exact`: every multiply and add rounded
+/// as written, fused only where the source calls `fmaf`), so the quick build computes what the
+/// full build does, bit for bit: the optimizer levels differ in what they inline and unroll,
+/// which with `--fmad=true` changes which products get fused into an add. On the H100's host
+/// (16-core Xeon, bench/RESULTS.md, first calls) the full `rnn_cluster_lstm_f32` took 4.6-5.0
+/// s, `engine_rnn_frame_f32` and `engine_rnn_persist_f32` 1.6-2.2 s, the projection 1.7-2.0 s:
+/// the bounds of every cold LSTM/GRU first call; their quick builds 0.3-1.2 s. The f32 scans
 /// (`selective_scan_f32_2x8`: 1.6-1.7 s there, the bound of the Mamba/Jamba first calls at
 /// 1.8-1.9 s) compile in a third of their time quick (this 2-core EPYC: 0.33 vs 1.07 s).
 pub const QUICK_FIRST: &[(&str, &str)] = &[

@@ -1,12 +1,12 @@
-//! A program's quick build (`kernels::QUICK_FIRST`: the cluster recurrences) serves the first
-//! calls on a cold kernel cache while its full build compiles in the background; these check
-//! that the switch is invisible to results: the same call on the quick and on the full build
-//! gives the same bits (both builds are exact, `Build::exact`; each also against the f64
-//! reference or the CPU engine), and an engine whose graphs were captured on the quick
-//! builds (windows: the cluster recurrence; frames: `engine_rnn_frame_f32`) captures them
-//! again on the full ones; likewise the f32 selective scan. One test: it needs a cold cache directory for the whole process. Needs a
-//! GPU with clusters (sm_90+); skipped elsewhere (fails with FUSED_KERNELS_REQUIRE_GPU=1
-//! without a GPU).
+//! A program's quick build (`kernels::QUICK_FIRST`: the cluster recurrences and projection,
+//! the LSTM/GRU frame and persistent frame kernels, the f32 scans) serves the first calls on a
+//! cold kernel cache while its full build compiles in the background; these check that the
+//! switch is invisible to results: the same call on the quick and on the full build gives the
+//! same bits (both builds are exact, `Build::exact`; each also against the f64 reference or the
+//! CPU engine), and an engine whose graphs were captured on the quick builds captures them
+//! again on the full ones. One test: it needs a cold cache directory for the whole process.
+//! Needs a GPU with clusters (sm_90+); skipped elsewhere (fails with
+//! FUSED_KERNELS_REQUIRE_GPU=1 without a GPU).
 
 mod support;
 
@@ -80,7 +80,8 @@ fn op_on_both_builds(gpu: &Arc<Gpu>, cell: Cell, dtype: DType, failures: &mut Ve
             // Exact builds (`Build::exact`): the quick build computes what the full one does.
             if !same {
                 failures.push(format!(
-                    "{function} case {i} split {split:?}: quick and full builds differ (rel L2 {err:e})"
+                    "{function} case {i} split {split:?}: the quick and full builds differ \
+                     (rel L2 {err:e})"
                 ));
             }
         }

@@ -853,9 +853,9 @@ impl Gpu {
             .is_some_and(|slot| slot.full.get().is_none() && slot.quick.get().is_some())
     }
 
-    /// Runs `f` with this device's cuBLAS handle (made or taken over at first use), set to this value's
-    /// stream. The handle is shared (with the `on_stream` views too), so calls are serialised
-    /// by a lock; the GEMMs it queues are ordered with every other op on the stream.
+    /// Runs `f` with this device's cuBLAS handle (made or taken over at first use), set to this
+    /// value's stream. The handle is shared (with the `on_stream` views too), so calls are
+    /// serialised by a lock; the GEMMs it queues are ordered with every other op on the stream.
     pub fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
         self.bind()?;
         let blas = self
