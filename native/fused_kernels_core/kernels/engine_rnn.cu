@@ -66,7 +66,7 @@ __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* g
   const float2 st =
       fk_warp_moments([&](int j) { return row[j]; }, n, true, eps, FkDivN{(float)n});
   __syncwarp();
-  for (int j = lane; j < n; j += 32) row[j] = (row[j] - st.x) * st.y * gamma[j] + beta[j];
+  for (int j = lane; j < n; j += 32) row[j] = fmaf((row[j] - st.x) * st.y, gamma[j], beta[j]);
 }
 
 // The LayerNorm of each of `batch` rows of `n` values in place, a warp per row.

@@ -47,6 +47,31 @@ pub const CI_ARCHS: &[&str] = &[
     "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
 ];
 
+/// The families (file, root) whose full build takes seconds where their first call must not:
+/// on a cold cache their first use loads a quick build (`nvrtc::QUICK_OPTIONS`) and compiles
+/// the full one in the background (`Gpu::function`); a caller that keeps launches (a graph)
+/// captures them again when `Gpu::modules_generation` moves on, and looks the function up
+/// again. Both builds of these files are exact (`Build::exact`: every multiply and add rounded
+/// as written, fused only where the source calls `fmaf`), so the quick build computes what the
+/// full build does, bit for bit: the optimizer levels differ in what they inline and unroll,
+/// which with `--fmad=true` changes which products get fused into an add. On the H100's host
+/// (16-core Xeon, bench/RESULTS.md, first calls) the full `rnn_cluster_lstm_f32` took 4.6-5.0
+/// s, `engine_rnn_frame_f32` and `engine_rnn_persist_f32` 1.6-2.2 s, the projection 1.7-2.0 s:
+/// the bounds of every cold LSTM/GRU first call; their quick builds 0.3-1.2 s. The f32 scans
+/// (`selective_scan_f32_2x8`: 1.6-1.7 s there, the bound of the Mamba/Jamba first calls at
+/// 1.8-1.9 s) compile in a third of their time quick (this 2-core EPYC: 0.33 vs 1.07 s).
+pub const QUICK_FIRST: &[(&str, &str)] = &[
+    ("rnn_cluster", "rnn_cluster"),
+    // The input projection (0.9-1.2 s full on the host; looked up per call).
+    ("rnn_cluster", "rnn_cluster_project"),
+    // The one-layer groups' kernel (1.13-1.26 s on the host; looked up per call like the others).
+    ("rnn_cluster", "rnn_cluster_regs"),
+    ("engine_rnn", "engine_rnn_frame"),
+    // The persistent frame kernel (1.5 s full on the host; looked up at each of its launches).
+    ("engine_rnn", "engine_rnn_persist"),
+    ("selective_scan_f32", "selective_scan"),
+];
+
 /// A kernel file and the table of the functions (instances) it defines.
 #[derive(Debug)]
 pub struct Kernel {
@@ -193,9 +218,26 @@ pub struct Build {
     /// Build the code of an older GPU (`FK_CAP`, e.g. (8, 6)): the path that GPU takes,
     /// compiled for the device at hand.
     pub cap: Option<(i32, i32)>,
+    /// Compiled with `--fmad=false` after [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS):
+    /// no multiply and add fused unless the source says `fmaf`, so the arithmetic is the
+    /// source's whatever the optimizer inlines or unrolls (the files with a quick-first
+    /// family, see [`QUICK_FIRST`] and [`Kernel::exact`]; their hot products are `fmaf`
+    /// already).
+    pub exact: bool,
 }
 
 impl Build {
+    /// The NVRTC options beyond [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS) (part of the
+    /// cache key): the `-D` options, then `--fmad=false` for an exact build (the later
+    /// `--fmad` wins).
+    pub fn options(&self) -> Vec<String> {
+        let mut o = self.defines();
+        if self.exact {
+            o.push("--fmad=false".into());
+        }
+        o
+    }
+
     /// NVRTC `-D` options.
     pub fn defines(&self) -> Vec<String> {
         let mut d = Vec::new();
@@ -227,6 +269,13 @@ impl Kernel {
             .any(|f| function.starts_with(f.root) && f.names().iter().any(|n| n == function))
     }
 
+    /// Whether `function` has a quick build for its first use (see [`QUICK_FIRST`]).
+    pub fn quick_first(&self, function: &str) -> bool {
+        self.families.iter().any(|f| {
+            QUICK_FIRST.contains(&(self.name, f.root)) && f.names().iter().any(|n| n == function)
+        })
+    }
+
     /// The build of the one program that holds `function` (`FK_ONLY`), routed as `cap`; an
     /// error when `function` is not in this file's table.
     pub fn build_of(&self, function: &str, cap: Option<(i32, i32)>) -> Result<Build, String> {
@@ -236,10 +285,23 @@ impl Kernel {
                 self.name
             ));
         }
-        Ok(Build {
-            only: Some(function.to_string()),
+        Ok(self.build(Some(function.to_string()), cap))
+    }
+
+    /// The build of `only` (None: the whole file) routed as `cap`.
+    pub fn build(&self, only: Option<String>, cap: Option<(i32, i32)>) -> Build {
+        Build {
+            only,
             cap,
-        })
+            exact: self.exact(),
+        }
+    }
+
+    /// Whether this file's programs build exact (`Build::exact`): every function of a file
+    /// with a quick-first family, so that CI's whole-file PTX (`kernel_ptx`) is compiled as
+    /// the runtime compiles each of them.
+    pub fn exact(&self) -> bool {
+        QUICK_FIRST.iter().any(|(file, _)| *file == self.name)
     }
 
     /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]): the

@@ -67,12 +67,27 @@ fn build_defines() {
     let b = Build {
         only: Some("rnn_mma_lstm_f32_m1_n1".into()),
         cap: Some((8, 6)),
+        exact: false,
     };
     assert_eq!(
         b.defines(),
         ["-DFK_ONLY=rnn_mma_lstm_f32_m1_n1", "-DFK_CAP=860"]
     );
+    assert_eq!(b.options(), b.defines());
     assert!(Build::default().defines().is_empty());
+    // The files with quick builds build exact (both builds), the others as before.
+    let quick = RNN_CLUSTER.build_of("rnn_cluster_lstm_f32", None).unwrap();
+    assert!(quick.exact);
+    assert_eq!(
+        quick.options(),
+        ["-DFK_ONLY=rnn_cluster_lstm_f32", "--fmad=false"]
+    );
+    assert!(
+        !RNN_MMA
+            .build_of("rnn_mma_lstm_f32_m1_n1", None)
+            .unwrap()
+            .exact
+    );
 }
 
 #[test]
@@ -350,4 +365,71 @@ fn engine_prefetch_names_instances() {
         }
     }
     assert!(seen > 30, "{seen}");
+}
+
+/// The programs with a quick build (`QUICK_FIRST`; the first instance of each such family)
+/// compile with the quick options at the architectures that define them (of sm_75, sm_86,
+/// sm_90, sm_120) (cubins, as the runtime loads them), and only those programs
+/// have one. Needs libnvrtc.so.13.
+#[test]
+fn quick_builds_compile() {
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_frame_f32"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_persist_f32"));
+    assert!(!ENGINE_FRAME.quick_first("engine_gemv_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_regs_gru_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
+    assert!(!NORM.quick_first("layer_norm_f32"));
+    assert!(SELECTIVE_SCAN_F32.quick_first("selective_scan_f32_2x8"));
+    assert!(!SELECTIVE_SCAN_F32.quick_first("selective_scan_mean_dt_f32"));
+    for (file, root) in QUICK_FIRST {
+        let k = ALL
+            .iter()
+            .find(|k| k.name == *file)
+            .expect("a QUICK_FIRST file");
+        assert!(
+            k.families.iter().any(|f| f.root == *root),
+            "QUICK_FIRST names a family {file}.cu lacks: {root}"
+        );
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped compiling: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::nvrtc;
+    for arch in ["sm_75", "sm_86", "sm_90", "sm_120"] {
+        let level = feature_level(arch).unwrap();
+        for k in ALL {
+            // One instance per family (the quick options act on the compiler, not a family's
+            // template arguments): CI time.
+            let firsts = k
+                .families
+                .iter()
+                .filter(|f| f.levels.contains(level))
+                .filter_map(|f| f.names().into_iter().next());
+            for function in firsts {
+                if !k.quick_first(&function) {
+                    continue;
+                }
+                let build = k.build_of(&function, None).unwrap();
+                let mut options = build.options();
+                options.extend(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()));
+                let started = std::time::Instant::now();
+                let cubin = nvrtc::compile(
+                    k.name,
+                    &k.source(),
+                    &k.target_arch(arch),
+                    nvrtc::Target::Cubin,
+                    &options,
+                )
+                .unwrap_or_else(|e| panic!("quick build of {function} for {arch}: {e}"));
+                assert!(!cubin.is_empty());
+                eprintln!(
+                    "quick build of {function} for {arch}: {:.0} ms",
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
 }
