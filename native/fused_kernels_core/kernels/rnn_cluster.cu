@@ -650,27 +650,11 @@ __device__ __forceinline__ void rc_load_regs(float4 (&wr)[REG], const RcLayer& L
 template <typename T>
 __device__ __forceinline__ void rc_load_cols(const void* const* w, int G, int K, int H, int j0,
                                              int U, int Kp, float* ws) {
-  // A batch of loads into registers, then their stores: a store to shared memory between two
-  // global loads would keep the compiler from hoisting the second (it cannot tell they do not
-  // alias), one round trip per element.
-  constexpr int B = 16;
-  const int n = G * U * Kp;
-  for (int e0 = threadIdx.x; e0 < n; e0 += B * RC_THREADS) {
-    float v[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const int e = e0 + b * RC_THREADS;
-      const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp), unit = j0 + ui;
-      v[b] = (e < n && k < K && unit < H) ? fk_ld<T>(fk_pick(w, g), (size_t)k * H + unit) : 0.0f;
-    }
-#pragma unroll
-    for (int b = 0; b < B; ++b) {
-      const int e = e0 + b * RC_THREADS;
-      if (e < n) {
-        const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp);
-        ws[(g * U + ui) * Kp + k] = v[b];
-      }
-    }
+#pragma unroll 16
+  for (int e = threadIdx.x; e < G * U * Kp; e += RC_THREADS) {
+    const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp), unit = j0 + ui;
+    ws[(g * U + ui) * Kp + k] =
+        (k < K && unit < H) ? fk_ld<T>(fk_pick(w, g), (size_t)k * H + unit) : 0.0f;
   }
 }
 
@@ -738,43 +722,38 @@ __device__ __forceinline__ void rc_norm_row(float (&x)[M], const V& gm, const V&
     x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
 }
 
-__device__ __forceinline__ void rc_count_cta(unsigned* f, unsigned n) {
-  asm volatile("red.release.cta.shared::cta.add.u32 [%0], %1;" ::"r"(fk_smem_addr(f)), "r"(n)
-               : "memory");
+__device__ __forceinline__ void rc_flag_cta(unsigned* f) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], 1;" ::"r"(fk_smem_addr(f)) : "memory");
 }
-// Waits until *f >= n; the producers are warps of this CTA, running.
-__device__ __forceinline__ void rc_wait_cta(const unsigned* f, unsigned n) {
+__device__ __forceinline__ void rc_wait_cta(const unsigned* f) {
   unsigned v;
   do {
     asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
                  : "=r"(v)
                  : "r"(fk_smem_addr(f))
                  : "memory");
-  } while (v < n);
+  } while (v == 0u);
 }
 
-// Fed layer (a.fin > 0): the producer warps (the CTA's warps free of unit groups, partners and
-// the last warp) project the layer's input step by step: each takes its share of the step's
-// groups of eight outputs (group b by warp b % np), its own copy of the input row LayerNormed in
-// registers, writes those G * u values of this CTA's units (the row . its W_in slice at win_off)
-// into the ring and adds its count to the step's ready word (release at CTA scope); the owners
-// wait for all ceil(G * u / 8) groups. Sharing a step keeps its latency short (the first step's
-// is on the critical path). A first layer's input is x, all there from the start, so its
-// producers run ahead of the recurrence: no projection launch before it (each warp loads the
-// next step's row while it computes this one's). The fed pipe's layer 1 (J = 1) reads layer 0's
-// output row as soon as layer 0 published it (LayerNormed by mg/mb), on its own SMs like the
-// projection stage but with no global round trip, flag and feeder between it and the owners.
+// Fed layer (a.fin > 0): producer warp pw of np (the CTA's warps free of unit groups, partners
+// and the last warp) projects steps pw, pw + np, ...: the layer's input row LayerNormed in
+// registers, then the G * u values of this CTA's units (the row . its W_in slice at win_off)
+// into the ring, and flags the step for the owners (release at CTA scope). A first layer's
+// input is x, all there from the start, so its producers run ahead of the recurrence: no
+// projection launch before it. The fed pipe's layer 1 (J = 1) reads layer 0's output row as
+// soon as layer 0 published it (LayerNormed by mg/mb), on its own SMs like the projection stage
+// but with no global round trip, flag and feeder between it and the owners. The projection's
+// work sits on SMs the recurrence leaves mostly idle (its steps are latency-bound).
 #define RC_FM 9  // the input row's registers per lane: fin <= 288
 // Not inlined: with it in rc_run's register budget the LSTM kernel spilled (128 registers).
 template <typename T, int G, int Q>
 __device__ __noinline__ void rc_feed(const RcArgs& a, int J, int rank, int N, int pw, int np,
-                                     int lane) {
+                                        int lane) {
   extern __shared__ __align__(16) unsigned char rc_smem[];
   const bool prev = J > 0;
   const RcLayer& P = a.l[prev ? J - 1 : 0];
   const int K = prev ? P.h : a.fin, Kp = (K + 31) & ~31, GU = G * a.l[prev ? J : 0].u;
-  const int len = a.T, nb = (GU + 7) / 8;
-  if (pw >= nb) return;  // more producers than groups: this one has none
+  const int len = a.T;
   const float* ws = reinterpret_cast<const float*>(rc_smem + a.win_off);
   float* ring = reinterpret_cast<float*>(rc_smem + a.ring_off);
   unsigned* flags = reinterpret_cast<unsigned*>(rc_smem + a.flag_off);
@@ -783,39 +762,34 @@ __device__ __noinline__ void rc_feed(const RcArgs& a, int J, int rank, int N, in
   const float* bt = (prev ? a.mb : a.xb) + lane;
   const float eps = prev ? a.meps : a.xeps;
   const unsigned per_step = prev ? rc_per_step<Q>(a, J - 1, N) : 0u;
-  const bool stamps = a.prof && a.pipe && rank == 0 && lane == 0 && pw == 0;
-  auto row = [&](int tau, float (&x)[RC_FM]) {
+  const bool stamps = a.prof && a.pipe && rank == 0 && lane == 0;
+  for (int tau = pw; tau < len; tau += np) {
     const int t = a.reverse ? len - 1 - tau : tau;
-#pragma unroll
-    for (int m = 0; m < RC_FM; ++m) {
-      const int k = lane + 32 * m;
-      x[m] = k < K ? (prev ? rc_ld_cg<T>(P.seq, (size_t)t * K + k) : a.fx[(size_t)t * K + k])
-                   : 0.0f;
-    }
-  };
-  float xn[RC_FM];
-  if (!prev && len > 0) row(0, xn);
-  for (int tau = 0; tau < len; ++tau) {
     float x[RC_FM];
     if (prev) {
-      rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, per_step);
+      // A producer waits np steps for its next one: it can nap a little.
+      rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, per_step, 64);
       if (stamps && (tau == 0 || tau == len - 1)) a.prof[tau == 0 ? 12 : 10] = rc_ns();
-      row(tau, x);
+#pragma unroll
+      for (int m = 0; m < RC_FM; ++m) {
+        const int k = lane + 32 * m;
+        x[m] = k < K ? rc_ld_cg<T>(P.seq, (size_t)t * K + k) : 0.0f;
+      }
     } else {
 #pragma unroll
-      for (int m = 0; m < RC_FM; ++m) x[m] = xn[m];
-      if (tau + 1 < len) row(tau + 1, xn);
+      for (int m = 0; m < RC_FM; ++m) {
+        const int k = lane + 32 * m;
+        x[m] = k < K ? a.fx[(size_t)t * K + k] : 0.0f;
+      }
     }
     rc_norm_row<RC_FM>(x, RcStrided{gm}, RcStrided{bt}, K, eps, lane);
-    unsigned mine = 0;
-    for (int b = pw; b < nb; b += np, ++mine) {
-      const int c0 = 8 * b;
+    for (int c0 = 0; c0 < GU; c0 += 8) {
       const float v = rc_dot8<RC_FM>(ws, Kp, c0, GU, x, lane);
       const int c = c0 + rc_dot8_out(lane);
       if ((lane & 3) == 0 && c < GU) ring[(size_t)tau * GU + c] = v;
     }
     __syncwarp();
-    if (lane == 0) rc_count_cta(flags + tau, mine);
+    if (lane == 0) rc_flag_cta(flags + tau);
     if (stamps && (tau == 0 || tau == len - 1))
       a.prof[prev ? (tau == 0 ? 13 : 11) : (tau == 0 ? 19 : 18)] = rc_ns();
   }
@@ -1217,8 +1191,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
           if (lead_in && sl == 0) {
             if (fed) {
               // (Addresses from the kernel's parameters where used: no registers held.)
-              rc_wait_cta(reinterpret_cast<const unsigned*>(rc_smem + a.flag_off) + tau,
-                          (unsigned)(G * U + 7) / 8);
+              rc_wait_cta(reinterpret_cast<const unsigned*>(rc_smem + a.flag_off) + tau);
               accx = reinterpret_cast<const float*>(rc_smem + a.ring_off)[tau * G * U + g * U + u];
             } else {
               accx = pipe_b ? gxs[(tau & 1) * GUb + g * U + u] : c == first ? xq0 : xq1;
