@@ -383,11 +383,10 @@ fn cluster_regs(out: &mut JsonOut) {
 /// counters (`RcArgs::prof`): the last layer's CTA 0 (set-up incl. waiting for the pipeline to
 /// fill, recurrence cycles, cycles thread 0 waited on its mbarrier, ns start to end) and, in the
 /// pipe, layer 0's CTA 0 (recurrence cycles, ns) and the pipe's globaltimer stamps (`stamps_ns`,
-/// ns after layer 0's loop start; 0 where unset), CTA 0 of each cluster: [layer 0's last
-/// publish, layer 1's input saw layer 0's last step, layer 1's input of that step projected
-/// (the stage's flag, or the fed layer 1's ring), the same two for step 0, layer 1's loop
-/// start, layer 1's feeder saw the last flag (not fed), layer 1's end, layer 0's end, layer 0's
-/// producers projected the last step, and step 0 (fed)].
+/// ns after layer 0's loop start; 0 where unset): [layer 0's last publish, stage saw layer 0's
+/// last step, stage flagged it, stage saw step 0, stage flagged step 0, layer 1's loop start,
+/// layer 1's feeder saw the last flag, layer 1's end, layer 0's end, layer 0's first producer
+/// warp done, step 0 projected by layer 0's producers] (CTA 0 of each cluster).
 fn normed(out: &mut JsonOut) {
     let Some(gpu) = gpu_for_tests() else { return };
     if gpu.compute_capability < (9, 0) {

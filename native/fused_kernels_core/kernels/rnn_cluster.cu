@@ -96,10 +96,8 @@ struct RcArgs {
                    // of layer j that published it (rc_counts)
   unsigned long long* prof;  // null, or counters written by one CTA (tests); the pipe also
                              // stamps globaltimer ns into [8..19] (see benches/rnn.rs)
-  // Pipe (split, 2 layers): 1: 3 clusters (see rc_pipe_mid), the clusters' roles by ticket are
-  // layer 0, the projection stage, layer 1; layer 1 reads its input projection like a first
-  // layer. 2 (the fed pipe): 2 clusters, both layers fed (rc_feed), layer 1's producers reading
-  // layer 0's published steps.
+  // Pipe (split, 2 layers, 3 clusters; see rc_pipe_mid): the clusters' roles by ticket are layer
+  // 0, the projection stage, layer 1; layer 1 reads its input projection like a first layer.
   int pipe;
   int gxs_off;      // layer 1: [2][G * u] f32 input projection of its units by step parity
   float* gx;        // {T, G * H1} layer 1's input projection, written by the projection stage
@@ -735,54 +733,32 @@ __device__ __forceinline__ void rc_wait_cta(const unsigned* f) {
   } while (v == 0u);
 }
 
-// Fed layer (a.fin > 0): producer warp pw of np (the CTA's warps free of unit groups, partners
-// and the last warp) projects steps pw, pw + np, ...: the layer's input row LayerNormed in
-// registers, then the G * u values of this CTA's units (the row . its W_in slice at win_off)
-// into the ring, and flags the step for the owners (release at CTA scope). A first layer's
-// input is x, all there from the start, so its producers run ahead of the recurrence: no
-// projection launch before it. The fed pipe's layer 1 (J = 1) reads layer 0's output row as
-// soon as layer 0 published it (LayerNormed by mg/mb), on its own SMs like the projection stage
-// but with no global round trip, flag and feeder between it and the owners. The projection's
+// Fed first layer (a.fin > 0): producer warp pw of np (the CTA's warps free of unit groups,
+// partners and the last warp) projects steps pw, pw + np, ...: x's row LayerNormed in registers,
+// then the G * u values of this CTA's units (x . its W_in slice at win_off) into the ring, and
+// flags the step for the owners (release at CTA scope). x is all there from the start, so the
+// producers run ahead of the recurrence: no projection launch before it, and the projection's
 // work sits on SMs the recurrence leaves mostly idle (its steps are latency-bound).
-#define RC_FM 9  // the input row's registers per lane: fin <= 288
-// Not inlined: with it in rc_run's register budget the LSTM kernel spilled (128 registers).
-template <typename T, int G, int Q>
-__device__ __noinline__ void rc_feed(const RcArgs& a, int J, int rank, int N, int pw, int np,
-                                        int lane) {
+#define RC_FM 12  // x's registers per lane: fin <= 384
+template <int G>
+__device__ __forceinline__ void rc_feed(const RcArgs& a, int pw, int np, int lane) {
   extern __shared__ __align__(16) unsigned char rc_smem[];
-  const bool prev = J > 0;
-  const RcLayer& P = a.l[prev ? J - 1 : 0];
-  const int K = prev ? P.h : a.fin, Kp = (K + 31) & ~31, GU = G * a.l[prev ? J : 0].u;
-  const int len = a.T;
+  const int K = a.fin, Kp = (K + 31) & ~31, GU = G * a.l[0].u, len = a.T;
   const float* ws = reinterpret_cast<const float*>(rc_smem + a.win_off);
   float* ring = reinterpret_cast<float*>(rc_smem + a.ring_off);
   unsigned* flags = reinterpret_cast<unsigned*>(rc_smem + a.flag_off);
   // gamma and beta are read where they are applied (from L1), not held in 2 x RC_FM registers.
-  const float* gm = (prev ? a.mg : a.xg) + lane;
-  const float* bt = (prev ? a.mb : a.xb) + lane;
-  const float eps = prev ? a.meps : a.xeps;
-  const unsigned per_step = prev ? rc_per_step<Q>(a, J - 1, N) : 0u;
-  const bool stamps = a.prof && a.pipe && rank == 0 && lane == 0;
+  const float* gm = a.xg + lane;
+  const float* bt = a.xb + lane;
   for (int tau = pw; tau < len; tau += np) {
     const int t = a.reverse ? len - 1 - tau : tau;
     float x[RC_FM];
-    if (prev) {
-      // A producer waits np steps for its next one: it can nap a little.
-      rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, per_step, 64);
-      if (stamps && (tau == 0 || tau == len - 1)) a.prof[tau == 0 ? 12 : 10] = rc_ns();
 #pragma unroll
-      for (int m = 0; m < RC_FM; ++m) {
-        const int k = lane + 32 * m;
-        x[m] = k < K ? rc_ld_cg<T>(P.seq, (size_t)t * K + k) : 0.0f;
-      }
-    } else {
-#pragma unroll
-      for (int m = 0; m < RC_FM; ++m) {
-        const int k = lane + 32 * m;
-        x[m] = k < K ? a.fx[(size_t)t * K + k] : 0.0f;
-      }
+    for (int m = 0; m < RC_FM; ++m) {
+      const int k = lane + 32 * m;
+      x[m] = k < K ? a.fx[(size_t)t * K + k] : 0.0f;
     }
-    rc_norm_row<RC_FM>(x, RcStrided{gm}, RcStrided{bt}, K, eps, lane);
+    rc_norm_row<RC_FM>(x, RcStrided{gm}, RcStrided{bt}, K, a.xeps, lane);
     for (int c0 = 0; c0 < GU; c0 += 8) {
       const float v = rc_dot8<RC_FM>(ws, Kp, c0, GU, x, lane);
       const int c = c0 + rc_dot8_out(lane);
@@ -790,8 +766,7 @@ __device__ __noinline__ void rc_feed(const RcArgs& a, int J, int rank, int N, in
     }
     __syncwarp();
     if (lane == 0) rc_flag_cta(flags + tau);
-    if (stamps && (tau == 0 || tau == len - 1))
-      a.prof[prev ? (tau == 0 ? 13 : 11) : (tau == 0 ? 19 : 18)] = rc_ns();
+    if (a.prof && a.pipe && tau == 0 && lane == 0 && rc_rank() == 0) a.prof[19] = rc_ns();
   }
 }
 
@@ -889,17 +864,17 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
                  : "=r"(ticket)
                  : "r"(rc_remote(fk_smem_addr(slot), 0))
                  : "memory");
-    J = (int)(ticket % (unsigned)(a.pipe == 1 ? 3 : NL));
-    if (a.pipe == 1 && J == 1) {
+    J = (int)(ticket % (unsigned)(a.pipe ? 3 : NL));
+    if (a.pipe && J == 1) {
       rc_cluster_sync();  // CTA 0 stays until every CTA read its ticket
       rc_pipe_mid<T, G, SL>(a, rank, N);
       return;
     }
-    if (a.pipe == 1 && J == 2) J = 1;
+    if (a.pipe && J == 2) J = 1;
   }
   // Pipe, layer 1: its input projection comes from the projection stage, through shared-memory
   // slots that a feeder warp fills a step ahead (see below).
-  const bool pipe_b = a.pipe == 1 && J == 1;
+  const bool pipe_b = a.pipe && J == 1;
   // The last layer's final h, normalised into `out`: the last step sends h as the others do.
   const bool onorm = a.og != nullptr && (J < 0 || J == NL - 1);
   const int steps = J >= 0 ? len : len + NL - 1;
@@ -916,11 +891,12 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   int total = 0;  // unit groups of all layers (of this cluster's layer, split)
   for (int j = 0; j < NL; ++j)
     if (J < 0 || j == J) total += a.l[j].u / Q;
-  // Fed (the host sets fin only for a first layer alone in its cluster, or the fed pipe's two
-  // layers, with owners and partners leaving warps 2 * total .. W - 2 free): those warps are the
-  // layer's input producers (rc_feed).
-  const bool fed = REG == 0 && RcFeeds<T>::v && a.fin > 0 && (J <= 0 || a.pipe == 2);
+  // Fed (the host sets fin only for a first layer alone in its cluster, with owners and partners
+  // leaving warps 2 * total .. W - 2 free): those warps are its input's producers (rc_feed).
+  const bool fed = REG == 0 && RcFeeds<T>::v && a.fin > 0 && J <= 0;
   const bool producer = fed && warp >= 2 * total && warp < W - 1;
+  const unsigned* fflags = reinterpret_cast<const unsigned*>(rc_smem + a.flag_off);
+  const float* ring = reinterpret_cast<const float*>(rc_smem + a.ring_off);
   // The partner warps' share of the first layer's recurrent dot starts here.
   const int second0 = a.partners ? a.l[0].ni_h / 2 : a.l[0].ni_h;
   float4 wr[NR];
@@ -959,9 +935,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         cs[i] = (k < L.h && L.c0) ? fk_ld<T>(L.c0, k) : 0.0f;
       }
     }
-    if (fed) {
-      const int K = j > 0 ? a.l[j - 1].h : a.fin;
-      rc_load_cols<T>(L.wi, G, K, L.h, j0, U, (K + 31) & ~31,
+    if (fed && j == 0) {
+      rc_load_cols<T>(L.wi, G, a.fin, L.h, j0, U, (a.fin + 31) & ~31,
                       reinterpret_cast<float*>(rc_smem + a.win_off));
       unsigned* f = reinterpret_cast<unsigned*>(rc_smem + a.flag_off);
       for (int i = tid; i < len; i += RC_THREADS) f[i] = 0u;
@@ -1096,7 +1071,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
 
   // The producers run their own loop; they take no part in the steps' exchanges.
   if (RcFeeds<T>::v && producer) {
-    rc_feed<T, G, Q>(a, J, rank, N, warp - 2 * total, W - 1 - 2 * total, lane);
+    rc_feed<G>(a, warp - 2 * total, W - 1 - 2 * total, lane);
+    if (a.prof && a.pipe && rank == 0 && warp == 2 * total && lane == 0) a.prof[18] = rc_ns();
   }
   for (int s = 0; s < (producer ? 0 : steps); ++s) {
     const int p = s & 1;
@@ -1130,9 +1106,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       const int first = ((warp - base) % W + W) % W;
       base += groups;
       if (tau < 0 || tau >= len) continue;
-      // The input projection was computed beforehand (the first layer; pipe's layer 1; a fed
-      // layer's producers).
-      const bool lead_in = j == 0 || pipe_b || fed;
+      // The input projection was computed beforehand (the first layer; pipe's layer 1).
+      const bool lead_in = j == 0 || pipe_b;
       const float* hb = reinterpret_cast<const float*>(rc_smem + L.hb_off);
       const float* bs = reinterpret_cast<const float*>(rc_smem + L.bias_off);
       // The input vector: the previous layer's h (wavefront: its copy in this CTA; split: this
@@ -1189,10 +1164,9 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
             accx = rc_dot<T, true, LW, SL>(rc_smem + L.wi_off, hin, 0, L.ni_in, c * L.ni_in,
                                            lane, sl);
           if (lead_in && sl == 0) {
-            if (fed) {
-              // (Addresses from the kernel's parameters where used: no registers held.)
-              rc_wait_cta(reinterpret_cast<const unsigned*>(rc_smem + a.flag_off) + tau);
-              accx = reinterpret_cast<const float*>(rc_smem + a.ring_off)[tau * G * U + g * U + u];
+            if (fed && j == 0) {
+              rc_wait_cta(fflags + tau);
+              accx = ring[(size_t)tau * G * U + g * U + u];
             } else {
               accx = pipe_b ? gxs[(tau & 1) * GUb + g * U + u] : c == first ? xq0 : xq1;
             }

@@ -85,8 +85,7 @@ pub struct Group {
     /// 4-vectors per warp range of the first layer's recurrent weights kept in registers (0,
     /// or `REGS`: the `_regs` kernel; those vectors are left out of `wh_off`'s layout).
     pub regs: usize,
-    /// The first layer projects its own input on its spare warps (`with_feed`); in a pipe group
-    /// both layers do, on two clusters (no projection stage).
+    /// The first layer projects its own input on its spare warps (`with_feed`).
     pub feed: Option<Feed>,
 }
 
@@ -102,15 +101,13 @@ pub struct Feed {
 }
 
 /// Features up to which a fed layer holds x's row in registers (`RC_FM` x 32).
-const FEED_MAX_FEATURES: usize = 9 * 32;
+const FEED_MAX_FEATURES: usize = 12 * 32;
 
 /// `grp` with its first layer fed (its CTAs project their own LayerNormed input for all `seq`
 /// steps, on the warps that its unit groups and their partners leave free besides the last):
-/// no projection launch before the recurrence. A pipe group becomes the fed pipe: both layers
-/// fed, layer 1's producers reading layer 0's published steps, on two clusters (no projection
-/// stage). None where the group does not suit it (more than its first layer in the cluster
-/// unless it is the pipe, registers, no warp free, more than `FEED_MAX_FEATURES` input
-/// features) or the buffers do not fit `smem_limit`.
+/// no projection launch before the recurrence. None where the group does not suit it (more
+/// than its first layer in the cluster unless it is the pipe, registers, no warp free, more
+/// than `FEED_MAX_FEATURES` features) or the buffers do not fit `smem_limit`.
 pub fn with_feed(
     cell: Cell,
     grp: &Group,
@@ -118,29 +115,17 @@ pub fn with_feed(
     seq: usize,
     smem_limit: usize,
 ) -> Option<Group> {
+    let l0 = grp.layers.first()?;
     let alone = grp.pipe || (!grp.split && grp.layers.len() == 1);
-    if !alone || grp.regs > 0 || features == 0 {
+    if !alone || grp.regs > 0 || features == 0 || features > FEED_MAX_FEATURES {
         return None;
     }
-    // Each fed layer: its input width and unit share.
-    let fed = if grp.pipe {
-        &grp.layers[..]
-    } else {
-        &grp.layers[..1]
-    };
-    let mut cols = 0;
-    let mut win = 0;
-    for (j, l) in fed.iter().enumerate() {
-        let k = if j == 0 { features } else { fed[j - 1].units };
-        if k > FEED_MAX_FEATURES || 2 * (l.per_cta / GROUP) + 1 >= THREADS / 32 {
-            return None;
-        }
-        let c = cell.gates() * l.per_cta;
-        cols = cols.max(c);
-        win = win.max(c * k.div_ceil(32) * 32 * 4);
+    if 2 * (l0.per_cta / GROUP) + 1 >= THREADS / 32 {
+        return None;
     }
+    let cols = cell.gates() * l0.per_cta;
     let win_off = align16(grp.smem_bytes);
-    let ring_off = win_off + align16(win);
+    let ring_off = win_off + align16(cols * features.div_ceil(32) * 32 * 4);
     let flag_off = ring_off + align16(seq.checked_mul(cols * 4)?);
     let smem_bytes = flag_off + align16(seq * 4);
     if smem_bytes > smem_limit {
@@ -454,11 +439,9 @@ pub fn split_fits(gpu: &Gpu, cell: Cell, dtype: DType, grp: &Group) -> Result<bo
     Ok(fits)
 }
 
-/// Clusters a launch of `grp` takes: one per layer (split), plus the projection stage (pipe,
-/// unless fed).
+/// Clusters a launch of `grp` takes: one per layer (split), plus the projection stage (pipe).
 fn clusters_of(grp: &Group) -> u32 {
     match (grp.split, grp.pipe) {
-        (_, true) if grp.feed.is_some() => 2,
         (_, true) => 3,
         (true, false) => grp.layers.len() as u32,
         (false, false) => 1,
@@ -786,11 +769,7 @@ fn base_args(grp: &Group, xp: CUdeviceptr, seq: usize, reverse: bool) -> RcArgs 
         split: grp.split as i32,
         xin_off: grp.xin_off as i32,
         xin_len: grp.xin_len as i32,
-        pipe: match (grp.pipe, grp.feed.is_some()) {
-            (false, _) => 0,
-            (true, false) => 1,
-            (true, true) => 2,
-        },
+        pipe: grp.pipe as i32,
         gxs_off: grp.gxs_off as i32,
         ..Default::default()
     }
@@ -945,15 +924,7 @@ pub(super) fn run_normed(
                     DType::F32,
                 )?),
             };
-            // The projection stage's output (not fed: the fed pipe's layer 1 projects its own).
-            let gx = match grp.feed {
-                Some(_) => None,
-                None => Some(DeviceTensor::uninit(
-                    gpu,
-                    vec![1, seq, cell.gates() * h1],
-                    DType::F32,
-                )?),
-            };
+            let gx = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h1], DType::F32)?;
             // The ticket, the stage's flags per CTA and step, each layer's count per step.
             let words = 4 + grp.ctas * seq + grp.layers.len() * seq * COUNT_STRIDE;
             let sync = DeviceTensor::uninit(gpu, vec![words], DType::F32)?;
@@ -974,7 +945,7 @@ pub(super) fn run_normed(
                 set_feed(&mut a, fd, x, norms[0]);
             }
             a.sync = ptr(&sync);
-            a.gx = ptr_opt(gx.as_ref());
+            a.gx = ptr(&gx);
             (a.mg, a.mb, a.meps) = (norms[1].gamma, norms[1].beta, norms[1].eps);
             set_out(&mut a);
             a.prof = prof;
