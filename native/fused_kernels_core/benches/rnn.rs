@@ -377,16 +377,13 @@ fn cluster_regs(out: &mut JsonOut) {
 
 /// The engine's batch-1 windows with their LayerNorms folded in (`cuda_normed_window_on`, ExPhil's
 /// shapes): each call timed with CUDA events (median of 300, the projection and the recurrence
-/// launches of one window), as the pipe launch and as a launch per layer, each with the first
-/// layer fed (projecting its own input, `with_feed`) and `_projected` (a projection launch
-/// first, `Tuning::no_feed`), and the kernel's own
+/// launches of one window), as the pipe launch and as a launch per layer, and the kernel's own
 /// counters (`RcArgs::prof`): the last layer's CTA 0 (set-up incl. waiting for the pipeline to
 /// fill, recurrence cycles, cycles thread 0 waited on its mbarrier, ns start to end) and, in the
 /// pipe, layer 0's CTA 0 (recurrence cycles, ns) and the pipe's globaltimer stamps (`stamps_ns`,
 /// ns after layer 0's loop start; 0 where unset): [layer 0's last publish, stage saw layer 0's
 /// last step, stage flagged it, stage saw step 0, stage flagged step 0, layer 1's loop start,
-/// layer 1's feeder saw the last flag, layer 1's end, layer 0's end, layer 0's first producer
-/// warp done, step 0 projected by layer 0's producers] (CTA 0 of each cluster).
+/// layer 1's feeder saw the last flag, layer 1's end, layer 0's end] (CTA 0 of each cluster).
 fn normed(out: &mut JsonOut) {
     let Some(gpu) = gpu_for_tests() else { return };
     if gpu.compute_capability < (9, 0) {
@@ -425,18 +422,12 @@ fn normed(out: &mut JsonOut) {
                 .collect();
             let o = DeviceTensor::uninit(&gpu, vec![h], DType::F32).unwrap();
             let optr = fused_kernels_core::cuda::gemm::ptr(&o);
-            for (split, no_feed, label) in [
-                (None, false, "pipe"),
-                (None, true, "pipe_projected"),
-                (Some(false), false, "per_layer"),
-                (Some(false), true, "per_layer_projected"),
-            ] {
+            for (split, label) in [(None, "pipe"), (Some(false), "per_layer")] {
                 if hidden.len() == 1 && split.is_none() {
                     continue;
                 }
                 let tuning = Tuning {
                     split,
-                    no_feed,
                     ..Tuning::default()
                 };
                 let call = |_: usize| {
@@ -476,7 +467,7 @@ fn normed(out: &mut JsonOut) {
                         ",\"last_setup_cycles\":{},\"last_loop_cycles\":{},\"last_wait_cycles\":{},\"last_ns\":{},\"first_loop_cycles\":{},\"first_ns\":{}",
                         n[0], n[1], n[2], n[3], n[6], n[7]
                     );
-                    if split.is_none() {
+                    if label == "pipe" {
                         let rel = |i: usize| {
                             if n[i] == 0 {
                                 0
@@ -484,7 +475,7 @@ fn normed(out: &mut JsonOut) {
                                 n[i] as i64 - n[8] as i64
                             }
                         };
-                        let stamps: Vec<String> = [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+                        let stamps: Vec<String> = [9, 10, 11, 12, 13, 14, 15, 16, 17]
                             .iter()
                             .map(|&i| rel(i).to_string())
                             .collect();

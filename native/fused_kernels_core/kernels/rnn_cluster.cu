@@ -95,7 +95,7 @@ struct RcArgs {
                    // stage CTA r wrote step tau; then per layer j and step tau the unit groups
                    // of layer j that published it (rc_counts)
   unsigned long long* prof;  // null, or counters written by one CTA (tests); the pipe also
-                             // stamps globaltimer ns into [8..19] (see benches/rnn.rs)
+                             // stamps globaltimer ns into [8..17] (see benches/rnn.rs)
   // Pipe (split, 2 layers, 3 clusters; see rc_pipe_mid): the clusters' roles by ticket are layer
   // 0, the projection stage, layer 1; layer 1 reads its input projection like a first layer.
   int pipe;
@@ -107,22 +107,10 @@ struct RcArgs {
   const float* ob;
   float* out;
   float meps, oeps;
-  // Fed (fin > 0; the normed windows): the first layer's CTAs project their own input on their
-  // spare warps (rc_feed) instead of reading `xp`: x {T, fin} f32, LayerNormed by xg/xb first;
-  // the CTA's slice of W_in as [G * u][round32(fin)] f32 at win_off, the projection of every
-  // step at ring_off ([T][G * u] f32) and one ready word per step at flag_off.
-  const float* fx;
-  const float* xg;
-  const float* xb;
-  float xeps;
-  int fin, win_off, ring_off, flag_off;
 };
 
 template <typename T> struct RcRaw { typedef unsigned short type; };
 template <> struct RcRaw<float> { typedef float type; };
-// Fed first layers are an f32 path (the normed windows): compiled into the f32 kernels only.
-template <typename T> struct RcFeeds { static constexpr bool v = false; };
-template <> struct RcFeeds<float> { static constexpr bool v = true; };
 
 // The value the next layer would read back from this layer's output sequence.
 template <typename T> __device__ __forceinline__ float rc_round(float v) {
@@ -313,12 +301,6 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
   // The recurrence (launched next, programmatically dependent) may start loading its weights.
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-  // No rows: only zero the split recurrence's counters (a fed pipe launches no projection).
-  if (a.T == 0) {
-    for (int i = blockIdx.x * RC_PT + threadIdx.x; i < a.zero; i += gridDim.x * RC_PT)
-      a.sync[i] = 0u;
-    return;
-  }
   __shared__ __align__(16) float ws[RC_PK][RC_PN];
   __shared__ __align__(16) float xs[RC_PM][RC_PK + 4];
   __shared__ float stat[RC_PM][3];  // pivot, mean - pivot, 1 / std
@@ -642,134 +624,6 @@ __device__ __forceinline__ void rc_load_regs(float4 (&wr)[REG], const RcLayer& L
   }
 }
 
-// G matrices {K, H}' columns j0..j0+U-1 as the rows of ws [G * U][Kp] f32 (row g * U + ui:
-// unit j0 + ui of gate g; k >= K and units >= H zero), by all the CTA's threads, units fastest
-// (consecutive threads read consecutive floats of a weight row), many loads in flight.
-template <typename T>
-__device__ __forceinline__ void rc_load_cols(const void* const* w, int G, int K, int H, int j0,
-                                             int U, int Kp, float* ws) {
-#pragma unroll 16
-  for (int e = threadIdx.x; e < G * U * Kp; e += RC_THREADS) {
-    const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp), unit = j0 + ui;
-    ws[(g * U + ui) * Kp + k] =
-        (k < K && unit < H) ? fk_ld<T>(fk_pick(w, g), (size_t)k * H + unit) : 0.0f;
-  }
-}
-
-// Eight of a warp's dot products at once: output c0 + i = sum over k < Kp of
-// ws[(c0 + i) * Kp + k] * x(k), where lane k % 32 holds x(k) as x[k / 32] (rows past cmax - 1
-// read row cmax - 1 and are dropped). Eight independent chains per lane, then one
-// reduce-scatter: a butterfly that halves the values each level (4 + 2 + 1 + 1 + 1 shuffles for
-// the eight sums instead of 5 each). Returns, in every lane, the sum of output
-// c0 + rc_dot8_out(lane) (lanes 4o..4o+3 hold the same one).
-__device__ __forceinline__ int rc_dot8_out(int lane) {
-  return ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1);
-}
-template <int M>
-__device__ __forceinline__ float rc_dot8(const float* ws, int Kp, int c0, int cmax,
-                                         const float (&x)[M], int lane) {
-  float pd[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float* w = ws + min(c0 + i, cmax - 1) * Kp + lane;
-    float v = 0.0f;
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-      if (32 * m < Kp) v = fmaf(w[32 * m], x[m], v);
-    pd[i] = v;
-  }
-  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
-  float p4[4], p2[2];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    p4[i] = (b4 ? pd[i + 4] : pd[i]) + __shfl_xor_sync(0xffffffffu, b4 ? pd[i] : pd[i + 4], 16);
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-    p2[i] = (b3 ? p4[i + 2] : p4[i]) + __shfl_xor_sync(0xffffffffu, b3 ? p4[i] : p4[i + 2], 8);
-  float v = (b2 ? p2[1] : p2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? p2[0] : p2[1], 4);
-  v += __shfl_xor_sync(0xffffffffu, v, 2);
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v;
-}
-
-// gm[m] of rc_norm_row read from memory: p[32 m] (p already offset by the lane).
-struct RcStrided {
-  const float* p;
-  __device__ __forceinline__ float operator[](int m) const { return __ldg(p + 32 * m); }
-};
-
-// LayerNorm of a row held as lane k % 32's x[k / 32] (k < K), statistics about the row's first
-// value as norm.cu takes them (a large mean is not lost to rounding); entries k >= K become 0.
-template <int M, typename V>
-__device__ __forceinline__ void rc_norm_row(float (&x)[M], const V& gm, const V& bt, int K,
-                                            float eps, int lane) {
-  const float pivot = __shfl_sync(0xffffffffu, x[0], 0);
-  float sum = 0.0f;
-#pragma unroll
-  for (int m = 0; m < M; ++m) sum += lane + 32 * m < K ? x[m] - pivot : 0.0f;
-  const float d = rc_warp_sum(sum) / (float)K;
-  float q = 0.0f;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float c = lane + 32 * m < K ? (x[m] - pivot) - d : 0.0f;
-    q = fmaf(c, c, q);
-  }
-  const float rstd = rsqrtf(rc_warp_sum(q) / (float)K + eps);
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-    x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
-}
-
-__device__ __forceinline__ void rc_flag_cta(unsigned* f) {
-  asm volatile("st.release.cta.shared::cta.u32 [%0], 1;" ::"r"(fk_smem_addr(f)) : "memory");
-}
-__device__ __forceinline__ void rc_wait_cta(const unsigned* f) {
-  unsigned v;
-  do {
-    asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];"
-                 : "=r"(v)
-                 : "r"(fk_smem_addr(f))
-                 : "memory");
-  } while (v == 0u);
-}
-
-// Fed first layer (a.fin > 0): producer warp pw of np (the CTA's warps free of unit groups,
-// partners and the last warp) projects steps pw, pw + np, ...: x's row LayerNormed in registers,
-// then the G * u values of this CTA's units (x . its W_in slice at win_off) into the ring, and
-// flags the step for the owners (release at CTA scope). x is all there from the start, so the
-// producers run ahead of the recurrence: no projection launch before it, and the projection's
-// work sits on SMs the recurrence leaves mostly idle (its steps are latency-bound).
-#define RC_FM 12  // x's registers per lane: fin <= 384
-template <int G>
-__device__ __forceinline__ void rc_feed(const RcArgs& a, int pw, int np, int lane) {
-  extern __shared__ __align__(16) unsigned char rc_smem[];
-  const int K = a.fin, Kp = (K + 31) & ~31, GU = G * a.l[0].u, len = a.T;
-  const float* ws = reinterpret_cast<const float*>(rc_smem + a.win_off);
-  float* ring = reinterpret_cast<float*>(rc_smem + a.ring_off);
-  unsigned* flags = reinterpret_cast<unsigned*>(rc_smem + a.flag_off);
-  // gamma and beta are read where they are applied (from L1), not held in 2 x RC_FM registers.
-  const float* gm = a.xg + lane;
-  const float* bt = a.xb + lane;
-  for (int tau = pw; tau < len; tau += np) {
-    const int t = a.reverse ? len - 1 - tau : tau;
-    float x[RC_FM];
-#pragma unroll
-    for (int m = 0; m < RC_FM; ++m) {
-      const int k = lane + 32 * m;
-      x[m] = k < K ? a.fx[(size_t)t * K + k] : 0.0f;
-    }
-    rc_norm_row<RC_FM>(x, RcStrided{gm}, RcStrided{bt}, K, a.xeps, lane);
-    for (int c0 = 0; c0 < GU; c0 += 8) {
-      const float v = rc_dot8<RC_FM>(ws, Kp, c0, GU, x, lane);
-      const int c = c0 + rc_dot8_out(lane);
-      if ((lane & 3) == 0 && c < GU) ring[(size_t)tau * GU + c] = v;
-    }
-    __syncwarp();
-    if (lane == 0) rc_flag_cta(flags + tau);
-    if (a.prof && a.pipe && tau == 0 && lane == 0 && rc_rank() == 0) a.prof[19] = rc_ns();
-  }
-}
-
 // Pipe mode's projection stage: the cluster between the two layers' clusters. CTA r computes
 // layer 1's input projection gx[tau] = LN(h0_tau) . W_in1 for the units layer 1's CTA r owns
 // (G * u values; W_in1's slice stays in shared memory as [G * u][Kp] f32), as soon as layer 0
@@ -787,7 +641,13 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
   const RcLayer& B = a.l[1];
   const int K = A.h, U = B.u, GU = G * U, j0 = rank * U, len = a.T, Kp = (K + 31) & ~31;
   float* ws = reinterpret_cast<float*>(rc_smem);
-  rc_load_cols<T>(B.wi, G, K, B.h, j0, U, Kp, ws);
+  // Units fastest: 16 consecutive floats of a weight row per load group.
+#pragma unroll 8
+  for (int e = tid; e < GU * Kp; e += RC_THREADS) {
+    const int ui = e % U, k = (e / U) % Kp, g = e / (U * Kp), unit = j0 + ui;
+    ws[(g * U + ui) * Kp + k] =
+        (k < K && unit < B.h) ? fk_ld<T>(fk_pick(B.wi, g), (size_t)k * B.h + unit) : 0.0f;
+  }
   float gm[8], bt[8];
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
@@ -811,11 +671,49 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
       const int k = lane + 32 * m;
       x[m] = k < K ? rc_ld_cg<T>(A.seq, (size_t)t * K + k) : 0.0f;
     }
-    rc_norm_row<8, float[8]>(x, gm, bt, K, a.meps, lane);
-    // A step's latency is what the stage adds to layer 1's lag: eight outputs per reduction.
+    // Statistics about the row's first value, as norm.cu takes them.
+    const float pivot = __shfl_sync(0xffffffffu, x[0], 0);
+    float sum = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) sum += lane + 32 * m < K ? x[m] - pivot : 0.0f;
+    const float d = rc_warp_sum(sum) / (float)K;
+    float q = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const float c = lane + 32 * m < K ? (x[m] - pivot) - d : 0.0f;
+      q = fmaf(c, c, q);
+    }
+    const float rstd = rsqrtf(rc_warp_sum(q) / (float)K + a.meps);
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+      x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
+    // Eight outputs at a time: eight independent dot chains per lane, then one reduce-scatter
+    // (a butterfly that halves the values each level: 4 + 2 + 1 + 1 + 1 shuffles for the eight
+    // sums instead of 5 each), after which lanes 4o..4o+3 hold output c0 + o' (o' from lane
+    // bits 4, 3, 2). A step's latency is what the stage adds to layer 1's lag.
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
     for (int c0 = 0; c0 < GU; c0 += 8) {
-      const float v = rc_dot8<8>(ws, Kp, c0, GU, x, lane);
-      const int c = c0 + rc_dot8_out(lane);
+      float pd[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float* w = ws + min(c0 + i, GU - 1) * Kp + lane;
+        float v = 0.0f;
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+          if (32 * m < Kp) v = fmaf(w[32 * m], x[m], v);
+        pd[i] = v;
+      }
+      float p4[4], p2[2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        p4[i] = (b4 ? pd[i + 4] : pd[i]) + __shfl_xor_sync(0xffffffffu, b4 ? pd[i] : pd[i + 4], 16);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        p2[i] = (b3 ? p4[i + 2] : p4[i]) + __shfl_xor_sync(0xffffffffu, b3 ? p4[i] : p4[i + 2], 8);
+      float v = (b2 ? p2[1] : p2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? p2[0] : p2[1], 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      const int c = c0 + (b4 ? 4 : 0) + (b3 ? 2 : 0) + (b2 ? 1 : 0);
       const int g = c / U, unit = j0 + c % U;
       if ((lane & 3) == 0 && c < GU && unit < B.h) a.gx[(size_t)tau * GH + g * B.h + unit] = v;
     }
@@ -891,12 +789,6 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   int total = 0;  // unit groups of all layers (of this cluster's layer, split)
   for (int j = 0; j < NL; ++j)
     if (J < 0 || j == J) total += a.l[j].u / Q;
-  // Fed (the host sets fin only for a first layer alone in its cluster, with owners and partners
-  // leaving warps 2 * total .. W - 2 free): those warps are its input's producers (rc_feed).
-  const bool fed = REG == 0 && RcFeeds<T>::v && a.fin > 0 && J <= 0;
-  const bool producer = fed && warp >= 2 * total && warp < W - 1;
-  const unsigned* fflags = reinterpret_cast<const unsigned*>(rc_smem + a.flag_off);
-  const float* ring = reinterpret_cast<const float*>(rc_smem + a.ring_off);
   // The partner warps' share of the first layer's recurrent dot starts here.
   const int second0 = a.partners ? a.l[0].ni_h / 2 : a.l[0].ni_h;
   float4 wr[NR];
@@ -935,12 +827,6 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         cs[i] = (k < L.h && L.c0) ? fk_ld<T>(L.c0, k) : 0.0f;
       }
     }
-    if (fed && j == 0) {
-      rc_load_cols<T>(L.wi, G, a.fin, L.h, j0, U, (a.fin + 31) & ~31,
-                      reinterpret_cast<float*>(rc_smem + a.win_off));
-      unsigned* f = reinterpret_cast<unsigned*>(rc_smem + a.flag_off);
-      for (int i = tid; i < len; i += RC_THREADS) f[i] = 0u;
-    }
   }
   const unsigned long long t_loaded = prof ? rc_clock() : 0;
 
@@ -962,7 +848,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   };
   // xp comes from the projection launched just before this kernel.
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (len > 0 && J <= 0 && !fed) fetch_x(0);
+  if (len > 0 && J <= 0) fetch_x(0);
 
   // Every CTA is initialised (weights, buffers, mbarriers) before anyone stores remotely.
   __syncthreads();
@@ -1069,12 +955,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   };
   if (a.prof && a.pipe && rank == 0 && tid == 0) a.prof[J == 0 ? 8 : 14] = rc_ns();
 
-  // The producers run their own loop; they take no part in the steps' exchanges.
-  if (RcFeeds<T>::v && producer) {
-    rc_feed<G>(a, warp - 2 * total, W - 1 - 2 * total, lane);
-    if (a.prof && a.pipe && rank == 0 && warp == 2 * total && lane == 0) a.prof[18] = rc_ns();
-  }
-  for (int s = 0; s < (producer ? 0 : steps); ++s) {
+  for (int s = 0; s < steps; ++s) {
     const int p = s & 1;
     const bool send = s + 1 < steps || onorm || pubw;
     const unsigned bar = bar0 + 8 * ((s + 1) & 1);
@@ -1082,7 +963,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     // This step's input projection leaves the prefetch slots, which take the next step's at
     // once: the load has the whole step to land.
     const float xq0 = xq[0], xq1 = xq[1];
-    if (J <= 0 && !fed && s + 1 < len) fetch_x(s + 1);
+    if (J <= 0 && s + 1 < len) fetch_x(s + 1);
     // The last thread writes nothing global or remote, so its arrive (a release) waits for
     // nothing of its own.
     if (tid == RC_THREADS - 1 && send) rc_bar_expect(bar, rc_bytes(a, s, N, J));
@@ -1163,14 +1044,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
           if (!lead_in && !a.partners)
             accx = rc_dot<T, true, LW, SL>(rc_smem + L.wi_off, hin, 0, L.ni_in, c * L.ni_in,
                                            lane, sl);
-          if (lead_in && sl == 0) {
-            if (fed && j == 0) {
-              rc_wait_cta(fflags + tau);
-              accx = ring[(size_t)tau * G * U + g * U + u];
-            } else {
-              accx = pipe_b ? gxs[(tau & 1) * GUb + g * U + u] : c == first ? xq0 : xq1;
-            }
-          }
+          if (lead_in && sl == 0)
+            accx = pipe_b ? gxs[(tau & 1) * GUb + g * U + u] : c == first ? xq0 : xq1;
         }
         if (a.partners) {
           const int f = base - groups + c;

@@ -85,62 +85,6 @@ pub struct Group {
     /// 4-vectors per warp range of the first layer's recurrent weights kept in registers (0,
     /// or `REGS`: the `_regs` kernel; those vectors are left out of `wh_off`'s layout).
     pub regs: usize,
-    /// The first layer projects its own input on its spare warps (`with_feed`).
-    pub feed: Option<Feed>,
-}
-
-/// A fed first layer's buffers after the group's (bytes): its CTA's slice of W_in as
-/// `[gates * per_cta][features rounded up to 32]` f32, the projection of every step
-/// (`[seq][gates * per_cta]` f32) and a ready word per step (`rc_feed` in rnn_cluster.cu).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Feed {
-    pub features: usize,
-    pub win_off: usize,
-    pub ring_off: usize,
-    pub flag_off: usize,
-}
-
-/// Features up to which a fed layer holds x's row in registers (`RC_FM` x 32).
-const FEED_MAX_FEATURES: usize = 12 * 32;
-
-/// `grp` with its first layer fed (its CTAs project their own LayerNormed input for all `seq`
-/// steps, on the warps that its unit groups and their partners leave free besides the last):
-/// no projection launch before the recurrence. None where the group does not suit it (more
-/// than its first layer in the cluster unless it is the pipe, registers, no warp free, more
-/// than `FEED_MAX_FEATURES` features) or the buffers do not fit `smem_limit`.
-pub fn with_feed(
-    cell: Cell,
-    grp: &Group,
-    features: usize,
-    seq: usize,
-    smem_limit: usize,
-) -> Option<Group> {
-    let l0 = grp.layers.first()?;
-    let alone = grp.pipe || (!grp.split && grp.layers.len() == 1);
-    if !alone || grp.regs > 0 || features == 0 || features > FEED_MAX_FEATURES {
-        return None;
-    }
-    if 2 * (l0.per_cta / GROUP) + 1 >= THREADS / 32 {
-        return None;
-    }
-    let cols = cell.gates() * l0.per_cta;
-    let win_off = align16(grp.smem_bytes);
-    let ring_off = win_off + align16(cols * features.div_ceil(32) * 32 * 4);
-    let flag_off = ring_off + align16(seq.checked_mul(cols * 4)?);
-    let smem_bytes = flag_off + align16(seq * 4);
-    if smem_bytes > smem_limit {
-        return None;
-    }
-    Some(Group {
-        smem_bytes,
-        feed: Some(Feed {
-            features,
-            win_off,
-            ring_off,
-            flag_off,
-        }),
-        ..grp.clone()
-    })
 }
 
 /// After the layers' buffers: two mbarriers and the split mode's ticket word (32 bytes), then
@@ -261,7 +205,6 @@ fn one_cluster(
         gxs_off: 0,
         smem_bytes: at + BARS + PARTNER_SUMS,
         regs,
-        feed: None,
     }
 }
 
@@ -349,7 +292,6 @@ pub fn split_group(
         smem_bytes: xin_off + (THREADS / 64) * xin_len * 4,
         layers,
         regs: 0,
-        feed: None,
     })
 }
 
@@ -403,7 +345,6 @@ pub fn pipe_group(
         gxs_off,
         smem_bytes,
         regs: 0,
-        feed: None,
     })
 }
 
@@ -560,19 +501,10 @@ struct RcArgs {
     out: CUdeviceptr,
     meps: f32,
     oeps: f32,
-    fx: CUdeviceptr,
-    xg: CUdeviceptr,
-    xb: CUdeviceptr,
-    xeps: f32,
-    fin: i32,
-    win_off: i32,
-    ring_off: i32,
-    flag_off: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<RcLayer>() == 184);
-const _: () =
-    assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16 + 8 + 48 + 8 + 24 + 20 + 4);
+const _: () = assert!(std::mem::size_of::<RcArgs>() == 8 + 3 * 184 + 40 + 16 + 8 + 48 + 8);
 
 /// `RcProj` in rnn_cluster.cu.
 #[repr(C)]
@@ -672,31 +604,6 @@ fn project(
     Ok(())
 }
 
-/// Zeroes the first `words` of a split recurrence's `sync` where no projection launch precedes it
-/// (a fed pipe): `rnn_cluster_project` with no rows, a few blocks. The recurrence launched next
-/// is dependent on it (PDL): its clusters become resident while this runs and take their
-/// tickets once it is done.
-fn zero_sync(gpu: &Gpu, sync: CUdeviceptr, words: usize) -> Result<()> {
-    let f = gpu.function(
-        &RNN_CLUSTER,
-        &crate::kernels::kernel_name("rnn_cluster_project", &[&"f32"]),
-    )?;
-    let mut a = RcProj {
-        sync,
-        zero: words as i32,
-        ..Default::default()
-    };
-    let shape = cl::Launch {
-        grid: words.div_ceil(4 * PROJ_THREADS as usize).clamp(1, 16) as u32,
-        block: PROJ_THREADS,
-        smem: 0,
-        cluster: 1,
-        dependent: false,
-    };
-    // Safety: `a` mirrors RcProj; with no rows the kernel only writes sync[0..words).
-    unsafe { cl::launch(gpu, &f, &shape, &mut a) }
-}
-
 /// One layer's staged parameters.
 pub(super) struct LayerParams<'a> {
     pub wi: Vec<Staged<'a>>,
@@ -723,7 +630,7 @@ fn fill_layers(
         let sq = DeviceTensor::uninit(gpu, vec![1, seq, h], dtype)?;
         let states = state_buffers(gpu, cell, 1, h, dtype)?;
         let r = &mut a.l[j];
-        if lay.input > 0 || (grp.pipe && j == 1) || (j == 0 && grp.feed.is_some()) {
+        if lay.input > 0 || (grp.pipe && j == 1) {
             for (d, w) in r.wi.iter_mut().zip(&p.wi) {
                 *d = ptr(w);
             }
@@ -757,9 +664,9 @@ fn fill_layers(
     Ok(outs)
 }
 
-fn base_args(grp: &Group, xp: CUdeviceptr, seq: usize, reverse: bool) -> RcArgs {
+fn base_args(grp: &Group, xp: &DeviceTensor, seq: usize, reverse: bool) -> RcArgs {
     RcArgs {
-        xp,
+        xp: ptr(xp),
         layers: grp.layers.len() as i32,
         t: seq as i32,
         reverse: reverse as i32,
@@ -826,7 +733,7 @@ pub(super) fn run_group(
     };
     // Queued first, so the device projects while the host sets up the rest of the call.
     project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp, extras)?;
-    let mut a = base_args(grp, ptr(&xp), seq, reverse);
+    let mut a = base_args(grp, &xp, seq, reverse);
     a.sync = extras.sync;
     a.prof = prof;
     let outs = fill_layers(gpu, cell, dtype, seq, grp, params, &mut a)?;
@@ -843,26 +750,17 @@ pub(super) enum NormedPlan {
 
 /// The plan for a batch-1 stack of `hidden` on clusters of `ctas` CTAs (two layers as a pipe
 /// launch where `pipe` and the device holds it), or None when a layer does not fit the cluster
-/// path (the caller composes the other paths then). With `feed`, the first layer projects its
-/// own input of `features` for `seq` steps where that fits (`with_feed`).
-#[allow(clippy::too_many_arguments)]
+/// path (the caller composes the other paths then).
 pub(super) fn normed_plan(
     gpu: &Gpu,
     cell: Cell,
     dtype: DType,
     hidden: &[usize],
-    (seq, features): (usize, usize),
     ctas: usize,
     smem_limit: usize,
-    (pipe, feed): (bool, bool),
+    pipe: bool,
 ) -> Result<Option<NormedPlan>> {
-    let fed = |grp: Group| {
-        feed.then(|| with_feed(cell, &grp, features, seq, smem_limit))
-            .flatten()
-            .unwrap_or(grp)
-    };
     if let Some(grp) = pipe_group(cell, dtype, hidden, ctas, smem_limit).filter(|_| pipe) {
-        let grp = fed(grp);
         if split_fits(gpu, cell, dtype, &grp)? {
             return Ok(Some(NormedPlan::Pipe(grp)));
         }
@@ -870,27 +768,14 @@ pub(super) fn normed_plan(
     let per_layer: Option<Vec<Group>> = (0..hidden.len())
         .map(|l| group(cell, dtype, &hidden[l..=l], 0, ctas, smem_limit))
         .collect();
-    Ok(per_layer.map(|mut gs| {
-        if let Some(g0) = gs.first_mut() {
-            *g0 = fed(g0.clone());
-        }
-        NormedPlan::Layers(gs)
-    }))
-}
-
-/// Points `a` at a fed first layer's input (`x`, `features` wide) and its LayerNorm.
-fn set_feed(a: &mut RcArgs, f: &Feed, x: &DeviceTensor, norm: NormPtrs) {
-    a.fx = ptr(x);
-    (a.xg, a.xb, a.xeps) = (norm.gamma, norm.beta, norm.eps);
-    a.fin = f.features as i32;
-    (a.win_off, a.ring_off, a.flag_off) = (f.win_off as i32, f.ring_off as i32, f.flag_off as i32);
+    Ok(per_layer.map(NormedPlan::Layers))
 }
 
 /// A batch-1 stack with LayerNorms folded in: `norms[0]` on `x`'s rows, `norms[l]` on layer
 /// l-1's output before layer l, `norms[L]` on the last layer's final h, written as f32 to
 /// `out` (`{h}`, device or mapped host memory). Every norm is applied where its input is read
-/// (in the projection kernels or a fed first layer, the projection stage, the recurrence's last
-/// step): no norm launches. Returns each layer's sequence (un-normed) and final states.
+/// (in the projection kernels, the projection stage, the recurrence's last step): no norm
+/// launches. Returns each layer's sequence (un-normed) and final states.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_normed(
     gpu: &Arc<Gpu>,
@@ -916,34 +801,19 @@ pub(super) fn run_normed(
     match plan {
         NormedPlan::Pipe(grp) => {
             let (h0, h1) = (grp.layers[0].units, grp.layers[1].units);
-            let xp = match grp.feed {
-                Some(_) => None,
-                None => Some(DeviceTensor::uninit(
-                    gpu,
-                    vec![1, seq, cell.gates() * h0],
-                    DType::F32,
-                )?),
-            };
+            let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h0], DType::F32)?;
             let gx = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h1], DType::F32)?;
             // The ticket, the stage's flags per CTA and step, each layer's count per step.
             let words = 4 + grp.ctas * seq + grp.layers.len() * seq * COUNT_STRIDE;
             let sync = DeviceTensor::uninit(gpu, vec![words], DType::F32)?;
-            match &xp {
-                Some(xp) => {
-                    let extras = ProjExtras {
-                        norm: Some(norms[0]),
-                        sync: ptr(&sync),
-                        zero: words,
-                        dependent: false,
-                    };
-                    project(gpu, dtype, x, &params[0].wi, seq, features, h0, xp, extras)?;
-                }
-                None => zero_sync(gpu, ptr(&sync), words)?,
-            }
-            let mut a = base_args(grp, ptr_opt(xp.as_ref()), seq, false);
-            if let Some(fd) = &grp.feed {
-                set_feed(&mut a, fd, x, norms[0]);
-            }
+            let extras = ProjExtras {
+                norm: Some(norms[0]),
+                sync: ptr(&sync),
+                zero: words,
+                dependent: false,
+            };
+            project(gpu, dtype, x, &params[0].wi, seq, features, h0, &xp, extras)?;
+            let mut a = base_args(grp, &xp, seq, false);
             a.sync = ptr(&sync);
             a.gx = ptr(&gx);
             (a.mg, a.mb, a.meps) = (norms[1].gamma, norms[1].beta, norms[1].eps);
@@ -963,24 +833,14 @@ pub(super) fn run_normed(
                     Some((sq, _)) => (sq, sq.shape[2]),
                     None => (x, features),
                 };
-                let xp = match grp.feed {
-                    Some(_) => None,
-                    None => {
-                        let xp =
-                            DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h], DType::F32)?;
-                        let extras = ProjExtras {
-                            norm: Some(norms[l]),
-                            dependent: l > 0,
-                            ..Default::default()
-                        };
-                        project(gpu, dtype, input, &params[l].wi, seq, k, h, &xp, extras)?;
-                        Some(xp)
-                    }
+                let xp = DeviceTensor::uninit(gpu, vec![1, seq, cell.gates() * h], DType::F32)?;
+                let extras = ProjExtras {
+                    norm: Some(norms[l]),
+                    dependent: l > 0,
+                    ..Default::default()
                 };
-                let mut a = base_args(grp, ptr_opt(xp.as_ref()), seq, false);
-                if let Some(fd) = &grp.feed {
-                    set_feed(&mut a, fd, input, norms[l]);
-                }
+                project(gpu, dtype, input, &params[l].wi, seq, k, h, &xp, extras)?;
+                let mut a = base_args(grp, &xp, seq, false);
                 if l + 1 == groups.len() {
                     set_out(&mut a);
                     a.prof = prof;

@@ -138,9 +138,6 @@ pub struct Tuning {
     pub no_cluster: bool,
     /// Cluster size of the cluster path (8 or 16) where the device allows it.
     pub cluster_ctas: Option<usize>,
-    /// Normed windows (`cuda_normed_window_on`): the first layer reads a projection launch's
-    /// output instead of projecting its input on its own spare warps (`cluster::with_feed`).
-    pub no_feed: bool,
     /// One-layer groups with part of the recurrent weights in registers (`cluster::group_regs`)
     /// wherever they apply (`Some(true)`), never (`Some(false)`); `None`: where a group would
     /// hold that one layer anyway, or the layer does not fit shared memory otherwise.

@@ -304,17 +304,7 @@ pub fn cuda_normed_window_on(
     };
     let smem = common::smem_limit(gpu)?;
     let pipe = tuning.split != Some(false);
-    let plan = cluster::normed_plan(
-        gpu,
-        cell,
-        g.dtype,
-        &g.hidden,
-        (g.seq, g.features),
-        ctas,
-        smem,
-        (pipe, !tuning.no_feed),
-    )?;
-    let Some(plan) = plan else {
+    let Some(plan) = cluster::normed_plan(gpu, cell, g.dtype, &g.hidden, ctas, smem, pipe)? else {
         return Ok(false);
     };
     let groups: Vec<&ClusterGroup> = match &plan {
