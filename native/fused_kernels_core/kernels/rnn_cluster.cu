@@ -539,12 +539,11 @@ __device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v, unsign
 __device__ __forceinline__ unsigned* rc_counts(const RcArgs& a, int j, int N) {
   return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T * RC_COUNT_STRIDE;
 }
-// Whether layer j's last warp writes the layer's output sequence (and, split, publishes each
-// step once per CTA) instead of the owner warps (see pub_read in rc_run). A publish is a
-// release at GPU scope (the warp waits for its stores of the step to reach L2); done by the
-// owner warps it sat between a step's send and the wait for the next step's h (~0.2 us a step
-// in the pipe's layer 0). The last warp is free where the unit groups, their partners (or
-// feeders) leave it so.
+// Split and pipe: whether layer j's cluster publishes each step once per CTA, from its last
+// warp, instead of once per unit group from the group's warp. A publish is a release at GPU
+// scope (the warp waits for its stores of the step to reach L2); done by the owner warps it sat
+// between a step's send and the wait for the next step's h (~0.2 us a step in the pipe's layer
+// 0). The last warp is free where the unit groups, their partners (or feeders) leave it so.
 template <int Q> __device__ __forceinline__ bool rc_pub_warp(const RcArgs& a, int j) {
   return 2 * (a.l[j].u / Q) < RC_WARPS;
 }
@@ -922,20 +921,17 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // Slot 0 is read at step 0, with no mbarrier wait before it.
   if (pipe_b) __syncthreads();
 
-  // A layer alone in its cluster (split) or in its launch: where rc_pub_warp, the last warp
-  // writes this CTA's units of step tau to seq at step tau + 1 (and publishes the step where a
-  // next layer reads it), from the copy of h that every CTA holds after the wait, so the owners
-  // store nothing per step; the last step is sent like the others. It reads this CTA's own
-  // units of buffer (tau + 1) & 1 before its last thread's arrival for step tau + 1 (the
-  // __syncwarp orders the lanes' reads before it); only this CTA's owners write those entries
-  // again, at step tau + 2, after that step's wait.
-  const int JL = J >= 0 ? J : 0;
-  const bool pubw = REG == 0 && (J >= 0 || NL == 1) && rc_pub_warp<Q>(a, JL);
-  const bool pubc = pubw && J >= 0 && J + 1 < NL;
+  // Split, a layer with a next one: where rc_pub_warp, the last warp writes this CTA's units of
+  // step tau to seq and publishes it at step tau + 1, from the copy of h that every CTA holds
+  // after the wait (so the owners never touch global memory), and the last step is sent like
+  // the others. It reads this CTA's own units of buffer (tau + 1) & 1 before its last thread's
+  // arrival for step tau + 1 (the __syncwarp orders the lanes' reads before it); only this
+  // CTA's owners write those entries again, at step tau + 2, after that step's wait.
+  const bool pubw = J >= 0 && J + 1 < NL && rc_pub_warp<Q>(a, J);
   const bool publisher = pubw && warp == W - 1;
   float pv[4];
   auto pub_read = [&](int tau) {
-    const RcLayer& L = a.l[JL];
+    const RcLayer& L = a.l[J];
     const float* hb =
         reinterpret_cast<const float*>(rc_smem + L.hb_off) + ((tau + 1) & 1) * L.hb_len;
 #pragma unroll
@@ -946,7 +942,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     __syncwarp();
   };
   auto pub_write = [&](int tau) {
-    const RcLayer& L = a.l[JL];
+    const RcLayer& L = a.l[J];
     const int t = a.reverse ? len - 1 - tau : tau;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -954,8 +950,8 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       if (e < L.u && k < L.h) fk_st<T>(L.seq, (size_t)t * L.h + k, pv[i]);
     }
     __syncwarp();
-    if (pubc && lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
-    if (pubc && a.prof && a.pipe && rank == 0 && lane == 0 && tau == len - 1) a.prof[9] = rc_ns();
+    if (lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
+    if (a.prof && a.pipe && rank == 0 && lane == 0 && tau == len - 1) a.prof[9] = rc_ns();
   };
   if (a.prof && a.pipe && rank == 0 && tid == 0) a.prof[J == 0 ? 8 : 14] = rc_ns();
 
