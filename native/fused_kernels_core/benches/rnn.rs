@@ -388,13 +388,16 @@ fn cluster_regs(out: &mut JsonOut) {
 /// launches of one window), as the pipe launch and as a launch per layer, and the kernel's own
 /// counters (`RcArgs::prof`): the last layer's CTA 0 (set-up incl. waiting for the pipeline to
 /// fill, recurrence cycles, cycles thread 0 waited on its mbarrier, ns start to end) and, in the
-/// pipe, layer 0's CTA 0 (recurrence cycles, ns).
+/// pipe, layer 0's CTA 0 (recurrence cycles, ns) and the pipe's globaltimer stamps (`stamps_ns`,
+/// ns after layer 0's loop start; 0 where unset): [layer 0's last publish, stage saw layer 0's
+/// last step, stage flagged it, stage saw step 0, stage flagged step 0, layer 1's loop start,
+/// layer 1's feeder saw the last flag, layer 1's end, layer 0's end] (CTA 0 of each cluster).
 fn normed(out: &mut JsonOut) {
     let Some(gpu) = gpu_for_tests() else { return };
     if gpu.compute_capability < (9, 0) {
         return;
     }
-    let mut prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    let mut prof = DeviceTensor::uninit(&gpu, vec![24], DType::F64).unwrap();
     for cell in [Cell::Gru, Cell::Lstm] {
         for (t, hidden) in [(60, vec![256, 256]), (16, vec![256])] {
             let (i, h) = (288, 256);
@@ -453,6 +456,20 @@ fn normed(out: &mut JsonOut) {
                         ",\"last_setup_cycles\":{},\"last_loop_cycles\":{},\"last_wait_cycles\":{},\"last_ns\":{},\"first_loop_cycles\":{},\"first_ns\":{}",
                         n[0], n[1], n[2], n[3], n[6], n[7]
                     );
+                    if label == "pipe" {
+                        let rel = |i: usize| {
+                            if n[i] == 0 {
+                                0
+                            } else {
+                                n[i] as i64 - n[8] as i64
+                            }
+                        };
+                        let stamps: Vec<String> = [9, 10, 11, 12, 13, 14, 15, 16, 17]
+                            .iter()
+                            .map(|&i| rel(i).to_string())
+                            .collect();
+                        line += &format!(",\"stamps_ns\":[{}]", stamps.join(","));
+                    }
                 }
                 out.line(&format!("{line}}}"));
             }

@@ -94,7 +94,8 @@ struct RcArgs {
   unsigned* sync;  // split, zeroed per call: [0] ticket; pipe: [4 + r * T + tau] projection
                    // stage CTA r wrote step tau; then per layer j and step tau the unit groups
                    // of layer j that published it (rc_counts)
-  unsigned long long* prof;  // null, or counters written by one CTA (tests)
+  unsigned long long* prof;  // null, or counters written by one CTA (tests); the pipe also
+                             // stamps globaltimer ns into [8..17] (see benches/rnn.rs)
   // Pipe (split, 2 layers, 3 clusters; see rc_pipe_mid): the clusters' roles by ticket are layer
   // 0, the projection stage, layer 1; layer 1 reads its input projection like a first layer.
   int pipe;
@@ -538,6 +539,18 @@ __device__ __forceinline__ void rc_wait_ge(const unsigned* p, unsigned v, unsign
 __device__ __forceinline__ unsigned* rc_counts(const RcArgs& a, int j, int N) {
   return a.sync + 4 + (size_t)(a.pipe ? N * a.T : 0) + (size_t)j * a.T * RC_COUNT_STRIDE;
 }
+// Split and pipe: whether layer j's cluster publishes each step once per CTA, from its last
+// warp, instead of once per unit group from the group's warp. A publish is a release at GPU
+// scope (the warp waits for its stores of the step to reach L2); done by the owner warps it sat
+// between a step's send and the wait for the next step's h (~0.2 us a step in the pipe's layer
+// 0). The last warp is free where the unit groups, their partners (or feeders) leave it so.
+template <int Q> __device__ __forceinline__ bool rc_pub_warp(const RcArgs& a, int j) {
+  return 2 * (a.l[j].u / Q) < RC_WARPS;
+}
+// The count of layer j's step when it is complete (see rc_pub_warp).
+template <int Q> __device__ __forceinline__ unsigned rc_per_step(const RcArgs& a, int j, int N) {
+  return rc_pub_warp<Q>(a, j) ? (unsigned)N : (unsigned)N * (unsigned)(a.l[j].u / Q);
+}
 __device__ __forceinline__ void rc_bar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -643,13 +656,15 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
     bt[m] = k < K ? a.mb[k] : 0.0f;
   }
   __syncthreads();
-  const unsigned per_step = (unsigned)N * (unsigned)(A.u / Q);
+  const unsigned per_step = rc_per_step<Q>(a, 0, N);
   unsigned* flags = a.sync + 4;
   const int GH = G * B.h;
   for (int tau = warp; tau < len; tau += RC_WARPS) {
     const int t = a.reverse ? len - 1 - tau : tau;
     // A warp waits 16 steps for its next one: it can nap.
     rc_wait_ge(rc_counts(a, 0, N) + RC_COUNT_STRIDE * tau, per_step, 256);
+    const bool stamp = a.prof && rank == 0 && lane == 0 && (tau == 0 || tau == len - 1);
+    if (stamp) a.prof[tau == 0 ? 12 : 10] = rc_ns();
     float x[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -672,18 +687,39 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
 #pragma unroll
     for (int m = 0; m < 8; ++m)
       x[m] = lane + 32 * m < K ? fmaf(((x[m] - pivot) - d) * rstd, gm[m], bt[m]) : 0.0f;
-    for (int c = 0; c < GU; ++c) {
-      const float* w = ws + c * Kp + lane;
-      float v = 0.0f;
+    // Eight outputs at a time: eight independent dot chains per lane, then one reduce-scatter
+    // (a butterfly that halves the values each level: 4 + 2 + 1 + 1 + 1 shuffles for the eight
+    // sums instead of 5 each), after which lanes 4o..4o+3 hold output c0 + o' (o' from lane
+    // bits 4, 3, 2). A step's latency is what the stage adds to layer 1's lag.
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+    for (int c0 = 0; c0 < GU; c0 += 8) {
+      float pd[8];
 #pragma unroll
-      for (int m = 0; m < 8; ++m)
-        if (32 * m < Kp) v = fmaf(w[32 * m], x[m], v);
-      v = rc_warp_sum(v);
+      for (int i = 0; i < 8; ++i) {
+        const float* w = ws + min(c0 + i, GU - 1) * Kp + lane;
+        float v = 0.0f;
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+          if (32 * m < Kp) v = fmaf(w[32 * m], x[m], v);
+        pd[i] = v;
+      }
+      float p4[4], p2[2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        p4[i] = (b4 ? pd[i + 4] : pd[i]) + __shfl_xor_sync(0xffffffffu, b4 ? pd[i] : pd[i + 4], 16);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        p2[i] = (b3 ? p4[i + 2] : p4[i]) + __shfl_xor_sync(0xffffffffu, b3 ? p4[i] : p4[i + 2], 8);
+      float v = (b2 ? p2[1] : p2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? p2[0] : p2[1], 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      const int c = c0 + (b4 ? 4 : 0) + (b3 ? 2 : 0) + (b2 ? 1 : 0);
       const int g = c / U, unit = j0 + c % U;
-      if (lane == (c & 31) && unit < B.h) a.gx[(size_t)tau * GH + g * B.h + unit] = v;
+      if ((lane & 3) == 0 && c < GU && unit < B.h) a.gx[(size_t)tau * GH + g * B.h + unit] = v;
     }
     __syncwarp();
     if (lane == 0) rc_flag(flags + (size_t)rank * len + tau);
+    if (stamp) a.prof[tau == 0 ? 13 : 11] = rc_ns();
   }
 }
 
@@ -830,8 +866,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   const bool feeder = J > 0 && !a.pipe && warp >= total && warp < 2 * total;
   float xr[8];
   auto published = [&](int tau) {
-    const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
-    rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, (unsigned)(N * (P.u / Q)));
+    rc_wait_ge(rc_counts(a, J - 1, N) + RC_COUNT_STRIDE * tau, rc_per_step<Q>(a, J - 1, N));
   };
   auto fetch_in = [&](int tau) {
     const RcLayer& P = a.l[J > 0 ? J - 1 : 0];
@@ -862,6 +897,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   auto gload = [&](int tau) {
     const RcLayer& B = a.l[1];
     rc_wait_ge(a.sync + 4 + (size_t)rank * len + tau, 1u);
+    if (a.prof && rank == 0 && lane == 0 && tau == len - 1) a.prof[15] = rc_ns();
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int e = lane + 32 * i, unit = rank * B.u + e % B.u;
@@ -885,10 +921,45 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   // Slot 0 is read at step 0, with no mbarrier wait before it.
   if (pipe_b) __syncthreads();
 
+  // Split, a layer with a next one: where rc_pub_warp, the last warp writes this CTA's units of
+  // step tau to seq and publishes it at step tau + 1, from the copy of h that every CTA holds
+  // after the wait (so the owners never touch global memory), and the last step is sent like
+  // the others. It reads this CTA's own units of buffer (tau + 1) & 1 before its last thread's
+  // arrival for step tau + 1 (the __syncwarp orders the lanes' reads before it); only this
+  // CTA's owners write those entries again, at step tau + 2, after that step's wait.
+  const bool pubw = J >= 0 && J + 1 < NL && rc_pub_warp<Q>(a, J);
+  const bool publisher = pubw && warp == W - 1;
+  float pv[4];
+  auto pub_read = [&](int tau) {
+    const RcLayer& L = a.l[J];
+    const float* hb =
+        reinterpret_cast<const float*>(rc_smem + L.hb_off) + ((tau + 1) & 1) * L.hb_len;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = lane + 32 * i;
+      pv[i] = e < L.u ? hb[rank * L.u + e] : 0.0f;
+    }
+    __syncwarp();
+  };
+  auto pub_write = [&](int tau) {
+    const RcLayer& L = a.l[J];
+    const int t = a.reverse ? len - 1 - tau : tau;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = lane + 32 * i, k = rank * L.u + e;
+      if (e < L.u && k < L.h) fk_st<T>(L.seq, (size_t)t * L.h + k, pv[i]);
+    }
+    __syncwarp();
+    if (lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
+    if (a.prof && a.pipe && rank == 0 && lane == 0 && tau == len - 1) a.prof[9] = rc_ns();
+  };
+  if (a.prof && a.pipe && rank == 0 && tid == 0) a.prof[J == 0 ? 8 : 14] = rc_ns();
+
   for (int s = 0; s < steps; ++s) {
     const int p = s & 1;
-    const bool send = s + 1 < steps || onorm;
+    const bool send = s + 1 < steps || onorm || pubw;
     const unsigned bar = bar0 + 8 * ((s + 1) & 1);
+    if (publisher && s > 0) pub_read(s - 1);
     // This step's input projection leaves the prefetch slots, which take the next step's at
     // once: the load has the whole step to land.
     const float xq0 = xq[0], xq1 = xq[1];
@@ -896,6 +967,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     // The last thread writes nothing global or remote, so its arrive (a release) waits for
     // nothing of its own.
     if (tid == RC_THREADS - 1 && send) rc_bar_expect(bar, rc_bytes(a, s, N, J));
+    if (publisher && s > 0) pub_write(s - 1);
     if (gfeed && ((s + 1) & 1) == gf) {
       if (send) {
         if (s + 1 < len) gput(s + 1);
@@ -1022,7 +1094,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         }
         if (head && k < L.h) {
           const int t = a.reverse ? len - 1 - tau : tau;
-          fk_st<T>(L.seq, (size_t)t * L.h + k, h);
+          if (!pubw) fk_st<T>(L.seq, (size_t)t * L.h + k, h);
           if (tau == len - 1) {
             fk_st<T>(L.h_out, k, h);
             if (LSTM) fk_st<T>(L.c_out, k, cell);
@@ -1031,7 +1103,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
         // Split: the next layer's cluster reads this step of seq once every group of every
         // CTA counted it (the warp barrier orders the head lanes' stores before lane 0's
         // release).
-        if (J >= 0 && J + 1 < NL) {
+        if (J >= 0 && J + 1 < NL && !pubw) {
           __syncwarp();
           if (lane == 0) rc_publish(rc_counts(a, J, N) + RC_COUNT_STRIDE * tau);
         }
@@ -1042,6 +1114,10 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
       rc_bar_wait(bar, (s >> 1) & 1);
       if (prof) t_wait += rc_clock() - w0;
     }
+  }
+  if (publisher && len > 0) {
+    pub_read(len - 1);
+    pub_write(len - 1);
   }
   if (onorm && rank == 0 && warp == 0) {
     // The last step sent h like the others: this CTA holds all of it.
@@ -1062,6 +1138,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
   }
   // No CTA leaves while another may still address its shared memory.
   rc_cluster_sync();
+  if (a.prof && a.pipe && rank == 0 && tid == 0) a.prof[J == 0 ? 17 : 16] = rc_ns();
   if (prof && prof_first) {
     a.prof[6] = rc_clock() - t_loop;  // cycles: layer 0's recurrence
     a.prof[7] = rc_ns() - ns_start;   // ns: layer 0's CTA 0 start to end
