@@ -31,6 +31,7 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
+use super::chain::{self, Chain};
 use super::persist::{FrameArgs, Persist};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
@@ -45,8 +46,9 @@ use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -195,6 +197,8 @@ pub struct CudaEngine {
     frame: Option<FrameFns>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
+    /// Whether frames that fit run as one chain launch (`set_frame_chain`; on by default).
+    chain_on: AtomicBool,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     blas_workspace: Option<DeviceTensor>,
@@ -226,6 +230,9 @@ pub struct CudaState {
     /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
     /// kernel's `FkErState` table.
     rnn_table: Option<DeviceTensor>,
+    /// Attention/Mamba/Jamba on the chain kernel: its two counters (tickets, items done),
+    /// zeroed once; the state's frames are the only launches that use them.
+    chain_sync: Option<DeviceTensor>,
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -525,6 +532,28 @@ struct FrameFns {
     attn: Option<CudaFunction>,
     /// Mamba/Jamba: the frame's scan step (the conv runs in the in_proj GEMV).
     mamba: Option<CudaFunction>,
+    /// The whole frame in one launch (`chain`), where the kernel builds.
+    chain: Option<Chain>,
+}
+
+/// Where `gemv_forward`'s ops go: each launched as its own kernel (`ops` None: windows, and
+/// frames the chain does not take), or recorded for one `engine_chain_f32` launch.
+struct Emit<'a> {
+    ff: &'a FrameFns,
+    ops: Option<RefCell<Vec<chain::Op>>>,
+}
+
+impl Emit<'_> {
+    /// True when `op` was recorded (nothing to launch).
+    fn record(&self, op: chain::Op) -> bool {
+        match &self.ops {
+            Some(v) => {
+                v.borrow_mut().push(op);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -576,6 +605,7 @@ impl FrameFns {
             } else {
                 Some(f("engine_mamba_scan_f32")?)
             },
+            chain: Chain::new(gpu),
         })
     }
 
@@ -797,6 +827,7 @@ impl CudaEngine {
             rnn_frame,
             frame,
             shapes: Mutex::new(Vec::new()),
+            chain_on: AtomicBool::new(true),
             blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
@@ -1541,6 +1572,24 @@ impl CudaEngine {
         Ok(true)
     }
 
+    /// Whether attention/Mamba/Jamba frames that fit run as one `engine_chain_f32` launch (on
+    /// by default); off, each op of a frame is a launch of its own (the chain's A/B in
+    /// benches and tests). Returns whether this engine has the chain kernel. Graphs captured
+    /// before are dropped.
+    pub fn set_frame_chain(&self, on: bool) -> Result<bool> {
+        self.chain_on.store(on, Ordering::Relaxed);
+        let mut shapes = self
+            .shapes
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        for sh in shapes.iter_mut() {
+            // The next call runs eagerly (the other path's buffers allocated), then captures.
+            sh.graphs.clear();
+            sh.warm = false;
+        }
+        Ok(self.frame.as_ref().is_some_and(|ff| ff.chain.is_some()))
+    }
+
     /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
     pub fn persistent_counts(&self) -> Result<(u64, u64)> {
         let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
@@ -1602,7 +1651,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
-        ff: &FrameFns,
+        ff: &Emit<'_>,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1621,7 +1670,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
-        ff: &FrameFns,
+        ff: &Emit<'_>,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1646,6 +1695,29 @@ impl CudaEngine {
         let (mut eps, mut code) = (eps, act.code());
         let c = conv.unwrap_or_default();
         let (mut cw, mut cb, mut cs, mut cx, mut ck) = (c.w, c.b, c.state, c.xc, c.k);
+        if ff.record(chain::Op::Gemv(chain::Gemv {
+            x: xp,
+            xg,
+            xb,
+            w,
+            bias,
+            res: rp,
+            rg,
+            rb,
+            out: op,
+            conv_w: cw,
+            conv_b: cb,
+            conv_state: cs,
+            xc: cx,
+            rows: ri,
+            k: ki,
+            n: ni,
+            act: code,
+            conv_k: ck,
+            eps,
+        })) {
+            return Ok(out);
+        }
         let mut params = [
             arg(&mut xp),
             arg(&mut xg),
@@ -1676,7 +1748,7 @@ impl CudaEngine {
         // Safety: the kernel's parameters in order, each a live local of its type; every
         // address is a weight or an arena buffer of this engine, alive in its stream's order;
         // the kernel waits for the launch before it ahead of reading its rows.
-        unsafe { self.launch(&ff.gemv, (grid, 512, smem), &mut params) }?;
+        unsafe { self.launch(&ff.ff.gemv, (grid, 512, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1685,7 +1757,7 @@ impl CudaEngine {
     /// address of the count of cached rows the query sees (`counted`).
     fn attn_frame(
         &self,
-        ff: &FrameFns,
+        ff: &Emit<'_>,
         (qkv, valid_at): (&DeviceTensor, u64),
         st: &mut CudaState,
         l: usize,
@@ -1704,6 +1776,21 @@ impl CudaEngine {
         let mut valid_at = valid_at;
         let mut qn = qk_norm as i32;
         let mut scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
+        if ff.record(chain::Op::Attn(chain::Attn {
+            qkv: q,
+            kc,
+            vc,
+            out: op,
+            valid_at,
+            batch: b as i32,
+            heads,
+            head_dim: d,
+            window: w,
+            qk_norm: qn,
+            scale,
+        })) {
+            return Ok(out);
+        }
         let mut params = [
             arg(&mut q),
             arg(&mut kc),
@@ -1719,7 +1806,7 @@ impl CudaEngine {
         let grid = (s.heads as u32, b as u32, 1);
         let smem = FrameFns::attn_smem(s) as u32;
         // Safety: as in `gemv`; the caches are the state's own tensors.
-        unsafe { self.launch(ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
+        unsafe { self.launch(ff.ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1778,7 +1865,7 @@ impl CudaEngine {
     /// states of layer `l`, 0-based, on), out_proj with the residual: four launches.
     fn mamba_frame(
         &self,
-        ff: &FrameFns,
+        ff: &Emit<'_>,
         (prefix, x): (&str, &DeviceTensor),
         st: &mut CudaState,
         l: usize,
@@ -1846,6 +1933,25 @@ impl CudaEngine {
             let (mut d, mut cst, mut sst) = (d, conv_state, ssm_state);
             let (mut bi, mut ii, mut ni, mut ri, mut ki) = (bi, ii, ni, ri, ki);
             let (mut dt_min, mut dt_max) = (0.001f32, 0.1f32);
+            let recorded = ff.record(chain::Op::Scan(chain::Scan {
+                xz: pxz,
+                xc: pxc,
+                bcr: pbcr,
+                w_dt: wdt,
+                b_dt: bdt,
+                a,
+                d,
+                conv_state: cst,
+                ssm_state: sst,
+                y: py,
+                batch: bi,
+                inner: ii,
+                state: ni,
+                rank: ri,
+                k: ki,
+                dt_min,
+                dt_max,
+            }));
             let mut params = [
                 arg(&mut pxz),
                 arg(&mut pxc),
@@ -1867,8 +1973,10 @@ impl CudaEngine {
             ];
             // One warp per (batch row, channel), 8 to a block.
             let grid = ((b * inner).div_ceil(8) as u32, 1, 1);
-            // Safety: as in `gemv`.
-            unsafe { self.launch(ff.mamba()?, (grid, 256, 0), &mut params) }?;
+            if !recorded {
+                // Safety: as in `gemv`.
+                unsafe { self.launch(ff.ff.mamba()?, (grid, 256, 0), &mut params) }?;
+            }
         }
         let yr = Rows {
             ptr: ptr(&y),
@@ -1909,6 +2017,22 @@ impl CudaEngine {
         let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
         let bt = (b, t);
         let none = dense::Activation::None;
+        // A frame that fits the chain kernel is recorded and launched as one kernel at the end.
+        let chain = match (&ff.chain, st.as_deref()) {
+            (Some(c), Some(state))
+                if self.chain_on.load(Ordering::Relaxed)
+                    && state.chain_sync.is_some()
+                    && c.fits(s, b) =>
+            {
+                Some(c)
+            }
+            _ => None,
+        };
+        let emit = Emit {
+            ff,
+            ops: chain.map(|_| RefCell::new(Vec::new())),
+        };
+        let ff = &emit;
         let norm = |name: &str| -> Result<Option<(u64, u64)>> {
             Ok(Some((
                 ptr(self.dw(&format!("{name}/gamma"))?),
@@ -1998,10 +2122,31 @@ impl CudaEngine {
                 };
             }
         }
-        match y_norm {
-            Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
-            None => Ok(y),
+        let y = match (y_norm, &emit.ops) {
+            (Some(n), Some(_)) => {
+                let out = self.out_or_buf(dst, y.shape.clone())?;
+                emit.record(chain::Op::Norm(chain::Norm {
+                    x: ptr(&y),
+                    g: ptr(self.dw(&format!("{n}/gamma"))?),
+                    b: ptr(self.dw(&format!("{n}/beta"))?),
+                    out: ptr(&out),
+                    rows: (b * t) as i32,
+                    n: hid as i32,
+                    eps,
+                }));
+                out
+            }
+            (Some(n), None) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst)?,
+            (None, _) => y,
+        };
+        if let (Some(c), Some(ops), Some(sync)) = (
+            chain,
+            emit.ops,
+            st.as_deref().and_then(|state| state.chain_sync.as_ref()),
+        ) {
+            c.launch(&self.gpu, &ops.into_inner(), sync)?;
         }
+        Ok(y)
     }
 
     /// Every layer over `xd` `{b, t, embed}`; returns `{b, t, hidden}`. Runs inside
@@ -2158,6 +2303,10 @@ impl CudaEngine {
             }
             _ => None,
         };
+        let chain_sync = match self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) {
+            Some(_) => Some(zeros(&self.gpu, vec![4])?),
+            None => None,
+        };
         self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
@@ -2165,6 +2314,7 @@ impl CudaEngine {
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
             rnn_table,
+            chain_sync,
         })
     }
 

@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod chain;
 mod persist;
 pub mod plan;
 pub mod prefetch;
