@@ -17,12 +17,15 @@
 //!
 //! `--frame-path graph|persist`: LSTM/GRU frames on the one-kernel graph or on the persistent
 //! kernel (the default where it runs: engine/persist.rs), for the two side by side in one run.
+//! `--chain on|off`: attention/Mamba/Jamba frames as one `engine_chain_f32` launch (the
+//! default where it fits) or one launch per op (`CudaEngine::set_frame_chain`), for the two
+//! side by side in one run.
 //! `--gap-ms G`: each timed frame after a pause of G ms (longer than the persistent kernel's
 //! idle time-out: every frame relaunches it).
 //!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
 //! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--frame-path P]
-//! [--gap-ms G] [--json FILE]. One JSON line per (case, what).
+//! [--chain on|off] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -82,6 +85,7 @@ fn main() {
         .value("--frame-path")
         .unwrap_or_else(|| "persist".into());
     let persist = path != "graph";
+    let chain = cli.value::<String>("--chain").is_none_or(|v| v != "off");
     let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
     if threads > 1 {
         for name in cases.split(',') {
@@ -89,7 +93,14 @@ fn main() {
                 eprintln!("--case: unknown {name:?}");
                 std::process::exit(2);
             };
-            concurrent(&mut out, name, &s, (batch, threads, iters), warm, persist);
+            concurrent(
+                &mut out,
+                name,
+                &s,
+                (batch, threads, iters),
+                warm,
+                (persist, chain),
+            );
         }
         return;
     }
@@ -120,6 +131,7 @@ fn main() {
             }
         };
         let has_persist = e.set_persistent_frames(persist).expect("frame path");
+        let has_chain = e.set_frame_chain(chain).expect("frame chain");
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -130,7 +142,11 @@ fn main() {
             out.line(&format!(
                 "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite},\"path\":\"{}\",\"gap_ms\":{gap_ms}}}",
                 if w == "window" { t } else { 1 },
-                if w == "frame" && persist && has_persist { "persist" } else { "graph" }
+                match w {
+                    "frame" if persist && has_persist => "persist",
+                    "frame" if chain && has_chain => "chain",
+                    _ => "graph",
+                }
             ));
         };
         if what == "window" || what == "both" {
@@ -188,7 +204,7 @@ fn concurrent(
     s: &Spec,
     (batch, threads, iters): (usize, usize, usize),
     warm: Option<usize>,
-    persist: bool,
+    (persist, chain): (bool, bool),
 ) {
     let start = std::sync::Barrier::new(threads);
     let results: Vec<(f64, f64)> = std::thread::scope(|scope| {
@@ -199,6 +215,7 @@ fn concurrent(
                     let e = CudaEngine::new(s.clone(), to_params(&random_params(s, 1)), None)
                         .expect("engine");
                     e.set_persistent_frames(persist).expect("frame path");
+                    e.set_frame_chain(chain).expect("frame chain");
                     let mut st = e.new_state(batch).expect("state");
                     let x = Rng::new(10 + i as u64).vec_f32(batch * s.embed, 1.0, 0.0);
                     let mut y = vec![f32::NAN; batch * s.hidden];
@@ -228,7 +245,7 @@ fn concurrent(
     let span = results.iter().map(|r| r.1).fold(0.0, f64::max);
     let rate = (threads * iters) as f64 / span;
     out.line(&format!(
-        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"path\":\"{}\",\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
+        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"path\":\"{}\",\"chain\":{chain},\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
         if persist { "persist" } else { "graph" },
         medians.join(",")
     ));

@@ -623,3 +623,93 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
         failures.join("\n")
     );
 }
+
+#[test]
+fn gpu_frame_chain_matches_one_launch_per_op() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // A frame on `engine_chain_f32` (every op in one launch, ops handed over through counters)
+    // against the same frame with one launch per op, frame by frame over fresh states past the
+    // cache window, at ExPhil's sizes and odd ones (head_dim 40/80/96, hidden 200, inner 600,
+    // state 64, B|C|dt 141 columns, batch 3 and 9: two GEMV row blocks), with one stream
+    // switching path halfway (the state and the counters carry over), and against the CPU
+    // executor.
+    let odd = |kind: Kind, heads: usize, head_dim: usize, state: usize, expand: usize| Spec {
+        heads,
+        head_dim,
+        hidden: heads * head_dim,
+        window: 61,
+        embed: 37,
+        ffn: 200,
+        state,
+        expand,
+        dt_rank: 13,
+        conv: 5,
+        layers: if kind == Kind::Jamba { 3 } else { 2 },
+        ..spec(kind)
+    };
+    let cases = [
+        (spec(Kind::Attention), 1),
+        (spec(Kind::Mamba), 1),
+        (spec(Kind::Jamba), 1),
+        (spec(Kind::Attention), 8),
+        (odd(Kind::Attention, 5, 40, 16, 2), 3),
+        (odd(Kind::Attention, 3, 96, 16, 2), 9),
+        (odd(Kind::Mamba, 5, 40, 64, 3), 3),
+        (odd(Kind::Jamba, 2, 80, 16, 2), 9),
+    ];
+    for (i, (s, b)) in cases.into_iter().enumerate() {
+        let kind = s.kind;
+        let (cpu, gpu) = engines(&s, 130 + i as u64);
+        assert!(
+            gpu.set_frame_chain(true).unwrap(),
+            "{kind:?}: no chain kernel"
+        );
+        let t = s.window + 9;
+        let x = Rng::new(140 + i as u64).vec_f32(b * t * s.embed, 1.0, 0.0);
+        let w = b * s.hidden;
+        let run = |switch_at: Option<usize>, chain: bool| {
+            gpu.set_frame_chain(chain).unwrap();
+            let mut st = gpu.new_state(b).unwrap();
+            let mut all = Vec::with_capacity(t * w);
+            for f in 0..t {
+                if switch_at == Some(f) {
+                    gpu.set_frame_chain(!chain).unwrap();
+                }
+                let mut out = vec![f32::NAN; w];
+                gpu.step(&mut st, &frame(&x, b, t, s.embed, f), &mut out)
+                    .unwrap();
+                all.extend_from_slice(&out);
+            }
+            all
+        };
+        let ops = run(None, false);
+        let chain = run(None, true);
+        let mixed = run(Some(t / 2), true);
+        for f in 0..t {
+            let r = f * w..(f + 1) * w;
+            let err = rel_l2(&chain[r.clone()], &ops[r.clone()]);
+            assert!(
+                err <= 1e-6,
+                "{kind:?} case {i} b{b} frame {f}: chain vs one launch per op, rel L2 {err}"
+            );
+            let err = rel_l2(&mixed[r.clone()], &ops[r]);
+            assert!(
+                err <= 1e-6,
+                "{kind:?} case {i} b{b} frame {f}: path switched at {}, rel L2 {err}",
+                t / 2
+            );
+        }
+        let err = rel_l2(&chain[(t - 1) * w..], &cpu_predict(&cpu, &x, b, t));
+        assert!(
+            err <= 1e-5,
+            "{kind:?} case {i} b{b}: chain vs cpu window, rel L2 {err}"
+        );
+        assert_eq!(
+            run(None, true),
+            chain,
+            "{kind:?} case {i} b{b}: chain frames changed between runs"
+        );
+    }
+}

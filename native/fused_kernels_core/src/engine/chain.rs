@@ -154,10 +154,7 @@ impl Op {
             }
             Op::Attn(a) => {
                 let (w, d) = (a.window as usize, a.head_dim as usize);
-                (
-                    (a.heads * a.batch) as usize,
-                    4 * (2 * w * d + d + w),
-                )
+                ((a.heads * a.batch) as usize, 4 * (2 * w * d + d + w))
             }
             Op::Scan(s) => (((s.batch * s.inner) as usize).div_ceil(WARPS), 0),
             Op::Norm(n) => (n.rows as usize, 0),
@@ -196,11 +193,7 @@ impl Chain {
             .ok()?;
         let smem_limit = gpu.smem_per_block().ok()?.saturating_sub(STATIC_SMEM);
         let sms = gpu.multiprocessors().ok()? as usize;
-        Some(Chain {
-            f,
-            smem_limit,
-            sms,
-        })
+        Some(Chain { f, smem_limit, sms })
     }
 
     /// Whether a frame of these ops runs as one chain launch.
@@ -242,8 +235,8 @@ impl Chain {
             widest = widest.max(units);
             smem = smem.max(bytes);
         }
-        table.total = i32::try_from(first)
-            .map_err(|_| Error::Cuda("engine chain: too many items".into()))?;
+        table.total =
+            i32::try_from(first).map_err(|_| Error::Cuda("engine chain: too many items".into()))?;
         crate::cuda::smem::allow_dynamic_smem(&self.f, smem)?;
         let grid = widest.min(self.sms).max(1) as u32;
         let mut params = [arg(&mut table)];
@@ -274,13 +267,14 @@ impl Chain {
             Kind::Jamba => s.jamba_attention(l),
             _ => false,
         };
-        let ops = 1 + (1..=s.layers)
-            .map(|l| match (s.kind, attn_layer(l)) {
-                (Kind::Attention, _) => 5,
-                (_, true) => 3,
-                _ => 4,
-            })
-            .sum::<usize>()
+        let ops = 1
+            + (1..=s.layers)
+                .map(|l| match (s.kind, attn_layer(l)) {
+                    (Kind::Attention, _) => 5,
+                    (_, true) => 3,
+                    _ => 4,
+                })
+                .sum::<usize>()
             + usize::from(s.kind == Kind::Attention);
         let mut ks = vec![s.embed, s.hidden];
         if s.kind == Kind::Attention {
@@ -290,7 +284,11 @@ impl Chain {
             ks.push(s.inner());
         }
         let rows = batch.min(MAXB);
-        let gemv = ks.iter().map(|&k| 4 * (COLS * k + rows * k)).max().unwrap_or(0);
+        let gemv = ks
+            .iter()
+            .map(|&k| 4 * (COLS * k + rows * k))
+            .max()
+            .unwrap_or(0);
         let attn = if (1..=s.layers).any(attn_layer) {
             4 * (2 * s.window * s.head_dim + s.head_dim + s.window)
         } else {
