@@ -555,13 +555,27 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
     }
   }
   fk_cp_commit();
-  const int ej = col0 + tid % FK_EC_COLS;
+  // The epilogue's thread (row eb, column ej): its bias and, for a Mamba in_proj, the conv
+  // over the frames before (weights and this layer's conv state, which only the scan op after
+  // this one moves on) summed ahead of the wait in engine_gemv_f32's order.
+  const int eb = tid / FK_EC_COLS, ej = col0 + tid % FK_EC_COLS;
   const bool epi = tid < batch * FK_EC_COLS && ej < n;
   const float ebias = epi ? g.bias[ej] : 0.0f;
+  const int inner = n / 2;
+  const bool conv = epi && g.conv_w && ej < inner;
+  float cacc = 0.0f;
+  if (conv) {
+    const long long rb = row0 + eb;
+    cacc = g.conv_b[ej];
+    for (int t = 0; t < g.conv_k - 1; ++t)
+      cacc += g.conv_w[t * inner + ej] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + ej];
+  }
   wait();
+  const float* res = g.res ? g.res + row0 * n : nullptr;
+  // The residual value first: its load overlaps the rows' below.
+  float rv = epi && res ? __ldcg(res + (long long)eb * n + ej) : 0.0f;
   const float* x = g.x + row0 * k;
   for (int i = tid; i < batch * k; i += FK_EC_THREADS) xs[i] = __ldcg(x + i);
-  const float* res = g.res ? g.res + row0 * n : nullptr;
   if (res && g.rg) {
     for (int b = warp; b < batch; b += FK_EC_WARPS) {
       float mean, inv;
@@ -603,25 +617,19 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
     if (b < batch) red[((2 * warp + half) * FK_EC_MAXB + b) * FK_EC_COLS + c] = acc[b];
   __syncthreads();
   if (epi) {
-    const int b = tid / FK_EC_COLS, cc = tid % FK_EC_COLS, j = ej;
+    const int b = eb, cc = tid % FK_EC_COLS, j = ej;
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < 2 * FK_EC_WARPS; ++i) s += red[(i * FK_EC_MAXB + b) * FK_EC_COLS + cc];
     s = fk_act<FkExact>(s + ebias, g.act);
     if (res) {
-      float rv = __ldcg(res + (long long)b * n + j);
       if (g.rg) rv = (rv - rstat[b][0]) * rstat[b][1] * g.rg[j] + g.rb[j];
       s += rv;
     }
     g.out[(row0 + b) * n + j] = s;
-    const int inner = n / 2;
-    if (g.conv_w && j < inner) {
-      const long long rb = row0 + b;
-      float acc = g.conv_b[j];
-      for (int t = 0; t < g.conv_k - 1; ++t)
-        acc += g.conv_w[t * inner + j] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + j];
-      acc += g.conv_w[(g.conv_k - 1) * inner + j] * s;
-      g.xc[rb * inner + j] = acc / (1.0f + expf(-acc));
+    if (conv) {
+      cacc += g.conv_w[(g.conv_k - 1) * inner + j] * s;
+      g.xc[(row0 + b) * inner + j] = cacc / (1.0f + expf(-cacc));
     }
   }
 }
