@@ -2080,7 +2080,8 @@ impl CudaEngine {
         // (attention) computes k and v for every row and the rest for the last one, written to
         // that row of the mapped output staging. A frame's one row is its last.
         let dst = dst.map(|o| o + (4 * (t - 1) * hid) as u64);
-        let tail = |l: usize| st.is_none() && dst.is_some() && l == s.layers;
+        let window = st.is_none();
+        let tail = |l: usize| window && dst.is_some() && l == s.layers;
         let last_row = |r: Rows| Rows {
             ptr: r.ptr + (4 * (t - 1) * hid) as u64,
             ..r
