@@ -434,7 +434,9 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
 #define FK_EC_COLS 16
 #define FK_EC_MAXB 8
 
-enum { FK_EC_GEMV = 0, FK_EC_ATTN = 1, FK_EC_SCAN = 2, FK_EC_NORM = 3 };
+enum { FK_EC_GEMV = 0, FK_EC_ATTN = 1, FK_EC_SCAN = 2, FK_EC_NORM = 3, FK_EC_WATTN = 4 };
+// Query rows per item of a window's attention.
+#define FK_EC_QROWS 8
 
 // engine_gemv_f32's arguments (conv_w nullptr: no conv). Items: ceil(n / 16) column tiles
 // times ceil(rows / 8) row blocks, tile-major within a row block.
@@ -461,6 +463,16 @@ struct FkEcScan {
   int batch, inner, state, rank, k;
   float dt_min, dt_max;
 };
+// A window's causal sliding-window self-attention (no QK norm) over the fused rows qkv {batch,
+// t, 3·heads·head_dim} into out {batch, sq, heads·head_dim}: the last sq query rows (t, or 1
+// for the last row only; FlashAttention's bottom-right causal alignment), each seeing the keys
+// from left before it to itself. Items: batch × heads × ceil(sq / FK_EC_QROWS).
+struct FkEcWattn {
+  const float* qkv;
+  float* out;
+  int batch, heads, head_dim, t, sq, left;
+  float scale;
+};
 // LayerNorm of rows {rows, n} with gamma g and beta b into out. Items: rows.
 struct FkEcNorm {
   const float *x, *g, *b;
@@ -475,6 +487,7 @@ struct FkEcOp {
     FkEcAttn attn;
     FkEcScan scan;
     FkEcNorm norm;
+    FkEcWattn wattn;
   };
 };
 // sync: two 64-bit counters (tickets drawn, items done), zero before the first launch and
@@ -655,10 +668,78 @@ __device__ __forceinline__ void fk_ec_norm(const FkEcNorm& p, int u, float (*rst
     p.out[(long long)u * p.n + j] = (__ldcg(x + j) - mean) * inv * p.g[j] + p.b[j];
 }
 
+// One item of a window's attention: query rows [FK_EC_QROWS·qb, +FK_EC_QROWS) of (batch row b,
+// head h). sm: keys {t, head_dim + 1} (padded: a warp's lanes read different keys' same
+// column), values {t, head_dim}, queries {FK_EC_QROWS, head_dim}, scores {FK_EC_QROWS, t},
+// the rows' softmax sums {FK_EC_QROWS}.
+template <class Wait>
+__device__ __forceinline__ void fk_ec_wattn(const FkEcWattn& a, int u, float* sm, Wait wait) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int d = a.head_dim, t = a.t, hidden = a.heads * d, kp = d + 1;
+  const int qblocks = (a.sq + FK_EC_QROWS - 1) / FK_EC_QROWS;
+  const int qb = u % qblocks, h = (u / qblocks) % a.heads, b = u / (qblocks * a.heads);
+  const int q0 = qb * FK_EC_QROWS, nq = min(FK_EC_QROWS, a.sq - q0);
+  // Query row i sits at position t - sq + q0 + i and sees keys [pos - left, pos].
+  const int pos0 = t - a.sq + q0, hi = pos0 + nq;  // keys [lo, hi) cover every row
+  const int lo = a.left < 0 ? 0 : max(0, pos0 - a.left);
+  float* ks = sm;                        // {t, kp}
+  float* vs = ks + t * kp;               // {t, d}
+  float* qs = vs + t * d;                // {FK_EC_QROWS, d}
+  float* p = qs + FK_EC_QROWS * d;       // {FK_EC_QROWS, t}
+  float* rsum = p + FK_EC_QROWS * t;     // {FK_EC_QROWS}
+  wait();
+  const float* rows = a.qkv + (long long)b * t * 3 * hidden + h * d;
+  for (int i = tid; i < (hi - lo) * d; i += FK_EC_THREADS) {
+    const int j = lo + i / d, c = i % d;
+    const float* r = rows + (long long)j * 3 * hidden;
+    ks[j * kp + c] = __ldcg(r + hidden + c);
+    vs[j * d + c] = __ldcg(r + 2 * hidden + c);
+  }
+  for (int i = tid; i < nq * d; i += FK_EC_THREADS)
+    qs[i] = __ldcg(rows + (long long)(pos0 + i / d) * 3 * hidden + i % d);
+  __syncthreads();
+  // Scores: a thread per (row, key) pair in the window, f32 dot products over head_dim.
+  const int span = hi - lo;
+  for (int i = tid; i < nq * span; i += FK_EC_THREADS) {
+    const int r = i / span, j = lo + i % span, pos = pos0 + r;
+    float sc = FK_NEG_INF;
+    if (j <= pos && (a.left < 0 || j >= pos - a.left)) {
+      float acc = 0.0f;
+      for (int c = 0; c < d; ++c) acc = fmaf(qs[r * d + c], ks[j * kp + c], acc);
+      sc = acc * a.scale;
+    }
+    p[r * t + j] = sc;
+  }
+  __syncthreads();
+  // Softmax: a warp per row, exact exponentials; p becomes e^(score - max), the sum divides
+  // the output (as FlashAttention does).
+  for (int r = warp; r < nq; r += FK_EC_WARPS) {
+    float m = FK_NEG_INF;
+    for (int j = lo + lane; j < hi; j += 32) m = fmaxf(m, p[r * t + j]);
+    m = fk_warp_max(m);
+    float sum = 0.0f;
+    for (int j = lo + lane; j < hi; j += 32) {
+      const float e = expf(p[r * t + j] - m);  // masked: exp(-inf) = 0
+      p[r * t + j] = e;
+      sum += e;
+    }
+    sum = fk_warp_sum(sum);
+    if (lane == 0) rsum[r] = sum;
+  }
+  __syncthreads();
+  // Output: a thread per (row, column).
+  for (int i = tid; i < nq * d; i += FK_EC_THREADS) {
+    const int r = i / d, c = i % d;
+    float o = 0.0f;
+    for (int j = lo; j < hi; ++j) o = fmaf(p[r * t + j], vs[j * d + c], o);
+    a.out[((long long)b * a.sq + q0 + r) * hidden + h * d + c] = o / rsum[r];
+  }
+}
+
 // ch: the frame's ops in order. Grid: any number of blocks of FK_EC_THREADS (the host takes as
 // many as the widest op has items, up to the multiprocessors). Dynamic shared memory: the most
-// any op needs (a GEMV 4·(16·k + min(rows, 8)·k) bytes; an attention as
-// engine_attn_frame_f32's).
+// any op needs (a GEMV 4·(16·k + min(rows, 8)·k) bytes; a frame's attention as
+// engine_attn_frame_f32's; a window's 4·(t·(2·head_dim + 1 + 8) + 8·head_dim + 8)).
 extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
     engine_chain_f32(const __grid_constant__ FkEcChain ch) {
   if constexpr (FK_WANT(engine_chain_f32)) {
@@ -702,6 +783,9 @@ extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
                                       red, wait);
           break;
         }
+        case FK_EC_WATTN:
+          fk_ec_wattn(op.wattn, u, sm, wait);
+          break;
         case FK_EC_SCAN: {
           const FkEcScan& s = op.scan;
           fk_em_step(s.xz, s.xc, s.bcr, s.w_dt, s.b_dt, s.a, s.d, s.conv_state, s.ssm_state,

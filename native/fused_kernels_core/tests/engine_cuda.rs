@@ -713,3 +713,64 @@ fn gpu_frame_chain_matches_one_launch_per_op() {
         );
     }
 }
+
+#[test]
+fn gpu_window_chain_matches_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // A batch-1 attention window on `engine_chain_f32` (its GEMVs, its causal sliding-window
+    // attention, the last layer for the last row only) and on one launch per op (the window
+    // attention on the short flash attention kernel), against the CPU executor: head_dim
+    // 40/64/96, windows of 1, 17, 60, 61 and 64 rows, and a spec window of 16 under 21 rows
+    // (keys dropping out on the left). Three calls each (eager, captured, replayed), bit for
+    // bit the first.
+    let cases = [
+        (spec(Kind::Attention), vec![1, 17, 60, 61, 64]),
+        (
+            Spec {
+                heads: 5,
+                head_dim: 40,
+                hidden: 200,
+                embed: 37,
+                ffn: 200,
+                window: 61,
+                ..spec(Kind::Attention)
+            },
+            vec![1, 61],
+        ),
+        (
+            Spec {
+                heads: 3,
+                head_dim: 96,
+                hidden: 288,
+                window: 16,
+                ..spec(Kind::Attention)
+            },
+            vec![16, 21],
+        ),
+    ];
+    for (i, (s, ts)) in cases.into_iter().enumerate() {
+        let (cpu, gpu) = engines(&s, 150 + i as u64);
+        for t in ts {
+            let x = Rng::new(160 + (i * 100 + t) as u64).vec_f32(t * s.embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, 1, t);
+            for chain in [true, false] {
+                gpu.set_frame_chain(chain).unwrap();
+                let first = gpu_predict(&gpu, &x, 1, t);
+                let err = rel_l2(&first, &want);
+                assert!(
+                    err <= 1e-5,
+                    "case {i} t{t} chain {chain}: window vs cpu, rel L2 {err}"
+                );
+                for call in 0..2 {
+                    assert_eq!(
+                        gpu_predict(&gpu, &x, 1, t),
+                        first,
+                        "case {i} t{t} chain {chain}: call {call} changed"
+                    );
+                }
+            }
+        }
+    }
+}

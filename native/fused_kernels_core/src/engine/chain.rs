@@ -11,7 +11,7 @@
 //! The structs below mirror the kernel's `FkEc*` structs field for field (`#[repr(C)]`).
 
 use crate::cuda::pdl::arg;
-use crate::cuda::{DeviceTensor, Gpu};
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use cudarc::driver::CudaFunction;
 use std::sync::Arc;
@@ -102,13 +102,32 @@ pub struct Norm {
     pub eps: f32,
 }
 
-/// One op of a frame.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct Wattn {
+    pub qkv: u64,
+    pub out: u64,
+    pub batch: i32,
+    pub heads: i32,
+    pub head_dim: i32,
+    pub t: i32,
+    pub sq: i32,
+    /// Keys visible before the diagonal (-1: all).
+    pub left: i32,
+    pub scale: f32,
+}
+
+/// `FK_EC_QROWS`: query rows per item of a window's attention.
+const QROWS: usize = 8;
+
+/// One op of a frame or window.
 #[derive(Clone, Copy)]
 pub enum Op {
     Gemv(Gemv),
     Attn(Attn),
     Scan(Scan),
     Norm(Norm),
+    Wattn(Wattn),
 }
 
 #[repr(C)]
@@ -118,6 +137,7 @@ union Args {
     attn: Attn,
     scan: Scan,
     norm: Norm,
+    wattn: Wattn,
 }
 
 #[repr(C)]
@@ -158,6 +178,10 @@ impl Op {
             }
             Op::Scan(s) => (((s.batch * s.inner) as usize).div_ceil(WARPS), 0),
             Op::Norm(n) => (n.rows as usize, 0),
+            Op::Wattn(a) => (
+                (a.batch * a.heads) as usize * (a.sq as usize).div_ceil(QROWS),
+                wattn_smem(a.t as usize, a.head_dim as usize),
+            ),
         }
     }
 
@@ -167,6 +191,7 @@ impl Op {
             Op::Attn(attn) => (1, Args { attn }),
             Op::Scan(scan) => (2, Args { scan }),
             Op::Norm(norm) => (3, Args { norm }),
+            Op::Wattn(wattn) => (4, Args { wattn }),
         };
         RawOp {
             kind,
@@ -203,9 +228,10 @@ impl Chain {
             && ops.iter().all(|o| o.items_smem().1 <= self.smem_limit)
     }
 
-    /// Launches the frame's `ops` in one `engine_chain_f32` on `gpu`'s stream; `sync` is the
-    /// state's two zeroed-once 64-bit counters.
-    pub fn launch(&self, gpu: &Arc<Gpu>, ops: &[Op], sync: &DeviceTensor) -> Result<()> {
+    /// Launches the frame's (or window's) `ops` in one `engine_chain_f32` on `gpu`'s stream;
+    /// `sync` is the address of the state's (the window shape's) two zeroed-once 64-bit
+    /// counters.
+    pub fn launch(&self, gpu: &Arc<Gpu>, ops: &[Op], sync: u64) -> Result<()> {
         if !self.takes(ops) {
             return Err(Error::Cuda(format!(
                 "engine chain: {} ops do not fit one launch",
@@ -222,7 +248,7 @@ impl Chain {
             },
         };
         let mut table = Table {
-            sync: crate::cuda::gemm::ptr(sync),
+            sync,
             nops: ops.len() as i32,
             total: 0,
             op: [zero; MAX_OPS],
@@ -256,7 +282,26 @@ impl Chain {
     }
 }
 
+/// Shared bytes of a window attention item over `t` keys of `d` values.
+fn wattn_smem(t: usize, d: usize) -> usize {
+    4 * (t * (d + 1) + t * d + QROWS * d + QROWS * t + QROWS)
+}
+
 impl Chain {
+    /// Whether a window of `b` × `t` rows of an attention backbone `s` fits one chain launch
+    /// (`gemv_forward`'s ops: GEMVs of up to 8 rows an item, the window attention, the final
+    /// LayerNorm).
+    pub fn fits_window(&self, s: &crate::engine::plan::Spec, b: usize, t: usize) -> bool {
+        let ops = 2 + 5 * s.layers;
+        let rows = (b * t).min(MAXB);
+        let gemv = [s.embed, s.hidden, s.ffn]
+            .iter()
+            .map(|&k| 4 * (COLS * k + rows * k))
+            .max()
+            .unwrap_or(0);
+        ops <= MAX_OPS && gemv.max(wattn_smem(t, s.head_dim)) <= self.smem_limit
+    }
+
     /// Whether a frame of `batch` rows of `s` (an attention, Mamba or Jamba backbone) fits one
     /// chain launch: its op count (as `gemv_forward` records them) and the shared memory of its
     /// widest GEMV tile and of its attention.

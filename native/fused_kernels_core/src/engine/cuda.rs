@@ -130,6 +130,8 @@ struct Shape {
     output: PinnedBytes,
     /// `output`'s device address when the frame kernel writes it in place (`rnn_fused`).
     output_dev: Option<u64>,
+    /// A window on the chain kernel (`window_chain`): its two counters, zeroed once.
+    chain_sync: Option<DeviceTensor>,
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
@@ -914,6 +916,11 @@ impl CudaEngine {
                         None
                     },
                     output,
+                    chain_sync: if self.window_chain(key) {
+                        Some(zeros(&self.gpu, vec![4])?)
+                    } else {
+                        None
+                    },
                     warm: false,
                     graphs: Vec::new(),
                 });
@@ -1090,8 +1097,10 @@ impl CudaEngine {
             input_dev,
             output,
             output_dev,
+            chain_sync,
             ..
         } = sh;
+        let wsync = chain_sync.as_ref().map(ptr);
         arena.next = 0;
         let gpu = self.gpu.clone();
         let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
@@ -1117,7 +1126,9 @@ impl CudaEngine {
                 match (*output_dev, &self.frame) {
                     // A frame on the frame kernels (`gemv_frame`): the last launch writes the
                     // mapped output staging itself.
-                    (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
+                    (Some(o), Some(ff)) => {
+                        self.gemv_forward(ff, &xd, state, Some(o), wsync).map(drop)
+                    }
                     // A batch-1 LSTM/GRU window on the cluster path writes the last row, normed,
                     // where `predict` reads it.
                     (Some(o), _)
@@ -1164,6 +1175,19 @@ impl CudaEngine {
             && last_attention
             && self.frame.is_some()
             && FrameFns::takes(s, (b, t), false)
+    }
+
+    /// Whether calls of shape `key` are attention windows of `tail_window` that fit one chain
+    /// launch (`gemv_forward` records them while `set_frame_chain` is on).
+    fn window_chain(&self, key: (usize, usize, bool)) -> bool {
+        let (b, t, _) = key;
+        self.spec.kind == Kind::Attention
+            && self.tail_window(key)
+            && self
+                .frame
+                .as_ref()
+                .and_then(|ff| ff.chain.as_ref())
+                .is_some_and(|c| c.fits_window(&self.spec, b, t))
     }
 
     /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
@@ -1838,6 +1862,7 @@ impl CudaEngine {
     /// hidden}` (the causal mask is aligned bottom-right: it sees every key of the window).
     fn attn_window(
         &self,
+        ff: &Emit<'_>,
         qkv: &DeviceTensor,
         (b, t): (usize, usize),
         qk_norm: bool,
@@ -1849,11 +1874,26 @@ impl CudaEngine {
             sq,
             ..window_geometry(s, b, t)
         };
+        let out = self.buf(vec![b, sq, s.hidden])?;
+        let lse = self.buf(vec![b, s.heads, sq])?;
+        if !qk_norm
+            && ff.record(chain::Op::Wattn(chain::Wattn {
+                qkv: ptr(qkv),
+                out: ptr(&out),
+                batch: b as i32,
+                heads: s.heads as i32,
+                head_dim: s.head_dim as i32,
+                t: t as i32,
+                sq: sq as i32,
+                left: s.window as i32 - 1,
+                scale: (1.0 / (s.head_dim as f64).sqrt()) as f32,
+            }))
+        {
+            return Ok(out);
+        }
         let plan = flash_attention::short_f32(&g)
             .ok_or_else(|| Error::Cuda("window attention: no short-sequence kernel fits".into()))?;
         let f = flash_attention::function(&self.gpu, &plan)?;
-        let out = self.buf(vec![b, sq, s.hidden])?;
-        let lse = self.buf(vec![b, s.heads, sq])?;
         let (hid, d) = (s.hidden, s.head_dim);
         let rows = flash_attention::Strides {
             sb: t * 3 * hid,
@@ -2041,19 +2081,24 @@ impl CudaEngine {
         xd: &DeviceTensor,
         mut st: Option<&mut CudaState>,
         dst: Option<u64>,
+        wsync: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
         let bt = (b, t);
         let none = dense::Activation::None;
-        // A frame that fits the chain kernel is recorded and launched as one kernel at the end.
-        let chain = match (&ff.chain, st.as_deref()) {
-            (Some(c), Some(state))
-                if self.chain_on.load(Ordering::Relaxed)
-                    && state.chain_sync.is_some()
-                    && c.fits(s, b) =>
+        // A frame (a batch-1 attention window, `window_chain`) that fits the chain kernel is
+        // recorded and launched as one kernel at the end, with its state's (its shape's)
+        // counters.
+        let on = self.chain_on.load(Ordering::Relaxed);
+        let chain = match (&ff.chain, st.as_deref(), wsync) {
+            (Some(c), Some(state), _) if on && c.fits(s, b) => {
+                state.chain_sync.as_ref().map(|t| (c, ptr(t)))
+            }
+            (Some(c), None, Some(sync))
+                if on && s.kind == Kind::Attention && dst.is_some() && c.fits_window(s, b, t) =>
             {
-                Some(c)
+                Some((c, sync))
             }
             _ => None,
         };
@@ -2104,7 +2149,7 @@ impl CudaEngine {
                 let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
-                    None => self.attn_window(&qkv, bt, false, tl)?,
+                    None => self.attn_window(ff, &qkv, bt, false, tl)?,
                 };
                 let (bt, input) = if tl {
                     ((b, 1), last_row(input))
@@ -2141,7 +2186,7 @@ impl CudaEngine {
                 let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
-                    None => self.attn_window(&qkv, bt, true, tl)?,
+                    None => self.attn_window(ff, &qkv, bt, true, tl)?,
                 };
                 let (rows, res) = if tl {
                     ((b, 1), last_row(raw(&y)))
@@ -2181,7 +2226,7 @@ impl CudaEngine {
                     g: ptr(self.dw(&format!("{n}/gamma"))?),
                     b: ptr(self.dw(&format!("{n}/beta"))?),
                     out: ptr(&out),
-                    rows: (b * t) as i32,
+                    rows: (y.shape[0] * y.shape[1]) as i32,
                     n: hid as i32,
                     eps,
                 }));
@@ -2190,11 +2235,7 @@ impl CudaEngine {
             (Some(n), None) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst)?,
             (None, _) => y,
         };
-        if let (Some(c), Some(ops), Some(sync)) = (
-            chain,
-            emit.ops,
-            st.as_deref().and_then(|state| state.chain_sync.as_ref()),
-        ) {
+        if let (Some((c, sync)), Some(ops)) = (chain, emit.ops) {
             c.launch(&self.gpu, &ops.into_inner(), sync)?;
         }
         Ok(y)
@@ -2231,7 +2272,7 @@ impl CudaEngine {
             _ => {
                 if let Some(ff) = &self.frame {
                     if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
-                        return self.gemv_forward(ff, xd, state, None);
+                        return self.gemv_forward(ff, xd, state, None, None);
                     }
                 }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
