@@ -490,13 +490,16 @@ struct FkEcOp {
     FkEcWattn wattn;
   };
 };
-// sync: two 64-bit counters (tickets drawn, items done), zero before the first launch and
-// owned by the launches of one chain (one stream). Kept within the 4 KB of kernel parameters.
+// sync: 32 64-bit words, zero before the first launch and owned by the launches of one chain
+// (one stream): the tickets drawn (word 0) and the items done (word 16, a cache line of its
+// own: the blocks polling it do not slow the tickets). nap: nanoseconds a poller sleeps between
+// polls (0: none). Kept within the 4 KB of kernel parameters.
 struct FkEcChain {
   unsigned long long* sync;
-  int nops, total;
+  int nops, total, nap, pad;
   FkEcOp op[FK_EC_MAX_OPS];
 };
+#define FK_EC_DONE_WORD 16
 
 __device__ __forceinline__ unsigned long long fk_ec_ld_acquire(const unsigned long long* p) {
   unsigned long long v;
@@ -513,11 +516,13 @@ __device__ __forceinline__ unsigned long long fk_ec_now() {
 // block's reads after them). Bounded: past 20 s (a chain that cannot finish; room for the
 // sanitizers' slowdown) the kernel traps, which fails the call instead of hanging it.
 __device__ __forceinline__ void fk_ec_wait(const unsigned long long* done,
-                                           unsigned long long target) {
+                                           unsigned long long target, int nap) {
   if (threadIdx.x == 0 && fk_ec_ld_acquire(done) < target) {
     const unsigned long long t0 = fk_ec_now();
-    while (fk_ec_ld_acquire(done) < target)
+    while (fk_ec_ld_acquire(done) < target) {
+      if (nap) __nanosleep(nap);
       if (fk_ec_now() - t0 > 20000000000ull) __trap();
+    }
   }
   __syncthreads();
 }
@@ -537,9 +542,10 @@ __device__ __forceinline__ void fk_ec_stats(const float* row, int n, float eps, 
   inv = rsqrtf(fk_warp_sum(q) * rn + eps);
 }
 
-// One GEMV item: columns [16·tile, +16) of rows [8·rb, +8), engine_gemv_f32's arithmetic
-// (same products in the same order per output) with the tile's weights in shared memory.
-// sm: {k, 16} weights then {8, k} rows; red: FK_EC_WARPS·2·8·16 floats.
+// One GEMV item: columns [16·tile, +16) of rows [8·rb, +8), engine_gemv_f32's products with
+// the tile's weights in shared memory (the 32 partial sums of an output met by a warp's
+// shuffles instead of one thread's loop). sm: {k, 16} weights, {8, k} rows, {8, n} residual
+// rows; red: FK_EC_MAXB·16·33 floats.
 template <class Wait>
 __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, float* red,
                                            float (*rstat)[2], Wait wait) {
@@ -550,8 +556,9 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
   const long long row0 = (long long)rblk * FK_EC_MAXB;
   const int batch = min(FK_EC_MAXB, g.rows - (int)row0);
   const int col0 = tile * FK_EC_COLS;
-  float* ws = sm;                    // {k, 16}
-  float* xs = sm + FK_EC_COLS * k;   // {batch, k}
+  float* ws = sm;                      // {k, 16}
+  float* xs = ws + FK_EC_COLS * k;     // {batch, k}
+  float* rs = xs + batch * k;          // {batch, n}: the residual rows
   if ((n & 3) == 0) {
     for (int q = tid; q < 4 * k; q += FK_EC_THREADS) {
       const int r = q >> 2, c = col0 + 4 * (q & 3);
@@ -568,45 +575,48 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
     }
   }
   fk_cp_commit();
-  // The epilogue's thread (row eb, column ej): its bias and, for a Mamba in_proj, the conv
-  // over the frames before (weights and this layer's conv state, which only the scan op after
-  // this one moves on) summed ahead of the wait in engine_gemv_f32's order.
-  const int eb = tid / FK_EC_COLS, ej = col0 + tid % FK_EC_COLS;
-  const bool epi = tid < batch * FK_EC_COLS && ej < n;
-  const float ebias = epi ? g.bias[ej] : 0.0f;
+  // The epilogue: warp w takes outputs w, w + 16, ... (row o / 16, column o % 16). For a Mamba
+  // in_proj the conv over the frames before (weights and this layer's conv state, which only
+  // the scan op after this one moves on) is summed ahead of the wait in engine_gemv_f32's
+  // order, by lane 0 of the output's warp.
   const int inner = n / 2;
-  const bool conv = epi && g.conv_w && ej < inner;
-  float cacc = 0.0f;
-  if (conv) {
-    const long long rb = row0 + eb;
-    cacc = g.conv_b[ej];
-    for (int t = 0; t < g.conv_k - 1; ++t)
-      cacc += g.conv_w[t * inner + ej] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + ej];
-  }
-  wait();
-  const float* res = g.res ? g.res + row0 * n : nullptr;
-  // The residual value first: its load overlaps the rows' below.
-  float rv = epi && res ? __ldcg(res + (long long)eb * n + ej) : 0.0f;
-  const float* x = g.x + row0 * k;
-  for (int i = tid; i < batch * k; i += FK_EC_THREADS) xs[i] = __ldcg(x + i);
-  if (res && g.rg) {
-    for (int b = warp; b < batch; b += FK_EC_WARPS) {
-      float mean, inv;
-      fk_ec_stats(res + (long long)b * n, n, g.eps, lane, mean, inv);
-      if (lane == 0) {
-        rstat[b][0] = mean;
-        rstat[b][1] = inv;
-      }
+  float ebias[FK_EC_MAXB], cacc[FK_EC_MAXB];
+#pragma unroll
+  for (int e = 0; e < FK_EC_MAXB; ++e) {
+    const int o = warp + e * FK_EC_WARPS, b = o / FK_EC_COLS, j = col0 + o % FK_EC_COLS;
+    const bool live = lane == 0 && b < batch && j < n;
+    ebias[e] = live ? g.bias[j] : 0.0f;
+    cacc[e] = 0.0f;
+    if (live && g.conv_w && j < inner) {
+      const long long rb = row0 + b;
+      cacc[e] = g.conv_b[j];
+      for (int t = 0; t < g.conv_k - 1; ++t)
+        cacc[e] += g.conv_w[t * inner + j] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + j];
     }
   }
+  wait();
+  // The rows and the residual rows, all loads in flight at once.
+  const float* x = g.x + row0 * k;
+  for (int i = tid; i < batch * k; i += FK_EC_THREADS) xs[i] = __ldcg(x + i);
+  const float* res = g.res ? g.res + row0 * n : nullptr;
+  if (res)
+    for (int i = tid; i < batch * n; i += FK_EC_THREADS) rs[i] = __ldcg(res + i);
   __syncthreads();
-  if (g.xg) {
-    for (int b = warp; b < batch; b += FK_EC_WARPS) {
-      float* row = xs + b * k;
+  if (g.xg || (res && g.rg)) {
+    for (int b = warp; b < 2 * batch; b += FK_EC_WARPS) {
+      const bool isx = b < batch;
+      if (isx ? !g.xg : !(res && g.rg)) continue;
+      float* row = isx ? xs + b * k : rs + (b - batch) * n;
+      const int len = isx ? k : n;
       float mean, inv;
-      fk_eg_stats(row, k, g.eps, lane, mean, inv);
+      fk_eg_stats(row, len, g.eps, lane, mean, inv);
       __syncwarp();
-      for (int j = lane; j < k; j += 32) row[j] = (row[j] - mean) * inv * g.xg[j] + g.xb[j];
+      if (isx) {
+        for (int j = lane; j < k; j += 32) row[j] = (row[j] - mean) * inv * g.xg[j] + g.xb[j];
+      } else if (lane == 0) {
+        rstat[b - batch][0] = mean;
+        rstat[b - batch][1] = inv;
+      }
     }
   }
   fk_cp_wait<0>();
@@ -625,24 +635,28 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
     for (int b = 0; b < FK_EC_MAXB; ++b)
       if (b < batch) acc[b] = fmaf(xs[b * k + r], wv, acc[b]);
   }
+  // red[(b·16 + c)·33 + i]: output (b, c)'s partial of row lane i = 2·warp + half.
 #pragma unroll
   for (int b = 0; b < FK_EC_MAXB; ++b)
-    if (b < batch) red[((2 * warp + half) * FK_EC_MAXB + b) * FK_EC_COLS + c] = acc[b];
+    if (b < batch) red[(b * FK_EC_COLS + c) * 33 + 2 * warp + half] = acc[b];
   __syncthreads();
-  if (epi) {
-    const int b = eb, cc = tid % FK_EC_COLS, j = ej;
-    float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 2 * FK_EC_WARPS; ++i) s += red[(i * FK_EC_MAXB + b) * FK_EC_COLS + cc];
-    s = fk_act<FkExact>(s + ebias, g.act);
-    if (res) {
-      if (g.rg) rv = (rv - rstat[b][0]) * rstat[b][1] * g.rg[j] + g.rb[j];
-      s += rv;
-    }
-    g.out[(row0 + b) * n + j] = s;
-    if (conv) {
-      cacc += g.conv_w[(g.conv_k - 1) * inner + j] * s;
-      g.xc[(row0 + b) * inner + j] = cacc / (1.0f + expf(-cacc));
+  for (int e = 0; e < FK_EC_MAXB; ++e) {
+    const int o = warp + e * FK_EC_WARPS, b = o / FK_EC_COLS, j = col0 + o % FK_EC_COLS;
+    if (b >= batch) break;
+    float s = fk_warp_sum(red[o * 33 + lane]);
+    if (lane == 0 && j < n) {
+      s = fk_act<FkExact>(s + ebias[e], g.act);
+      if (res) {
+        float rv = rs[b * n + j];
+        if (g.rg) rv = (rv - rstat[b][0]) * rstat[b][1] * g.rg[j] + g.rb[j];
+        s += rv;
+      }
+      g.out[(row0 + b) * n + j] = s;
+      if (g.conv_w && j < inner) {
+        cacc[e] += g.conv_w[(g.conv_k - 1) * inner + j] * s;
+        g.xc[(row0 + b) * inner + j] = cacc[e] / (1.0f + expf(-cacc[e]));
+      }
     }
   }
 }
@@ -738,19 +752,19 @@ __device__ __forceinline__ void fk_ec_wattn(const FkEcWattn& a, int u, float* sm
 
 // ch: the frame's ops in order. Grid: any number of blocks of FK_EC_THREADS (the host takes as
 // many as the widest op has items, up to the multiprocessors). Dynamic shared memory: the most
-// any op needs (a GEMV 4·(16·k + min(rows, 8)·k) bytes; a frame's attention as
+// any op needs (a GEMV 4·(16·k + min(rows, 8)·(k + n)) bytes; a frame's attention as
 // engine_attn_frame_f32's; a window's 4·(t·(2·head_dim + 1 + 8) + 8·head_dim + 8)).
 extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
     engine_chain_f32(const __grid_constant__ FkEcChain ch) {
   if constexpr (FK_WANT(engine_chain_f32)) {
     extern __shared__ float4 fk_ec_smem4[];
     float* sm = reinterpret_cast<float*>(fk_ec_smem4);
-    __shared__ float red[2 * FK_EC_WARPS * FK_EC_MAXB * FK_EC_COLS];
+    __shared__ float red[FK_EC_MAXB * FK_EC_COLS * 33];
     __shared__ float rstat[FK_EC_MAXB][2];
     __shared__ unsigned long long ticket;
     const int tid = threadIdx.x;
     unsigned long long* work = ch.sync;
-    unsigned long long* done = ch.sync + 1;
+    unsigned long long* done = ch.sync + FK_EC_DONE_WORD;
     if (tid == 0) ticket = atomicAdd(work, 1ull);
     __syncthreads();
     unsigned long long t = ticket;
@@ -770,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
       const FkEcOp& op = ch.op[i];
       const int u = rel - op.first;
       const unsigned long long target = base + (unsigned long long)op.first;
-      auto wait = [&] { fk_ec_wait(done, target); };
+      auto wait = [&] { fk_ec_wait(done, target, ch.nap); };
       switch (op.kind) {
         case FK_EC_GEMV:
           fk_ec_gemv(op.gemv, u, sm, red, rstat, wait);

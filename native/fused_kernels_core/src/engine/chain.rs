@@ -14,6 +14,7 @@ use crate::cuda::pdl::arg;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use cudarc::driver::CudaFunction;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// `FK_EC_MAX_OPS`: the table stays within the 4 KB of kernel parameters every CUDA driver
@@ -25,8 +26,10 @@ pub const THREADS: u32 = 512;
 const COLS: usize = 16;
 const MAXB: usize = 8;
 const WARPS: usize = THREADS as usize / 32;
-/// The kernel's static shared memory (`red`, `rstat`, the ticket).
-const STATIC_SMEM: usize = 4 * (2 * WARPS * MAXB * COLS) + 4 * 2 * MAXB + 64;
+/// The kernel's static shared memory (`red`, `rstat`, the ticket), with room to spare.
+const STATIC_SMEM: usize = 4 * (MAXB * COLS * 33) + 4 * 2 * MAXB + 64;
+/// f32 words of a chain's counters (`FkEcChain::sync`: 32 64-bit words).
+pub const SYNC_WORDS: usize = 64;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -155,10 +158,13 @@ struct Table {
     sync: u64,
     nops: i32,
     total: i32,
+    nap: i32,
+    pad: i32,
     op: [RawOp; MAX_OPS],
 }
 
 const _: () = assert!(std::mem::size_of::<Table>() <= 4096);
+const _: () = assert!(std::mem::size_of::<Table>() == 24 + MAX_OPS * 144);
 const _: () = assert!(std::mem::size_of::<RawOp>() == 16 + 128);
 
 impl Op {
@@ -169,7 +175,7 @@ impl Op {
                 let (rows, k, n) = (g.rows as usize, g.k as usize, g.n as usize);
                 (
                     n.div_ceil(COLS) * rows.div_ceil(MAXB),
-                    4 * (COLS * k + rows.min(MAXB) * k),
+                    gemv_smem(rows, k, n),
                 )
             }
             Op::Attn(a) => {
@@ -208,6 +214,10 @@ pub struct Chain {
     f: CudaFunction,
     smem_limit: usize,
     sms: usize,
+    /// Blocks per launch (0: one per multiprocessor, at most the frame's items) and the
+    /// pollers' nap in ns (`CudaEngine::set_chain_tuning`, for benches).
+    blocks: AtomicUsize,
+    nap: AtomicU32,
 }
 
 impl Chain {
@@ -218,7 +228,19 @@ impl Chain {
             .ok()?;
         let smem_limit = gpu.smem_per_block().ok()?.saturating_sub(STATIC_SMEM);
         let sms = gpu.multiprocessors().ok()? as usize;
-        Some(Chain { f, smem_limit, sms })
+        Some(Chain {
+            f,
+            smem_limit,
+            sms,
+            blocks: AtomicUsize::new(0),
+            nap: AtomicU32::new(0),
+        })
+    }
+
+    /// Sets the blocks per launch (0: the default) and the pollers' nap (ns).
+    pub fn tune(&self, blocks: usize, nap: u32) {
+        self.blocks.store(blocks, Ordering::Relaxed);
+        self.nap.store(nap, Ordering::Relaxed);
     }
 
     /// Whether a frame of these ops runs as one chain launch.
@@ -251,20 +273,30 @@ impl Chain {
             sync,
             nops: ops.len() as i32,
             total: 0,
+            nap: self.nap.load(Ordering::Relaxed).min(1 << 20) as i32,
+            pad: 0,
             op: [zero; MAX_OPS],
         };
-        let (mut first, mut widest, mut smem) = (0usize, 1usize, 0usize);
+        let (mut first, mut smem) = (0usize, 0usize);
         for (slot, op) in table.op.iter_mut().zip(ops) {
             let (units, bytes) = op.items_smem();
             *slot = op.raw(first, units);
             first += units;
-            widest = widest.max(units);
             smem = smem.max(bytes);
         }
         table.total =
             i32::try_from(first).map_err(|_| Error::Cuda("engine chain: too many items".into()))?;
         crate::cuda::smem::allow_dynamic_smem(&self.f, smem)?;
-        let grid = widest.min(self.sms).max(1) as u32;
+        // One block per multiprocessor by default: an item is drawn (and its weights fetched)
+        // while the ops before it still run, so at most two items fall to a block of an
+        // ExPhil frame (217-615 items); fewer blocks drew the next op's items only after
+        // finishing their own (H100, blocks = the widest op's items: frames 20-30% slower
+        // than one launch per op).
+        let blocks = match self.blocks.load(Ordering::Relaxed) {
+            0 => self.sms,
+            n => n,
+        };
+        let grid = blocks.min(first).max(1) as u32;
         let mut params = [arg(&mut table)];
         // Safety: the parameter is the kernel's one argument, `FkEcChain` field for field
         // (the asserts above and the structs' layout); every address in it is a weight, an
@@ -280,6 +312,11 @@ impl Chain {
             )
         }
     }
+}
+
+/// Shared bytes of a GEMV item: the weight tile, the rows and the residual rows.
+fn gemv_smem(rows: usize, k: usize, n: usize) -> usize {
+    4 * (COLS * k + rows.min(MAXB) * (k + n))
 }
 
 /// Shared bytes of a window attention item over `t` keys of `d` values.
@@ -321,17 +358,26 @@ impl Chain {
                 })
                 .sum::<usize>()
             + usize::from(s.kind == Kind::Attention);
-        let mut ks = vec![s.embed, s.hidden];
+        // (k, n) of every GEMV the frame may have.
+        let mut kn = vec![
+            (s.embed, s.hidden),
+            (s.hidden, 3 * s.hidden),
+            (s.hidden, s.hidden),
+        ];
         if s.kind == Kind::Attention {
-            ks.push(s.ffn);
+            kn.extend([(s.hidden, s.ffn), (s.ffn, s.hidden)]);
         }
         if (1..=s.layers).any(|l| !attn_layer(l)) {
-            ks.push(s.inner());
+            let inner = s.inner();
+            kn.extend([
+                (s.hidden, 2 * inner),
+                (inner, 2 * s.state + s.dt_rank),
+                (inner, s.hidden),
+            ]);
         }
-        let rows = batch.min(MAXB);
-        let gemv = ks
+        let gemv = kn
             .iter()
-            .map(|&k| 4 * (COLS * k + rows * k))
+            .map(|&(k, n)| gemv_smem(batch, k, n))
             .max()
             .unwrap_or(0);
         let attn = if (1..=s.layers).any(attn_layer) {

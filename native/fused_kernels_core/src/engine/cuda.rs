@@ -917,7 +917,7 @@ impl CudaEngine {
                     },
                     output,
                     chain_sync: if self.window_chain(key) {
-                        Some(zeros(&self.gpu, vec![4])?)
+                        Some(zeros(&self.gpu, vec![chain::SYNC_WORDS])?)
                     } else {
                         None
                     },
@@ -1634,6 +1634,16 @@ impl CudaEngine {
             sh.warm = false;
         }
         Ok(self.frame.as_ref().is_some_and(|ff| ff.chain.is_some()))
+    }
+
+    /// The chain kernel's blocks per launch (0: one per multiprocessor) and its pollers' nap
+    /// in ns, for benches; graphs captured before are dropped. False without the kernel.
+    pub fn set_chain_tuning(&self, blocks: usize, nap_ns: u32) -> Result<bool> {
+        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
+            return Ok(false);
+        };
+        c.tune(blocks, nap_ns);
+        self.set_frame_chain(self.chain_on.load(Ordering::Relaxed))
     }
 
     /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
@@ -2396,7 +2406,7 @@ impl CudaEngine {
             _ => None,
         };
         let chain_sync = match self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) {
-            Some(_) => Some(zeros(&self.gpu, vec![4])?),
+            Some(_) => Some(zeros(&self.gpu, vec![chain::SYNC_WORDS])?),
             None => None,
         };
         self.gpu.synchronize()?;
