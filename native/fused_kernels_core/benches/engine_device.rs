@@ -19,13 +19,14 @@
 //! kernel (the default where it runs: engine/persist.rs), for the two side by side in one run.
 //! `--chain on|off`: attention/Mamba/Jamba frames as one `engine_chain_f32` launch (the
 //! default where it fits) or one launch per op (`CudaEngine::set_frame_chain`), for the two
-//! side by side in one run.
+//! side by side in one run. `--chain-blocks N` (0: one per multiprocessor) and
+//! `--chain-nap NS` (the pollers' sleep between polls) tune the chain launch.
 //! `--gap-ms G`: each timed frame after a pause of G ms (longer than the persistent kernel's
 //! idle time-out: every frame relaunches it).
 //!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
 //! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--frame-path P]
-//! [--chain on|off] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
+//! [--chain on|off] [--chain-blocks N] [--chain-nap NS] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -86,6 +87,10 @@ fn main() {
         .unwrap_or_else(|| "persist".into());
     let persist = path != "graph";
     let chain = cli.value::<String>("--chain").is_none_or(|v| v != "off");
+    let tuning: (usize, u32) = (
+        cli.value("--chain-blocks").unwrap_or(0),
+        cli.value("--chain-nap").unwrap_or(0),
+    );
     let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
     if threads > 1 {
         for name in cases.split(',') {
@@ -99,7 +104,7 @@ fn main() {
                 &s,
                 (batch, threads, iters),
                 warm,
-                (persist, chain),
+                (persist, chain, tuning),
             );
         }
         return;
@@ -132,6 +137,8 @@ fn main() {
         };
         let has_persist = e.set_persistent_frames(persist).expect("frame path");
         let has_chain = e.set_frame_chain(chain).expect("frame chain");
+        e.set_chain_tuning(tuning.0, tuning.1)
+            .expect("chain tuning");
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -204,7 +211,7 @@ fn concurrent(
     s: &Spec,
     (batch, threads, iters): (usize, usize, usize),
     warm: Option<usize>,
-    (persist, chain): (bool, bool),
+    (persist, chain, tuning): (bool, bool, (usize, u32)),
 ) {
     let start = std::sync::Barrier::new(threads);
     let results: Vec<(f64, f64)> = std::thread::scope(|scope| {
@@ -216,6 +223,8 @@ fn concurrent(
                         .expect("engine");
                     e.set_persistent_frames(persist).expect("frame path");
                     e.set_frame_chain(chain).expect("frame chain");
+                    e.set_chain_tuning(tuning.0, tuning.1)
+                        .expect("chain tuning");
                     let mut st = e.new_state(batch).expect("state");
                     let x = Rng::new(10 + i as u64).vec_f32(batch * s.embed, 1.0, 0.0);
                     let mut y = vec![f32::NAN; batch * s.hidden];
