@@ -20,13 +20,16 @@
 //! `--chain on|off`: attention/Mamba/Jamba frames as one `engine_chain_f32` launch (the
 //! default where it fits) or one launch per op (`CudaEngine::set_frame_chain`), for the two
 //! side by side in one run. `--chain-blocks N` (0: one per multiprocessor) and
-//! `--chain-nap NS` (the pollers' sleep between polls) tune the chain launch.
+//! `--chain-nap NS` (the pollers' sleep between polls) tune the chain launch; `--chain-trace`
+//! prints, for the last chain launch of each (case, what), when each op's first item started,
+//! its last wait returned and its last item was counted done (µs from the launch's first
+//! item; the kernel's global timer).
 //! `--gap-ms G`: each timed frame after a pause of G ms (longer than the persistent kernel's
 //! idle time-out: every frame relaunches it).
 //!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
 //! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--frame-path P]
-//! [--chain on|off] [--chain-blocks N] [--chain-nap NS] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
+//! [--chain on|off] [--chain-blocks N] [--chain-nap NS] [--chain-trace] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -92,6 +95,7 @@ fn main() {
         cli.value("--chain-nap").unwrap_or(0),
     );
     let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
+    let trace = cli.flag("--chain-trace");
     if threads > 1 {
         for name in cases.split(',') {
             let Some(s) = case(name) else {
@@ -139,6 +143,16 @@ fn main() {
         let has_chain = e.set_frame_chain(chain).expect("frame chain");
         e.set_chain_tuning(tuning.0, tuning.1)
             .expect("chain tuning");
+        if trace {
+            e.set_chain_trace(1024).expect("chain trace");
+        }
+        let print_trace = |w: &str| {
+            if trace {
+                if let Ok((items, tr)) = e.chain_trace() {
+                    eprintln!("{name} {w} chain trace: {}", trace_line(&items, &tr));
+                }
+            }
+        };
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -172,6 +186,7 @@ fn main() {
             }
             stop();
             row("window", times, &y);
+            print_trace("window");
         }
         if what == "frame" || what == "both" {
             // Past the cache window: attention frames replay a graph only from there.
@@ -198,9 +213,39 @@ fn main() {
             }
             stop();
             row("frame", times, &y);
+            print_trace("frame");
         }
         eprintln!("{name} graphs: {:?}", e.graphs().unwrap_or_default());
     }
+}
+
+/// Per op of a chain trace: items, first start, last wait-through, last done (µs after the
+/// launch's first item started), blocks that ran its items.
+fn trace_line(items: &[usize], tr: &[[u64; 4]]) -> String {
+    let total: usize = items.iter().sum();
+    if total == 0 || tr.len() < total {
+        return "none".into();
+    }
+    let t0 = tr[..total].iter().map(|w| w[0]).min().unwrap_or(0);
+    let us = |t: u64| t.saturating_sub(t0) as f64 / 1e3;
+    let mut at = 0;
+    let mut parts = Vec::new();
+    for &n in items {
+        let w = &tr[at..at + n];
+        let start = w.iter().map(|x| x[0]).min().unwrap_or(0);
+        let seen = w.iter().map(|x| x[1]).max().unwrap_or(0);
+        let done = w.iter().map(|x| x[2]).max().unwrap_or(0);
+        let blocks: std::collections::BTreeSet<u64> = w.iter().map(|x| x[3]).collect();
+        parts.push(format!(
+            "[{n},{:.2},{:.2},{:.2},{}]",
+            us(start),
+            us(seen),
+            us(done),
+            blocks.len()
+        ));
+        at += n;
+    }
+    format!("[{}]", parts.join(","))
 }
 
 /// `threads` engines of `s` on their own threads, `iters` frames each after `warm` (default:

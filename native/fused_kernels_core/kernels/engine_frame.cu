@@ -493,9 +493,12 @@ struct FkEcOp {
 // sync: 32 64-bit words, zero before the first launch and owned by the launches of one chain
 // (one stream): the tickets drawn (word 0) and the items done (word 16, a cache line of its
 // own: the blocks polling it do not slow the tickets). nap: nanoseconds a poller sleeps between
-// polls (0: none). Kept within the 4 KB of kernel parameters.
+// polls (0: none). trace (nullptr: none; for benches): per item 4 words, the global timer when
+// its block starts it, when its wait returns and when it is counted done, and the block.
+// Kept within the 4 KB of kernel parameters.
 struct FkEcChain {
   unsigned long long* sync;
+  unsigned long long* trace;
   int nops, total, nap, pad;
   FkEcOp op[FK_EC_MAX_OPS];
 };
@@ -784,7 +787,15 @@ extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
       const FkEcOp& op = ch.op[i];
       const int u = rel - op.first;
       const unsigned long long target = base + (unsigned long long)op.first;
-      auto wait = [&] { fk_ec_wait(done, target, ch.nap); };
+      unsigned long long* tr = ch.trace ? ch.trace + 4 * rel : nullptr;
+      if (tr && tid == 0) {
+        tr[0] = fk_ec_now();
+        tr[3] = blockIdx.x;
+      }
+      auto wait = [&] {
+        fk_ec_wait(done, target, ch.nap);
+        if (tr && tid == 0) tr[1] = fk_ec_now();
+      };
       switch (op.kind) {
         case FK_EC_GEMV:
           fk_ec_gemv(op.gemv, u, sm, red, rstat, wait);
@@ -815,6 +826,7 @@ extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
       __syncthreads();
       if (tid == 0) {
         asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(done) : "memory");
+        if (tr) tr[2] = fk_ec_now();
         ticket = next;
       }
       __syncthreads();

@@ -14,8 +14,8 @@ use crate::cuda::pdl::arg;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use cudarc::driver::CudaFunction;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// `FK_EC_MAX_OPS`: the table stays within the 4 KB of kernel parameters every CUDA driver
 /// takes. A frame with more ops (an attention backbone of more than 5 layers, a Jamba of more
@@ -156,6 +156,7 @@ struct RawOp {
 #[repr(C)]
 struct Table {
     sync: u64,
+    trace: u64,
     nops: i32,
     total: i32,
     nap: i32,
@@ -164,7 +165,7 @@ struct Table {
 }
 
 const _: () = assert!(std::mem::size_of::<Table>() <= 4096);
-const _: () = assert!(std::mem::size_of::<Table>() == 24 + MAX_OPS * 144);
+const _: () = assert!(std::mem::size_of::<Table>() == 32 + MAX_OPS * 144);
 const _: () = assert!(std::mem::size_of::<RawOp>() == 16 + 128);
 
 impl Op {
@@ -218,6 +219,10 @@ pub struct Chain {
     /// pollers' nap in ns (`CudaEngine::set_chain_tuning`, for benches).
     blocks: AtomicUsize,
     nap: AtomicU32,
+    /// Device address of a trace buffer (0: none; `CudaEngine::set_chain_trace`).
+    trace: AtomicU64,
+    /// The items of each op of the last table launched (for reading a trace).
+    last_items: Mutex<Vec<usize>>,
 }
 
 impl Chain {
@@ -234,6 +239,8 @@ impl Chain {
             sms,
             blocks: AtomicUsize::new(0),
             nap: AtomicU32::new(0),
+            trace: AtomicU64::new(0),
+            last_items: Mutex::new(Vec::new()),
         })
     }
 
@@ -241,6 +248,19 @@ impl Chain {
     pub fn tune(&self, blocks: usize, nap: u32) {
         self.blocks.store(blocks, Ordering::Relaxed);
         self.nap.store(nap, Ordering::Relaxed);
+    }
+
+    /// The items of each op of the last launch.
+    pub fn last_items(&self) -> Vec<usize> {
+        self.last_items
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default()
+    }
+
+    /// Sets the trace buffer's device address (0: none): 4 words per item, see the kernel.
+    pub fn set_trace(&self, addr: u64) {
+        self.trace.store(addr, Ordering::Relaxed);
     }
 
     /// Whether a frame of these ops runs as one chain launch.
@@ -271,6 +291,7 @@ impl Chain {
         };
         let mut table = Table {
             sync,
+            trace: self.trace.load(Ordering::Relaxed),
             nops: ops.len() as i32,
             total: 0,
             nap: self.nap.load(Ordering::Relaxed).min(1 << 20) as i32,
@@ -278,11 +299,16 @@ impl Chain {
             op: [zero; MAX_OPS],
         };
         let (mut first, mut smem) = (0usize, 0usize);
+        let mut items = Vec::with_capacity(ops.len());
         for (slot, op) in table.op.iter_mut().zip(ops) {
             let (units, bytes) = op.items_smem();
             *slot = op.raw(first, units);
             first += units;
             smem = smem.max(bytes);
+            items.push(units);
+        }
+        if let Ok(mut v) = self.last_items.lock() {
+            *v = items;
         }
         table.total =
             i32::try_from(first).map_err(|_| Error::Cuda("engine chain: too many items".into()))?;

@@ -201,6 +201,8 @@ pub struct CudaEngine {
     shapes: Mutex<Vec<Shape>>,
     /// Whether frames that fit run as one chain launch (`set_frame_chain`; on by default).
     chain_on: AtomicBool,
+    /// The chain kernel's trace buffer while a bench traces it (`set_chain_trace`).
+    chain_trace: Mutex<Option<DeviceTensor>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     blas_workspace: Option<DeviceTensor>,
@@ -830,6 +832,7 @@ impl CudaEngine {
             frame,
             shapes: Mutex::new(Vec::new()),
             chain_on: AtomicBool::new(true),
+            chain_trace: Mutex::new(None),
             blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
@@ -1644,6 +1647,54 @@ impl CudaEngine {
         };
         c.tune(blocks, nap_ns);
         self.set_frame_chain(self.chain_on.load(Ordering::Relaxed))
+    }
+
+    /// For benches: with `items` > 0, every chain launch records when each of its first
+    /// `items` items starts, sees its wait through and is counted done (global timer, ns) and
+    /// its block; 0 stops. Graphs captured before are dropped. False without the kernel.
+    pub fn set_chain_trace(&self, items: usize) -> Result<bool> {
+        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
+            return Ok(false);
+        };
+        let mut tr = self
+            .chain_trace
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        *tr = if items > 0 {
+            Some(zeros(&self.gpu, vec![8 * items])?)
+        } else {
+            None
+        };
+        c.set_trace(tr.as_ref().map_or(0, ptr));
+        drop(tr);
+        self.set_frame_chain(self.chain_on.load(Ordering::Relaxed))
+    }
+
+    /// The trace of the last chain launch (`set_chain_trace`): the items of each op, and per
+    /// item its start, wait-through and done times and its block.
+    pub fn chain_trace(&self) -> Result<(Vec<usize>, Vec<[u64; 4]>)> {
+        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let tr = self
+            .chain_trace
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        let Some(t) = tr.as_ref() else {
+            return Ok((c.last_items(), Vec::new()));
+        };
+        self.gpu.synchronize()?;
+        let mut bytes = vec![0u8; t.num_bytes()];
+        t.copy_to_host(&mut bytes)?;
+        let words: Vec<[u64; 4]> = bytes
+            .chunks_exact(32)
+            .map(|c| {
+                let w =
+                    |i: usize| u64::from_le_bytes(c[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+                [w(0), w(1), w(2), w(3)]
+            })
+            .collect();
+        Ok((c.last_items(), words))
     }
 
     /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
