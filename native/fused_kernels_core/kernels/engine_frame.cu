@@ -578,24 +578,20 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
     }
   }
   fk_cp_commit();
-  // The epilogue: warp w takes outputs w, w + 16, ... (row o / 16, column o % 16). For a Mamba
+  // The epilogue: warp w takes column col0 + w, its lane b the output of row b. For a Mamba
   // in_proj the conv over the frames before (weights and this layer's conv state, which only
   // the scan op after this one moves on) is summed ahead of the wait in engine_gemv_f32's
-  // order, by lane 0 of the output's warp.
-  const int inner = n / 2;
-  float ebias[FK_EC_MAXB], cacc[FK_EC_MAXB];
-#pragma unroll
-  for (int e = 0; e < FK_EC_MAXB; ++e) {
-    const int o = warp + e * FK_EC_WARPS, b = o / FK_EC_COLS, j = col0 + o % FK_EC_COLS;
-    const bool live = lane == 0 && b < batch && j < n;
-    ebias[e] = live ? g.bias[j] : 0.0f;
-    cacc[e] = 0.0f;
-    if (live && g.conv_w && j < inner) {
-      const long long rb = row0 + b;
-      cacc[e] = g.conv_b[j];
-      for (int t = 0; t < g.conv_k - 1; ++t)
-        cacc[e] += g.conv_w[t * inner + j] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + j];
-    }
+  // order.
+  static_assert(FK_EC_WARPS == FK_EC_COLS, "a warp per column of the tile");
+  const int inner = n / 2, ej = col0 + warp;
+  const bool live = lane < batch && ej < n;
+  const float ebias = live ? g.bias[ej] : 0.0f;
+  float cacc = 0.0f;
+  if (live && g.conv_w && ej < inner) {
+    const long long rb = row0 + lane;
+    cacc = g.conv_b[ej];
+    for (int t = 0; t < g.conv_k - 1; ++t)
+      cacc += g.conv_w[t * inner + ej] * g.conv_state[(rb * (g.conv_k - 1) + t) * inner + ej];
   }
   wait();
   // The rows and the residual rows, all loads in flight at once.
@@ -643,13 +639,11 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
   for (int b = 0; b < FK_EC_MAXB; ++b)
     if (b < batch) red[(b * FK_EC_COLS + c) * 33 + 2 * warp + half] = acc[b];
   __syncthreads();
-#pragma unroll
-  for (int e = 0; e < FK_EC_MAXB; ++e) {
-    const int o = warp + e * FK_EC_WARPS, b = o / FK_EC_COLS, j = col0 + o % FK_EC_COLS;
-    if (b >= batch) break;
-    float s = fk_warp_sum(red[o * 33 + lane]);
-    if (lane == 0 && j < n) {
-      s = fk_act<FkExact>(s + ebias[e], g.act);
+  for (int b = 0; b < batch; ++b) {
+    float s = fk_warp_sum(red[(b * FK_EC_COLS + warp) * 33 + lane]);
+    if (lane == b && live) {
+      const int j = ej;
+      s = fk_act<FkExact>(s + ebias, g.act);
       if (res) {
         float rv = rs[b * n + j];
         if (g.rg) rv = (rv - rstat[b][0]) * rstat[b][1] * g.rg[j] + g.rb[j];
@@ -657,8 +651,8 @@ __device__ __forceinline__ void fk_ec_gemv(const FkEcGemv& g, int u, float* sm, 
       }
       g.out[(row0 + b) * n + j] = s;
       if (g.conv_w && j < inner) {
-        cacc[e] += g.conv_w[(g.conv_k - 1) * inner + j] * s;
-        g.xc[(row0 + b) * inner + j] = cacc[e] / (1.0f + expf(-cacc[e]));
+        cacc += g.conv_w[(g.conv_k - 1) * inner + j] * s;
+        g.xc[(row0 + b) * inner + j] = cacc / (1.0f + expf(-cacc));
       }
     }
   }
