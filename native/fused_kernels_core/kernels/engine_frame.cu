@@ -347,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
 // (the warp owns its channel of them). The weights and the channel's ssm state (which only this
 // step touches) are read before `wait()`, which every thread of the block calls; the rows other
 // launches or blocks wrote after it, through L2.
-template <class Wait>
+template <bool kSharedBcr = false, class Wait>
 __device__ __forceinline__ void fk_em_step(const float* __restrict__ xz,
                                            const float* __restrict__ xc,
                                            const float* __restrict__ bcr,
@@ -369,10 +369,13 @@ __device__ __forceinline__ void fk_em_step(const float* __restrict__ xz,
   const float bdt = live ? b_dt[c] : 0.0f;
   wait();
   if (!live) return;
+  // B | C | dt rank: written by the launch (or op) before, read through L2; or (kSharedBcr) in
+  // shared memory, where the chain's scan item computed it.
   const float* row = bcr + (long long)b * (2 * state + rank);
-  float raw = lane < rank ? __ldcg(row + 2 * state + lane) * wdt0 : 0.0f;
+  auto ld = [&](int j) { return kSharedBcr ? row[j] : __ldcg(row + j); };
+  float raw = lane < rank ? ld(2 * state + lane) * wdt0 : 0.0f;
   for (int r = lane + 32; r < rank; r += 32)
-    raw = fmaf(__ldcg(row + 2 * state + r), w_dt[(long long)r * inner + c], raw);
+    raw = fmaf(ld(2 * state + r), w_dt[(long long)r * inner + c], raw);
   raw = fk_warp_sum(raw) + bdt;
   const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
   const float delta = fminf(fmaxf(sp, dt_min), dt_max);
@@ -381,9 +384,9 @@ __device__ __forceinline__ void fk_em_step(const float* __restrict__ xz,
   for (int n = lane; n < state; n += 32) {
     const float an = n < 32 ? a0 : a[(long long)c * state + n];
     const float hp = n < 32 ? h0 : h[n];
-    const float hn = expf(delta * an) * hp + delta * __ldcg(row + n) * u;
+    const float hn = expf(delta * an) * hp + delta * ld(n) * u;
     h[n] = hn;
-    acc += hn * __ldcg(row + state + n);
+    acc += hn * ld(state + n);
   }
   acc = fk_warp_sum(acc);
   if (lane == 0) {
@@ -457,9 +460,13 @@ struct FkEcAttn {
   float scale;
 };
 // engine_mamba_scan_f32's arguments (d nullptr: none). Items: ceil(batch·inner / 16).
+// w_bc (nullptr: none; batch 1 only): the B|C|dt-rank kernel {inner, 2·state + rank} and its
+// bias b_bc, applied to xc by every scan item itself (into shared memory) instead of a GEMV
+// op before: one hand-over fewer per Mamba block.
 struct FkEcScan {
   const float *xz, *xc, *bcr, *w_dt, *b_dt, *a, *d;
   float *conv_state, *ssm_state, *y;
+  const float *w_bc, *b_bc;
   int batch, inner, state, rank, k;
   float dt_min, dt_max;
 };
@@ -747,6 +754,36 @@ __device__ __forceinline__ void fk_ec_wattn(const FkEcWattn& a, int u, float* sm
   }
 }
 
+// A scan item with B|C|dt rank computed here (FkEcScan::w_bc, batch 1): the kernel into
+// shared memory before the wait, then after it xc and the 2·state + rank dot products over
+// inner (a warp per output). sm: {inner, nb} kernel, {inner} xc, {nb} results.
+template <class Wait>
+__device__ __forceinline__ void fk_ec_scan_bc(const FkEcScan& s, int i, float* sm, Wait wait) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int inner = s.inner, nb = 2 * s.state + s.rank, words = inner * nb;
+  float* ws = sm;              // {inner, nb}
+  float* xs = ws + words;      // {inner}
+  float* bc = xs + inner;      // {nb}
+  for (int q = tid; q < words / 4; q += FK_EC_THREADS) fk_cp16(ws + 4 * q, s.w_bc + 4 * q, true);
+  for (int q = 4 * (words / 4) + tid; q < words; q += FK_EC_THREADS) fk_cp4(ws + q, s.w_bc + q);
+  fk_cp_commit();
+  auto computed = [&] {
+    wait();
+    for (int j = tid; j < inner; j += FK_EC_THREADS) xs[j] = __ldcg(s.xc + j);
+    fk_cp_wait<0>();
+    __syncthreads();
+    for (int j = warp; j < nb; j += FK_EC_WARPS) {
+      float acc = 0.0f;
+      for (int kk = lane; kk < inner; kk += 32) acc = fmaf(xs[kk], ws[kk * nb + j], acc);
+      acc = fk_warp_sum(acc);
+      if (lane == 0) bc[j] = acc + s.b_bc[j];
+    }
+    __syncthreads();
+  };
+  fk_em_step<true>(s.xz, s.xc, bc, s.w_dt, s.b_dt, s.a, s.d, s.conv_state, s.ssm_state, s.y,
+                   s.batch, s.inner, s.state, s.rank, s.k, s.dt_min, s.dt_max, i, computed);
+}
+
 // ch: the frame's ops in order. Grid: any number of blocks of FK_EC_THREADS (the host takes as
 // many as the widest op has items, up to the multiprocessors). Dynamic shared memory: the most
 // any op needs (a GEMV 4·(16·k + min(rows, 8)·(k + n)) bytes; a frame's attention as
@@ -807,9 +844,13 @@ extern "C" __global__ void __launch_bounds__(FK_EC_THREADS, 1)
           break;
         case FK_EC_SCAN: {
           const FkEcScan& s = op.scan;
-          fk_em_step(s.xz, s.xc, s.bcr, s.w_dt, s.b_dt, s.a, s.d, s.conv_state, s.ssm_state,
-                     s.y, s.batch, s.inner, s.state, s.rank, s.k, s.dt_min, s.dt_max,
-                     u * FK_EC_WARPS + (tid >> 5), wait);
+          const int i = u * FK_EC_WARPS + (tid >> 5);
+          if (s.w_bc)
+            fk_ec_scan_bc(s, i, sm, wait);
+          else
+            fk_em_step(s.xz, s.xc, s.bcr, s.w_dt, s.b_dt, s.a, s.d, s.conv_state, s.ssm_state,
+                       s.y, s.batch, s.inner, s.state, s.rank, s.k, s.dt_min, s.dt_max, i,
+                       wait);
           break;
         }
         default:

@@ -632,7 +632,8 @@ fn gpu_frame_chain_matches_one_launch_per_op() {
     // A frame on `engine_chain_f32` (every op in one launch, ops handed over through counters)
     // against the same frame with one launch per op, frame by frame over fresh states past the
     // cache window, at ExPhil's sizes and odd ones (head_dim 40/80/96, hidden 200, inner 600,
-    // state 64, B|C|dt 141 columns, batch 3 and 9: two GEMV row blocks), with one stream
+    // state 64, B|C|dt 141 columns, batch 3 and 9: two GEMV row blocks; at batch 1 the scan
+    // items' own B|C|dt over 45 columns), with one stream
     // switching path halfway (the state and the counters carry over), and against the CPU
     // executor.
     let odd = |kind: Kind, heads: usize, head_dim: usize, state: usize, expand: usize| Spec {
@@ -657,6 +658,7 @@ fn gpu_frame_chain_matches_one_launch_per_op() {
         (odd(Kind::Attention, 5, 40, 16, 2), 3),
         (odd(Kind::Attention, 3, 96, 16, 2), 9),
         (odd(Kind::Mamba, 5, 40, 64, 3), 3),
+        (odd(Kind::Mamba, 5, 40, 16, 3), 1),
         (odd(Kind::Jamba, 2, 80, 16, 2), 9),
     ];
     for (i, (s, b)) in cases.into_iter().enumerate() {

@@ -84,6 +84,10 @@ pub struct Scan {
     pub conv_state: u64,
     pub ssm_state: u64,
     pub y: u64,
+    /// The B|C|dt-rank kernel and bias applied by the scan items themselves (0: none; the
+    /// kernel's `w_bc`, batch 1 only).
+    pub w_bc: u64,
+    pub b_bc: u64,
     pub batch: i32,
     pub inner: i32,
     pub state: i32,
@@ -183,7 +187,14 @@ impl Op {
                 let (w, d) = (a.window as usize, a.head_dim as usize);
                 ((a.heads * a.batch) as usize, 4 * (2 * w * d + d + w))
             }
-            Op::Scan(s) => (((s.batch * s.inner) as usize).div_ceil(WARPS), 0),
+            Op::Scan(s) => (
+                ((s.batch * s.inner) as usize).div_ceil(WARPS),
+                if s.w_bc != 0 {
+                    scan_bc_smem(s.inner as usize, (2 * s.state + s.rank) as usize)
+                } else {
+                    0
+                },
+            ),
             Op::Norm(n) => (n.rows as usize, 0),
             Op::Wattn(a) => (
                 (a.batch * a.heads) as usize * (a.sq as usize).div_ceil(QROWS),
@@ -263,6 +274,11 @@ impl Chain {
         self.trace.store(addr, Ordering::Relaxed);
     }
 
+    /// Whether a scan item may compute its B|C|dt rank (`nb` values over `inner`) itself.
+    pub fn scan_bc_fits(&self, inner: usize, nb: usize) -> bool {
+        scan_bc_smem(inner, nb) <= self.smem_limit
+    }
+
     /// Whether a frame of these ops runs as one chain launch.
     pub fn takes(&self, ops: &[Op]) -> bool {
         ops.len() <= MAX_OPS
@@ -338,6 +354,11 @@ impl Chain {
             )
         }
     }
+}
+
+/// Shared bytes of a scan item that computes B|C|dt rank itself (`Scan::w_bc`).
+fn scan_bc_smem(inner: usize, nb: usize) -> usize {
+    4 * (inner * nb + inner + nb)
 }
 
 /// Shared bytes of a GEMV item: the weight tile, the rows and the residual rows.

@@ -548,6 +548,10 @@ struct Emit<'a> {
 }
 
 impl Emit<'_> {
+    fn recording(&self) -> bool {
+        self.ops.is_some()
+    }
+
     /// True when `op` was recorded (nothing to launch).
     fn record(&self, op: chain::Op) -> bool {
         match &self.ops {
@@ -2037,17 +2041,30 @@ impl CudaEngine {
             ptr: ptr(&xc),
             norm: None,
         };
-        let bcr = self.gemv(
-            ff,
-            (b, 1),
-            raw,
-            inner,
-            &p("bcdt"),
-            2 * n + r,
-            none,
-            None,
-            eps,
-        )?;
+        // On the chain (batch 1), the scan items compute B|C|dt rank themselves: one op
+        // fewer per block (the same buffer is taken, so the arena keeps its order).
+        let fuse_bc = ff.recording()
+            && b == 1
+            && ff
+                .ff
+                .chain
+                .as_ref()
+                .is_some_and(|c| c.scan_bc_fits(inner, 2 * n + r));
+        let bcr = if fuse_bc {
+            self.buf(vec![b, 1, 2 * n + r])?
+        } else {
+            self.gemv(
+                ff,
+                (b, 1),
+                raw,
+                inner,
+                &p("bcdt"),
+                2 * n + r,
+                none,
+                None,
+                eps,
+            )?
+        };
         let y = self.buf(vec![b, inner])?;
         {
             let d = self.dw(&p("ssm/d")).map_or(0, ptr);
@@ -2074,6 +2091,8 @@ impl CudaEngine {
                 conv_state: cst,
                 ssm_state: sst,
                 y: py,
+                w_bc: if fuse_bc { wp("bcdt/kernel")? } else { 0 },
+                b_bc: if fuse_bc { wp("bcdt/bias")? } else { 0 },
                 batch: bi,
                 inner: ii,
                 state: ni,
