@@ -17,19 +17,12 @@
 //!
 //! `--frame-path graph|persist`: LSTM/GRU frames on the one-kernel graph or on the persistent
 //! kernel (the default where it runs: engine/persist.rs), for the two side by side in one run.
-//! `--chain on|off`: attention/Mamba/Jamba frames as one `engine_chain_f32` launch (the
-//! default where it fits) or one launch per op (`CudaEngine::set_frame_chain`), for the two
-//! side by side in one run. `--chain-blocks N` (0: one per multiprocessor) and
-//! `--chain-nap NS` (the pollers' sleep between polls) tune the chain launch; `--chain-trace`
-//! prints, for the last chain launch of each (case, what), when each op's first item started,
-//! its last wait returned and its last item was counted done (µs from the launch's first
-//! item; the kernel's global timer).
 //! `--gap-ms G`: each timed frame after a pause of G ms (longer than the persistent kernel's
 //! idle time-out: every frame relaunches it).
 //!
 //! Usage: engine_device [--case gru,lstm,attention,mamba,jamba,gru1] [--what window|frame|both]
 //! [--batch B] [--warm N] [--iters N] [--profile-last N] [--threads N] [--frame-path P]
-//! [--chain on|off] [--chain-blocks N] [--chain-nap NS] [--chain-trace] [--gap-ms G] [--json FILE]. One JSON line per (case, what).
+//! [--gap-ms G] [--json FILE]. One JSON line per (case, what).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -89,27 +82,14 @@ fn main() {
         .value("--frame-path")
         .unwrap_or_else(|| "persist".into());
     let persist = path != "graph";
-    let chain = cli.value::<String>("--chain").is_none_or(|v| v != "off");
-    let tuning: (usize, u32) = (
-        cli.value("--chain-blocks").unwrap_or(0),
-        cli.value("--chain-nap").unwrap_or(0),
-    );
     let gap_ms: u64 = cli.value("--gap-ms").unwrap_or(0);
-    let trace = cli.flag("--chain-trace");
     if threads > 1 {
         for name in cases.split(',') {
             let Some(s) = case(name) else {
                 eprintln!("--case: unknown {name:?}");
                 std::process::exit(2);
             };
-            concurrent(
-                &mut out,
-                name,
-                &s,
-                (batch, threads, iters),
-                warm,
-                (persist, chain, tuning),
-            );
+            concurrent(&mut out, name, &s, (batch, threads, iters), warm, persist);
         }
         return;
     }
@@ -140,19 +120,6 @@ fn main() {
             }
         };
         let has_persist = e.set_persistent_frames(persist).expect("frame path");
-        let has_chain = e.set_frame_chain(chain).expect("frame chain");
-        e.set_chain_tuning(tuning.0, tuning.1)
-            .expect("chain tuning");
-        if trace {
-            e.set_chain_trace(1024).expect("chain trace");
-        }
-        let print_trace = |w: &str| {
-            if trace {
-                if let Ok((items, tr)) = e.chain_trace() {
-                    eprintln!("{name} {w} chain trace: {}", trace_line(&items, &tr));
-                }
-            }
-        };
         let t = s.window;
         let mut rng = Rng::new(2);
         let x = rng.vec_f32(batch * t * s.embed, 1.0, 0.0);
@@ -163,11 +130,7 @@ fn main() {
             out.line(&format!(
                 "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"{w}\",\"batch\":{batch},\"seq\":{},\"median_us\":{med:.1},\"p99_us\":{p99:.1},\"iters\":{iters},\"finite\":{finite},\"path\":\"{}\",\"gap_ms\":{gap_ms}}}",
                 if w == "window" { t } else { 1 },
-                match w {
-                    "frame" if persist && has_persist => "persist",
-                    "frame" if chain && has_chain => "chain",
-                    _ => "graph",
-                }
+                if w == "frame" && persist && has_persist { "persist" } else { "graph" }
             ));
         };
         if what == "window" || what == "both" {
@@ -186,7 +149,6 @@ fn main() {
             }
             stop();
             row("window", times, &y);
-            print_trace("window");
         }
         if what == "frame" || what == "both" {
             // Past the cache window: attention frames replay a graph only from there.
@@ -213,39 +175,9 @@ fn main() {
             }
             stop();
             row("frame", times, &y);
-            print_trace("frame");
         }
         eprintln!("{name} graphs: {:?}", e.graphs().unwrap_or_default());
     }
-}
-
-/// Per op of a chain trace: items, first start, last wait-through, last done (µs after the
-/// launch's first item started), blocks that ran its items.
-fn trace_line(items: &[usize], tr: &[[u64; 4]]) -> String {
-    let total: usize = items.iter().sum();
-    if total == 0 || tr.len() < total {
-        return "none".into();
-    }
-    let t0 = tr[..total].iter().map(|w| w[0]).min().unwrap_or(0);
-    let us = |t: u64| t.saturating_sub(t0) as f64 / 1e3;
-    let mut at = 0;
-    let mut parts = Vec::new();
-    for &n in items {
-        let w = &tr[at..at + n];
-        let start = w.iter().map(|x| x[0]).min().unwrap_or(0);
-        let seen = w.iter().map(|x| x[1]).max().unwrap_or(0);
-        let done = w.iter().map(|x| x[2]).max().unwrap_or(0);
-        let blocks: std::collections::BTreeSet<u64> = w.iter().map(|x| x[3]).collect();
-        parts.push(format!(
-            "[{n},{:.2},{:.2},{:.2},{}]",
-            us(start),
-            us(seen),
-            us(done),
-            blocks.len()
-        ));
-        at += n;
-    }
-    format!("[{}]", parts.join(","))
 }
 
 /// `threads` engines of `s` on their own threads, `iters` frames each after `warm` (default:
@@ -256,7 +188,7 @@ fn concurrent(
     s: &Spec,
     (batch, threads, iters): (usize, usize, usize),
     warm: Option<usize>,
-    (persist, chain, tuning): (bool, bool, (usize, u32)),
+    persist: bool,
 ) {
     let start = std::sync::Barrier::new(threads);
     let results: Vec<(f64, f64)> = std::thread::scope(|scope| {
@@ -267,9 +199,6 @@ fn concurrent(
                     let e = CudaEngine::new(s.clone(), to_params(&random_params(s, 1)), None)
                         .expect("engine");
                     e.set_persistent_frames(persist).expect("frame path");
-                    e.set_frame_chain(chain).expect("frame chain");
-                    e.set_chain_tuning(tuning.0, tuning.1)
-                        .expect("chain tuning");
                     let mut st = e.new_state(batch).expect("state");
                     let x = Rng::new(10 + i as u64).vec_f32(batch * s.embed, 1.0, 0.0);
                     let mut y = vec![f32::NAN; batch * s.hidden];
@@ -299,7 +228,7 @@ fn concurrent(
     let span = results.iter().map(|r| r.1).fold(0.0, f64::max);
     let rate = (threads * iters) as f64 / span;
     out.line(&format!(
-        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"path\":\"{}\",\"chain\":{chain},\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
+        "{{\"bench\":\"engine_device\",\"case\":\"{name}\",\"what\":\"frame\",\"batch\":{batch},\"threads\":{threads},\"path\":\"{}\",\"medians_us\":[{}],\"frames_per_s\":{rate:.0},\"iters\":{iters}}}",
         if persist { "persist" } else { "graph" },
         medians.join(",")
     ));

@@ -640,11 +640,6 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             parts: &[&["f32"]],
             levels: ANY,
         },
-        Family {
-            root: "engine_chain",
-            parts: &[&["f32"]],
-            levels: ANY,
-        },
     ],
 };
 

@@ -31,7 +31,6 @@
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
 //! flight between calls.
 
-use super::chain::{self, Chain};
 use super::persist::{FrameArgs, Persist};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
@@ -46,9 +45,8 @@ use crate::tensor::HostTensor;
 use buffer::PinnedBytes;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaFunction, CudaGraph};
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -130,8 +128,6 @@ struct Shape {
     output: PinnedBytes,
     /// `output`'s device address when the frame kernel writes it in place (`rnn_fused`).
     output_dev: Option<u64>,
-    /// A window on the chain kernel (`window_chain`): its two counters, zeroed once.
-    chain_sync: Option<DeviceTensor>,
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
@@ -199,10 +195,6 @@ pub struct CudaEngine {
     frame: Option<FrameFns>,
     /// Per shape seen, its arena; calls into one engine serialise here (they share it).
     shapes: Mutex<Vec<Shape>>,
-    /// Whether frames that fit run as one chain launch (`set_frame_chain`; on by default).
-    chain_on: AtomicBool,
-    /// The chain kernel's trace buffer while a bench traces it (`set_chain_trace`).
-    chain_trace: Mutex<Option<DeviceTensor>>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     blas_workspace: Option<DeviceTensor>,
@@ -234,9 +226,6 @@ pub struct CudaState {
     /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
     /// kernel's `FkErState` table.
     rnn_table: Option<DeviceTensor>,
-    /// Attention/Mamba/Jamba on the chain kernel: its two counters (tickets, items done),
-    /// zeroed once; the state's frames are the only launches that use them.
-    chain_sync: Option<DeviceTensor>,
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -536,32 +525,6 @@ struct FrameFns {
     attn: Option<CudaFunction>,
     /// Mamba/Jamba: the frame's scan step (the conv runs in the in_proj GEMV).
     mamba: Option<CudaFunction>,
-    /// The whole frame in one launch (`chain`), where the kernel builds.
-    chain: Option<Chain>,
-}
-
-/// Where `gemv_forward`'s ops go: each launched as its own kernel (`ops` None: windows, and
-/// frames the chain does not take), or recorded for one `engine_chain_f32` launch.
-struct Emit<'a> {
-    ff: &'a FrameFns,
-    ops: Option<RefCell<Vec<chain::Op>>>,
-}
-
-impl Emit<'_> {
-    fn recording(&self) -> bool {
-        self.ops.is_some()
-    }
-
-    /// True when `op` was recorded (nothing to launch).
-    fn record(&self, op: chain::Op) -> bool {
-        match &self.ops {
-            Some(v) => {
-                v.borrow_mut().push(op);
-                true
-            }
-            None => false,
-        }
-    }
 }
 
 /// `engine_gemv_f32`'s columns per block, its most batch rows and its static shared memory.
@@ -613,7 +576,6 @@ impl FrameFns {
             } else {
                 Some(f("engine_mamba_scan_f32")?)
             },
-            chain: Chain::new(gpu),
         })
     }
 
@@ -835,8 +797,6 @@ impl CudaEngine {
             rnn_frame,
             frame,
             shapes: Mutex::new(Vec::new()),
-            chain_on: AtomicBool::new(true),
-            chain_trace: Mutex::new(None),
             blas_workspace: blas_ws,
         };
         engine.gpu.synchronize()?;
@@ -923,11 +883,6 @@ impl CudaEngine {
                         None
                     },
                     output,
-                    chain_sync: if self.window_chain(key) {
-                        Some(zeros(&self.gpu, vec![chain::SYNC_WORDS])?)
-                    } else {
-                        None
-                    },
                     warm: false,
                     graphs: Vec::new(),
                 });
@@ -1104,10 +1059,8 @@ impl CudaEngine {
             input_dev,
             output,
             output_dev,
-            chain_sync,
             ..
         } = sh;
-        let wsync = chain_sync.as_ref().map(ptr);
         arena.next = 0;
         let gpu = self.gpu.clone();
         let mut alloc = |bytes: usize| arena.take(&gpu, bytes);
@@ -1133,9 +1086,7 @@ impl CudaEngine {
                 match (*output_dev, &self.frame) {
                     // A frame on the frame kernels (`gemv_frame`): the last launch writes the
                     // mapped output staging itself.
-                    (Some(o), Some(ff)) => {
-                        self.gemv_forward(ff, &xd, state, Some(o), wsync).map(drop)
-                    }
+                    (Some(o), Some(ff)) => self.gemv_forward(ff, &xd, state, Some(o)).map(drop),
                     // A batch-1 LSTM/GRU window on the cluster path writes the last row, normed,
                     // where `predict` reads it.
                     (Some(o), _)
@@ -1182,19 +1133,6 @@ impl CudaEngine {
             && last_attention
             && self.frame.is_some()
             && FrameFns::takes(s, (b, t), false)
-    }
-
-    /// Whether calls of shape `key` are attention windows of `tail_window` that fit one chain
-    /// launch (`gemv_forward` records them while `set_frame_chain` is on).
-    fn window_chain(&self, key: (usize, usize, bool)) -> bool {
-        let (b, t, _) = key;
-        self.spec.kind == Kind::Attention
-            && self.tail_window(key)
-            && self
-                .frame
-                .as_ref()
-                .and_then(|ff| ff.chain.as_ref())
-                .is_some_and(|c| c.fits_window(&self.spec, b, t))
     }
 
     /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
@@ -1625,82 +1563,6 @@ impl CudaEngine {
         Ok(true)
     }
 
-    /// Whether attention/Mamba/Jamba frames that fit run as one `engine_chain_f32` launch (on
-    /// by default); off, each op of a frame is a launch of its own (the chain's A/B in
-    /// benches and tests). Returns whether this engine has the chain kernel. Graphs captured
-    /// before are dropped.
-    pub fn set_frame_chain(&self, on: bool) -> Result<bool> {
-        self.chain_on.store(on, Ordering::Relaxed);
-        let mut shapes = self
-            .shapes
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        for sh in shapes.iter_mut() {
-            // The next call runs eagerly (the other path's buffers allocated), then captures.
-            sh.graphs.clear();
-            sh.warm = false;
-        }
-        Ok(self.frame.as_ref().is_some_and(|ff| ff.chain.is_some()))
-    }
-
-    /// The chain kernel's blocks per launch (0: one per multiprocessor) and its pollers' nap
-    /// in ns, for benches; graphs captured before are dropped. False without the kernel.
-    pub fn set_chain_tuning(&self, blocks: usize, nap_ns: u32) -> Result<bool> {
-        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
-            return Ok(false);
-        };
-        c.tune(blocks, nap_ns);
-        self.set_frame_chain(self.chain_on.load(Ordering::Relaxed))
-    }
-
-    /// For benches: with `items` > 0, every chain launch records when each of its first
-    /// `items` items starts, sees its wait through and is counted done (global timer, ns) and
-    /// its block; 0 stops. Graphs captured before are dropped. False without the kernel.
-    pub fn set_chain_trace(&self, items: usize) -> Result<bool> {
-        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
-            return Ok(false);
-        };
-        let mut tr = self
-            .chain_trace
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        *tr = if items > 0 {
-            Some(zeros(&self.gpu, vec![8 * items])?)
-        } else {
-            None
-        };
-        c.set_trace(tr.as_ref().map_or(0, ptr));
-        drop(tr);
-        self.set_frame_chain(self.chain_on.load(Ordering::Relaxed))
-    }
-
-    /// The trace of the last chain launch (`set_chain_trace`): the items of each op, and per
-    /// item its start, wait-through and done times and its block.
-    pub fn chain_trace(&self) -> Result<(Vec<usize>, Vec<[u64; 4]>)> {
-        let Some(c) = self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) else {
-            return Ok((Vec::new(), Vec::new()));
-        };
-        let tr = self
-            .chain_trace
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        let Some(t) = tr.as_ref() else {
-            return Ok((c.last_items(), Vec::new()));
-        };
-        self.gpu.synchronize()?;
-        let mut bytes = vec![0u8; t.num_bytes()];
-        t.copy_to_host(&mut bytes)?;
-        let words: Vec<[u64; 4]> = bytes
-            .chunks_exact(32)
-            .map(|c| {
-                let w =
-                    |i: usize| u64::from_le_bytes(c[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
-                [w(0), w(1), w(2), w(3)]
-            })
-            .collect();
-        Ok((c.last_items(), words))
-    }
-
     /// Frames run on the persistent kernel and its launches so far (0, 0 without one).
     pub fn persistent_counts(&self) -> Result<(u64, u64)> {
         let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
@@ -1762,7 +1624,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
-        ff: &Emit<'_>,
+        ff: &FrameFns,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1781,7 +1643,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)]
     fn gemv_to(
         &self,
-        ff: &Emit<'_>,
+        ff: &FrameFns,
         (b, t): (usize, usize),
         x: Rows,
         k: usize,
@@ -1806,29 +1668,6 @@ impl CudaEngine {
         let (mut eps, mut code) = (eps, act.code());
         let c = conv.unwrap_or_default();
         let (mut cw, mut cb, mut cs, mut cx, mut ck) = (c.w, c.b, c.state, c.xc, c.k);
-        if ff.record(chain::Op::Gemv(chain::Gemv {
-            x: xp,
-            xg,
-            xb,
-            w,
-            bias,
-            res: rp,
-            rg,
-            rb,
-            out: op,
-            conv_w: cw,
-            conv_b: cb,
-            conv_state: cs,
-            xc: cx,
-            rows: ri,
-            k: ki,
-            n: ni,
-            act: code,
-            conv_k: ck,
-            eps,
-        })) {
-            return Ok(out);
-        }
         let mut params = [
             arg(&mut xp),
             arg(&mut xg),
@@ -1859,7 +1698,7 @@ impl CudaEngine {
         // Safety: the kernel's parameters in order, each a live local of its type; every
         // address is a weight or an arena buffer of this engine, alive in its stream's order;
         // the kernel waits for the launch before it ahead of reading its rows.
-        unsafe { self.launch(&ff.ff.gemv, (grid, 512, smem), &mut params) }?;
+        unsafe { self.launch(&ff.gemv, (grid, 512, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1868,7 +1707,7 @@ impl CudaEngine {
     /// address of the count of cached rows the query sees (`counted`).
     fn attn_frame(
         &self,
-        ff: &Emit<'_>,
+        ff: &FrameFns,
         (qkv, valid_at): (&DeviceTensor, u64),
         st: &mut CudaState,
         l: usize,
@@ -1887,21 +1726,6 @@ impl CudaEngine {
         let mut valid_at = valid_at;
         let mut qn = qk_norm as i32;
         let mut scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        if ff.record(chain::Op::Attn(chain::Attn {
-            qkv: q,
-            kc,
-            vc,
-            out: op,
-            valid_at,
-            batch: b as i32,
-            heads,
-            head_dim: d,
-            window: w,
-            qk_norm: qn,
-            scale,
-        })) {
-            return Ok(out);
-        }
         let mut params = [
             arg(&mut q),
             arg(&mut kc),
@@ -1917,7 +1741,7 @@ impl CudaEngine {
         let grid = (s.heads as u32, b as u32, 1);
         let smem = FrameFns::attn_smem(s) as u32;
         // Safety: as in `gemv`; the caches are the state's own tensors.
-        unsafe { self.launch(ff.ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
+        unsafe { self.launch(ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
         Ok(out)
     }
 
@@ -1927,7 +1751,6 @@ impl CudaEngine {
     /// hidden}` (the causal mask is aligned bottom-right: it sees every key of the window).
     fn attn_window(
         &self,
-        ff: &Emit<'_>,
         qkv: &DeviceTensor,
         (b, t): (usize, usize),
         qk_norm: bool,
@@ -1939,26 +1762,11 @@ impl CudaEngine {
             sq,
             ..window_geometry(s, b, t)
         };
-        let out = self.buf(vec![b, sq, s.hidden])?;
-        let lse = self.buf(vec![b, s.heads, sq])?;
-        if !qk_norm
-            && ff.record(chain::Op::Wattn(chain::Wattn {
-                qkv: ptr(qkv),
-                out: ptr(&out),
-                batch: b as i32,
-                heads: s.heads as i32,
-                head_dim: s.head_dim as i32,
-                t: t as i32,
-                sq: sq as i32,
-                left: s.window as i32 - 1,
-                scale: (1.0 / (s.head_dim as f64).sqrt()) as f32,
-            }))
-        {
-            return Ok(out);
-        }
         let plan = flash_attention::short_f32(&g)
             .ok_or_else(|| Error::Cuda("window attention: no short-sequence kernel fits".into()))?;
         let f = flash_attention::function(&self.gpu, &plan)?;
+        let out = self.buf(vec![b, sq, s.hidden])?;
+        let lse = self.buf(vec![b, s.heads, sq])?;
         let (hid, d) = (s.hidden, s.head_dim);
         let rows = flash_attention::Strides {
             sb: t * 3 * hid,
@@ -1999,7 +1807,7 @@ impl CudaEngine {
     /// states of layer `l`, 0-based, on), out_proj with the residual: four launches.
     fn mamba_frame(
         &self,
-        ff: &Emit<'_>,
+        ff: &FrameFns,
         (prefix, x): (&str, &DeviceTensor),
         st: &mut CudaState,
         l: usize,
@@ -2041,29 +1849,22 @@ impl CudaEngine {
             ptr: ptr(&xc),
             norm: None,
         };
-        // On the chain (batch 1), the scan items compute B|C|dt rank themselves: one op
-        // fewer per block (the same buffer is taken, so the arena keeps its order).
-        let fuse_bc = ff.recording()
-            && b == 1
-            && ff
-                .ff
-                .chain
-                .as_ref()
-                .is_some_and(|c| c.scan_bc_fits(inner, 2 * n + r));
-        let bcr = if fuse_bc {
-            self.buf(vec![b, 1, 2 * n + r])?
+        // At batch 1 every scan block applies the B|C|dt-rank kernel to xc itself (its copy of
+        // the kernel in shared memory, fetched before the scan waits for in_proj) where the
+        // device's shared memory holds it: one dependent launch fewer per block.
+        let nb = 2 * n + r;
+        let bc_smem = 4 * (inner * nb + inner + nb);
+        let fuse_bc = b == 1
+            && self
+                .gpu
+                .smem_per_block()
+                .is_ok_and(|limit| bc_smem <= limit)
+            && crate::cuda::smem::allow_dynamic_smem(ff.mamba()?, bc_smem).is_ok();
+        let (bcr, w_bc, b_bc) = if fuse_bc {
+            (0, wp("bcdt/kernel")?, wp("bcdt/bias")?)
         } else {
-            self.gemv(
-                ff,
-                (b, 1),
-                raw,
-                inner,
-                &p("bcdt"),
-                2 * n + r,
-                none,
-                None,
-                eps,
-            )?
+            let t = self.gemv(ff, (b, 1), raw, inner, &p("bcdt"), nb, none, None, eps)?;
+            (ptr(&t), 0, 0)
         };
         let y = self.buf(vec![b, inner])?;
         {
@@ -2071,7 +1872,7 @@ impl CudaEngine {
             let (mut pxz, mut pxc, mut pbcr, mut wdt, mut bdt, mut a, mut py) = (
                 ptr(&xz),
                 ptr(&xc),
-                ptr(&bcr),
+                bcr,
                 wp("ssm_dt_proj/kernel")?,
                 wp("ssm_dt_proj/bias")?,
                 wp("ssm/a")?,
@@ -2080,27 +1881,7 @@ impl CudaEngine {
             let (mut d, mut cst, mut sst) = (d, conv_state, ssm_state);
             let (mut bi, mut ii, mut ni, mut ri, mut ki) = (bi, ii, ni, ri, ki);
             let (mut dt_min, mut dt_max) = (0.001f32, 0.1f32);
-            let recorded = ff.record(chain::Op::Scan(chain::Scan {
-                xz: pxz,
-                xc: pxc,
-                bcr: pbcr,
-                w_dt: wdt,
-                b_dt: bdt,
-                a,
-                d,
-                conv_state: cst,
-                ssm_state: sst,
-                y: py,
-                w_bc: if fuse_bc { wp("bcdt/kernel")? } else { 0 },
-                b_bc: if fuse_bc { wp("bcdt/bias")? } else { 0 },
-                batch: bi,
-                inner: ii,
-                state: ni,
-                rank: ri,
-                k: ki,
-                dt_min,
-                dt_max,
-            }));
+            let (mut wbc, mut bbc) = (w_bc, b_bc);
             let mut params = [
                 arg(&mut pxz),
                 arg(&mut pxc),
@@ -2119,13 +1900,14 @@ impl CudaEngine {
                 arg(&mut ki),
                 arg(&mut dt_min),
                 arg(&mut dt_max),
+                arg(&mut wbc),
+                arg(&mut bbc),
             ];
             // One warp per (batch row, channel), 8 to a block.
             let grid = ((b * inner).div_ceil(8) as u32, 1, 1);
-            if !recorded {
-                // Safety: as in `gemv`.
-                unsafe { self.launch(ff.ff.mamba()?, (grid, 256, 0), &mut params) }?;
-            }
+            let smem = if fuse_bc { bc_smem as u32 } else { 0 };
+            // Safety: as in `gemv`; `bcr` is a live arena buffer, or 0 with `w_bc` the weights.
+            unsafe { self.launch(ff.mamba()?, (grid, 256, smem), &mut params) }?;
         }
         let yr = Rows {
             ptr: ptr(&y),
@@ -2161,32 +1943,11 @@ impl CudaEngine {
         xd: &DeviceTensor,
         mut st: Option<&mut CudaState>,
         dst: Option<u64>,
-        wsync: Option<u64>,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let (b, t, hid) = (xd.shape[0], xd.shape[1], s.hidden);
         let bt = (b, t);
         let none = dense::Activation::None;
-        // A frame (a batch-1 attention window, `window_chain`) that fits the chain kernel is
-        // recorded and launched as one kernel at the end, with its state's (its shape's)
-        // counters.
-        let on = self.chain_on.load(Ordering::Relaxed);
-        let chain = match (&ff.chain, st.as_deref(), wsync) {
-            (Some(c), Some(state), _) if on && c.fits(s, b) => {
-                state.chain_sync.as_ref().map(|t| (c, ptr(t)))
-            }
-            (Some(c), None, Some(sync))
-                if on && s.kind == Kind::Attention && dst.is_some() && c.fits_window(s, b, t) =>
-            {
-                Some((c, sync))
-            }
-            _ => None,
-        };
-        let emit = Emit {
-            ff,
-            ops: chain.map(|_| RefCell::new(Vec::new())),
-        };
-        let ff = &emit;
         let norm = |name: &str| -> Result<Option<(u64, u64)>> {
             Ok(Some((
                 ptr(self.dw(&format!("{name}/gamma"))?),
@@ -2229,7 +1990,7 @@ impl CudaEngine {
                 let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
-                    None => self.attn_window(ff, &qkv, bt, false, tl)?,
+                    None => self.attn_window(&qkv, bt, false, tl)?,
                 };
                 let (bt, input) = if tl {
                     ((b, 1), last_row(input))
@@ -2266,7 +2027,7 @@ impl CudaEngine {
                 let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
-                    None => self.attn_window(ff, &qkv, bt, true, tl)?,
+                    None => self.attn_window(&qkv, bt, true, tl)?,
                 };
                 let (rows, res) = if tl {
                     ((b, 1), last_row(raw(&y)))
@@ -2298,27 +2059,10 @@ impl CudaEngine {
                 };
             }
         }
-        let y = match (y_norm, &emit.ops) {
-            (Some(n), Some(_)) => {
-                let out = self.out_or_buf(dst, y.shape.clone())?;
-                emit.record(chain::Op::Norm(chain::Norm {
-                    x: ptr(&y),
-                    g: ptr(self.dw(&format!("{n}/gamma"))?),
-                    b: ptr(self.dw(&format!("{n}/beta"))?),
-                    out: ptr(&out),
-                    rows: (y.shape[0] * y.shape[1]) as i32,
-                    n: hid as i32,
-                    eps,
-                }));
-                out
-            }
-            (Some(n), None) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst)?,
-            (None, _) => y,
-        };
-        if let (Some((c, sync)), Some(ops)) = (chain, emit.ops) {
-            c.launch(&self.gpu, &ops.into_inner(), sync)?;
+        match y_norm {
+            Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
+            None => Ok(y),
         }
-        Ok(y)
     }
 
     /// Every layer over `xd` `{b, t, embed}`; returns `{b, t, hidden}`. Runs inside
@@ -2352,7 +2096,7 @@ impl CudaEngine {
             _ => {
                 if let Some(ff) = &self.frame {
                     if FrameFns::takes(s, (xd.shape[0], xd.shape[1]), state.is_some()) {
-                        return self.gemv_forward(ff, xd, state, None, None);
+                        return self.gemv_forward(ff, xd, state, None);
                     }
                 }
                 let mut y = self.dense(xd, "input_proj", false, None)?;
@@ -2475,10 +2219,6 @@ impl CudaEngine {
             }
             _ => None,
         };
-        let chain_sync = match self.frame.as_ref().and_then(|ff| ff.chain.as_ref()) {
-            Some(_) => Some(zeros(&self.gpu, vec![chain::SYNC_WORDS])?),
-            None => None,
-        };
         self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
@@ -2486,7 +2226,6 @@ impl CudaEngine {
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
             rnn_table,
-            chain_sync,
         })
     }
 

@@ -7,7 +7,6 @@
 //! Each engine holds its own workspaces behind its own lock, so engines never wait on each
 //! other; calls into one engine are serialised (they share its buffers).
 
-mod chain;
 pub mod cpu;
 pub mod cuda;
 mod persist;

@@ -54,14 +54,12 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
         }
         Kind::Attention => {
             out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
-            out.add(&ENGINE_FRAME, kernel_name("engine_chain", &[&f32]));
             out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
             out.attention_window(spec);
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
         }
         Kind::Mamba | Kind::Jamba => {
             out.add(&ENGINE_FRAME, kernel_name("engine_gemv", &[&f32]));
-            out.add(&ENGINE_FRAME, kernel_name("engine_chain", &[&f32]));
             out.add(&ENGINE_FRAME, kernel_name("engine_mamba_scan", &[&f32]));
             if spec.kind == Kind::Jamba {
                 out.add(&ENGINE_FRAME, kernel_name("engine_attn_frame", &[&f32]));
