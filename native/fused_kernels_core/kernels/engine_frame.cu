@@ -397,112 +397,58 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS, 1)
 
 #define FK_EM_THREADS 256
 
-// Mamba, one frame, one (batch row, channel) i of batch·inner per warp (both paths of
-// engine_mamba_scan_f32 below): the dt projection (softplus, clipped to [dt_min, dt_max]), one
-// step of the selective scan (per-channel discretisation: h = exp(dt·A)·h + dt·B·u, y = C·h +
-// D·u) with the state across the lanes, the SiLU(z) gate, and both states moved on in place
-// (the warp owns its channel of them). The weights and the channel's ssm state (which only this
-// step touches) are read before `wait()`, which every thread of the block calls; what the
-// launches before wrote after it.
-template <class Wait>
-__device__ __forceinline__ void fk_em_step(const float* __restrict__ xz,
-                                           const float* __restrict__ xc,
-                                           const float* __restrict__ bcr,
-                                           const float* __restrict__ w_dt,
-                                           const float* __restrict__ b_dt,
-                                           const float* __restrict__ a,
-                                           const float* __restrict__ d, float* conv_state,
-                                           float* ssm_state, float* __restrict__ y, int batch,
-                                           int inner, int state, int rank, int k, float dt_min,
-                                           float dt_max, int i, Wait wait) {
-  const int lane = threadIdx.x & 31;
-  const bool live = i < batch * inner;
-  const int b = live ? i / inner : 0, c = live ? i - b * inner : 0;
-  float* h = ssm_state + ((long long)b * inner + c) * state;
-  // The first 32 of rank / state.
-  const float wdt0 = live && lane < rank ? w_dt[(long long)lane * inner + c] : 0.0f;
-  const float a0 = live && lane < state ? a[(long long)c * state + lane] : 0.0f;
-  const float h0 = live && lane < state ? h[lane] : 0.0f;
-  const float bdt = live ? b_dt[c] : 0.0f;
-  wait();
-  if (!live) return;
-  // B | C | dt rank: written by the launch before, or computed by this block (in shared memory).
-  const float* row = bcr + (long long)b * (2 * state + rank);
-  float raw = lane < rank ? row[2 * state + lane] * wdt0 : 0.0f;
-  for (int r = lane + 32; r < rank; r += 32)
-    raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
-  raw = fk_warp_sum(raw) + bdt;
-  const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
-  const float delta = fminf(fmaxf(sp, dt_min), dt_max);
-  const float u = xc[i];
-  float acc = 0.0f;
-  for (int n = lane; n < state; n += 32) {
-    const float an = n < 32 ? a0 : a[(long long)c * state + n];
-    const float hp = n < 32 ? h0 : h[n];
-    const float hn = expf(delta * an) * hp + delta * row[n] * u;
-    h[n] = hn;
-    acc += hn * row[state + n];
-  }
-  acc = fk_warp_sum(acc);
-  if (lane == 0) {
-    const float z = xz[(long long)b * 2 * inner + inner + c];
-    y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
-    float* cs = conv_state + (long long)b * (k - 1) * inner + c;
-    for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
-    cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
-  }
-}
-
-// xz {batch, 2·inner}; xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank,
-// from one GEMV; w_dt {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr;
-// conv_state {batch, k-1, inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks
-// of FK_EM_THREADS / 32 channels.
-// w_bc (nullptr: none; batch 1 only): the B|C|dt-rank kernel {inner, 2·state + rank} with its
-// bias b_bc, applied to xc by every block itself instead of bcr coming from a GEMV launch
-// before (one dependent launch fewer per Mamba block of a frame): the kernel goes to shared
-// memory before the wait (overlapping the in_proj launch), xc and the 2·state + rank dot
-// products over inner (a warp per output) after it. Dynamic shared memory then
-// 4·(inner·(2·state + rank) + inner + 2·state + rank) bytes.
+// Mamba, one frame: per (batch row, channel), one warp: the dt projection (softplus, clipped to
+// [dt_min, dt_max]), one step of the selective scan (per-channel discretisation:
+// h = exp(dt·A)·h + dt·B·u, y = C·h + D·u) with the state across the lanes, the SiLU(z) gate,
+// and both states moved on in place (the warp owns its channel of them). xz {batch, 2·inner};
+// xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt
+// {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1,
+// inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks of FK_EM_THREADS / 32
+// channels.
 extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
     engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
                           const float* __restrict__ bcr, const float* __restrict__ w_dt,
                           const float* __restrict__ b_dt, const float* __restrict__ a,
                           const float* __restrict__ d, float* conv_state, float* ssm_state,
                           float* __restrict__ y, int batch, int inner, int state, int rank,
-                          int k, float dt_min, float dt_max, const float* __restrict__ w_bc,
-                          const float* __restrict__ b_bc) {
+                          int k, float dt_min, float dt_max) {
   if constexpr (FK_WANT(engine_mamba_scan_f32)) {
-    constexpr int warps = FK_EM_THREADS / 32;
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * (FK_EM_THREADS / 32) + (threadIdx.x >> 5);
     fk_pdl_launch_dependents();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int i = blockIdx.x * warps + warp;
-    if (!w_bc) {
-      fk_em_step(xz, xc, bcr, w_dt, b_dt, a, d, conv_state, ssm_state, y, batch, inner, state,
-                 rank, k, dt_min, dt_max, i, [] { fk_pdl_wait(); });
-      return;
+    const bool live = i < batch * inner;
+    const int b = live ? i / inner : 0, c = live ? i - b * inner : 0;
+    float* h = ssm_state + ((long long)b * inner + c) * state;
+    // The weights and the channel's ssm state (which only this launch of the chain touches)
+    // for the first 32 of rank / state: read before waiting for the launch before.
+    const float wdt0 = live && lane < rank ? w_dt[(long long)lane * inner + c] : 0.0f;
+    const float a0 = live && lane < state ? a[(long long)c * state + lane] : 0.0f;
+    const float h0 = live && lane < state ? h[lane] : 0.0f;
+    const float bdt = live ? b_dt[c] : 0.0f;
+    fk_pdl_wait();
+    if (!live) return;
+    const float* row = bcr + (long long)b * (2 * state + rank);
+    float raw = lane < rank ? row[2 * state + lane] * wdt0 : 0.0f;
+    for (int r = lane + 32; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
+    raw = fk_warp_sum(raw) + bdt;
+    const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
+    const float delta = fminf(fmaxf(sp, dt_min), dt_max);
+    const float u = xc[i];
+    float acc = 0.0f;
+    for (int n = lane; n < state; n += 32) {
+      const float an = n < 32 ? a0 : a[(long long)c * state + n];
+      const float hp = n < 32 ? h0 : h[n];
+      const float hn = expf(delta * an) * hp + delta * row[n] * u;
+      h[n] = hn;
+      acc += hn * row[state + n];
     }
-    extern __shared__ float4 fk_em_smem4[];
-    const int nb = 2 * state + rank, words = inner * nb;
-    float* ws = reinterpret_cast<float*>(fk_em_smem4);  // {inner, nb}
-    float* xs = ws + words;                              // {inner}
-    float* bc = xs + inner;                              // {nb}
-    for (int q = tid; q < words / 4; q += FK_EM_THREADS) fk_cp16(ws + 4 * q, w_bc + 4 * q, true);
-    for (int q = 4 * (words / 4) + tid; q < words; q += FK_EM_THREADS) fk_cp4(ws + q, w_bc + q);
-    fk_cp_commit();
-    auto computed = [&] {
-      fk_pdl_wait();
-      for (int j = tid; j < inner; j += FK_EM_THREADS) xs[j] = xc[j];
-      fk_cp_wait<0>();
-      __syncthreads();
-      for (int j = warp; j < nb; j += warps) {
-        float acc = 0.0f;
-        for (int kk = lane; kk < inner; kk += 32) acc = fmaf(xs[kk], ws[kk * nb + j], acc);
-        acc = fk_warp_sum(acc);
-        if (lane == 0) bc[j] = acc + b_bc[j];
-      }
-      __syncthreads();
-    };
-    fk_em_step(xz, xc, bc, w_dt, b_dt, a, d, conv_state, ssm_state, y, batch, inner,
-                     state, rank, k, dt_min, dt_max, i, computed);
+    acc = fk_warp_sum(acc);
+    if (lane == 0) {
+      const float z = xz[(long long)b * 2 * inner + inner + c];
+      y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
+      float* cs = conv_state + (long long)b * (k - 1) * inner + c;
+      for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
+      cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+    }
   }
 }

@@ -1913,30 +1913,24 @@ impl CudaEngine {
             ptr: ptr(&xc),
             norm: None,
         };
-        // At batch 1 every scan block applies the B|C|dt-rank kernel to xc itself (its copy of
-        // the kernel in shared memory, fetched before the scan waits for in_proj) where the
-        // device's shared memory holds it: one dependent launch fewer per block.
-        let nb = 2 * n + r;
-        let bc_smem = 4 * (inner * nb + inner + nb);
-        let fuse_bc = b == 1
-            && self
-                .gpu
-                .smem_per_block()
-                .is_ok_and(|limit| bc_smem <= limit)
-            && crate::cuda::smem::allow_dynamic_smem(ff.mamba()?, bc_smem).is_ok();
-        let (bcr, w_bc, b_bc) = if fuse_bc {
-            (0, wp("bcdt/kernel")?, wp("bcdt/bias")?)
-        } else {
-            let t = self.gemv(ff, (b, 1), raw, inner, &p("bcdt"), nb, none, None, eps)?;
-            (ptr(&t), 0, 0)
-        };
+        let bcr = self.gemv(
+            ff,
+            (b, 1),
+            raw,
+            inner,
+            &p("bcdt"),
+            2 * n + r,
+            none,
+            None,
+            eps,
+        )?;
         let y = self.buf(vec![b, inner])?;
         {
             let d = self.dw(&p("ssm/d")).map_or(0, ptr);
             let (mut pxz, mut pxc, mut pbcr, mut wdt, mut bdt, mut a, mut py) = (
                 ptr(&xz),
                 ptr(&xc),
-                bcr,
+                ptr(&bcr),
                 wp("ssm_dt_proj/kernel")?,
                 wp("ssm_dt_proj/bias")?,
                 wp("ssm/a")?,
@@ -1945,7 +1939,6 @@ impl CudaEngine {
             let (mut d, mut cst, mut sst) = (d, conv_state, ssm_state);
             let (mut bi, mut ii, mut ni, mut ri, mut ki) = (bi, ii, ni, ri, ki);
             let (mut dt_min, mut dt_max) = (0.001f32, 0.1f32);
-            let (mut wbc, mut bbc) = (w_bc, b_bc);
             let mut params = [
                 arg(&mut pxz),
                 arg(&mut pxc),
@@ -1964,14 +1957,11 @@ impl CudaEngine {
                 arg(&mut ki),
                 arg(&mut dt_min),
                 arg(&mut dt_max),
-                arg(&mut wbc),
-                arg(&mut bbc),
             ];
             // One warp per (batch row, channel), 8 to a block.
             let grid = ((b * inner).div_ceil(8) as u32, 1, 1);
-            let smem = if fuse_bc { bc_smem as u32 } else { 0 };
-            // Safety: as in `gemv`; `bcr` is a live arena buffer, or 0 with `w_bc` the weights.
-            unsafe { self.launch(ff.mamba()?, (grid, 256, smem), &mut params) }?;
+            // Safety: as in `gemv`.
+            unsafe { self.launch(ff.mamba()?, (grid, 256, 0), &mut params) }?;
         }
         let yr = Rows {
             ptr: ptr(&y),
