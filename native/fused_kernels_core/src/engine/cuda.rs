@@ -1716,7 +1716,9 @@ impl CudaEngine {
 
     /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
     /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`. `valid_at`: the device
-    /// address of the count of cached rows the query sees (`counted`).
+    /// address of the count of cached rows the query sees (`counted`). Where the kernel can
+    /// apply the output projection `proj` itself, the result is that projection plus its
+    /// residual (in `proj.dst` when given) and `true`; otherwise the attention and `false`.
     fn attn_frame(
         &self,
         ff: &FrameFns,
