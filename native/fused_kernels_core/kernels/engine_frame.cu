@@ -26,7 +26,6 @@
 #include "reduce.cuh"
 #include "act.cuh"
 #include "pdl.cuh"
-#include "copy.cuh"
 
 // Programmatic dependent launch (pdl.cuh; sm_90+, where the engine launches these kernels with
 // programmatic stream serialization: a grid may start while the launch before it still runs).
@@ -192,22 +191,10 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
 // while the cache fills). qk_norm: LayerNorm of
 // q and k over head_dim (unit gain, zero shift, eps 1e-6) before anything else. Grid (heads,
 // batch). Dynamic shared memory: 4·(2·window·head_dim + head_dim + window) bytes.
-// w_out (nullptr: none): the attention's output projection {hidden, hidden} fused in: out is
-// then unused and x1 {batch, hidden} = attention · w_out + b_out + LN?(res) (rg/rb: LayerNorm
-// of the residual rows res {batch, hidden} with eps; nullptr: as is). Each block multiplies its
-// head's output by its head_dim rows of w_out (fetched into shared memory before the wait) into
-// part {batch, heads, hidden}; the last block of a batch row to count itself in count[b] (zero
-// before, left zero) sums the heads' partials in head order and adds the bias and the
-// residual. Dynamic shared memory then 4·(align4(2·window·head_dim + head_dim + window) +
-// head_dim·hidden) bytes.
-extern "C" __global__ void __launch_bounds__(FK_EA_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
     engine_attn_frame_f32(const float* __restrict__ qkv, float* kc, float* vc,
                           float* __restrict__ out, int heads, int head_dim, int window,
-                          const int* __restrict__ valid_at, int qk_norm, float scale,
-                          const float* __restrict__ w_out, const float* __restrict__ b_out,
-                          const float* res, const float* __restrict__ rg,
-                          const float* __restrict__ rb, float eps, float* part,
-                          unsigned int* count, float* x1) {
+                          const int* __restrict__ valid_at, int qk_norm, float scale) {
   if constexpr (FK_WANT(engine_attn_frame_f32)) {
     extern __shared__ float fk_ea_smem[];
     const int d = head_dim, hidden = heads * head_dim;
@@ -215,26 +202,12 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS, 1)
     float* vs = ks + window * d;       // {window, d}
     float* qs = vs + window * d;       // {d}
     float* p = qs + d;                 // {window}
-    float* wo = fk_ea_smem + ((2 * window * d + d + window + 3) & ~3);  // {d, hidden}
     __shared__ float red[FK_EA_THREADS];
-    __shared__ float ostat[2];
-    __shared__ int is_last;
     const int h = blockIdx.x, b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* row = qkv + (long long)b * 3 * hidden + h * d;
     const long long base = (long long)b * window * hidden + h * d;  // cache row t at + t·hidden
     fk_pdl_launch_dependents();
-    if (w_out) {
-      // This head's rows of the output projection: weights, fetched while the launch before
-      // still runs.
-      const float* src = w_out + (long long)h * d * hidden;
-      const int words = d * hidden;
-      if ((words & 3) == 0)
-        for (int q = tid; q < words / 4; q += FK_EA_THREADS) fk_cp16(wo + 4 * q, src + 4 * q, true);
-      else
-        for (int q = tid; q < words; q += FK_EA_THREADS) fk_cp4(wo + q, src + q);
-      fk_cp_commit();
-    }
     // The count follows the frame in the input (for a batch-1 frame, page-locked host memory
     // read over the bus): written before the chain started, so read first.
     const int first = window - *valid_at;
@@ -324,9 +297,6 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS, 1)
     float sum = 0.0f;
     for (int t = first + lane; t < window; t += 32) sum += expf(p[t] - m);
     sum = fk_warp_sum(sum);
-    // 1 / sum within an ulp, without true division's slow path (a sum >= 1; its register
-    // saves spilled at sm_100 once the output projection followed).
-    const float rsum = fk_rcp_normal(sum);
     // Output: the threads in `groups` groups of head_dim, group g summing keys first + g,
     // + 2·groups, ... (a groups-th of the serial chain each), partial sums met in shared memory.
     const int groups = max(1, FK_EA_THREADS / d);
@@ -334,64 +304,21 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS, 1)
     float o = 0.0f;
     if (g < groups)
       for (int t = first + g; t < window; t += groups) o = fmaf(expf(p[t] - m), vs[t * d + j], o);
-    // The head's output: to `out`, or (w_out) to qs, whose q the scores no longer need.
     if (groups == 1) {
       for (int jj = tid; jj < d; jj += FK_EA_THREADS) {
         float oo = 0.0f;
         for (int t = first; t < window; ++t) oo = fmaf(expf(p[t] - m), vs[t * d + jj], oo);
-        if (w_out)
-          qs[jj] = oo * rsum;
-        else
-          out[(long long)b * hidden + h * d + jj] = oo * rsum;
+        out[(long long)b * hidden + h * d + jj] = oo / sum;
       }
-    } else {
-      if (g < groups) red[tid] = o;
-      __syncthreads();
-      if (tid < d) {
-        float acc = 0.0f;
-        for (int gg = 0; gg < groups; ++gg) acc += red[gg * d + tid];
-        if (w_out)
-          qs[tid] = acc * rsum;
-        else
-          out[(long long)b * hidden + h * d + tid] = acc * rsum;
-      }
+      return;
     }
-    if (!w_out) return;
-    fk_cp_wait<0>();
+    if (g < groups) red[tid] = o;
     __syncthreads();
-    // This head's share of the projection, then the last block of the row sums the heads'.
-    float* mine = part + ((long long)b * heads + h) * hidden;
-    for (int c = tid; c < hidden; c += FK_EA_THREADS) {
+    if (tid < d) {
       float acc = 0.0f;
-      for (int j = 0; j < d; ++j) acc = fmaf(qs[j], wo[j * hidden + c], acc);
-      mine[c] = acc;
+      for (int gg = 0; gg < groups; ++gg) acc += red[gg * d + tid];
+      out[(long long)b * hidden + h * d + tid] = acc / sum;
     }
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      is_last = atomicAdd(count + b, 1u) == (unsigned int)(heads - 1);
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const float* rrow = res + (long long)b * hidden;
-    if (rg && warp == 0) {
-      float mean, inv;
-      fk_eg_stats(rrow, hidden, eps, lane, mean, inv);
-      if (lane == 0) {
-        ostat[0] = mean;
-        ostat[1] = inv;
-      }
-    }
-    __syncthreads();
-    for (int c = tid; c < hidden; c += FK_EA_THREADS) {
-      float acc = 0.0f;
-      for (int hh = 0; hh < heads; ++hh) acc += __ldcg(part + ((long long)b * heads + hh) * hidden + c);
-      float rv = rrow[c];
-      if (rg) rv = (rv - ostat[0]) * ostat[1] * rg[c] + rb[c];
-      x1[(long long)b * hidden + c] = acc + b_out[c] + rv;
-    }
-    if (tid == 0) count[b] = 0u;
   }
 }
 

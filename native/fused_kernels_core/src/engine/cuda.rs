@@ -226,9 +226,6 @@ pub struct CudaState {
     /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
     /// kernel's `FkErState` table.
     rnn_table: Option<DeviceTensor>,
-    /// Attention/Jamba: per layer and batch row a counter for the frame attention kernel's
-    /// fused output projection (zeroed once, left zero by every launch).
-    attn_count: Option<DeviceTensor>,
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -550,15 +547,6 @@ struct Conv {
     state: u64,
     xc: u64,
     k: i32,
-}
-
-/// The output projection `engine_attn_frame_f32` may apply itself: the dense layer's name
-/// (`{name}/kernel`, `{name}/bias`), the residual rows added after it and where the result
-/// goes (None: an arena buffer).
-struct OutProj<'a> {
-    name: &'a str,
-    res: Rows,
-    dst: Option<u64>,
 }
 
 /// A row-major input of a frame kernel: its address and, when it is to be LayerNormed on the
@@ -1716,9 +1704,7 @@ impl CudaEngine {
 
     /// The frame's attention over `qkv` `{batch, 1, 3 hidden}` with layer `l`'s (0-based)
     /// caches, which take the frame's k/v rows; `{batch, 1, hidden}`. `valid_at`: the device
-    /// address of the count of cached rows the query sees (`counted`). Where the kernel can
-    /// apply the output projection `proj` itself, the result is that projection plus its
-    /// residual (in `proj.dst` when given) and `true`; otherwise the attention and `false`.
+    /// address of the count of cached rows the query sees (`counted`).
     fn attn_frame(
         &self,
         ff: &FrameFns,
@@ -1726,59 +1712,20 @@ impl CudaEngine {
         st: &mut CudaState,
         l: usize,
         qk_norm: bool,
-        proj: OutProj<'_>,
-    ) -> Result<(DeviceTensor, bool)> {
+    ) -> Result<DeviceTensor> {
         let s = &self.spec;
         let b = st.batch;
-        let f = ff.attn()?;
-        let base = FrameFns::attn_smem(s).div_ceil(16) * 16;
-        let fused_smem = base + 4 * s.head_dim * s.hidden;
-        let count = st.attn_count.as_ref().map(|c| ptr(c) + (4 * l * b) as u64);
-        // The output projection inside the kernel where its rows of w_out fit in shared memory
-        // beside the cache (each head's block multiplies by its rows, the last block of a
-        // batch row sums the heads): one dependent launch fewer per attention layer.
-        let fuse = count.is_some()
-            && self
-                .gpu
-                .smem_per_block()
-                .is_ok_and(|limit| fused_smem <= limit)
-            && crate::cuda::smem::allow_dynamic_smem(f, fused_smem).is_ok();
-        let out = if fuse {
-            self.out_or_buf(proj.dst, vec![b, 1, s.hidden])?
-        } else {
-            self.buf(vec![b, 1, s.hidden])?
-        };
-        let part = if fuse {
-            Some(self.buf(vec![b, s.heads, s.hidden])?)
-        } else {
-            None
-        };
+        let out = self.buf(vec![b, 1, s.hidden])?;
         let (mut q, mut kc, mut vc, mut op) = (
             ptr(qkv),
             ptr(&st.layers[l][0]),
             ptr(&st.layers[l][1]),
-            if fuse { 0 } else { ptr(&out) },
+            ptr(&out),
         );
         let (mut heads, mut d, mut w) = (s.heads as i32, s.head_dim as i32, s.window as i32);
         let mut valid_at = valid_at;
         let mut qn = qk_norm as i32;
         let mut scale = (1.0 / (s.head_dim as f64).sqrt()) as f32;
-        let (gn, bn) = proj.res.norm.unwrap_or((0, 0));
-        let (mut wo, mut bo, mut res, mut rg, mut rb) = if fuse {
-            (
-                ptr(self.dw(&format!("{}/kernel", proj.name))?),
-                ptr(self.dw(&format!("{}/bias", proj.name))?),
-                proj.res.ptr,
-                gn,
-                bn,
-            )
-        } else {
-            (0, 0, 0, 0, 0)
-        };
-        let mut eps = s.norm_eps as f32;
-        let mut pp = part.as_ref().map_or(0, ptr);
-        let mut cnt = if fuse { count.unwrap_or(0) } else { 0 };
-        let mut x1 = if fuse { ptr(&out) } else { 0 };
         let mut params = [
             arg(&mut q),
             arg(&mut kc),
@@ -1790,25 +1737,12 @@ impl CudaEngine {
             arg(&mut valid_at),
             arg(&mut qn),
             arg(&mut scale),
-            arg(&mut wo),
-            arg(&mut bo),
-            arg(&mut res),
-            arg(&mut rg),
-            arg(&mut rb),
-            arg(&mut eps),
-            arg(&mut pp),
-            arg(&mut cnt),
-            arg(&mut x1),
         ];
         let grid = (s.heads as u32, b as u32, 1);
-        let smem = if fuse {
-            fused_smem
-        } else {
-            FrameFns::attn_smem(s)
-        } as u32;
-        // Safety: as in `gemv`; the caches and the counters are the state's own tensors.
-        unsafe { self.launch(f, (grid, ATTN_THREADS, smem), &mut params) }?;
-        Ok((out, fuse))
+        let smem = FrameFns::attn_smem(s) as u32;
+        // Safety: as in `gemv`; the caches are the state's own tensors.
+        unsafe { self.launch(ff.attn()?, (grid, ATTN_THREADS, smem), &mut params) }?;
+        Ok(out)
     }
 
     /// A window's causal sliding-window attention over `qkv` `{b, t, 3 hidden}` (q | k | v):
@@ -2044,28 +1978,16 @@ impl CudaEngine {
                 let p = |n: &str| format!("attn_{l}_{n}");
                 let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let tl = tail(l);
-                let out = p("out");
-                let (a, projected) = match st.as_deref_mut() {
-                    Some(st) => {
-                        let proj = OutProj {
-                            name: &out,
-                            res: input,
-                            dst: None,
-                        };
-                        self.attn_frame(ff, (&qkv, count), st, l - 1, false, proj)?
-                    }
-                    None => (self.attn_window(&qkv, bt, false, tl)?, false),
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
+                    None => self.attn_window(&qkv, bt, false, tl)?,
                 };
                 let (bt, input) = if tl {
                     ((b, 1), last_row(input))
                 } else {
                     (bt, input)
                 };
-                let x1 = if projected {
-                    a
-                } else {
-                    self.gemv(ff, bt, raw(&a), hid, &out, hid, none, Some(input), eps)?
-                };
+                let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
                     ptr: ptr(&x1),
                     norm: norm(&p("norm"))?,
@@ -2093,39 +2015,27 @@ impl CudaEngine {
                 };
                 let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
                 let tl = tail(l);
-                let out = p("out");
-                let (a, projected) = match st.as_deref_mut() {
-                    Some(st) => {
-                        let proj = OutProj {
-                            name: &out,
-                            res: raw(&y),
-                            dst: last(l),
-                        };
-                        self.attn_frame(ff, (&qkv, count), st, l - 1, true, proj)?
-                    }
-                    None => (self.attn_window(&qkv, bt, true, tl)?, false),
+                let a = match st.as_deref_mut() {
+                    Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
+                    None => self.attn_window(&qkv, bt, true, tl)?,
                 };
                 let (rows, res) = if tl {
                     ((b, 1), last_row(raw(&y)))
                 } else {
                     (bt, raw(&y))
                 };
-                y = if projected {
-                    a
-                } else {
-                    self.gemv_to(
-                        ff,
-                        rows,
-                        raw(&a),
-                        hid,
-                        &out,
-                        hid,
-                        none,
-                        Some(res),
-                        eps,
-                        (last(l), None),
-                    )?
-                };
+                y = self.gemv_to(
+                    ff,
+                    rows,
+                    raw(&a),
+                    hid,
+                    &p("out"),
+                    hid,
+                    none,
+                    Some(res),
+                    eps,
+                    (last(l), None),
+                )?;
             } else {
                 let prefix = if s.kind == Kind::Mamba {
                     "mamba"
@@ -2299,10 +2209,6 @@ impl CudaEngine {
             }
             _ => None,
         };
-        let attn_count = match s.kind {
-            Kind::Attention | Kind::Jamba => Some(zeros(&self.gpu, vec![s.layers * batch])?),
-            _ => None,
-        };
         self.gpu.synchronize()?;
         Ok(CudaState {
             batch,
@@ -2310,7 +2216,6 @@ impl CudaEngine {
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
             rnn_table,
-            attn_count,
         })
     }
 
