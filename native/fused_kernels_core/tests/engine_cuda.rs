@@ -631,9 +631,10 @@ fn gpu_tail_windows_match_the_cpu_engine() {
     }
     // A batch-1 attention or Jamba window computes its last layer past k/v for the last row
     // only (one query row of the short flash attention kernel, bottom-right causal) and writes
-    // it into the mapped output staging: against the CPU executor at head_dim 40/64/96, windows
-    // of 1, 17, 60, 61 and 64 rows, and a spec window of 16 under 21 rows (keys dropping out on
-    // the left). Three calls each (eager, captured, replayed), bit for bit the first.
+    // it into the mapped output staging: against the CPU executor at head_dim 40/64/80/96,
+    // windows of 1, 16, 17, 21, 60, 61 and 64 rows, among them a spec window of 16 under 21
+    // rows (keys dropping out on the left). Three calls each (eager, captured, replayed), bit
+    // for bit the first.
     let odd = |kind: Kind, heads: usize, head_dim: usize, window: usize| Spec {
         heads,
         head_dim,
