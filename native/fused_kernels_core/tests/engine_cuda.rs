@@ -613,3 +613,54 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
         failures.join("\n")
     );
 }
+
+#[test]
+fn gpu_tail_windows_match_the_cpu_engine() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    // A batch-1 attention or Jamba window computes its last layer past k/v for the last row
+    // only (one query row of the short flash attention kernel, bottom-right causal) and writes
+    // it into the mapped output staging: against the CPU executor at head_dim 40/64/80/96,
+    // windows of 1, 16, 17, 21, 60, 61 and 64 rows, among them a spec window of 16 under 21
+    // rows (keys dropping out on the left). Three calls each (eager, captured, replayed), bit
+    // for bit the first.
+    let odd = |kind: Kind, heads: usize, head_dim: usize, window: usize| Spec {
+        heads,
+        head_dim,
+        hidden: heads * head_dim,
+        window,
+        embed: 37,
+        ffn: 200,
+        layers: if kind == Kind::Jamba { 3 } else { 2 },
+        ..spec(kind)
+    };
+    let cases = [
+        (spec(Kind::Attention), vec![1, 17, 60, 61, 64]),
+        (spec(Kind::Jamba), vec![1, 60]),
+        (odd(Kind::Attention, 5, 40, 61), vec![1, 61]),
+        (odd(Kind::Attention, 3, 96, 16), vec![16, 21]),
+        (odd(Kind::Jamba, 2, 80, 16), vec![21]),
+    ];
+    for (i, (s, ts)) in cases.into_iter().enumerate() {
+        let kind = s.kind;
+        let (cpu, gpu) = engines(&s, 150 + i as u64);
+        for t in ts {
+            let x = Rng::new(160 + (i * 100 + t) as u64).vec_f32(t * s.embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, 1, t);
+            let first = gpu_predict(&gpu, &x, 1, t);
+            let err = rel_l2(&first, &want);
+            assert!(
+                err <= 1e-5,
+                "{kind:?} case {i} t{t}: window vs cpu, rel L2 {err}"
+            );
+            for call in 0..2 {
+                assert_eq!(
+                    gpu_predict(&gpu, &x, 1, t),
+                    first,
+                    "{kind:?} case {i} t{t}: call {call} changed"
+                );
+            }
+        }
+    }
+}

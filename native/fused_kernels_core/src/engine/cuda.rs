@@ -871,7 +871,11 @@ impl CudaEngine {
                         None
                     },
                     input,
-                    output_dev: if fused || gemv_frame || self.rnn_window_staged(key) {
+                    output_dev: if fused
+                        || gemv_frame
+                        || self.rnn_window_staged(key)
+                        || self.tail_window(key)
+                    {
                         mapped(&output)
                     } else {
                         None
@@ -1111,6 +1115,24 @@ impl CudaEngine {
     /// block reads all eight rows over the bus), so they keep the copies.
     fn gemv_frame(&self, (b, t, frame): (usize, usize, bool)) -> bool {
         frame && b == 1 && self.frame.is_some() && FrameFns::takes(&self.spec, (b, t), true)
+    }
+
+    /// Whether calls of shape `key` are batch-1 attention/Jamba windows on the frame kernels
+    /// whose last layer is an attention layer: `gemv_forward` computes that layer's k and v
+    /// for every row and everything else for the last row only (the one `predict` returns),
+    /// written to its place in the mapped output staging (no copy node).
+    fn tail_window(&self, (b, t, frame): (usize, usize, bool)) -> bool {
+        let s = &self.spec;
+        let last_attention = match s.kind {
+            Kind::Attention => true,
+            Kind::Jamba => s.jamba_attention(s.layers),
+            _ => false,
+        };
+        !frame
+            && b == 1
+            && last_attention
+            && self.frame.is_some()
+            && FrameFns::takes(s, (b, t), false)
     }
 
     /// Whether calls of shape `key` are attention/Jamba frames on the frame kernels, whose
@@ -1732,20 +1754,26 @@ impl CudaEngine {
 
     /// A window's causal sliding-window attention over `qkv` `{b, t, 3 hidden}` (q | k | v):
     /// one short-sequence flash attention launch on views of the fused rows (QK norm in the
-    /// kernel for Jamba); `{b, t, hidden}`.
+    /// kernel for Jamba); `{b, t, hidden}`, or with `last` only the last query row's, `{b, 1,
+    /// hidden}` (the causal mask is aligned bottom-right: it sees every key of the window).
     fn attn_window(
         &self,
         qkv: &DeviceTensor,
         (b, t): (usize, usize),
         qk_norm: bool,
+        last: bool,
     ) -> Result<DeviceTensor> {
         let s = &self.spec;
-        let g = window_geometry(s, b, t);
+        let sq = if last { 1 } else { t };
+        let g = flash_attention::Geometry {
+            sq,
+            ..window_geometry(s, b, t)
+        };
         let plan = flash_attention::short_f32(&g)
             .ok_or_else(|| Error::Cuda("window attention: no short-sequence kernel fits".into()))?;
         let f = flash_attention::function(&self.gpu, &plan)?;
-        let out = self.buf(vec![b, t, s.hidden])?;
-        let lse = self.buf(vec![b, s.heads, t])?;
+        let out = self.buf(vec![b, sq, s.hidden])?;
+        let lse = self.buf(vec![b, s.heads, sq])?;
         let (hid, d) = (s.hidden, s.head_dim);
         let rows = flash_attention::Strides {
             sb: t * 3 * hid,
@@ -1756,7 +1784,7 @@ impl CudaEngine {
             q: rows,
             k: rows,
             o: flash_attention::Strides {
-                sb: t * hid,
+                sb: sq * hid,
                 ss: hid,
                 sh: d,
             },
@@ -1768,11 +1796,12 @@ impl CudaEngine {
             true,
             (s.window as i64 - 1, 0),
         )?;
-        let q = ptr(qkv);
+        let kv = ptr(qkv);
+        let q = kv + (4 * (t - sq) * 3 * hid) as u64;
         let addrs = (
             q,
-            q + 4 * hid as u64,
-            q + 8 * hid as u64,
+            kv + 4 * hid as u64,
+            kv + 8 * hid as u64,
             ptr(&out),
             ptr(&lse),
         );
@@ -1930,6 +1959,16 @@ impl CudaEngine {
         // A frame's count of cached rows follows its rows in the input (`counted`).
         let count = ptr(xd) + (4 * b * t * s.embed) as u64;
         let mut y = self.gemv(ff, bt, raw(xd), s.embed, "input_proj", hid, none, None, eps)?;
+        // A batch-1 window with `dst` (`tail_window`) needs its last row only: the last layer
+        // (attention) computes k and v for every row and the rest for the last one, written to
+        // that row of the mapped output staging. A frame's one row is its last.
+        let dst = dst.map(|o| o + (4 * (t - 1) * hid) as u64);
+        let window = st.is_none();
+        let tail = |l: usize| window && dst.is_some() && l == s.layers;
+        let last_row = |r: Rows| Rows {
+            ptr: r.ptr + (4 * (t - 1) * hid) as u64,
+            ..r
+        };
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
         // `dst` takes the last layer's rows where nothing follows them (no final norm).
@@ -1945,9 +1984,15 @@ impl CudaEngine {
             if s.kind == Kind::Attention {
                 let p = |n: &str| format!("attn_{l}_{n}");
                 let qkv = self.gemv(ff, bt, input, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, false)?,
-                    None => self.attn_window(&qkv, bt, false)?,
+                    None => self.attn_window(&qkv, bt, false, tl)?,
+                };
+                let (bt, input) = if tl {
+                    ((b, 1), last_row(input))
+                } else {
+                    (bt, input)
                 };
                 let x1 = self.gemv(ff, bt, raw(&a), hid, &p("out"), hid, none, Some(input), eps)?;
                 let x1n = Rows {
@@ -1976,19 +2021,25 @@ impl CudaEngine {
                     norm: norm(&p("attn_norm"))?,
                 };
                 let qkv = self.gemv(ff, bt, xn, hid, &p("qkv"), 3 * hid, none, None, eps)?;
+                let tl = tail(l);
                 let a = match st.as_deref_mut() {
                     Some(st) => self.attn_frame(ff, (&qkv, count), st, l - 1, true)?,
-                    None => self.attn_window(&qkv, bt, true)?,
+                    None => self.attn_window(&qkv, bt, true, tl)?,
+                };
+                let (rows, res) = if tl {
+                    ((b, 1), last_row(raw(&y)))
+                } else {
+                    (bt, raw(&y))
                 };
                 y = self.gemv_to(
                     ff,
-                    bt,
+                    rows,
                     raw(&a),
                     hid,
                     &p("out"),
                     hid,
                     none,
-                    Some(raw(&y)),
+                    Some(res),
                     eps,
                     (last(l), None),
                 )?;
