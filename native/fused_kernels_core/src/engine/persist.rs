@@ -390,16 +390,39 @@ impl Persist {
         Ok(())
     }
 
-    /// One frame of `state` (already in the staging `a.x`) on the persistent kernel, its
-    /// output in the staging `a.out` on return. Ok(false): not taken (switched off, or the
-    /// launch does not fit on the device): the caller runs the frame its own way.
-    pub fn frame(&mut self, state: u64, a: &FrameArgs) -> Result<bool> {
+    /// Whether a running kernel has left by itself (idle time-out): then `stop` waits for
+    /// nothing.
+    fn gone(&self) -> bool {
+        // Safety: the engine's stream.
+        self.running.is_none()
+            || unsafe { sys::cuStreamQuery(self.gpu.stream.cu_stream()) } == CUresult::CUDA_SUCCESS
+    }
+
+    /// `stop` where it waits for nothing (no kernel, or one that has left); false (nothing
+    /// done) where it would wait for a running kernel.
+    pub fn stop_now(&mut self) -> Result<bool> {
+        if !self.gone() {
+            return Ok(false);
+        }
+        self.stop()?;
+        Ok(true)
+    }
+
+    /// Posts one frame of `state` (already in the staging `a.x`) to the persistent kernel,
+    /// launching it first where it does not run; `wait` answers it. `Post::NotTaken`: the path
+    /// is switched off, shared, or the launch does not fit on the device (the caller runs the
+    /// frame its own way). With `quick`, nothing here waits (a caller on a normal scheduler):
+    /// where a running kernel would have to be stopped first, `Post::Busy` and nothing done.
+    pub fn post(&mut self, state: u64, a: &FrameArgs, quick: bool) -> Result<Post> {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
         if !self.enabled || self.shared_device() {
+            if quick && !self.stop_now()? {
+                return Ok(Post::Busy);
+            }
             self.stop()?;
-            return Ok(false);
+            return Ok(Post::NotTaken);
         }
         let bound = Bound {
             state,
@@ -409,16 +432,19 @@ impl Persist {
         };
         // Another state or staging, a kernel that has left or is about to (idle), or a long
         // run: stopped (waited for) and launched again below. A kernel that leaves after all
-        // just before it sees the frame is found below by asking the driver.
+        // just before it sees the frame is found in `wait` by asking the driver.
         if self.running.is_some_and(|b| b != bound)
             || self.last.elapsed() + IDLE_MARGIN > IDLE
             || self.seq.wrapping_sub(self.base) >= MAX_RUN
         {
+            if quick && !self.stop_now()? {
+                return Ok(Post::Busy);
+            }
             self.stop()?;
         }
         if self.running.is_none() {
             if !self.reserve(a.grid, a.threads, a.smem) {
-                return Ok(false);
+                return Ok(Post::NotTaken);
             }
             if let Err(e) = self.launch(a) {
                 self.release();
@@ -426,8 +452,15 @@ impl Persist {
             }
             self.running = Some(bound);
         }
-        let mut k = self.seq.wrapping_add(1);
+        let k = self.seq.wrapping_add(1);
         word(&self.mbox, POSTED).store(k, Ordering::Release);
+        Ok(Post::Posted(k))
+    }
+
+    /// Waits for the frame `post` answered `Post::Posted(k)` with (the same `a`): its output
+    /// is in the staging `a.out` on return. Bounded (`FRAME_TIMEOUT`); a kernel that left
+    /// before it saw the frame is launched again.
+    pub fn wait(&mut self, mut k: u32, a: &FrameArgs) -> Result<()> {
         let t0 = Instant::now();
         let mut spins: u32 = 0;
         loop {
@@ -475,8 +508,19 @@ impl Persist {
         self.seq = k;
         self.last = Instant::now();
         self.frames += 1;
-        Ok(true)
+        Ok(())
     }
+}
+
+/// What `Persist::post` did with a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Post {
+    /// Posted as frame number `k` (for `wait`).
+    Posted(u32),
+    /// Not for this path now: the caller runs the frame its own way.
+    NotTaken,
+    /// (`quick` only) a running kernel must be stopped first, which waits: nothing done.
+    Busy,
 }
 
 impl Drop for Persist {
