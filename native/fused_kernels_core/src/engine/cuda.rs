@@ -1107,7 +1107,8 @@ impl CudaEngine {
     /// at most `QUICK_LAUNCH_NS` last time) or a frame posted to the running persistent
     /// kernel, the input is staged, the work launched or posted and the call recorded as in
     /// flight. Ok(None): nothing started (the staging may have been written), the caller
-    /// takes the ordinary path. `state.frames` moves on only when the call started.
+    /// takes the ordinary path (always for a shape's first calls, which make its staging and
+    /// capture its graph). `state.frames` moves on only when the call started.
     fn try_start(
         &self,
         key: (usize, usize, bool),
@@ -1128,9 +1129,6 @@ impl CudaEngine {
             return Ok(None);
         };
         let sh = &mut calls.shapes[i];
-        if !sh.warm {
-            return Ok(None);
-        }
         if let Some(st) = state.as_deref_mut() {
             st.frames += 1;
         }
