@@ -166,3 +166,61 @@ fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
         drop(st);
     }
 }
+
+#[test]
+fn gpu_one_persistent_kernel_per_device_handed_over_after_its_idle_time_out() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Spec {
+        hidden: 64,
+        embed: 40,
+        ..spec(Kind::Gru)
+    };
+    let params = || to_params(&random_params(&s, 11));
+    let reference = CudaEngine::new(s.clone(), params(), None).unwrap();
+    reference.set_persistent_frames(false).unwrap();
+    let (a, b) = (
+        CudaEngine::new(s.clone(), params(), None).unwrap(),
+        CudaEngine::new(s.clone(), params(), None).unwrap(),
+    );
+    let x = Rng::new(12).vec_f32(7 * s.embed, 1.0, 0.0);
+    let (mut sr, mut sa, mut sb) = (
+        reference.new_state(1).unwrap(),
+        a.new_state(1).unwrap(),
+        b.new_state(1).unwrap(),
+    );
+    let counts = |e: &CudaEngine| e.persistent_counts().unwrap().0;
+    let mut want = Vec::new();
+    let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
+    let idle = std::time::Duration::from_millis(40);
+    // a frames first and holds the device's kernel; b, framing in turn with it, replays its
+    // graph. Both idle past the time-out; b frames first and takes the kernel over, and a
+    // (whose kernel has left) falls back to its graph while b keeps framing.
+    for phase in 0..3 {
+        let (a0, b0) = (counts(&a), counts(&b));
+        for _ in 0..6 {
+            want.extend(frames_out(&reference, &mut sr, &x, 1));
+            if phase == 0 {
+                got_a.extend(frames_out(&a, &mut sa, &x, 1));
+                got_b.extend(frames_out(&b, &mut sb, &x, 1));
+            } else {
+                got_b.extend(frames_out(&b, &mut sb, &x, 1));
+                got_a.extend(frames_out(&a, &mut sa, &x, 1));
+            }
+        }
+        let (da, db) = (counts(&a) - a0, counts(&b) - b0);
+        let expect = if phase == 0 { (6, 0) } else { (0, 6) };
+        assert_eq!(
+            (da, db),
+            expect,
+            "phase {phase}: frames on the kernel (a, b)"
+        );
+        if phase == 0 {
+            std::thread::sleep(idle);
+        }
+    }
+    assert_eq!(got_a, want, "engine a: frames differ from the graph's");
+    assert_eq!(got_b, want, "engine b: frames differ from the graph's");
+}

@@ -4,9 +4,10 @@
 //! started (it takes the ordinary path, which completes the other first and parks its output
 //! for its owner), an abandoned call (its caller gone between the halves) is completed by the
 //! next call and leaves the stream where it would be, and engines shared by threads keep every
-//! stream's frames right. A test binary of its own, its tests one at a time: the persistent
-//! frame path is taken only while one engine of the process has it on. Skipped without a GPU
-//! (fails with FUSED_KERNELS_REQUIRE_GPU=1).
+//! stream's frames right. A test binary of its own, its tests one at a time: a process runs one
+//! persistent frame kernel per device (engine/persist.rs), and other tests' engines framing at
+//! once would leave these frames on the graph path. Skipped without a GPU (fails with
+//! FUSED_KERNELS_REQUIRE_GPU=1).
 
 mod support;
 

@@ -22,8 +22,8 @@ use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::CudaFunction;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Without a frame for this long the kernel leaves (one frame each 16.7 ms, a 60 Hz game,
@@ -47,24 +47,38 @@ const QUERY_AFTER: Duration = Duration::from_micros(50);
 /// `groups` per frame in 32 bits.
 const MAX_RUN: u32 = 1 << 22;
 
-/// Blocks of persistent kernels running per device (index: ordinal), against a budget of one
-/// block per multiprocessor (where a multiprocessor holds at least two): the rest of every
-/// multiprocessor stays free for other work (other engines' graph frames and windows), which
-/// would otherwise wait for a persistent kernel to go idle. An engine whose launch would
-/// exceed it runs its frames in a graph instead. Blocks stay counted until the engine stops
-/// its kernel (its next call or its drop), also after the kernel left by its idle time-out.
-/// The count is this process's: kernels of other processes on the device are not seen (a
-/// launch that cannot be resident waits for room, and a frame that waits past
-/// `FRAME_TIMEOUT` is an error).
-static RUNNING_BLOCKS: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+/// The one persistent kernel allowed per device (index: ordinal) in this process: the id of the
+/// engine (`Persist::id`) that holds it, 0 when none. Several engines' kernels resident at once
+/// measured far worse than graph frames (H100, `bench/backbone_concurrency.exs`, 1-layer GRU
+/// frames: 4 processes 16,000 frames/s against 47,000 for one, p99 0.45 ms; 8 processes p99 20
+/// ms, a launch waiting out another kernel's idle time-out), and switching the path off for
+/// every engine once two were loaded cost a lone caller its fast frames whenever another
+/// engine merely existed. So the engine that frames first holds the slot while its kernel runs;
+/// the others run their frames in a graph beside it (graph frames scale: 3.6x at 4 processes).
+/// The holder gives the slot back when it stops its kernel; a holder whose last frame is older
+/// than `IDLE + TAKEOVER_MARGIN` has had its kernel leave by the idle time-out, and the next
+/// engine that frames takes the slot over. Kernels of other processes are not seen (a launch
+/// that cannot be resident waits for room; a frame that waits past `FRAME_TIMEOUT` is an error).
+static SLOT: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
 
-/// Engines per device (index: ordinal) alive in this process with the persistent path switched
-/// on. The path is taken only while there is one: with several engines in one process (several
-/// policies, each its own BEAM process) the kernels measured far worse than graph frames (H100,
-/// `bench/backbone_concurrency.exs`: 1-layer GRU frames, 4 processes 16,000 frames/s against
-/// 47,000 for one, p99 0.45 ms; 8 processes p99 20 ms, a launch waiting out another kernel's
-/// idle time-out), so they all take the graph path, whose frames scale (3.6x at 4).
-static ENABLED_ENGINES: [AtomicU32; 16] = [const { AtomicU32::new(0) }; 16];
+/// When the slot's holder last finished a frame or took the slot (ns since `epoch()`).
+static SLOT_LAST: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
+
+/// How long after the holder's last frame its slot may be taken over: past its kernel's idle
+/// time-out with room for the kernel's own clock and its exit.
+const TAKEOVER_MARGIN: Duration = Duration::from_millis(5);
+
+/// Engine ids for `SLOT` (never 0).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64
+}
 
 /// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
 /// for both frames and stop: the kernel's poller reads one word over the bus per look.
@@ -180,13 +194,10 @@ pub struct Persist {
     last: Instant,
     /// Why the persistent path may no longer be used (a kernel that did not answer).
     broken: Option<String>,
-    /// Frame paths may be switched off (benches compare against the graph path): see
-    /// `set_enabled`, which keeps `ENABLED_ENGINES` in step.
+    /// Frame paths may be switched off (benches compare against the graph path).
     enabled: bool,
-    /// Blocks of persistent launches the device may run at once (see `RUNNING_BLOCKS`).
-    budget: u32,
-    /// Blocks this engine holds of `RUNNING_BLOCKS` (0 when not running).
-    held: u32,
+    /// This engine's id in `SLOT`.
+    id: u64,
     /// Frames run on the kernel and launches made (tests read them).
     pub frames: u64,
     pub launches: u64,
@@ -220,9 +231,6 @@ impl Persist {
         let sync_words = layers + 2;
         let mut sync = DeviceTensor::uninit_owned(gpu, vec![sync_words], crate::dtype::DType::F32)?;
         sync.fill_bytes(0)?;
-        if let Some(c) = ENABLED_ENGINES.get(gpu.ordinal) {
-            c.fetch_add(1, Ordering::AcqRel);
-        }
         Ok(Persist {
             gpu: gpu.clone(),
             f,
@@ -236,8 +244,7 @@ impl Persist {
             last: Instant::now(),
             broken: None,
             enabled: true,
-            budget: 0,
-            held: 0,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             frames: 0,
             launches: 0,
         })
@@ -245,16 +252,7 @@ impl Persist {
 
     /// Switches the persistent path on or off (off: a running kernel is stopped).
     pub fn set_enabled(&mut self, on: bool) -> Result<()> {
-        if on != self.enabled {
-            if let Some(c) = ENABLED_ENGINES.get(self.gpu.ordinal) {
-                if on {
-                    c.fetch_add(1, Ordering::AcqRel);
-                } else {
-                    c.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-            self.enabled = on;
-        }
+        self.enabled = on;
         if on {
             Ok(())
         } else {
@@ -262,46 +260,60 @@ impl Persist {
         }
     }
 
-    /// Whether another engine of this process on the device has the path switched on.
-    fn shared_device(&self) -> bool {
-        ENABLED_ENGINES
-            .get(self.gpu.ordinal)
-            .is_some_and(|c| c.load(Ordering::Acquire) > 1)
+    fn slot(&self) -> Option<(&'static AtomicU64, &'static AtomicU64)> {
+        Some((
+            SLOT.get(self.gpu.ordinal)?,
+            SLOT_LAST.get(self.gpu.ordinal)?,
+        ))
     }
 
-    fn counter(&self) -> Option<&'static AtomicU32> {
-        RUNNING_BLOCKS.get(self.gpu.ordinal)
+    /// Whether this engine holds its device's slot.
+    fn holds_slot(&self) -> bool {
+        self.slot()
+            .is_some_and(|(s, _)| s.load(Ordering::Acquire) == self.id)
     }
 
-    /// Takes `grid` blocks of the device's budget for persistent kernels (a launch of
-    /// `threads` with `smem` bytes); false when they do not fit beside the others running.
+    /// Takes the device's slot for a launch of `threads` with `smem` bytes on `grid` blocks:
+    /// false when another engine's kernel may still be running, or the launch cannot be
+    /// resident with room left on every multiprocessor for other work (other engines' graph
+    /// frames and windows).
     fn reserve(&mut self, grid: u32, threads: u32, smem: u32) -> bool {
-        let Some(c) = self.counter() else {
+        let Some((slot, last)) = self.slot() else {
             return false;
         };
-        if self.gpu.bind().is_err() || !self.fits(threads, smem) {
+        if self.gpu.bind().is_err() || !self.fits(grid, threads, smem) {
             return false;
         }
-        let budget = self.budget;
-        let took = c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-            (used + grid <= budget).then_some(used + grid)
-        });
-        if took.is_ok() {
-            self.held = grid;
+        let expired = (IDLE + TAKEOVER_MARGIN).as_nanos() as u64;
+        let mut cur = slot.load(Ordering::Acquire);
+        loop {
+            let free = cur == 0
+                || cur == self.id
+                || now_ns().saturating_sub(last.load(Ordering::Acquire)) > expired;
+            if !free {
+                return false;
+            }
+            match slot.compare_exchange(cur, self.id, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(seen) => cur = seen,
+            }
         }
-        took.is_ok()
+        // A fresh mark: the launch and its first frame count as activity, so nobody takes the
+        // slot over while this engine's kernel starts.
+        last.store(now_ns(), Ordering::Release);
+        true
     }
 
+    /// Gives the slot back if this engine still holds it.
     fn release(&mut self) {
-        if let Some(c) = self.counter() {
-            c.fetch_sub(self.held, Ordering::AcqRel);
+        if let Some((slot, _)) = self.slot() {
+            let _ = slot.compare_exchange(self.id, 0, Ordering::AcqRel, Ordering::Acquire);
         }
-        self.held = 0;
     }
 
-    /// The device's budget for blocks of `threads` with `smem` bytes (`RUNNING_BLOCKS`);
-    /// false when none fits.
-    fn fits(&mut self, threads: u32, smem: u32) -> bool {
+    /// Whether `grid` blocks of `threads` with `smem` bytes fit the device with at most one
+    /// block per multiprocessor, each multiprocessor able to hold at least two.
+    fn fits(&mut self, grid: u32, threads: u32, smem: u32) -> bool {
         let mut per_sm: i32 = 0;
         // Safety: a loaded function and a valid out pointer.
         let r = unsafe {
@@ -312,14 +324,15 @@ impl Persist {
                 smem as usize,
             )
         };
-        let sms = self.gpu.multiprocessors().unwrap_or(0);
-        self.budget = if per_sm >= 2 { sms.max(0) as u32 } else { 0 };
-        r == CUresult::CUDA_SUCCESS && self.budget > 0
+        let sms = self.gpu.multiprocessors().unwrap_or(0).max(0) as u32;
+        r == CUresult::CUDA_SUCCESS && per_sm >= 2 && grid <= sms
     }
 
     /// Stops a running kernel and waits for it (between frames: the state is the stream's).
     pub fn stop(&mut self) -> Result<()> {
         if self.running.take().is_none() {
+            // A kernel that failed or did not answer leaves the slot too.
+            self.release();
             return Ok(());
         }
         // Only between frames: no frame is posted and not yet done.
@@ -410,14 +423,15 @@ impl Persist {
 
     /// Posts one frame of `state` (already in the staging `a.x`) to the persistent kernel,
     /// launching it first where it does not run; `wait` answers it. `Post::NotTaken`: the path
-    /// is switched off, shared, or the launch does not fit on the device (the caller runs the
-    /// frame its own way). With `quick`, nothing here waits (a caller on a normal scheduler):
-    /// where a running kernel would have to be stopped first, `Post::Busy` and nothing done.
+    /// is switched off or the launch does not fit (another engine's kernel holds the device's
+    /// slot, or too many blocks): the caller runs the frame its own way. With `quick`, nothing
+    /// here waits (a caller on a normal scheduler): where a running kernel would have to be
+    /// stopped first, `Post::Busy` and nothing done.
     pub fn post(&mut self, state: u64, a: &FrameArgs, quick: bool) -> Result<Post> {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
-        if !self.enabled || self.shared_device() {
+        if !self.enabled {
             if quick && !self.stop_now()? {
                 return Ok(Post::Busy);
             }
@@ -430,10 +444,12 @@ impl Persist {
             x: a.x,
             out: a.out,
         };
-        // Another state or staging, a kernel that has left or is about to (idle), or a long
-        // run: stopped (waited for) and launched again below. A kernel that leaves after all
-        // just before it sees the frame is found in `wait` by asking the driver.
+        // Another state or staging, a kernel that has left or is about to (idle), one whose
+        // slot another engine took over after its idle time-out, or a long run: stopped
+        // (waited for) and launched again below if the slot is free. A kernel that leaves
+        // after all just before it sees the frame is found in `wait` by asking the driver.
         if self.running.is_some_and(|b| b != bound)
+            || (self.running.is_some() && !self.holds_slot())
             || self.last.elapsed() + IDLE_MARGIN > IDLE
             || self.seq.wrapping_sub(self.base) >= MAX_RUN
         {
@@ -507,6 +523,9 @@ impl Persist {
         }
         self.seq = k;
         self.last = Instant::now();
+        if let Some((_, last)) = self.slot() {
+            last.store(now_ns(), Ordering::Release);
+        }
         self.frames += 1;
         Ok(())
     }
