@@ -8,40 +8,72 @@
 #                 its reply: the engine's NIF round trip, kernels included
 #   backbone_step Backbone.step/3 of the same engine (the public call)
 #
-# Usage: mix run bench/beam_call.exs [--runs N] [--json PATH]
+# With --backbones, instead: Backbone.step/3 and Backbone.predict/2 of every backbone on :cuda
+# at ExPhil's sizes (and the 1-layer window-16 GRU), batch 1, the GPU engine's whole call from
+# Elixir (`mix bench`'s backbone rows, batch 1 only; a quick A/B of two NIF builds through
+# FUSED_KERNELS_NIF_PATH).
+#
+# Usage: mix run bench/beam_call.exs [--runs N] [--json PATH] [--backbones]
 alias FusedKernels.{Backbone, Native, Sample}
 alias FusedKernels.Backbone.Spec
 
-{opts, _, _} = OptionParser.parse(System.argv(), strict: [runs: :integer, json: :string])
+{opts, _, _} =
+  OptionParser.parse(System.argv(), strict: [runs: :integer, json: :string, backbones: :boolean])
+
 runs = Keyword.get(opts, :runs, 3000)
 
-spec = Spec.new(:gru, layers: 1, window: 16)
-h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cpu)
-state = Backbone.init_state(h, 1)
-frame = Sample.random_triple({1, spec.embed}, {:f, 32})
-one = Sample.random_triple({1, 1}, {:f, 32})
+cases =
+  if opts[:backbones] do
+    specs =
+      for(kind <- Backbone.supported(), do: {to_string(kind), Spec.new(kind)}) ++
+        [{"gru1 w16", Spec.new(:gru, layers: 1, window: 16)}]
 
-cases = [
-  {"normal", fn -> Native.engine_state_info(%{state: state.ref}, %{}) end},
-  {"dirty_cpu", fn -> Native.engine_graphs(%{engine: h.engine}, %{}) end},
-  {"job_lane",
-   fn ->
-     Native.scaled_softmax(%{x: one}, %{scale: 1.0, causal: false, backend: :cpu, out: :host})
-   end},
-  {"engine_step",
-   fn ->
-     case Native.engine_step(%{engine: h.engine, state: state.ref, frame: frame}, %{}) do
-       ref when is_reference(ref) ->
-         receive do
-           {^ref, reply} -> reply
+    for {label, spec} <- specs, mode <- [:frame, :window] do
+      h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cuda)
+
+      f =
+        case mode do
+          :frame ->
+            state = Backbone.init_state(h, 1)
+            x = Sample.random_triple({1, spec.embed}, {:f, 32})
+            fn -> Backbone.step(h, state, x) end
+
+          :window ->
+            x = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
+            fn -> Backbone.predict(h, x) end
+        end
+
+      {"#{label} #{mode}", f}
+    end
+  else
+    spec = Spec.new(:gru, layers: 1, window: 16)
+    h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cpu)
+    state = Backbone.init_state(h, 1)
+    frame = Sample.random_triple({1, spec.embed}, {:f, 32})
+    one = Sample.random_triple({1, 1}, {:f, 32})
+
+    [
+      {"normal", fn -> Native.engine_state_info(%{state: state.ref}, %{}) end},
+      {"dirty_cpu", fn -> Native.engine_graphs(%{engine: h.engine}, %{}) end},
+      {"job_lane",
+       fn ->
+         Native.scaled_softmax(%{x: one}, %{scale: 1.0, causal: false, backend: :cpu, out: :host})
+       end},
+      {"engine_step",
+       fn ->
+         case Native.engine_step(%{engine: h.engine, state: state.ref, frame: frame}, %{}) do
+           ref when is_reference(ref) ->
+             receive do
+               {^ref, reply} -> reply
+             end
+
+           reply ->
+             reply
          end
-
-       reply ->
-         reply
-     end
-   end},
-  {"backbone_step", fn -> Backbone.step(h, state, frame) end}
-]
+       end},
+      {"backbone_step", fn -> Backbone.step(h, state, frame) end}
+    ]
+  end
 
 time = fn f ->
   for _ <- 1..div(runs, 10), do: f.()
