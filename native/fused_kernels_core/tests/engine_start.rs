@@ -316,7 +316,8 @@ fn gpu_an_abandoned_call_is_completed_by_the_next_and_the_stream_moves_on() {
             .unwrap();
         drop(a);
         drop(e);
-        drop(started);
+        // Its token outlives the engine harmlessly.
+        assert!(started.is_none_or(|st| st.rows() == 1));
     }
 }
 
