@@ -3,16 +3,20 @@
 //! through a mailbox in mapped page-locked memory instead of a graph launch and a stream wait
 //! per frame.
 //!
-//! A frame: the caller has written it into the shape's page-locked input; the host stores the
-//! next frame number into the mailbox with a release store (the frame's stores are visible to
-//! the device, which reads host memory coherently over the bus, before the number is),
-//! launches the kernel if it is not running, and spins on the mailbox's done word (the kernel
-//! writes the output before it, with a release store at system scope). The wait is bounded (`FRAME_TIMEOUT`): a kernel that does not
+//! A frame: the caller has written it into the shape's page-locked input; `post` launches the
+//! kernel if it is not running and stores the next frame number into the mailbox with a
+//! release store (the frame's stores are visible to the device, which reads host memory
+//! coherently over the bus, before the number is); `wait` spins on the mailbox's done word
+//! (the kernel writes the output before it, with a release store at system scope). The two
+//! are apart so that a caller that must not wait (the NIF's normal scheduler) can post and
+//! another thread wait (a dirty scheduler; engine/cuda.rs `try_start_step`/`finish`). The wait
+//! is bounded (`FRAME_TIMEOUT`): a kernel that does not
 //! answer is stopped and the engine's persistent path is marked broken (FusedKernels.Error
 //! from then on). The kernel leaves by itself after `IDLE` without a frame, so an idle engine
 //! holds no multiprocessor; a frame that finds it gone relaunches it. Everything else that
 //! queues work on the engine's stream (a window, `init_state`, `reset`, another state's frame,
-//! dropping the engine) stops it first (`stop`): a stop is only asked between frames, so the
+//! dropping the engine) stops it first (`stop`): a stop is only asked between frames (a frame
+//! posted and not yet waited for is completed first: engine/cuda.rs `lock_settled`), so the
 //! state is always the stream's after its last frame done.
 
 use crate::cuda::buffer::PinnedBytes;
