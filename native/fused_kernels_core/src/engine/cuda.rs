@@ -29,7 +29,10 @@
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
 //! stream and only touched by work queued there; uploads at load and state creation/reset
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
-//! flight between calls.
+//! flight between calls, except a call started by `try_start_step`/`try_start_predict` (the
+//! NIF starts calls on the normal scheduler and waits on a dirty one): the engine records it
+//! (`Calls::inflight`) and whatever takes the engine next from a thread that may wait
+//! completes it first (`lock_settled`), its owner's `finish` or anyone else's call.
 
 use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
