@@ -112,6 +112,11 @@ struct Graph {
 /// from a dirty scheduler).
 const QUICK_LAUNCH_NS: u64 = 12_000;
 
+/// The most input values a call writes into its staging on the caller's thread (`try_start_*`):
+/// ExPhil's 60 x 288 window (69 KB of f32, ~6.7 µs to write on the H100's host) and anything
+/// smaller; larger inputs (batch-8 windows: 553 KB) are written on a dirty scheduler.
+const QUICK_INPUT_VALUES: usize = 24 << 10;
+
 /// Captures tried per graph before its shape (or state) stays eager. More than one because a
 /// capture can be invalidated by another engine's work on other threads at the same moment
 /// (seen on the H100 with four engines loading and capturing at once:
@@ -1105,13 +1110,14 @@ impl CudaEngine {
     }
 
     /// Starts a call of shape `key` without waiting for anything (for a caller that must not
-    /// wait: the NIF's normal scheduler): where the engine is free (its lock not taken, no
-    /// call in flight), the shape warm and the call a replay of its graph (whose launch took
-    /// at most `QUICK_LAUNCH_NS` last time) or a frame posted to the running persistent
-    /// kernel, the input is staged, the work launched or posted and the call recorded as in
-    /// flight. Ok(None): nothing started (the staging may have been written), the caller
-    /// takes the ordinary path (always for a shape's first calls, which make its staging and
-    /// capture its graph). `state.frames` moves on only when the call started.
+    /// wait: the NIF's normal scheduler). Where the engine is free (its lock not taken, no
+    /// call in flight), the input at most `QUICK_INPUT_VALUES` and the call a replay of its
+    /// graph (whose launch took at most `QUICK_LAUNCH_NS` last time) or a frame posted to the
+    /// persistent kernel (launched if it does not run): the input is staged, the work
+    /// launched or posted and the call recorded as in flight. Ok(None): nothing started (the
+    /// staging may have been written), the caller takes the ordinary path (always for a
+    /// shape's first calls, which make its staging and capture its graph). `state.frames`
+    /// moves on only when the call started.
     fn try_start(
         &self,
         key: (usize, usize, bool),
@@ -1125,7 +1131,7 @@ impl CudaEngine {
                 return Err(Error::Cuda("engine lock poisoned".into()))
             }
         };
-        if calls.inflight.is_some() {
+        if calls.inflight.is_some() || key.0 * key.1 * self.spec.embed > QUICK_INPUT_VALUES {
             return Ok(None);
         }
         let Some(i) = calls.shapes.iter().position(|sh| sh.key == key) else {
