@@ -101,16 +101,20 @@ struct Graph {
     exec: std::result::Result<Exec, String>,
     /// Captures tried for this graph (see `CAPTURE_ATTEMPTS`).
     attempts: u32,
-    /// Host time of its last launch (ns): a call may start it on the caller's thread where
-    /// that is short (`QUICK_LAUNCH_NS`).
-    launch_ns: u64,
+    /// Host time (ns) of the last call that replayed it from writing the input to the end of
+    /// the launch: a call may start it on the caller's thread where that is short
+    /// (`QUICK_START_NS`).
+    start_ns: u64,
 }
 
-/// The longest graph launch (host time of the last one) that a call starts on the caller's
-/// thread (`try_start_*`: the NIF's normal scheduler, which must not be held for long); a
-/// graph that launches slower runs its calls the ordinary way (`step_with`/`predict_with`
-/// from a dirty scheduler).
-const QUICK_LAUNCH_NS: u64 = 12_000;
+/// The longest start (input written into the staging, graph launched: host time of the
+/// graph's last replay) that a call makes on the caller's thread (`try_start_*`: the NIF's
+/// normal scheduler, which must not be held for long); a graph whose start took longer runs
+/// its calls the ordinary way (`step_with`/`predict_with` from a dirty scheduler). H100
+/// (benches/engine_call.rs, median): frames 0.4-3.8 µs (graph launches ~5 µs, persistent
+/// posts under 1 µs); windows at ExPhil's sizes 6.7-15.6 µs (staging 1.2-4.2 µs, launches
+/// 7.5-10.6 µs), the Jamba window ~22 µs (its launch ~16 µs: left to the dirty scheduler).
+const QUICK_START_NS: u64 = 16_000;
 
 /// The most input values a call writes into its staging on the caller's thread (`try_start_*`):
 /// ExPhil's 60 x 288 window (69 KB of f32, ~6.7 µs to write on the H100's host) and anything
@@ -1112,7 +1116,7 @@ impl CudaEngine {
     /// Starts a call of shape `key` without waiting for anything (for a caller that must not
     /// wait: the NIF's normal scheduler). Where the engine is free (its lock not taken, no
     /// call in flight), the input at most `QUICK_INPUT_VALUES` and the call a replay of its
-    /// graph (whose launch took at most `QUICK_LAUNCH_NS` last time) or a frame posted to the
+    /// graph (whose start took at most `QUICK_START_NS` last time) or a frame posted to the
     /// persistent kernel (launched if it does not run): the input is staged, the work
     /// launched or posted and the call recorded as in flight. Ok(None): nothing started (the
     /// staging may have been written), the caller takes the ordinary path (always for a
@@ -1181,7 +1185,7 @@ impl CudaEngine {
                     g.state == sid
                         && g.generation == generation
                         && g.exec.is_ok()
-                        && g.launch_ns <= QUICK_LAUNCH_NS
+                        && g.start_ns <= QUICK_START_NS
                 })
             })
             .flatten();
@@ -1193,7 +1197,9 @@ impl CudaEngine {
         if graph.is_none() && !persist {
             return Ok(None);
         }
+        let t = Instant::now();
         self.stage(sh, fill, state)?;
+        let stage_ns = t.elapsed().as_nanos() as u64;
         match self.route(sh, state, true)? {
             Route::Persist(k, a) => return Ok(Some(Some((k, a)))),
             Route::Busy => return Ok(None),
@@ -1208,7 +1214,7 @@ impl CudaEngine {
         let t = Instant::now();
         match exec.0.launch() {
             Ok(()) => {
-                g.launch_ns = t.elapsed().as_nanos() as u64;
+                g.start_ns = stage_ns + t.elapsed().as_nanos() as u64;
                 Ok(Some(None))
             }
             Err(e) => {
@@ -1277,7 +1283,9 @@ impl CudaEngine {
         let i = self.shape_index(&mut calls.shapes, key)?;
         let sh = &mut calls.shapes[i];
         let t1 = prof.as_ref().map(|_| Instant::now());
+        let staging = Instant::now();
         self.stage(sh, fill, state.as_deref())?;
+        let stage_ns = staging.elapsed().as_nanos() as u64;
         let t2 = prof.as_ref().map(|_| Instant::now());
         // An LSTM/GRU frame runs on the persistent kernel where it can; anything else stops
         // it first (it holds the engine's stream).
@@ -1336,7 +1344,7 @@ impl CudaEngine {
                     },
                     Err(why) => Err(why.clone()),
                 };
-                sh.graphs[gi].launch_ns = t.elapsed().as_nanos() as u64;
+                sh.graphs[gi].start_ns = stage_ns + t.elapsed().as_nanos() as u64;
                 replayed = launched.is_ok();
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
@@ -1379,7 +1387,7 @@ impl CudaEngine {
                     exec,
                     attempts: 1,
                     // Measured at its next launch; a capture's first launch is not a replay's.
-                    launch_ns: u64::MAX,
+                    start_ns: u64::MAX,
                 });
             }
             _ => self.eager(sh, state)?,
