@@ -13,12 +13,19 @@
 # Elixir (`mix bench`'s backbone rows, batch 1 only; a quick A/B of two NIF builds through
 # FUSED_KERNELS_NIF_PATH).
 #
-# Usage: mix run bench/beam_call.exs [--runs N] [--json PATH] [--backbones]
+# With --load N, while N processes call GPU windows back to back (each its own ExPhil GRU engine,
+# the longest starts a normal scheduler makes), the first rows (and a message round trip between
+# two processes, `pingpong`) are timed: what the GPU calls' halves on the normal schedulers cost
+# everybody else (run with `ELIXIR_ERL_OPTIONS="+S 2:2"` for a small machine's schedulers).
+#
+# Usage: mix run bench/beam_call.exs [--runs N] [--json PATH] [--backbones] [--load N]
 alias FusedKernels.{Backbone, Native, Sample}
 alias FusedKernels.Backbone.Spec
 
 {opts, _, _} =
-  OptionParser.parse(System.argv(), strict: [runs: :integer, json: :string, backbones: :boolean])
+  OptionParser.parse(System.argv(),
+    strict: [runs: :integer, json: :string, backbones: :boolean, load: :integer]
+  )
 
 runs = Keyword.get(opts, :runs, 3000)
 
@@ -75,6 +82,44 @@ cases =
     ]
   end
 
+load = Keyword.get(opts, :load, 0)
+
+loaders =
+  if load > 0 do
+    spec = Spec.new(:gru)
+    params = Backbone.random_params(spec, 1)
+    parent = self()
+
+    pids =
+      for _ <- 1..load do
+        spawn_link(fn ->
+          h = Backbone.load(spec, params, backend: :cuda)
+          x = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
+          for _ <- 1..20, do: Backbone.predict(h, x)
+          send(parent, {:loaded, self()})
+          Stream.repeatedly(fn -> Backbone.predict(h, x) end) |> Stream.run()
+        end)
+      end
+
+    for p <- pids, do: receive(do: ({:loaded, ^p} -> :ok))
+    pids
+  else
+    []
+  end
+
+cases =
+  if load > 0 do
+    echo =
+      spawn_link(fn ->
+        Stream.repeatedly(fn -> receive(do: ({from, m} -> send(from, m))) end) |> Stream.run()
+      end)
+
+    me = self()
+    [{"pingpong", fn -> send(echo, {me, :ping}) && receive(do: (:ping -> :ok)) end} | cases]
+  else
+    cases
+  end
+
 time = fn f ->
   for _ <- 1..div(runs, 10), do: f.()
 
@@ -99,16 +144,29 @@ rows =
     s = time.(f)
     med = pct.(s, 0.5) / 1000
     p99 = pct.(s, 0.99) / 1000
-    IO.puts(:io_lib.format("~-14s median ~8.2f us   p99 ~8.2f us", [name, med, p99]))
-    %{name: name, median_us: med, p99_us: p99, runs: runs}
+    p999 = pct.(s, 0.999) / 1000
+    max = List.last(s) / 1000
+    over = Enum.count(s, &(&1 > 2000 * med))
+
+    IO.puts(
+      :io_lib.format(
+        "~-14s median ~8.2f us   p99 ~8.2f us   p99.9 ~8.2f us   max ~8.2f us   >2x median ~B",
+        [name, med, p99, p999, max, over]
+      )
+    )
+
+    %{name: name, median_us: med, p99_us: p99, p999_us: p999, max_us: max, runs: runs}
   end
+
+for p <- loaders, do: Process.unlink(p) && Process.exit(p, :kill)
 
 if path = opts[:json] do
   File.write!(
     path,
     "[" <>
       Enum.map_join(rows, ",", fn r ->
-        ~s({"name":"#{r.name}","median_us":#{r.median_us},"p99_us":#{r.p99_us},"runs":#{r.runs}})
+        ~s({"name":"#{r.name}","load":#{load},"median_us":#{r.median_us},"p99_us":#{r.p99_us},) <>
+          ~s("p999_us":#{r.p999_us},"max_us":#{r.max_us},"runs":#{r.runs}})
       end) <> "]"
   )
 end
