@@ -13,10 +13,11 @@
 # Elixir (`mix bench`'s backbone rows, batch 1 only; a quick A/B of two NIF builds through
 # FUSED_KERNELS_NIF_PATH).
 #
-# With --load N, while N processes call GPU windows back to back (each its own ExPhil GRU engine,
-# the longest starts a normal scheduler makes), the first rows (and a message round trip between
-# two processes, `pingpong`) are timed: what the GPU calls' halves on the normal schedulers cost
-# everybody else (run with `ELIXIR_ERL_OPTIONS="+S 2:2"` for a small machine's schedulers).
+# With --load N, while N processes call the GPU back to back (each its own engine; in turn ExPhil's
+# GRU windows, its 1-layer window-16 GRU's windows and ExPhil's GRU frames), the first rows (and a
+# message round trip between two processes, `pingpong`) are timed: what the GPU calls' starts on
+# the normal schedulers cost everybody else (run with `ELIXIR_ERL_OPTIONS="+S 2:2"` for a small
+# machine's schedulers).
 #
 # Usage: mix run bench/beam_call.exs [--runs N] [--json PATH] [--backbones] [--load N]
 alias FusedKernels.{Backbone, Native, Sample}
@@ -86,18 +87,30 @@ load = Keyword.get(opts, :load, 0)
 
 loaders =
   if load > 0 do
-    spec = Spec.new(:gru)
-    params = Backbone.random_params(spec, 1)
     parent = self()
 
+    # In turn: ExPhil's GRU windows, its 1-layer window-16 GRU's windows, ExPhil's GRU frames.
     pids =
-      for _ <- 1..load do
+      for i <- 1..load do
         spawn_link(fn ->
-          h = Backbone.load(spec, params, backend: :cuda)
-          x = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
-          for _ <- 1..20, do: Backbone.predict(h, x)
+          spec =
+            if rem(i, 3) == 2, do: Spec.new(:gru, layers: 1, window: 16), else: Spec.new(:gru)
+
+          h = Backbone.load(spec, Backbone.random_params(spec, 1), backend: :cuda)
+
+          call =
+            if rem(i, 3) == 0 do
+              state = Backbone.init_state(h, 1)
+              x = Sample.random_triple({1, spec.embed}, {:f, 32})
+              fn -> Backbone.step(h, state, x) end
+            else
+              x = Sample.random_triple({1, spec.window, spec.embed}, {:f, 32})
+              fn -> Backbone.predict(h, x) end
+            end
+
+          for _ <- 1..20, do: call.()
           send(parent, {:loaded, self()})
-          Stream.repeatedly(fn -> Backbone.predict(h, x) end) |> Stream.run()
+          Stream.repeatedly(call) |> Stream.run()
         end)
       end
 

@@ -392,3 +392,74 @@ fn gpu_threads_sharing_one_engine_keep_every_stream_right() {
         assert!(total > 0, "{tag}: no call started");
     }
 }
+
+#[test]
+fn gpu_callers_that_vanish_between_the_halves_leave_no_damage() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = one_at_a_time();
+    // What the BEAM does to a killed caller: its started call given up and its state dropped
+    // while the call may still run, from threads sharing one engine, with windows and new
+    // states between frames; afterwards a fresh stream still equals the reference.
+    for (kind, persistent) in [
+        (Kind::Gru, true),
+        (Kind::Gru, false),
+        (Kind::Attention, true),
+    ] {
+        let s = small(kind);
+        let tag = format!("{kind:?} persistent {persistent}");
+        let e = engine(&s, 70);
+        e.set_persistent_frames(persistent).unwrap();
+        let x = Rng::new(71).vec_f32(8 * s.embed, 1.0, 0.0);
+        let frame = |k: usize| &x[(k % 8) * s.embed..(k % 8 + 1) * s.embed];
+        let w = Rng::new(72).vec_f32(s.window * s.embed, 1.0, 0.0);
+        let mut want_w = vec![f32::NAN; s.hidden];
+        e.predict(1, s.window, &w, &mut want_w).unwrap();
+        let mut st = e.new_state(1).unwrap();
+        let want: Vec<Vec<f32>> = (0..8).map(|k| step(&e, &mut st, frame(k))).collect();
+        drop(st);
+        let gone = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for t in 0..4u64 {
+                let (e, gone, w, want_w) = (&e, &gone, &w, &want_w);
+                sc.spawn(move || {
+                    let mut rng = Rng::new(80 + t);
+                    for round in 0..60 {
+                        let mut st = e.new_state(1).unwrap();
+                        for k in 0..4 {
+                            step_in_halves(e, &mut st, frame(k));
+                        }
+                        if round % 5 == t as usize {
+                            assert_eq!(predict_in_halves(e, w, 1, s.window).0, *want_w);
+                        }
+                        // The caller vanishes: its call given up, its state dropped at once.
+                        let f = frame(4);
+                        if let Some(h) =
+                            e.try_start_step(&mut st, |b| b.copy_from_slice(f)).unwrap()
+                        {
+                            if rng.next_f64() < 0.5 {
+                                std::thread::sleep(std::time::Duration::from_micros(20));
+                            }
+                            e.abandon(h);
+                            gone.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        drop(st);
+                    }
+                });
+            }
+        });
+        let mut st = e.new_state(1).unwrap();
+        for (k, w) in want.iter().enumerate() {
+            assert_eq!(
+                &step_in_halves(&e, &mut st, frame(k)).0,
+                w,
+                "{tag}: frame {k}"
+            );
+        }
+        let mut out = vec![f32::NAN; s.hidden];
+        e.predict(1, s.window, &w, &mut out).unwrap();
+        assert_eq!(out, want_w, "{tag}: window");
+        println!("{tag}: {} calls given up", gone.into_inner());
+    }
+}

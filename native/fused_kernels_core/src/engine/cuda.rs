@@ -111,10 +111,15 @@ struct Graph {
 /// graph's last replay) that a call makes on the caller's thread (`try_start_*`: the NIF's
 /// normal scheduler, which must not be held for long); a graph whose start took longer runs
 /// its calls the ordinary way (`step_with`/`predict_with` from a dirty scheduler). H100
-/// (benches/engine_call.rs, median): frames 0.4-3.8 µs (graph launches ~5 µs, persistent
-/// posts under 1 µs); windows at ExPhil's sizes 6.7-15.6 µs (staging 1.2-4.2 µs, launches
-/// 7.5-10.6 µs), the Jamba window ~22 µs (its launch ~16 µs: left to the dirty scheduler).
-const QUICK_START_NS: u64 = 16_000;
+/// (benches/engine_call.rs, median and p99): frames 0.4-2.3 µs (p99 <= 4.4; persistent posts
+/// under 0.5 µs, graph launches ~2 µs); windows at ExPhil's sizes 5.3-9.1 µs (p99 9.7-19:
+/// staging 1.2-4 µs, a graph launch with a copy node 7-10 µs), which held the normal
+/// schedulers long enough to show: with 4 processes calling windows on a 2-scheduler VM a
+/// message round trip between two other processes took p99 21.8 µs against 3.1 µs with
+/// every window on the dirty schedulers (`bench/beam_call.exs --load`). So frames start on
+/// the caller's scheduler and windows do where their start is this short (ExPhil's 1-layer
+/// window-16 GRU: 5.3 µs).
+const QUICK_START_NS: u64 = 6_000;
 
 /// The most input values a call writes into its staging on the caller's thread (`try_start_*`):
 /// ExPhil's 60 x 288 window (69 KB of f32, ~6.7 µs to write on the H100's host) and anything
