@@ -288,6 +288,8 @@ pub struct CudaEngine {
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     blas_workspace: Option<DeviceTensor>,
+    /// Buffers of this engine's dropped states, freed under the lock (`Graveyard`).
+    graveyard: Graveyard,
 }
 
 /// cuBLAS workspace per engine (NVIDIA's recommendation for Hopper).
@@ -316,6 +318,30 @@ pub struct CudaState {
     /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
     /// kernel's `FkErState` table.
     rnn_table: Option<DeviceTensor>,
+    /// The engine's `Graveyard`, where the buffers go when the state is dropped.
+    graveyard: Graveyard,
+}
+
+/// Device buffers of dropped states, freed by the engine's next call under its lock. A state is
+/// dropped wherever its last owner lets go of it (the BEAM collects a state resource on
+/// whichever thread frees its process), and freeing its buffers there queues a free on the
+/// engine's stream at any moment: while another call of the engine captured a graph on that
+/// stream it crashed the CUDA driver (SIGSEGV in cuMemFreeAsync, H100, callers killed while
+/// others streamed; with or without calls in two halves). Under the engine's lock (`lock_settled`)
+/// no capture runs, and a started call still using the state has been completed.
+type Graveyard = Arc<Mutex<Vec<DeviceTensor>>>;
+
+impl Drop for CudaState {
+    fn drop(&mut self) {
+        let bufs = std::mem::take(&mut self.layers)
+            .into_iter()
+            .flatten()
+            .chain(self.rnn_table.take());
+        self.graveyard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(bufs);
+    }
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -892,6 +918,7 @@ impl CudaEngine {
             }),
             parked: Mutex::new(Parked::default()),
             blas_workspace: blas_ws,
+            graveyard: Arc::new(Mutex::new(Vec::new())),
         };
         engine.gpu.synchronize()?;
         if let Some(p) = prefetch {
@@ -950,6 +977,10 @@ impl CudaEngine {
                 None => parked.done.push((f.token, r)),
             }
         }
+        // Dropped states' buffers: freed (on the stream, after the work queued there) now
+        // that no capture runs (`Graveyard`).
+        let dead = std::mem::take(&mut *self.graveyard.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(dead);
         Ok(calls)
     }
 
@@ -2532,6 +2563,7 @@ impl CudaEngine {
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
             rnn_table,
+            graveyard: self.graveyard.clone(),
         })
     }
 
