@@ -109,6 +109,10 @@ defmodule FusedKernels do
       (one zero window and one frame are run through the engine; the handle's states are not
       touched). Other backends have nothing to compile.
 
+  On a cold cache a first call loads a quick build of the slowest programs and swaps in the
+  full build when its background compile is done; `warmup` returns once every full build is
+  loaded.
+
   Options: `device`. Returns `:ok`; raises `FusedKernels.Error` when a kernel does not compile
   or there is no GPU.
   """
@@ -142,6 +146,8 @@ defmodule FusedKernels do
     _ = FusedKernels.Backbone.predict(handle, window)
     state = FusedKernels.Backbone.init_state(handle, 1)
     _ = FusedKernels.Backbone.step(handle, state, frame)
+    # On a cold cache the slowest programs ran on quick builds: wait for their full builds.
+    [] |> Native.kernel_warmup(handle.device) |> Native.unwrap!()
     :ok
   end
 

@@ -12,6 +12,11 @@ if Code.ensure_loaded?(Nx) do
     block's default body: the op's pure-Nx implementation. Gradients are the pure-Nx
     implementation's, through `custom_grad` (the custom call has no derivative of its own).
 
+    A custom call's result cannot share its operand's buffer unless the call declares the
+    alias, which `EXLA.CustomCall.Spec` has no field for: inside a `while` loop that carries
+    the attention's q, XLA copies each result into the carried buffer (one more launch per
+    iteration; under JAX, with `input_output_aliases`, the same loop runs 1.5× faster).
+
     ## Loading the handlers into EXLA's process
 
     The handlers live in a separate shared library, `native/fused_kernels_xla`

@@ -11,6 +11,9 @@ import numpy as np
 ap = argparse.ArgumentParser()
 ap.add_argument("--ffi", action="append", default=[], help="label=path of a fused_kernels_xla .so")
 ap.add_argument("--ptx", default=None)
+ap.add_argument("--kernel", action="append", default=[],
+                help="NAME:ROWS:THREADS:SMEM: a kernel of --ptx taking (q, k, v, FaArgs*, o, lse) with ROWS "
+                     "query rows per block (default: fa_xla_param:2:128:35360, the product's fa_short_f32_2_2)")
 ap.add_argument("--n", type=int, default=200)
 ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--reps", type=int, default=10)
@@ -48,12 +51,17 @@ for spec in a.ffi:
 if a.ptx:
     ptx = open(a.ptx).read()
     px = jax.ffi.ffi_call("__gpu$xla.gpu.ptx", outs)
-    args = struct.pack("<9if9qi4x", 4, 1, 60, 60, 64, -1, 0, 30, 4, 0.125 * 1.4426950408889634,
-                       15360, 256, 64, 15360, 256, 64, 15360, 256, 64, 0)
-    params = np.frombuffer(args, dtype=np.int32).copy()
-    launch = dict(kernel_type="ptx", kernel_data=ptx, grid_x=120, grid_y=1, grid_z=1, block_x=128, block_y=1,
-                  block_z=1, shared_mem_bytes=35360)
-    steps["ptx node (FaArgs operand)"] = lambda q: px(q, k, v, jnp.asarray(params), name="fa_xla_param", **launch)[0]
+    for kspec in a.kernel or ["fa_xla_param:2:128:35360"]:
+        kname, rows, threads, smem = kspec.split(":")
+        tiles = -(-s // int(rows))
+        args = struct.pack("<9if9qi4x", 4, 1, 60, 60, 64, -1, 0, tiles, 4, 0.125 * 1.4426950408889634,
+                           15360, 256, 64, 15360, 256, 64, 15360, 256, 64, 0)
+        params = np.frombuffer(args, dtype=np.int32).copy()
+        launch = dict(kernel_type="ptx", kernel_data=ptx, grid_x=tiles * b * h, grid_y=1, grid_z=1,
+                      block_x=int(threads), block_y=1, block_z=1, shared_mem_bytes=int(smem))
+        label = "ptx node (FaArgs operand)" if kname == "fa_xla_param" else f"ptx node {kname}"
+        steps[label] = (lambda params, kname, launch: lambda q: px(q, k, v, jnp.asarray(params), name=kname,
+                                                                   **launch)[0])(params, kname, launch)
 if not a.no_jax:
     steps["jax"] = lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=True)
 n = 10 if a.once else a.n

@@ -7,7 +7,10 @@
 //! (compiles, disk hits). Shapes are ExPhil's (embed 288, hidden 256, window 60, f32).
 //! `first_call backbone_X --runs N` then times N windows and N frames of that backbone
 //! (median and p99 µs per call, host in and out: the engine's numbers on this route).
-//! bench/gpu/first_call.sh runs every case with a cold and with a pre-filled cache.
+//! `first_call CASE --tiers N` then times N calls as they come and N calls once the full build
+//! of the case's cluster recurrence is loaded (an LSTM/GRU case's quick build, see
+//! `kernels::QUICK_FIRST`). bench/gpu/first_call.sh runs every case with a cold and with a
+//! pre-filled cache.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -16,6 +19,7 @@ use fused_kernels_core::cuda::{self, cache};
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::Kind;
 use fused_kernels_core::error::Result;
+use fused_kernels_core::kernels::{kernel_name, RNN_CLUSTER};
 use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::{
     dense, flash_attention, norm, rnn, scaled_softmax, selective_scan, Backend,
@@ -114,8 +118,41 @@ fn time_backbone(kind: Kind, runs: usize) -> Result<String> {
     ))
 }
 
+/// `--tiers N`, after the first two calls: N more calls as they come (on a cold cache, on the
+/// quick build of the case's cluster recurrence while its full build compiles), then, once
+/// `warmup` returns that full build, N calls on it.
+fn time_tiers(case: &str, n: usize, mut call: Call) -> Result<()> {
+    let cell = match case.trim_start_matches("backbone_") {
+        "lstm" => "lstm",
+        "gru" => "gru",
+        _ => {
+            println!("{case}: no quick build (only the LSTM/GRU cluster recurrences have one)");
+            return Ok(());
+        }
+    };
+    let gpu = cuda::gpu(None)?;
+    let function = kernel_name("rnn_cluster", &[&cell, &"f32"]);
+    let quick = gpu.serves_quick_build(&RNN_CLUSTER, &function);
+    let since = Instant::now();
+    let (m, p99) = time_us(n, &mut call)?;
+    let still = gpu.serves_quick_build(&RNN_CLUSTER, &function);
+    println!(
+        "{case}: {n} calls, {function} quick build serving {quick} -> {still}: median {m:.0} µs (p99 {p99:.0})"
+    );
+    gpu.warmup(&[(&RNN_CLUSTER, function.clone())], &|_| {})?;
+    let waited = since.elapsed().as_secs_f64() * 1e3;
+    let (m, p99) = time_us(n, &mut call)?;
+    println!(
+        "{case}: full build ready {waited:.0} ms after the second call; {n} calls on it: median {m:.0} µs (p99 {p99:.0})"
+    );
+    Ok(())
+}
+
+/// One call of an op or a backbone, built once.
+type Call = Box<dyn FnMut() -> Result<()>>;
+
 /// One call of the op or backbone named `case` (built once, called twice).
-fn call_maker(case: &str) -> Result<Box<dyn FnMut() -> Result<()>>> {
+fn call_maker(case: &str) -> Result<Call> {
     let mut rng = Rng::new(7);
     let dev = Backend::Cuda(None);
     let (b, t, e, h) = (1, 60, 288, 256);
@@ -258,6 +295,11 @@ fn main() {
         .position(|a| a == "--runs")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok());
+    let tiers: Option<usize> = args
+        .iter()
+        .position(|a| a == "--tiers")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok());
     if arg == "--list" || arg.is_empty() {
         println!("{}", CASES.join(" "));
         return;
@@ -270,7 +312,7 @@ fn main() {
     let ctx_ms = t0.elapsed().as_secs_f64() * 1e3;
     // A backbone's engine is built in `call_maker` (its weights uploaded, some functions
     // looked up): counted with the first call.
-    let run = || -> Result<(f64, f64, f64)> {
+    let run = || -> Result<(f64, f64, f64, Call)> {
         let t1 = Instant::now();
         let mut call = call_maker(&arg)?;
         let setup = t1.elapsed().as_secs_f64() * 1e3;
@@ -278,14 +320,20 @@ fn main() {
         let first = t1.elapsed().as_secs_f64() * 1e3;
         let t2 = Instant::now();
         call()?;
-        Ok((setup, first, t2.elapsed().as_secs_f64() * 1e3))
+        Ok((setup, first, t2.elapsed().as_secs_f64() * 1e3, call))
     };
     match run() {
-        Ok((setup, first, second)) => {
+        Ok((setup, first, second, call)) => {
             let (_, disk, compiles) = cache::STATS.snapshot();
             println!(
                 "{arg}: context {ctx_ms:.0} ms, first call {first:.0} ms (setup {setup:.0}), second {second:.1} ms, {compiles} programs compiled, {disk} read from the cache dir"
             );
+            if let Some(n) = tiers.filter(|n| *n > 0) {
+                if let Err(e) = time_tiers(&arg, n, call) {
+                    println!("{arg}: tier timing FAILED {e}");
+                    std::process::exit(1);
+                }
+            }
             if let (Some(n), Some(kind)) = (runs.filter(|n| *n > 0), kind_of(&arg)) {
                 match time_backbone(kind, n) {
                     Ok(line) => println!("{arg}: {line}"),

@@ -20,11 +20,12 @@
 mod support;
 
 use fused_kernels_core::cuda::timing::time_calls;
-use fused_kernels_core::cuda::DeviceTensor;
+use fused_kernels_core::cuda::{DeviceTensor, Gpu};
 use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::rnn::*;
 use fused_kernels_core::ops::Backend;
 use fused_kernels_core::DType;
+use std::sync::Arc;
 use support::cli::{Cli, JsonOut};
 use support::rnn::*;
 use support::{gpu_for_tests, Rng};
@@ -58,6 +59,53 @@ fn on_device(
 ) -> fused_kernels_core::error::Result<()> {
     let (backend, place) = (Backend::Cuda(None), Placement::Device);
     run_tuned(backend, cell, x, ops, false, place, precision, tuning).map(|_| ())
+}
+
+/// A case's random input {batch, seq, features} and layers on the device, drawn from `rng` in
+/// that order.
+fn on_gpu(gpu: &Arc<Gpu>, rng: &mut Rng, c: &Case) -> (DeviceTensor, Vec<DeviceLayer>) {
+    let (b, t, i, dt) = (c.batch, c.seq, c.features, c.dtype);
+    let xb = random_bytes(rng, b * t * i, 1.0, dt);
+    let lbytes = make_layers(rng, c);
+    let x = upload(gpu, &xb, vec![b, t, i], dt);
+    (x, upload_layers(gpu, &lbytes, b, dt))
+}
+
+/// The JSON fields of one path's timing: a first call, then `time_calls` (`warm` calls, `reps`
+/// timed: median, p10/p90, back-to-back mean); or the error of a path that cannot take the
+/// case (a cluster the driver cannot place).
+fn timing_fields(
+    gpu: &Gpu,
+    warm: usize,
+    reps: usize,
+    mut call: impl FnMut(usize) -> fused_kernels_core::error::Result<()>,
+) -> String {
+    match call(0).and_then(|_| time_calls(gpu, warm, reps, call)) {
+        Ok(tm) => format!(
+            ",\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}",
+            tm.median_us, tm.p10_us, tm.p90_us, tm.back_to_back_us
+        ),
+        Err(e) => format!(",\"error\":{:?}", e.to_string()),
+    }
+}
+
+/// The cluster kernel's own counters (`RcArgs::prof`: 8 words) after one profiled `call`
+/// (`prof` zeroed first; the download synchronises the stream); `None` if the call failed.
+fn counters(
+    prof: &mut DeviceTensor,
+    call: impl FnOnce() -> fused_kernels_core::error::Result<()>,
+) -> Option<Vec<u64>> {
+    let p = prof
+        .fill_bytes(0)
+        .and_then(|_| call())
+        .and_then(|_| prof.download())
+        .ok()?;
+    Some(
+        p.data
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+    )
 }
 
 fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bool) {
@@ -100,11 +148,7 @@ fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bo
         for &(b, t, i, h, layers, dt) in &cases {
             let name = format!("B{b} T{t} I{i} H{h} x{layers} {}", dt.name());
             let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
-            let mut rng = Rng::new(77);
-            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
-            let lbytes = make_layers(&mut rng, &c);
-            let x = upload(&gpu, &xb, vec![b, t, i], dt);
-            let dev = upload_layers(&gpu, &lbytes, b, dt);
+            let (x, dev) = on_gpu(&gpu, &mut Rng::new(77), &c);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let fits = persistent_plan(cell, b, h, sms, 227 * 1024, None).is_ok();
@@ -195,23 +239,11 @@ fn bench(out: &mut JsonOut, batch1_extra: bool, crossover: bool, mma_tilings: bo
             for (tuning, precision, label) in paths {
                 let reps = if t * h > 100_000 { 30 } else { 100 };
                 let call = |_: usize| on_device(cell, &xo, &ops, precision, &tuning);
-                // A path that cannot take the case (a cluster the driver cannot place) reports
-                // its error instead of a time.
-                let timing = call(0).and_then(|_| time_calls(&gpu, 5, reps, call));
                 let default = tuning == on(default) && precision == Precision::F32;
-                match timing {
-                    Ok(tm) => out.line(&format!(
-                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}}}",
-                        tm.median_us,
-                        tm.p10_us,
-                        tm.p90_us,
-                        tm.back_to_back_us
-                    )),
-                    Err(e) => out.line(&format!(
-                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default},\"error\":{:?}}}",
-                        e.to_string()
-                    )),
-                }
+                out.line(&format!(
+                    "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default\":{default}{}}}",
+                    timing_fields(&gpu, 5, reps, call)
+                ));
             }
         }
     }
@@ -240,15 +272,11 @@ fn cluster_profile(out: &mut JsonOut) {
         (60, 288, 256, 2, BF16),
         (60, 288, 256, 3, BF16),
     ];
-    let prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
+    let mut prof = DeviceTensor::uninit(&gpu, vec![8], DType::F64).unwrap();
     for cell in [Cell::Lstm, Cell::Gru] {
         for &(t, i, h, layers, dt) in &cases {
             let c = case(cell, 1, t, i, &vec![h; layers], false, true, dt);
-            let mut rng = Rng::new(5);
-            let xb = random_bytes(&mut rng, t * i, 1.0, dt);
-            let lbytes = make_layers(&mut rng, &c);
-            let x = upload(&gpu, &xb, vec![1, t, i], dt);
-            let dev = upload_layers(&gpu, &lbytes, 1, dt);
+            let (x, dev) = on_gpu(&gpu, &mut Rng::new(5), &c);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let call_with = |tuning: &Tuning| on_device(cell, &xo, &ops, Precision::F32, tuning);
@@ -270,10 +298,7 @@ fn cluster_profile(out: &mut JsonOut) {
                     "{{{head},\"path\":\"{label}\",\"default\":{}",
                     label == "cluster"
                 );
-                match call(0).and_then(|_| time_calls(&gpu, 5, reps, call)) {
-                    Ok(tm) => line += &format!(",\"median_us\":{:.1}", tm.median_us),
-                    Err(e) => line += &format!(",\"error\":{:?}", e.to_string()),
-                }
+                line += &timing_fields(&gpu, 5, reps, call);
                 if label == "cluster" {
                     // Host time to queue one call (no synchronisation inside it).
                     let mut host: Vec<f64> = (0..50)
@@ -291,13 +316,7 @@ fn cluster_profile(out: &mut JsonOut) {
                         cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
                         ..tuning
                     };
-                    let counted = call_with(&profiled).and_then(|_| prof.download());
-                    if let Ok(p) = counted {
-                        let n: Vec<u64> = p
-                            .data
-                            .chunks_exact(8)
-                            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
-                            .collect();
+                    if let Some(n) = counters(&mut prof, || call_with(&profiled)) {
                         line += &format!(
                             ",\"setup_cycles\":{},\"load_cycles\":{},\"loop_cycles\":{},\"wait_cycles\":{},\"kernel_ns\":{},\"steps\":{}",
                             n[0], n[5], n[1], n[2], n[3], n[4]
@@ -323,11 +342,7 @@ fn cluster_regs(out: &mut JsonOut) {
             let (b, i, h) = (1, 288, 256);
             let name = format!("B{b} T{t} I{i} H{h} x{layers} f32");
             let c = case(cell, b, t, i, &vec![h; layers], false, false, dt);
-            let mut rng = Rng::new(77);
-            let xb = random_bytes(&mut rng, b * t * i, 1.0, dt);
-            let lbytes = make_layers(&mut rng, &c);
-            let x = upload(&gpu, &xb, vec![b, t, i], dt);
-            let dev = upload_layers(&gpu, &lbytes, b, dt);
+            let (x, dev) = on_gpu(&gpu, &mut Rng::new(77), &c);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let xo = Operand::Device(&x);
             let g = geometry(cell, &[b, t, i], dt, &ops).unwrap();
@@ -359,17 +374,10 @@ fn cluster_regs(out: &mut JsonOut) {
             let cellname = if cell == Cell::Lstm { "lstm" } else { "gru" };
             for (label, tuning) in paths {
                 let call = |_: usize| on_device(cell, &xo, &ops, Precision::F32, &tuning);
-                let timing = call(0).and_then(|_| time_calls(&gpu, 5, 100, call));
-                match timing {
-                    Ok(tm) => out.line(&format!(
-                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default_paths\":{default:?},\"median_us\":{:.1},\"p10_us\":{:.1},\"p90_us\":{:.1}}}",
-                        tm.median_us, tm.p10_us, tm.p90_us
-                    )),
-                    Err(e) => out.line(&format!(
-                        "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"error\":{:?}}}",
-                        e.to_string()
-                    )),
-                }
+                out.line(&format!(
+                    "{{\"cell\":\"{cellname}\",\"case\":\"{name}\",\"path\":\"{label}\",\"default_paths\":{default:?}{}}}",
+                    timing_fields(&gpu, 5, 100, call)
+                ));
             }
         }
     }
@@ -392,10 +400,7 @@ fn normed(out: &mut JsonOut) {
             let (i, h) = (288, 256);
             let c = case(cell, 1, t, i, &hidden, false, false, DType::F32);
             let mut rng = Rng::new(5);
-            let xb = random_bytes(&mut rng, t * i, 1.0, DType::F32);
-            let lbytes = make_layers(&mut rng, &c);
-            let x = upload(&gpu, &xb, vec![1, t, i], DType::F32);
-            let dev = upload_layers(&gpu, &lbytes, 1, DType::F32);
+            let (x, dev) = on_gpu(&gpu, &mut rng, &c);
             let ops: Vec<Layer> = dev.iter().map(DeviceLayer::operands).collect();
             let widths: Vec<usize> = std::iter::once(i).chain(hidden.iter().copied()).collect();
             let params: Vec<(DeviceTensor, DeviceTensor)> = widths
@@ -435,31 +440,15 @@ fn normed(out: &mut JsonOut) {
                     if cell == Cell::Lstm { "lstm" } else { "gru" },
                     hidden.len()
                 );
-                match time_calls(&gpu, 20, 300, call) {
-                    Ok(tm) => {
-                        line += &format!(
-                            ",\"median_us\":{:.1},\"p90_us\":{:.1},\"back_to_back_us\":{:.1}",
-                            tm.median_us, tm.p90_us, tm.back_to_back_us
-                        )
-                    }
-                    Err(e) => line += &format!(",\"error\":{:?}", e.to_string()),
-                }
+                line += &timing_fields(&gpu, 20, 300, call);
                 let profiled = Tuning {
                     cluster_profile: fused_kernels_core::cuda::gemm::ptr(&prof),
                     ..tuning
                 };
-                let counted = prof
-                    .fill_bytes(0)
-                    .and_then(|_| {
-                        cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &profiled)
-                    })
-                    .and_then(|_| prof.download());
-                if let Ok(p) = counted {
-                    let n: Vec<u64> = p
-                        .data
-                        .chunks_exact(8)
-                        .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
-                        .collect();
+                let call = || {
+                    cuda_normed_window_on(&gpu, cell, &x, &ops, &norms, optr, &profiled).map(drop)
+                };
+                if let Some(n) = counters(&mut prof, call) {
                     line += &format!(
                         ",\"last_setup_cycles\":{},\"last_loop_cycles\":{},\"last_wait_cycles\":{},\"last_ns\":{},\"first_loop_cycles\":{},\"first_ns\":{}",
                         n[0], n[1], n[2], n[3], n[6], n[7]

@@ -624,36 +624,24 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
       int act, float eps
 #define FK_DENSE_PASS x, w, w_up, bias, bias_up, g, b, res, stats, out, M, N, K, norm, act
 
-#define FK_DENSE_TC(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC)                                 \
-  FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, 1)
-#define FK_DENSE_TC_B(TN_, T, GN, GLU, SN, BM, BN, WM, WN, VEC, MINB)                         \
-  extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)             \
-      dense_tc_##TN_##_##GN##_##SN(FK_DENSE_ARGS(T)) { \
-    if constexpr (FK_WANT(dense_tc_##TN_##_##GN##_##SN)) { \
-    fk_dense_tc<T, GLU, BM, BN, WM, WN, VEC>(FK_DENSE_PASS);                                 \
-  }}
-// The tiles every element type has (the big tile is f32's; 16-bit types run big2 below).
-#define FK_DENSE_TC_TILES(TN_, T)                                                             \
-  FK_DENSE_TC(TN_, T, mm, false, small, 64, 64, 32, 32, true)                                 \
-  FK_DENSE_TC(TN_, T, mm, false, tiny, 32, 32, 16, 16, true)                                  \
-  FK_DENSE_TC(TN_, T, mm, false, any, 32, 32, 16, 16, false)                                  \
-  FK_DENSE_TC(TN_, T, glu, true, small, 64, 32, 32, 16, true)                                 \
-  FK_DENSE_TC(TN_, T, glu, true, tiny, 32, 16, 16, 16, true)                                  \
-  FK_DENSE_TC(TN_, T, glu, true, any, 32, 16, 16, 16, false)
-#define FK_DENSE_ROWS(TN_, T)                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) dense_stats_##TN_(                       \
-      const T *x, float2 *stats, int M, int K, int norm, float eps) { \
-    if constexpr (FK_WANT(dense_stats_##TN_)) { \
-    fk_dense_stats<T>(x, stats, M, K, norm, eps);                                            \
-  }}                                                                                           \
-  extern "C" __global__ void __launch_bounds__(256) dense_gemv_##TN_##_mm(FK_DENSE_ARGS(T)) { \
-    if constexpr (FK_WANT(dense_gemv_##TN_##_mm)) { \
-    fk_dense_gemv<T, false>(x, w, w_up, bias, bias_up, g, b, res, out, M, N, K, norm, act, eps); \
-  }}                                                                                           \
-  extern "C" __global__ void __launch_bounds__(256) dense_gemv_##TN_##_glu(FK_DENSE_ARGS(T)) { \
-    if constexpr (FK_WANT(dense_gemv_##TN_##_glu)) { \
-    fk_dense_gemv<T, true>(x, w, w_up, bias, bias_up, g, b, res, out, M, N, K, norm, act, eps); \
-  }}
+// The instances (kernels.rs DENSE): tensor-core tiles on sm_80 and newer, FFMA tiles (f32
+// only) below, the row kernels everywhere. GN: mm (plain) or glu (SwiGLU's two products).
+#define FK_DENSE_GLU_mm false
+#define FK_DENSE_GLU_glu true
+#define FK_DENSE_STATS(FN, TN)                                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      FN(const FK_T(TN) * x, float2 * stats, int M, int K, int norm, float eps) {            \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_dense_stats<FK_T(TN)>(x, stats, M, K, norm, eps);                                    \
+    }                                                                                         \
+  }
+#define FK_DENSE_GEMV(FN, TN, GN)                                                             \
+  extern "C" __global__ void __launch_bounds__(256) FN(FK_DENSE_ARGS(FK_T(TN))) {             \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_dense_gemv<FK_T(TN), FK_DENSE_GLU_##GN>(x, w, w_up, bias, bias_up, g, b, res, out, M, \
+                                                 N, K, norm, act, eps);                       \
+    }                                                                                         \
+  }
 
 // The 16-bit big tile also held to 128 registers for two blocks per SM (f32's 3xTF32 partial
 // sums need ~200 registers, so it runs one block per SM with more ILP per warp).
@@ -664,33 +652,39 @@ __device__ __forceinline__ void fk_dense_ffma(const T* __restrict__ x, const T* 
 #else
 #define FK_DENSE_BIG2_MINB 2
 #endif
-#define FK_DENSE_TC_BIG2(TN_, T)                                                              \
-  FK_DENSE_TC_B(TN_, T, mm, false, big2, 128, 128, 64, 32, true, FK_DENSE_BIG2_MINB)          \
-  FK_DENSE_TC_B(TN_, T, glu, true, big2, 128, 64, 64, 16, true, FK_DENSE_BIG2_MINB)
 
-#define FK_DENSE_FFMA(GN, GLU, SN, BM, BN, TM, TNN)                                           \
-  extern "C" __global__ void __launch_bounds__((BM / TM) * (BN / TNN))                       \
-      dense_ffma_f32_##GN##_##SN(FK_DENSE_ARGS(float)) { \
-    if constexpr (FK_WANT(dense_ffma_f32_##GN##_##SN)) { \
-    fk_dense_ffma<float, GLU, BM, BN, TM, TNN>(FK_DENSE_PASS);                               \
-  }}
+// Tensor-core tiles by name (GN_SN): GLU, block tile BM x BN, warp tile WM x WN, 16-byte
+// loads, blocks per SM. The big tile is f32's; 16-bit types run big2.
+#define FK_DENSE_TILE_mm_tiny false, 32, 32, 16, 16, true, 1
+#define FK_DENSE_TILE_mm_small false, 64, 64, 32, 32, true, 1
+#define FK_DENSE_TILE_mm_any false, 32, 32, 16, 16, false, 1
+#define FK_DENSE_TILE_mm_big false, 128, 128, 64, 32, true, 1
+#define FK_DENSE_TILE_mm_big2 false, 128, 128, 64, 32, true, FK_DENSE_BIG2_MINB
+#define FK_DENSE_TILE_glu_tiny true, 32, 16, 16, 16, true, 1
+#define FK_DENSE_TILE_glu_small true, 64, 32, 32, 16, true, 1
+#define FK_DENSE_TILE_glu_any true, 32, 16, 16, 16, false, 1
+#define FK_DENSE_TILE_glu_big true, 128, 64, 64, 16, true, 1
+#define FK_DENSE_TILE_glu_big2 true, 128, 64, 64, 16, true, FK_DENSE_BIG2_MINB
+#define FK_DENSE_TC(FN, TN, GN, SN) \
+  FK_EXPAND(FK_DENSE_TC_, FN, FK_T(TN), FK_DENSE_TILE_##GN##_##SN)
+#define FK_DENSE_TC_(FN, T, GLU, BM, BN, WM, WN, VEC, MINB)                                   \
+  extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)             \
+      FN(FK_DENSE_ARGS(T)) {                                                                  \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_dense_tc<T, GLU, BM, BN, WM, WN, VEC>(FK_DENSE_PASS);                                \
+    }                                                                                         \
+  }
 
-// The instances the router (ops/dense/cuda.rs) picks: tensor-core tiles on sm_80 and newer,
-// FFMA tiles (f32 only) below; the table in kernels.rs lists the same.
-FK_DENSE_ROWS(f32, float)
-FK_DENSE_ROWS(bf16, fk_bf16)
-FK_DENSE_ROWS(f16, fk_f16)
-#if FK_ARCH >= 800
-FK_DENSE_TC_TILES(f32, float)
-FK_DENSE_TC(f32, float, mm, false, big, 128, 128, 64, 32, true)
-FK_DENSE_TC(f32, float, glu, true, big, 128, 64, 64, 16, true)
-FK_DENSE_TC_TILES(bf16, fk_bf16)
-FK_DENSE_TC_TILES(f16, fk_f16)
-FK_DENSE_TC_BIG2(bf16, fk_bf16)
-FK_DENSE_TC_BIG2(f16, fk_f16)
-#else
-FK_DENSE_FFMA(mm, false, big, 128, 128, 8, 8)
-FK_DENSE_FFMA(mm, false, small, 64, 64, 4, 4)
-FK_DENSE_FFMA(glu, true, big, 128, 64, 8, 4)
-FK_DENSE_FFMA(glu, true, small, 64, 32, 4, 2)
-#endif
+// FFMA tiles by name: GLU, block tile BM x BN, thread tile TM x TNN.
+#define FK_DENSE_FFMA_TILE_mm_big false, 128, 128, 8, 8
+#define FK_DENSE_FFMA_TILE_mm_small false, 64, 64, 4, 4
+#define FK_DENSE_FFMA_TILE_glu_big true, 128, 64, 8, 4
+#define FK_DENSE_FFMA_TILE_glu_small true, 64, 32, 4, 2
+#define FK_DENSE_FFMA(FN, TN, GN, SN) \
+  FK_EXPAND(FK_DENSE_FFMA_, FN, FK_T(TN), FK_DENSE_FFMA_TILE_##GN##_##SN)
+#define FK_DENSE_FFMA_(FN, T, GLU, BM, BN, TM, TNN)                                           \
+  extern "C" __global__ void __launch_bounds__((BM / TM) * (BN / TNN)) FN(FK_DENSE_ARGS(T)) { \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_dense_ffma<T, GLU, BM, BN, TM, TNN>(FK_DENSE_PASS);                                  \
+    }                                                                                         \
+  }

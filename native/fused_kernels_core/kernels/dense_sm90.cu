@@ -455,22 +455,18 @@ __device__ __forceinline__ void fk90_row_stats(const T* x, float* stats, int M, 
 
 // Only the arch-specific sm_90a build has these (the router takes them on 9.0 only).
 #if FK_SM90A
-extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_bf16(FK90_GEMM_PARAMS) {
-  if constexpr (FK_WANT(dense_sm90_bf16)) {
-  FK90_BODY(fk_bf16);
-}}
-extern "C" __global__ void __launch_bounds__(384, 1) dense_sm90_f16(FK90_GEMM_PARAMS) {
-  if constexpr (FK_WANT(dense_sm90_f16)) {
-  FK90_BODY(fk_f16);
-}}
-extern "C" __global__ void dense_sm90_row_stats_bf16(const void* x, float* stats, int M, int K,
-                                                     int norm, float eps) {
-  if constexpr (FK_WANT(dense_sm90_row_stats_bf16)) {
-  FK90_STATS(fk_bf16);
-}}
-extern "C" __global__ void dense_sm90_row_stats_f16(const void* x, float* stats, int M, int K,
-                                                    int norm, float eps) {
-  if constexpr (FK_WANT(dense_sm90_row_stats_f16)) {
-  FK90_STATS(fk_f16);
-}}
+// The instances (kernels.rs DENSE_SM90), by element type.
+#define FK90_GEMM(FN, TN)                                                                 \
+  extern "C" __global__ void __launch_bounds__(384, 1) FN(FK90_GEMM_PARAMS) {             \
+    if constexpr (FK_WANT(FN)) {                                                          \
+      FK90_BODY(FK_T(TN));                                                                \
+    }                                                                                     \
+  }
+#define FK90_ROW_STATS(FN, TN)                                                            \
+  extern "C" __global__ void FN(const void* x, float* stats, int M, int K, int norm,      \
+                                float eps) {                                              \
+    if constexpr (FK_WANT(FN)) {                                                          \
+      FK90_STATS(FK_T(TN));                                                               \
+    }                                                                                     \
+  }
 #endif

@@ -29,6 +29,7 @@
 
 #include "types.cuh"
 #include "reduce.cuh"
+#include "copy.cuh"
 #include "rnn_cell.cuh"
 
 #define FK_ER_UNITS 4
@@ -62,17 +63,96 @@ struct FkErState {
 // LayerNorm of `n` values of `row` in place (one warp; `lane` its lane).
 __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* gamma,
                                                const float* beta, float eps, int lane) {
-  float s = 0.0f;
-  for (int j = lane; j < n; j += 32) s += row[j];
-  const float mean = fk_warp_sum(s) / n;
-  float q = 0.0f;
-  for (int j = lane; j < n; j += 32) {
-    const float v = row[j] - mean;
-    q += v * v;
-  }
-  const float inv = rsqrtf(fk_warp_sum(q) / n + eps);
+  const float2 st =
+      fk_warp_moments([&](int j) { return row[j]; }, n, true, eps, FkDivN{(float)n});
   __syncwarp();
-  for (int j = lane; j < n; j += 32) row[j] = (row[j] - mean) * inv * gamma[j] + beta[j];
+  for (int j = lane; j < n; j += 32) row[j] = fmaf((row[j] - st.x) * st.y, gamma[j], beta[j]);
+}
+
+// The LayerNorm of each of `batch` rows of `n` values in place, a warp per row.
+__device__ __forceinline__ void fk_er_norm_rows(float* rows, int batch, int n, const float* gb,
+                                                float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int b = threadIdx.x >> 5; b < batch; b += FK_ER_WARPS)
+    fk_er_norm_row(rows + b * n, n, gb, gb + n, eps, lane);
+}
+
+// The frame's output: the last layer's new h {batch, hidden} in `hs`, normalised in place and
+// written to `out`, a warp per row.
+__device__ __forceinline__ void fk_er_output(float* hs, float* out, int batch, int hidden,
+                                             const float* fgb, float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int b = threadIdx.x >> 5; b < batch; b += FK_ER_WARPS) {
+    fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
+    __syncwarp();
+    for (int j = lane; j < hidden; j += 32) out[b * hidden + j] = hs[b * hidden + j];
+  }
+}
+
+// The norms' parameters into shared memory: layer l's input norm (the frame's for layer 0,
+// else layer l − 1's output norm) into ngb {2, in}, and the last layer's output norm into fgb
+// {2, hidden}. Returns the input norm's gamma (null: the input is not normalised).
+__device__ __forceinline__ const float* fk_er_norm_params(const FkErLayer* __restrict__ layers,
+                                                          const FkErLayer& L,
+                                                          const float* in_gamma,
+                                                          const float* in_beta, int l,
+                                                          int nlayers, int in, int hidden,
+                                                          float* ngb, float* fgb) {
+  const int tid = threadIdx.x;
+  const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
+  const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
+  if (ng)
+    for (int i = tid; i < in; i += FK_ER_THREADS) {
+      ngb[i] = ng[i];
+      ngb[in + i] = nb[i];
+    }
+  if (l == nlayers - 1)
+    for (int i = tid; i < hidden; i += FK_ER_THREADS) {
+      fgb[i] = L.gamma[i];
+      fgb[hidden + i] = L.beta[i];
+    }
+  return ng;
+}
+
+// A row lane's partial sums acc[b] of column `col` into its slots of `red` ({lanes, batch, 2,
+// 16}; half 0: x·Wi, 1: h·Wh).
+__device__ __forceinline__ void fk_er_park(float* red, int rl, int batch, int half, int col,
+                                           const float (&acc)[FK_ER_MAXB]) {
+#pragma unroll
+  for (int b = 0; b < FK_ER_MAXB; ++b)
+    if (b < batch) red[((rl * batch + b) * 2 + half) * FK_ER_COLS + col] = acc[b];
+}
+
+// Unit u of the block (unit j of the layer) for row b: the row lanes' partial sums of its gates
+// from `red`, the biases bv (Axon's order), then the cell. Returns the new h (element o of the
+// {batch, hidden} state); LSTM reads c_in[o] and writes the new c to c_out[o].
+__device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, int u,
+                                            int gates, bool lstm, const float (&bv)[4],
+                                            float h_old, const float* c_in, float* c_out,
+                                            long long o) {
+  // The old c first: its load (global memory) is then in flight while the sums are made.
+  float cc = lstm ? c_in[o] : 0.0f;
+  // Unrolled over the most gates (4) so that the sums stay in registers.
+  float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int gt = 0; gt < 4; ++gt) {
+    if (gt < gates) {
+#pragma unroll
+      for (int r = 0; r < FK_ER_LANES; ++r) {
+        sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
+        sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
+      }
+    }
+  }
+  if (lstm) {
+    const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                           sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
+    c_out[o] = cc;
+    return hn;
+  }
+  // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
+  return fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1], sx[2] + bv[2],
+                              sh[2] + bv[3], h_old);
 }
 
 // FK_ER_PRE rows of this thread's column of `w` ({rows, width}) from row k0 on, row lanes apart.
@@ -112,28 +192,13 @@ __device__ __forceinline__ void fk_er_gemv(const float* __restrict__ w, const fl
   }
 }
 
-__device__ __forceinline__ unsigned int fk_er_ld_acquire(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Waits until `*word` >= `target` (thread 0 spins with acquire loads; the barrier then orders
 // the block's reads of what was published after it).
 __device__ __forceinline__ void fk_er_wait(const unsigned int* word, unsigned int target) {
   if (threadIdx.x == 0) {
-    while (fk_er_ld_acquire(word) < target) __nanosleep(20);
+    while (fk_ld_acquire(word) < target) __nanosleep(20);
   }
   __syncthreads();
-}
-
-// Adds one to `*word` after the block's writes (the caller's barrier makes them thread 0's,
-// release publishes them) and returns the new count (acquire: the block that completes a count
-// sees every write published before it).
-__device__ __forceinline__ unsigned int fk_er_count(unsigned int* word) {
-  unsigned int old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(word) : "memory");
-  return old + 1u;
 }
 
 // x {batch, layers[0].in}: the frame (host-mapped or device). in_gamma/in_beta: LayerNorm of x
@@ -183,18 +248,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     float* fgb = ngb + 2 * in;               // {2, hidden}: the output norm (last layer)
     // What the later steps read, in flight now: the input norm's parameters, the output norm's
     // (last layer), the biases of this thread's unit.
-    const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
-    const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
-    if (ng)
-      for (int i = tid; i < in; i += FK_ER_THREADS) {
-        ngb[i] = ng[i];
-        ngb[in + i] = nb[i];
-      }
-    if (l == nlayers - 1)
-      for (int i = tid; i < hidden; i += FK_ER_THREADS) {
-        fgb[i] = L.gamma[i];
-        fgb[hidden + i] = L.beta[i];
-      }
+    const float* ng =
+        fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
     // Four biases per unit for both cells (GRU: br, bz, bin, bhn).
     const int ju = g * FK_ER_UNITS + (tid % FK_ER_UNITS);
     float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -210,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
         xbuf[i] = v;
       }
       __syncthreads();
-      if (tid == 0) asm volatile("st.release.gpu.global.u32 [%0], 1;" ::"l"(sync + 1) : "memory");
+      if (tid == 0) fk_st_release(sync + 1, 1u);
     }
     for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = h[i];
     __syncthreads();
@@ -238,56 +293,28 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     }
     __syncthreads();
     if (ng) {
-      for (int b = warp; b < batch; b += FK_ER_WARPS)
-        fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
+      fk_er_norm_rows(xs, batch, in, ngb, eps);
       __syncthreads();
     }
     if (active) {
       fk_er_gemv(wi, xs, in, width, rl, col, batch, wv, ax);
-#pragma unroll
-      for (int b = 0; b < FK_ER_MAXB; ++b) {
-        if (b < batch) {
-          red[((rl * batch + b) * 2) * FK_ER_COLS + col] = ax[b];
-          red[((rl * batch + b) * 2 + 1) * FK_ER_COLS + col] = ah[b];
-        }
-      }
+      fk_er_park(red, rl, batch, 0, col, ax);
+      fk_er_park(red, rl, batch, 1, col, ah);
     }
     __syncthreads();
     if (tid < batch * FK_ER_UNITS) {
       const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
       const int j = g * FK_ER_UNITS + u;
       if (j < hidden) {
-        // Unrolled over the most gates (4) so that the sums stay in registers.
-        float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int gt = 0; gt < 4; ++gt) {
-          if (gt < gates) {
-#pragma unroll
-            for (int r = 0; r < FK_ER_LANES; ++r) {
-              sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
-              sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
-            }
-          }
-        }
         const long long o = b * hidden + j;
-        if (lstm) {
-          float cc = S.c[o];
-          const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
-                                                 sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
-          h_new[o] = hn;
-          c_new[o] = cc;
-        } else {
-          // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
-          h_new[o] = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
-                                          sx[2] + bv[2], sh[2] + bv[3], hs[o]);
-        }
+        h_new[o] = fk_er_unit(red, batch, b, u, gates, lstm, bv, hs[o], S.c, c_new, o);
       }
     }
     // Publish this block's units, then count them in; the last block of the last layer
     // finishes the frame.
     __syncthreads();
     if (tid == 0) {
-      const unsigned int done = fk_er_count(&sync[2 + l]);
+      const unsigned int done = fk_atom_add_acq_rel(&sync[2 + l], 1u) + 1u;
       last_s = l == nlayers - 1 && done == (unsigned int)groups;
     }
     __syncthreads();
@@ -295,11 +322,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
     // The output first (its rows cross the bus), then the states moved on.
     for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = __ldcg(h_new + i);
     __syncthreads();
-    for (int b = warp; b < batch; b += FK_ER_WARPS) {
-      fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
-      __syncwarp();
-      for (int j = lane; j < hidden; j += 32) out[b * hidden + j] = hs[b * hidden + j];
-    }
+    fk_er_output(hs, out, batch, hidden, fgb, eps);
     for (int k = 0; k < nlayers; ++k) {
       const float* hn = scratch + 2 * k * bh;
       float* hk = states[k].h;
@@ -358,12 +381,6 @@ __device__ __forceinline__ float fk_ep_get(const unsigned long long* p, unsigned
   }
 }
 
-__device__ __forceinline__ unsigned int fk_ep_ld_sys(const volatile unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ unsigned long long fk_ep_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -378,9 +395,9 @@ __device__ __forceinline__ bool fk_ep_wait(const unsigned int* word, unsigned in
   if (threadIdx.x == 0) {
     unsigned int stop = 0u;
     for (;;) {
-      const unsigned int v = fk_er_ld_acquire(word);
+      const unsigned int v = fk_ld_acquire(word);
       if (v >= target && v != FK_EP_STOP) break;
-      if (fk_er_ld_acquire(go) == FK_EP_STOP) {
+      if (fk_ld_acquire(go) == FK_EP_STOP) {
         stop = 1u;
         break;
       }
@@ -437,6 +454,16 @@ __device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int r
   }
 }
 
+// fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh).
+__device__ __forceinline__ void fk_ep_product(const float* w, const float* v, int rows, int width,
+                                              int rl, int col, int batch, float* red, int half) {
+  float acc[FK_ER_MAXB];
+#pragma unroll
+  for (int b = 0; b < FK_ER_MAXB; ++b) acc[b] = 0.0f;
+  fk_ep_gemv(w, v, rows, width, rl, col, batch, acc);
+  fk_er_park(red, rl, batch, half, col, acc);
+}
+
 // Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
 // `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
 // gates·4 bytes (the block's weights).
@@ -482,18 +509,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
       for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
     }
-    const float* ng = l == 0 ? in_gamma : layers[l - 1].gamma;
-    const float* nb = l == 0 ? in_beta : layers[l - 1].beta;
-    if (ng)
-      for (int i = tid; i < in; i += FK_ER_THREADS) {
-        ngb[i] = ng[i];
-        ngb[in + i] = nb[i];
-      }
-    if (l == nlayers - 1)
-      for (int i = tid; i < hidden; i += FK_ER_THREADS) {
-        fgb[i] = L.gamma[i];
-        fgb[hidden + i] = L.beta[i];
-      }
+    const float* ng =
+        fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
     if (tid < 4 * FK_ER_UNITS) {
       const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
       bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
@@ -512,16 +529,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       // every unit of it).
       for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
       __syncthreads();
-      if (active) {
-        // Parked in the reduction's slots while the frame comes.
-        float ah[FK_ER_MAXB];
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b) ah[b] = 0.0f;
-        fk_ep_gemv(whs, hs, hidden, width, rl, col, batch, ah);
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b)
-          if (b < batch) red[((rl * batch + b) * 2 + 1) * FK_ER_COLS + col] = ah[b];
-      }
+      // Parked in the reduction's slots while the frame comes.
+      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
       bool stop;
       if (l == 0 && g == 0) {
         // The poller: the host's frame number (or stop), then the frame, published.
@@ -529,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
           const unsigned long long t0 = fk_ep_now();
           unsigned int st = 0u;
           for (unsigned int n = 0;; ++n) {
-            const unsigned int posted = fk_ep_ld_sys(mbox);
+            const unsigned int posted = fk_ld_acquire_sys(mbox);
             if (posted == seq) break;
             if (posted == FK_EP_STOP) {
               st = 1u;
@@ -548,8 +557,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         __syncthreads();
         if (tid == 0) {
           const unsigned int go = stop ? FK_EP_STOP : seq;
-          asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + 1), "r"(go)
-                       : "memory");
+          fk_st_release(sync + 1, go);
         }
       } else if (l == 0) {
         stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
@@ -565,49 +573,21 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       if (stop) return;
       __syncthreads();
       if (ng) {
-        for (int b = warp; b < batch; b += FK_ER_WARPS)
-          fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
+        fk_er_norm_rows(xs, batch, in, ngb, eps);
         __syncthreads();
       }
-      if (active) {
-        float ax[FK_ER_MAXB];
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b) ax[b] = 0.0f;
-        fk_ep_gemv(wis, xs, in, width, rl, col, batch, ax);
-#pragma unroll
-        for (int b = 0; b < FK_ER_MAXB; ++b)
-          if (b < batch) red[((rl * batch + b) * 2) * FK_ER_COLS + col] = ax[b];
-      }
+      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
       __syncthreads();
       if (tid < batch * FK_ER_UNITS) {
         const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
         const int jj = g * FK_ER_UNITS + u;
         if (jj < hidden) {
-          float sx[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sh[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-          for (int gt = 0; gt < 4; ++gt) {
-            if (gt < gates) {
-#pragma unroll
-              for (int r = 0; r < FK_ER_LANES; ++r) {
-                sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
-                sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
-              }
-            }
-          }
           const long long o = b * hidden + jj;
           float bv[4];
 #pragma unroll
           for (int gt = 0; gt < 4; ++gt) bv[gt] = bias_s[gt][u];
-          float hv;
-          if (lstm) {
-            float cc = S.c[o];
-            hv = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
-                                       sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
-            S.c[o] = cc;
-          } else {
-            hv = fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
-                                      sx[2] + bv[2], sh[2] + bv[3], hs[o]);
-          }
+          // The state's c is updated in place (only this thread reads and writes it).
+          const float hv = fk_er_unit(red, batch, b, u, gates, lstm, bv, hs[o], S.c, S.c, o);
           fk_ep_put(hn + o, hv, seq);
           S.h[o] = hv;
         }
@@ -618,16 +598,11 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         // number after it.
         for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hn + i, seq);
         __syncthreads();
-        for (int b = warp; b < batch; b += FK_ER_WARPS) {
-          fk_er_norm_row(hs + b * hidden, hidden, fgb, fgb + hidden, eps, lane);
-          __syncwarp();
-          for (int jj = lane; jj < hidden; jj += 32) out[b * hidden + jj] = hs[b * hidden + jj];
-        }
+        fk_er_output(hs, out, batch, hidden, fgb, eps);
         __syncthreads();
         // Release at system scope: the block's output writes (ordered before thread 0's by the
         // barrier) reach the host before the frame number does.
-        if (tid == 0)
-          asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(mbox + 2), "r"(seq) : "memory");
+        if (tid == 0) fk_st_release_sys(mbox + 2, seq);
       }
     }
   }

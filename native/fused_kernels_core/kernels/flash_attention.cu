@@ -156,21 +156,16 @@ __device__ __forceinline__ void fa_ffma(const T* __restrict__ q, const T* __rest
   }
 }
 
-#define FA_FFMA(NAME, T, ND, R)                                                               \
+// The instances (kernels.rs FLASH_ATTENTION): head-dim chunks of 32 (ND) x query rows per
+// thread (R).
+#define FA_FFMA(FN, TN, ND, R)                                                                \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
-      fa_ffma_##NAME##_##ND##_##R(const T* q, const T* k, const T* v, T* o, float* lse,       \
-                                  const FaArgs a) { \
-    if constexpr (FK_WANT(fa_ffma_##NAME##_##ND##_##R)) { \
-    fa_ffma<T, ND, R>(q, k, v, o, lse, a);                                                    \
-  }}
-#define FA_FFMA_R(NAME, T, ND) FA_FFMA(NAME, T, ND, 1) FA_FFMA(NAME, T, ND, 4)
-#define FA_FFMA_ALL(NAME, T)                                                                  \
-  FA_FFMA_R(NAME, T, 1) FA_FFMA_R(NAME, T, 2) FA_FFMA_R(NAME, T, 3) FA_FFMA_R(NAME, T, 4)      \
-  FA_FFMA_R(NAME, T, 6) FA_FFMA_R(NAME, T, 8)
-
-FA_FFMA_ALL(f32, float)
-FA_FFMA_ALL(f16, fk_f16)
-FA_FFMA_ALL(bf16, fk_bf16)
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_ffma<FK_T(TN), ND, R>(q, k, v, o, lse, a);                                           \
+    }                                                                                         \
+  }
 
 // ---------------------------------------------------------------------------------------
 // Short-sequence kernel: sk <= 32 * KC
@@ -262,16 +257,9 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
     const float rn = 1.0f / (float)a.d;
     for (int r = warp; r < nrows; r += 4) {
       float* x = r < nq ? Qs + r * DP : Ks + (klo + r - nq) * KP;
-      float sum = 0.0f;
-      for (int c = lane; c < a.d; c += 32) sum += x[c];
-      const float mean = fk_warp_sum(sum) * rn;
-      float var = 0.0f;
-      for (int c = lane; c < a.d; c += 32) {
-        const float dv = x[c] - mean;
-        var = fmaf(dv, dv, var);
-      }
-      const float inv = rsqrtf(fk_warp_sum(var) * rn + 1e-6f);
-      for (int c = lane; c < a.d; c += 32) x[c] = (x[c] - mean) * inv;
+      const float2 st =
+          fk_warp_moments([&](int c) { return x[c]; }, a.d, true, 1e-6f, FkMulRn{rn});
+      for (int c = lane; c < a.d; c += 32) x[c] = (x[c] - st.x) * st.y;
     }
     __syncthreads();
   }
@@ -369,47 +357,20 @@ __device__ __forceinline__ void fa_short(const T* __restrict__ q, const T* __res
         sum > 0.0f ? (mt + log2f(sum)) / FA_LOG2E : __int_as_float(0x7f800000);
 }
 
-#define FA_SHORT(NAME, T, ND, KC)                                                             \
+// The instances (kernels.rs FLASH_ATTENTION): head-dim chunks of 32 (ND) x key chunks (KC).
+#define FA_SHORT(FN, TN, ND, KC)                                                              \
   extern "C" __global__ void __launch_bounds__(128, 1)                                        \
-      fa_short_##NAME##_##ND##_##KC(const T* q, const T* k, const T* v, T* o, float* lse,     \
-                                    const FaArgs a) {                                         \
-    if constexpr (FK_WANT(fa_short_##NAME##_##ND##_##KC)) {                                   \
-      fa_short<T, ND, KC>(q, k, v, o, lse, a);                                                \
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_short<FK_T(TN), ND, KC>(q, k, v, o, lse, a);                                         \
     }                                                                                         \
   }
-// The (head_dim / 32, key chunks) pairs whose shared memory fits in 64 KiB (see
-// `short_plan` in flash_attention.rs).
-#define FA_SHORT_ALL(NAME, T)                                                                 \
-  FA_SHORT(NAME, T, 1, 1) FA_SHORT(NAME, T, 1, 2) FA_SHORT(NAME, T, 1, 4)                     \
-  FA_SHORT(NAME, T, 2, 1) FA_SHORT(NAME, T, 2, 2) FA_SHORT(NAME, T, 3, 1)                     \
-  FA_SHORT(NAME, T, 3, 2) FA_SHORT(NAME, T, 4, 1) FA_SHORT(NAME, T, 6, 1)
-
-FA_SHORT_ALL(f32, float)
-FA_SHORT_ALL(f16, fk_f16)
-FA_SHORT_ALL(bf16, fk_bf16)
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core kernel (sm_80+)
 
 #if FK_ARCH >= 800
-
-// Packs two floats into one register of T pairs (for the P operand of O += P V).
-template <typename T> struct FaMma;
-template <> struct FaMma<fk_bf16> {
-  // lo goes to the low half (the element with the smaller index).
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
-template <> struct FaMma<fk_f16> {
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-};
 
 // Copies `rows` rows of d 16-bit values (d % 8 == 0) starting at row r0 of a strided tensor
 // into shared memory (pitch P halves), zero-filling rows past `limit` and columns past d.
@@ -536,8 +497,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
             }
             mx = fmaxf(mx, sv);
           }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fk_xor_max<1, 4>(mx);
         const float mn = fmaxf(m[mt][x], mx);
         const float mu = mn == FK_NEG_INF ? 0.0f : mn;
         const float alpha = exp2f(m[mt][x] - mu);
@@ -566,10 +526,10 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
       unsigned pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = FaMma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = FaMma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = FaMma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = FaMma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        pa[mt][0] = fk_pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = fk_pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = fk_pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = fk_pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int dp = 0; dp < DT / 2; ++dp) {
@@ -590,8 +550,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       float sum = l[mt][x];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum = fk_xor_sum<1, 4>(sum);
       const int i = wrow + mt * 16 + g + 8 * x;
       if (i >= a.sq) continue;
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -601,7 +560,7 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
         const int c = dt * 8 + 2 * t;
         if (c < a.d) {
           const unsigned pr =
-              FaMma<T>::pack(acc[mt][dt][2 * x] * inv, acc[mt][dt][2 * x + 1] * inv);
+              fk_pack2<T>(acc[mt][dt][2 * x] * inv, acc[mt][dt][2 * x + 1] * inv);
           *reinterpret_cast<unsigned*>(orow + c) = pr;
         }
       }
@@ -612,21 +571,15 @@ __device__ __forceinline__ void fa_mma(const T* __restrict__ q, const T* __restr
   }
 }
 
-#define FA_MMA(NAME, T, DP, MT, BK)                                                           \
+// The instances (kernels.rs FLASH_ATTENTION): padded head dim DP, m-tiles per warp MT, key
+// block BK.
+#define FA_MMA(FN, TN, DP, MT, BK)                                                            \
   extern "C" __global__ void __launch_bounds__(128, 1)                                         \
-      fa_mma_##NAME##_##DP##_##MT##_##BK(const T* q, const T* k, const T* v, T* o,            \
-                                         float* lse, const FaArgs a) { \
-    if constexpr (FK_WANT(fa_mma_##NAME##_##DP##_##MT##_##BK)) { \
-    fa_mma<T, DP, MT, BK>(q, k, v, o, lse, a);                                                \
-  }}
-// Tile shapes per padded head dim (see `mma_config` in flash_attention.rs).
-#define FA_MMA_ALL(NAME, T)                                                                   \
-  FA_MMA(NAME, T, 32, 2, 64) FA_MMA(NAME, T, 48, 2, 64) FA_MMA(NAME, T, 64, 2, 64)             \
-  FA_MMA(NAME, T, 80, 2, 32) FA_MMA(NAME, T, 96, 2, 32) FA_MMA(NAME, T, 128, 2, 32)            \
-  FA_MMA(NAME, T, 160, 1, 32) FA_MMA(NAME, T, 192, 1, 32) FA_MMA(NAME, T, 256, 1, 32)          \
-  FA_MMA(NAME, T, 64, 1, 64) FA_MMA(NAME, T, 128, 1, 64)
-
-FA_MMA_ALL(f16, fk_f16)
-FA_MMA_ALL(bf16, fk_bf16)
+      FN(const FK_T(TN) * q, const FK_T(TN) * k, const FK_T(TN) * v, FK_T(TN) * o, float* lse, \
+         const FaArgs a) {                                                                    \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fa_mma<FK_T(TN), DP, MT, BK>(q, k, v, o, lse, a);                                       \
+    }                                                                                         \
+  }
 
 #endif

@@ -76,13 +76,12 @@ __device__ __forceinline__ void fk_out_residual(const float* y, const float* bia
   out[i] = fk_from_f32<T>(v);
 }
 
-#define FK_OUT_RESIDUAL(NAME, T)                                                              \
-  extern "C" __global__ void __launch_bounds__(256) mamba_out_residual_##NAME(                \
-      const float* y, const float* bias, const T* residual, T* out, long long rows, int cols) { \
-    if constexpr (FK_WANT(mamba_out_residual_##NAME)) { \
-    fk_out_residual<T>(y, bias, residual, out, rows, cols);                                    \
-  }}
-
-FK_OUT_RESIDUAL(f32, float)
-FK_OUT_RESIDUAL(f16, fk_f16)
-FK_OUT_RESIDUAL(bf16, fk_bf16)
+// The instances (kernels.rs MAMBA_BLOCK): by element type.
+#define FK_OUT_RESIDUAL(FN, TN)                                                               \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      FN(const float* y, const float* bias, const FK_T(TN)* residual, FK_T(TN)* out,          \
+         long long rows, int cols) {                                                          \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_out_residual<FK_T(TN)>(y, bias, residual, out, rows, cols);                          \
+    }                                                                                         \
+  }

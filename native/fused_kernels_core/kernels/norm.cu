@@ -40,27 +40,29 @@ __device__ __forceinline__ void fk_norm(const T* __restrict__ x, const T* __rest
   }
 }
 
-#define FK_NORM(NAME, T)                                                                      \
+// The instances (kernels.rs NORM), by element type.
+#define FK_LAYER_NORM(FN, TN)                                                                 \
   extern "C" __global__ void __launch_bounds__(128)                                           \
-      layer_norm_##NAME(const T* x, const T* r, const float* gamma, const float* beta, T* y,  \
-                        T* sum, long long rows, int cols, float eps) { \
-    if constexpr (FK_WANT(layer_norm_##NAME)) { \
-    fk_norm<T, T, false>(x, r, gamma, beta, y, sum, rows, cols, eps);                             \
-  }}                                                                                           \
+      FN(const FK_T(TN)* x, const FK_T(TN)* r, const float* gamma, const float* beta,         \
+         FK_T(TN)* y, FK_T(TN)* sum, long long rows, int cols, float eps) {                   \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_norm<FK_T(TN), FK_T(TN), false>(x, r, gamma, beta, y, sum, rows, cols, eps);         \
+    }                                                                                         \
+  }
+#define FK_RMS_NORM(FN, TN)                                                                   \
   extern "C" __global__ void __launch_bounds__(128)                                           \
-      rms_norm_##NAME(const T* x, const T* r, const float* w, T* y, T* sum, long long rows,    \
-                      int cols, float eps) { \
-    if constexpr (FK_WANT(rms_norm_##NAME)) { \
-    fk_norm<T, T, true>(x, r, w, nullptr, y, sum, rows, cols, eps);                               \
-  }}                                                                                           \
-  /* The Mamba block's input norm: f32 out for the f32 GEMM that follows. */                  \
+      FN(const FK_T(TN)* x, const FK_T(TN)* r, const float* w, FK_T(TN)* y, FK_T(TN)* sum,    \
+         long long rows, int cols, float eps) {                                               \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_norm<FK_T(TN), FK_T(TN), true>(x, r, w, nullptr, y, sum, rows, cols, eps);           \
+    }                                                                                         \
+  }
+// The Mamba block's input norm: f32 out for the f32 GEMM that follows.
+#define FK_LAYER_NORM_F32OUT(FN, TN)                                                          \
   extern "C" __global__ void __launch_bounds__(128)                                           \
-      layer_norm_f32out_##NAME(const T* x, const float* gamma, const float* beta, float* y,   \
-                               long long rows, int cols, float eps) { \
-    if constexpr (FK_WANT(layer_norm_f32out_##NAME)) { \
-    fk_norm<T, float, false>(x, nullptr, gamma, beta, y, nullptr, rows, cols, eps);            \
-  }}
-
-FK_NORM(f32, float)
-FK_NORM(f16, fk_f16)
-FK_NORM(bf16, fk_bf16)
+      FN(const FK_T(TN)* x, const float* gamma, const float* beta, float* y, long long rows,  \
+         int cols, float eps) {                                                               \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_norm<FK_T(TN), float, false>(x, nullptr, gamma, beta, y, nullptr, rows, cols, eps);  \
+    }                                                                                         \
+  }

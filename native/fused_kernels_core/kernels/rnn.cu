@@ -174,20 +174,16 @@ __device__ __forceinline__ void rnn_recurrence(const RnnArgs& a) {
   }
 }
 
-#define RNN_KERNEL(T, TN, LSTM, CN, BC, WS, WN)                                           \
-  extern "C" __global__ void __launch_bounds__(RNN_THREADS, 1)                            \
-      rnn_##CN##_##TN##_b##BC##_##WN(const RnnArgs a) { \
-    if constexpr (FK_WANT(rnn_##CN##_##TN##_b##BC##_##WN)) { \
-    rnn_recurrence<T, LSTM, BC, WS>(a);                                                   \
-  }}
-#define RNN_KERNELS_BC(T, TN, LSTM, CN, BC) \
-  RNN_KERNEL(T, TN, LSTM, CN, BC, true, smem) RNN_KERNEL(T, TN, LSTM, CN, BC, false, gmem)
-#define RNN_KERNELS_CELL(T, TN, LSTM, CN) \
-  RNN_KERNELS_BC(T, TN, LSTM, CN, 1)      \
-  RNN_KERNELS_BC(T, TN, LSTM, CN, 4) RNN_KERNELS_BC(T, TN, LSTM, CN, 16)
-#define RNN_KERNELS_TYPE(T, TN) \
-  RNN_KERNELS_CELL(T, TN, true, lstm) RNN_KERNELS_CELL(T, TN, false, gru)
-
-RNN_KERNELS_TYPE(float, f32)
-RNN_KERNELS_TYPE(fk_f16, f16)
-RNN_KERNELS_TYPE(fk_bf16, bf16)
+// The instances (kernels.rs RNN): cell, element type, batch rows per block (bN), recurrent
+// weights in shared memory (smem) or read from global memory (gmem).
+#define RNN_BC_b1 1
+#define RNN_BC_b4 4
+#define RNN_BC_b16 16
+#define RNN_WS_smem true
+#define RNN_WS_gmem false
+#define RNN_KERNEL(FN, CN, TN, BC, WS)                                                    \
+  extern "C" __global__ void __launch_bounds__(RNN_THREADS, 1) FN(const RnnArgs a) {      \
+    if constexpr (FK_WANT(FN)) {                                                          \
+      rnn_recurrence<FK_T(TN), FK_LSTM(CN), RNN_BC_##BC, RNN_WS_##WS>(a);                 \
+    }                                                                                     \
+  }

@@ -28,8 +28,15 @@ template <typename E> __device__ __forceinline__ void rnn_pack(const RnnPackArgs
   }
 }
 
-extern "C" __global__ void rnn_pack_b2(const RnnPackArgs a) { if constexpr (FK_WANT(rnn_pack_b2)) { rnn_pack<unsigned short>(a); }}
-extern "C" __global__ void rnn_pack_b4(const RnnPackArgs a) { if constexpr (FK_WANT(rnn_pack_b4)) { rnn_pack<unsigned>(a); }}
+// The instances (kernels.rs RNN_BATCHED): the pack by element width (b2: 16-bit, b4: f32).
+#define RNN_PACK_E_b2 unsigned short
+#define RNN_PACK_E_b4 unsigned
+#define RNN_PACK(FN, EN)                                                     \
+  extern "C" __global__ void FN(const RnnPackArgs a) {                       \
+    if constexpr (FK_WANT(FN)) {                                             \
+      rnn_pack<RNN_PACK_E_##EN>(a);                                          \
+    }                                                                        \
+  }
 
 struct RnnStepArgs {
   const float* xp;      // {B, T, G*H} f32 input projection (no bias)
@@ -81,14 +88,10 @@ template <typename T, bool LSTM> __device__ __forceinline__ void rnn_step(const 
   if (LSTM && a.c_out) reinterpret_cast<T*>(a.c_out)[i] = fk_from_f32<T>(cell);
 }
 
-#define RNN_STEP_KERNEL(T, TN, LSTM, CN)                                     \
-  extern "C" __global__ void __launch_bounds__(RNN_STEP_THREADS)             \
-      rnn_step_##CN##_##TN(const RnnStepArgs a) { \
-    if constexpr (FK_WANT(rnn_step_##CN##_##TN)) { \
-    rnn_step<T, LSTM>(a);                                                    \
-  }}
-#define RNN_STEP_KERNELS(T, TN) RNN_STEP_KERNEL(T, TN, true, lstm) RNN_STEP_KERNEL(T, TN, false, gru)
-
-RNN_STEP_KERNELS(float, f32)
-RNN_STEP_KERNELS(fk_f16, f16)
-RNN_STEP_KERNELS(fk_bf16, bf16)
+// The instances (kernels.rs RNN_BATCHED): cell, element type.
+#define RNN_STEP(FN, CN, TN)                                                 \
+  extern "C" __global__ void __launch_bounds__(RNN_STEP_THREADS) FN(const RnnStepArgs a) { \
+    if constexpr (FK_WANT(FN)) {                                             \
+      rnn_step<FK_T(TN), FK_LSTM(CN)>(a);                                    \
+    }                                                                        \
+  }

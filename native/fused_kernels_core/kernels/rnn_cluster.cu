@@ -410,7 +410,7 @@ __device__ __forceinline__ void rc_project(const RcProj& a) {
         if (kk >= RC_PK) continue;
         float y = v[rr][j];
         if (a.gamma && m0 + rr < a.T && k < a.K)
-          y = ((y - stat[rr][0]) - stat[rr][1]) * stat[rr][2] * a.gamma[k] + a.beta[k];
+          y = fmaf(((y - stat[rr][0]) - stat[rr][1]) * stat[rr][2], a.gamma[k], a.beta[k]);
         xs[rr][kk] = y;
       }
     __syncthreads();
@@ -671,7 +671,7 @@ __device__ __forceinline__ void rc_pipe_mid(const RcArgs& a, int rank, int N) {
     const float rstd = rsqrtf(rc_warp_sum(q) / (float)K + a.meps);
 #pragma unroll
     for (int m = 0; m < 8; ++m)
-      x[m] = lane + 32 * m < K ? ((x[m] - pivot) - d) * rstd * gm[m] + bt[m] : 0.0f;
+      x[m] = lane + 32 * m < K ? fmaf(((x[m] - pivot) - d) * rstd, gm[m], bt[m]) : 0.0f;
     for (int c = 0; c < GU; ++c) {
       const float* w = ws + c * Kp + lane;
       float v = 0.0f;
@@ -1058,7 +1058,7 @@ __device__ __forceinline__ void rc_run(const RcArgs& a) {
     }
     const float rstd = rsqrtf(rc_warp_sum(q) / (float)L.h + a.oeps);
     for (int k = lane; k < L.h; k += 32)
-      a.out[k] = ((hb[k] - pivot) - d) * rstd * a.og[k] + a.ob[k];
+      a.out[k] = fmaf(((hb[k] - pivot) - d) * rstd, a.og[k], a.ob[k]);
   }
   // No CTA leaves while another may still address its shared memory.
   rc_cluster_sync();

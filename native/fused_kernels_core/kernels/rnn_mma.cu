@@ -76,8 +76,16 @@ template <typename E> __device__ __forceinline__ void rm_pack(const RnnMmaPackAr
   }
 }
 
-extern "C" __global__ void rnn_mma_pack_b2(const RnnMmaPackArgs a) { if constexpr (FK_WANT(rnn_mma_pack_b2)) { rm_pack<unsigned short>(a); }}
-extern "C" __global__ void rnn_mma_pack_f32(const RnnMmaPackArgs a) { if constexpr (FK_WANT(rnn_mma_pack_f32)) { rm_pack<unsigned>(a); }}
+// The instances (kernels.rs RNN_MMA): the pack by element (b2: 16-bit, f32: split into TF32
+// hi and lo).
+#define RNN_MMA_PACK_E_b2 unsigned short
+#define RNN_MMA_PACK_E_f32 unsigned
+#define RNN_MMA_PACK(FN, EN)                                                 \
+  extern "C" __global__ void FN(const RnnMmaPackArgs a) {                    \
+    if constexpr (FK_WANT(FN)) {                                             \
+      rm_pack<RNN_MMA_PACK_E_##EN>(a);                                       \
+    }                                                                        \
+  }
 
 // ---------------------------------------------------------------------------------------
 // The step.
@@ -347,19 +355,16 @@ __device__ __forceinline__ void rnn_mma_step(const RnnMmaArgs& a) {
 #else
 #define RNN_MMA_BOUNDS __launch_bounds__(RNN_MMA_THREADS)
 #endif
-#define RNN_MMA_KERNEL(T, TN, LSTM, CN, MT, NU)                                      \
-  extern "C" __global__ void RNN_MMA_BOUNDS                                         \
-      rnn_mma_##CN##_##TN##_m##MT##_n##NU(const RnnMmaArgs a) { \
-    if constexpr (FK_WANT(rnn_mma_##CN##_##TN##_m##MT##_n##NU)) { \
-    rnn_mma_step<T, LSTM, MT, NU>(a);                                                \
-  }}
-#define RNN_MMA_TILES(T, TN, LSTM, CN) \
-  RNN_MMA_KERNEL(T, TN, LSTM, CN, 1, 1) \
-  RNN_MMA_KERNEL(T, TN, LSTM, CN, 2, 1)
-#define RNN_MMA_CELLS(T, TN) RNN_MMA_TILES(T, TN, true, lstm) RNN_MMA_TILES(T, TN, false, gru)
-
-RNN_MMA_CELLS(float, f32)
-RNN_MMA_CELLS(fk_f16, f16)
-RNN_MMA_CELLS(fk_bf16, bf16)
+// The instances (kernels.rs RNN_MMA): cell, element type, tile (m-tiles x units per warp).
+#define RNN_MMA_TILE_m1_n1 1, 1
+#define RNN_MMA_TILE_m2_n1 2, 1
+#define RNN_MMA_KERNEL(FN, CN, TN, MN) \
+  FK_EXPAND(RNN_MMA_KERNEL_, FN, FK_T(TN), FK_LSTM(CN), RNN_MMA_TILE_##MN)
+#define RNN_MMA_KERNEL_(FN, T, LSTM, MT, NU)                                        \
+  extern "C" __global__ void RNN_MMA_BOUNDS FN(const RnnMmaArgs a) {                \
+    if constexpr (FK_WANT(FN)) {                                                    \
+      rnn_mma_step<T, LSTM, MT, NU>(a);                                             \
+    }                                                                               \
+  }
 
 #endif

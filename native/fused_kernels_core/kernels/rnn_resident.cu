@@ -298,25 +298,25 @@ __device__ __forceinline__ void rnn_resident(const RnnResArgs& a) {
 }
 
 // TN tf32: f32 tensors, single-pass TF32 products (the caller's opt-in).
-#define RNN_RES_KERNEL(T, TN, TF, LSTM, CN, MT, NU)                                 \
-  extern "C" __global__ void __launch_bounds__(RNN_RES_THREADS, 1)                  \
-      rnn_res_##CN##_##TN##_m##MT##_n##NU(const RnnResArgs a) { \
-    if constexpr (FK_WANT(rnn_res_##CN##_##TN##_m##MT##_n##NU)) { \
-    rnn_resident<T, LSTM, MT, NU, TF>(a);                                           \
-  }}
-#define RNN_RES_TILES(T, TN, TF, LSTM, CN) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 1, 1) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 2, 1) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 4, 1) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 1, 2) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 2, 2) \
-  RNN_RES_KERNEL(T, TN, TF, LSTM, CN, 4, 2)
-#define RNN_RES_CELLS(T, TN, TF) \
-  RNN_RES_TILES(T, TN, TF, true, lstm) RNN_RES_TILES(T, TN, TF, false, gru)
-
-RNN_RES_CELLS(float, f32, false)
-RNN_RES_CELLS(float, tf32, true)
-RNN_RES_CELLS(fk_f16, f16, false)
-RNN_RES_CELLS(fk_bf16, bf16, false)
+// The instances (kernels.rs RNN_RESIDENT): cell, element type (with whether f32 runs as
+// single-pass TF32), tile (m-tiles x units per warp).
+#define RNN_RES_TYPE_f32 float, false
+#define RNN_RES_TYPE_tf32 float, true
+#define RNN_RES_TYPE_f16 fk_f16, false
+#define RNN_RES_TYPE_bf16 fk_bf16, false
+#define RNN_RES_TILE_m1_n1 1, 1
+#define RNN_RES_TILE_m2_n1 2, 1
+#define RNN_RES_TILE_m4_n1 4, 1
+#define RNN_RES_TILE_m1_n2 1, 2
+#define RNN_RES_TILE_m2_n2 2, 2
+#define RNN_RES_TILE_m4_n2 4, 2
+#define RNN_RES_KERNEL(FN, CN, TN, MN) \
+  FK_EXPAND(RNN_RES_KERNEL_, FN, FK_LSTM(CN), RNN_RES_TYPE_##TN, RNN_RES_TILE_##MN)
+#define RNN_RES_KERNEL_(FN, LSTM, T, TF, MT, NU)                                    \
+  extern "C" __global__ void __launch_bounds__(RNN_RES_THREADS, 1) FN(const RnnResArgs a) { \
+    if constexpr (FK_WANT(FN)) {                                                    \
+      rnn_resident<T, LSTM, MT, NU, TF>(a);                                         \
+    }                                                                               \
+  }
 
 #endif

@@ -135,49 +135,30 @@ __device__ __forceinline__ void fk_softmax_stream(const T* __restrict__ x, T* __
   }
 }
 
-#define FK_SOFTMAX_WARP(NAME, T, K, VEC, SUFFIX)                                              \
+// The instances (kernels.rs SCALED_SOFTMAX): one warp per row, K elements per lane, or one
+// block per row; V `v`: 16-byte loads (a run of 4 f32 or 8 f16/bf16 elements, so only where K
+// holds whole runs).
+#define FK_SOFTMAX_VEC_ false
+#define FK_SOFTMAX_VEC_v true
+#define FK_SOFTMAX_WARP(FN, TN, K, V)                                                         \
   extern "C" __global__ void __launch_bounds__(128)                                           \
-      scaled_softmax_warp_##NAME##_##K##SUFFIX(const T* x, T* y, long long rows, int sq,     \
-                                               int sk, float scale, int causal) { \
-    if constexpr (FK_WANT(scaled_softmax_warp_##NAME##_##K##SUFFIX)) { \
-    fk_softmax_warp<T, K, VEC>(x, y, rows, sq, sk, scale, causal);                             \
-  }}
-#define FK_SOFTMAX_BLOCK(NAME, T, K, VEC, SUFFIX)                                             \
+      FN(const FK_T(TN)* x, FK_T(TN)* y, long long rows, int sq, int sk, float scale,        \
+         int causal) {                                                                        \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_softmax_warp<FK_T(TN), K, FK_SOFTMAX_VEC_##V>(x, y, rows, sq, sk, scale, causal);    \
+    }                                                                                         \
+  }
+#define FK_SOFTMAX_BLOCK(FN, TN, K, V)                                                        \
   extern "C" __global__ void __launch_bounds__(256)                                           \
-      scaled_softmax_block_##NAME##_##K##SUFFIX(const T* x, T* y, int sq, int sk,            \
-                                                float scale, int causal) { \
-    if constexpr (FK_WANT(scaled_softmax_block_##NAME##_##K##SUFFIX)) { \
-    fk_softmax_block<T, K, VEC>(x, y, sq, sk, scale, causal);                                  \
-  }}
-// Scalar variants for every K; 16-byte variants where K holds whole runs (V = 4 for f32,
-// 8 for the 16-bit types).
-#define FK_SOFTMAX_ALL(NAME, T)                                                               \
-  FK_SOFTMAX_WARP(NAME, T, 1, false, )                                                        \
-  FK_SOFTMAX_WARP(NAME, T, 2, false, )                                                        \
-  FK_SOFTMAX_WARP(NAME, T, 4, false, )                                                        \
-  FK_SOFTMAX_WARP(NAME, T, 8, false, )                                                        \
-  FK_SOFTMAX_WARP(NAME, T, 16, false, )                                                       \
-  FK_SOFTMAX_WARP(NAME, T, 32, false, )                                                       \
-  FK_SOFTMAX_WARP4V_##NAME                                                                    \
-  FK_SOFTMAX_WARP(NAME, T, 8, true, _v)                                                       \
-  FK_SOFTMAX_WARP(NAME, T, 16, true, _v)                                                      \
-  FK_SOFTMAX_WARP(NAME, T, 32, true, _v)                                                      \
-  FK_SOFTMAX_BLOCK(NAME, T, 8, false, )                                                       \
-  FK_SOFTMAX_BLOCK(NAME, T, 16, false, )                                                      \
-  FK_SOFTMAX_BLOCK(NAME, T, 8, true, _v)                                                      \
-  FK_SOFTMAX_BLOCK(NAME, T, 16, true, _v)                                                     \
+      FN(const FK_T(TN)* x, FK_T(TN)* y, int sq, int sk, float scale, int causal) {          \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_softmax_block<FK_T(TN), K, FK_SOFTMAX_VEC_##V>(x, y, sq, sk, scale, causal);         \
+    }                                                                                         \
+  }
+#define FK_SOFTMAX_STREAM(FN, TN)                                                             \
   extern "C" __global__ void __launch_bounds__(256)                                           \
-      scaled_softmax_stream_##NAME(const T* x, T* y, int sq, int sk, float scale,            \
-                                   int causal) { \
-    if constexpr (FK_WANT(scaled_softmax_stream_##NAME)) { \
-    fk_softmax_stream<T>(x, y, sq, sk, scale, causal);                                         \
-  }}
-
-// K = 4 holds a whole run only for f32.
-#define FK_SOFTMAX_WARP4V_f32 FK_SOFTMAX_WARP(f32, float, 4, true, _v)
-#define FK_SOFTMAX_WARP4V_f16
-#define FK_SOFTMAX_WARP4V_bf16
-
-FK_SOFTMAX_ALL(f32, float)
-FK_SOFTMAX_ALL(f16, fk_f16)
-FK_SOFTMAX_ALL(bf16, fk_bf16)
+      FN(const FK_T(TN)* x, FK_T(TN)* y, int sq, int sk, float scale, int causal) {          \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_softmax_stream<FK_T(TN)>(x, y, sq, sk, scale, causal);                               \
+    }                                                                                         \
+  }

@@ -452,40 +452,33 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
   if (threadIdx.x == 0) reinterpret_cast<float*>(p.mean_dt)[row] = s / p.dim;
 }
 
-// selective_scan_<type>_<NPT>x<TPC>: NPT states per lane, TPC lanes per channel, no
-// exponential on the FMA pipe (POLY 0). The splits instantiated are those `split` in
-// ops/selective_scan.rs picks from (state rows padded to at least 16). Each element type is
-// its own module (FK_SCAN_TYPE, set by kernels.rs), so a caller compiles only its type.
-#define FK_SCAN(NAME, T, NPT, TPC, POLY, SUFFIX)                                              \
-  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                            \
-      selective_scan_##NAME##_##NPT##x##TPC##SUFFIX(const FkScanArgs p) { \
-    if constexpr (FK_WANT(selective_scan_##NAME##_##NPT##x##TPC##SUFFIX)) { \
-    fk_scan<T, NPT, TPC, POLY>(p);                                                             \
-  }}
-#define FK_SCAN_ALL(NAME, T)                                                                  \
-  FK_SCAN(NAME, T, 16, 1, 0, )                                                                \
-  FK_SCAN(NAME, T, 8, 2, 0, )                                                                 \
-  FK_SCAN(NAME, T, 4, 4, 0, )                                                                 \
-  FK_SCAN(NAME, T, 2, 8, 0, )                                                                 \
-  FK_SCAN(NAME, T, 16, 2, 0, )                                                                \
-  FK_SCAN(NAME, T, 8, 4, 0, )                                                                 \
-  FK_SCAN(NAME, T, 4, 8, 0, )                                                                 \
-  FK_SCAN(NAME, T, 16, 4, 0, )                                                                \
-  FK_SCAN(NAME, T, 8, 8, 0, )                                                                 \
-  FK_SCAN(NAME, T, 4, 16, 0, )                                                                \
-  FK_SCAN(NAME, T, 16, 8, 0, )                                                                \
-  FK_SCAN(NAME, T, 8, 16, 0, )                                                                \
-  FK_SCAN(NAME, T, 16, 16, 0, )                                                               \
-  extern "C" __global__ void __launch_bounds__(256) selective_scan_mean_dt_##NAME(            \
-      const FkScanArgs p) { \
-    if constexpr (FK_WANT(selective_scan_mean_dt_##NAME)) { \
-    fk_scan_mean_dt<T>(p);                                                                     \
-  }}
-
-#if defined(FK_SCAN_TYPE_F32)
-FK_SCAN_ALL(f32, float)
-#elif defined(FK_SCAN_TYPE_F16)
-FK_SCAN_ALL(f16, fk_f16)
-#else
-FK_SCAN_ALL(bf16, fk_bf16)
-#endif
+// The instances (kernels.rs SELECTIVE_SCAN_*, one module per element type, so a caller
+// compiles only its type): selective_scan_<type>_<NPT>x<TPC>: NPT states per lane, TPC lanes
+// per channel, no exponential on the FMA pipe (POLY 0). The splits are those `split` in
+// ops/selective_scan.rs picks from (state rows padded to at least 16).
+#define FK_SCAN_TILING_2x8 2, 8
+#define FK_SCAN_TILING_4x4 4, 4
+#define FK_SCAN_TILING_4x8 4, 8
+#define FK_SCAN_TILING_4x16 4, 16
+#define FK_SCAN_TILING_8x2 8, 2
+#define FK_SCAN_TILING_8x4 8, 4
+#define FK_SCAN_TILING_8x8 8, 8
+#define FK_SCAN_TILING_8x16 8, 16
+#define FK_SCAN_TILING_16x1 16, 1
+#define FK_SCAN_TILING_16x2 16, 2
+#define FK_SCAN_TILING_16x4 16, 4
+#define FK_SCAN_TILING_16x8 16, 8
+#define FK_SCAN_TILING_16x16 16, 16
+#define FK_SCAN(FN, TN, TILING) FK_EXPAND(FK_SCAN_, FN, FK_T(TN), FK_SCAN_TILING_##TILING)
+#define FK_SCAN_(FN, T, NPT, TPC)                                                             \
+  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1) FN(const FkScanArgs p) {   \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_scan<T, NPT, TPC, 0>(p);                                                             \
+    }                                                                                         \
+  }
+#define FK_SCAN_MEAN_DT(FN, TN)                                                               \
+  extern "C" __global__ void __launch_bounds__(256) FN(const FkScanArgs p) {                  \
+    if constexpr (FK_WANT(FN)) {                                                              \
+      fk_scan_mean_dt<FK_T(TN)>(p);                                                           \
+    }                                                                                         \
+  }

@@ -297,18 +297,16 @@ __device__ __forceinline__ void fk_scan_wide(const FkScanArgs& p) {
 // the long f32 scan (H200, B8 D2048 L4096 N16: 496 µs against 2x8x2 529 µs, 4x4x4 566 µs,
 // 1x4x4 605 µs; a polynomial share of the exponentials was slower in every split). Compiling
 // the others too made each module's NVRTC compile ~5x longer.
-#define FK_SCAN_WIDE(CPL, NPT, TPC, U)                                                         \
-  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1)                             \
-      selective_scan_wide_f32_##CPL##x##NPT##x##TPC(const FkScanArgs p) { \
-    if constexpr (FK_WANT(selective_scan_wide_f32_##CPL##x##NPT##x##TPC)) { \
-    if (p.d) fk_scan_wide<CPL, NPT, TPC, true, U>(p);                                          \
-    else fk_scan_wide<CPL, NPT, TPC, false, U>(p);                                             \
-  }}
-
-// f32 only: the launch never picks this layout for 16-bit types (their dt pass makes it
-// slower, bench/RESULTS.md), so their modules do not pay its NVRTC time. The time loop is
-// unrolled 8 steps deep: 1.3 % faster than 4 on the long scan (H100, two runs each: 404.2 /
-// 403.5 µs against 409.1 / 411.8 µs).
-#if defined(FK_SCAN_TYPE_F32)
-FK_SCAN_WIDE(2, 4, 4, 8)
-#endif
+// f32 only (kernels.rs SELECTIVE_SCAN_F32): the launch never picks this layout for 16-bit
+// types (their dt pass makes it slower, bench/RESULTS.md), so their modules do not pay its
+// NVRTC time. The time loop is unrolled 8 steps deep (U): 1.3 % faster than 4 on the long
+// scan (H100, two runs each: 404.2 / 403.5 µs against 409.1 / 411.8 µs).
+#define FK_SCAN_WIDE_SPLIT_2x4x4 2, 4, 4, 8
+#define FK_SCAN_WIDE(FN, TN, SPLIT) FK_EXPAND(FK_SCAN_WIDE_, FN, FK_SCAN_WIDE_SPLIT_##SPLIT)
+#define FK_SCAN_WIDE_(FN, CPL, NPT, TPC, U)                                                    \
+  extern "C" __global__ void __launch_bounds__(FK_SCAN_THREADS, 1) FN(const FkScanArgs p) {    \
+    if constexpr (FK_WANT(FN)) {                                                               \
+      if (p.d) fk_scan_wide<CPL, NPT, TPC, true, U>(p);                                        \
+      else fk_scan_wide<CPL, NPT, TPC, false, U>(p);                                           \
+    }                                                                                          \
+  }

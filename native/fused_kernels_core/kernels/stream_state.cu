@@ -17,16 +17,14 @@ __device__ __forceinline__ void fk_shift_append(const W* cache, const W* row, W*
   out[i] = t + 1 < window ? cache[i + width] : row[b * width + c];
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    stream_shift_append_w4(const unsigned int* cache, const unsigned int* row, unsigned int* out,
-                           int batch, int window, int width) {
-  if constexpr (FK_WANT(stream_shift_append_w4)) {
-  fk_shift_append<unsigned int>(cache, row, out, batch, window, width);
-}}
-
-extern "C" __global__ void __launch_bounds__(256)
-    stream_shift_append_w2(const unsigned short* cache, const unsigned short* row,
-                           unsigned short* out, int batch, int window, int width) {
-  if constexpr (FK_WANT(stream_shift_append_w2)) {
-  fk_shift_append<unsigned short>(cache, row, out, batch, window, width);
-}}
+// The instances (kernels.rs STREAM_STATE): by word size (w4: 4 bytes, w2: 2 bytes).
+#define FK_SHIFT_W_w4 unsigned int
+#define FK_SHIFT_W_w2 unsigned short
+#define FK_SHIFT_APPEND(FN, WN)                                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                            \
+      FN(const FK_SHIFT_W_##WN* cache, const FK_SHIFT_W_##WN* row, FK_SHIFT_W_##WN* out,       \
+         int batch, int window, int width) {                                                   \
+    if constexpr (FK_WANT(FN)) {                                                               \
+      fk_shift_append<FK_SHIFT_W_##WN>(cache, row, out, batch, window, width);                 \
+    }                                                                                          \
+  }

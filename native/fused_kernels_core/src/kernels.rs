@@ -5,6 +5,14 @@
 //! A program is one kernel *instance*: the runtime compiles a file with `FK_ONLY=<function>`
 //! (see `include/arch.cuh`), so a first call pays only for the functions it launches. CI
 //! compiles each file whole, once per feature level ([`FEATURE_LEVELS`]).
+//!
+//! The tables below are the one list of instances. A family with a `define` macro is
+//! instantiated from its table: [`Kernel::source`] appends one `define(name, part, ...)` line
+//! per instance to the file (the .cu defines the macro, never calls it). A function written
+//! out in its file (`define: None`, the one-instance kernels) is checked both ways when the file
+//! compiles: its `FK_WANT` guard needs the `FK_LISTED_<name>` that the table defines, and the
+//! table names it after the file's text. So an instance added in one place only fails to
+//! compile.
 
 /// Every header, by the name the kernels include it under.
 pub const HEADERS: &[(&str, &str)] = &[
@@ -39,6 +47,31 @@ pub const CI_ARCHS: &[&str] = &[
     "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120",
 ];
 
+/// The families (file, root) whose full build takes seconds where their first call must not:
+/// on a cold cache their first use loads a quick build (`nvrtc::QUICK_OPTIONS`) and compiles
+/// the full one in the background (`Gpu::function`); a caller that keeps launches (a graph)
+/// captures them again when `Gpu::modules_generation` moves on, and looks the function up
+/// again. Both builds of these files are exact (`Build::exact`: every multiply and add rounded
+/// as written, fused only where the source calls `fmaf`), so the quick build computes what the
+/// full build does, bit for bit: the optimizer levels differ in what they inline and unroll,
+/// which with `--fmad=true` changes which products get fused into an add. On the H100's host
+/// (16-core Xeon, bench/RESULTS.md, first calls) the full `rnn_cluster_lstm_f32` took 4.6-5.0
+/// s, `engine_rnn_frame_f32` and `engine_rnn_persist_f32` 1.6-2.2 s, the projection 1.7-2.0 s:
+/// the bounds of every cold LSTM/GRU first call; their quick builds 0.3-1.2 s. The f32 scans
+/// (`selective_scan_f32_2x8`: 1.6-1.7 s there, the bound of the Mamba/Jamba first calls at
+/// 1.8-1.9 s) compile in a third of their time quick (this 2-core EPYC: 0.33 vs 1.07 s).
+pub const QUICK_FIRST: &[(&str, &str)] = &[
+    ("rnn_cluster", "rnn_cluster"),
+    // The input projection (0.9-1.2 s full on the host; looked up per call).
+    ("rnn_cluster", "rnn_cluster_project"),
+    // The one-layer groups' kernel (1.13-1.26 s on the host; looked up per call like the others).
+    ("rnn_cluster", "rnn_cluster_regs"),
+    ("engine_rnn", "engine_rnn_frame"),
+    // The persistent frame kernel (1.5 s full on the host; looked up at each of its launches).
+    ("engine_rnn", "engine_rnn_persist"),
+    ("selective_scan_f32", "selective_scan"),
+];
+
 /// A kernel file and the table of the functions (instances) it defines.
 #[derive(Debug)]
 pub struct Kernel {
@@ -58,6 +91,9 @@ pub struct Family {
     pub root: &'static str,
     pub parts: &'static [&'static [&'static str]],
     pub levels: Levels,
+    /// The file's macro that defines one instance, called as `DEFINE(name, part, ...)` with
+    /// every part (empty ones as empty arguments); `None`: the file writes the function out.
+    pub define: Option<&'static str>,
 }
 
 /// The feature levels (`FK_ARCH`, e.g. 860 for sm_86) a family is compiled at: `from` up to,
@@ -118,15 +154,60 @@ const FLOATS: &[&str] = &["f32", "f16", "bf16"];
 impl Family {
     /// Every instance's name, in table order.
     pub fn names(&self) -> Vec<String> {
-        let mut names = vec![self.root.to_string()];
+        self.instances().into_iter().map(|(name, _)| name).collect()
+    }
+
+    /// Every instance's name and parts, in table order.
+    fn instances(&self) -> Vec<(String, Vec<&'static str>)> {
+        let mut out = vec![(self.root.to_string(), Vec::new())];
         for options in self.parts {
-            names = names
+            out = out
                 .iter()
-                .flat_map(|n| options.iter().map(move |o| kernel_name(n, &[o])))
+                .flat_map(|(n, ps)| {
+                    options.iter().map(move |o| {
+                        let mut ps = ps.clone();
+                        ps.push(*o);
+                        (kernel_name(n, &[o]), ps)
+                    })
+                })
                 .collect();
         }
-        names
+        out
     }
+}
+
+impl Levels {
+    /// The preprocessor condition of these levels (`None`: every level).
+    fn condition(&self) -> Option<String> {
+        match (self.from > 0, self.below < i32::MAX) {
+            (false, false) => None,
+            (true, false) => Some(format!("FK_ARCH >= {}", self.from)),
+            (false, true) => Some(format!("FK_ARCH < {}", self.below)),
+            (true, true) => Some(format!(
+                "FK_ARCH >= {} && FK_ARCH < {}",
+                self.from, self.below
+            )),
+        }
+    }
+}
+
+/// `lines` under the families' level guards (one `#if` per family that has one).
+fn guarded(families: &[Family], line: impl Fn(&Family, &str, &[&str]) -> String) -> String {
+    let mut text = String::new();
+    for f in families {
+        let cond = f.levels.condition();
+        if let Some(c) = &cond {
+            text.push_str(&format!("#if {c}\n"));
+        }
+        for (name, parts) in f.instances() {
+            text.push_str(&line(f, &name, &parts));
+            text.push('\n');
+        }
+        if cond.is_some() {
+            text.push_str("#endif\n");
+        }
+    }
+    text
 }
 
 /// How one program is built beyond its source and architecture (part of the cache key).
@@ -137,9 +218,26 @@ pub struct Build {
     /// Build the code of an older GPU (`FK_CAP`, e.g. (8, 6)): the path that GPU takes,
     /// compiled for the device at hand.
     pub cap: Option<(i32, i32)>,
+    /// Compiled with `--fmad=false` after [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS):
+    /// no multiply and add fused unless the source says `fmaf`, so the arithmetic is the
+    /// source's whatever the optimizer inlines or unrolls (the files with a quick-first
+    /// family, see [`QUICK_FIRST`] and [`Kernel::exact`]; their hot products are `fmaf`
+    /// already).
+    pub exact: bool,
 }
 
 impl Build {
+    /// The NVRTC options beyond [`nvrtc::OPTIONS`](crate::cuda::nvrtc::OPTIONS) (part of the
+    /// cache key): the `-D` options, then `--fmad=false` for an exact build (the later
+    /// `--fmad` wins).
+    pub fn options(&self) -> Vec<String> {
+        let mut o = self.defines();
+        if self.exact {
+            o.push("--fmad=false".into());
+        }
+        o
+    }
+
     /// NVRTC `-D` options.
     pub fn defines(&self) -> Vec<String> {
         let mut d = Vec::new();
@@ -171,6 +269,13 @@ impl Kernel {
             .any(|f| function.starts_with(f.root) && f.names().iter().any(|n| n == function))
     }
 
+    /// Whether `function` has a quick build for its first use (see [`QUICK_FIRST`]).
+    pub fn quick_first(&self, function: &str) -> bool {
+        self.families.iter().any(|f| {
+            QUICK_FIRST.contains(&(self.name, f.root)) && f.names().iter().any(|n| n == function)
+        })
+    }
+
     /// The build of the one program that holds `function` (`FK_ONLY`), routed as `cap`; an
     /// error when `function` is not in this file's table.
     pub fn build_of(&self, function: &str, cap: Option<(i32, i32)>) -> Result<Build, String> {
@@ -180,15 +285,44 @@ impl Kernel {
                 self.name
             ));
         }
-        Ok(Build {
-            only: Some(function.to_string()),
-            cap,
-        })
+        Ok(self.build(Some(function.to_string()), cap))
     }
 
-    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]).
+    /// The build of `only` (None: the whole file) routed as `cap`.
+    pub fn build(&self, only: Option<String>, cap: Option<(i32, i32)>) -> Build {
+        Build {
+            only,
+            cap,
+            exact: self.exact(),
+        }
+    }
+
+    /// Whether this file's programs build exact (`Build::exact`): every function of a file
+    /// with a quick-first family, so that CI's whole-file PTX (`kernel_ptx`) is compiled as
+    /// the runtime compiles each of them.
+    pub fn exact(&self) -> bool {
+        QUICK_FIRST.iter().any(|(file, _)| *file == self.name)
+    }
+
+    /// The file's text NVRTC compiles (the headers come separately, see [`HEADERS`]): the
+    /// table's `FK_LISTED_<name>` marks (what `FK_WANT` accepts), the body, then the
+    /// instances of the families it defines by macro, and a use of each function it writes out
+    /// (an error if the file lacks one).
     pub fn source(&self) -> String {
-        self.body.to_string()
+        let listed = guarded(self.families, |_, name, _| {
+            format!("#define FK_LISTED_{name} true")
+        });
+        let defined = guarded(self.families, |f, name, parts| match f.define {
+            Some(m) => {
+                let args: Vec<&str> = std::iter::once(name).chain(parts.iter().copied()).collect();
+                format!("{m}({})", args.join(", "))
+            }
+            None => format!("using fk_listed_{name} = decltype(&{name});"),
+        });
+        format!(
+            "// The instance table of kernels.rs (see Kernel::source).\n#include \"arch.cuh\"\n{listed}\n{}\n// Instances (kernels.rs).\n{defined}",
+            self.body
+        )
     }
 
     /// The level whose PTX of this file runs on `arch`: the highest level at or below it that
@@ -203,6 +337,10 @@ impl Kernel {
             .filter(|l| {
                 CODEGEN_LEVELS.contains(l)
                     || tests_level(self.body, *l)
+                    || self
+                        .families
+                        .iter()
+                        .any(|f| f.levels.from == *l || f.levels.below == *l)
                     || self.headers().iter().any(|h| tests_level(h, *l))
             })
             .max()
@@ -282,28 +420,33 @@ pub const SCALED_SOFTMAX: Kernel = Kernel {
         // f16/bf16 elements, so K = 4 only for f32).
         Family {
             root: "scaled_softmax_warp",
-            parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"]],
+            parts: &[FLOATS, &["1", "2", "4", "8", "16", "32"], &[""]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[&["f32"], &["4"], &["v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_warp",
             parts: &[FLOATS, &["8", "16", "32"], &["v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_WARP"),
         },
         Family {
             root: "scaled_softmax_block",
             parts: &[FLOATS, &["8", "16"], &["", "v"]],
             levels: ANY,
+            define: Some("FK_SOFTMAX_BLOCK"),
         },
         Family {
             root: "scaled_softmax_stream",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_SOFTMAX_STREAM"),
         },
     ],
 };
@@ -317,21 +460,25 @@ pub const DENSE: Kernel = Kernel {
             root: "dense_ffma",
             parts: &[&["f32"], &["mm", "glu"], &["small", "big"]],
             levels: Levels::below(800),
+            define: Some("FK_DENSE_FFMA"),
         },
         Family {
             root: "dense_gemv",
             parts: &[FLOATS, &["mm", "glu"]],
             levels: ANY,
+            define: Some("FK_DENSE_GEMV"),
         },
         Family {
             root: "dense_stats",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_DENSE_STATS"),
         },
         Family {
             root: "dense_tc",
             parts: &[&["f32"], &["mm", "glu"], &["tiny", "small", "big", "any"]],
             levels: Levels::from(800),
+            define: Some("FK_DENSE_TC"),
         },
         // 16-bit big tiles run as big2 (two blocks per SM).
         Family {
@@ -342,6 +489,7 @@ pub const DENSE: Kernel = Kernel {
                 &["tiny", "small", "big2", "any"],
             ],
             levels: Levels::from(800),
+            define: Some("FK_DENSE_TC"),
         },
     ],
 };
@@ -355,29 +503,53 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
             root: "fa_ffma",
             parts: &[FLOATS, &["1", "2", "3", "4", "6", "8"], &["1", "4"]],
             levels: ANY,
+            define: Some("FA_FFMA"),
         },
-        // mma.sync: padded head dim, m-tiles, key block.
+        // mma.sync: padded head dim, m-tiles, key block (the tile shapes `mma_config` in
+        // ops/flash_attention.rs picks per padded head dim).
         Family {
             root: "fa_mma",
-            parts: &[
-                &["f16", "bf16"],
-                &[
-                    "32_2_64", "48_2_64", "64_1_64", "64_2_64", "80_2_32", "96_2_32", "128_1_64",
-                    "128_2_32", "160_1_32", "192_1_32", "256_1_32",
-                ],
-            ],
+            parts: &[&["f16", "bf16"], &["32", "48", "64"], &["2"], &["64"]],
             levels: Levels::from(800),
+            define: Some("FA_MMA"),
         },
-        // Short sequences: head-dim chunks x key chunks.
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["64", "128"], &["1"], &["64"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["80", "96", "128"], &["2"], &["32"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        Family {
+            root: "fa_mma",
+            parts: &[&["f16", "bf16"], &["160", "192", "256"], &["1"], &["32"]],
+            levels: Levels::from(800),
+            define: Some("FA_MMA"),
+        },
+        // Short sequences: head-dim chunks x key chunks, the pairs whose shared memory fits in
+        // 64 KiB (`short_plan` in ops/flash_attention.rs).
         Family {
             root: "fa_short",
-            parts: &[
-                FLOATS,
-                &[
-                    "1_1", "1_2", "1_4", "2_1", "2_2", "3_1", "3_2", "4_1", "6_1",
-                ],
-            ],
+            parts: &[FLOATS, &["1"], &["1", "2", "4"]],
             levels: ANY,
+            define: Some("FA_SHORT"),
+        },
+        Family {
+            root: "fa_short",
+            parts: &[FLOATS, &["2", "3"], &["1", "2"]],
+            levels: ANY,
+            define: Some("FA_SHORT"),
+        },
+        Family {
+            root: "fa_short",
+            parts: &[FLOATS, &["4", "6"], &["1"]],
+            levels: ANY,
+            define: Some("FA_SHORT"),
         },
     ],
 };
@@ -394,6 +566,7 @@ pub const RNN: Kernel = Kernel {
             &["gmem", "smem"],
         ],
         levels: ANY,
+        define: Some("RNN_KERNEL"),
     }],
 };
 
@@ -405,11 +578,13 @@ pub const RNN_BATCHED: Kernel = Kernel {
             root: "rnn_pack",
             parts: &[&["b2", "b4"]],
             levels: ANY,
+            define: Some("RNN_PACK"),
         },
         Family {
             root: "rnn_step",
             parts: &[&["lstm", "gru"], FLOATS],
             levels: ANY,
+            define: Some("RNN_STEP"),
         },
     ],
 };
@@ -422,16 +597,19 @@ pub const RNN_CLUSTER: Kernel = Kernel {
             root: "rnn_cluster",
             parts: &[&["lstm", "gru"], FLOATS],
             levels: Levels::from(900),
+            define: None,
         },
         Family {
             root: "rnn_cluster_project",
             parts: &[FLOATS],
             levels: Levels::from(900),
+            define: None,
         },
         Family {
             root: "rnn_cluster_regs",
             parts: &[&["lstm", "gru"], &["f32"]],
             levels: Levels::from(900),
+            define: None,
         },
     ],
 };
@@ -444,11 +622,13 @@ pub const RNN_MMA: Kernel = Kernel {
             root: "rnn_mma",
             parts: &[&["lstm", "gru"], FLOATS, &["m1_n1", "m2_n1"]],
             levels: Levels::from(800),
+            define: Some("RNN_MMA_KERNEL"),
         },
         Family {
             root: "rnn_mma_pack",
             parts: &[&["b2", "f32"]],
             levels: Levels::from(800),
+            define: Some("RNN_MMA_PACK"),
         },
     ],
 };
@@ -459,12 +639,11 @@ const SCAN_TILINGS: [&str; 13] = [
     "16x16",
 ];
 
-// The selective scan is one module per element type: 15 kernels for f32 (both layouts), 14 for
-// f16 and bf16 (no wide layout).
+// The selective scan is one module per element type (each compiles only its own table): 15
+// kernels for f32 (both layouts), 14 for f16 and bf16 (no wide layout).
 pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
     name: "selective_scan_f32",
     body: concat!(
-        "#define FK_SCAN_TYPE_F32\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -474,24 +653,26 @@ pub const SELECTIVE_SCAN_F32: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["f32"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f32"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
         // Channels per lane x states per lane x lanes per channel.
         Family {
             root: "selective_scan_wide",
             parts: &[&["f32"], &["2x4x4"]],
             levels: ANY,
+            define: Some("FK_SCAN_WIDE"),
         },
     ],
 };
 pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
     name: "selective_scan_f16",
     body: concat!(
-        "#define FK_SCAN_TYPE_F16\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -501,18 +682,19 @@ pub const SELECTIVE_SCAN_F16: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["f16"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["f16"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
     ],
 };
 pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
     name: "selective_scan_bf16",
     body: concat!(
-        "#define FK_SCAN_TYPE_BF16\n",
         include_str!("../kernels/selective_scan.cu"),
         include_str!("../kernels/selective_scan_wide.cu")
     ),
@@ -522,11 +704,13 @@ pub const SELECTIVE_SCAN_BF16: Kernel = Kernel {
             root: "selective_scan",
             parts: &[&["bf16"], &SCAN_TILINGS],
             levels: ANY,
+            define: Some("FK_SCAN"),
         },
         Family {
             root: "selective_scan_mean_dt",
             parts: &[&["bf16"]],
             levels: ANY,
+            define: Some("FK_SCAN_MEAN_DT"),
         },
     ],
 };
@@ -542,6 +726,7 @@ pub const RNN_RESIDENT: Kernel = Kernel {
             &["m1_n1", "m1_n2", "m2_n1", "m2_n2", "m4_n1", "m4_n2"],
         ],
         levels: Levels::from(800),
+        define: Some("RNN_RES_KERNEL"),
     }],
 };
 
@@ -553,16 +738,19 @@ pub const NORM: Kernel = Kernel {
             root: "layer_norm",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_LAYER_NORM"),
         },
         Family {
             root: "layer_norm_f32out",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_LAYER_NORM_F32OUT"),
         },
         Family {
             root: "rms_norm",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_RMS_NORM"),
         },
     ],
 };
@@ -575,21 +763,25 @@ pub const MAMBA_BLOCK: Kernel = Kernel {
             root: "mamba_add_bias",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_conv_silu",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_conv_state",
             parts: &[],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "mamba_out_residual",
             parts: &[FLOATS],
             levels: ANY,
+            define: Some("FK_OUT_RESIDUAL"),
         },
     ],
 };
@@ -601,6 +793,7 @@ pub const STREAM_STATE: Kernel = Kernel {
         root: "stream_shift_append",
         parts: &[&["w2", "w4"]],
         levels: ANY,
+        define: Some("FK_SHIFT_APPEND"),
     }],
 };
 
@@ -612,11 +805,13 @@ pub const ENGINE_RNN: Kernel = Kernel {
             root: "engine_rnn_frame",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_rnn_persist",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
     ],
 };
@@ -629,16 +824,19 @@ pub const ENGINE_FRAME: Kernel = Kernel {
             root: "engine_attn_frame",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_gemv",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
         Family {
             root: "engine_mamba_scan",
             parts: &[&["f32"]],
             levels: ANY,
+            define: None,
         },
     ],
 };
@@ -657,11 +855,13 @@ pub const DENSE_SM90: Kernel = Kernel {
             root: "dense_sm90",
             parts: &[&["bf16", "f16"]],
             levels: HOPPER_ONLY,
+            define: Some("FK90_GEMM"),
         },
         Family {
             root: "dense_sm90_row_stats",
             parts: &[&["bf16", "f16"]],
             levels: HOPPER_ONLY,
+            define: Some("FK90_ROW_STATS"),
         },
     ],
 };

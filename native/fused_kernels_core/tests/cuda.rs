@@ -39,16 +39,24 @@ fn key_changes_with_source_arch_and_nvrtc() {
     assert_eq!(a, entry_path("k", "src", "sm_90", (13, 0), &b));
     let one = Build {
         only: Some("f".into()),
-        cap: None,
+        ..Build::default()
     };
     let capped = Build {
-        only: Some("f".into()),
         cap: Some((8, 6)),
+        ..one.clone()
+    };
+    let exact = Build {
+        exact: true,
+        ..one.clone()
     };
     assert_ne!(a, entry_path("k", "src", "sm_90", (13, 0), &one));
     assert_ne!(
         entry_path("k", "src", "sm_90", (13, 0), &one),
         entry_path("k", "src", "sm_90", (13, 0), &capped)
+    );
+    assert_ne!(
+        entry_path("k", "src", "sm_90", (13, 0), &one),
+        entry_path("k", "src", "sm_90", (13, 0), &exact)
     );
     assert_ne!(fnv1a128(&[b"ab", b"c"]), fnv1a128(&[b"a", b"bc"]));
 }
@@ -57,9 +65,67 @@ fn key_changes_with_source_arch_and_nvrtc() {
 fn writes_atomically_and_reads_back() {
     let dir = std::env::temp_dir().join(format!("fk-cache-test-{}", std::process::id()));
     let p = dir.join("x.cubin");
-    write(&p, b"abc").unwrap();
-    assert_eq!(read(&p).unwrap(), b"abc");
+    let image = elf(&[(1, 128, 16), (8, 4096, 4096)]);
+    write(&p, &image).unwrap();
+    assert_eq!(read(&p).unwrap(), image);
     assert!(read(&dir.join("missing")).is_none());
+    // Several threads storing the same entry at once: each reads back a whole image.
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    write(&p, &image).unwrap();
+                    assert_eq!(read(&p).unwrap(), image);
+                }
+            });
+        }
+    });
+    // No temporary files left behind.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A little-endian ELF64 image: the header, then `(type, offset, size)` section headers
+/// (64 bytes each) at offset 64, padded to 192 bytes.
+fn elf(sections: &[(u32, u64, u64)]) -> Vec<u8> {
+    let mut b = vec![0u8; 64];
+    b[..6].copy_from_slice(b"\x7fELF\x02\x01");
+    b[0x28..0x30].copy_from_slice(&64u64.to_le_bytes());
+    b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+    b[0x3c..0x3e].copy_from_slice(&(sections.len() as u16).to_le_bytes());
+    for (kind, off, size) in sections {
+        let mut h = vec![0u8; 64];
+        h[4..8].copy_from_slice(&kind.to_le_bytes());
+        h[0x18..0x20].copy_from_slice(&off.to_le_bytes());
+        h[0x20..0x28].copy_from_slice(&size.to_le_bytes());
+        b.extend(h);
+    }
+    b.resize(b.len().max(192), 7);
+    b
+}
+
+#[test]
+fn cut_or_foreign_entries_never_reach_the_driver() {
+    let whole = elf(&[(1, 128, 16)]);
+    assert!(elf_fits(&whole));
+    // Cut inside a section, inside the section headers, inside the ELF header.
+    for len in [140, 100, 20, 0] {
+        assert!(!elf_fits(&whole[..len]), "cut at {len}");
+    }
+    // A section past the end, section headers past the end, not an ELF.
+    assert!(!elf_fits(&elf(&[(1, 180, 64)])));
+    let mut far = whole.clone();
+    far[0x28..0x30].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    assert!(!elf_fits(&far));
+    assert!(!elf_fits(b"abc"));
+    let mut text = whole.clone();
+    text[..4].copy_from_slice(b"// P");
+    assert!(!elf_fits(&text));
+    // Read from disk the same way: ignored, as if absent.
+    let dir = std::env::temp_dir().join(format!("fk-cache-cut-{}", std::process::id()));
+    let p = dir.join("x.cubin");
+    write(&p, &whole[..140]).unwrap();
+    assert!(read(&p).is_none());
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -106,7 +172,14 @@ fn key_covers_the_included_headers_only() {
 fn prefill_stores_what_the_runtime_looks_up() {
     use fused_kernels_core::cuda::cache::{capability_of, functions, prefill, programs};
     use fused_kernels_core::cuda::nvrtc;
-    use fused_kernels_core::kernels::{Build, STREAM_STATE};
+    use fused_kernels_core::kernels::{ENGINE_RNN, STREAM_STATE};
+    // A pre-filled entry of a program with a quick build is its exact full build, the one the
+    // runtime looks up (`Kernel::build_of`).
+    for p in programs(&[&ENGINE_RNN], "sm_90", None).unwrap() {
+        let runtime = ENGINE_RNN.build_of(&p.function, None).unwrap();
+        assert_eq!(p.build, runtime, "{}", p.function);
+        assert!(p.build.exact);
+    }
     assert_eq!(capability_of("sm_86"), Some((8, 6)));
     assert_eq!(capability_of("sm_90a"), Some((9, 0)));
     assert_eq!(capability_of("sm_120"), Some((12, 0)));
@@ -132,10 +205,7 @@ fn prefill_stores_what_the_runtime_looks_up() {
     assert_eq!(*lines.lock().unwrap(), ps.len());
     let v = nvrtc::version().unwrap();
     for f in &fs {
-        let build = Build {
-            only: Some(f.clone()),
-            cap: None,
-        };
+        let build = STREAM_STATE.build(Some(f.clone()), None);
         let name = entry_path(
             STREAM_STATE.name,
             &STREAM_STATE.source(),

@@ -7,7 +7,7 @@ mod support;
 
 use fused_kernels_core::engine::cuda::CudaEngine;
 use fused_kernels_core::engine::plan::{Kind, Spec};
-use support::backbone::{cpu_predict, engines, gpu_predict, small, spec};
+use support::backbone::{cpu_predict, engines, gpu_predict, rnn_spec, small, spec};
 use support::{gpu_for_tests, rel_l2, Rng};
 
 const KINDS: [Kind; 5] = [
@@ -357,12 +357,7 @@ fn gpu_rnn_frames_of_odd_sizes_match_the_cpu_engine() {
         .into_iter()
         .enumerate()
         {
-            let s = Spec {
-                hidden,
-                embed,
-                layers,
-                ..spec(kind)
-            };
+            let s = rnn_spec(kind, hidden, embed, layers);
             let (cpu, gpu) = engines(&s, 60 + i as u64);
             let t = 61;
             let x = Rng::new(70 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
@@ -584,12 +579,7 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
         .into_iter()
         .enumerate()
         {
-            let s = Spec {
-                hidden,
-                embed,
-                layers,
-                ..spec(kind)
-            };
+            let s = rnn_spec(kind, hidden, embed, layers);
             let what = format!("{kind:?} h{hidden} e{embed} l{layers} t{t}");
             let (cpu, gpu) = engines(&s, 80 + i as u64);
             let x = Rng::new(90 + i as u64).vec_f32(t * embed, 1.0, center);

@@ -10,7 +10,9 @@ mod support;
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Spec};
 use std::sync::Mutex;
-use support::backbone::{cpu_predict, engines, gpu_predict, random_params, spec, to_params};
+use support::backbone::{
+    cpu_predict, engines, gpu_predict, random_params, rnn_spec, spec, to_params,
+};
 use support::{gpu_for_tests, rel_l2, Rng};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -47,12 +49,7 @@ fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
         .into_iter()
         .enumerate()
         {
-            let s = Spec {
-                hidden,
-                embed,
-                layers,
-                ..spec(kind)
-            };
+            let s = rnn_spec(kind, hidden, embed, layers);
             let (cpu, graph) = engines(&s, 90 + i as u64);
             let persist = CudaEngine::new(
                 s.clone(),

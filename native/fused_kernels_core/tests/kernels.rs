@@ -67,12 +67,27 @@ fn build_defines() {
     let b = Build {
         only: Some("rnn_mma_lstm_f32_m1_n1".into()),
         cap: Some((8, 6)),
+        exact: false,
     };
     assert_eq!(
         b.defines(),
         ["-DFK_ONLY=rnn_mma_lstm_f32_m1_n1", "-DFK_CAP=860"]
     );
+    assert_eq!(b.options(), b.defines());
     assert!(Build::default().defines().is_empty());
+    // The files with quick builds build exact (both builds), the others as before.
+    let quick = RNN_CLUSTER.build_of("rnn_cluster_lstm_f32", None).unwrap();
+    assert!(quick.exact);
+    assert_eq!(
+        quick.options(),
+        ["-DFK_ONLY=rnn_cluster_lstm_f32", "--fmad=false"]
+    );
+    assert!(
+        !RNN_MMA
+            .build_of("rnn_mma_lstm_f32_m1_n1", None)
+            .unwrap()
+            .exact
+    );
 }
 
 #[test]
@@ -90,25 +105,45 @@ fn kernel_name_joins_non_empty_parts() {
         root: "x",
         parts: &[&["a", "b"], &["", "v"]],
         levels: ANY,
+        define: None,
     };
     assert_eq!(f.names(), ["x_a", "x_a_v", "x_b", "x_b_v"]);
 }
 
 /// Every instance name is listed once in the whole registry (a program is found by its
-/// name), and every family's root is a kernel its file guards with `FK_WANT`.
+/// name); a family the table instantiates has its macro in the file, one the file writes out
+/// is guarded with `FK_WANT` there; the levels are feature levels.
 #[test]
 fn instance_tables_are_unique_and_rooted_in_their_files() {
     let mut seen = std::collections::HashSet::new();
     for k in ALL {
         assert!(!k.families.is_empty(), "{}: empty table", k.name);
         for f in k.families {
-            let rooted = [
-                format!("FK_WANT({}_", f.root),
-                format!("FK_WANT({})", f.root),
-            ]
-            .iter()
-            .any(|p| k.body.contains(p.as_str()));
-            assert!(rooted, "{}: no FK_WANT({}..) in the file", k.name, f.root);
+            match f.define {
+                Some(m) => assert!(
+                    k.body.contains(&format!("#define {m}(")),
+                    "{}: no macro {m} for {}",
+                    k.name,
+                    f.root
+                ),
+                None => {
+                    let rooted = [
+                        format!("FK_WANT({}_", f.root),
+                        format!("FK_WANT({})", f.root),
+                    ]
+                    .iter()
+                    .any(|p| k.body.contains(p.as_str()));
+                    assert!(rooted, "{}: no FK_WANT({}..) in the file", k.name, f.root);
+                }
+            }
+            for l in [f.levels.from, f.levels.below] {
+                assert!(
+                    l == 0 || l == i32::MAX || FEATURE_LEVELS.contains(&l),
+                    "{}: level {l} of {} is not a feature level",
+                    k.name,
+                    f.root
+                );
+            }
             for n in f.names() {
                 assert!(k.has_instance(&n));
                 // The selective scan's three files share a source, one element type each.
@@ -145,6 +180,66 @@ fn instance_tables_match_the_compiled_functions() {
             assert_eq!(compiled, table, "{} for {arch}", k.name);
         }
     }
+}
+
+/// The table is the one list: a function the file defines but the table lacks, or one the
+/// table lists but the file does not define, fails the file's compile (not only CI's check).
+#[test]
+fn an_instance_in_one_place_only_does_not_compile() {
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::cache;
+    const BODY: &str = r#"#include "types.cuh"
+#define FK_TEST_SCALE(FN, TN)                                                       \
+  extern "C" __global__ void FN(FK_T(TN)* y) {                                      \
+    if constexpr (FK_WANT(FN)) y[0] = fk_from_f32<FK_T(TN)>(2.0f);                  \
+  }
+extern "C" __global__ void test_written(float* y) {
+  if constexpr (FK_WANT(test_written)) y[0] = 1.0f;
+}
+"#;
+    const SCALE: Family = Family {
+        root: "test_scale",
+        parts: &[&["f32", "f16"]],
+        levels: ANY,
+        define: Some("FK_TEST_SCALE"),
+    };
+    const WRITTEN: Family = Family {
+        root: "test_written",
+        parts: &[],
+        levels: ANY,
+        define: None,
+    };
+    const MISSING: Family = Family {
+        root: "test_missing",
+        parts: &[],
+        levels: ANY,
+        define: None,
+    };
+    let whole = Kernel {
+        name: "test_whole",
+        body: BODY,
+        families: &[SCALE, WRITTEN],
+    };
+    let mut got = cache::functions(&whole, "sm_80", None).unwrap();
+    got.sort();
+    assert_eq!(got, ["test_scale_f16", "test_scale_f32", "test_written"]);
+    // The written-out function missing from the table.
+    let unlisted = Kernel {
+        name: "test_unlisted",
+        body: BODY,
+        families: &[SCALE],
+    };
+    assert!(cache::functions(&unlisted, "sm_80", None).is_err());
+    // A table entry the file does not define.
+    let undefined = Kernel {
+        name: "test_undefined",
+        body: BODY,
+        families: &[SCALE, WRITTEN, MISSING],
+    };
+    assert!(cache::functions(&undefined, "sm_80", None).is_err());
 }
 
 /// What the dense and attention routers pick, over a sweep of shapes, element types and
@@ -270,4 +365,71 @@ fn engine_prefetch_names_instances() {
         }
     }
     assert!(seen > 30, "{seen}");
+}
+
+/// The programs with a quick build (`QUICK_FIRST`; the first instance of each such family)
+/// compile with the quick options at the architectures that define them (of sm_75, sm_86,
+/// sm_90, sm_120) (cubins, as the runtime loads them), and only those programs
+/// have one. Needs libnvrtc.so.13.
+#[test]
+fn quick_builds_compile() {
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_lstm_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_gru_bf16"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_frame_f32"));
+    assert!(ENGINE_RNN.quick_first("engine_rnn_persist_f32"));
+    assert!(!ENGINE_FRAME.quick_first("engine_gemv_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_regs_gru_f32"));
+    assert!(RNN_CLUSTER.quick_first("rnn_cluster_project_f32"));
+    assert!(!NORM.quick_first("layer_norm_f32"));
+    assert!(SELECTIVE_SCAN_F32.quick_first("selective_scan_f32_2x8"));
+    assert!(!SELECTIVE_SCAN_F32.quick_first("selective_scan_mean_dt_f32"));
+    for (file, root) in QUICK_FIRST {
+        let k = ALL
+            .iter()
+            .find(|k| k.name == *file)
+            .expect("a QUICK_FIRST file");
+        assert!(
+            k.families.iter().any(|f| f.root == *root),
+            "QUICK_FIRST names a family {file}.cu lacks: {root}"
+        );
+    }
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!("skipped compiling: libnvrtc.so.13 not found");
+        return;
+    }
+    use fused_kernels_core::cuda::nvrtc;
+    for arch in ["sm_75", "sm_86", "sm_90", "sm_120"] {
+        let level = feature_level(arch).unwrap();
+        for k in ALL {
+            // One instance per family (the quick options act on the compiler, not a family's
+            // template arguments): CI time.
+            let firsts = k
+                .families
+                .iter()
+                .filter(|f| f.levels.contains(level))
+                .filter_map(|f| f.names().into_iter().next());
+            for function in firsts {
+                if !k.quick_first(&function) {
+                    continue;
+                }
+                let build = k.build_of(&function, None).unwrap();
+                let mut options = build.options();
+                options.extend(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()));
+                let started = std::time::Instant::now();
+                let cubin = nvrtc::compile(
+                    k.name,
+                    &k.source(),
+                    &k.target_arch(arch),
+                    nvrtc::Target::Cubin,
+                    &options,
+                )
+                .unwrap_or_else(|e| panic!("quick build of {function} for {arch}: {e}"));
+                assert!(!cubin.is_empty());
+                eprintln!(
+                    "quick build of {function} for {arch}: {:.0} ms",
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
 }

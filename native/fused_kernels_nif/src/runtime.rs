@@ -212,7 +212,8 @@ fn kernel_prefill<'a>(
 
 /// Compiles (or reads from the cache dir) and loads, on `device`, every kernel program the
 /// ops named in `ops` (strings: `"lstm"`, `"dense"`, ...) may launch there, several at once,
-/// printing one line per program. Returns the number of programs.
+/// and waits for the full build of every program served by a quick build (see
+/// `Gpu::finish_quick_builds`), printing one line per program. Returns the number of programs.
 #[rustler::nif(schedule = "DirtyIo")]
 fn kernel_warmup<'a>(env: Env<'a>, ops: Term<'a>, device: Term<'a>) -> Term<'a> {
     let result = (|| -> Result<Term<'a>> {
@@ -243,7 +244,10 @@ fn kernel_warmup<'a>(env: Env<'a>, ops: Term<'a>, device: Term<'a>) -> Term<'a> 
             .map(|p| (p.kernel, p.function))
             .collect();
         gpu.warmup(&programs, &|line| eprintln!("{line}"))?;
-        Ok((programs.len() as u64).encode(env))
+        // And the full builds of programs earlier first calls loaded quick builds of (an empty
+        // `ops` waits for just those: a backbone's warmup).
+        let finished = gpu.finish_quick_builds(&|line| eprintln!("{line}"))?;
+        Ok(((programs.len() + finished) as u64).encode(env))
     })();
     reply(env, result)
 }

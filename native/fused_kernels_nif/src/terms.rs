@@ -453,18 +453,31 @@ pub fn field<'a, T: FromTerm<'a>>(name: &str, slot: Option<Term<'a>>) -> Result<
     }
 }
 
-/// `FromTerm` for a struct decoded from a map with one atom key per field:
-/// `nif_map!(Options { scale, causal })` or `nif_map!(Inputs<'a> { x, y })`.
-/// `nif_map!(nested Spec { ... })` names each field under the map's own name in errors
-/// (`spec.embed must be ...`), for a map inside an argument.
+/// A struct decoded from a map with one atom key per field, and its `FromTerm`: the struct
+/// written once, inside the macro (`nif_map! { struct Options { scale: f64, causal: bool } }`,
+/// lifetimes, attributes and visibility as usual). For a struct defined elsewhere, its fields
+/// by name: `nif_map!(Spec { kind, embed })`. `nested` before either names each field under the
+/// map's own name in errors (`spec.embed must be ...`), for a map inside an argument.
 macro_rules! nif_map {
     (nested $name:ident { $($field:ident),* $(,)? }) => {
-        $crate::terms::nif_map!(@impl true, $name { $($field),* });
+        $crate::terms::nif_map!(@from_term true, $name { $($field),* });
     };
     ($name:ident $(<$l:lifetime>)? { $($field:ident),* $(,)? }) => {
-        $crate::terms::nif_map!(@impl false, $name $(<$l>)? { $($field),* });
+        $crate::terms::nif_map!(@from_term false, $name $(<$l>)? { $($field),* });
     };
-    (@impl $nested:literal, $name:ident $(<$l:lifetime>)? { $($field:ident),* }) => {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident $(<$l:lifetime>)? {
+            $($(#[$fmeta:meta])* $fvis:vis $field:ident: $ty:ty),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        $vis struct $name $(<$l>)? {
+            $($(#[$fmeta])* $fvis $field: $ty),*
+        }
+        $crate::terms::nif_map!(@from_term false, $name $(<$l>)? { $($field),* });
+    };
+    (@from_term $nested:literal, $name:ident $(<$l:lifetime>)? { $($field:ident),* }) => {
         impl<'a> $crate::terms::FromTerm<'a> for $name $(<$l>)? {
             const WHAT: &'static str = "maps";
 

@@ -31,14 +31,28 @@
 // One kernel per program: the runtime defines FK_ONLY as the name of the kernel a call needs,
 // and every other kernel of the file compiles to an empty body (instantiating nothing), so a
 // first call compiles only what it launches. CI builds each file whole (no FK_ONLY). Each
-// kernel's body is `if constexpr (FK_WANT(its name)) { ... }`.
+// kernel's body is `if constexpr (FK_WANT(its name)) { ... }`; FK_LISTED_<name> comes from
+// the file's instance table (kernels.rs), so a kernel the table lacks does not compile.
 #define FK_STR_(x) #x
 #define FK_STR(x) FK_STR_(x)
 __host__ __device__ constexpr bool fk_same(const char* a, const char* b) {
   return *a == *b && (*a == '\0' || fk_same(a + 1, b + 1));
 }
 #ifdef FK_ONLY
-#define FK_WANT(name) fk_same(#name, FK_STR(FK_ONLY))
+#define FK_WANT(name) (FK_LISTED_##name && fk_same(#name, FK_STR(FK_ONLY)))
 #else
-#define FK_WANT(name) true
+#define FK_WANT(name) FK_LISTED_##name
 #endif
+
+// An element type by its kernel-name part (DType::kernel_suffix), for the instance macros.
+#define FK_T(TN) FK_T_##TN
+#define FK_T_f32 float
+#define FK_T_f16 fk_f16
+#define FK_T_bf16 fk_bf16
+// The cell by its name part (true: LSTM).
+#define FK_LSTM(CN) FK_LSTM_##CN
+#define FK_LSTM_lstm true
+#define FK_LSTM_gru false
+// Calls macro M with the arguments that `...` expands to (a part looked up as a list of
+// template arguments, e.g. a tile's sizes).
+#define FK_EXPAND(M, ...) M(__VA_ARGS__)

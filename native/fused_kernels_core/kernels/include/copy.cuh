@@ -38,6 +38,31 @@ __device__ __forceinline__ unsigned fk_ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void fk_red_release_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// A flag set after this thread's writes (and those a barrier ordered before them).
+__device__ __forceinline__ void fk_st_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// A counter added to and read back at once (release: this thread's writes go before it;
+// acquire: the thread that completes a count sees every write released before it). The old
+// value.
+__device__ __forceinline__ unsigned fk_atom_add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+// The same at system scope: words in page-locked host memory mapped into the device, which the
+// host reads and writes while a kernel runs.
+__device__ __forceinline__ unsigned fk_ld_acquire_sys(const volatile unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fk_st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 
 #if FK_ARCH >= 800
 // 16 bytes to shared address `dst` (as fk_smem_addr gives it) of which the first `bytes` are

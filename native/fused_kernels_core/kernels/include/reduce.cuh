@@ -84,7 +84,7 @@ __device__ __forceinline__ float2 fk_warp_moments(F at, int n, bool centre, floa
   float q = 0.0f;
   for (int j = lane; j < n; j += 32) {
     const float d = at(j) - mean;
-    q += d * d;
+    q = fmaf(d, d, q);
   }
   return make_float2(mean, rsqrtf(mean_of(fk_warp_sum(q)) + eps));
 }

@@ -8,7 +8,7 @@
 template <class A>
 __device__ __forceinline__ float fk_lstm_cell(float i, float f, float g, float o, float& c) {
   const float ig = A::sigmoid(i), fg = A::sigmoid(f), gg = A::tanh(g), og = A::sigmoid(o);
-  c = fg * c + ig * gg;
+  c = fmaf(fg, c, ig * gg);
   return og * A::tanh(c);
 }
 
@@ -18,6 +18,6 @@ template <class A>
 __device__ __forceinline__ float fk_gru_cell(float r_pre, float z_pre, float xn, float hn,
                                              float h_prev) {
   const float r = A::sigmoid(r_pre), z = A::sigmoid(z_pre);
-  const float n = A::tanh(xn + r * hn);
-  return (1.0f - z) * n + z * h_prev;
+  const float n = A::tanh(fmaf(r, hn, xn));
+  return fmaf(1.0f - z, n, z * h_prev);
 }

@@ -183,7 +183,14 @@ fn main() -> ExitCode {
     let ptx_of: Mutex<Vec<(&'static str, String, String)>> = Mutex::new(Vec::new());
     run_parallel(&jobs, o.jobs, |(k, target)| {
         let t0 = Instant::now();
-        match compile(k.name, &k.source(), target, Target::Ptx, &[]) {
+        // With the file's options (an exact file's `--fmad=false`): what the runtime runs.
+        match compile(
+            k.name,
+            &k.source(),
+            target,
+            Target::Ptx,
+            &k.build(None, None).options(),
+        ) {
             Ok(ptx) => {
                 let ptx = String::from_utf8_lossy(&ptx).into_owned();
                 let entries = cache::ptx_entries(&ptx);

@@ -538,6 +538,17 @@ mod lanes {
         }
     }
 
+    /// `[T; 2]`'s methods `f(self, args..) -> Self`: `f` of each half with the same half of
+    /// each argument.
+    macro_rules! pairwise {
+        ($($f:ident($($a:ident),*)),* $(,)?) => {$(
+            #[inline(always)]
+            unsafe fn $f(self $(, $a: Self)*) -> Self {
+                [self[0].$f($($a[0]),*), self[1].$f($($a[1]),*)]
+            }
+        )*};
+    }
+
     /// Two vectors as one: every operation applied to both, written one after the other, so
     /// that the two evaluations' long dependency chains interleave (the functions here are
     /// latency-bound on one vector: a gelu's chain is ~100 cycles).
@@ -557,57 +568,9 @@ mod lanes {
             self[0].store(p);
             self[1].store(p.add(T::LANES));
         }
-        #[inline(always)]
-        unsafe fn add(self, b: Self) -> Self {
-            [self[0].add(b[0]), self[1].add(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn sub(self, b: Self) -> Self {
-            [self[0].sub(b[0]), self[1].sub(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn mul(self, b: Self) -> Self {
-            [self[0].mul(b[0]), self[1].mul(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn div(self, b: Self) -> Self {
-            [self[0].div(b[0]), self[1].div(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn min(self, b: Self) -> Self {
-            [self[0].min(b[0]), self[1].min(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn max(self, b: Self) -> Self {
-            [self[0].max(b[0]), self[1].max(b[1])]
-        }
-        #[inline(always)]
-        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
-            [self[0].fmadd(b[0], c[0]), self[1].fmadd(b[1], c[1])]
-        }
-        #[inline(always)]
-        unsafe fn fnmadd(self, b: Self, c: Self) -> Self {
-            [self[0].fnmadd(b[0], c[0]), self[1].fnmadd(b[1], c[1])]
-        }
-        #[inline(always)]
-        unsafe fn round(self) -> Self {
-            [self[0].round(), self[1].round()]
-        }
-        #[inline(always)]
-        unsafe fn ldexp(self, n: Self) -> Self {
-            [self[0].ldexp(n[0]), self[1].ldexp(n[1])]
-        }
-        #[inline(always)]
-        unsafe fn pow2(self) -> Self {
-            [self[0].pow2(), self[1].pow2()]
-        }
-        #[inline(always)]
-        unsafe fn abs(self) -> Self {
-            [self[0].abs(), self[1].abs()]
-        }
-        #[inline(always)]
-        unsafe fn sign_onto(self, mag: Self) -> Self {
-            [self[0].sign_onto(mag[0]), self[1].sign_onto(mag[1])]
+        pairwise! {
+            add(b), sub(b), mul(b), div(b), min(b), max(b), fmadd(b, c), fnmadd(b, c), round(),
+            ldexp(n), pow2(), abs(), sign_onto(mag)
         }
         #[inline(always)]
         unsafe fn lt(self, b: Self) -> Self::Mask {
@@ -676,22 +639,29 @@ mod lanes {
     pub unsafe fn exp<T: V>(x: T) -> T {
         // max/min with x second propagate NaN.
         let x = splat::<T>(89.0).min(splat::<T>(-104.0).max(x));
-        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
-        let r = n.fnmadd(splat(0.693_359_4), x);
-        let r = n.fnmadd(splat(-2.121_944_4e-4), r);
-        let p = poly(
-            &[
-                5.000_000_1e-1,
-                1.666_666_5e-1,
-                4.166_579_6e-2,
-                8.333_452e-3,
-                1.398_2e-3,
-                1.987_569_1e-4,
-            ],
-            r,
-        );
+        let (n, r) = exp_split(x);
+        let p = poly(&EXP_POLY, r);
         let y = p.fmadd(r.mul(r), r).add(splat(1.0));
         y.ldexp(n)
+    }
+
+    /// exp's polynomial: e^r = 1 + r + r²·p(r) for |r| <= ln2/2.
+    const EXP_POLY: [f32; 6] = [
+        5.000_000_1e-1,
+        1.666_666_5e-1,
+        4.166_579_6e-2,
+        8.333_452e-3,
+        1.398_2e-3,
+        1.987_569_1e-4,
+    ];
+
+    /// x = n·ln2 + r with n an integer (as a float) and |r| <= ln2/2, ln2 in two parts so
+    /// that r keeps its low bits.
+    #[inline(always)]
+    unsafe fn exp_split<T: V>(x: T) -> (T, T) {
+        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
+        let r = n.fnmadd(splat(0.693_359_4), x);
+        (n, n.fnmadd(splat(-2.121_944_4e-4), r))
     }
 
     /// [`exp`] for x in [-87, 88] (finite, normal result), or NaN: the same polynomial
@@ -700,20 +670,8 @@ mod lanes {
     /// third cheaper.
     #[inline(always)]
     unsafe fn exp_normal<T: V>(x: T) -> T {
-        let n = x.mul(splat(std::f32::consts::LOG2_E)).round();
-        let r = n.fnmadd(splat(0.693_359_4), x);
-        let r = n.fnmadd(splat(-2.121_944_4e-4), r);
-        let p = poly_estrin(
-            &[
-                5.000_000_1e-1,
-                1.666_666_5e-1,
-                4.166_579_6e-2,
-                8.333_452e-3,
-                1.398_2e-3,
-                1.987_569_1e-4,
-            ],
-            r,
-        );
+        let (n, r) = exp_split(x);
+        let p = poly_estrin(&EXP_POLY, r);
         let y = p.fmadd(r.mul(r), r).add(splat(1.0));
         y.mul(n.pow2())
     }

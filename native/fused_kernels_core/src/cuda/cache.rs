@@ -79,7 +79,7 @@ pub fn entry_name(
     build: &Build,
 ) -> String {
     let options = nvrtc::OPTIONS.join(" ");
-    let defines = build.defines().join(" ");
+    let defines = build.options().join(" ");
     let mut parts: Vec<&[u8]> = vec![
         source.as_bytes(),
         arch.as_bytes(),
@@ -103,18 +103,73 @@ pub fn entry_name(
 }
 
 pub fn read(path: &Path) -> Option<Vec<u8>> {
-    std::fs::read(path).ok().filter(|b| !b.is_empty())
+    let bytes = std::fs::read(path).ok()?;
+    if elf_fits(&bytes) {
+        return Some(bytes);
+    }
+    if !bytes.is_empty() {
+        eprintln!(
+            "[fused_kernels] ignoring cache entry {} (not a whole cubin); recompiling",
+            path.display()
+        );
+    }
+    None
 }
 
-/// Writes through a temporary file and a rename, so a reader in another process never sees
-/// half an entry.
+/// Whether `bytes` is an ELF64 image whose headers and sections all lie inside it: the driver's
+/// module load takes a pointer and no length, and reads wherever the headers point, so a cut
+/// or foreign file must never reach it.
+pub fn elf_fits(bytes: &[u8]) -> bool {
+    let word = |at: usize, n: usize| -> Option<u64> {
+        let b = bytes.get(at..at.checked_add(n)?)?;
+        Some(b.iter().rev().fold(0u64, |v, &x| (v << 8) | x as u64))
+    };
+    let inside = |off: u64, len: u64| {
+        off.checked_add(len)
+            .is_some_and(|end| end <= bytes.len() as u64)
+    };
+    // ELF magic, 64-bit, little-endian.
+    if bytes.len() < 64 || bytes[..4] != *b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return false;
+    }
+    let (Some(phoff), Some(shoff)) = (word(0x20, 8), word(0x28, 8)) else {
+        return false;
+    };
+    let (Some(phsize), Some(phnum), Some(shsize), Some(shnum)) =
+        (word(0x36, 2), word(0x38, 2), word(0x3a, 2), word(0x3c, 2))
+    else {
+        return false;
+    };
+    if !inside(phoff, phsize * phnum) || !inside(shoff, shsize * shnum) || shsize < 64 && shnum > 0
+    {
+        return false;
+    }
+    (0..shnum).all(|i| {
+        let at = (shoff + i * shsize) as usize;
+        // SHT_NOBITS (8) takes no room in the file.
+        let (Some(kind), Some(off), Some(size)) =
+            (word(at + 4, 4), word(at + 0x18, 8), word(at + 0x20, 8))
+        else {
+            return false;
+        };
+        kind == 8 || inside(off, size)
+    })
+}
+
+/// Writes through a temporary file and a rename, so a reader never sees half an entry: the
+/// temporary's name is this process's and this write's own (two threads storing the same entry
+/// must not write into one temporary file).
 pub fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    static WRITES: AtomicU64 = AtomicU64::new(0);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
     std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 /// Counters reported by `FusedKernels.info/0`.
@@ -188,10 +243,7 @@ pub fn capability_of(arch: &str) -> Option<(i32, i32)> {
 /// routing as `cap`: the entries of its PTX, what the file's instance table must list
 /// (`kernel_ptx` checks it).
 pub fn functions(kernel: &Kernel, arch: &str, cap: Option<(i32, i32)>) -> Result<Vec<String>> {
-    let build = Build {
-        only: Some(NO_FUNCTION.to_string()),
-        cap: route_cap(arch, cap),
-    };
+    let build = kernel.build(Some(NO_FUNCTION.to_string()), route_cap(arch, cap));
     let target = kernel.target_arch(arch);
     let ptx = nvrtc::compile(
         kernel.name,
@@ -251,10 +303,7 @@ pub fn programs(
                 kernel,
                 function: function.clone(),
                 arch: kernel.target_arch(arch),
-                build: Build {
-                    only: Some(function),
-                    cap,
-                },
+                build: kernel.build(Some(function), cap),
             });
         }
     }
@@ -310,7 +359,7 @@ pub fn prefill(
                         &p.kernel.source(),
                         &p.arch,
                         nvrtc::Target::Cubin,
-                        &p.build.defines(),
+                        &p.build.options(),
                     )
                     .and_then(|cubin| {
                         write(&path, &cubin)

@@ -21,6 +21,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use once_cell::sync::{Lazy, OnceCell};
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -84,9 +85,221 @@ fn probe_uncached() -> std::result::Result<Probe, String> {
     })
 }
 
-/// One loaded program per (file, function): the cell is filled once, by the first caller;
-/// callers of other functions compile theirs at the same time.
-type ModuleCell = Arc<OnceCell<Arc<CudaModule>>>;
+/// The programs loaded on one device, shared by its `on_stream`/`with_new_stream` views.
+#[derive(Default)]
+struct Modules {
+    /// One slot per (file, function); callers of other functions compile theirs at the same
+    /// time.
+    slots: Mutex<HashMap<(&'static str, String), Arc<Slot>>>,
+    /// Moves on whenever a full build replaces a quick one (see `Gpu::modules_generation`).
+    generation: AtomicU64,
+}
+
+/// One program (file, function). `full` is its build as the runtime ships it, filled once by
+/// the first caller (from the disk cache or NVRTC). On a cold cache a program that
+/// `Kernel::quick_first` names fills `quick` first (compiled with `nvrtc::QUICK_OPTIONS`, in a
+/// fraction of the time, never cached on disk) and serves from it until its full build,
+/// compiled on a background thread, fills `full`. Both stay loaded while the device lives: a
+/// captured graph may still hold the quick build's functions.
+#[derive(Default)]
+struct Slot {
+    quick: OnceCell<Arc<CudaModule>>,
+    full: OnceCell<Arc<CudaModule>>,
+}
+
+impl Slot {
+    fn current(&self) -> Option<&Arc<CudaModule>> {
+        self.full.get().or_else(|| self.quick.get())
+    }
+}
+
+/// Which build a caller of `Gpu::module_as` waits for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want {
+    /// What loads soonest: the full build when cached, else a quick build where there is one.
+    First,
+    /// The full build.
+    Full,
+}
+
+/// The full builds compiling in the background. A process that exits while NVRTC runs on
+/// another thread would tear NVRTC's globals down under it (exit runs the library's static
+/// destructors), so exit waits for them (one compile at most, bounded by `EXIT_WAIT`).
+mod background {
+    use std::sync::{Condvar, Mutex, Once};
+    use std::time::Duration;
+
+    static RUNNING: Mutex<usize> = Mutex::new(0);
+    static DONE: Condvar = Condvar::new();
+    static AT_EXIT: Once = Once::new();
+    const EXIT_WAIT: Duration = Duration::from_secs(30);
+
+    extern "C" {
+        fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+    }
+
+    extern "C" fn wait_at_exit() {
+        let Ok(mut n) = RUNNING.lock() else { return };
+        let deadline = std::time::Instant::now() + EXIT_WAIT;
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match DONE.wait_timeout(n, left) {
+                Ok((guard, _)) => n = guard,
+                Err(_) => return,
+            }
+        }
+    }
+
+    pub(super) fn started() {
+        // Registered after NVRTC was loaded (a quick build ran), so it runs before NVRTC's
+        // destructors: exit handlers run in reverse order of registration.
+        AT_EXIT.call_once(|| {
+            // Safety: registers a function without arguments that only takes a lock.
+            unsafe { atexit(wait_at_exit) };
+        });
+        if let Ok(mut n) = RUNNING.lock() {
+            *n += 1;
+        }
+    }
+
+    pub(super) fn finished() {
+        if let Ok(mut n) = RUNNING.lock() {
+            *n = n.saturating_sub(1);
+        }
+        DONE.notify_all();
+    }
+}
+
+/// What loading one program needs, owned, so that a background thread can finish it.
+struct Loader {
+    ctx: Arc<CudaContext>,
+    name: &'static str,
+    function: String,
+    source: String,
+    arch: String,
+    build: Build,
+    nvrtc_version: (i32, i32),
+    /// The full build's cache entry.
+    path: std::path::PathBuf,
+}
+
+impl Loader {
+    fn new(gpu: &Gpu, kernel: &Kernel, function: &str) -> Result<Loader> {
+        let arch = kernel.target_arch(&gpu.arch());
+        let source = kernel.source();
+        let build = if function.is_empty() {
+            kernel.build(None, gpu.route_cap())
+        } else {
+            kernel
+                .build_of(function, gpu.route_cap())
+                .map_err(Error::Cuda)?
+        };
+        let nvrtc_version = probe()?.nvrtc_version;
+        let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version, &build);
+        Ok(Loader {
+            ctx: gpu.ctx.clone(),
+            name: kernel.name,
+            function: function.to_string(),
+            source,
+            arch,
+            build,
+            nvrtc_version,
+            path,
+        })
+    }
+
+    fn what(&self) -> &str {
+        if self.function.is_empty() {
+            "every function"
+        } else {
+            &self.function
+        }
+    }
+
+    fn routed(&self) -> String {
+        match self.build.cap {
+            Some((major, minor)) => format!(" as compute capability {major}.{minor}"),
+            None => String::new(),
+        }
+    }
+
+    /// The full build: the cache entry, else NVRTC (then stored in the cache).
+    fn load(&self) -> Result<Arc<CudaModule>> {
+        if let Some(cubin) = cache::read(&self.path) {
+            match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+                Ok(m) => {
+                    cache::STATS.record_disk_hit();
+                    return Ok(m);
+                }
+                Err(e) => eprintln!(
+                    "[fused_kernels] ignoring unloadable cache entry {} ({}); recompiling",
+                    self.path.display(),
+                    Error::from(e)
+                ),
+            }
+        }
+        let started = Instant::now();
+        let cubin = nvrtc::compile(
+            self.name,
+            &self.source,
+            &self.arch,
+            nvrtc::Target::Cubin,
+            &self.build.options(),
+        )?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        cache::STATS.record_compile();
+        let stored = match cache::write(&self.path, &cubin) {
+            Ok(()) => format!("cached at {}", self.path.display()),
+            Err(e) => format!("not cached ({e})"),
+        };
+        eprintln!(
+            "[fused_kernels] compiled {} ({}.cu) for {}{} with NVRTC {}.{} in {ms:.1} ms; {stored}",
+            self.what(),
+            self.name,
+            self.arch,
+            self.routed(),
+            self.nvrtc_version.0,
+            self.nvrtc_version.1
+        );
+        Ok(self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?)
+    }
+
+    /// The quick build (not cached: it serves only while the full build compiles).
+    fn quick(&self) -> Result<Arc<CudaModule>> {
+        let started = Instant::now();
+        let options: Vec<String> = self
+            .build
+            .options()
+            .into_iter()
+            .chain(nvrtc::QUICK_OPTIONS.iter().map(|o| o.to_string()))
+            .collect();
+        let cubin = nvrtc::compile(
+            self.name,
+            &self.source,
+            &self.arch,
+            nvrtc::Target::Cubin,
+            &options,
+        )?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        cache::STATS.record_compile();
+        eprintln!(
+            "[fused_kernels] compiled the quick build of {} ({}.cu) for {}{} in {ms:.1} ms; \
+             the full build follows in the background",
+            self.what(),
+            self.name,
+            self.arch,
+            self.routed()
+        );
+        Ok(self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?)
+    }
+}
 
 /// One device: its primary context, the stream all our work is ordered on, and the modules
 /// loaded so far. All ops of a device run on its one stream, so work submitted from many
@@ -104,9 +317,59 @@ pub struct Gpu {
     pub device_capability: (i32, i32),
     pub name: String,
     /// Shared with the `Gpu`s that `on_stream` makes for this device.
-    modules: Arc<Mutex<HashMap<(&'static str, String), ModuleCell>>>,
+    modules: Arc<Modules>,
     /// Shared with the `Gpu`s that `on_stream` makes (see `with_blas`).
-    blas: Arc<OnceCell<std::result::Result<Mutex<CudaBlas>, String>>>,
+    blas: Arc<BlasCell>,
+}
+
+/// A cuBLAS handle made at first use (or the error that kept it from being made).
+type BlasSlot = OnceCell<std::result::Result<Mutex<CudaBlas>, String>>;
+
+/// The cuBLAS handle of one `Gpu` (and the views sharing it). When the last of them goes, the
+/// handle goes to `SPARE_BLAS` rather than to `cublasDestroy`: cuBLAS's destroy synchronizes
+/// the whole context (`cuCtxSynchronize`), and with engines on other threads capturing graphs
+/// that crashed inside the driver (H100, `engine_cuda` with 4-8 test threads, natively and
+/// routed as sm_86: SIGSEGV in libcuda under `cublasDestroy_v2` from an engine's drop while
+/// another thread was in `cuGraphInstantiate`). A process keeps at most as many handles as
+/// it had engines alive at once.
+struct BlasCell {
+    ordinal: usize,
+    /// The stream the handle's calls were queued on last (the owner's).
+    stream: Arc<CudaStream>,
+    slot: BlasSlot,
+}
+
+impl BlasCell {
+    fn new(ordinal: usize, stream: &Arc<CudaStream>) -> Arc<BlasCell> {
+        Arc::new(BlasCell {
+            ordinal,
+            stream: stream.clone(),
+            slot: OnceCell::new(),
+        })
+    }
+}
+
+/// Handles of engines that are gone, per device ordinal, for the next engine's first GEMM.
+static SPARE_BLAS: Mutex<Vec<(usize, CudaBlas)>> = Mutex::new(Vec::new());
+
+impl Drop for BlasCell {
+    fn drop(&mut self) {
+        let Some(Ok(blas)) = self.slot.take() else {
+            return;
+        };
+        let blas = blas.into_inner().unwrap_or_else(|e| e.into_inner());
+        // Its last GEMMs (and its default workspace) are done before another stream takes it:
+        // this stream's work only, not the context's.
+        if self.stream.synchronize().is_ok() {
+            if let Ok(mut spare) = SPARE_BLAS.lock() {
+                spare.push((self.ordinal, blas));
+                return;
+            }
+        }
+        // A stream that failed (a poisoned context) or a poisoned lock: the handle is not
+        // reused, and not destroyed either (see above).
+        std::mem::forget(blas);
+    }
 }
 
 type GpuKey = (usize, Option<(i32, i32)>);
@@ -180,8 +443,8 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
             stream: native.stream.clone(),
             compute_capability: routed,
             device_capability: native.device_capability,
-            modules: Arc::new(Mutex::new(HashMap::new())),
-            blas: Arc::new(OnceCell::new()),
+            modules: Arc::new(Modules::default()),
+            blas: BlasCell::new(ordinal, &native.stream),
         });
         gpus.insert((ordinal, cap), view.clone());
         return Ok(view);
@@ -202,15 +465,16 @@ pub fn gpu_as(ordinal: Option<usize>, cap: Option<(i32, i32)>) -> Result<Arc<Gpu
             compute_capability.0, compute_capability.1
         )));
     }
+    let stream = ctx.default_stream();
     let g = Arc::new(Gpu {
         ordinal,
         name: ctx.name()?,
-        stream: ctx.default_stream(),
+        blas: BlasCell::new(ordinal, &stream),
+        stream,
         ctx,
         compute_capability,
         device_capability: compute_capability,
-        modules: Arc::new(Mutex::new(HashMap::new())),
-        blas: Arc::new(OnceCell::new()),
+        modules: Arc::new(Modules::default()),
     });
     gpus.insert((ordinal, None), g.clone());
     Ok(g)
@@ -239,20 +503,21 @@ impl Gpu {
     }
 
     /// This device with its work ordered on a new stream of its own (a backbone engine's):
-    /// loaded modules are shared with `self`; the cuBLAS handle is the new value's own, bound
-    /// to the new stream. Nothing orders the new stream after `self.stream`: buffers must be
+    /// loaded modules are shared with `self`; the cuBLAS handle is the new value's own (one
+    /// left by an engine that is gone, or a new one: `BlasCell`), bound to the new stream. Nothing orders the new stream after `self.stream`: buffers must be
     /// made and used on the returned value's stream only (see `gpu` on event tracking).
     pub fn with_new_stream(&self) -> Result<Gpu> {
         self.bind()?;
+        let stream = self.ctx.new_stream()?;
         Ok(Gpu {
             ordinal: self.ordinal,
-            stream: self.ctx.new_stream()?,
+            blas: BlasCell::new(self.ordinal, &stream),
+            stream,
             ctx: self.ctx.clone(),
             compute_capability: self.compute_capability,
             device_capability: self.device_capability,
             name: self.name.clone(),
             modules: self.modules.clone(),
-            blas: Arc::new(OnceCell::new()),
         })
     }
 
@@ -335,10 +600,20 @@ impl Gpu {
     /// Compiles (or reads from the disk cache) and loads the programs of `functions` ahead of
     /// their first call, several at once (one thread per core, at most one per function).
     /// `progress` gets one line per function as it finishes. Returns the first error.
+    /// Full builds: a program whose first use loaded a quick build waits for its full one.
     pub fn warmup(
         &self,
         functions: &[(&'static Kernel, String)],
         progress: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        self.warmup_as(functions, progress, Want::Full)
+    }
+
+    fn warmup_as(
+        &self,
+        functions: &[(&'static Kernel, String)],
+        progress: &(dyn Fn(&str) + Sync),
+        want: Want,
     ) -> Result<()> {
         let workers = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -355,7 +630,9 @@ impl Gpu {
                         break;
                     };
                     let started = Instant::now();
-                    let result = self.bind().and_then(|_| self.module(kernel, function));
+                    let result = self
+                        .bind()
+                        .and_then(|_| self.module_as(kernel, function, want));
                     let ms = started.elapsed().as_secs_f64() * 1e3;
                     match result {
                         Ok(_) => progress(&format!(
@@ -383,8 +660,9 @@ impl Gpu {
     }
 
     /// Starts compiling (or reading from the disk cache) and loading the programs of
-    /// `functions` on background threads, as [`Gpu::warmup`] does, and returns at once: a
-    /// later [`Gpu::function`] of one of them waits for that program (one compile per program)
+    /// `functions` on background threads, as a first call does (a quick build where the cache
+    /// has no full one and the program has a quick build), and returns at once: a later
+    /// [`Gpu::function`] of one of them waits for that program (one compile per program)
     /// instead of compiling the rest one after another. Errors are dropped here: the call that
     /// needs a failed program compiles it again and returns its error. Join the handle to wait
     /// for all of them (None: no thread could be started; the programs compile at first use).
@@ -393,12 +671,12 @@ impl Gpu {
         functions: Vec<(&'static Kernel, String)>,
     ) -> Option<std::thread::JoinHandle<()>> {
         // Programs already loaded (every later call of an op) start no thread.
-        let functions: Vec<_> = match self.modules.lock() {
-            Ok(modules) => functions
+        let functions: Vec<_> = match self.modules.slots.lock() {
+            Ok(slots) => functions
                 .into_iter()
                 .filter(|(k, f)| {
                     let loaded = |key: (&'static str, String)| {
-                        modules.get(&key).is_some_and(|c| c.get().is_some())
+                        slots.get(&key).is_some_and(|s| s.current().is_some())
                     };
                     // A preloaded whole file has every function.
                     !loaded((k.name, f.clone())) && !loaded((k.name, String::new()))
@@ -413,25 +691,34 @@ impl Gpu {
         std::thread::Builder::new()
             .name("fk-prefetch".into())
             .spawn(move || {
-                let _ = gpu.warmup(&functions, &|_| {});
+                let _ = gpu.warmup_as(&functions, &|_| {}, Want::First);
             })
             .ok()
     }
 
     fn module(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
-        // The registry lock is held only to find the function's cell; compilation runs outside
+        self.module_as(kernel, function, Want::First)
+    }
+
+    /// The loaded program of `function` (every function of the file when empty). `Want::First`
+    /// takes what is there or loads soonest: on a cold cache, a program `Kernel::quick_first`
+    /// names loads its quick build and compiles the full one on a background thread, which
+    /// replaces it when done. `Want::Full` waits for the full build.
+    fn module_as(&self, kernel: &Kernel, function: &str, want: Want) -> Result<Arc<CudaModule>> {
+        // The registry lock is held only to find the function's slot; compilation runs outside
         // it, so different functions compile in parallel and one function compiles once.
-        let cell = {
-            let mut modules = self
+        let slot = {
+            let mut slots = self
                 .modules
+                .slots
                 .lock()
                 .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?;
-            modules
+            slots
                 .entry((kernel.name, function.to_string()))
                 .or_default()
                 .clone()
         };
-        if let Some(m) = cell.get() {
+        if let Some(m) = slot.full.get() {
             cache::STATS.record_memory_hit();
             return Ok(m.clone());
         }
@@ -439,89 +726,156 @@ impl Gpu {
             // A preloaded whole file has every function.
             let whole = self
                 .modules
+                .slots
                 .lock()
                 .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?
                 .get(&(kernel.name, String::new()))
-                .and_then(|c| c.get().cloned());
+                .and_then(|c| c.full.get().cloned());
             if let Some(m) = whole {
                 cache::STATS.record_memory_hit();
                 return Ok(m);
             }
         }
-        cell.get_or_try_init(|| self.load(kernel, function))
-            .cloned()
-    }
-
-    fn load(&self, kernel: &Kernel, function: &str) -> Result<Arc<CudaModule>> {
-        let arch = kernel.target_arch(&self.arch());
-        let source = kernel.source();
-        let build = if function.is_empty() {
-            Build {
-                only: None,
-                cap: self.route_cap(),
+        let quick_first =
+            want == Want::First && !function.is_empty() && kernel.quick_first(function);
+        if quick_first {
+            if let Some(m) = slot.quick.get() {
+                cache::STATS.record_memory_hit();
+                return Ok(m.clone());
             }
-        } else {
-            kernel
-                .build_of(function, self.route_cap())
-                .map_err(Error::Cuda)?
-        };
-        let nvrtc_version = probe()?.nvrtc_version;
-        let path = cache::entry_path(kernel.name, &source, &arch, nvrtc_version, &build);
-        if let Some(cubin) = cache::read(&path) {
-            match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+        }
+        // (Hashes the source for the cache key: not on the paths above, which every call of a
+        // loaded program takes.)
+        let loader = Loader::new(self, kernel, function)?;
+        if quick_first && cache::read(&loader.path).is_none() {
+            let mut built = false;
+            match slot.quick.get_or_try_init(|| {
+                built = true;
+                loader.quick()
+            }) {
                 Ok(m) => {
-                    cache::STATS.record_disk_hit();
+                    let m = m.clone();
+                    if built {
+                        self.finish_in_background(slot, loader);
+                    }
                     return Ok(m);
                 }
+                // The full build then, here (its error, if any, is the caller's).
                 Err(e) => eprintln!(
-                    "[fused_kernels] ignoring unloadable cache entry {} ({}); recompiling",
-                    path.display(),
-                    Error::from(e)
+                    "[fused_kernels] the quick build of {function} ({}.cu) failed ({e}); \
+                         compiling the full build",
+                    kernel.name
                 ),
             }
         }
-        let started = Instant::now();
-        let cubin = nvrtc::compile(
-            kernel.name,
-            &source,
-            &arch,
-            nvrtc::Target::Cubin,
-            &build.defines(),
-        )?;
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        cache::STATS.record_compile();
-        let stored = match cache::write(&path, &cubin) {
-            Ok(()) => format!("cached at {}", path.display()),
-            Err(e) => format!("not cached ({e})"),
-        };
-        let routed = match build.cap {
-            Some((major, minor)) => format!(" as compute capability {major}.{minor}"),
-            None => String::new(),
-        };
-        eprintln!(
-            "[fused_kernels] compiled {} ({}.cu) for {arch}{routed} with NVRTC {}.{} in {ms:.1} ms; {stored}",
-            if function.is_empty() { "every function" } else { function },
-            kernel.name, nvrtc_version.0, nvrtc_version.1
-        );
-        Ok(self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?)
+        slot.full.get_or_try_init(|| loader.load()).cloned()
     }
 
-    /// Runs `f` with this device's cuBLAS handle (created on first use), set to this value's
-    /// stream. The handle is shared (with the `on_stream` views too), so calls are serialised
-    /// by a lock; the GEMMs it queues are ordered with every other op on the stream.
+    /// Compiles the full build of a program whose quick build was just loaded, on a thread of
+    /// its own; once it is loaded, calls take it and the module generation moves on (graphs
+    /// captured with the quick build are captured again). If no thread can be started, the
+    /// quick build serves until a `warmup` asks for the full one.
+    fn finish_in_background(&self, slot: Arc<Slot>, loader: Loader) {
+        let modules = self.modules.clone();
+        let function = loader.function.clone();
+        background::started();
+        let spawned = std::thread::Builder::new()
+            .name("fk-full-build".into())
+            .spawn(move || {
+                match slot.full.get_or_try_init(|| loader.load()) {
+                    Ok(m) => {
+                        // Resolved here, so that the first launch of the full build (often
+                        // inside a graph capture) finds the function loaded.
+                        let _ = m.load_function(&loader.function);
+                        modules.generation.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Err(e) => eprintln!(
+                        "[fused_kernels] the full build of {} ({}.cu) failed, its quick build stays: {e}",
+                        loader.function, loader.name
+                    ),
+                }
+                background::finished();
+            });
+        if let Err(e) = spawned {
+            background::finished();
+            eprintln!(
+                "[fused_kernels] no thread for the full build of {function} ({e}); its quick build \
+                 serves until a warmup"
+            );
+        }
+    }
+
+    /// Waits for the full build of every program this device serves from a quick build now
+    /// (compiling it here if its background thread never started), one `progress` line each;
+    /// returns how many. `warmup` callers that ran first calls use it so that every program is
+    /// at full speed afterwards.
+    pub fn finish_quick_builds(&self, progress: &(dyn Fn(&str) + Sync)) -> Result<usize> {
+        let pending: Vec<((&'static str, String), Arc<Slot>)> = self
+            .modules
+            .slots
+            .lock()
+            .map_err(|_| Error::Cuda("module registry lock poisoned".into()))?
+            .iter()
+            .filter(|(_, slot)| slot.full.get().is_none() && slot.quick.get().is_some())
+            .map(|(key, slot)| (key.clone(), slot.clone()))
+            .collect();
+        for ((file, function), slot) in &pending {
+            let kernel = crate::kernels::ALL
+                .iter()
+                .copied()
+                .find(|k| k.name == *file)
+                .ok_or_else(|| Error::Cuda(format!("no kernel file {file}")))?;
+            let started = Instant::now();
+            let loader = Loader::new(self, kernel, function)?;
+            slot.full.get_or_try_init(|| loader.load())?;
+            progress(&format!(
+                "[fused_kernels] full build of {function} ({file}.cu) ready after {:.0} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            ));
+        }
+        Ok(pending.len())
+    }
+
+    /// Changes whenever a program's full build replaces its quick build on this device: a
+    /// caller that captured launches (a CUDA graph) compares it to capture them again.
+    pub fn modules_generation(&self) -> u64 {
+        self.modules.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether `function` of `kernel` is served by its quick build now (its full build is
+    /// still compiling, see [`Kernel::quick_first`]).
+    pub fn serves_quick_build(&self, kernel: &Kernel, function: &str) -> bool {
+        self.modules
+            .slots
+            .lock()
+            .ok()
+            .and_then(|s| s.get(&(kernel.name, function.to_string())).cloned())
+            .is_some_and(|slot| slot.full.get().is_none() && slot.quick.get().is_some())
+    }
+
+    /// Runs `f` with this device's cuBLAS handle (made or taken over at first use), set to this
+    /// value's stream. The handle is shared (with the `on_stream` views too), so calls are
+    /// serialised by a lock; the GEMMs it queues are ordered with every other op on the stream.
     pub fn with_blas<R>(&self, f: impl FnOnce(&CudaBlas) -> Result<R>) -> Result<R> {
         self.bind()?;
         let blas = self
             .blas
+            .slot
             .get_or_init(|| {
                 if !probe().is_ok_and(|p| p.cublas_present) {
                     return Err("libcublas.so.13 was not found".to_string());
                 }
-                CudaBlas::new(self.stream.clone())
-                    .map(Mutex::new)
-                    .map_err(|e| format!("cuBLAS handle creation failed: {e:?}"))
+                // A handle of an engine that is gone, else a new one (see `BlasCell`).
+                let spare = SPARE_BLAS.lock().ok().and_then(|mut spare| {
+                    let i = spare.iter().position(|(o, _)| *o == self.ordinal)?;
+                    Some(spare.swap_remove(i).1)
+                });
+                match spare {
+                    Some(b) => Ok(Mutex::new(b)),
+                    None => CudaBlas::new(self.stream.clone())
+                        .map(Mutex::new)
+                        .map_err(|e| format!("cuBLAS handle creation failed: {e:?}")),
+                }
             })
             .as_ref()
             .map_err(|e| Error::Unavailable(e.clone()))?;

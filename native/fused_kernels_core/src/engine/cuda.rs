@@ -436,7 +436,6 @@ struct FrameLayer {
 /// The one-launch LSTM/GRU frame (kernels/engine_rnn.cu) and everything it reads besides the
 /// frame and the stream's state, made once at load.
 struct RnnFrame {
-    f: CudaFunction,
     /// Owns the blocked weights that `table` points at.
     _layers: Vec<FrameLayer>,
     /// Per layer the kernel's `FkErLayer`: wi, wh, bias, the layer's norm gamma and beta
@@ -569,7 +568,7 @@ impl RnnFrame {
                 FRAME_SMEM
             };
         let gates = if s.kind == Kind::Lstm { 4 } else { 3 };
-        let persist = match gpu.function(&ENGINE_RNN, "engine_rnn_persist_f32") {
+        let persist = match gpu.function(&ENGINE_RNN, super::persist::PERSIST_FUNCTION) {
             Ok(pf) => {
                 // Opted in for batch FRAME_MAX_BATCH where the device allows it, else batch 1.
                 let limit = [FRAME_MAX_BATCH, 1]
@@ -590,7 +589,6 @@ impl RnnFrame {
             Err(_) => None,
         };
         Ok(Some(RnnFrame {
-            f,
             table: upload_words(gpu, "frame layers", &words)?,
             _layers: layers,
             input_norm: (addr("input_norm/gamma")?, addr("input_norm/beta")?),
@@ -1213,7 +1211,8 @@ impl CudaEngine {
         state: Option<&CudaState>,
     ) -> Result<Option<Option<(u32, FrameArgs)>>> {
         let sid = state.map_or(0, |st| st.id);
-        let generation = sh.arena.generation;
+        // As `call_inner`: a graph of another arena or module generation is recaptured there.
+        let generation = sh.arena.generation + self.gpu.modules_generation();
         let graph = self
             .graphable(sh.key, state)
             .then(|| {
@@ -1351,7 +1350,9 @@ impl CudaEngine {
         }
         let sid = state.as_ref().map_or(0, |st| st.id);
         let graphable = self.graphable(key, state.as_deref());
-        let generation = sh.arena.generation;
+        // A graph holds the arena's addresses and the functions loaded when it was captured:
+        // either moving on (a reallocation, a full build replacing a quick one) recaptures.
+        let generation = sh.arena.generation + self.gpu.modules_generation();
         let found = sh.graphs.iter().position(|g| g.state == sid);
         if let Some(gi) = found {
             if sh.graphs[gi].generation != generation {
@@ -1958,13 +1959,20 @@ impl CudaEngine {
         let a = self.frame_args(rf, x, out, st, smem)?;
         let mut shared = a.params(ptr(&rf.sync));
         let mut params = shared.ptrs();
-        self.gpu.bind()?;
+        // Looked up per launch (launches are eager or captured, not replayed): on a cold cache
+        // the kernel's quick build serves until its full build lands (`Gpu::function`).
+        let f = self.gpu.function(&ENGINE_RNN, "engine_rnn_frame_f32")?;
+        if smem > FRAME_SMEM {
+            // Once per function handle (the full build's is a new one); `takes` kept `smem`
+            // within what the load allowed.
+            crate::cuda::smem::allow_dynamic_smem(&f, smem)?;
+        }
         // Safety: the kernel's parameters in order, each a live local of the right type;
         // every address is a weight, table, scratch or state tensor of this engine or the
         // shape's staging, alive in its stream's order.
         unsafe {
             cudarc::driver::result::launch_kernel(
-                rf.f.cu_function(),
+                f.cu_function(),
                 (a.grid, 1, 1),
                 (a.threads, 1, 1),
                 a.smem,

@@ -24,11 +24,18 @@ use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
+use crate::kernels::ENGINE_RNN;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::CudaFunction;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+
+/// The kernel (kernels/engine_rnn.cu).
+pub const PERSIST_FUNCTION: &str = "engine_rnn_persist_f32";
+
+/// Dynamic shared memory a launch may use without an opt-in, on every GPU.
+const DEFAULT_SMEM: usize = 48 << 10;
 
 /// Without a frame for this long the kernel leaves (one frame each 16.7 ms, a 60 Hz game,
 /// keeps it running).
@@ -184,6 +191,10 @@ impl FrameArgs {
 pub struct Persist {
     gpu: Arc<Gpu>,
     f: CudaFunction,
+    /// The module generation `f` was looked up at (`Gpu::modules_generation`), and the dynamic
+    /// shared memory `f` is opted in to.
+    generation: u64,
+    opted: usize,
     mbox: PinnedBytes,
     mbox_dev: u64,
     /// `nlayers + 2` words zeroed before each launch.
@@ -238,6 +249,9 @@ impl Persist {
         Ok(Persist {
             gpu: gpu.clone(),
             f,
+            // Looked up again at the first launch (a quick build may have been replaced since).
+            generation: u64::MAX,
+            opted: DEFAULT_SMEM,
             mbox,
             mbox_dev,
             sync,
@@ -463,6 +477,23 @@ impl Persist {
             self.stop()?;
         }
         if self.running.is_none() {
+            // On a cold cache the kernel's quick build serves (`kernels::QUICK_FIRST`) until
+            // its full build lands (the device's module generation moves on): the next launch
+            // takes that one.
+            let generation = self.gpu.modules_generation();
+            if generation != self.generation {
+                if quick {
+                    // A look-up may load a module (milliseconds): not on a normal scheduler.
+                    return Ok(Post::Busy);
+                }
+                self.f = self.gpu.function(&ENGINE_RNN, PERSIST_FUNCTION)?;
+                self.generation = generation;
+                self.opted = DEFAULT_SMEM;
+            }
+            if a.smem as usize > self.opted {
+                crate::cuda::smem::allow_dynamic_smem(&self.f, a.smem as usize)?;
+                self.opted = a.smem as usize;
+            }
             if !self.reserve(a.grid, a.threads, a.smem) {
                 return Ok(Post::NotTaken);
             }
@@ -542,7 +573,8 @@ pub enum Post {
     Posted(u32),
     /// Not for this path now: the caller runs the frame its own way.
     NotTaken,
-    /// (`quick` only) a running kernel must be stopped first, which waits: nothing done.
+    /// (`quick` only) a running kernel must be stopped first, which waits, or its function
+    /// looked up again: nothing done.
     Busy,
 }
 

@@ -25,6 +25,16 @@ pub fn spec(kind: Kind) -> Spec {
     }
 }
 
+/// An LSTM/GRU backbone of these widths and depth, the rest as [`spec`].
+pub fn rnn_spec(kind: Kind, hidden: usize, embed: usize, layers: usize) -> Spec {
+    Spec {
+        hidden,
+        embed,
+        layers,
+        ..spec(kind)
+    }
+}
+
 /// A smaller spec with odd sizes (fast in debug builds).
 pub fn small(kind: Kind) -> Spec {
     Spec {

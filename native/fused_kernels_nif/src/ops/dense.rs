@@ -18,45 +18,31 @@ atom_option!(
     ":none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid or :tanh"
 );
 
-/// The operand slots; each tensor is decoded once the kind is known, under the name that kind
-/// gives it (`Kind::names`: a SwiGLU's `kernel` is its `w_gate`).
-struct Inputs<'a> {
-    x: Term<'a>,
-    kernel: Term<'a>,
-    kernel_up: Option<Term<'a>>,
-    bias: Option<Term<'a>>,
-    bias_up: Option<Term<'a>>,
-    gamma: Option<Term<'a>>,
-    beta: Option<Term<'a>>,
-    residual: Option<Term<'a>>,
+nif_map! {
+    /// The operand slots; each tensor is decoded once the kind is known, under the name that kind
+    /// gives it (`Kind::names`: a SwiGLU's `kernel` is its `w_gate`).
+    struct Inputs<'a> {
+        x: Term<'a>,
+        kernel: Term<'a>,
+        kernel_up: Option<Term<'a>>,
+        bias: Option<Term<'a>>,
+        bias_up: Option<Term<'a>>,
+        gamma: Option<Term<'a>>,
+        beta: Option<Term<'a>>,
+        residual: Option<Term<'a>>,
+    }
 }
-nif_map!(Inputs<'a> {
-    x,
-    kernel,
-    kernel_up,
-    bias,
-    bias_up,
-    gamma,
-    beta,
-    residual
-});
 
-struct Options {
-    kind: Kind,
-    activation: Activation,
-    eps: f64,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct Options {
+        kind: Kind,
+        activation: Activation,
+        eps: f64,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(Options {
-    kind,
-    activation,
-    eps,
-    backend,
-    device,
-    out
-});
 
 /// `dense(%{x, kernel, kernel_up, bias, bias_up, gamma, beta, residual}, %{kind, activation,
 /// eps, backend, device, out})`; absent operands are nil or left out.
@@ -99,11 +85,12 @@ impl<'a> FromTerm<'a> for ResourceArc<PreparedDenseResource> {
     }
 }
 
-struct PrepareInputs<'a> {
-    kernel: Operand<'a>,
-    bias: Option<Operand<'a>>,
+nif_map! {
+    struct PrepareInputs<'a> {
+        kernel: Operand<'a>,
+        bias: Option<Operand<'a>>,
+    }
 }
-nif_map!(PrepareInputs<'a> { kernel, bias });
 
 /// `dense_prepare(%{kernel, bias}, %{})` -> a prepared-kernel resource (bias nil or left out
 /// for none). Packing reads every weight once: a dirty scheduler.
@@ -120,19 +107,21 @@ fn dense_prepare<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<
     reply(env, result)
 }
 
-/// The tensors of a prepared dense call: the prepared `kernel` (with its bias), `x` and an
-/// optional `residual`.
-struct PreparedInputs<'a> {
-    kernel: ResourceArc<PreparedDenseResource>,
-    x: Operand<'a>,
-    residual: Option<Operand<'a>>,
+nif_map! {
+    /// The tensors of a prepared dense call: the prepared `kernel` (with its bias), `x` and an
+    /// optional `residual`.
+    struct PreparedInputs<'a> {
+        kernel: ResourceArc<PreparedDenseResource>,
+        x: Operand<'a>,
+        residual: Option<Operand<'a>>,
+    }
 }
-nif_map!(PreparedInputs<'a> { kernel, x, residual });
 
-struct PreparedOptions {
-    activation: Activation,
+nif_map! {
+    struct PreparedOptions {
+        activation: Activation,
+    }
 }
-nif_map!(PreparedOptions { activation });
 
 /// `dense_prepared(%{kernel: prepared, x, residual}, %{activation})` -> the output triple,
 /// written straight into the result binary.

@@ -36,34 +36,27 @@ impl<'a> FromTerm<'a> for Layout {
     }
 }
 
-struct Inputs<'a> {
-    q: Operand<'a>,
-    k: Operand<'a>,
-    v: Operand<'a>,
+nif_map! {
+    struct Inputs<'a> {
+        q: Operand<'a>,
+        k: Operand<'a>,
+        v: Operand<'a>,
+    }
 }
-nif_map!(Inputs<'a> { q, k, v });
 
-struct Options {
-    layout: Layout,
-    /// `nil`: 1 / sqrt(head_dim).
-    scale: Option<f64>,
-    causal: bool,
-    window: Window,
-    return_lse: bool,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct Options {
+        layout: Layout,
+        /// `nil`: 1 / sqrt(head_dim).
+        scale: Option<f64>,
+        causal: bool,
+        window: Window,
+        return_lse: bool,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(Options {
-    layout,
-    scale,
-    causal,
-    window,
-    return_lse,
-    backend,
-    device,
-    out
-});
 
 /// `flash_attention(%{q, k, v}, %{layout, scale, causal, window, return_lse, backend, device,
 /// out})` → `out` or `{out, lse}`.

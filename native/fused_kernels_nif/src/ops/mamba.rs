@@ -31,35 +31,30 @@ impl<'a> FromTerm<'a> for Kind {
     }
 }
 
-struct ScanInputs<'a> {
-    u: Operand<'a>,
-    delta: Operand<'a>,
-    a: Operand<'a>,
-    b: Operand<'a>,
-    c: Operand<'a>,
-    d: Option<Operand<'a>>,
-    z: Option<Operand<'a>>,
-    delta_bias: Option<Operand<'a>>,
-    initial_state: Option<Operand<'a>>,
+nif_map! {
+    struct ScanInputs<'a> {
+        u: Operand<'a>,
+        delta: Operand<'a>,
+        a: Operand<'a>,
+        b: Operand<'a>,
+        c: Operand<'a>,
+        d: Option<Operand<'a>>,
+        z: Option<Operand<'a>>,
+        delta_bias: Option<Operand<'a>>,
+        initial_state: Option<Operand<'a>>,
+    }
 }
-nif_map!(ScanInputs<'a> { u, delta, a, b, c, d, z, delta_bias, initial_state });
 
-struct ScanOptions {
-    delta_softplus: bool,
-    b_discretization: Discretization,
-    return_last_state: bool,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct ScanOptions {
+        delta_softplus: bool,
+        b_discretization: Discretization,
+        return_last_state: bool,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(ScanOptions {
-    delta_softplus,
-    b_discretization,
-    return_last_state,
-    backend,
-    device,
-    out
-});
 
 /// `selective_scan(%{u, delta, a, b, c, d, z, delta_bias, initial_state}, %{delta_softplus,
 /// b_discretization, return_last_state, backend, device, out})` -> out | {out, last_state}.
@@ -93,29 +88,25 @@ fn selective_scan_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
     reply(env, result)
 }
 
-struct NormInputs<'a> {
-    x: Operand<'a>,
-    /// gamma (LayerNorm) or weight (RMSNorm).
-    weight: Operand<'a>,
-    beta: Option<Operand<'a>>,
-    residual: Option<Operand<'a>>,
+nif_map! {
+    struct NormInputs<'a> {
+        x: Operand<'a>,
+        /// gamma (LayerNorm) or weight (RMSNorm).
+        weight: Operand<'a>,
+        beta: Option<Operand<'a>>,
+        residual: Option<Operand<'a>>,
+    }
 }
-nif_map!(NormInputs<'a> { x, weight, beta, residual });
 
-struct NormOptions {
-    kind: Kind,
-    eps: f64,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct NormOptions {
+        kind: Kind,
+        eps: f64,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(NormOptions {
-    kind,
-    eps,
-    backend,
-    device,
-    out
-});
 
 /// `norm(%{x, weight, beta, residual}, %{kind, eps, backend, device, out})` -> y |
 /// {y, x + residual}.
@@ -139,44 +130,28 @@ fn norm_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> 
     reply(env, result)
 }
 
-/// A Mamba block's weights by name (`FusedKernels.MambaBlock` picks them out of Axon's
-/// params); the optional ones are `nil` or absent.
-pub(crate) struct BlockWeights<'a> {
-    norm_gamma: Operand<'a>,
-    norm_beta: Operand<'a>,
-    in_kernel: Operand<'a>,
-    in_bias: Option<Operand<'a>>,
-    conv_kernel: Operand<'a>,
-    conv_bias: Option<Operand<'a>>,
-    bc_kernel: Operand<'a>,
-    bc_bias: Option<Operand<'a>>,
-    dt_rank_kernel: Operand<'a>,
-    dt_rank_bias: Option<Operand<'a>>,
-    dt_proj_kernel: Operand<'a>,
-    dt_proj_bias: Option<Operand<'a>>,
-    a: Option<Operand<'a>>,
-    d: Option<Operand<'a>>,
-    out_kernel: Operand<'a>,
-    out_bias: Option<Operand<'a>>,
+nif_map! {
+    /// A Mamba block's weights by name (`FusedKernels.MambaBlock` picks them out of Axon's
+    /// params); the optional ones are `nil` or absent.
+    pub(crate) struct BlockWeights<'a> {
+        norm_gamma: Operand<'a>,
+        norm_beta: Operand<'a>,
+        in_kernel: Operand<'a>,
+        in_bias: Option<Operand<'a>>,
+        conv_kernel: Operand<'a>,
+        conv_bias: Option<Operand<'a>>,
+        bc_kernel: Operand<'a>,
+        bc_bias: Option<Operand<'a>>,
+        dt_rank_kernel: Operand<'a>,
+        dt_rank_bias: Option<Operand<'a>>,
+        dt_proj_kernel: Operand<'a>,
+        dt_proj_bias: Option<Operand<'a>>,
+        a: Option<Operand<'a>>,
+        d: Option<Operand<'a>>,
+        out_kernel: Operand<'a>,
+        out_bias: Option<Operand<'a>>,
+    }
 }
-nif_map!(BlockWeights<'a> {
-    norm_gamma,
-    norm_beta,
-    in_kernel,
-    in_bias,
-    conv_kernel,
-    conv_bias,
-    bc_kernel,
-    bc_bias,
-    dt_rank_kernel,
-    dt_rank_bias,
-    dt_proj_kernel,
-    dt_proj_bias,
-    a,
-    d,
-    out_kernel,
-    out_bias
-});
 
 impl<'a> BlockWeights<'a> {
     pub(crate) fn weights(&'a self) -> Weights<'a> {
@@ -201,27 +176,19 @@ impl<'a> BlockWeights<'a> {
     }
 }
 
-/// The options of `mamba_block` and `mamba_block_state`.
-pub(crate) struct BlockOptions {
-    eps: f64,
-    dt_min: f64,
-    dt_max: f64,
-    b_discretization: Discretization,
-    residual: bool,
-    pub(crate) backend: AtomName,
-    pub(crate) device: Device,
-    pub(crate) out: Placement,
+nif_map! {
+    /// The options of `mamba_block` and `mamba_block_state`.
+    pub(crate) struct BlockOptions {
+        eps: f64,
+        dt_min: f64,
+        dt_max: f64,
+        b_discretization: Discretization,
+        residual: bool,
+        pub(crate) backend: AtomName,
+        pub(crate) device: Device,
+        pub(crate) out: Placement,
+    }
 }
-nif_map!(BlockOptions {
-    eps,
-    dt_min,
-    dt_max,
-    b_discretization,
-    residual,
-    backend,
-    device,
-    out
-});
 
 impl BlockOptions {
     pub(crate) fn params(&self) -> Result<mamba_block::Params> {
@@ -235,11 +202,12 @@ impl BlockOptions {
     }
 }
 
-struct BlockInputs<'a> {
-    x: Operand<'a>,
-    weights: BlockWeights<'a>,
+nif_map! {
+    struct BlockInputs<'a> {
+        x: Operand<'a>,
+        weights: BlockWeights<'a>,
+    }
 }
-nif_map!(BlockInputs<'a> { x, weights });
 
 /// `mamba_block(%{x, weights: %{norm_gamma, ...}}, %{eps, dt_min, dt_max, b_discretization,
 /// residual, backend, device, out})`.

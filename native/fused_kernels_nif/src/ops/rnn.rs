@@ -22,28 +22,23 @@ nif_map!(Layer<'a> {
     initial_state
 });
 
-struct Inputs<'a> {
-    x: Operand<'a>,
-    params: Vec<Layer<'a>>,
+nif_map! {
+    struct Inputs<'a> {
+        x: Operand<'a>,
+        params: Vec<Layer<'a>>,
+    }
 }
-nif_map!(Inputs<'a> { x, params });
 
-struct Options {
-    cell: Cell,
-    reverse: bool,
-    precision: Precision,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct Options {
+        cell: Cell,
+        reverse: bool,
+        precision: Precision,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(Options {
-    cell,
-    reverse,
-    precision,
-    backend,
-    device,
-    out
-});
 
 /// `rnn(%{x, params: [layer]}, %{cell, reverse, precision, backend, device, out})` ->
 /// `{sequence, [[state...] per layer]}`.
@@ -88,15 +83,17 @@ impl<'a> FromTerm<'a> for ResourceArc<PreparedRnnResource> {
     }
 }
 
-struct PrepareInputs<'a> {
-    params: Vec<Layer<'a>>,
+nif_map! {
+    struct PrepareInputs<'a> {
+        params: Vec<Layer<'a>>,
+    }
 }
-nif_map!(PrepareInputs<'a> { params });
 
-struct PrepareOptions {
-    cell: Cell,
+nif_map! {
+    struct PrepareOptions {
+        cell: Cell,
+    }
 }
-nif_map!(PrepareOptions { cell });
 
 /// `rnn_prepare(%{params: [layer]}, %{cell})` -> a prepared-weights resource (layers as for
 /// `rnn`, their initial states `[]`). Packing reads every weight once: a dirty scheduler, not
@@ -111,23 +108,21 @@ fn rnn_prepare<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a
     reply(env, result)
 }
 
-/// The tensors of a prepared call.
-struct PreparedInputs<'a> {
-    params: ResourceArc<PreparedRnnResource>,
-    x: Operand<'a>,
-    /// Per layer: `[]` (zeros) or the cell's state tensors; `[]` for zeros everywhere.
-    initial_state: Vec<Vec<Operand<'a>>>,
+nif_map! {
+    /// The tensors of a prepared call.
+    struct PreparedInputs<'a> {
+        params: ResourceArc<PreparedRnnResource>,
+        x: Operand<'a>,
+        /// Per layer: `[]` (zeros) or the cell's state tensors; `[]` for zeros everywhere.
+        initial_state: Vec<Vec<Operand<'a>>>,
+    }
 }
-nif_map!(PreparedInputs<'a> {
-    params,
-    x,
-    initial_state
-});
 
-struct PreparedOptions {
-    reverse: bool,
+nif_map! {
+    struct PreparedOptions {
+        reverse: bool,
+    }
 }
-nif_map!(PreparedOptions { reverse });
 
 /// `rnn_prepared(%{params: prepared, x, initial_state}, %{reverse})` -> `{sequence,
 /// [[state...] per layer]}` as `rnn`, the outputs written straight into the result binaries.

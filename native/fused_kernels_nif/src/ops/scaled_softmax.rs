@@ -4,25 +4,21 @@ use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::scaled_softmax::{run, Params};
 use rustler::{Env, Term};
 
-struct Inputs<'a> {
-    x: Operand<'a>,
+nif_map! {
+    struct Inputs<'a> {
+        x: Operand<'a>,
+    }
 }
-nif_map!(Inputs<'a> { x });
 
-struct Options {
-    scale: f64,
-    causal: bool,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct Options {
+        scale: f64,
+        causal: bool,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(Options {
-    scale,
-    causal,
-    backend,
-    device,
-    out
-});
 
 /// `scaled_softmax(%{x}, %{scale, causal, backend, device, out})`.
 fn scaled_softmax_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {

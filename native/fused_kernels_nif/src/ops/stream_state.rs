@@ -9,23 +9,21 @@ use fused_kernels_core::ops::mamba_block::{self, State};
 use fused_kernels_core::ops::stream_state;
 use rustler::{Encoder, Env, Term};
 
-/// Where a state op runs: the options of `stream_shift_append`.
-struct Target {
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    /// Where a state op runs: the options of `stream_shift_append`.
+    struct Target {
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(Target {
-    backend,
-    device,
-    out
-});
 
-struct ShiftInputs<'a> {
-    cache: Operand<'a>,
-    row: Operand<'a>,
+nif_map! {
+    struct ShiftInputs<'a> {
+        cache: Operand<'a>,
+        row: Operand<'a>,
+    }
 }
-nif_map!(ShiftInputs<'a> { cache, row });
 
 /// `stream_shift_append(%{cache, row}, %{backend, device, out})` -> the cache without its
 /// oldest row and with `row` as its newest.
@@ -39,23 +37,20 @@ fn stream_shift_append_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a
     reply(env, result)
 }
 
-struct ReshapeInputs<'a> {
-    x: Operand<'a>,
+nif_map! {
+    struct ReshapeInputs<'a> {
+        x: Operand<'a>,
+    }
 }
-nif_map!(ReshapeInputs<'a> { x });
 
-struct ReshapeOptions {
-    shape: Shape,
-    backend: AtomName,
-    device: Device,
-    out: Placement,
+nif_map! {
+    struct ReshapeOptions {
+        shape: Shape,
+        backend: AtomName,
+        device: Device,
+        out: Placement,
+    }
 }
-nif_map!(ReshapeOptions {
-    shape,
-    backend,
-    device,
-    out
-});
 
 /// `stream_reshape(%{x}, %{shape, backend, device, out})` -> a copy of x with `shape`.
 fn stream_reshape_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
@@ -67,13 +62,14 @@ fn stream_reshape_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
     reply(env, result)
 }
 
-struct StateInputs<'a> {
-    x: Operand<'a>,
-    weights: BlockWeights<'a>,
-    conv_state: Operand<'a>,
-    ssm_state: Operand<'a>,
+nif_map! {
+    struct StateInputs<'a> {
+        x: Operand<'a>,
+        weights: BlockWeights<'a>,
+        conv_state: Operand<'a>,
+        ssm_state: Operand<'a>,
+    }
 }
-nif_map!(StateInputs<'a> { x, weights, conv_state, ssm_state });
 
 /// `mamba_block_state(%{x, weights, conv_state, ssm_state}, options)` (the options of
 /// `mamba_block`) -> `{out, conv_state, ssm_state}`.

@@ -14,6 +14,7 @@ use super::{batched, cluster, mma, persistent, resident};
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::dtype::DType;
 use crate::error::{arg_error, Result};
+use crate::kernels::{kernel_name, Kernel, RNN_CLUSTER};
 use crate::operand::Operand;
 use std::sync::Arc;
 
@@ -253,7 +254,12 @@ pub(super) fn run(
 /// The cluster size to run batch-1 groups at, or None when this call does not use clusters
 /// (another path forced, batch > 1, no sequence, no sm_90, or `tuning.no_cluster` without the
 /// path forced).
-fn cluster_ctas_for(gpu: &Gpu, cell: Cell, g: &Geometry, tuning: &Tuning) -> Result<Option<usize>> {
+fn cluster_ctas_for(
+    gpu: &Arc<Gpu>,
+    cell: Cell,
+    g: &Geometry,
+    tuning: &Tuning,
+) -> Result<Option<usize>> {
     let allowed = match tuning.path {
         Some(Path::Cluster) => true,
         None => !tuning.no_cluster,
@@ -262,10 +268,29 @@ fn cluster_ctas_for(gpu: &Gpu, cell: Cell, g: &Geometry, tuning: &Tuning) -> Res
     if !allowed || g.batch != 1 || g.seq == 0 {
         return Ok(None);
     }
+    // The cluster path's programs compile side by side (a first call on a cold cache would
+    // otherwise compile the recurrence, the register kernel and the projection one after
+    // another: sizing the clusters needs the first, a group the second, its launch the third);
+    // loaded programs start nothing. Not joined: each lookup below waits for its own.
+    if crate::cuda::cluster::supported(gpu) {
+        let _ = gpu.prefetch(cluster_programs(cell, g.dtype));
+    }
     // Unforced, a cluster path that cannot be prepared here (compile, opt-in) is skipped and
     // the other paths serve the call; forced, its error is the answer.
     match cluster::cluster_ctas(gpu, cell, g.dtype, tuning.cluster_ctas) {
         Err(_) if tuning.path.is_none() => Ok(None),
         other => other,
     }
+}
+
+/// The programs of `cell`'s cluster path in `dtype`: the recurrence, the register-weight
+/// recurrence where there is one (f32) and the input projection.
+fn cluster_programs(cell: Cell, dtype: DType) -> Vec<(&'static Kernel, String)> {
+    [0, 1]
+        .into_iter()
+        .filter_map(|regs| cluster::kernel_name(cell, dtype, regs).ok())
+        .chain([kernel_name("rnn_cluster_project", &[&dtype.name()])])
+        .filter(|name| RNN_CLUSTER.has_instance(name))
+        .map(|name| (&RNN_CLUSTER, name))
+        .collect()
 }
