@@ -118,14 +118,11 @@ fn gpu_started_calls_equal_the_ordinary_calls_bit_for_bit() {
                     assert_eq!(got, want, "{tag}: window {k} in halves differs");
                 }
                 println!("{tag}: started {started}/{n} frames, {wstarted}/{m} windows");
-                // Batch-1 LSTM/GRU frames and windows replay or post from their third call
-                // on; the other shapes start where their graph launches quickly enough.
+                // Batch-1 LSTM/GRU frames replay or post from their third call on; windows start
+                // only where their start is short enough (`QUICK_START_NS`: not at these sizes,
+                // whose staging and launch take 7-9 µs on the H100).
                 if b == 1 && matches!(kind, Kind::Gru | Kind::Lstm) {
                     assert!(started >= n - 3, "{tag}: only {started}/{n} frames started");
-                    assert!(
-                        wstarted >= m - 1,
-                        "{tag}: only {wstarted}/{m} windows started"
-                    );
                 }
             }
         }
