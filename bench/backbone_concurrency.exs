@@ -2,25 +2,40 @@
 # per-call median/p99 and aggregate calls/s for 1, 2, 4 and 8 processes. Host window/frame in,
 # host output back, as in `mix bench`.
 #
-# Usage: mix run bench/backbone_concurrency.exs [cuda|cpu] [JSON_PATH]
+# Usage: mix run bench/backbone_concurrency.exs [cuda|cpu] [JSON_PATH] [--only gru|gru1]
+#   [--modes window,frame]
 alias FusedKernels.{Backbone, Sample}
 alias FusedKernels.Backbone.Spec
 
-[backend | rest] = System.argv() ++ ["cuda"]
+{opts, args, _} = OptionParser.parse(System.argv(), strict: [only: :string, modes: :string])
+[backend | rest] = args ++ ["cuda"]
 backend = String.to_existing_atom(backend)
 json = List.first(rest -- ["cuda"])
 calls = if backend == :cuda, do: 300, else: 20
+
+modes =
+  opts
+  |> Keyword.get(:modes, "window,frame")
+  |> String.split(",")
+  |> Enum.map(fn
+    "window" -> :window
+    "frame" -> :frame
+    m -> raise ArgumentError, "--modes: window and/or frame, got #{inspect(m)}"
+  end)
+
+only = Keyword.get(opts, :only)
 
 percentile = fn sorted, p ->
   Enum.at(sorted, min(length(sorted) - 1, trunc(p * length(sorted))))
 end
 
 rows =
-  for {label, spec} <- [
-        {"gru", Spec.new(:gru)},
-        {"gru1 w16", Spec.new(:gru, layers: 1, window: 16)}
+  for {key, label, spec} <- [
+        {"gru", "gru", Spec.new(:gru)},
+        {"gru1", "gru1 w16", Spec.new(:gru, layers: 1, window: 16)}
       ],
-      mode <- [:window, :frame],
+      only in [nil, key],
+      mode <- modes,
       n <- [1, 2, 4, 8] do
     params = Backbone.random_params(spec, 1)
     shape = if mode == :window, do: {1, spec.window, spec.embed}, else: {1, spec.embed}

@@ -7,6 +7,10 @@
 //! - `profile`: the same call with its pieces timed (`engine::cuda::CallTimes`): lock and
 //!   shape look-up, writing the page-locked input, graph launch, waiting for the stream,
 //!   reading the output, and the replayed graph's device time between events;
+//! - `halves`: the call in two halves as the NIF makes it: `start` (`try_start_step` /
+//!   `try_start_predict`: staging, graph launch or persistent post; what the BEAM's normal
+//!   scheduler runs), `finish` (the wait and the read; the dirty scheduler's part) and
+//!   `start+finish`, with how many calls started (the rest ran the ordinary way);
 //! - `floor`: graphs that do (almost) nothing on a stream of their own: empty, one memset
 //!   node, the frame's two staging copies (pinned in, pinned out), both; launched and waited
 //!   for with `cuStreamSynchronize` or by spinning on `cuStreamQuery`: what any call costs.
@@ -15,6 +19,9 @@
 //! (`engine::cpu::run` on a workspace and state of our own, input and output copied the same
 //! way), timed in alternation so that load on the machine hits both alike; `overhead` is the
 //! median of the per-pair differences.
+//!
+//! GPU cases: the two GRUs, then LSTM, attention, Mamba and Jamba at ExPhil's sizes; CPU cases:
+//! the two GRUs.
 //!
 //! Usage: engine_call [--runs N] [--cpu-only] [--gpu-only] [--json FILE]
 
@@ -52,7 +59,13 @@ fn main() {
     ];
     if !cli.flag("--cpu-only") {
         if let Some(gpu) = gpu_for_tests() {
-            for (label, s) in &cases {
+            let more = [
+                ("lstm 2x256 w60", spec(Kind::Lstm)),
+                ("attention", spec(Kind::Attention)),
+                ("mamba", spec(Kind::Mamba)),
+                ("jamba", spec(Kind::Jamba)),
+            ];
+            for (label, s) in cases.iter().chain(&more) {
                 gpu_case(&mut out, label, s, runs);
             }
             floors(&mut out, &gpu, runs);
@@ -150,6 +163,7 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
             }
         }
     }
+    halves(out, label, &engine, &mut st, &frame, &window, runs);
     match engine.graphs() {
         Ok(g) => eprintln!("{label}: graphs {g:?}"),
         Err(e) => eprintln!("{label}: graphs: {e}"),
@@ -158,6 +172,52 @@ fn gpu_case(out: &mut JsonOut, label: &str, s: &Spec, runs: usize) {
         y.iter().chain(&y2).all(|v| v.is_finite()),
         "{label}: output"
     );
+}
+
+/// The call in two halves (`start`, then `finish`), timed apart, for frames and windows.
+fn halves(
+    out: &mut JsonOut,
+    label: &str,
+    engine: &CudaEngine,
+    st: &mut fused_kernels_core::engine::cuda::CudaState,
+    frame: &[f32],
+    window: &[f32],
+    runs: usize,
+) {
+    let (hid, seq) = (engine.spec.hidden, window.len() / engine.spec.embed);
+    let mut y = vec![f32::NAN; hid];
+    for mode in ["frame", "window"] {
+        let (mut start, mut finish, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..runs + 50 {
+            let t0 = Instant::now();
+            let started = if mode == "frame" {
+                engine.try_start_step(st, |b| b.copy_from_slice(frame))
+            } else {
+                engine.try_start_predict(1, seq, |b| b.copy_from_slice(window))
+            }
+            .expect("start");
+            let t1 = Instant::now();
+            match started {
+                Some(h) => {
+                    engine.finish(h, &mut y).expect("finish");
+                    if i >= 50 {
+                        start.push(t1.duration_since(t0).as_nanos() as u64);
+                        finish.push(elapsed(t1));
+                        total.push(elapsed(t0));
+                    }
+                }
+                None if mode == "frame" => engine.step(st, frame, &mut y).expect("step"),
+                None => engine.predict(1, seq, window, &mut y).expect("predict"),
+            }
+        }
+        eprintln!("{label} {mode}: {} of {runs} calls started", start.len());
+        if !start.is_empty() {
+            line(out, label, mode, "start", start);
+            line(out, label, mode, "finish", finish);
+            line(out, label, mode, "start+finish", total);
+        }
+    }
+    assert!(y.iter().all(|v| v.is_finite()), "{label}: halves output");
 }
 
 /// A graph of `f`'s work on `gpu`'s stream, instantiated and uploaded.

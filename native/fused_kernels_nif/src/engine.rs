@@ -5,19 +5,29 @@
 //! scheduler (argument errors come back at once). Then the CPU engine's windows, and its
 //! frames that run long (`SHORT_CPU_STEP_NS`), go to the library's job lanes (`jobs`: windows
 //! to the long lane, frames by size; no dirty scheduler is held while they compute; the reply
-//! comes as a `{ref, reply}` message), its short frames and the CUDA calls continue on a
-//! dirty CPU scheduler (`enif_schedule_nif`; the CUDA engine waits there for the GPU). A GPU
-//! frame is not waited for on the normal scheduler even when it is short: tried on the H100
-//! (a 30-40 µs GRU frame replayed and spun for there), it saved ~7 µs of one caller's median
-//! but put a ~1 ms p99 on every caller once two or more processes shared the schedulers (4
-//! processes: 1.8-2.3x one process's calls/s against 2.9-3.9x through the dirty scheduler).
+//! comes as a `{ref, reply}` message), its short frames continue on a dirty CPU scheduler
+//! (`enif_schedule_nif`).
+//!
+//! A CUDA call is started on the normal scheduler where that waits for nothing
+//! (`CudaEngine::try_start_*`: the engine free, the input written into the page-locked staging,
+//! the shape's CUDA graph replayed or the frame posted to the running persistent kernel), so
+//! the GPU works while the call hops to a dirty CPU scheduler, which only waits for the GPU
+//! and builds the reply (`finish_dirty`, with a `CallTicket`: the started call, its engine and
+//! state). Anything else (the engine busy with another call, a first call of a shape, a
+//! capture, a persistent kernel to stop) continues on a dirty scheduler whole, where the
+//! engine settles a started call before its own (so a caller killed between the halves leaves
+//! nothing stuck: its ticket gives the call up and the next one completes it). Nothing waits
+//! for the GPU on a normal scheduler: tried on the H100 (a 30-40 µs GRU frame replayed and
+//! spun for there), it saved ~7 µs of one caller's median but put a ~1 ms p99 on every caller
+//! once two or more processes shared the schedulers (4 processes: 1.8-2.3x one process's
+//! calls/s against 2.9-3.9x through the dirty scheduler).
 
 use crate::terms::{
     atom_option, decode_args, decode_host, decode_list, encode_dtype, encode_shape, nif_map, reply,
     AtomName, Device, FromTerm, NoOptions,
 };
 use fused_kernels_core::dtype::{decode_f32, encode_f32};
-use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
+use fused_kernels_core::engine::cuda::{CudaEngine, CudaState, Started};
 use fused_kernels_core::engine::plan::{Kind, Params, Plan, Spec};
 use fused_kernels_core::engine::state::State;
 use fused_kernels_core::engine::Engine;
@@ -27,7 +37,7 @@ use fused_kernels_core::{DType, HostTensor};
 use rustler::types::tuple::{get_tuple, make_tuple};
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, TryLockError};
 use std::time::Instant;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -88,6 +98,33 @@ pub struct StateResource {
 
 #[rustler::resource_impl]
 impl rustler::Resource for StateResource {}
+
+/// A CUDA call started on the normal scheduler and finished on a dirty one (`finish_dirty`):
+/// the started call, the engine and the state it runs on (kept alive while it is in flight)
+/// and its reply's shape and type. Dropped unfinished (its process died between the halves),
+/// it gives the call up: the engine's next call completes it.
+pub struct CallTicket {
+    engine: ResourceArc<EngineResource>,
+    _state: Option<ResourceArc<StateResource>>,
+    started: Mutex<Option<Started>>,
+    rows: usize,
+    dtype: DType,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for CallTicket {}
+
+impl Drop for CallTicket {
+    fn drop(&mut self) {
+        let started = match self.started.get_mut() {
+            Ok(s) => s.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let (Some(s), Exec::Cuda(e)) = (started, &self.engine.exec) {
+            e.abandon(s);
+        }
+    }
+}
 
 atom_option!(Kind, ":attention, :lstm, :gru, :mamba or :jamba");
 
@@ -369,6 +406,88 @@ macro_rules! dirty_continuation {
 
 dirty_continuation!(predict_dirty, predict_args, 2);
 dirty_continuation!(step_dirty, step_args, 2);
+dirty_continuation!(finish_dirty, finish_args, 1);
+
+/// The dirty half of a started CUDA call: waits for it and replies with its output.
+fn finish_args<'a>(env: Env<'a>, [ticket]: [Term<'a>; 1]) -> Term<'a> {
+    let result = (|| {
+        let t: ResourceArc<CallTicket> = ticket
+            .decode()
+            .map_err(|_| Error::Cuda("the engine call's ticket is missing".into()))?;
+        let Exec::Cuda(engine) = &t.engine.exec else {
+            return Err(Error::Cuda("a started call on the CPU engine".into()));
+        };
+        let started = t
+            .started
+            .lock()
+            .map_err(|_| Error::Cuda("engine call lock poisoned".into()))?
+            .take()
+            .ok_or_else(|| Error::Cuda("the engine call was finished already".into()))?;
+        output(env, (t.rows, engine.spec.hidden), t.dtype, |out| {
+            engine.finish(started, out)
+        })
+    })();
+    reply(env, result)
+}
+
+/// The started call as a ticket term for `finish_dirty`, or None (nothing started).
+fn ticket<'a>(
+    env: Env<'a>,
+    engine: &ResourceArc<EngineResource>,
+    state: Option<&ResourceArc<StateResource>>,
+    started: Option<Started>,
+    dtype: DType,
+) -> Option<Term<'a>> {
+    let started = started?;
+    let rows = started.rows();
+    Some(
+        ResourceArc::new(CallTicket {
+            engine: engine.clone(),
+            _state: state.cloned(),
+            started: Mutex::new(Some(started)),
+            rows,
+            dtype,
+        })
+        .encode(env),
+    )
+}
+
+/// Starts a CUDA window on this (normal) scheduler where that waits for nothing
+/// (`CudaEngine::try_start_predict`): its ticket, or None.
+fn start_predict<'a>(env: Env<'a>, i: &WindowInputs<'_>) -> Result<Option<Term<'a>>> {
+    let Exec::Cuda(engine) = &i.engine.exec else {
+        return Ok(None);
+    };
+    let (b, t) = (i.window.shape[0], i.window.shape[1]);
+    let started = engine.try_start_predict(b, t, |buf| fill(&i.window, buf))?;
+    Ok(ticket(env, &i.engine, None, started, i.window.dtype))
+}
+
+/// Starts a CUDA frame on this (normal) scheduler where that waits for nothing (the state's
+/// lock free, `CudaEngine::try_start_step`): its ticket, or None.
+fn start_step<'a>(env: Env<'a>, i: &FrameInputs<'_>) -> Result<Option<Term<'a>>> {
+    let Exec::Cuda(engine) = &i.engine.exec else {
+        return Ok(None);
+    };
+    let mut st = match i.state.state.try_lock() {
+        Ok(st) => st,
+        Err(TryLockError::WouldBlock) => return Ok(None),
+        Err(TryLockError::Poisoned(_)) => {
+            return Err(Error::Cuda("backbone state lock poisoned".into()))
+        }
+    };
+    let AnyState::Cuda(st) = &mut *st else {
+        return Err(arg_error("state: belongs to another backbone handle"));
+    };
+    let started = engine.try_start_step(st, |buf| fill(&i.frame, buf))?;
+    Ok(ticket(
+        env,
+        &i.engine,
+        Some(&i.state),
+        started,
+        i.frame.dtype,
+    ))
+}
 
 fn predict_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
     predict(env, inputs, options)
@@ -390,9 +509,17 @@ fn window_args<'a>(inputs: Term<'a>, options: Term<'a>) -> Result<WindowInputs<'
 /// doc).
 #[rustler::nif]
 fn engine_predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
-    match window_args(inputs, options).map(|i| matches!(i.engine.exec, Exec::Cpu(_))) {
-        Err(err) => reply(env, Err(err)),
-        Ok(true) => crate::jobs::submit_to(
+    let i = match window_args(inputs, options) {
+        Ok(i) => i,
+        Err(err) => return reply(env, Err(err)),
+    };
+    match &i.engine.exec {
+        Exec::Cuda(_) => match start_predict(env, &i) {
+            Ok(Some(t)) => on_dirty(env, c"engine_predict", finish_dirty, &[t]),
+            Ok(None) => on_dirty(env, c"engine_predict", predict_dirty, &[inputs, options]),
+            Err(err) => reply(env, Err(err)),
+        },
+        Exec::Cpu(_) => crate::jobs::submit_to(
             env,
             &[inputs, options],
             |env, args| match args {
@@ -401,7 +528,6 @@ fn engine_predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term
             },
             crate::jobs::LaneChoice::Long,
         ),
-        Ok(false) => on_dirty(env, c"engine_predict", predict_dirty, &[inputs, options]),
     }
 }
 
@@ -474,6 +600,11 @@ fn engine_step<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a
     let args = [inputs, options];
     match frame_args(inputs, options) {
         Err(err) => reply(env, Err(err)),
+        Ok(i) if matches!(i.engine.exec, Exec::Cuda(_)) => match start_step(env, &i) {
+            Ok(Some(t)) => on_dirty(env, c"engine_step", finish_dirty, &[t]),
+            Ok(None) => on_dirty(env, c"engine_step", step_dirty, &args),
+            Err(err) => reply(env, Err(err)),
+        },
         Ok(i) if matches!(i.engine.exec, Exec::Cpu(_)) && !cpu_step_is_short(&i.state) => {
             crate::jobs::submit_to(
                 env,

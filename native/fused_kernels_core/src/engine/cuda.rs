@@ -29,9 +29,12 @@
 //! buffer of an engine (weights, states, arenas, cuBLAS workspace) is made on the engine's
 //! stream and only touched by work queued there; uploads at load and state creation/reset
 //! wait for the stream, and every call ends waiting for it, so nothing of an engine is in
-//! flight between calls.
+//! flight between calls, except a call started by `try_start_step`/`try_start_predict` (the
+//! NIF starts calls on the normal scheduler and waits on a dirty one): the engine records it
+//! (`Calls::inflight`) and whatever takes the engine next from a thread that may wait
+//! completes it first (`lock_settled`), its owner's `finish` or anyone else's call.
 
-use super::persist::{FrameArgs, Persist};
+use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::{self, arg};
@@ -98,7 +101,30 @@ struct Graph {
     exec: std::result::Result<Exec, String>,
     /// Captures tried for this graph (see `CAPTURE_ATTEMPTS`).
     attempts: u32,
+    /// Host time (ns) of the last call that replayed it from writing the input to the end of
+    /// the launch: a call may start it on the caller's thread where that is short
+    /// (`QUICK_START_NS`).
+    start_ns: u64,
 }
+
+/// The longest start (input written into the staging, graph launched: host time of the
+/// graph's last replay) that a call makes on the caller's thread (`try_start_*`: the NIF's
+/// normal scheduler, which must not be held for long); a graph whose start took longer runs
+/// its calls the ordinary way (`step_with`/`predict_with` from a dirty scheduler). H100
+/// (benches/engine_call.rs, median and p99): frames 0.4-2.3 µs (p99 <= 4.4; persistent posts
+/// under 0.5 µs, graph launches ~2 µs); windows at ExPhil's sizes 5.3-9.1 µs (p99 9.7-19:
+/// staging 1.2-4 µs, a graph launch with a copy node 7-10 µs), which held the normal
+/// schedulers long enough to show: with 4 processes calling windows on a 2-scheduler VM a
+/// message round trip between two other processes took p99 21.8 µs against 3.1 µs with
+/// every window on the dirty schedulers (`bench/beam_call.exs --load`). So frames start on
+/// the caller's scheduler and windows do where their start is this short (ExPhil's 1-layer
+/// window-16 GRU: 5.3 µs).
+const QUICK_START_NS: u64 = 6_000;
+
+/// The most input values a call writes into its staging on the caller's thread (`try_start_*`):
+/// ExPhil's 60 x 288 window (69 KB of f32, ~6.7 µs to write on the H100's host) and anything
+/// smaller; larger inputs (batch-8 windows: 553 KB) are written on a dirty scheduler.
+const QUICK_INPUT_VALUES: usize = 24 << 10;
 
 /// Captures tried per graph before its shape (or state) stays eager. More than one because a
 /// capture can be invalidated by another engine's work on other threads at the same moment
@@ -131,6 +157,67 @@ struct Shape {
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
+}
+
+/// What the engine's lock guards: every shape seen and the call in flight, if any.
+struct Calls {
+    shapes: Vec<Shape>,
+    /// A call started by `try_start_*` (its work queued on the engine's stream or posted to
+    /// the persistent kernel) whose wait and output are still to come. While it is set the
+    /// shape's staging and the engine's stream are that call's: the next call that takes the
+    /// lock from a thread that may wait completes it first (`lock_settled`), its owner's
+    /// `finish` or not.
+    inflight: Option<InFlight>,
+}
+
+/// The record of a started call: whose it is (`token`), where its output lands (the shape's
+/// output staging, read as `rows` of `seq`) and how it is waited for (the persistent frame
+/// number and arguments, or the engine's stream).
+struct InFlight {
+    token: u64,
+    shape: usize,
+    rows: (usize, usize),
+    persist: Option<(u32, FrameArgs)>,
+}
+
+/// Started calls that another call completed first (`lock_settled`): their outputs (or
+/// errors), kept until their owner's `finish` takes them, and the tokens of started calls
+/// whose owner gave them up (`abandon`) before anyone completed them. Its lock is never held
+/// while waiting for the device, so `abandon` may be called from any thread.
+#[derive(Default)]
+struct Parked {
+    done: Vec<(u64, Result<Vec<f32>>)>,
+    abandoned: Vec<u64>,
+}
+
+static CALL_TOKENS: AtomicU64 = AtomicU64::new(1);
+
+/// A call started by `CudaEngine::try_start_step`/`try_start_predict`: its device work is
+/// under way; `CudaEngine::finish` waits for it and reads its output, `CudaEngine::abandon`
+/// gives it up (the next call completes it and drops the output). One of the two must be
+/// called: a `Started` dropped without either leaves its output parked until the engine goes.
+#[must_use]
+#[derive(Debug)]
+pub struct Started {
+    token: u64,
+    rows: usize,
+}
+
+impl Started {
+    /// The output's rows (the call's batch): `finish` writes `rows * hidden` values.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// How a call runs (`CudaEngine::route`).
+enum Route {
+    /// Posted to the persistent frame kernel as frame number `.0`.
+    Persist(u32, FrameArgs),
+    /// On the engine's stream (a graph or the layers).
+    Stream,
+    /// Not now without waiting (`quick` only): nothing done.
+    Busy,
 }
 
 /// `CudaEngine::graphs`' answer for one shape: `(batch, seq, frame, notes)`.
@@ -193,11 +280,16 @@ pub struct CudaEngine {
     /// Attention/Jamba: the frame kernels (None for the other backbones, or where they could
     /// not be built: frames then run the layer ops).
     frame: Option<FrameFns>,
-    /// Per shape seen, its arena; calls into one engine serialise here (they share it).
-    shapes: Mutex<Vec<Shape>>,
+    /// Per shape seen, its arena, and the call in flight; calls into one engine serialise
+    /// here (they share the stream, the arenas and the staging).
+    calls: Mutex<Calls>,
+    /// Outputs of started calls completed by others, and started calls given up.
+    parked: Mutex<Parked>,
     /// The engine's cuBLAS handle's workspace, set once so that GEMMs captured in a graph
     /// never ask cuBLAS to allocate (None without cuBLAS).
     blas_workspace: Option<DeviceTensor>,
+    /// Buffers of this engine's dropped states, freed under the lock (`Graveyard`).
+    graveyard: Graveyard,
 }
 
 /// cuBLAS workspace per engine (NVIDIA's recommendation for Hopper).
@@ -226,6 +318,30 @@ pub struct CudaState {
     /// LSTM/GRU: per layer the addresses of its h and c (0 for a GRU), the one-launch frame
     /// kernel's `FkErState` table.
     rnn_table: Option<DeviceTensor>,
+    /// The engine's `Graveyard`, where the buffers go when the state is dropped.
+    graveyard: Graveyard,
+}
+
+/// Device buffers of dropped states, freed by the engine's next call under its lock. A state is
+/// dropped wherever its last owner lets go of it (the BEAM collects a state resource on
+/// whichever thread frees its process), and freeing its buffers there queues a free on the
+/// engine's stream at any moment: while another call of the engine captured a graph on that
+/// stream it crashed the CUDA driver (SIGSEGV in cuMemFreeAsync, H100, callers killed while
+/// others streamed; with or without calls in two halves). Under the engine's lock (`lock_settled`)
+/// no capture runs, and a started call still using the state has been completed.
+type Graveyard = Arc<Mutex<Vec<DeviceTensor>>>;
+
+impl Drop for CudaState {
+    fn drop(&mut self) {
+        let bufs = std::mem::take(&mut self.layers)
+            .into_iter()
+            .flatten()
+            .chain(self.rnn_table.take());
+        self.graveyard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(bufs);
+    }
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -794,8 +910,13 @@ impl CudaEngine {
             shift_append,
             rnn_frame,
             frame,
-            shapes: Mutex::new(Vec::new()),
+            calls: Mutex::new(Calls {
+                shapes: Vec::new(),
+                inflight: None,
+            }),
+            parked: Mutex::new(Parked::default()),
             blas_workspace: blas_ws,
+            graveyard: Arc::new(Mutex::new(Vec::new())),
         };
         engine.gpu.synchronize()?;
         if let Some(p) = prefetch {
@@ -828,6 +949,366 @@ impl CudaEngine {
         r
     }
 
+    /// The engine's lock with no call in flight: a started call (`try_start_*`) found there
+    /// is completed first (its work waited for, its output parked for its owner's `finish`,
+    /// or dropped when the owner gave it up). Waits: only for threads that may (a dirty
+    /// scheduler, not a normal one).
+    fn lock_settled(&self) -> Result<std::sync::MutexGuard<'_, Calls>> {
+        let mut calls = self
+            .calls
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        if let Some(f) = calls.inflight.take() {
+            let r = self.complete(&f).and_then(|()| {
+                let mut y = vec![0.0f32; f.rows.0 * self.spec.hidden];
+                self.read_rows(&calls.shapes[f.shape], f.rows, &mut y)?;
+                Ok(y)
+            });
+            let mut parked = self
+                .parked
+                .lock()
+                .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+            match parked.abandoned.iter().position(|&t| t == f.token) {
+                Some(i) => {
+                    parked.abandoned.swap_remove(i);
+                }
+                None => parked.done.push((f.token, r)),
+            }
+        }
+        // Dropped states' buffers: freed (on the stream, after the work queued there) now
+        // that no capture runs (`Graveyard`).
+        let dead = std::mem::take(&mut *self.graveyard.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(dead);
+        Ok(calls)
+    }
+
+    /// Waits for the started call `f`'s work (the persistent kernel's answer or the
+    /// engine's stream); after a failure the stream is waited for too, so that the staging
+    /// and the arena are free for the next call.
+    fn complete(&self, f: &InFlight) -> Result<()> {
+        let r = match (
+            &f.persist,
+            self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()),
+        ) {
+            (Some((k, a)), Some((p, _))) => p
+                .lock()
+                .map_err(|_| Error::Cuda("engine lock poisoned".into()))
+                .and_then(|mut p| p.wait(*k, a)),
+            (Some(_), None) => Err(Error::Cuda(
+                "a persistent frame in flight on an engine without the kernel".into(),
+            )),
+            (None, _) => self.gpu.stream.synchronize().map_err(Error::from),
+        };
+        if r.is_err() {
+            let _ = self.gpu.stream.synchronize();
+        }
+        r
+    }
+
+    /// The last position of each of `rows = (batch, seq)` from `sh`'s output staging into
+    /// `out` (`batch * hidden`).
+    fn read_rows(&self, sh: &Shape, (b, t): (usize, usize), out: &mut [f32]) -> Result<()> {
+        let hid = self.spec.hidden;
+        if out.len() != b * hid {
+            return Err(arg_error("out: must hold batch * hidden values"));
+        }
+        let y = pinned_f32(&sh.output)?;
+        for bi in 0..b {
+            let row = (bi * t + t - 1) * hid;
+            let src = y
+                .get(row..row + hid)
+                .ok_or_else(|| Error::Cuda("output staging shorter than its shape".into()))?;
+            out[bi * hid..(bi + 1) * hid].copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    /// The index of shape `key` in `shapes`, made (page-locked staging allocated) at its
+    /// first call.
+    fn shape_index(&self, shapes: &mut Vec<Shape>, key: (usize, usize, bool)) -> Result<usize> {
+        if let Some(i) = shapes.iter().position(|sh| sh.key == key) {
+            return Ok(i);
+        }
+        let (b, t, _) = key;
+        let s = &self.spec;
+        let extra = if self.counted(key) { COUNT_WORDS } else { 0 };
+        let input = PinnedBytes::new(&self.gpu, (b * t * s.embed + extra) * 4)?;
+        let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
+        let fused = self.rnn_fused(key);
+        let gemv_frame = self.gemv_frame(key);
+        let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
+        shapes.push(Shape {
+            key,
+            arena: Arena {
+                slots: Vec::new(),
+                next: 0,
+                generation: 0,
+                capturing: false,
+            },
+            // A batch-1 LSTM/GRU window on the cluster path is read by every column
+            // block of its first projection: copied to the device once instead.
+            input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
+                || fused
+                || gemv_frame
+            {
+                mapped(&input)
+            } else {
+                None
+            },
+            input,
+            output_dev: if fused
+                || gemv_frame
+                || self.rnn_window_staged(key)
+                || self.tail_window(key)
+            {
+                mapped(&output)
+            } else {
+                None
+            },
+            output,
+            warm: false,
+            graphs: Vec::new(),
+        });
+        Ok(shapes.len() - 1)
+    }
+
+    /// Writes the call's input into `sh`'s page-locked staging with `fill` (no host copy of
+    /// its own, no allocation), and for attention frames the count word (`counted`).
+    fn stage(
+        &self,
+        sh: &mut Shape,
+        fill: impl FnOnce(&mut [f32]),
+        state: Option<&CudaState>,
+    ) -> Result<()> {
+        let (b, t, _) = sh.key;
+        let s = &self.spec;
+        let staged = pinned_f32_mut(&mut sh.input)?;
+        let n = b * t * s.embed;
+        fill(&mut staged[..n]);
+        if let (Some(st), Some(word)) = (state, staged.get_mut(n)) {
+            // The attention frame kernel's `valid_at` (`counted`).
+            *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
+        }
+        Ok(())
+    }
+
+    /// How an LSTM/GRU engine's call of shape `sh` runs: a frame posted to the persistent
+    /// kernel (`Route::Persist`, the input already staged), or on the engine's stream, the
+    /// persistent kernel stopped first since it holds the stream (`Route::Stream`; also for
+    /// every call of the other backbones). With `quick` nothing waits: where a running kernel
+    /// would have to be stopped (or its lock is taken), `Route::Busy` and nothing done.
+    fn route(&self, sh: &Shape, state: Option<&CudaState>, quick: bool) -> Result<Route> {
+        let Some(rf) = &self.rnn_frame else {
+            return Ok(Route::Stream);
+        };
+        let Some((p, limit)) = &rf.persist else {
+            return Ok(Route::Stream);
+        };
+        let mut p = match p.try_lock() {
+            Ok(p) => p,
+            Err(std::sync::TryLockError::WouldBlock) if quick => return Ok(Route::Busy),
+            Err(std::sync::TryLockError::WouldBlock) => p
+                .lock()
+                .map_err(|_| Error::Cuda("engine lock poisoned".into()))?,
+            Err(std::sync::TryLockError::Poisoned(_)) => {
+                return Err(Error::Cuda("engine lock poisoned".into()))
+            }
+        };
+        let stop = |p: &mut Persist| -> Result<Route> {
+            if quick && !p.stop_now()? {
+                return Ok(Route::Busy);
+            }
+            p.stop()?;
+            Ok(Route::Stream)
+        };
+        let (Some(st), true, Some(x), Some(o)) =
+            (state, self.rnn_fused(sh.key), sh.input_dev, sh.output_dev)
+        else {
+            return stop(&mut p);
+        };
+        let (b, h) = (st.batch, self.spec.hidden);
+        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
+        if smem > *limit {
+            return stop(&mut p);
+        }
+        let a = self.frame_args(rf, x, o, st, smem)?;
+        Ok(match p.post(st.id, &a, quick)? {
+            Post::Posted(k) => Route::Persist(k, a),
+            Post::NotTaken => Route::Stream,
+            Post::Busy => Route::Busy,
+        })
+    }
+
+    /// Whether a call of `key` may replay a graph: attention/Jamba frames on the layer ops
+    /// take the count of cached rows as a host argument, so a graph holds only once the cache
+    /// is full (the frame kernels read it from the input).
+    fn graphable(&self, key: (usize, usize, bool), state: Option<&CudaState>) -> bool {
+        match (state, self.spec.kind) {
+            (Some(st), Kind::Attention | Kind::Jamba) if !self.counted(key) => {
+                st.frames >= self.spec.window as u64
+            }
+            _ => true,
+        }
+    }
+
+    /// Starts a call of shape `key` without waiting for anything (for a caller that must not
+    /// wait: the NIF's normal scheduler). Where the engine is free (its lock not taken, no
+    /// call in flight), the input at most `QUICK_INPUT_VALUES` and the call a replay of its
+    /// graph (whose start took at most `QUICK_START_NS` last time) or a frame posted to the
+    /// persistent kernel (launched if it does not run): the input is staged, the work
+    /// launched or posted and the call recorded as in flight. Ok(None): nothing started (the
+    /// staging may have been written), the caller takes the ordinary path (always for a
+    /// shape's first calls, which make its staging and capture its graph). `state.frames`
+    /// moves on only when the call started.
+    fn try_start(
+        &self,
+        key: (usize, usize, bool),
+        fill: impl FnOnce(&mut [f32]),
+        mut state: Option<&mut CudaState>,
+    ) -> Result<Option<Started>> {
+        let mut calls = match self.calls.try_lock() {
+            Ok(c) => c,
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::sync::TryLockError::Poisoned(_)) => {
+                return Err(Error::Cuda("engine lock poisoned".into()))
+            }
+        };
+        if calls.inflight.is_some() || key.0 * key.1 * self.spec.embed > QUICK_INPUT_VALUES {
+            return Ok(None);
+        }
+        let Some(i) = calls.shapes.iter().position(|sh| sh.key == key) else {
+            return Ok(None);
+        };
+        let sh = &mut calls.shapes[i];
+        if let Some(st) = state.as_deref_mut() {
+            st.frames += 1;
+        }
+        let started = self.start_on(sh, fill, state.as_deref());
+        let token = match started {
+            Ok(Some(persist)) => {
+                let token = CALL_TOKENS.fetch_add(1, Ordering::Relaxed);
+                calls.inflight = Some(InFlight {
+                    token,
+                    shape: i,
+                    rows: (key.0, key.1),
+                    persist,
+                });
+                token
+            }
+            other => {
+                if let Some(st) = state {
+                    st.frames -= 1;
+                }
+                return other.map(|_| None);
+            }
+        };
+        Ok(Some(Started { token, rows: key.0 }))
+    }
+
+    /// `try_start`'s work on the shape: Ok(Some(persist)) when started (`persist`: the
+    /// frame's number and arguments on the persistent kernel, None for a graph replay).
+    /// Nothing is staged where neither can start.
+    fn start_on(
+        &self,
+        sh: &mut Shape,
+        fill: impl FnOnce(&mut [f32]),
+        state: Option<&CudaState>,
+    ) -> Result<Option<Option<(u32, FrameArgs)>>> {
+        let sid = state.map_or(0, |st| st.id);
+        // As `call_inner`: a graph of another arena or module generation is recaptured there.
+        let generation = sh.arena.generation + self.gpu.modules_generation();
+        let graph = self
+            .graphable(sh.key, state)
+            .then(|| {
+                sh.graphs.iter().position(|g| {
+                    g.state == sid
+                        && g.generation == generation
+                        && g.exec.is_ok()
+                        && g.start_ns <= QUICK_START_NS
+                })
+            })
+            .flatten();
+        let persist = self.rnn_fused(sh.key)
+            && self
+                .rnn_frame
+                .as_ref()
+                .is_some_and(|rf| rf.persist.is_some());
+        if graph.is_none() && !persist {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        self.stage(sh, fill, state)?;
+        let stage_ns = t.elapsed().as_nanos() as u64;
+        match self.route(sh, state, true)? {
+            Route::Persist(k, a) => return Ok(Some(Some((k, a)))),
+            Route::Busy => return Ok(None),
+            Route::Stream => {}
+        }
+        let Some(g) = graph.map(|gi| &mut sh.graphs[gi]) else {
+            return Ok(None);
+        };
+        let Ok(exec) = &g.exec else {
+            return Ok(None);
+        };
+        let t = Instant::now();
+        match exec.0.launch() {
+            Ok(()) => {
+                g.start_ns = stage_ns + t.elapsed().as_nanos() as u64;
+                Ok(Some(None))
+            }
+            Err(e) => {
+                // A failed launch queues nothing: the ordinary path recaptures or runs
+                // eagerly.
+                g.exec = Err(format!("graph launch: {}", Error::from(e)));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Waits for the call `started` (from `try_start_step`/`try_start_predict`) and writes
+    /// its output (`started.rows() * hidden` values) into `out`; its error, where its work
+    /// failed. If another call completed it first, its parked output is taken instead.
+    pub fn finish(&self, started: Started, out: &mut [f32]) -> Result<()> {
+        if out.len() != started.rows * self.spec.hidden {
+            self.abandon(started);
+            return Err(arg_error("out: must hold batch * hidden values"));
+        }
+        let mut calls = self
+            .calls
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        if let Some(f) = calls.inflight.take_if(|f| f.token == started.token) {
+            return self
+                .complete(&f)
+                .and_then(|()| self.read_rows(&calls.shapes[f.shape], f.rows, out));
+        }
+        drop(calls);
+        let mut parked = self
+            .parked
+            .lock()
+            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
+        match parked.done.iter().position(|(t, _)| *t == started.token) {
+            Some(i) => {
+                let (_, r) = parked.done.swap_remove(i);
+                out.copy_from_slice(&r?);
+                Ok(())
+            }
+            None => Err(Error::Cuda(
+                "the engine call was not found (finished or given up already)".into(),
+            )),
+        }
+    }
+
+    /// Gives up the call `started` without waiting (any thread): its work still runs (a
+    /// frame's state moves on), the next call completes it and drops its output.
+    pub fn abandon(&self, started: Started) {
+        let mut parked = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+        match parked.done.iter().position(|(t, _)| *t == started.token) {
+            Some(i) => drop(parked.done.swap_remove(i)),
+            None => parked.abandoned.push(started.token),
+        }
+    }
+
     fn call_inner(
         &self,
         key: (usize, usize, bool),
@@ -837,109 +1318,42 @@ impl CudaEngine {
         mut prof: Option<&mut Profiler>,
     ) -> Result<()> {
         let t0 = prof.as_ref().map(|_| Instant::now());
-        let (b, t, _) = key;
-        let s = &self.spec;
-        let mut shapes = self
-            .shapes
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        let i = match shapes.iter().position(|sh| sh.key == key) {
-            Some(i) => i,
-            None => {
-                let extra = if self.counted(key) { COUNT_WORDS } else { 0 };
-                let input = PinnedBytes::new(&self.gpu, (b * t * s.embed + extra) * 4)?;
-                let output = PinnedBytes::new(&self.gpu, b * t * s.hidden * 4)?;
-                let fused = self.rnn_fused(key);
-                let gemv_frame = self.gemv_frame(key);
-                let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
-                shapes.push(Shape {
-                    key,
-                    arena: Arena {
-                        slots: Vec::new(),
-                        next: 0,
-                        generation: 0,
-                        capturing: false,
-                    },
-                    // A batch-1 LSTM/GRU window on the cluster path is read by every column
-                    // block of its first projection: copied to the device once instead.
-                    input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
-                        || fused
-                        || gemv_frame
-                    {
-                        mapped(&input)
-                    } else {
-                        None
-                    },
-                    input,
-                    output_dev: if fused
-                        || gemv_frame
-                        || self.rnn_window_staged(key)
-                        || self.tail_window(key)
-                    {
-                        mapped(&output)
-                    } else {
-                        None
-                    },
-                    output,
-                    warm: false,
-                    graphs: Vec::new(),
-                });
-                shapes.len() - 1
-            }
-        };
-        let sh = &mut shapes[i];
+        let mut calls = self.lock_settled()?;
+        let i = self.shape_index(&mut calls.shapes, key)?;
+        let sh = &mut calls.shapes[i];
         let t1 = prof.as_ref().map(|_| Instant::now());
-        // The caller writes the input straight into the page-locked staging (no host copy
-        // of its own, no allocation).
-        let staged = pinned_f32_mut(&mut sh.input)?;
-        let n = b * t * s.embed;
-        fill(&mut staged[..n]);
-        if let (Some(st), Some(word)) = (&state, staged.get_mut(n)) {
-            // The attention frame kernel's `valid_at` (`counted`).
-            *word = f32::from_bits(st.frames.min(s.window as u64).max(1) as u32);
-        }
+        let staging = Instant::now();
+        self.stage(sh, fill, state.as_deref())?;
+        let stage_ns = staging.elapsed().as_nanos() as u64;
         let t2 = prof.as_ref().map(|_| Instant::now());
-        if let Some(rf) = &self.rnn_frame {
-            // An LSTM/GRU frame runs on the persistent kernel where it can; anything else
-            // stops it first (it holds the engine's stream).
-            let taken = match (
-                state.as_deref(),
-                self.rnn_fused(key),
-                sh.input_dev,
-                sh.output_dev,
-            ) {
-                (Some(st), true, Some(x), Some(o)) => self.persist_frame(rf, x, o, st)?,
-                _ => {
-                    rf.stop_persist()?;
-                    false
-                }
+        // An LSTM/GRU frame runs on the persistent kernel where it can; anything else stops
+        // it first (it holds the engine's stream).
+        if let Route::Persist(k, a) = self.route(sh, state.as_deref(), false)? {
+            let mut p = match self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) {
+                Some((p, _)) => p
+                    .lock()
+                    .map_err(|_| Error::Cuda("engine lock poisoned".into()))?,
+                None => return Err(Error::Cuda("persistent frame without its kernel".into())),
             };
-            if taken {
-                let t3 = Instant::now();
-                read(pinned_f32(&sh.output)?);
-                if let (Some(p), Some(t0), Some(t1), Some(t2)) = (prof, t0, t1, t2) {
-                    let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
-                    p.last = CallTimes {
-                        lock_ns: ns(t0, t1),
-                        stage_ns: ns(t1, t2),
-                        launch_ns: 0,
-                        wait_ns: ns(t2, t3),
-                        read_ns: ns(t3, Instant::now()),
-                        device_ns: None,
-                    };
-                }
-                return Ok(());
+            p.wait(k, &a)?;
+            drop(p);
+            let t3 = Instant::now();
+            read(pinned_f32(&sh.output)?);
+            if let (Some(p), Some(t0), Some(t1), Some(t2)) = (prof, t0, t1, t2) {
+                let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+                p.last = CallTimes {
+                    lock_ns: ns(t0, t1),
+                    stage_ns: ns(t1, t2),
+                    launch_ns: 0,
+                    wait_ns: ns(t2, t3),
+                    read_ns: ns(t3, Instant::now()),
+                    device_ns: None,
+                };
             }
+            return Ok(());
         }
         let sid = state.as_ref().map_or(0, |st| st.id);
-        let graphable = match (&state, s.kind) {
-            // Layer ops take the count of cached rows as a host argument: a graph holds
-            // only once the cache is full. The frame kernels read it from the input.
-            (Some(st), Kind::Attention | Kind::Jamba) if !self.counted(key) => {
-                st.frames >= s.window as u64
-            }
-            _ => true,
-        };
+        let graphable = self.graphable(key, state.as_deref());
         // A graph holds the arena's addresses and the functions loaded when it was captured:
         // either moving on (a reallocation, a full build replacing a quick one) recaptures.
         let generation = sh.arena.generation + self.gpu.modules_generation();
@@ -958,6 +1372,7 @@ impl CudaEngine {
         let mut replayed = false;
         match found {
             Some(gi) if graphable && sh.graphs[gi].exec.is_ok() => {
+                let t = Instant::now();
                 let launched = match &sh.graphs[gi].exec {
                     Ok(g) => match prof.as_deref_mut() {
                         None => launch(g),
@@ -970,6 +1385,7 @@ impl CudaEngine {
                     },
                     Err(why) => Err(why.clone()),
                 };
+                sh.graphs[gi].start_ns = stage_ns + t.elapsed().as_nanos() as u64;
                 replayed = launched.is_ok();
                 if let Err(why) = launched {
                     // A failed launch queues nothing: this call and the later ones go eager.
@@ -1011,6 +1427,8 @@ impl CudaEngine {
                     generation,
                     exec,
                     attempts: 1,
+                    // Measured at its next launch; a capture's first launch is not a replay's.
+                    start_ns: u64::MAX,
                 });
             }
             _ => self.eager(sh, state)?,
@@ -1225,11 +1643,9 @@ impl CudaEngine {
     /// replayed or `"eager: why"` when its capture failed; a shape with no entry has run
     /// eagerly only (its first call, or attention frames before the cache window fills).
     pub fn graphs(&self) -> Result<Vec<ShapeGraphs>> {
-        let shapes = self
+        let calls = self.lock_settled()?;
+        Ok(calls
             .shapes
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        Ok(shapes
             .iter()
             .map(|sh| {
                 let (b, t, f) = sh.key;
@@ -1528,27 +1944,6 @@ impl CudaEngine {
         })
     }
 
-    /// An LSTM/GRU frame of `st.batch` rows (in the mapped staging `x`, out to the mapped
-    /// staging `out`) on the persistent kernel (engine/persist.rs); Ok(false) where it does not
-    /// take it (none built, switched off, too much shared memory for this batch, or more
-    /// blocks than the device holds at once): the caller runs `rnn_frame` in a graph.
-    fn persist_frame(&self, rf: &RnnFrame, x: u64, out: u64, st: &CudaState) -> Result<bool> {
-        let Some((p, limit)) = &rf.persist else {
-            return Ok(false);
-        };
-        let mut p = p
-            .lock()
-            .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
-        let (b, h) = (st.batch, self.spec.hidden);
-        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
-        if smem > *limit {
-            p.stop()?;
-            return Ok(false);
-        }
-        let a = self.frame_args(rf, x, out, st, smem)?;
-        p.frame(st.id, &a)
-    }
-
     /// Whether LSTM/GRU frames may run on the persistent kernel (on by default); off, frames
     /// replay the one-kernel graph (`rnn_frame`). Returns whether this engine has the
     /// persistent kernel at all.
@@ -1556,6 +1951,8 @@ impl CudaEngine {
         let Some((p, _)) = self.rnn_frame.as_ref().and_then(|rf| rf.persist.as_ref()) else {
             return Ok(false);
         };
+        // Switching off stops the kernel: no frame may be in flight.
+        let _calls = self.lock_settled()?;
         let mut p = p
             .lock()
             .map_err(|_| Error::Cuda("engine lock poisoned".into()))?;
@@ -2176,7 +2573,9 @@ impl CudaEngine {
         if batch == 0 {
             return Err(arg_error("batch must be a positive integer, got 0"));
         }
-        // Its zeroing is queued on the engine's stream, which a persistent kernel holds.
+        // Its zeroing is queued on the engine's stream, which a persistent kernel holds (and
+        // a started call may still use).
+        let _calls = self.lock_settled()?;
         if let Some(rf) = &self.rnn_frame {
             rf.stop_persist()?;
         }
@@ -2223,10 +2622,12 @@ impl CudaEngine {
             id: STATE_IDS.fetch_add(1, Ordering::Relaxed),
             layers,
             rnn_table,
+            graveyard: self.graveyard.clone(),
         })
     }
 
     pub fn reset(&self, state: &mut CudaState) -> Result<()> {
+        let _calls = self.lock_settled()?;
         if let Some(rf) = &self.rnn_frame {
             rf.stop_persist()?;
         }
@@ -2269,6 +2670,36 @@ impl CudaEngine {
         self.call((batch, 1, true), fill, Some(state), read, prof)
     }
 
+    /// Starts `step` without waiting (`try_start`): Ok(None) where it cannot (the engine
+    /// busy, the shape not yet replayed from a graph, the persistent kernel to be stopped
+    /// first), and the caller runs `step_with`. `finish` completes it.
+    pub fn try_start_step(
+        &self,
+        state: &mut CudaState,
+        fill: impl FnOnce(&mut [f32]),
+    ) -> Result<Option<Started>> {
+        if state.layers.len() != self.spec.layers {
+            return Err(arg_error(
+                "state: was not made by init_state of this backbone",
+            ));
+        }
+        self.try_start((state.batch, 1, true), fill, Some(state))
+    }
+
+    /// Starts `predict` of a `{batch, seq, embed}` window without waiting (`try_start`);
+    /// Ok(None) where it cannot, and the caller runs `predict_with`. `finish` completes it.
+    pub fn try_start_predict(
+        &self,
+        batch: usize,
+        seq: usize,
+        fill: impl FnOnce(&mut [f32]),
+    ) -> Result<Option<Started>> {
+        if batch == 0 || seq == 0 {
+            return Ok(None);
+        }
+        self.try_start((batch, seq, false), fill, None)
+    }
+
     /// Two events on the engine's context for `*_with(.., Some(profiler))`.
     pub fn profiler(&self) -> Result<Profiler> {
         let event = || {
@@ -2281,6 +2712,14 @@ impl CudaEngine {
             events: (event()?, event()?),
             last: CallTimes::default(),
         })
+    }
+}
+
+impl Drop for CudaEngine {
+    /// A started call still in flight is waited for before the engine's buffers and stream
+    /// go (its owner can no longer finish it: the engine is gone).
+    fn drop(&mut self) {
+        drop(self.lock_settled());
     }
 }
 

@@ -3,16 +3,20 @@
 //! through a mailbox in mapped page-locked memory instead of a graph launch and a stream wait
 //! per frame.
 //!
-//! A frame: the caller has written it into the shape's page-locked input; the host stores the
-//! next frame number into the mailbox with a release store (the frame's stores are visible to
-//! the device, which reads host memory coherently over the bus, before the number is),
-//! launches the kernel if it is not running, and spins on the mailbox's done word (the kernel
-//! writes the output before it, with a release store at system scope). The wait is bounded (`FRAME_TIMEOUT`): a kernel that does not
+//! A frame: the caller has written it into the shape's page-locked input; `post` launches the
+//! kernel if it is not running and stores the next frame number into the mailbox with a
+//! release store (the frame's stores are visible to the device, which reads host memory
+//! coherently over the bus, before the number is); `wait` spins on the mailbox's done word
+//! (the kernel writes the output before it, with a release store at system scope). The two
+//! are apart so that a caller that must not wait (the NIF's normal scheduler) can post and
+//! another thread wait (a dirty scheduler; engine/cuda.rs `try_start_step`/`finish`). The wait
+//! is bounded (`FRAME_TIMEOUT`): a kernel that does not
 //! answer is stopped and the engine's persistent path is marked broken (FusedKernels.Error
 //! from then on). The kernel leaves by itself after `IDLE` without a frame, so an idle engine
 //! holds no multiprocessor; a frame that finds it gone relaunches it. Everything else that
 //! queues work on the engine's stream (a window, `init_state`, `reset`, another state's frame,
-//! dropping the engine) stops it first (`stop`): a stop is only asked between frames, so the
+//! dropping the engine) stops it first (`stop`): a stop is only asked between frames (a frame
+//! posted and not yet waited for is completed first: engine/cuda.rs `lock_settled`), so the
 //! state is always the stream's after its last frame done.
 
 use crate::cuda::buffer::PinnedBytes;
@@ -417,16 +421,40 @@ impl Persist {
         Ok(())
     }
 
-    /// One frame of `state` (already in the staging `a.x`) on the persistent kernel, its
-    /// output in the staging `a.out` on return. Ok(false): not taken (switched off, or the
-    /// launch does not fit on the device): the caller runs the frame its own way.
-    pub fn frame(&mut self, state: u64, a: &FrameArgs) -> Result<bool> {
+    /// Whether a running kernel has left by itself (idle time-out): then `stop` waits for
+    /// nothing.
+    fn gone(&self) -> bool {
+        // Safety: the engine's stream.
+        self.running.is_none()
+            || unsafe { sys::cuStreamQuery(self.gpu.stream.cu_stream()) } == CUresult::CUDA_SUCCESS
+    }
+
+    /// `stop` where it waits for nothing (no kernel, or one that has left); false (nothing
+    /// done) where it would wait for a running kernel.
+    pub fn stop_now(&mut self) -> Result<bool> {
+        if !self.gone() {
+            return Ok(false);
+        }
+        self.stop()?;
+        Ok(true)
+    }
+
+    /// Posts one frame of `state` (already in the staging `a.x`) to the persistent kernel,
+    /// launching it first where it does not run; `wait` answers it. `Post::NotTaken`: the path
+    /// is switched off or the launch does not fit (another engine's kernel holds the device's
+    /// slot, or too many blocks): the caller runs the frame its own way. With `quick`, nothing
+    /// here waits (a caller on a normal scheduler): where a running kernel would have to be
+    /// stopped first, `Post::Busy` and nothing done.
+    pub fn post(&mut self, state: u64, a: &FrameArgs, quick: bool) -> Result<Post> {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
         if !self.enabled {
+            if quick && !self.stop_now()? {
+                return Ok(Post::Busy);
+            }
             self.stop()?;
-            return Ok(false);
+            return Ok(Post::NotTaken);
         }
         let bound = Bound {
             state,
@@ -437,12 +465,15 @@ impl Persist {
         // Another state or staging, a kernel that has left or is about to (idle), one whose
         // slot another engine took over after its idle time-out, or a long run: stopped
         // (waited for) and launched again below if the slot is free. A kernel that leaves
-        // after all just before it sees the frame is found below by asking the driver.
+        // after all just before it sees the frame is found in `wait` by asking the driver.
         if self.running.is_some_and(|b| b != bound)
             || (self.running.is_some() && !self.holds_slot())
             || self.last.elapsed() + IDLE_MARGIN > IDLE
             || self.seq.wrapping_sub(self.base) >= MAX_RUN
         {
+            if quick && !self.stop_now()? {
+                return Ok(Post::Busy);
+            }
             self.stop()?;
         }
         if self.running.is_none() {
@@ -451,6 +482,10 @@ impl Persist {
             // takes that one.
             let generation = self.gpu.modules_generation();
             if generation != self.generation {
+                if quick {
+                    // A look-up may load a module (milliseconds): not on a normal scheduler.
+                    return Ok(Post::Busy);
+                }
                 self.f = self.gpu.function(&ENGINE_RNN, PERSIST_FUNCTION)?;
                 self.generation = generation;
                 self.opted = DEFAULT_SMEM;
@@ -460,7 +495,7 @@ impl Persist {
                 self.opted = a.smem as usize;
             }
             if !self.reserve(a.grid, a.threads, a.smem) {
-                return Ok(false);
+                return Ok(Post::NotTaken);
             }
             if let Err(e) = self.launch(a) {
                 self.release();
@@ -468,8 +503,15 @@ impl Persist {
             }
             self.running = Some(bound);
         }
-        let mut k = self.seq.wrapping_add(1);
+        let k = self.seq.wrapping_add(1);
         word(&self.mbox, POSTED).store(k, Ordering::Release);
+        Ok(Post::Posted(k))
+    }
+
+    /// Waits for the frame `post` answered `Post::Posted(k)` with (the same `a`): its output
+    /// is in the staging `a.out` on return. Bounded (`FRAME_TIMEOUT`); a kernel that left
+    /// before it saw the frame is launched again.
+    pub fn wait(&mut self, mut k: u32, a: &FrameArgs) -> Result<()> {
         let t0 = Instant::now();
         let mut spins: u32 = 0;
         loop {
@@ -520,8 +562,20 @@ impl Persist {
             last.store(now_ns(), Ordering::Release);
         }
         self.frames += 1;
-        Ok(true)
+        Ok(())
     }
+}
+
+/// What `Persist::post` did with a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Post {
+    /// Posted as frame number `k` (for `wait`).
+    Posted(u32),
+    /// Not for this path now: the caller runs the frame its own way.
+    NotTaken,
+    /// (`quick` only) a running kernel must be stopped first, which waits, or its function
+    /// looked up again: nothing done.
+    Busy,
 }
 
 impl Drop for Persist {
