@@ -9,6 +9,7 @@ use fused_kernels_core::engine::Engine;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use support::backbone::{random_params, small, spec, to_params};
 use support::Rng;
 
@@ -19,22 +20,41 @@ static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     // Only the measuring thread counts (the test harness allocates on its own threads).
     static COUNTING: Cell<bool> = const { Cell::new(false) };
+    // The next counted allocation is the first of a `counted` call.
+    static FIRST_PENDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Where the first allocation counted since `counted` began was made (a failing assertion
+/// names it).
+static FIRST: Mutex<Option<String>> = Mutex::new(None);
+
+/// Counts an allocation of the counting thread; the first one's backtrace is kept (taken with
+/// counting off: the trace allocates).
+fn count() {
+    if COUNTING.with(|c| c.get()) {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        if FIRST_PENDING.with(|p| p.get()) {
+            COUNTING.with(|c| c.set(false));
+            FIRST_PENDING.with(|p| p.set(false));
+            let trace = std::backtrace::Backtrace::force_capture().to_string();
+            if let Ok(mut first) = FIRST.lock() {
+                first.get_or_insert(trace);
+            }
+            COUNTING.with(|c| c.set(true));
+        }
+    }
 }
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.with(|c| c.get()) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
+        count();
         System.alloc(layout)
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         System.dealloc(ptr, layout)
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
-        if COUNTING.with(|c| c.get()) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
+        count();
         System.realloc(ptr, layout, new)
     }
 }
@@ -43,17 +63,35 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 fn counted(f: impl FnOnce()) -> usize {
+    if let Ok(mut first) = FIRST.lock() {
+        *first = None;
+    }
+    FIRST_PENDING.with(|p| p.set(true));
     let before = ALLOCATIONS.load(Ordering::Relaxed);
     COUNTING.with(|c| c.set(true));
     f();
     COUNTING.with(|c| c.set(false));
+    FIRST_PENDING.with(|p| p.set(false));
     ALLOCATIONS.load(Ordering::Relaxed) - before
+}
+
+/// The backtrace of the first allocation the last `counted` call saw.
+fn first_allocation() -> String {
+    FIRST
+        .lock()
+        .ok()
+        .and_then(|f| f.clone())
+        .unwrap_or_default()
 }
 
 #[test]
 fn the_hot_path_allocates_nothing() {
     // The counter sees an allocation made while counting.
     assert_eq!(counted(|| drop(std::hint::black_box(vec![1u8; 64]))), 1);
+    assert!(
+        !first_allocation().is_empty(),
+        "no trace of the first allocation"
+    );
     let gru1 = Spec {
         layers: 1,
         ..spec(Kind::Gru)
@@ -95,7 +133,13 @@ fn the_hot_path_allocates_nothing() {
             }
             state.reset();
         });
-        assert_eq!(n, 0, "{:?}: {n} allocations on the hot path", s.kind);
+        assert_eq!(
+            n,
+            0,
+            "{:?}: {n} allocations on the hot path, the first at\n{}",
+            s.kind,
+            first_allocation()
+        );
         assert!(out.iter().all(|v| v.is_finite()));
     }
 }
@@ -192,9 +236,11 @@ fn the_gpu_hot_path_allocates_nothing_on_the_host() {
         });
         assert!(halves > 0, "{:?}: no call started in halves", s.kind);
         assert_eq!(
-            n, 0,
-            "{:?}: {n} host allocations on the GPU hot path",
-            s.kind
+            n,
+            0,
+            "{:?}: {n} host allocations on the GPU hot path, the first at\n{}",
+            s.kind,
+            first_allocation()
         );
         assert!(out.iter().all(|v| v.is_finite()));
     }
