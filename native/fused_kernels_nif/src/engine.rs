@@ -679,8 +679,10 @@ fn engine_reset<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'
     reply(env, result)
 }
 
-/// `engine_state_info(%{state}, %{})` → `{batch, frames}`.
-#[rustler::nif]
+/// `engine_state_info(%{state}, %{})` → `{batch, frames}`. Takes the state's lock, which a
+/// call in progress on the state holds while it waits for the GPU or computes (or compiles on
+/// a first call): a dirty scheduler.
+#[rustler::nif(schedule = "DirtyCpu")]
 fn engine_state_info<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
         let (i, NoOptions): (StateInputs, NoOptions) = decode_args(inputs, options)?;
