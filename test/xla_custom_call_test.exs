@@ -106,7 +106,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       # Results: the sequence, then h, then the handler's f32 workspace (what the layer
       # returns is only the sequence and h).
       words = Lowering.rnn_workspace_words(:gru, 4, 1, 6, 5, [4])
-      assert block.workspace == words
+      assert block.extra == [{{words}, {:f, 32}}]
       assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 6, 4}, {1, 4}, {words}]
       assert out |> Tuple.to_list() |> List.last() |> Nx.type() == {:f, 32}
       {seq, {hn}} = apply(Nx.Defn.debug_expr(fun), [x, h, ik, hk, bias])
@@ -255,7 +255,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       # out (x's shape), then the workspace.
       [{block, _in, out}] = blocks(apply(Nx.Defn.debug_expr(run.([])), [rand({1, 5, h}), params]))
       words = Lowering.mamba_workspace_words(1, 5, h, inner, state, rank)
-      assert block.workspace == words
+      assert block.extra == [{{words}, {:f, 32}}]
       assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 5, h}, {words}]
       assert specs(run.(b_discretization: :mean_dt), [rand({1, 5, h}), params], @cuda) == []
     end

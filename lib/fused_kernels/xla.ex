@@ -45,13 +45,14 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc """
       The `Nx.block/4` struct of a fused op lowered to an XLA FFI custom call: the target,
       its `backend_config` attributes (`{name, MLIR attribute}` pairs), the element type
-      each operand is converted to, the types the results must have, and the length of the
-      f32 workspace result the handler takes last (0: none). The LSTM, GRU and Mamba block
-      handlers keep their temporaries there instead of borrowing XLA's scratch, so that XLA
-      may record them into a CUDA graph (a command buffer).
+      each operand is converted to, the types the results must have, and the results the
+      handler writes after the op's own (`{shape, type}`s; none for most targets): the f32
+      workspace of the LSTM, GRU and Mamba block handlers, which keep their temporaries
+      there instead of borrowing XLA's scratch so that XLA may record them into a CUDA graph
+      (a command buffer), and the row statistics of the norm-fused dense kinds.
       """
       @enforce_keys [:target]
-      defstruct [:target, attributes: [], operand_types: [], result_types: [], workspace: 0]
+      defstruct [:target, attributes: [], operand_types: [], result_types: [], extra: []]
     end
 
     @doc """
@@ -97,19 +98,18 @@ if Code.ensure_loaded?(Nx) do
       with {:ok, %Block{} = block, operands, rebuild} <-
              FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
         leaves = inputs |> op.output_template(opts) |> flatten()
-        # The workspace is one more result, after the op's own; only the handler writes it
-        # (the default body returns zeros, which nothing reads).
-        workspace =
-          if block.workspace > 0, do: [Nx.template({block.workspace}, {:f, 32})], else: []
+        # The handler's own results (workspace, statistics) come after the op's; only the
+        # handler writes them (the default body returns zeros, which nothing reads).
+        extra = Enum.map(block.extra, fn {shape, type} -> Nx.template(shape, type) end)
 
-        results = leaves ++ workspace
+        results = leaves ++ extra
         block = %{block | result_types: Enum.map(results, &Nx.type/1)}
         output = List.to_tuple(Enum.map(results, &Nx.template(Nx.shape(&1), Nx.type(&1))))
 
         default =
           arity_fun(length(operands), fn args ->
             own = args |> rebuild.() |> op.nx_call(opts) |> flatten()
-            zeros = Enum.map(workspace, &Nx.broadcast(Nx.tensor(0.0, type: {:f, 32}), &1))
+            zeros = Enum.map(extra, &Nx.broadcast(Nx.tensor(0, type: Nx.type(&1)), &1))
             List.to_tuple(own ++ zeros)
           end)
 

@@ -45,12 +45,24 @@ if Code.ensure_loaded?(Nx) do
       case path(opts) do
         :exla ->
           # A call the handlers do not serve takes the next path.
-          with :skip <- with_pure_grad(op, inputs, opts, &exla_leaves/3),
+          with :skip <- exla(op, inputs, opts),
                do: run_native_or_nx(op, inputs, opts, runtime_call?() and native?(opts))
 
         other ->
           run_native_or_nx(op, inputs, opts, other == :runtime_call)
       end
+    end
+
+    @doc """
+    `op` on `inputs` as XLA custom calls (`Nx.block/4` nodes, see `FusedKernels.XLA`) under
+    the pure-Nx gradient, when `path(opts)` is `:exla` and the handlers serve the call;
+    otherwise `:skip`, and the caller takes its next path.
+    """
+    @spec exla(module, tuple, keyword) :: term | :skip
+    def exla(op, inputs, opts) when is_tuple(inputs) do
+      if path(opts) == :exla,
+        do: with_pure_grad(op, inputs, opts, &exla_leaves/3),
+        else: :skip
     end
 
     defp native?(opts),
@@ -83,7 +95,7 @@ if Code.ensure_loaded?(Nx) do
 
     # The op's output leaves from XLA custom calls (`:skip` when not served).
     defp exla_leaves(FusedKernels.Axon.Ops.Attention, {x, params}, opts) do
-      alias FusedKernels.XLA.Lowering.FlashAttention
+      alias FusedKernels.XLA.Ops.FlashAttention
 
       dense = fn t, p ->
         ops = %{x: t, kernel: p["kernel"]}
