@@ -1,6 +1,8 @@
 # Compiled only where EXLA's `EXLA.CustomCall` protocol (EXLA ≥ 0.12) and Axon are loaded;
 # tagged :exla, excluded elsewhere (see test_helper.exs).
 if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
+  Code.require_file("support/xla_blocks.exs", __DIR__)
+
   defmodule FusedKernels.XLACustomCallTest do
     # The custom calls the fused Axon layers emit under EXLA: the Nx.block node, the spec our
     # EXLA.CustomCall implementation answers (target, attributes, operand types), :skip where
@@ -15,59 +17,10 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     alias FusedKernels.XLA.Block
     alias FusedKernels.XLA.Lowering
 
-    @cuda %{platform: :cuda}
-    @host %{platform: :host}
+    @cuda struct(EXLA.Client, platform: :cuda)
+    @host struct(EXLA.Client, platform: :host)
 
-    defp rand(shape, type \\ :f32),
-      do:
-        Nx.tensor(for(_ <- 1..Tuple.product(shape), do: :rand.uniform() * 2 - 1), type: type)
-        |> Nx.reshape(shape)
-
-    # Every :block node of an expression, as EXLA's compiler sees them: {struct, in_args, out}.
-    defp blocks(container) do
-      {_, acc} =
-        container
-        |> List.wrap()
-        |> Nx.Defn.Composite.flatten_list()
-        |> Enum.reduce({MapSet.new(), []}, &walk/2)
-
-      Enum.reverse(acc)
-    end
-
-    defp walk(%Nx.Tensor{data: %Nx.Defn.Expr{id: id, op: op, args: args}}, {seen, acc} = state) do
-      if MapSet.member?(seen, id) do
-        state
-      else
-        state = {MapSet.put(seen, id), acc}
-
-        state =
-          case {op, args} do
-            {:block, [struct, in_args, out, _fun]} ->
-              {s, a} = Enum.reduce(in_args, state, &walk/2)
-              {s, [{struct, in_args, out} | a]}
-
-            _ ->
-              Enum.reduce(args, state, &walk_arg/2)
-          end
-
-        state
-      end
-    end
-
-    defp walk(_other, state), do: state
-
-    defp walk_arg(%Nx.Tensor{} = t, state), do: walk(t, state)
-    defp walk_arg(list, state) when is_list(list), do: Enum.reduce(list, state, &walk_arg/2)
-    defp walk_arg(tuple, state) when is_tuple(tuple), do: walk_arg(Tuple.to_list(tuple), state)
-    defp walk_arg(_, state), do: state
-
-    # What EXLA's compiler asks our implementation, for every block of `fun` on `args`.
-    defp specs(fun, args, client) do
-      expr = apply(Nx.Defn.debug_expr(fun), args)
-
-      for {struct, in_args, out} <- blocks(expr),
-          do: EXLA.CustomCall.call(struct, out, in_args, client)
-    end
+    import FusedKernels.XLABlocks
 
     defp gru_inputs(b, t, f, h) do
       ik = Map.new(~w(wir wiz win), &{&1, rand({f, h})})
