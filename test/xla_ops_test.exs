@@ -136,6 +136,21 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       {make.([]), args}
     end
 
+    # Axon's parameter map of one LSTM/GRU layer.
+    defp rnn_params(cell, f, h) do
+      {i, hh, b} =
+        case cell do
+          :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
+          :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+        end
+
+      %{
+        "input_kernel" => Map.new(i, &{&1, rand({f, h})}),
+        "hidden_kernel" => Map.new(hh, &{&1, rand({h, h})}),
+        "bias" => Map.new(b, &{&1, rand({h})})
+      }
+    end
+
     defp mamba_params(name, h, inner, state, rank) do
       %{
         "#{name}_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
@@ -270,6 +285,48 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       assert_raise ArgumentError, ~r/state size 300/, fn -> traced(fun, args) end
     end
 
+    test "LSTM/GRU stacks: one call per stack, zeros for a layer without a state" do
+      {b, t, f} = {2, 6, 3}
+      params = [rnn_params(:lstm, f, 5), rnn_params(:lstm, 5, 4)]
+      state = {rand({b, 5}), rand({b, 5})}
+
+      fun = fn x, p, s ->
+        {seq, states} = FusedKernels.lstm_stack(x, p, initial_state: [s, nil], reverse: true)
+        {seq, List.to_tuple(states)}
+      end
+
+      [{block, in_args, out}] = traced(fun, [rand({b, t, f}), params, state])
+      {:ok, s} = EXLA.CustomCall.call(block, out, in_args, @cuda)
+      assert s.call_target_name == "fused_kernels_lstm"
+
+      assert s.attributes == [
+               {"initial_state", "true"},
+               {"layers", "2 : i64"},
+               {"reverse", "true"}
+             ]
+
+      # x, then per layer 4 input kernels, 4 hidden kernels, 4 biases, c and h.
+      assert Enum.map(in_args, & &1.shape) ==
+               [{b, t, f}] ++
+                 List.duplicate({f, 5}, 4) ++
+                 List.duplicate({5, 5}, 4) ++
+                 List.duplicate({5}, 4) ++
+                 [{b, 5}, {b, 5}] ++
+                 List.duplicate({5, 4}, 4) ++
+                 List.duplicate({4, 4}, 4) ++ List.duplicate({4}, 4) ++ [{b, 4}, {b, 4}]
+
+      words = FusedKernels.XLA.Lowering.rnn_workspace_words(:lstm, 4, b, t, f, [5, 4])
+
+      assert out |> Tuple.to_list() |> Enum.map(& &1.shape) ==
+               [{b, t, 4}, {b, 5}, {b, 5}, {b, 4}, {b, 4}, {words}]
+
+      # Without states: initial_state false and no state operands.
+      gru = &FusedKernels.gru(&1, &2)
+      [{:ok, s}] = specs(gru, [rand({b, t, f}, :bf16), rnn_params(:gru, f, 4)], @cuda)
+      assert {"initial_state", "false"} in s.attributes
+      assert s.operand_element_types == List.duplicate({:bf, 16}, 11)
+    end
+
     test "attention: out and lse from one call" do
       q = rand({1, 5, 2, 16}, :bf16)
       fa = &FusedKernels.flash_attention(&1, &2, &3, layout: :bshd, return_lse: true)
@@ -308,7 +365,13 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
           z: rand({2, 7, 6})
         ),
         {fn more -> &FusedKernels.flash_attention(&1, &2, &3, [causal: true] ++ more) end,
-         [rand({1, 5, 2, 8}), rand({1, 5, 2, 8}), rand({1, 5, 2, 8})]}
+         [rand({1, 5, 2, 8}), rand({1, 5, 2, 8}), rand({1, 5, 2, 8})]},
+        {fn more ->
+           fn x, p, h ->
+             {seq, states} = FusedKernels.gru_stack(x, p, [initial_state: [nil, {h}]] ++ more)
+             {seq, List.to_tuple(states)}
+           end
+         end, [rand({2, 4, 3}), [rnn_params(:gru, 3, 5), rnn_params(:gru, 5, 4)], rand({2, 4})]}
       ]
 
       for {make, args} <- cases do

@@ -117,6 +117,37 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    def describe(XLA.Ops.Rnn, {x, weights}, opts) do
+      type = Nx.type(x)
+
+      with true <- XLA.served_type?(type) do
+        {batch, seq, features} = Nx.shape(x)
+        {_, bits} = type
+        keys = XLA.Ops.Rnn.operand_keys(weights, opts)
+
+        units =
+          for {_, wh, _, _} <- XLA.Ops.Rnn.layers(weights, opts), do: elem(Nx.shape(hd(wh)), 0)
+
+        words = rnn_workspace_words(opts[:cell], div(bits, 8), batch, seq, features, units)
+
+        block = %Block{
+          target: "fused_kernels_#{opts[:cell]}",
+          attributes: [
+            {"initial_state", XLA.attr_bool(opts[:initial_state])},
+            {"layers", XLA.attr_int(opts[:layers])},
+            {"reverse", XLA.attr_bool(opts[:reverse] || false)}
+          ],
+          operand_types: List.duplicate(type, 1 + length(keys)),
+          extra: [{{words}, {:f, 32}}]
+        }
+
+        {:ok, block, [x | Enum.map(keys, &Map.fetch!(weights, &1))],
+         fn [x | tensors] -> {x, Map.new(Enum.zip(keys, tensors))} end}
+      else
+        _ -> :skip
+      end
+    end
+
     def describe(XLA.Ops.FlashAttention, {q, k, v}, opts) do
       type = Nx.type(q)
       {left, right} = opts[:window] || {-1, -1}

@@ -4,9 +4,11 @@ if Code.ensure_loaded?(Nx) do
     # The top-level fused ops (`FusedKernels.layer_norm/4`, `dense/4`, `selective_scan/6`, ...)
     # inside `defn`: one XLA custom call each (`FusedKernels.Axon.Call.exla/3`) when EXLA's
     # `EXLA.CustomCall` is loaded and the handlers serve the call, else `:skip` and the op
-    # traces its pure-Nx implementation as before. The op modules below carry the inputs as
-    # one map of the tensors present (the residual, bias, ... included, so that the pure-Nx
-    # gradient reaches them); options stay keywords.
+    # traces its pure-Nx implementation as before. The modules below are the ops in the form
+    # `FusedKernels.XLA.run/3` and the pure-Nx gradient take (`nx_call/2`,
+    # `output_template/2` of `FusedKernels.Op`; no `fused_call/2`: these never take the
+    # runtime_call path). Inputs are one map of the tensors present (the residual, bias, ...
+    # included, so that the pure-Nx gradient reaches them); options stay keywords.
 
     alias FusedKernels.Axon.Call
 
@@ -66,6 +68,45 @@ if Code.ensure_loaded?(Nx) do
       in_graph(FusedKernels.Axon.Ops.MambaBlock, {x, params}, opts)
     end
 
+    @doc false
+    # `layers` as `FusedKernels.Rnn.layer_tensors/3` gives them; the result as
+    # `FusedKernels.Rnn.nx/4`'s, `{sequence, [state tuple per layer]}`.
+    @spec rnn(:lstm | :gru, Nx.Tensor.t(), list, keyword) :: term | :skip
+    def rnn(cell, x, layers, opts) do
+      tensors = for {a, b, c, d} <- layers, t <- a ++ b ++ c ++ d, do: t
+
+      if Enum.all?(tensors, &is_struct(&1, Nx.Tensor)) do
+        # The handler takes a state for every layer or for none: a layer without one starts
+        # from zeros, as it does in the pure-Nx path.
+        init? = Enum.any?(layers, fn {_, _, _, s} -> s != [] end)
+        states = if cell == :lstm, do: 2, else: 1
+        {batch, _, _} = Nx.shape(x)
+
+        layers =
+          for {wi, wh, bs, s} <- layers do
+            units = elem(Nx.shape(hd(wh)), 0)
+            zero = Nx.broadcast(Nx.tensor(0, type: Nx.type(x)), {batch, units})
+            {wi, wh, bs, if(init? and s == [], do: List.duplicate(zero, states), else: s)}
+          end
+
+        weights =
+          for {{wi, wh, bs, s}, l} <- Enum.with_index(layers),
+              {part, list} <- [wi: wi, wh: wh, b: bs, s: s],
+              {t, i} <- Enum.with_index(list),
+              into: %{},
+              do: {{l, part, i}, t}
+
+        o =
+          [cell: cell, layers: length(layers), initial_state: init?] ++
+            Keyword.take(opts, [:reverse, :backend])
+
+        with {seq, states} <- in_graph(__MODULE__.Rnn, {x, weights}, o),
+             do: {seq, Tuple.to_list(states)}
+      else
+        :skip
+      end
+    end
+
     # Only traced calls (some input symbolic) become custom calls; a concrete call outside
     # `defn` that reached the pure-Nx path stays there.
     defp in_graph(op, inputs, opts) do
@@ -82,13 +123,7 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc false
       # inputs: {%{x:, weight:, beta: (layer_norm, optional), residual: (optional)}};
       # opts: kind, eps. With a residual the result is {normed, x + residual}.
-      @behaviour FusedKernels.Op
 
-      @impl FusedKernels.Op
-      def fused_call({ins}, opts),
-        do: FusedKernels.Norm.run(opts[:kind], ins.x, ins.weight, ins[:beta], native(ins, opts))
-
-      @impl FusedKernels.Op
       def nx_call({ins}, opts),
         do:
           FusedKernels.Norm.nx(opts[:kind], ins.x, ins.weight, ins[:beta],
@@ -96,16 +131,10 @@ if Code.ensure_loaded?(Nx) do
             residual: ins[:residual]
           )
 
-      @impl FusedKernels.Op
       def output_template({ins}, _opts) do
         y = Nx.template(Nx.shape(ins.x), Nx.type(ins.x))
         if ins[:residual], do: {y, y}, else: y
       end
-
-      defp native(ins, opts),
-        do: [eps: opts[:eps], residual: ins[:residual]] ++ native_backend(opts)
-
-      defp native_backend(opts), do: FusedKernels.Axon.Ops.native_opts(opts)
     end
 
     defmodule Dense do
@@ -113,52 +142,10 @@ if Code.ensure_loaded?(Nx) do
       # inputs: {%{x:, kernel:, kernel_up:, bias:, bias_up:, gamma:, beta:, residual:}} (the
       # slots present); opts: kind (:dense, :swiglu, :rms_norm_dense, :layer_norm_dense),
       # activation, eps.
-      @behaviour FusedKernels.Op
 
-      @impl FusedKernels.Op
-      def fused_call({ops}, opts) do
-        o = Keyword.take(opts, [:activation, :eps]) ++ FusedKernels.Axon.Ops.native_opts(opts)
-
-        case opts[:kind] do
-          :dense ->
-            FusedKernels.Dense.dense(
-              ops.x,
-              ops.kernel,
-              ops[:bias],
-              o ++ [residual: ops[:residual]]
-            )
-
-          :swiglu ->
-            FusedKernels.Dense.swiglu(ops.x, ops.kernel, ops.kernel_up,
-              bias_gate: ops[:bias],
-              bias_up: ops[:bias_up],
-              backend: o[:backend]
-            )
-
-          :rms_norm_dense ->
-            FusedKernels.Dense.rms_norm_dense(
-              ops.x,
-              ops.gamma,
-              ops.kernel,
-              o ++ [bias: ops[:bias], residual: ops[:residual]]
-            )
-
-          :layer_norm_dense ->
-            FusedKernels.Dense.layer_norm_dense(
-              ops.x,
-              ops.gamma,
-              ops.beta,
-              ops.kernel,
-              o ++ [bias: ops[:bias], residual: ops[:residual]]
-            )
-        end
-      end
-
-      @impl FusedKernels.Op
       def nx_call({ops}, opts),
         do: FusedKernels.Dense.nx(opts[:kind], ops, Keyword.take(opts, [:activation, :eps]))
 
-      @impl FusedKernels.Op
       def output_template({%{x: x, kernel: k}}, _opts),
         do:
           Nx.template(
@@ -171,24 +158,9 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc false
       # inputs: {%{u:, delta:, a:, b:, c:, d:, z:, delta_bias:, initial_state:}} (those
       # present); opts: delta_softplus, return_last_state, b_discretization.
-      @behaviour FusedKernels.Op
 
       @optional [:d, :z, :delta_bias, :initial_state]
 
-      @impl FusedKernels.Op
-      def fused_call({ins}, opts),
-        do:
-          FusedKernels.SelectiveScan.run(
-            ins.u,
-            ins.delta,
-            ins.a,
-            ins.b,
-            ins.c,
-            Keyword.delete(opts, :backend) ++
-              Map.to_list(Map.take(ins, @optional)) ++ FusedKernels.Axon.Ops.native_opts(opts)
-          )
-
-      @impl FusedKernels.Op
       def nx_call({ins}, opts),
         do:
           FusedKernels.SelectiveScan.nx(
@@ -200,7 +172,6 @@ if Code.ensure_loaded?(Nx) do
             Keyword.delete(opts, :backend) ++ Map.to_list(Map.take(ins, @optional))
           )
 
-      @impl FusedKernels.Op
       def output_template({ins}, opts) do
         y = Nx.template(Nx.shape(ins.u), Nx.type(ins.u))
         {batch, _seq, dim} = Nx.shape(ins.u)
@@ -212,21 +183,64 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    defmodule Rnn do
+      @moduledoc false
+      # inputs: {x, %{{layer, :wi | :wh | :b | :s, index} => tensor}} (Axon's gate order,
+      # `FusedKernels.Rnn.layer_tensors/3`); opts: cell, layers, initial_state, reverse.
+      # Result: {sequence, {state tuple per layer}}.
+
+      def nx_call({x, weights}, opts) do
+        {seq, states} =
+          FusedKernels.Rnn.nx(opts[:cell], x, layers(weights, opts), opts[:reverse] || false)
+
+        {seq, List.to_tuple(states)}
+      end
+
+      def output_template({x, weights}, opts) do
+        {batch, seq, _} = Nx.shape(x)
+        type = Nx.type(x)
+        units = for {_, wh, _, _} <- layers(weights, opts), do: elem(Nx.shape(hd(wh)), 0)
+        states = if opts[:cell] == :lstm, do: 2, else: 1
+        state = fn u -> List.to_tuple(List.duplicate(Nx.template({batch, u}, type), states)) end
+        {Nx.template({batch, seq, List.last(units)}, type), List.to_tuple(Enum.map(units, state))}
+      end
+
+      @doc false
+      # The map's keys in the handler's operand order (after x): per layer its input
+      # kernels, hidden kernels, biases, then its state.
+      @spec operand_keys(map, keyword) :: list
+      def operand_keys(weights, opts) do
+        for {{wi, wh, bs, s}, l} <- Enum.with_index(layers(weights, opts)),
+            {part, list} <- [wi: wi, wh: wh, b: bs, s: s],
+            i <- 0..(length(list) - 1)//1,
+            do: {l, part, i}
+      end
+
+      @doc false
+      # The layers back from the map: [{wi, wh, biases, state}].
+      @spec layers(map, keyword) :: list
+      def layers(weights, opts) do
+        for l <- 0..(opts[:layers] - 1) do
+          part = fn p ->
+            weights
+            |> Enum.filter(fn {{wl, wp, _}, _} -> wl == l and wp == p end)
+            |> Enum.sort()
+            |> Enum.map(&elem(&1, 1))
+          end
+
+          {part.(:wi), part.(:wh), part.(:b), part.(:s)}
+        end
+      end
+    end
+
     defmodule FlashAttention do
       @moduledoc false
       # The attention kernel alone (inputs {q, k, v}); its block returns out and lse (the
       # handler writes both); callers that do not want lse drop it.
-      @behaviour FusedKernels.Op
 
-      @impl FusedKernels.Op
-      def fused_call({q, k, v}, opts),
-        do: FusedKernels.FlashAttention.run(q, k, v, Keyword.put(opts, :return_lse, true))
-
-      @impl FusedKernels.Op
       def nx_call({q, k, v}, opts),
         do: FusedKernels.FlashAttention.nx(q, k, v, Keyword.put(opts, :return_lse, true))
 
-      @impl FusedKernels.Op
       def output_template({q, _k, _v}, opts) do
         {b, s, h, _} =
           if Keyword.get(opts, :layout, :bshd) == :bshd,
