@@ -4,18 +4,32 @@ if Code.ensure_loaded?(Nx) do
     Fused ops as XLA FFI custom calls inside EXLA-compiled graphs: no copies, no host round
     trip, the kernels run on XLA's own stream over XLA's buffers.
 
-    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded, the fused Axon layers emit an
-    `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`. Our `EXLA.CustomCall`
-    implementation lowers it to a `stablehlo.custom_call` (typed FFI, `api_version = 4`,
-    options in `backend_config`) on the CUDA platform, and answers `:skip` elsewhere (the host
-    client, a type or shape the handler does not serve), in which case EXLA compiles the
-    block's default body: the op's pure-Nx implementation. Gradients are the pure-Nx
+    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded, every op the handlers serve
+    emits, inside `defn`, an `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`: the
+    fused Axon layers (`FusedKernels.Axon.Call`) and the top-level ops (`layer_norm/4`,
+    `rms_norm/3`, `dense/4`, `swiglu/4`, `rms_norm_dense/4`, `layer_norm_dense/5`,
+    `flash_attention/4` with or without lse, `selective_scan/6`, `mamba_block/3`, `lstm/3`,
+    `gru/3` and the stacks). Our `EXLA.CustomCall` implementation lowers the block to a
+    `stablehlo.custom_call` (typed FFI, `api_version = 4`, options in `backend_config`) on the
+    CUDA platform and answers `:skip` on any other client, or when the operand or result types
+    changed since the block was planned; EXLA then compiles the block's default body, the
+    op's pure-Nx implementation. A call the handlers do not serve (f64; the mean-dt
+    discretisation; a 1-D dense input; a Mamba block whose conv kernel is not Axon's
+    `{k, 1, inner}`) emits no block and takes the op's next path: `Nx.runtime_call` for the
+    Axon layers where available, else the pure-Nx implementation. Gradients are the pure-Nx
     implementation's, through `custom_grad` (the custom call has no derivative of its own).
 
     A custom call's result cannot share its operand's buffer unless the call declares the
-    alias, which `EXLA.CustomCall.Spec` has no field for: inside a `while` loop that carries
-    the attention's q, XLA copies each result into the carried buffer (one more launch per
-    iteration; under JAX, with `input_output_aliases`, the same loop runs 1.5× faster).
+    alias, and `EXLA.CustomCall.Spec` (0.13.1) has no field for it, so none is declared:
+    inside a `while` loop that carries the attention's q, XLA copies each result into the
+    carried buffer (one more launch per iteration; under JAX, with `input_output_aliases`,
+    the same loop runs 1.5× faster).
+
+    What has run: the blocks and the specs our implementation answers, compiled against
+    EXLA's own `EXLA.CustomCall` sources (0.13.1), and the blocks' default bodies (values and
+    gradients); the handlers under JAX on an H100. EXLA's NIF could not be built on our
+    machines, so no EXLA-compiled graph has run a handler: EXLA's lowering of these specs,
+    `load/1` and the handlers inside an EXLA graph are unverified.
 
     ## Loading the handlers into EXLA's process
 
@@ -38,7 +52,8 @@ if Code.ensure_loaded?(Nx) do
     `fused_kernels_flash_attention`, `fused_kernels_gru`, `fused_kernels_lstm`,
     `fused_kernels_selective_scan`, `fused_kernels_mamba_block`, `fused_kernels_dense`,
     `fused_kernels_layer_norm`, `fused_kernels_rms_norm` (operands, results and attributes:
-    `native/fused_kernels_xla/src/ops.rs`).
+    `native/fused_kernels_xla/src/ops.rs`; each target's attribute names are its `OpSpec`'s
+    `attributes`, which `test/xla_ops_test.exs` reads to check what this side emits).
     """
 
     defmodule Block do

@@ -3,7 +3,9 @@ if Code.ensure_loaded?(Nx) do
     @moduledoc """
     Runs a fused op from inside a `defn` graph (an Axon model).
 
-    On Nx ≥ 0.11 the op becomes an `Nx.runtime_call/4` to the native kernel, wrapped in
+    With EXLA's `EXLA.CustomCall` loaded the op becomes XLA custom calls where the handlers
+    serve it (`exla/3`, `FusedKernels.XLA`). Otherwise, on Nx ≥ 0.11, the op becomes an
+    `Nx.runtime_call/4` to the native kernel, wrapped in
     `custom_grad` whose backward pass is the gradient of the op's pure-Nx implementation:
     inference runs the kernel, training still gets exact gradients. On older Nx, or when no
     native backend is available, the pure-Nx implementation is traced into the graph instead

@@ -124,6 +124,7 @@ if Code.ensure_loaded?(Nx) do
       # inputs: {%{x:, weight:, beta: (layer_norm, optional), residual: (optional)}};
       # opts: kind, eps. With a residual the result is {normed, x + residual}.
 
+      @spec nx_call(tuple, keyword) :: term
       def nx_call({ins}, opts),
         do:
           FusedKernels.Norm.nx(opts[:kind], ins.x, ins.weight, ins[:beta],
@@ -131,6 +132,7 @@ if Code.ensure_loaded?(Nx) do
             residual: ins[:residual]
           )
 
+      @spec output_template(tuple, keyword) :: term
       def output_template({ins}, _opts) do
         y = Nx.template(Nx.shape(ins.x), Nx.type(ins.x))
         if ins[:residual], do: {y, y}, else: y
@@ -143,9 +145,11 @@ if Code.ensure_loaded?(Nx) do
       # slots present); opts: kind (:dense, :swiglu, :rms_norm_dense, :layer_norm_dense),
       # activation, eps.
 
+      @spec nx_call(tuple, keyword) :: term
       def nx_call({ops}, opts),
         do: FusedKernels.Dense.nx(opts[:kind], ops, Keyword.take(opts, [:activation, :eps]))
 
+      @spec output_template(tuple, keyword) :: term
       def output_template({%{x: x, kernel: k}}, _opts),
         do:
           Nx.template(
@@ -161,6 +165,7 @@ if Code.ensure_loaded?(Nx) do
 
       @optional [:d, :z, :delta_bias, :initial_state]
 
+      @spec nx_call(tuple, keyword) :: term
       def nx_call({ins}, opts),
         do:
           FusedKernels.SelectiveScan.nx(
@@ -172,6 +177,7 @@ if Code.ensure_loaded?(Nx) do
             Keyword.delete(opts, :backend) ++ Map.to_list(Map.take(ins, @optional))
           )
 
+      @spec output_template(tuple, keyword) :: term
       def output_template({ins}, opts) do
         y = Nx.template(Nx.shape(ins.u), Nx.type(ins.u))
         {batch, _seq, dim} = Nx.shape(ins.u)
@@ -189,6 +195,7 @@ if Code.ensure_loaded?(Nx) do
       # `FusedKernels.Rnn.layer_tensors/3`); opts: cell, layers, initial_state, reverse.
       # Result: {sequence, {state tuple per layer}}.
 
+      @spec nx_call(tuple, keyword) :: term
       def nx_call({x, weights}, opts) do
         {seq, states} =
           FusedKernels.Rnn.nx(opts[:cell], x, layers(weights, opts), opts[:reverse] || false)
@@ -196,6 +203,7 @@ if Code.ensure_loaded?(Nx) do
         {seq, List.to_tuple(states)}
       end
 
+      @spec output_template(tuple, keyword) :: term
       def output_template({x, weights}, opts) do
         {batch, seq, _} = Nx.shape(x)
         type = Nx.type(x)
@@ -238,9 +246,11 @@ if Code.ensure_loaded?(Nx) do
       # The attention kernel alone (inputs {q, k, v}); its block returns out and lse (the
       # handler writes both); callers that do not want lse drop it.
 
+      @spec nx_call(tuple, keyword) :: term
       def nx_call({q, k, v}, opts),
         do: FusedKernels.FlashAttention.nx(q, k, v, Keyword.put(opts, :return_lse, true))
 
+      @spec output_template(tuple, keyword) :: term
       def output_template({q, _k, _v}, opts) do
         {b, s, h, _} =
           if Keyword.get(opts, :layout, :bshd) == :bshd,
