@@ -185,15 +185,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     test "the Mamba block passes Edifice's fixed A and skips the mean-dt discretisation" do
       {h, inner, state, rank} = {4, 6, 3, 2}
 
-      params = %{
-        "mb_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
-        "mb_in_proj" => %{"kernel" => rand({h, 2 * inner}), "bias" => rand({2 * inner})},
-        "mb_conv_dw_conv" => %{"kernel" => rand({4, 1, inner}), "bias" => rand({inner})},
-        "mb_ssm_bc_proj" => %{"kernel" => rand({inner, 2 * state})},
-        "mb_ssm_dt_rank" => %{"kernel" => rand({inner, rank})},
-        "mb_ssm_dt_proj" => %{"kernel" => rand({rank, inner}), "bias" => rand({inner})},
-        "mb_out_proj" => %{"kernel" => rand({inner, h})}
-      }
+      params = mamba_params("mb", h, inner, state, rank, false)
 
       run = fn opts -> fn x, p -> Call.run(Ops.MambaBlock, {x, p}, [name: "mb"] ++ opts) end end
       [{:ok, s}] = specs(run.([]), [rand({1, 5, h}), params], @cuda)

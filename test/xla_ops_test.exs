@@ -69,20 +69,19 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       x = rand({b, s, f})
       gamma = rand({f})
 
+      axon = fn cell ->
+        p = rnn_params(cell, f, h)
+        [p["input_kernel"], p["hidden_kernel"], p["bias"]]
+      end
+
       gru = fn ->
-        ik = Map.new(~w(wir wiz win), &{&1, rand({f, h})})
-        hk = Map.new(~w(whr whz whn), &{&1, rand({h, h})})
-        bias = Map.new(~w(br bz bin bhn), &{&1, rand({h})})
         fun = fn x, h0, ik, hk, bias -> Layers.gru(x, {h0}, 0, ik, hk, bias, []) end
-        {fun, [x, rand({b, h}), ik, hk, bias]}
+        {fun, [x, rand({b, h}) | axon.(:gru)]}
       end
 
       lstm = fn ->
-        ik = Map.new(~w(wii wif wig wio), &{&1, rand({f, h})})
-        hk = Map.new(~w(whi whf whg who), &{&1, rand({h, h})})
-        bias = Map.new(~w(bi bf bg bo), &{&1, rand({h})})
         fun = fn x, c, h0, ik, hk, bias -> Layers.lstm(x, {c, h0}, 0, ik, hk, bias, []) end
-        {fun, [x, rand({b, h}), rand({b, h}), ik, hk, bias]}
+        {fun, [x, rand({b, h}), rand({b, h}) | axon.(:lstm)]}
       end
 
       [
@@ -134,34 +133,6 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     defp scan_call(opts, type \\ :f32, state \\ 3) do
       {make, args} = scan_case(opts, type, state)
       {make.([]), args}
-    end
-
-    # Axon's parameter map of one LSTM/GRU layer.
-    defp rnn_params(cell, f, h) do
-      {i, hh, b} =
-        case cell do
-          :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
-          :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
-        end
-
-      %{
-        "input_kernel" => Map.new(i, &{&1, rand({f, h})}),
-        "hidden_kernel" => Map.new(hh, &{&1, rand({h, h})}),
-        "bias" => Map.new(b, &{&1, rand({h})})
-      }
-    end
-
-    defp mamba_params(name, h, inner, state, rank) do
-      %{
-        "#{name}_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
-        "#{name}_in_proj" => %{"kernel" => rand({h, 2 * inner}), "bias" => rand({2 * inner})},
-        "#{name}_conv_dw_conv" => %{"kernel" => rand({4, 1, inner}), "bias" => rand({inner})},
-        "#{name}_ssm_bc_proj" => %{"kernel" => rand({inner, 2 * state})},
-        "#{name}_ssm_dt_rank" => %{"kernel" => rand({inner, rank})},
-        "#{name}_ssm_dt_proj" => %{"kernel" => rand({rank, inner}), "bias" => rand({inner})},
-        "#{name}_ssm" => %{"a" => Nx.negate(Nx.abs(rand({inner, state}))), "d" => rand({inner})},
-        "#{name}_out_proj" => %{"kernel" => rand({inner, h})}
-      }
     end
 
     defp mamba_call do

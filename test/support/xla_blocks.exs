@@ -30,6 +30,47 @@ if Code.ensure_loaded?(EXLA.CustomCall) do
         Nx.tensor(for(_ <- 1..Tuple.product(shape), do: :rand.uniform() * 2 - 1), type: type)
         |> Nx.reshape(shape)
 
+    @doc "Axon's parameter map of one LSTM/GRU layer (input size f, h units)."
+    def rnn_params(cell, f, h) do
+      {i, hh, b} =
+        case cell do
+          :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
+          :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+        end
+
+      %{
+        "input_kernel" => Map.new(i, &{&1, rand({f, h})}),
+        "hidden_kernel" => Map.new(hh, &{&1, rand({h, h})}),
+        "bias" => Map.new(b, &{&1, rand({h})})
+      }
+    end
+
+    @doc """
+    Edifice's Mamba block parameters for block `name`; without `ssm?` no `a`/`d` (the block
+    then uses Edifice's fixed A).
+    """
+    def mamba_params(name, h, inner, state, rank, ssm? \\ true) do
+      %{
+        "#{name}_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
+        "#{name}_in_proj" => %{"kernel" => rand({h, 2 * inner}), "bias" => rand({2 * inner})},
+        "#{name}_conv_dw_conv" => %{"kernel" => rand({4, 1, inner}), "bias" => rand({inner})},
+        "#{name}_ssm_bc_proj" => %{"kernel" => rand({inner, 2 * state})},
+        "#{name}_ssm_dt_rank" => %{"kernel" => rand({inner, rank})},
+        "#{name}_ssm_dt_proj" => %{"kernel" => rand({rank, inner}), "bias" => rand({inner})},
+        "#{name}_out_proj" => %{"kernel" => rand({inner, h})}
+      }
+      |> Map.merge(
+        if ssm?,
+          do: %{
+            "#{name}_ssm" => %{
+              "a" => Nx.negate(Nx.abs(rand({inner, state}))),
+              "d" => rand({inner})
+            }
+          },
+          else: %{}
+      )
+    end
+
     defp walk(%Nx.Tensor{data: %Nx.Defn.Expr{id: id, op: op, args: args}}, {seen, acc} = state) do
       if MapSet.member?(seen, id) do
         state

@@ -29,7 +29,7 @@ if Code.ensure_loaded?(Nx) do
           target: "fused_kernels_layer_norm",
           attributes: [
             {"eps", XLA.attr_float(Keyword.get(opts, :epsilon, 1.0e-5))},
-            {"operands", XLA.attr_string("x,gamma,beta")}
+            operands(~w(x gamma beta))
           ],
           operand_types: [type, f32, f32]
         }
@@ -77,7 +77,7 @@ if Code.ensure_loaded?(Nx) do
           target: target,
           attributes: [
             {"eps", XLA.attr_float(opts[:eps])},
-            {"operands", XLA.attr_string(Enum.map_join(slots, ",", &elem(&1, 1)))}
+            operands(Keyword.values(slots))
           ],
           # The kernels read the scale and shift in f32, the residual in x's type.
           operand_types: Enum.map(keys, &if(&1 in [:weight, :beta], do: f32, else: type))
@@ -104,14 +104,13 @@ if Code.ensure_loaded?(Nx) do
           target: "fused_kernels_selective_scan",
           attributes: [
             {"delta_softplus", XLA.attr_bool(opts[:delta_softplus] || false)},
-            {"operands", XLA.attr_string(Enum.map_join(names, ",", &Atom.to_string/1))}
+            operands(names)
           ],
           # u, delta, b, c, z in u's type; the per-channel constants and the state in f32.
           operand_types: Enum.map(names, &if(&1 in @scan_f32, do: f32, else: type))
         }
 
-        {:ok, block, Enum.map(names, &Map.fetch!(ins, &1)),
-         fn tensors -> {Map.new(Enum.zip(names, tensors))} end}
+        by_name(block, names, ins)
       else
         _ -> :skip
       end
@@ -255,7 +254,7 @@ if Code.ensure_loaded?(Nx) do
             {"dt_max", XLA.attr_float(Keyword.get(opts, :dt_max, 0.1))},
             {"dt_min", XLA.attr_float(Keyword.get(opts, :dt_min, 0.001))},
             {"eps", XLA.attr_float(Keyword.get(opts, :eps, 1.0e-5))},
-            {"operands", XLA.attr_string(Enum.join(names, ","))},
+            operands(names),
             {"residual", XLA.attr_bool(Keyword.get(opts, :residual, true))}
           ],
           operand_types: List.duplicate(f32, length(named)),
@@ -292,18 +291,27 @@ if Code.ensure_loaded?(Nx) do
               eps ++
               [
                 {"kind", XLA.attr_string(Atom.to_string(kind))},
-                {"operands", XLA.attr_string(Enum.map_join(names, ",", &Atom.to_string/1))}
+                operands(names)
               ],
           operand_types: List.duplicate(type, length(names)),
           extra: if(norm?, do: [{{rows, 2}, {:f, 32}}], else: [])
         }
 
-        {:ok, block, Enum.map(names, &Map.fetch!(ops, &1)),
-         fn tensors -> {Map.new(Enum.zip(names, tensors))} end}
+        by_name(block, names, ops)
       else
         _ -> :skip
       end
     end
+
+    # An op whose inputs are one map of named tensors (`{map}`): the block's operands are
+    # the map's `names` in order, and the default body gets the map back.
+    defp by_name(block, names, map) do
+      {:ok, block, Enum.map(names, &Map.fetch!(map, &1)),
+       fn tensors -> {Map.new(Enum.zip(names, tensors))} end}
+    end
+
+    defp operands(names),
+      do: {"operands", XLA.attr_string(Enum.map_join(names, ",", &to_string/1))}
 
     # One layer with its initial state; x {batch, seq, features}, an input kernel {features,
     # units}.
