@@ -488,3 +488,46 @@ fn no_import_circle_in_any_crate() {
         }
     }
 }
+
+/// The op names under `dir`: its `<op>.rs` files and `<op>/` folders, `mod.rs` and the names in
+/// `skip` left out.
+fn op_names(dir: &Path, skip: &[&str]) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for e in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.unwrap().path();
+        let name = match (p.is_dir(), p.extension().and_then(|x| x.to_str())) {
+            (true, _) => p.file_name(),
+            (false, Some("rs")) => p.file_stem(),
+            _ => None,
+        };
+        if let Some(n) = name.and_then(|n| n.to_str()) {
+            if n != "mod" && !skip.contains(&n) {
+                names.insert(n.to_string());
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_op_has_one_nif_file_and_one_elixir_module() {
+    // The mirror a reader follows: core `src/ops/<op>` ↔ NIF `src/ops/<op>.rs` ↔
+    // `lib/fused_kernels/<op>.ex`. `routes.rs` is the routing table every op shares;
+    // `stream_state` (device-side helpers of the backbones' streaming) has no public Elixir API.
+    let core = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let ops = op_names(&core.join("src/ops"), &["routes"]);
+    let nif = op_names(&core.join("../fused_kernels_nif/src/ops"), &[]);
+    assert_eq!(
+        ops, nif,
+        "core ops vs NIF files (native/fused_kernels_nif/src/ops)"
+    );
+    let lib = core.join("../../lib/fused_kernels");
+    let missing: Vec<&String> = ops
+        .iter()
+        .filter(|op| *op != "stream_state" && !lib.join(format!("{op}.ex")).is_file())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ops without lib/fused_kernels/<op>.ex: {missing:?}"
+    );
+}

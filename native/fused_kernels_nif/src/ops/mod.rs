@@ -2,7 +2,9 @@
 
 mod dense;
 mod flash_attention;
-mod mamba;
+mod mamba_block;
+mod norm;
 mod rnn;
 mod scaled_softmax;
+mod selective_scan;
 mod stream_state;
