@@ -291,6 +291,26 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       assert out |> Tuple.to_list() |> Enum.map(& &1.shape) ==
                [{b, t, 4}, {b, 5}, {b, 5}, {b, 4}, {b, 4}, {words}]
 
+      # Up to 128 operands in one call (an LSTM of 9 layers with states: 127); more take
+      # the pure-Nx path.
+      deep = fn layers ->
+        fun = fn x, p, s ->
+          {seq, states} = FusedKernels.lstm_stack(x, p, initial_state: Tuple.to_list(s))
+          {seq, List.to_tuple(states)}
+        end
+
+        args = [
+          rand({1, 2, 3}),
+          List.duplicate(rnn_params(:lstm, 3, 3), layers),
+          List.to_tuple(List.duplicate({rand({1, 3}), rand({1, 3})}, layers))
+        ]
+
+        traced(fun, args) |> Enum.map(fn {_, in_args, _} -> length(in_args) end)
+      end
+
+      assert deep.(9) == [127]
+      assert deep.(10) == []
+
       # Without states: initial_state false and no state operands.
       gru = &FusedKernels.gru(&1, &2)
       [{:ok, s}] = specs(gru, [rand({b, t, f}, :bf16), rnn_params(:gru, f, 4)], @cuda)

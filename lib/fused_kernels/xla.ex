@@ -56,6 +56,8 @@ if Code.ensure_loaded?(Nx) do
     `attributes`, which `test/xla_ops_test.exs` reads to check what this side emits).
     """
 
+    @max_operands 128
+
     defmodule Block do
       @moduledoc """
       The `Nx.block/4` struct of a fused op lowered to an XLA FFI custom call: the target,
@@ -111,7 +113,8 @@ if Code.ensure_loaded?(Nx) do
     @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) do
       with {:ok, %Block{} = block, operands, rebuild} <-
-             FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
+             FusedKernels.XLA.Lowering.describe(op, inputs, opts),
+           true <- length(operands) <= @max_operands || :skip do
         leaves = inputs |> op.output_template(opts) |> flatten()
         # The handler's own results (workspace, statistics) come after the op's; only the
         # handler writes them (the default body returns zeros, which nothing reads).
@@ -167,16 +170,15 @@ if Code.ensure_loaded?(Nx) do
     defp platform(%{platform: p}), do: p
     defp platform(_), do: nil
 
-    # A fun of arity n + 1 (the block struct, then n operands) calling `f` with the operands.
-    for n <- 1..40 do
+    # A fun of arity n + 1 (the block struct, then n operands) calling `f` with the operands
+    # (`Nx.block/4` applies its default to the struct and each operand). A call with more
+    # operands (an LSTM stack of over 9 layers with states) takes the op's next path.
+    for n <- 1..@max_operands do
       args = Macro.generate_arguments(n, __MODULE__)
 
       defp arity_fun(unquote(n), f),
         do: fn _block, unquote_splicing(args) -> f.(unquote(args)) end
     end
-
-    defp arity_fun(n, _f),
-      do: raise(ArgumentError, "a fused custom call takes at most 40 operands, got #{n}")
 
     defp flatten(container), do: Nx.Defn.Composite.flatten_list([container])
 
