@@ -29,7 +29,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       {rand({b, t, f}), rand({b, h}), ik, hk, bias}
     end
 
-    test "the path is :exla when EXLA.CustomCall is loaded" do
+    test "the path is :exla when EXLA.CustomCall is loaded and the handlers registered" do
       assert XLA.available?()
       assert Call.path([]) == :exla
       assert Call.path(backend: :cpu) != :exla
@@ -249,6 +249,33 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       assert XLA.attr_float(0.001) == "0.001 : f64"
       assert XLA.attr_float(2) == "2.0 : f64"
       assert XLA.attr_string(~s(a"b)) == ~s("a\\"b")
+    end
+  end
+
+  defmodule FusedKernels.XLAUnregisteredTest do
+    # Without the handlers registered no custom call is emitted (EXLA would fail to compile
+    # one). Not async: it withdraws the process-wide registration for its duration.
+    use ExUnit.Case, async: false
+    @moduletag :exla
+
+    import FusedKernels.XLABlocks
+
+    test "no blocks until the handlers are registered" do
+      fun = &FusedKernels.rms_norm(&1, &2)
+      args = [rand({2, 8}), rand({8})]
+      assert [_] = traced(fun, args)
+      FusedKernels.XLA.registered(false)
+
+      try do
+        refute FusedKernels.XLA.available?()
+        assert FusedKernels.Axon.Call.path([]) != :exla
+        assert traced(fun, args) == []
+      after
+        FusedKernels.XLA.registered(true)
+      end
+
+      assert [_] = traced(fun, args)
+      assert FusedKernels.XLA.load("/nonexistent/libfused_kernels_xla.so") |> elem(0) == :error
     end
   end
 end

@@ -4,8 +4,8 @@ if Code.ensure_loaded?(Nx) do
     Fused ops as XLA FFI custom calls inside EXLA-compiled graphs: no copies, no host round
     trip, the kernels run on XLA's own stream over XLA's buffers.
 
-    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded, every op the handlers serve
-    emits, inside `defn`, an `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`: the
+    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded and the handlers are registered
+    (`load/1`), every op the handlers serve emits, inside `defn`, an `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`: the
     fused Axon layers (`FusedKernels.Axon.Call`) and the top-level ops (`layer_norm/4`,
     `rms_norm/3`, `dense/4`, `swiglu/4`, `rms_norm_dense/4`, `layer_norm_dense/5`,
     `flash_attention/4` with or without lse, `selective_scan/6`, `mamba_block/3`, `lstm/3`,
@@ -72,20 +72,35 @@ if Code.ensure_loaded?(Nx) do
       defstruct [:target, attributes: [], operand_types: [], result_types: [], extra: []]
     end
 
+    @registered {__MODULE__, :registered}
+
     @doc """
-    Whether the fused layers emit custom-call blocks here: Nx has `Nx.block/4` and our
-    `EXLA.CustomCall` implementation was compiled, which happens when EXLA (≥ 0.12) compiles
-    before this library (it is an optional dependency: list `:exla` in your deps).
+    Whether the fused ops emit custom-call blocks here: Nx has `Nx.block/4`, our
+    `EXLA.CustomCall` implementation was compiled (EXLA ≥ 0.12 compiled before this library:
+    it is an optional dependency, list `:exla` in your deps), and the handlers are registered
+    with this process's XLA (`load/1` or `registered/0`). Without the handlers a custom call
+    would fail EXLA's compilation, so until then the ops take their other paths.
     """
     @spec available?() :: boolean
     def available? do
-      function_exported?(Nx, :block, 4) and Code.ensure_loaded?(EXLA.CustomCall) and
+      :persistent_term.get(@registered, false) and function_exported?(Nx, :block, 4) and
+        Code.ensure_loaded?(EXLA.CustomCall) and
         Code.ensure_loaded?(EXLA.CustomCall.FusedKernels.XLA.Block)
     end
 
     @doc """
+    Declares the handlers registered with this process's XLA by other means than `load/1`
+    (the host `dlopen`ed the library itself, or called `fused_kernels_xla_register` with its
+    API pointer); with `false`, withdraws that, and the ops stop emitting custom calls.
+    """
+    @spec registered(boolean) :: :ok
+    def registered(registered? \\ true) when is_boolean(registered?),
+      do: :persistent_term.put(@registered, registered?)
+
+    @doc """
     Loads the handler library into this process through EXLA (`EXLA.NIF.load_dylib/1`); the
-    library registers its targets with XLA as it loads.
+    library registers its targets with XLA as it loads, and the ops emit custom calls from
+    then on (`available?/0`).
     """
     @spec load(String.t()) :: :ok | {:error, term}
     def load(path) when is_binary(path) do
@@ -95,7 +110,7 @@ if Code.ensure_loaded?(Nx) do
 
         Code.ensure_loaded?(EXLA.NIF) and function_exported?(EXLA.NIF, :load_dylib, 1) ->
           # apply/3: EXLA is an optional dependency.
-          apply(EXLA.NIF, :load_dylib, [path])
+          with :ok <- apply(EXLA.NIF, :load_dylib, [path]), do: registered(true)
 
         true ->
           {:error, "this EXLA has no EXLA.NIF.load_dylib/1 (EXLA's main branch has it)"}
