@@ -1,6 +1,6 @@
 defmodule FusedKernels.Bench.Dense do
   @moduledoc false
-  alias FusedKernels.{Sample, Dense}
+  alias FusedKernels.{Buffer, Dense, Sample}
 
   # {name, kind, {m, k, n}, type, opts}: ExPhil's shapes (f32 inference, bf16 too) and one
   # large one. Names are what bench/gpu/side_dense.py matches on.
