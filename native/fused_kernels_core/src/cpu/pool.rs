@@ -76,6 +76,9 @@ struct Pool {
 /// back at once in human terms.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// How long a resting worker keeps looking for the next job between yields before it parks.
+const YIELD_WATCH: Duration = Duration::from_micros(300);
+
 /// Spins until `done()` or `SPIN` has passed; true if `done()`.
 fn spin_until(done: impl Fn() -> bool) -> bool {
     let start = Instant::now();
@@ -146,9 +149,14 @@ fn worker(pool: &'static Pool) {
     let mut seen = 0u64;
     loop {
         let rest = REST.load(Ordering::Acquire);
-        spin_until(|| {
-            pool.generation.load(Ordering::Acquire) != seen || REST.load(Ordering::Relaxed) != rest
-        });
+        let job = || pool.generation.load(Ordering::Acquire) != seen;
+        spin_until(|| job() || REST.load(Ordering::Relaxed) != rest);
+        // Told to rest: watch for the next call's job a while longer, yielding the CPU to any
+        // other thread that wants it (the BEAM scheduler running the caller) at every look.
+        let start = Instant::now();
+        while !job() && start.elapsed() < YIELD_WATCH {
+            std::thread::yield_now();
+        }
         let job = {
             let mut st = lock(&pool.state);
             while st.generation == seen {
