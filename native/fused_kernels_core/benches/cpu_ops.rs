@@ -124,7 +124,7 @@ fn report(name: &str, mut ms: Vec<f64>) {
 
 fn time(iters: usize, mut f: impl FnMut()) -> Vec<f64> {
     let gap = GAP_US.load(Ordering::Relaxed);
-    let mut pause = || {
+    let pause = || {
         if gap > 0 {
             fused_kernels_core::cpu::pool::rest();
             std::thread::sleep(Duration::from_micros(gap));
