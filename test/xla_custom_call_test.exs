@@ -1,6 +1,8 @@
 # Compiled only where EXLA's `EXLA.CustomCall` protocol (EXLA ≥ 0.12) and Axon are loaded;
 # tagged :exla, excluded elsewhere (see test_helper.exs).
 if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
+  Code.require_file("support/xla_blocks.exs", __DIR__)
+
   defmodule FusedKernels.XLACustomCallTest do
     # The custom calls the fused Axon layers emit under EXLA: the Nx.block node, the spec our
     # EXLA.CustomCall implementation answers (target, attributes, operand types), :skip where
@@ -15,59 +17,10 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     alias FusedKernels.XLA.Block
     alias FusedKernels.XLA.Lowering
 
-    @cuda %{platform: :cuda}
-    @host %{platform: :host}
+    @cuda struct(EXLA.Client, platform: :cuda)
+    @host struct(EXLA.Client, platform: :host)
 
-    defp rand(shape, type \\ :f32),
-      do:
-        Nx.tensor(for(_ <- 1..Tuple.product(shape), do: :rand.uniform() * 2 - 1), type: type)
-        |> Nx.reshape(shape)
-
-    # Every :block node of an expression, as EXLA's compiler sees them: {struct, in_args, out}.
-    defp blocks(container) do
-      {_, acc} =
-        container
-        |> List.wrap()
-        |> Nx.Defn.Composite.flatten_list()
-        |> Enum.reduce({MapSet.new(), []}, &walk/2)
-
-      Enum.reverse(acc)
-    end
-
-    defp walk(%Nx.Tensor{data: %Nx.Defn.Expr{id: id, op: op, args: args}}, {seen, acc} = state) do
-      if MapSet.member?(seen, id) do
-        state
-      else
-        state = {MapSet.put(seen, id), acc}
-
-        state =
-          case {op, args} do
-            {:block, [struct, in_args, out, _fun]} ->
-              {s, a} = Enum.reduce(in_args, state, &walk/2)
-              {s, [{struct, in_args, out} | a]}
-
-            _ ->
-              Enum.reduce(args, state, &walk_arg/2)
-          end
-
-        state
-      end
-    end
-
-    defp walk(_other, state), do: state
-
-    defp walk_arg(%Nx.Tensor{} = t, state), do: walk(t, state)
-    defp walk_arg(list, state) when is_list(list), do: Enum.reduce(list, state, &walk_arg/2)
-    defp walk_arg(tuple, state) when is_tuple(tuple), do: walk_arg(Tuple.to_list(tuple), state)
-    defp walk_arg(_, state), do: state
-
-    # What EXLA's compiler asks our implementation, for every block of `fun` on `args`.
-    defp specs(fun, args, client) do
-      expr = apply(Nx.Defn.debug_expr(fun), args)
-
-      for {struct, in_args, out} <- blocks(expr),
-          do: EXLA.CustomCall.call(struct, out, in_args, client)
-    end
+    import FusedKernels.XLABlocks
 
     defp gru_inputs(b, t, f, h) do
       ik = Map.new(~w(wir wiz win), &{&1, rand({f, h})})
@@ -76,7 +29,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       {rand({b, t, f}), rand({b, h}), ik, hk, bias}
     end
 
-    test "the path is :exla when EXLA.CustomCall is loaded" do
+    test "the path is :exla when EXLA.CustomCall is loaded and the handlers registered" do
       assert XLA.available?()
       assert Call.path([]) == :exla
       assert Call.path(backend: :cpu) != :exla
@@ -106,7 +59,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       # Results: the sequence, then h, then the handler's f32 workspace (what the layer
       # returns is only the sequence and h).
       words = Lowering.rnn_workspace_words(:gru, 4, 1, 6, 5, [4])
-      assert block.workspace == words
+      assert block.extra == [{{words}, {:f, 32}}]
       assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 6, 4}, {1, 4}, {words}]
       assert out |> Tuple.to_list() |> List.last() |> Nx.type() == {:f, 32}
       {seq, {hn}} = apply(Nx.Defn.debug_expr(fun), [x, h, ik, hk, bias])
@@ -232,15 +185,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
     test "the Mamba block passes Edifice's fixed A and skips the mean-dt discretisation" do
       {h, inner, state, rank} = {4, 6, 3, 2}
 
-      params = %{
-        "mb_norm" => %{"gamma" => rand({h}), "beta" => rand({h})},
-        "mb_in_proj" => %{"kernel" => rand({h, 2 * inner}), "bias" => rand({2 * inner})},
-        "mb_conv_dw_conv" => %{"kernel" => rand({4, 1, inner}), "bias" => rand({inner})},
-        "mb_ssm_bc_proj" => %{"kernel" => rand({inner, 2 * state})},
-        "mb_ssm_dt_rank" => %{"kernel" => rand({inner, rank})},
-        "mb_ssm_dt_proj" => %{"kernel" => rand({rank, inner}), "bias" => rand({inner})},
-        "mb_out_proj" => %{"kernel" => rand({inner, h})}
-      }
+      params = mamba_params("mb", h, inner, state, rank, false)
 
       run = fn opts -> fn x, p -> Call.run(Ops.MambaBlock, {x, p}, [name: "mb"] ++ opts) end end
       [{:ok, s}] = specs(run.([]), [rand({1, 5, h}), params], @cuda)
@@ -255,7 +200,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       # out (x's shape), then the workspace.
       [{block, _in, out}] = blocks(apply(Nx.Defn.debug_expr(run.([])), [rand({1, 5, h}), params]))
       words = Lowering.mamba_workspace_words(1, 5, h, inner, state, rank)
-      assert block.workspace == words
+      assert block.extra == [{{words}, {:f, 32}}]
       assert out |> Tuple.to_list() |> Enum.map(&Nx.shape/1) == [{1, 5, h}, {words}]
       assert specs(run.(b_discretization: :mean_dt), [rand({1, 5, h}), params], @cuda) == []
     end
@@ -304,6 +249,33 @@ if Code.ensure_loaded?(EXLA.CustomCall) and Code.ensure_loaded?(Axon) do
       assert XLA.attr_float(0.001) == "0.001 : f64"
       assert XLA.attr_float(2) == "2.0 : f64"
       assert XLA.attr_string(~s(a"b)) == ~s("a\\"b")
+    end
+  end
+
+  defmodule FusedKernels.XLAUnregisteredTest do
+    # Without the handlers registered no custom call is emitted (EXLA would fail to compile
+    # one). Not async: it withdraws the process-wide registration for its duration.
+    use ExUnit.Case, async: false
+    @moduletag :exla
+
+    import FusedKernels.XLABlocks
+
+    test "no blocks until the handlers are registered" do
+      fun = &FusedKernels.rms_norm(&1, &2)
+      args = [rand({2, 8}), rand({8})]
+      assert [_] = traced(fun, args)
+      FusedKernels.XLA.registered(false)
+
+      try do
+        refute FusedKernels.XLA.available?()
+        assert FusedKernels.Axon.Call.path([]) != :exla
+        assert traced(fun, args) == []
+      after
+        FusedKernels.XLA.registered(true)
+      end
+
+      assert [_] = traced(fun, args)
+      assert FusedKernels.XLA.load("/nonexistent/libfused_kernels_xla.so") |> elem(0) == :error
     end
   end
 end

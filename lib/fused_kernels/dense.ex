@@ -255,7 +255,8 @@ defmodule FusedKernels.Dense do
       end
 
     if backend == :nx do
-      nx(kind, ops, opts)
+      # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+      with :skip <- in_graph(kind, ops, opts), do: nx(kind, ops, opts)
     else
       result = native(kind, ops, backend, opts)
       if nx? and opts[:out] == :host, do: apply(Tensor, :to_nx, [result]), else: result
@@ -388,7 +389,11 @@ defmodule FusedKernels.Dense do
     end
 
     defp x_out_shape(x, n), do: x |> Nx.shape() |> put_elem(Nx.rank(x) - 1, n)
+
+    defp in_graph(kind, ops, opts), do: FusedKernels.XLA.Ops.dense(kind, ops, opts)
   else
+    defp in_graph(_kind, _ops, _opts), do: :skip
+
     @spec nx(atom, map, keyword) :: no_return
     def nx(_kind, _ops, _opts), do: raise(ArgumentError, "backend :nx needs Nx")
   end

@@ -95,7 +95,9 @@ defmodule FusedKernels.FlashAttention do
 
         case Backend.select(opts, Enum.any?([q, k, v], &Tensor.symbolic?/1)) do
           :nx ->
-            nx(q, k, v, opts)
+            # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+            with :skip <- FusedKernels.XLA.Ops.flash_attention(q, k, v, opts),
+                 do: nx(q, k, v, opts)
 
           backend ->
             result = call(Enum.map([q, k, v], &Tensor.to_native/1), backend, opts)

@@ -153,7 +153,9 @@ defmodule FusedKernels.MambaBlock do
 
       case Backend.select(opts, Enum.any?([x | w], &Tensor.symbolic?/1)) do
         :nx ->
-          nx(x, params, opts)
+          # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+          with :skip <- FusedKernels.XLA.Ops.mamba_block(x, params, opts),
+               do: nx(x, params, opts)
 
         backend ->
           result = call(x, w, backend, opts)

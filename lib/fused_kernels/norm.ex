@@ -74,7 +74,9 @@ defmodule FusedKernels.Norm do
 
         case Backend.select(opts, symbolic?) do
           :nx ->
-            apply(__MODULE__, :nx, [kind | tensors] ++ [opts])
+            # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+            with :skip <- FusedKernels.XLA.Ops.norm(kind, tensors, opts),
+                 do: apply(__MODULE__, :nx, [kind | tensors] ++ [opts])
 
           backend ->
             finish = if opts[:out] == :device, do: & &1, else: &Tensor.to_nx/1

@@ -473,7 +473,9 @@ defmodule FusedKernels.Rnn do
 
       case Backend.select(opts, symbolic?) do
         :nx ->
-          nx(cell, x, layers, opts[:reverse])
+          # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+          with :skip <- FusedKernels.XLA.Ops.rnn(cell, x, layers, opts),
+               do: nx(cell, x, layers, opts[:reverse])
 
         backend ->
           {seq, states} = call(cell, Tensor.to_native(x), to_native(layers), backend, opts)

@@ -95,7 +95,9 @@ defmodule FusedKernels.SelectiveScan do
 
         case Backend.select(opts, symbolic?) do
           :nx ->
-            apply(&nx/6, tensors ++ [opts])
+            # Inside defn: an XLA custom call where EXLA serves it (FusedKernels.XLA).
+            with :skip <- FusedKernels.XLA.Ops.selective_scan(tensors, opts),
+                 do: apply(&nx/6, tensors ++ [opts])
 
           backend ->
             finish = if opts[:out] == :device, do: & &1, else: &Tensor.to_nx/1

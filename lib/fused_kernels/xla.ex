@@ -4,18 +4,32 @@ if Code.ensure_loaded?(Nx) do
     Fused ops as XLA FFI custom calls inside EXLA-compiled graphs: no copies, no host round
     trip, the kernels run on XLA's own stream over XLA's buffers.
 
-    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded, the fused Axon layers emit an
-    `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`. Our `EXLA.CustomCall`
-    implementation lowers it to a `stablehlo.custom_call` (typed FFI, `api_version = 4`,
-    options in `backend_config`) on the CUDA platform, and answers `:skip` elsewhere (the host
-    client, a type or shape the handler does not serve), in which case EXLA compiles the
-    block's default body: the op's pure-Nx implementation. Gradients are the pure-Nx
+    When EXLA with `EXLA.CustomCall` (EXLA ≥ 0.12) is loaded and the handlers are registered
+    (`load/1`), every op the handlers serve emits, inside `defn`, an `Nx.block/4` node whose struct is `FusedKernels.XLA.Block`: the
+    fused Axon layers (`FusedKernels.Axon.Call`) and the top-level ops (`layer_norm/4`,
+    `rms_norm/3`, `dense/4`, `swiglu/4`, `rms_norm_dense/4`, `layer_norm_dense/5`,
+    `flash_attention/4` with or without lse, `selective_scan/6`, `mamba_block/3`, `lstm/3`,
+    `gru/3` and the stacks). Our `EXLA.CustomCall` implementation lowers the block to a
+    `stablehlo.custom_call` (typed FFI, `api_version = 4`, options in `backend_config`) on the
+    CUDA platform and answers `:skip` on any other client, or when the operand or result types
+    changed since the block was planned; EXLA then compiles the block's default body, the
+    op's pure-Nx implementation. A call the handlers do not serve (f64; the mean-dt
+    discretisation; a 1-D dense input; a Mamba block whose conv kernel is not Axon's
+    `{k, 1, inner}`) emits no block and takes the op's next path: `Nx.runtime_call` for the
+    Axon layers where available, else the pure-Nx implementation. Gradients are the pure-Nx
     implementation's, through `custom_grad` (the custom call has no derivative of its own).
 
     A custom call's result cannot share its operand's buffer unless the call declares the
-    alias, which `EXLA.CustomCall.Spec` has no field for: inside a `while` loop that carries
-    the attention's q, XLA copies each result into the carried buffer (one more launch per
-    iteration; under JAX, with `input_output_aliases`, the same loop runs 1.5× faster).
+    alias, and `EXLA.CustomCall.Spec` (0.13.1) has no field for it, so none is declared:
+    inside a `while` loop that carries the attention's q, XLA copies each result into the
+    carried buffer (one more launch per iteration; under JAX, with `input_output_aliases`,
+    the same loop runs 1.5× faster).
+
+    What has run: the blocks and the specs our implementation answers, compiled against
+    EXLA's own `EXLA.CustomCall` sources (0.13.1), and the blocks' default bodies (values and
+    gradients); the handlers under JAX on an H100. EXLA's NIF could not be built on our
+    machines, so no EXLA-compiled graph has run a handler: EXLA's lowering of these specs,
+    `load/1` and the handlers inside an EXLA graph are unverified.
 
     ## Loading the handlers into EXLA's process
 
@@ -38,36 +52,55 @@ if Code.ensure_loaded?(Nx) do
     `fused_kernels_flash_attention`, `fused_kernels_gru`, `fused_kernels_lstm`,
     `fused_kernels_selective_scan`, `fused_kernels_mamba_block`, `fused_kernels_dense`,
     `fused_kernels_layer_norm`, `fused_kernels_rms_norm` (operands, results and attributes:
-    `native/fused_kernels_xla/src/ops.rs`).
+    `native/fused_kernels_xla/src/ops.rs`; each target's attribute names are its `OpSpec`'s
+    `attributes`, which `test/xla_ops_test.exs` reads to check what this side emits).
     """
+
+    @max_operands 128
 
     defmodule Block do
       @moduledoc """
       The `Nx.block/4` struct of a fused op lowered to an XLA FFI custom call: the target,
       its `backend_config` attributes (`{name, MLIR attribute}` pairs), the element type
-      each operand is converted to, the types the results must have, and the length of the
-      f32 workspace result the handler takes last (0: none). The LSTM, GRU and Mamba block
-      handlers keep their temporaries there instead of borrowing XLA's scratch, so that XLA
-      may record them into a CUDA graph (a command buffer).
+      each operand is converted to, the types the results must have, and the results the
+      handler writes after the op's own (`{shape, type}`s; none for most targets): the f32
+      workspace of the LSTM, GRU and Mamba block handlers, which keep their temporaries
+      there instead of borrowing XLA's scratch so that XLA may record them into a CUDA graph
+      (a command buffer), and the row statistics of the norm-fused dense kinds.
       """
       @enforce_keys [:target]
-      defstruct [:target, attributes: [], operand_types: [], result_types: [], workspace: 0]
+      defstruct [:target, attributes: [], operand_types: [], result_types: [], extra: []]
     end
 
+    @registered {__MODULE__, :registered}
+
     @doc """
-    Whether the fused layers emit custom-call blocks here: Nx has `Nx.block/4` and our
-    `EXLA.CustomCall` implementation was compiled, which happens when EXLA (≥ 0.12) compiles
-    before this library (it is an optional dependency: list `:exla` in your deps).
+    Whether the fused ops emit custom-call blocks here: Nx has `Nx.block/4`, our
+    `EXLA.CustomCall` implementation was compiled (EXLA ≥ 0.12 compiled before this library:
+    it is an optional dependency, list `:exla` in your deps), and the handlers are registered
+    with this process's XLA (`load/1` or `registered/0`). Without the handlers a custom call
+    would fail EXLA's compilation, so until then the ops take their other paths.
     """
     @spec available?() :: boolean
     def available? do
-      function_exported?(Nx, :block, 4) and Code.ensure_loaded?(EXLA.CustomCall) and
+      :persistent_term.get(@registered, false) and function_exported?(Nx, :block, 4) and
+        Code.ensure_loaded?(EXLA.CustomCall) and
         Code.ensure_loaded?(EXLA.CustomCall.FusedKernels.XLA.Block)
     end
 
     @doc """
+    Declares the handlers registered with this process's XLA by other means than `load/1`
+    (the host `dlopen`ed the library itself, or called `fused_kernels_xla_register` with its
+    API pointer); with `false`, withdraws that, and the ops stop emitting custom calls.
+    """
+    @spec registered(boolean) :: :ok
+    def registered(registered? \\ true) when is_boolean(registered?),
+      do: :persistent_term.put(@registered, registered?)
+
+    @doc """
     Loads the handler library into this process through EXLA (`EXLA.NIF.load_dylib/1`); the
-    library registers its targets with XLA as it loads.
+    library registers its targets with XLA as it loads, and the ops emit custom calls from
+    then on (`available?/0`).
     """
     @spec load(String.t()) :: :ok | {:error, term}
     def load(path) when is_binary(path) do
@@ -77,7 +110,7 @@ if Code.ensure_loaded?(Nx) do
 
         Code.ensure_loaded?(EXLA.NIF) and function_exported?(EXLA.NIF, :load_dylib, 1) ->
           # apply/3: EXLA is an optional dependency.
-          apply(EXLA.NIF, :load_dylib, [path])
+          with :ok <- apply(EXLA.NIF, :load_dylib, [path]), do: registered(true)
 
         true ->
           {:error, "this EXLA has no EXLA.NIF.load_dylib/1 (EXLA's main branch has it)"}
@@ -95,21 +128,21 @@ if Code.ensure_loaded?(Nx) do
     @spec run(module, tuple, keyword) :: term
     def run(op, inputs, opts) do
       with {:ok, %Block{} = block, operands, rebuild} <-
-             FusedKernels.XLA.Lowering.describe(op, inputs, opts) do
+             FusedKernels.XLA.Lowering.describe(op, inputs, opts),
+           true <- length(operands) <= @max_operands || :skip do
         leaves = inputs |> op.output_template(opts) |> flatten()
-        # The workspace is one more result, after the op's own; only the handler writes it
-        # (the default body returns zeros, which nothing reads).
-        workspace =
-          if block.workspace > 0, do: [Nx.template({block.workspace}, {:f, 32})], else: []
+        # The handler's own results (workspace, statistics) come after the op's; only the
+        # handler writes them (the default body returns zeros, which nothing reads).
+        extra = Enum.map(block.extra, fn {shape, type} -> Nx.template(shape, type) end)
 
-        results = leaves ++ workspace
+        results = leaves ++ extra
         block = %{block | result_types: Enum.map(results, &Nx.type/1)}
         output = List.to_tuple(Enum.map(results, &Nx.template(Nx.shape(&1), Nx.type(&1))))
 
         default =
           arity_fun(length(operands), fn args ->
             own = args |> rebuild.() |> op.nx_call(opts) |> flatten()
-            zeros = Enum.map(workspace, &Nx.broadcast(Nx.tensor(0.0, type: {:f, 32}), &1))
+            zeros = Enum.map(extra, &Nx.broadcast(Nx.tensor(0, type: Nx.type(&1)), &1))
             List.to_tuple(own ++ zeros)
           end)
 
@@ -152,16 +185,15 @@ if Code.ensure_loaded?(Nx) do
     defp platform(%{platform: p}), do: p
     defp platform(_), do: nil
 
-    # A fun of arity n + 1 (the block struct, then n operands) calling `f` with the operands.
-    for n <- 1..40 do
+    # A fun of arity n + 1 (the block struct, then n operands) calling `f` with the operands
+    # (`Nx.block/4` applies its default to the struct and each operand). A call with more
+    # operands (an LSTM stack of over 9 layers with states) takes the op's next path.
+    for n <- 1..@max_operands do
       args = Macro.generate_arguments(n, __MODULE__)
 
       defp arity_fun(unquote(n), f),
         do: fn _block, unquote_splicing(args) -> f.(unquote(args)) end
     end
-
-    defp arity_fun(n, _f),
-      do: raise(ArgumentError, "a fused custom call takes at most 40 operands, got #{n}")
 
     defp flatten(container), do: Nx.Defn.Composite.flatten_list([container])
 

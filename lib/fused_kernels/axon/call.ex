@@ -3,7 +3,9 @@ if Code.ensure_loaded?(Nx) do
     @moduledoc """
     Runs a fused op from inside a `defn` graph (an Axon model).
 
-    On Nx ≥ 0.11 the op becomes an `Nx.runtime_call/4` to the native kernel, wrapped in
+    With EXLA's `EXLA.CustomCall` loaded the op becomes XLA custom calls where the handlers
+    serve it (`exla/3`, `FusedKernels.XLA`). Otherwise, on Nx ≥ 0.11, the op becomes an
+    `Nx.runtime_call/4` to the native kernel, wrapped in
     `custom_grad` whose backward pass is the gradient of the op's pure-Nx implementation:
     inference runs the kernel, training still gets exact gradients. On older Nx, or when no
     native backend is available, the pure-Nx implementation is traced into the graph instead
@@ -45,12 +47,24 @@ if Code.ensure_loaded?(Nx) do
       case path(opts) do
         :exla ->
           # A call the handlers do not serve takes the next path.
-          with :skip <- with_pure_grad(op, inputs, opts, &exla_leaves/3),
+          with :skip <- exla(op, inputs, opts),
                do: run_native_or_nx(op, inputs, opts, runtime_call?() and native?(opts))
 
         other ->
           run_native_or_nx(op, inputs, opts, other == :runtime_call)
       end
+    end
+
+    @doc """
+    `op` on `inputs` as XLA custom calls (`Nx.block/4` nodes, see `FusedKernels.XLA`) under
+    the pure-Nx gradient, when `path(opts)` is `:exla` and the handlers serve the call;
+    otherwise `:skip`, and the caller takes its next path.
+    """
+    @spec exla(module, tuple, keyword) :: term | :skip
+    def exla(op, inputs, opts) when is_tuple(inputs) do
+      if path(opts) == :exla,
+        do: with_pure_grad(op, inputs, opts, &exla_leaves/3),
+        else: :skip
     end
 
     defp native?(opts),
@@ -83,7 +97,7 @@ if Code.ensure_loaded?(Nx) do
 
     # The op's output leaves from XLA custom calls (`:skip` when not served).
     defp exla_leaves(FusedKernels.Axon.Ops.Attention, {x, params}, opts) do
-      alias FusedKernels.XLA.Lowering.FlashAttention
+      alias FusedKernels.XLA.Ops.FlashAttention
 
       dense = fn t, p ->
         ops = %{x: t, kernel: p["kernel"]}

@@ -10,6 +10,11 @@ if Code.ensure_loaded?(Nx) do
     alias FusedKernels.XLA
     alias FusedKernels.XLA.Block
 
+    @activations [:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh]
+    @dense_slots [:x, :kernel, :kernel_up, :bias, :bias_up, :gamma, :beta, :residual]
+    @scan_slots [:u, :delta, :a, :b, :c, :d, :z, :delta_bias, :initial_state]
+    @scan_f32 [:a, :d, :delta_bias, :initial_state]
+
     @doc false
     @spec describe(module, tuple, keyword) :: {:ok, struct, list, function} | :skip
     def describe(op, inputs, opts)
@@ -24,7 +29,7 @@ if Code.ensure_loaded?(Nx) do
           target: "fused_kernels_layer_norm",
           attributes: [
             {"eps", XLA.attr_float(Keyword.get(opts, :epsilon, 1.0e-5))},
-            {"operands", XLA.attr_string("x,gamma,beta")}
+            operands(~w(x gamma beta))
           ],
           operand_types: [type, f32, f32]
         }
@@ -35,34 +40,114 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    def describe(FusedKernels.Axon.Ops.Dense, {ops}, opts) do
-      type = Nx.type(ops.x)
-      activation = Keyword.get(opts, :activation, :none) || :none
+    def describe(FusedKernels.Axon.Ops.Dense, {ops}, opts),
+      do: dense(:dense, ops, Keyword.get(opts, :activation, :none) || :none, nil)
 
-      # The handler's operand names, in the order the block passes them.
-      names = Enum.filter([:x, :kernel, :bias, :residual], &(Map.get(ops, &1) != nil))
+    def describe(XLA.Ops.Dense, {ops}, opts) do
+      activation = if opts[:kind] == :swiglu, do: :none, else: opts[:activation] || :none
+      dense(opts[:kind], ops, activation, opts[:eps])
+    end
 
-      with true <- XLA.served_type?(type),
-           true <-
-             activation in [:none, :relu, :gelu, :gelu_tanh, :silu, :sigmoid, :tanh] do
+    def describe(XLA.Ops.Norm, {ins}, opts) do
+      type = Nx.type(ins.x)
+      f32 = {:f, 32}
+      cols = elem(Nx.shape(ins.x), Nx.rank(ins.x) - 1)
+
+      with true <- XLA.served_type?(type) do
+        # The handler's LayerNorm takes beta; a call without one adds zeros, as the kernel does.
+        {target, slots} =
+          case opts[:kind] do
+            :layer_norm ->
+              {"fused_kernels_layer_norm",
+               [x: "x", weight: "gamma", beta: "beta", residual: "residual"]}
+
+            :rms_norm ->
+              {"fused_kernels_rms_norm", [x: "x", weight: "weight", residual: "residual"]}
+          end
+
+        ins2 =
+          if opts[:kind] == :layer_norm and ins[:beta] == nil,
+            do: Map.put(ins, :beta, Nx.broadcast(Nx.tensor(0.0, type: f32), {cols})),
+            else: ins
+
+        slots = Enum.filter(slots, fn {key, _} -> Map.has_key?(ins2, key) end)
+        keys = Keyword.keys(slots)
+
         block = %Block{
-          target: "fused_kernels_dense",
+          target: target,
           attributes: [
-            {"activation", XLA.attr_string(Atom.to_string(activation))},
-            {"kind", XLA.attr_string("dense")},
-            {"operands", XLA.attr_string(Enum.map_join(names, ",", &Atom.to_string/1))}
+            {"eps", XLA.attr_float(opts[:eps])},
+            operands(Keyword.values(slots))
           ],
-          operand_types: List.duplicate(type, length(names))
+          # The kernels read the scale and shift in f32, the residual in x's type.
+          operand_types: Enum.map(keys, &if(&1 in [:weight, :beta], do: f32, else: type))
         }
 
-        {:ok, block, Enum.map(names, &Map.fetch!(ops, &1)),
-         fn tensors -> {Map.new(Enum.zip(names, tensors))} end}
+        {:ok, block, Enum.map(keys, &Map.fetch!(ins2, &1)),
+         fn tensors -> {keys |> Enum.zip(tensors) |> Map.new() |> Map.take(Map.keys(ins))} end}
       else
         _ -> :skip
       end
     end
 
-    def describe(FusedKernels.XLA.Lowering.FlashAttention, {q, k, v}, opts) do
+    def describe(XLA.Ops.SelectiveScan, {ins}, opts) do
+      type = Nx.type(ins.u)
+      f32 = {:f, 32}
+      names = Enum.filter(@scan_slots, &Map.has_key?(ins, &1))
+
+      # mamba_ssm's per-channel discretisation only (the handler has no mean-dt workspace).
+      # (The kernels' limits, e.g. the state size, are the op's own: its checks raise the
+      # same ArgumentError while the block's default body is traced.)
+      with true <- XLA.served_type?(type),
+           :per_channel <- opts[:b_discretization] || :per_channel do
+        block = %Block{
+          target: "fused_kernels_selective_scan",
+          attributes: [
+            {"delta_softplus", XLA.attr_bool(opts[:delta_softplus] || false)},
+            operands(names)
+          ],
+          # u, delta, b, c, z in u's type; the per-channel constants and the state in f32.
+          operand_types: Enum.map(names, &if(&1 in @scan_f32, do: f32, else: type))
+        }
+
+        by_name(block, names, ins)
+      else
+        _ -> :skip
+      end
+    end
+
+    def describe(XLA.Ops.Rnn, {x, weights}, opts) do
+      type = Nx.type(x)
+
+      with true <- XLA.served_type?(type) do
+        {batch, seq, features} = Nx.shape(x)
+        {_, bits} = type
+        keys = XLA.Ops.Rnn.operand_keys(weights, opts)
+
+        units =
+          for {_, wh, _, _} <- XLA.Ops.Rnn.layers(weights, opts), do: elem(Nx.shape(hd(wh)), 0)
+
+        words = rnn_workspace_words(opts[:cell], div(bits, 8), batch, seq, features, units)
+
+        block = %Block{
+          target: "fused_kernels_#{opts[:cell]}",
+          attributes: [
+            {"initial_state", XLA.attr_bool(opts[:initial_state])},
+            {"layers", XLA.attr_int(opts[:layers])},
+            {"reverse", XLA.attr_bool(opts[:reverse] || false)}
+          ],
+          operand_types: List.duplicate(type, 1 + length(keys)),
+          extra: [{{words}, {:f, 32}}]
+        }
+
+        {:ok, block, [x | Enum.map(keys, &Map.fetch!(weights, &1))],
+         fn [x | tensors] -> {x, Map.new(Enum.zip(keys, tensors))} end}
+      else
+        _ -> :skip
+      end
+    end
+
+    def describe(XLA.Ops.FlashAttention, {q, k, v}, opts) do
       type = Nx.type(q)
       {left, right} = opts[:window] || {-1, -1}
 
@@ -169,11 +254,11 @@ if Code.ensure_loaded?(Nx) do
             {"dt_max", XLA.attr_float(Keyword.get(opts, :dt_max, 0.1))},
             {"dt_min", XLA.attr_float(Keyword.get(opts, :dt_min, 0.001))},
             {"eps", XLA.attr_float(Keyword.get(opts, :eps, 1.0e-5))},
-            {"operands", XLA.attr_string(Enum.join(names, ","))},
+            operands(names),
             {"residual", XLA.attr_bool(Keyword.get(opts, :residual, true))}
           ],
           operand_types: List.duplicate(f32, length(named)),
-          workspace: mamba_workspace_words(batch, seq, hidden, inner, state, rank)
+          extra: [{{mamba_workspace_words(batch, seq, hidden, inner, state, rank)}, {:f, 32}}]
         }
 
         {:ok, block, Enum.map(named, &elem(&1, 1)),
@@ -184,6 +269,49 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def describe(_op, _inputs, _opts), do: :skip
+
+    # The dense kinds: every operand in x's type (the kernels' rule); the norm-fused kinds
+    # return each row's statistics as a second result (f32 {rows, 2}).
+    defp dense(kind, ops, activation, eps) do
+      x = ops.x
+      type = Nx.type(x)
+      names = Enum.filter(@dense_slots, &(Map.get(ops, &1) != nil))
+      norm? = kind in [:rms_norm_dense, :layer_norm_dense]
+
+      with true <- XLA.served_type?(type),
+           true <- Nx.rank(x) >= 2,
+           true <- activation in @activations do
+        eps = if norm?, do: [{"eps", XLA.attr_float(eps)}], else: []
+        rows = div(Nx.size(x), elem(Nx.shape(x), Nx.rank(x) - 1))
+
+        block = %Block{
+          target: "fused_kernels_dense",
+          attributes:
+            [{"activation", XLA.attr_string(Atom.to_string(activation))}] ++
+              eps ++
+              [
+                {"kind", XLA.attr_string(Atom.to_string(kind))},
+                operands(names)
+              ],
+          operand_types: List.duplicate(type, length(names)),
+          extra: if(norm?, do: [{{rows, 2}, {:f, 32}}], else: [])
+        }
+
+        by_name(block, names, ops)
+      else
+        _ -> :skip
+      end
+    end
+
+    # An op whose inputs are one map of named tensors (`{map}`): the block's operands are
+    # the map's `names` in order, and the default body gets the map back.
+    defp by_name(block, names, map) do
+      {:ok, block, Enum.map(names, &Map.fetch!(map, &1)),
+       fn tensors -> {Map.new(Enum.zip(names, tensors))} end}
+    end
+
+    defp operands(names),
+      do: {"operands", XLA.attr_string(Enum.map_join(names, ",", &to_string/1))}
 
     # One layer with its initial state; x {batch, seq, features}, an input kernel {features,
     # units}.
@@ -197,7 +325,9 @@ if Code.ensure_loaded?(Nx) do
         target: target,
         attributes: [{"initial_state", XLA.attr_bool(true)}, {"layers", XLA.attr_int(1)}],
         operand_types: List.duplicate(type, operands),
-        workspace: rnn_workspace_words(cell, div(bits, 8), batch, seq, features, [units])
+        extra: [
+          {{rnn_workspace_words(cell, div(bits, 8), batch, seq, features, [units])}, {:f, 32}}
+        ]
       }
     end
 
@@ -308,31 +438,6 @@ if Code.ensure_loaded?(Nx) do
           {l, key} = Map.fetch!(layer, n)
           Map.update(acc, "#{name}_#{l}", %{key => t}, &Map.put(&1, key, t))
       end)
-    end
-
-    defmodule FlashAttention do
-      @moduledoc false
-      # The attention kernel alone as an op (inputs {q, k, v}); its block returns out and lse
-      # (the handler writes both), the layer keeps out.
-      @behaviour FusedKernels.Op
-
-      @impl FusedKernels.Op
-      def fused_call({q, k, v}, opts),
-        do: FusedKernels.FlashAttention.run(q, k, v, Keyword.put(opts, :return_lse, true))
-
-      @impl FusedKernels.Op
-      def nx_call({q, k, v}, opts),
-        do: FusedKernels.FlashAttention.nx(q, k, v, Keyword.put(opts, :return_lse, true))
-
-      @impl FusedKernels.Op
-      def output_template({q, _k, _v}, opts) do
-        {b, s, h, _} =
-          if Keyword.get(opts, :layout, :bshd) == :bshd,
-            do: Nx.shape(q),
-            else: q |> Nx.shape() |> then(fn {b, h, s, d} -> {b, s, h, d} end)
-
-        {Nx.template(Nx.shape(q), Nx.type(q)), Nx.template({b, h, s}, {:f, 32})}
-      end
     end
   end
 end

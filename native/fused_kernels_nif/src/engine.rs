@@ -679,15 +679,59 @@ fn engine_reset<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'
     reply(env, result)
 }
 
-/// `engine_state_info(%{state}, %{})` → `{batch, frames}`.
+/// `engine_state_info(%{state}, %{})` → `{batch, frames}`. The state's lock is held by a call
+/// in progress on the state while it waits for the GPU, computes, or compiles a first call's
+/// kernels: taken here only when free, else the call continues on a dirty scheduler, which
+/// waits for it.
 #[rustler::nif]
 fn engine_state_info<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
+    match state_info(env, inputs, options, false) {
+        Some(t) => t,
+        None => on_dirty(
+            env,
+            c"engine_state_info",
+            state_info_dirty,
+            &[inputs, options],
+        ),
+    }
+}
+
+fn state_info_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
+    state_info(env, inputs, options, true).unwrap_or_else(|| {
+        reply(
+            env,
+            Err(Error::Cuda(
+                "backbone state lock not taken (a bug: please report it)".into(),
+            )),
+        )
+    })
+}
+
+dirty_continuation!(state_info_dirty, state_info_args, 2);
+
+/// `engine_state_info`'s reply; None where the state's lock is taken and `wait` is false.
+fn state_info<'a>(
+    env: Env<'a>,
+    inputs: Term<'a>,
+    options: Term<'a>,
+    wait: bool,
+) -> Option<Term<'a>> {
     let result = (|| {
         let (i, NoOptions): (StateInputs, NoOptions) = decode_args(inputs, options)?;
-        let st = lock(&i.state)?;
-        Ok((st.batch() as u64, st.frames()).encode(env))
+        let st = if wait {
+            lock(&i.state)?
+        } else {
+            match i.state.state.try_lock() {
+                Ok(st) => st,
+                Err(TryLockError::WouldBlock) => return Ok(None),
+                Err(TryLockError::Poisoned(_)) => {
+                    return Err(Error::Cuda("backbone state lock poisoned".into()))
+                }
+            }
+        };
+        Ok(Some((st.batch() as u64, st.frames()).encode(env)))
     })();
-    reply(env, result)
+    result.transpose().map(|r| reply(env, r))
 }
 
 /// `engine_graphs(%{engine}, %{})` → `[{batch, seq, :window | :frame, [note]}]`: per shape the GPU

@@ -103,6 +103,7 @@ impl<'t> Named<'t> {
 /// `causal`, `window_left`, `window_right` (-1 unbounded).
 pub const FLASH_ATTENTION: OpSpec = OpSpec {
     name: "fused_kernels_flash_attention",
+    attributes: &["layout", "scale", "causal", "window_left", "window_right"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: flash_attention_validate,
     execute: flash_attention_execute,
@@ -110,7 +111,6 @@ pub const FLASH_ATTENTION: OpSpec = OpSpec {
 };
 
 pub fn flash_attention_params(a: &Attrs) -> Result<flash_attention::Params> {
-    a.only(&["layout", "scale", "causal", "window_left", "window_right"])?;
     let layout = flash_attention::Layout::parse(a.str_or("layout", "bshd")?)?;
     let scale = a.float_or("scale", 0.0)?;
     flash_attention::Params::new(
@@ -242,6 +242,7 @@ const SCAN_REQUIRED: &[&str] = &["u", "delta", "a", "b", "c"];
 /// mamba_ssm's per-channel discretisation (Edifice's mean-dt needs a workspace: not served here).
 pub const SELECTIVE_SCAN: OpSpec = OpSpec {
     name: "fused_kernels_selective_scan",
+    attributes: &["operands", "delta_softplus", "dt_min", "dt_max"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| {
         arity("results (out [, last_state])", d.rets.len(), &[1, 2])?;
@@ -253,7 +254,6 @@ pub const SELECTIVE_SCAN: OpSpec = OpSpec {
 };
 
 pub fn selective_scan_params(a: &Attrs, last_state: bool) -> Result<selective_scan::Params> {
-    a.only(&["operands", "delta_softplus", "dt_min", "dt_max"])?;
     let clip = match (a.get("dt_min"), a.get("dt_max")) {
         (None, None) => None,
         (Some(_), Some(_)) => Some((a.float_or("dt_min", 0.0)?, a.float_or("dt_max", 0.0)?)),
@@ -305,6 +305,7 @@ fn selective_scan_execute(c: &Call<'_>) -> Result<()> {
 /// `sum = x + residual` is normalised and returned too). Attribute `eps` (default 1e-5).
 pub const LAYER_NORM: OpSpec = OpSpec {
     name: "fused_kernels_layer_norm",
+    attributes: &["operands", "eps"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Layer),
     execute: |c| norm_execute(c, norm::Kind::Layer),
@@ -315,6 +316,7 @@ pub const LAYER_NORM: OpSpec = OpSpec {
 /// (default 1e-6).
 pub const RMS_NORM: OpSpec = OpSpec {
     name: "fused_kernels_rms_norm",
+    attributes: &["operands", "eps"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| norm_validate(d, norm::Kind::Rms),
     execute: |c| norm_execute(c, norm::Kind::Rms),
@@ -335,7 +337,6 @@ fn norm_names(kind: norm::Kind) -> NormNames {
 }
 
 fn norm_validate(d: &Decoded, kind: norm::Kind) -> Result<()> {
-    d.attrs.only(&["operands", "eps"])?;
     let (known, required, eps) = norm_names(kind);
     norm::Params::new(kind, d.attrs.float_or("eps", eps)?)?;
     let names = operand_names(&d.attrs, d.args.len(), known, required)?;
@@ -387,6 +388,7 @@ const DENSE_KNOWN: &[&str] = &[
 /// a command buffer (its address would be baked into the graph).
 pub const DENSE: OpSpec = OpSpec {
     name: "fused_kernels_dense",
+    attributes: &["operands", "kind", "activation", "eps"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: dense_validate,
     execute: dense_execute,
@@ -427,7 +429,6 @@ fn dense_validate(d: &Decoded) -> Result<()> {
 }
 
 pub fn dense_params(a: &Attrs) -> Result<dense::Params> {
-    a.only(&["operands", "kind", "activation", "eps"])?;
     dense::Params::new(
         dense::Kind::parse(a.str_or("kind", "dense")?)?,
         dense::Activation::parse(a.str_or("activation", "none")?)?,
@@ -504,6 +505,7 @@ const MAMBA_REQUIRED: &[&str] = &[
 /// Attributes: `eps` (1e-5), `dt_min` (0.001), `dt_max` (0.1), `residual`.
 pub const MAMBA_BLOCK: OpSpec = OpSpec {
     name: "fused_kernels_mamba_block",
+    attributes: &["operands", "eps", "dt_min", "dt_max", "residual"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| {
         arity("results (out, workspace)", d.rets.len(), &[2])?;
@@ -516,7 +518,6 @@ pub const MAMBA_BLOCK: OpSpec = OpSpec {
 };
 
 pub fn mamba_block_params(a: &Attrs) -> Result<mamba_block::Params> {
-    a.only(&["operands", "eps", "dt_min", "dt_max", "residual"])?;
     mamba_block::Params::new(
         a.float_or("eps", 1e-5)?,
         a.float_or("dt_min", 0.001)?,
@@ -597,6 +598,7 @@ fn mamba_block_workspace(d: &Decoded, names: &[String]) -> Result<usize> {
 /// `initial_state` (default false: zeros), `reverse`.
 pub const LSTM: OpSpec = OpSpec {
     name: "fused_kernels_lstm",
+    attributes: &["layers", "initial_state", "reverse"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Lstm),
     execute: |c| rnn_execute(c, rnn::Cell::Lstm),
@@ -605,6 +607,7 @@ pub const LSTM: OpSpec = OpSpec {
 
 pub const GRU: OpSpec = OpSpec {
     name: "fused_kernels_gru",
+    attributes: &["layers", "initial_state", "reverse"],
     traits: TRAIT_COMMAND_BUFFER_COMPATIBLE,
     validate: |d| rnn_validate(d, rnn::Cell::Gru),
     execute: |c| rnn_execute(c, rnn::Cell::Gru),
@@ -649,7 +652,6 @@ pub fn rnn_layout(
     operands: usize,
     results: usize,
 ) -> Result<(usize, bool, bool)> {
-    a.only(&["layers", "initial_state", "reverse"])?;
     let layers = a.int_or("layers", 1)?;
     if !(1..=64).contains(&layers) {
         return Err(arg_error(format!("layers must be 1..64, got {layers}")));

@@ -65,6 +65,10 @@ pub type Preload = fn(&Arc<Gpu>, &Decoded) -> Result<()>;
 pub struct OpSpec {
     pub name: &'static str,
     pub traits: u32,
+    /// The attribute names the target takes (anything else is refused before `validate`: a
+    /// misspelt option must not be ignored); their types are those of the `Attrs` getters
+    /// that read them. The Elixir lowering's test reads these lists from this source.
+    pub attributes: &'static [&'static str],
     /// Everything that can be checked without the device (counts, attributes, shapes).
     pub validate: fn(&Decoded) -> Result<()>,
     pub execute: fn(&Call<'_>) -> Result<()>,
@@ -327,6 +331,7 @@ unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
         return Ok(());
     };
     let d = unsafe { frame::decode(f)? };
+    d.attrs.only(op.attributes)?;
     (op.validate)(&d)?;
     let gpu = cuda::gpu(Some(ordinal_of(&d)?))?;
     check_context(&gpu)?;
@@ -335,6 +340,7 @@ unsafe fn initialize(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
 
 unsafe fn execute(f: &mut CallFrame, op: &OpSpec) -> Result<()> {
     let d = unsafe { frame::decode(f)? };
+    d.attrs.only(op.attributes)?;
     (op.validate)(&d)?;
     let api = unsafe { f.api.as_ref() }.ok_or_else(|| arg_error("call frame without an API"))?;
     let stream = unsafe { stream_of(api, f.ctx)? };

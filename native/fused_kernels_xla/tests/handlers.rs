@@ -215,6 +215,18 @@ fn invalid(e: Option<support::FakeError>, needle: &str) {
 }
 
 #[test]
+fn every_target_refuses_an_attribute_outside_its_list_first() {
+    // The check runs before the operands are looked at: the attribute list is the target's
+    // whole contract for options (the Elixir lowering's test reads these lists).
+    for (name, handler, _, _) in fused_kernels_xla::TARGETS {
+        let e = call(*handler, &[], &[], &[("bogus", Bool(true))]);
+        invalid(e, "attribute bogus: unknown; this call takes ");
+        let e = call(*handler, &[], &[], &[]).expect("an error");
+        assert!(!e.message.contains("attribute"), "{name}: {}", e.message);
+    }
+}
+
+#[test]
 fn flash_attention_errors_name_what_to_fix() {
     let h = fused_kernels_xla::fused_kernels_flash_attention as ffi::Handler;
     let q = f32s(&[1, 60, 4, 64]);

@@ -111,6 +111,24 @@ impl Slot {
     fn current(&self) -> Option<&Arc<CudaModule>> {
         self.full.get().or_else(|| self.quick.get())
     }
+
+    /// The full build, loaded here unless someone has; where this load replaces a quick build
+    /// that served until now (its background thread never started), the module generation
+    /// moves on so that graphs captured with the quick build are captured again.
+    fn load_full(&self, loader: &Loader, modules: &Modules) -> Result<Arc<CudaModule>> {
+        let mut built = false;
+        let m = self
+            .full
+            .get_or_try_init(|| {
+                built = true;
+                loader.load()
+            })?
+            .clone();
+        if built && self.quick.get().is_some() {
+            modules.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(m)
+    }
 }
 
 /// Which build a caller of `Gpu::module_as` waits for.
@@ -768,7 +786,7 @@ impl Gpu {
                 ),
             }
         }
-        slot.full.get_or_try_init(|| loader.load()).cloned()
+        slot.load_full(&loader, &self.modules)
     }
 
     /// Compiles the full build of a program whose quick build was just loaded, on a thread of
@@ -827,7 +845,7 @@ impl Gpu {
                 .ok_or_else(|| Error::Cuda(format!("no kernel file {file}")))?;
             let started = Instant::now();
             let loader = Loader::new(self, kernel, function)?;
-            slot.full.get_or_try_init(|| loader.load())?;
+            slot.load_full(&loader, &self.modules)?;
             progress(&format!(
                 "[fused_kernels] full build of {function} ({file}.cu) ready after {:.0} ms",
                 started.elapsed().as_secs_f64() * 1e3

@@ -72,7 +72,7 @@ const MAX_RUN: u32 = 1 << 22;
 /// that cannot be resident waits for room; a frame that waits past `FRAME_TIMEOUT` is an error).
 static SLOT: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
 
-/// When the slot's holder last finished a frame or took the slot (ns since `epoch()`).
+/// When the slot's holder last posted or finished a frame or took the slot (ns since `epoch()`).
 static SLOT_LAST: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
 
 /// How long after the holder's last frame its slot may be taken over: past its kernel's idle
@@ -505,6 +505,12 @@ impl Persist {
         }
         let k = self.seq.wrapping_add(1);
         word(&self.mbox, POSTED).store(k, Ordering::Release);
+        // A posted frame is activity too: its `wait` (which marks the slot again) may come much
+        // later (a call started on one thread and finished or given up on another), and until
+        // then the kernel, whose idle clock restarts at this frame, must not be taken over.
+        if let (true, Some((_, last))) = (self.holds_slot(), self.slot()) {
+            last.store(now_ns(), Ordering::Release);
+        }
         Ok(Post::Posted(k))
     }
 

@@ -91,6 +91,8 @@ pub struct Group {
 /// the partner sums, 32 floats per unit group for at most half the warps.
 const BARS: usize = 32;
 const PARTNER_SUMS: usize = (THREADS / 64) * 32 * 4;
+/// What follows a group's layer buffers in shared memory: its mbarriers and partner sums.
+const TAIL: usize = BARS + PARTNER_SUMS;
 
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
@@ -162,7 +164,6 @@ pub fn group(
     ctas: usize,
     smem_limit: usize,
 ) -> Option<Group> {
-    const TAIL: usize = BARS + PARTNER_SUMS;
     let mut at = 0;
     let l0 = layout(cell, dtype, 0, *hidden.get(first)?, ctas, 0, &mut at)?;
     if at + TAIL > smem_limit {
@@ -203,7 +204,7 @@ fn one_cluster(
         xin_len: 0,
         pipe: false,
         gxs_off: 0,
-        smem_bytes: at + BARS + PARTNER_SUMS,
+        smem_bytes: at + TAIL,
         regs,
     }
 }
@@ -220,7 +221,6 @@ pub fn group_regs(
     ctas: usize,
     smem_limit: usize,
 ) -> Option<Group> {
-    const TAIL: usize = BARS + PARTNER_SUMS;
     if dtype != DType::F32 {
         return None;
     }
