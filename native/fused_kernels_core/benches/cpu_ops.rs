@@ -9,12 +9,18 @@
 //! `FUSED_KERNELS_CPU_THREADS` does), `--portable` (force the portable path), `--loop
 //! measured|serial|split` (a batch-1 window's time loop: chosen by measurement, one thread, or
 //! split over the pool), `--isa avx2+fma|avx512f` (force a level the CPU has), `--act
-//! gelu|none|...` (dense's activation). Prints the median and the 10th/90th percentiles of
-//! per-call wall time in ms.
+//! gelu|none|...` (dense's activation), `--gap US` (after each call, untimed: the pool told
+//! to rest and the thread asleep US microseconds, as between two calls from the BEAM, where
+//! the pool's workers park once a call has replied). Prints the median and the 10th/90th
+//! percentiles of per-call wall time in ms.
 
 use fused_kernels_core::cpu::Isa;
 use fused_kernels_core::ops::rnn::{Cell, LayerWeights, PreparedRnn, TimeLoop};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// `--gap` in microseconds (0: calls back to back).
+static GAP_US: AtomicU64 = AtomicU64::new(0);
 
 struct Args {
     op: String,
@@ -59,6 +65,7 @@ fn parse() -> Args {
             "--iters" => a.iters = num(val()),
             "--isa" => a.isa = Some(val()),
             "--act" => a.act = val(),
+            "--gap" => GAP_US.store(num(val()) as u64, Ordering::Relaxed),
             "--loop" => {
                 a.time_loop = match val().as_str() {
                     "measured" => TimeLoop::Measured,
@@ -116,14 +123,24 @@ fn report(name: &str, mut ms: Vec<f64>) {
 }
 
 fn time(iters: usize, mut f: impl FnMut()) -> Vec<f64> {
+    let gap = GAP_US.load(Ordering::Relaxed);
+    let pause = || {
+        if gap > 0 {
+            fused_kernels_core::cpu::pool::rest();
+            std::thread::sleep(Duration::from_micros(gap));
+        }
+    };
     for _ in 0..iters.div_ceil(10).max(3) {
         f();
+        pause();
     }
     (0..iters)
         .map(|_| {
             let t = Instant::now();
             f();
-            t.elapsed().as_secs_f64() * 1e3
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            pause();
+            ms
         })
         .collect()
 }

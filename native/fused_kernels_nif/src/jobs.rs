@@ -54,6 +54,10 @@ struct Queue {
 /// its next call as soon as the reply arrives (a stream of steps) finds a running worker
 /// instead of waking a parked one, which costs ~10 µs on a virtual machine whose idle vCPU
 /// has halted. Short enough that an idle lane gives its core back at once in human terms.
+/// It yields its CPU at every look: the thread that makes the next call (the BEAM scheduler
+/// that the reply woke) often wants that very CPU, and a plain spin kept it waiting ~60 µs a
+/// call (`perf sched`, a 2-thread dense loop: scheduler runnable, the idle lane worker
+/// spinning out its 50 µs on the same CPU).
 const SPIN: Duration = Duration::from_micros(50);
 
 impl Lane {
@@ -86,13 +90,8 @@ impl Lane {
         loop {
             if !self.spinning.swap(true, Ordering::SeqCst) {
                 let start = Instant::now();
-                let mut spins = 0u32;
-                while self.queued.load(Ordering::SeqCst) == 0 {
-                    std::hint::spin_loop();
-                    spins += 1;
-                    if spins.is_multiple_of(64) && start.elapsed() >= SPIN {
-                        break;
-                    }
+                while self.queued.load(Ordering::SeqCst) == 0 && start.elapsed() < SPIN {
+                    thread::yield_now();
                 }
                 self.spinning.store(false, Ordering::SeqCst);
             }

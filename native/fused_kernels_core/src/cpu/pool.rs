@@ -76,6 +76,15 @@ struct Pool {
 /// back at once in human terms.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// How long an idle worker that stopped spinning (told to rest, or `SPIN` over) still looks
+/// for the next job, yielding its CPU between looks, before it parks: a stream of calls from
+/// the BEAM (each reply, the caller's next call: ~5-40 µs) then finds it awake, and its CPU
+/// never halts, yet any other runnable thread there (the BEAM scheduler that runs the
+/// caller) gets that CPU at once. Interleaved against parking at once, 2 threads, 2-core
+/// EPYC: the LSTM/GRU steps 0.075/0.060 → 0.066/0.054 ms, attention with its split 0.113 →
+/// 0.061 (bench/RESULTS.md, "Native CPU path").
+const YIELD_WATCH: Duration = Duration::from_micros(300);
+
 /// Spins until `done()` or `SPIN` has passed; true if `done()`.
 fn spin_until(done: impl Fn() -> bool) -> bool {
     let start = Instant::now();
@@ -128,16 +137,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Bumped by [`rest`]: idle workers that see it change stop spinning and park.
+/// Bumped by [`rest`]: idle workers that see it change stop spinning (and yield while they
+/// watch, then park).
 static REST: AtomicU64 = AtomicU64::new(0);
 
 /// Tells the pool that the call it served has ended (the NIF's job lanes once a reply is
 /// sent, the dirty op NIFs as they return, the CPU engine after each window or frame): idle
-/// workers park now instead of spinning out `SPIN`. On a 2-core machine
-/// the BEAM scheduler that runs the caller's next step needs a core right then, and a worker
-/// spinning there (beside the job-lane worker that also waits for the next call) took it: a
-/// prepared dense at 2 threads spent ~90 µs from Elixir beyond its 221 µs of work. Jobs
-/// within one call (a window's products and time loops) still find their workers spinning.
+/// workers stop spinning now instead of after `SPIN`, and yield their CPU at every look
+/// for the next job until they park (`YIELD_WATCH`). On a 2-core machine the BEAM scheduler
+/// that runs the caller's next step needs a core right then, and a worker spinning there
+/// (beside the job-lane worker that also waits for the next call) took it: a prepared dense
+/// at 2 threads spent ~90 µs from Elixir beyond its 221 µs of work. Jobs within one call (a
+/// window's products and time loops) still find their workers spinning.
 pub fn rest() {
     REST.fetch_add(1, Ordering::Release);
 }
@@ -146,9 +157,14 @@ fn worker(pool: &'static Pool) {
     let mut seen = 0u64;
     loop {
         let rest = REST.load(Ordering::Acquire);
-        spin_until(|| {
-            pool.generation.load(Ordering::Acquire) != seen || REST.load(Ordering::Relaxed) != rest
-        });
+        let job = || pool.generation.load(Ordering::Acquire) != seen;
+        spin_until(|| job() || REST.load(Ordering::Relaxed) != rest);
+        // Told to rest: watch for the next call's job a while longer, yielding the CPU to any
+        // other thread that wants it (the BEAM scheduler running the caller) at every look.
+        let start = Instant::now();
+        while !job() && start.elapsed() < YIELD_WATCH {
+            std::thread::yield_now();
+        }
         let job = {
             let mut st = lock(&pool.state);
             while st.generation == seen {

@@ -245,12 +245,12 @@ const KEY_BLOCK: usize = 64;
 /// the AVX2 block kernel holds them in the lanes of two vectors.
 const ROW_BLOCK: usize = 16;
 const _: () = assert!(ROW_BLOCK == 16);
-/// Below this many multiply-adds a call runs on the calling thread. B1 H4 S60 D64 causal
-/// (~1M) measured faster unsplit from the BEAM at 2 threads, with the row-pair kernel (0.100
-/// against 0.122 ms) and again with the block kernel on a busy 2-core machine (median 0.083
-/// against 0.094 ms); split it wins only in a bare Rust loop, where the pool's threads are
-/// already awake.
-const PARALLEL_MACS: usize = 1 << 21;
+/// Below this many multiply-adds a call runs on the calling thread. Above it every (batch,
+/// head, row block) is a pool task of its own, taken in turn, the latest row blocks (the
+/// most keys under a causal mask) first: a pool worker that wakes late takes fewer, and the
+/// caller never waits for a fixed share (split in two fixed halves, B1 H4 S60 D64 causal,
+/// ~1M, read slower from the BEAM at 2 threads than unsplit: 0.094 against 0.083 ms).
+const PARALLEL_MACS: usize = 1 << 19;
 
 /// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
 trait Float:
@@ -1132,11 +1132,8 @@ fn cpu_typed<F: Float>(
         .saturating_mul(ROW_BLOCK)
         .saturating_mul(g.sk)
         .saturating_mul(g.d);
-    let tasks = if macs >= PARALLEL_MACS {
-        pool::threads().min(units)
-    } else {
-        1
-    };
+    let split = macs >= PARALLEL_MACS && pool::threads() > 1;
+    let bhs = g.batch * g.heads;
     let call = SendPtr(Call {
         q: q.as_ptr(),
         k: k.as_ptr(),
@@ -1145,32 +1142,40 @@ fn cpu_typed<F: Float>(
         lse: lse.map_or(std::ptr::null_mut(), |l| l.as_mut_ptr()),
     });
     let f32_vector = std::mem::size_of::<F>() == 4 && isa.is_avx2();
-    let work = |t: usize| {
+    // Unit t: on one thread, the row blocks of one (batch, head) in turn (its keys and values
+    // stay in L1); split, the latest row blocks of every head first.
+    let unit = |t: usize| {
         let c = call.get();
-        for u in (t..units).step_by(tasks) {
-            let (bh, blk) = (u / blocks, u % blocks);
-            let r = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(g.sq);
-            // Safety: the pointers span the caller's tensors of geometry g; unit u writes only
-            // its own rows of out and lse. The f32 cast is a no-op (F is f32 there), and an
-            // AVX2 `Isa` exists only on CPUs with AVX2 and FMA.
-            unsafe {
-                #[cfg(target_arch = "x86_64")]
-                if f32_vector {
-                    let c32: Call<f32> = std::mem::transmute_copy(&c);
-                    // Key positions compare as f32 in the block kernel: exact below 2^24.
-                    if g.d.is_multiple_of(8) && g.sk < 1 << 24 {
-                        avx2::block(c32, g, p, bh, r);
-                    } else {
-                        rows_avx2(c32, g, p, bh, r);
-                    }
-                    continue;
+        let (bh, blk) = if split {
+            (t % bhs, blocks - 1 - t / bhs)
+        } else {
+            (t / blocks, t % blocks)
+        };
+        let r = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(g.sq);
+        // Safety: the pointers span the caller's tensors of geometry g; unit t writes only its
+        // own rows of out and lse. The f32 cast is a no-op (F is f32 there), and an AVX2 `Isa`
+        // exists only on CPUs with AVX2 and FMA.
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if f32_vector {
+                let c32: Call<f32> = std::mem::transmute_copy(&c);
+                // Key positions compare as f32 in the block kernel: exact below 2^24.
+                if g.d.is_multiple_of(8) && g.sk < 1 << 24 {
+                    avx2::block(c32, g, p, bh, r);
+                } else {
+                    rows_avx2(c32, g, p, bh, r);
                 }
-                let _ = f32_vector;
-                rows(Portable, c, g, p, bh, r);
+                return;
             }
+            let _ = f32_vector;
+            rows(Portable, c, g, p, bh, r);
         }
     };
-    pool::run(tasks, &work);
+    if split {
+        pool::run(units, &unit);
+    } else {
+        (0..units).for_each(unit);
+    }
 }
 
 /// Shares the call's raw pointers with the pool tasks (each writes disjoint rows).
