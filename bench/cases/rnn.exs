@@ -21,10 +21,7 @@ defmodule FusedKernels.Bench.Rnn do
   end
 
   defp params(cell, i, h, layers, type, wrap) do
-    {ins, hids, bs} =
-      if cell == :lstm,
-        do: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)},
-        else: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
+    {ins, hids, bs} = FusedKernels.Rnn.gate_names(cell)
 
     for l <- 0..(layers - 1) do
       inp = if l == 0, do: i, else: h

@@ -32,11 +32,7 @@ defmodule Side do
   end
 
   defp rnn_params(t, cell, layers) do
-    {ins, hids, biases} =
-      case cell do
-        :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
-        :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
-      end
+    {ins, hids, biases} = FusedKernels.Rnn.gate_names(cell)
 
     for l <- 0..(layers - 1) do
       pick = fn names -> Map.new(names, &{&1, t["l#{l}_#{&1}"]}) end

@@ -249,19 +249,19 @@ defmodule FusedKernels.Backbone do
 
   def random_params(%Spec{kind: kind} = spec, seed) when kind in [:lstm, :gru] do
     :rand.seed(:exsss, {seed, 7, 11})
-    {gates, biases} = gate_names(kind)
+    {ins, hids, biases} = FusedKernels.Rnn.gate_names(kind)
     norm = fn n -> %{"gamma" => uniform({n}, 0.1, 1.0), "beta" => uniform({n}, 0.1, 0.0)} end
 
     rnn = fn input ->
       %{
         "input_kernel" =>
           Map.new(
-            elem(gates, 0),
+            ins,
             &{&1, uniform({input, spec.hidden}, 1 / :math.sqrt(input), 0.0)}
           ),
         "hidden_kernel" =>
           Map.new(
-            elem(gates, 1),
+            hids,
             &{&1, uniform({spec.hidden, spec.hidden}, 1 / :math.sqrt(spec.hidden), 0.0)}
           ),
         "bias" => Map.new(biases, &{&1, uniform({spec.hidden}, 0.1, 0.0)})
@@ -273,9 +273,6 @@ defmodule FusedKernels.Backbone do
       Map.merge(acc, %{"rnn_#{l}" => rnn.(input), "rnn_#{l}_norm" => norm.(spec.hidden)})
     end)
   end
-
-  defp gate_names(:lstm), do: {{~w(wii wif wig wio), ~w(whi whf whg who)}, ~w(bi bf bg bo)}
-  defp gate_names(:gru), do: {{~w(wir wiz win), ~w(whr whz whn)}, ~w(br bz bin bhn)}
 
   defp uniform(shape, scale, center) do
     bin =

@@ -47,10 +47,14 @@ defmodule FusedKernels.Rnn do
           }
   end
 
-  @names %{
-    lstm: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo), 2},
-    gru: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn), 1}
-  }
+  @doc """
+  Axon's parameter names of one `cell` layer, in gate order: `{input_kernel gates,
+  hidden_kernel gates, bias names}` (LSTM `wii wif wig wio` / `whi whf whg who` / `bi bf bg bo`;
+  GRU `wir wiz win` / `whr whz whn` / `br bz bin bhn`).
+  """
+  @spec gate_names(:lstm | :gru) :: {[String.t()], [String.t()], [String.t()]}
+  def gate_names(:lstm), do: {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
+  def gate_names(:gru), do: {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
 
   @doc false
   @spec options(term) :: keyword
@@ -69,11 +73,11 @@ defmodule FusedKernels.Rnn do
   """
   @spec layer_tensors(:lstm | :gru, [map], [tuple | nil]) :: [{list, list, list, list}]
   def layer_tensors(cell, params_list, states) do
-    {ins, hids, biases, nstate} =
-      case Map.fetch(@names, cell) do
-        {:ok, names} -> names
-        :error -> raise ArgumentError, "cell must be :lstm or :gru, got: #{inspect(cell)}"
-      end
+    unless cell in [:lstm, :gru],
+      do: raise(ArgumentError, "cell must be :lstm or :gru, got: #{inspect(cell)}")
+
+    {ins, hids, biases} = gate_names(cell)
+    nstate = if cell == :lstm, do: 2, else: 1
 
     unless is_list(states) and length(states) == length(params_list) do
       raise ArgumentError,

@@ -32,11 +32,7 @@ if Code.ensure_loaded?(EXLA.CustomCall) do
 
     @doc "Axon's parameter map of one LSTM/GRU layer (input size f, h units)."
     def rnn_params(cell, f, h) do
-      {i, hh, b} =
-        case cell do
-          :lstm -> {~w(wii wif wig wio), ~w(whi whf whg who), ~w(bi bf bg bo)}
-          :gru -> {~w(wir wiz win), ~w(whr whz whn), ~w(br bz bin bhn)}
-        end
+      {i, hh, b} = FusedKernels.Rnn.gate_names(cell)
 
       %{
         "input_kernel" => Map.new(i, &{&1, rand({f, h})}),
