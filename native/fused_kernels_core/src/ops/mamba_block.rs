@@ -8,8 +8,8 @@
 
 use super::norm;
 use super::selective_scan::{
-    self, scan_f32_into, scan_f64, stage_f32, Discretization, Geometry as ScanGeometry, HostInputs,
-    Initial, ScanArgs, SlicesF32,
+    self, scan_f32_into, scan_f64, Discretization, Geometry as ScanGeometry, HostInputs, Initial,
+    ScanArgs, SlicesF32,
 };
 use super::Backend;
 use crate::alloc::{self, count};
@@ -20,7 +20,7 @@ use crate::cuda::{self, DeviceTensor, Gpu};
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::kernels::{kernel_name, MAMBA_BLOCK, NORM};
-use crate::operand::{Operand, Placement, Staged, Value};
+use crate::operand::{stage_f32, Operand, Placement, Staged, Value};
 use crate::tensor::{finite_option, fmt_shape, OwnedTensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::Arc;
