@@ -1,5 +1,8 @@
-//! The fused ops. Each op has a CPU implementation (`cpu`), a CUDA one (`cuda`) and one entry
-//! point (`run`) that stages operands on the chosen backend.
+//! The fused ops, one directory each: `<op>/mod.rs` is the entry point (`run`, which stages
+//! operands on the chosen backend) and re-exports the op's API; `cpu.rs` and `cuda.rs` (rnn:
+//! `dispatch.rs` over one file per CUDA path) are the backends; `common.rs` holds what both
+//! share (parameters, geometry, their checks). `routes` and `stream_state` are helpers shared
+//! by the ops and the engine.
 
 pub mod dense;
 pub mod flash_attention;
