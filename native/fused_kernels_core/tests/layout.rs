@@ -541,8 +541,9 @@ fn op_names(dir: &Path, skip: &[&str]) -> BTreeSet<String> {
 #[test]
 fn every_op_has_one_nif_file_and_one_elixir_module() {
     // The mirror a reader follows: core `src/ops/<op>` ↔ NIF `src/ops/<op>.rs` ↔
-    // `lib/fused_kernels/<op>.ex`. `routes.rs` is the routing table every op shares;
-    // `stream_state` (device-side helpers of the backbones' streaming) has no public Elixir API.
+    // `lib/fused_kernels/<op>.ex` ↔ `lib/fused_kernels/nx/<op>.ex`. `routes.rs` is the routing
+    // table every op shares; `stream_state` (device-side helpers of the backbones' streaming)
+    // has no public Elixir API.
     let core = Path::new(env!("CARGO_MANIFEST_DIR"));
     let ops = op_names(&core.join("src/ops"), &OP_HELPERS[..1]);
     let nif = op_names(&core.join("../fused_kernels_nif/src/ops"), &[]);
@@ -559,6 +560,20 @@ fn every_op_has_one_nif_file_and_one_elixir_module() {
         missing.is_empty(),
         "ops without lib/fused_kernels/<op>.ex: {missing:?}"
     );
+    // And the pure-Nx implementation of each, `lib/fused_kernels/nx/<op>.ex`, nothing else there.
+    let nx: BTreeSet<String> = std::fs::read_dir(lib.join("nx"))
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension()? == "ex").then(|| p.file_stem().unwrap().to_str().unwrap().to_string())
+        })
+        .collect();
+    let with_nx: BTreeSet<String> = ops
+        .iter()
+        .filter(|o| *o != "stream_state")
+        .cloned()
+        .collect();
+    assert_eq!(nx, with_nx, "lib/fused_kernels/nx/<op>.ex vs the core ops");
 }
 
 /// The shared helpers of `src/ops` that are files, not ops: the routing table every op shares
