@@ -3,7 +3,7 @@
 //! f64.
 
 use super::common::{geometry, Geometry, Params, MAX_HEAD_DIM};
-use crate::cpu::{arena, pool, Isa};
+use crate::cpu::{arena, pool, Isa, Real};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
 use crate::tensor::{HostTensor, OwnedTensor};
@@ -21,50 +21,8 @@ const _: () = assert!(ROW_BLOCK == 16);
 /// ~1M, read slower from the BEAM at 2 threads than unsplit: 0.094 against 0.083 ms).
 const PARALLEL_MACS: usize = 1 << 19;
 
-/// Float arithmetic the CPU path needs, for f32 (f32/f16/bf16 inputs) and f64.
-trait Float:
-    Copy
-    + Send
-    + Sync
-    + PartialOrd
-    + std::ops::Add<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Div<Output = Self>
-{
-    const ZERO: Self;
-    const NEG_INF: Self;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-macro_rules! impl_float {
-    ($t:ty) => {
-        impl Float for $t {
-            const ZERO: Self = 0.0;
-            const NEG_INF: Self = <$t>::NEG_INFINITY;
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            fn from_f64(v: f64) -> Self {
-                v as $t
-            }
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-        }
-    };
-}
-impl_float!(f32);
-impl_float!(f64);
-
 /// The vector work of the row loop: scores, exponentials, weighted sums of value rows.
-trait RowOps<F: Float>: Copy {
+trait RowOps<F: Real>: Copy {
     /// Keys `scores` takes at once: a block is scored rounded up to a multiple of this where
     /// the keys past its end exist (their scores are then dropped), so no key is left to the
     /// one-at-a-time tail.
@@ -115,7 +73,7 @@ trait RowOps<F: Float>: Copy {
 #[derive(Clone, Copy)]
 struct Portable;
 
-impl<F: Float> RowOps<F> for Portable {
+impl<F: Real> RowOps<F> for Portable {
     const KEY_GROUP: usize = 1;
 
     unsafe fn scores(self, q: &[F], k: *const F, stride: usize, scale: F, s: &mut [F]) {
@@ -744,7 +702,7 @@ struct Call<F> {
 /// # Safety
 /// `c` must point at tensors of `g`'s shapes; no other task may write these rows.
 #[inline(always)]
-unsafe fn rows<F: Float, O: RowOps<F>>(
+unsafe fn rows<F: Real, O: RowOps<F>>(
     ops: O,
     c: Call<F>,
     g: &Geometry,
@@ -887,7 +845,7 @@ unsafe fn rows_avx2(c: Call<f32>, g: &Geometry, p: &Params, bh: usize, r: std::o
 }
 
 /// Runs every (batch, head, row block) of the call, on the pool when it is large enough.
-fn cpu_typed<F: Float>(
+fn cpu_typed<F: Real>(
     isa: Isa,
     (q, k, v): (&[F], &[F], &[F]),
     g: &Geometry,

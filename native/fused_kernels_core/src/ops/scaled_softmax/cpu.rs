@@ -3,10 +3,9 @@
 use super::common::{geometry, visible, Geometry, Params};
 use crate::cpu::math::{self, Func};
 use crate::cpu::pool::for_each_row_chunk;
-use crate::cpu::{arena, Isa};
+use crate::cpu::{arena, Isa, Real};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::Result;
-use crate::ops::Real;
 use crate::tensor::{HostTensor, OwnedTensor};
 
 fn softmax_rows<T: Real>(x: &[T], out: &mut [T], first_row: usize, g: Geometry, p: Params) {

@@ -4,6 +4,7 @@
 use super::common::{geometry, Discretization, Geometry, Inputs, Outputs, Params, MAX_STATE};
 use crate::alloc::try_zeroed;
 use crate::cpu::pool::{for_each_row_chunk, SendPtr};
+use crate::cpu::Real;
 use crate::dtype::{decode_f64, encode_f32, encode_f64, DType};
 use crate::error::Result;
 use crate::operand::Operand;
@@ -62,7 +63,7 @@ fn mean_dt(h: &HostInputs, g: Geometry, p: Params) -> Vec<f64> {
 
 /// One channel of one batch row: writes `y[seq]` then the last state `x[state]` into `row`.
 /// f32 arithmetic when `F` is f32 (as the GPU does), f64 for f64 inputs.
-fn scan_channel<F: ScanFloat>(
+fn scan_channel<F: Real>(
     h: &HostInputs,
     mdt: Option<&[f64]>,
     g: Geometry,
@@ -73,67 +74,32 @@ fn scan_channel<F: ScanFloat>(
     let (bi, d) = (bd / g.dim, bd % g.dim);
     let n_st = g.state;
     let grp = d / (g.dim / g.groups);
-    let a: Vec<F> = (0..n_st).map(|n| F::of(h.a[d * n_st + n])).collect();
+    let a: Vec<F> = (0..n_st).map(|n| F::from_f64(h.a[d * n_st + n])).collect();
     let mut x: Vec<F> = (0..n_st)
-        .map(|n| F::of(h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n])))
+        .map(|n| F::from_f64(h.h0.as_ref().map_or(0.0, |h0| h0[bd * n_st + n])))
         .collect();
     let bias = h.bias.as_ref().map_or(0.0, |b| b[d]);
-    let dskip = F::of(h.d.as_ref().map_or(0.0, |dd| dd[d]));
+    let dskip = F::from_f64(h.d.as_ref().map_or(0.0, |dd| dd[d]));
     for t in 0..g.seq {
         let idx = (bi * g.seq + t) * g.dim + d;
-        let dt = F::of(p.dt(F::of(h.delta[idx] + bias).f()));
-        let uu = F::of(h.u[idx]);
-        let w = mdt.map_or(dt, |m| F::of(m[bi * g.seq + t])) * uu;
+        let dt = F::from_f64(p.dt(F::from_f64(h.delta[idx] + bias).to_f64()));
+        let uu = F::from_f64(h.u[idx]);
+        let w = mdt.map_or(dt, |m| F::from_f64(m[bi * g.seq + t])) * uu;
         let bc = ((bi * g.seq + t) * g.groups + grp) * n_st;
-        let mut y = F::of(0.0);
+        let mut y = F::from_f64(0.0);
         for n in 0..n_st {
-            x[n] = (dt * a[n]).exp() * x[n] + w * F::of(h.b[bc + n]);
-            y = y + x[n] * F::of(h.c[bc + n]);
+            x[n] = (dt * a[n]).exp() * x[n] + w * F::from_f64(h.b[bc + n]);
+            y = y + x[n] * F::from_f64(h.c[bc + n]);
         }
         let mut r = y + dskip * uu;
         if let Some(z) = &h.z {
-            let zz = F::of(z[idx]);
-            r = r * zz / (F::of(1.0) + (F::of(0.0) - zz).exp());
+            let zz = F::from_f64(z[idx]);
+            r = r * zz / (F::from_f64(1.0) + (F::from_f64(0.0) - zz).exp());
         }
-        row[t] = r.f();
+        row[t] = r.to_f64();
     }
     for n in 0..n_st {
-        row[g.seq + n] = x[n].f();
-    }
-}
-
-/// Arithmetic the CPU scan needs, for f32 and f64.
-trait ScanFloat:
-    Copy
-    + std::ops::Add<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Div<Output = Self>
-{
-    fn of(v: f64) -> Self;
-    fn f(self) -> f64;
-    fn exp(self) -> Self;
-}
-impl ScanFloat for f32 {
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-    fn f(self) -> f64 {
-        self as f64
-    }
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-}
-impl ScanFloat for f64 {
-    fn of(v: f64) -> Self {
-        v
-    }
-    fn f(self) -> f64 {
-        self
-    }
-    fn exp(self) -> Self {
-        f64::exp(self)
+        row[g.seq + n] = x[n].to_f64();
     }
 }
 
