@@ -500,14 +500,17 @@ fn reads_edges_from_source() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The workspace's library crates, each walked from its `src/lib.rs`.
+const CRATES: [&str; 3] = [
+    "fused_kernels_core",
+    "fused_kernels_nif",
+    "fused_kernels_xla",
+];
+
 #[test]
 fn no_import_circle_in_any_crate() {
     let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    for krate in [
-        "fused_kernels_core",
-        "fused_kernels_nif",
-        "fused_kernels_xla",
-    ] {
+    for krate in CRATES {
         let root = native.join(krate).join("src/lib.rs");
         let edges = crate_edges(&root);
         // Each crate's files use each other; a handful of edges means the walk read nothing.
@@ -617,11 +620,7 @@ fn every_source_file_is_a_module_of_its_crate() {
     // A file the `mod` tree does not reach compiles nowhere and drifts: after a move, the old
     // copy or a forgotten split part would sit beside the real one.
     let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    for krate in [
-        "fused_kernels_core",
-        "fused_kernels_nif",
-        "fused_kernels_xla",
-    ] {
+    for krate in CRATES {
         let src = native.join(krate).join("src");
         let reached: BTreeSet<PathBuf> = crate_files(&src.join("lib.rs"))
             .into_iter()
