@@ -166,7 +166,10 @@ defmodule FusedKernels.MambaBlock do
 
     @doc "The pure-Nx implementation: `FusedKernels.Nx.MambaBlock`."
     @spec nx(FusedKernels.Tensor.nx(), map | struct, keyword) :: FusedKernels.Tensor.nx()
-    defdelegate nx(x, params, opts \\ []), to: FusedKernels.Nx.MambaBlock
+    def nx(x, params, opts \\ []) do
+      {out, nil} = nx_with_state(x, params, nil, opts)
+      out
+    end
 
     @doc """
     `nx/3` continuing from a carried state `{conv_state, ssm_state}` (`{batch, k - 1, inner}`
@@ -175,6 +178,9 @@ defmodule FusedKernels.MambaBlock do
     """
     @spec nx_with_state(FusedKernels.Tensor.nx(), map | struct, tuple | nil, keyword) ::
             {FusedKernels.Tensor.nx(), tuple | nil}
-    defdelegate nx_with_state(x, params, state, opts \\ []), to: FusedKernels.Nx.MambaBlock
+    def nx_with_state(x, params, state, opts \\ []) do
+      weights = weights(params, Keyword.get(opts, :name, "mamba_block"))
+      FusedKernels.Nx.MambaBlock.nx_with_state(x, weights, state, opts)
+    end
   end
 end

@@ -8,20 +8,15 @@ if Code.ensure_loaded?(Nx) do
 
     @typep t :: FusedKernels.Tensor.nx()
 
-    @doc "One block (see `FusedKernels.mamba_block/3`)."
-    @spec nx(t, map | struct, keyword) :: t
-    def nx(x, params, opts \\ []) do
-      {out, nil} = nx_with_state(x, params, nil, opts)
-      out
-    end
-
-    @doc "`nx/3` from a carried state (see `FusedKernels.MambaBlock.nx_with_state/4`)."
-    @spec nx_with_state(t, map | struct, tuple | nil, keyword) :: {t, tuple | nil}
-    def nx_with_state(x, params, state, opts \\ []) do
+    @doc """
+    One block over its 16 weights in `FusedKernels.MambaBlock.weights/2`'s order, from a carried
+    state (see `FusedKernels.MambaBlock.nx_with_state/4`): `{out, next_state}`.
+    """
+    @spec nx_with_state(t, [t | nil], tuple | nil, keyword) :: {t, tuple | nil}
+    def nx_with_state(x, weights, state, opts \\ []) do
       opts =
         Keyword.merge(
           [
-            name: "mamba_block",
             eps: 1.0e-5,
             dt_min: 0.001,
             dt_max: 0.1,
@@ -49,9 +44,7 @@ if Code.ensure_loaded?(Nx) do
         w_out,
         b_out
       ] =
-        params
-        |> FusedKernels.MambaBlock.weights(opts[:name])
-        |> Enum.map(fn
+        Enum.map(weights, fn
           nil -> nil
           t -> Nx.as_type(t, {:f, 32})
         end)
