@@ -322,7 +322,7 @@ fn resident_tiles_fit_and_stay_resident() {
         let t = resident_tile(cell, b, h, dt, false, 132, 227 * 1024, None, per_sm);
         assert!(t.is_some(), "{cell:?} B{b} H{h} {dt:?}");
     }
-    // The measured best tilings (bench/RESULTS.md, "rnn").
+    // The measured best tilings (bench/RESULTS.md history, "rnn").
     for (cell, b, h, dt, mt, nu) in [
         (Cell::Lstm, 256, 256, F32, 2, 2),
         (Cell::Gru, 256, 256, F32, 2, 2),

@@ -349,7 +349,7 @@ pub fn pipe_group(
 }
 
 /// Units up to which the default choice takes the cluster path. Measured on an H200
-/// (bench/RESULTS.md, "rnn cluster"): at H256 it beats the persistent kernel (1.2-1.6x for
+/// (bench/RESULTS.md history, "rnn cluster"): at H256 it beats the persistent kernel (1.2-1.6x for
 /// stacks), at H512 (32 units per CTA, one layer per launch) it is 5-20% slower.
 pub const DEFAULT_MAX_UNITS: usize = 256;
 

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 impl Path {
     /// The smallest batch from which a batched path beats the persistent kernel for a layer
-    /// of `units`, from the brackets measured on an H200 (bench/RESULTS.md, "rnn large batch:
+    /// of `units`, from the brackets measured on an H200 (bench/RESULTS.md history, "rnn large batch:
     /// one tensor-core launch per step"): bf16 between B16 and B32 at H256, between B1 and
     /// B16 at H512, between B4 and B8 at H1024; f32 between B128 and B256 at H256. f32 at
     /// H512 stays persistent through B64 (the largest measured; all paths within 5% there),
@@ -38,7 +38,7 @@ impl Path {
 
     /// The path for a layer of `units` at `batch`. `resident_fits`: whether the resident
     /// tensor-core kernel's grid fits this GPU; where it does it is chosen at every batch
-    /// (measured on an H200, bench/RESULTS.md, "rnn": fastest of the four paths in every
+    /// (measured on an H200, bench/RESULTS.md history, "rnn": fastest of the four paths in every
     /// case from B1 to B256 and H256 to H1024, e.g. B1 H256 f32 382 vs 463 us persistent,
     /// B256 H256 f32 1300-1335 vs 1852 us tensor-core steps, B4 H1024 bf16 1897 vs 3128 us;
     /// ties only at B1 H512 f32, 507 vs 505 us). Otherwise: `persistent_fits`: whether the

@@ -71,7 +71,7 @@ pub struct Tile {
 
 /// The tiling of one step. m-tiles: 2 (32 batch rows per block) from B128, or from B32 when
 /// single m-tiles would need more than two blocks per multiprocessor, else 1 (measured on an H200,
-/// bench/RESULTS.md: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best, so no
+/// bench/RESULTS.md history: 2 beats 1 by 3-10% at B128-B256 H256 and 4 is never the best, so no
 /// 4-tile kernel is built). Weights stay resident when they fit next to two h chunks; h gets as
 /// many chunk slots as the budget leaves (all of K when it fits). `mt_override` (1 or 2) and
 /// `budget_override` (bytes) are the benchmarks' choices (`Tuning::mma_mt`, `mma_smem_budget`).

@@ -73,7 +73,7 @@ pub fn plan(
     let gates = cell.gates();
     let candidates: Vec<usize> = match units {
         Some(u) => vec![u],
-        // Measured on an H200 (bench/RESULTS.md): 8 units per block is best or within noise
+        // Measured on an H200 (bench/RESULTS.md history): 8 units per block is best or within noise
         // of best up to batch 64; at batch 256 16 units (more batch groups, less h traffic
         // per block) is 1.4x faster.
         None if batch >= 128 => vec![16, 8, 4, 2, 1],

@@ -80,7 +80,7 @@ pub fn smem_bytes(cell: Cell, dtype: DType, tf32: bool, h: usize, mt: usize, nu:
 /// least work per multiprocessor wins (blocks per SM x rows x units per block), then the fewer
 /// blocks per batch tile (fewer arrivals to wait for each step, and h_{t-1} is re-read from L2
 /// once per unit block), then the more blocks; `forced`: only that `(mt, nu)` (benchmarks,
-/// `Tuning::resident_tile`). Fitted on an H200 (bench/RESULTS.md, "rnn":
+/// `Tuning::resident_tile`). Fitted on an H200 (bench/RESULTS.md history, "rnn":
 /// every tiling timed at B64-B256, H256-H1024; `mt x nu`): LSTM B256 H256 f32 2x2 (32 rows x
 /// 16 units, 128 blocks) 1300 us vs 2x1 (256 blocks) 1335 us; GRU B64 H1024 bf16 2x2 4228 us
 /// vs 2x1 5415 us; B128 H256 1x2 4-13% faster than 1x1; LSTM B256 H256 bf16 1x2 (256 blocks)
