@@ -464,6 +464,33 @@ __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, in
   fk_er_park(red, rl, batch, half, col, acc);
 }
 
+// What a block (l, g) of the persistent kernels keeps on chip for its whole run: its weights
+// ({in, width} and {hidden, width} into wis and whs), the norms' parameters (as
+// fk_er_norm_params) and its units' biases (bias_s {4, units}, zero past `hidden`). Returns the
+// input norm's gamma (null: the input is not normalised).
+__device__ __forceinline__ const float* fk_ep_setup(const FkErLayer* __restrict__ layers,
+                                                    const FkErLayer& L, const float* in_gamma,
+                                                    const float* in_beta, int l, int g,
+                                                    int nlayers, int in, int hidden, int width,
+                                                    float* wis, float* whs, float* ngb,
+                                                    float* fgb,
+                                                    float (&bias_s)[4][FK_ER_UNITS]) {
+  const int tid = threadIdx.x;
+  const float4* wi4 = reinterpret_cast<const float4*>(L.wi + (long long)g * in * width);
+  const float4* wh4 = reinterpret_cast<const float4*>(L.wh + (long long)g * hidden * width);
+  float4* wis4 = reinterpret_cast<float4*>(wis);
+  float4* whs4 = reinterpret_cast<float4*>(whs);
+  for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
+  for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
+  const float* ng =
+      fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
+  if (tid < 4 * FK_ER_UNITS) {
+    const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
+    bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
+  }
+  return ng;
+}
+
 // Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
 // `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
 // gates·4 bytes (the block's weights).
@@ -501,20 +528,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
     float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
     float* fgb = ngb + 2 * in;               // {2, hidden}
-    {
-      const float4* wi4 = reinterpret_cast<const float4*>(L.wi + (long long)g * in * width);
-      const float4* wh4 = reinterpret_cast<const float4*>(L.wh + (long long)g * hidden * width);
-      float4* wis4 = reinterpret_cast<float4*>(wis);
-      float4* whs4 = reinterpret_cast<float4*>(whs);
-      for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
-      for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
-    }
-    const float* ng =
-        fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
-    if (tid < 4 * FK_ER_UNITS) {
-      const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
-      bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
-    }
+    const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
+                                  wis, whs, ngb, fgb, bias_s);
     // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
     // host cleared the pairs before the launch): from here on h is read from the scratch only.
     for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
@@ -604,6 +619,145 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         // barrier) reach the host before the frame number does.
         if (tid == 0) fk_st_release_sys(mbox + 2, seq);
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A whole LSTM/GRU window from zero state in one launch, for GPUs without thread-block
+// clusters (below sm_90 the batch-1 cluster window does not exist, and a launch per layer
+// pays every layer's start and the host's gaps): the grid is `layers × groups` blocks (all
+// resident: a cooperative launch), block (l, g) = blockIdx.x owns units [4g, 4g + 4) of every
+// gate of layer l and keeps its weights in shared memory for the whole window. Per step t it
+// takes its input (the window's row t for layer 0, from device memory; else layer l − 1's h_t),
+// normalises it, makes x·Wi, then waits for its own layer's h_{t−1}, makes h·Wh and the cell,
+// and publishes its units of h_t. Each layer's h of every step has its own slot (`pairs`
+// {layers, seq, batch, hidden}), so layer l runs ahead of layer l + 1 as far as it can (a
+// wavefront) and no slot is written twice per launch. The x·Wi of step t comes right after the
+// block's h_{t−1} is out, while the other blocks' units of h_{t−1} cross L2.
+//
+// An h value travels with its tag as one 64-bit word (fk_ep_put/fk_ep_get): step t of a launch
+// is tag base + 1 + t, where `base` is read from sync[0] at the start; the last layer's first
+// block, which writes the output once it has read the last step's h of every unit (so every
+// block has read `base` by then: each reads it before it publishes anything), moves sync[0] on
+// by `seq`. Replays of a graph reuse the slots: the tags of one launch are never those left by
+// the one before. A thread keeps its unit's LSTM c in a register.
+//
+// The output: per batch row b the last layer's h of the last step, normalised by its norm,
+// written to out + b·out_stride.
+//
+// Arithmetic: the same sums in the same order as engine_rnn_frame_f32 (f32, FkExact).
+
+// n tagged words from `src` into `dst` as floats once each carries `tag`: each thread's words
+// (up to 8) are loaded before any is checked, so that they cost one round trip through L2.
+__device__ __forceinline__ void fk_ew_get(const unsigned long long* src, float* dst, int n,
+                                          unsigned int tag) {
+  for (int i0 = (int)threadIdx.x; i0 < n; i0 += 8 * FK_ER_THREADS) {
+    unsigned long long w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = i0 + k * FK_ER_THREADS;
+      if (i < n) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(src + i));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = i0 + k * FK_ER_THREADS;
+      if (i < n)
+        dst[i] = (unsigned int)(w[k] >> 32) == tag ? __uint_as_float((unsigned int)w[k])
+                                                   : fk_ep_get(src + i, tag);
+    }
+  }
+}
+
+// x {batch, seq, layers[0].in} (device memory); in_gamma/in_beta, layers: as
+// engine_rnn_frame_f32's. pairs: {nlayers, seq, batch, hidden} 64-bit words (zeroed once when
+// made, then left to the launches). out: row b at out + b·out_stride ({hidden} each). sync: one
+// word (zeroed once when made). Dynamic shared memory: engine_rnn_persist_f32's.
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
+    engine_rnn_window_f32(const float* __restrict__ x, const float* __restrict__ in_gamma,
+                          const float* __restrict__ in_beta,
+                          const FkErLayer* __restrict__ layers, unsigned long long* pairs,
+                          float eps, float* out, long long out_stride, unsigned int* sync,
+                          int nlayers, int batch, int hidden, int lstm, int seq) {
+  if constexpr (FK_WANT(engine_rnn_window_f32)) {
+    extern __shared__ float fk_ew_smem[];
+    __shared__ unsigned int base_s;
+    __shared__ float bias_s[4][FK_ER_UNITS];
+    const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
+    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / width, col = lane - sub * width;
+    const bool active = sub < 2;
+    const int rl = warp * 2 + (active ? sub : 0);
+    const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
+    const FkErLayer L = layers[l];
+    const int in = (int)L.in;
+    const long long bh = (long long)batch * hidden;
+    // Layer l's h of every step, and the layer below's (its input; l > 0).
+    unsigned long long* mine = pairs + (long long)l * seq * bh;
+    const unsigned long long* below = mine - (long long)seq * bh;
+    float* wis = fk_ew_smem;                 // {in, width}
+    float* whs = wis + in * width;           // {hidden, width}
+    float* xs = whs + hidden * width;        // {batch, in}
+    float* hs = xs + batch * in;             // {batch, hidden}
+    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
+    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
+    float* fgb = ngb + 2 * in;               // {2, hidden}
+    if (tid == 0) base_s = *reinterpret_cast<volatile unsigned int*>(sync);
+    const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
+                                  wis, whs, ngb, fgb, bias_s);
+    __syncthreads();
+    const unsigned int base = base_s;
+    // Thread (b, u) owns unit u of row b: its biases and (LSTM) c for the whole window.
+    const int ub = tid / FK_ER_UNITS, uu = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + uu;
+    const bool owner = tid < batch * FK_ER_UNITS && ju < hidden;
+    float bv[4];
+#pragma unroll
+    for (int gt = 0; gt < 4; ++gt) bv[gt] = bias_s[gt][uu];
+    float c = 0.0f;
+    for (int t = 0; t < seq; ++t) {
+      const unsigned int tag = base + 1u + (unsigned int)t;
+      // The input of step t: the window's row, or the layer below's h_t.
+      if (l == 0) {
+        for (int i = tid; i < batch * in; i += FK_ER_THREADS) {
+          const int b = i / in;
+          xs[i] = __ldg(x + ((long long)b * seq + t) * in + (i - b * in));
+        }
+      } else {
+        fk_ew_get(below + t * bh, xs, batch * in, tag);
+      }
+      __syncthreads();
+      if (ng) {
+        fk_er_norm_rows(xs, batch, in, ngb, eps);
+        __syncthreads();
+      }
+      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
+      // h_{t−1}: zero at the window's start.
+      if (t == 0) {
+        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = 0.0f;
+      } else {
+        fk_ew_get(mine + (t - 1) * bh, hs, batch * hidden, tag - 1u);
+      }
+      __syncthreads();
+      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
+      __syncthreads();
+      if (owner) {
+        const long long o = (long long)ub * hidden + ju;
+        const float hv = fk_er_unit(red, batch, ub, uu, gates, lstm, bv, hs[o], &c, &c, 0);
+        fk_ep_put(mine + t * bh + o, hv, tag);
+      }
+    }
+    if (l == nlayers - 1 && g == 0) {
+      // The last step's h of every unit, normalised, out; then the next launch's base.
+      fk_ew_get(mine + (seq - 1) * bh, hs, batch * hidden, base + (unsigned int)seq);
+      __syncthreads();
+      for (int b = warp; b < batch; b += FK_ER_WARPS) {
+        float* row = hs + b * hidden;
+        fk_er_norm_row(row, hidden, fgb, fgb + hidden, eps, lane);
+        __syncwarp();
+        for (int j = lane; j < hidden; j += 32) out[b * out_stride + j] = row[j];
+      }
+      if (tid == 0) *reinterpret_cast<volatile unsigned int*>(sync) = base + (unsigned int)seq;
     }
   }
 }
