@@ -673,7 +673,7 @@ __device__ __forceinline__ void fk_ew_get(const unsigned long long* src, float* 
 // engine_rnn_frame_f32's. pairs: {nlayers, seq, batch, hidden} 64-bit words (zeroed once when
 // made, then left to the launches). out: row b at out + b·out_stride ({hidden} each). sync: one
 // word (zeroed once when made). Dynamic shared memory: engine_rnn_persist_f32's.
-extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     engine_rnn_window_f32(const float* __restrict__ x, const float* __restrict__ in_gamma,
                           const float* __restrict__ in_beta,
                           const FkErLayer* __restrict__ layers, unsigned long long* pairs,

@@ -614,6 +614,73 @@ fn gpu_rnn_windows_of_odd_sizes_match_the_cpu_engine() {
     );
 }
 
+/// LSTM/GRU windows on the one-launch window kernel (engine/window.rs): batch 2-8 on every GPU,
+/// batch 1 where there are no clusters (below sm_90, or a build routed as such a GPU); odd
+/// widths (200, 37), windows of 1, 16, 61 and 100, one to three layers. Each window is run
+/// eager, captured and replayed with a window of other inputs between its repeats (a repeat
+/// that wrote nothing, or that took the slots' old tags for new ones, would give that window's
+/// rows), every repeat bit for bit the first. ExPhil's layer widths (two layers of 256) must
+/// run on the kernel wherever it is the path (their blocks fit every GPU this runs on).
+#[test]
+fn gpu_one_launch_windows_match_the_cpu_engine() {
+    let Some(dev) = gpu_for_tests() else {
+        return;
+    };
+    let no_clusters = dev.compute_capability < (9, 0);
+    let mut failures = Vec::new();
+    for kind in [Kind::Gru, Kind::Lstm] {
+        for (i, (hidden, embed, layers, b, t)) in [
+            (256, 288, 2, 1, 60),
+            (256, 288, 1, 1, 16),
+            (256, 288, 2, 8, 60),
+            (256, 288, 2, 3, 1),
+            (256, 288, 1, 2, 100),
+            (200, 37, 3, 3, 61),
+            (200, 288, 2, 8, 61),
+            (200, 288, 1, 1, 61),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = rnn_spec(kind, hidden, embed, layers);
+            let what = format!("{kind:?} h{hidden} e{embed} l{layers} b{b} t{t}");
+            let (cpu, gpu) = engines(&s, 300 + i as u64);
+            let x = Rng::new(310 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
+            let other = Rng::new(320 + i as u64).vec_f32(b * t * embed, 1.0, 0.0);
+            let want = cpu_predict(&cpu, &x, b, t);
+            let want_other = cpu_predict(&cpu, &other, b, t);
+            let first = gpu_predict(&gpu, &x, b, t);
+            let err = rel_l2(&first, &want);
+            eprintln!("{what}: window vs cpu, rel L2 {err:.2e}");
+            if err > 1e-5 {
+                failures.push(format!("{what}: window vs cpu, rel L2 {err}"));
+            }
+            for call in 1..4 {
+                let o = gpu_predict(&gpu, &other, b, t);
+                let err = rel_l2(&o, &want_other);
+                if err > 1e-5 {
+                    failures.push(format!("{what}: other window call {call}, rel L2 {err}"));
+                }
+                let again = gpu_predict(&gpu, &x, b, t);
+                if again != first {
+                    let moved = again.iter().zip(&first).filter(|(a, b)| a != b).count();
+                    failures.push(format!("{what}: window call {call}: {moved} values moved"));
+                }
+            }
+            let on = gpu.one_launch_windows().unwrap().contains(&(b, t));
+            if hidden == 256 && (b > 1 || no_clusters) && !on {
+                failures.push(format!("{what}: not run on the one-launch window kernel"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 fn gpu_tail_windows_match_the_cpu_engine() {
     if gpu_for_tests().is_none() {
