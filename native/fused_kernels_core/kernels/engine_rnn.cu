@@ -640,16 +640,12 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
 // pays every layer's start and the host's gaps) and for windows of several rows: the grid is
 // `layers × groups` blocks (all resident: a cooperative launch), block (l, g) = blockIdx.x owns
 // units [4g, 4g + 4) of every gate of layer l and keeps its weights in shared memory for the
-// whole window. Each layer's h of every step has its own slots (`pairs` {layers, seq, batch,
-// hidden}), so layer l runs ahead of layer l + 1 as far as it can (a wavefront) and no slot is
-// written twice per launch.
-//
-// A block's warps split in two groups that run side by side: the input group (warps 0-3) makes
-// step t's x·Wi (its input: the window's row t for layer 0, else layer l − 1's h_t, normalised)
-// while the recurrence group (warps 4-7) waits for its own layer's h_{t−1}, makes h·Wh, then
-// takes the input group's sums and runs the cell and publishes its units of h_t. The input
-// side is so off the recurrence's path (one step ahead at most: two sum slots, handed over with
-// named barriers), whose step is the h round trip through L2, h·Wh and the cell.
+// whole window. Per step t it takes its input (the window's row t for layer 0, from device
+// memory; else layer l − 1's h_t) and its own layer's h_{t−1} in one round trip through L2,
+// normalises the input (one warp per row, while the other warps start h·Wh), makes x·Wi and
+// the cell, and publishes its units of h_t. Each layer's h of every step has its own slots
+// (`pairs` {layers, seq, batch, hidden}), so layer l runs ahead of layer l + 1 as far as it
+// can (a wavefront) and no slot is written twice per launch.
 //
 // An h value travels with its tag as one 64-bit word (fk_ep_put/fk_ep_get): step t of a launch
 // is tag base + 1 + t, where `base` is read from sync[0] at the start; the last layer's first
@@ -661,100 +657,53 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
 // The output: per batch row b the last layer's h of the last step, normalised by its norm,
 // written to out + b·out_stride.
 //
-// Arithmetic: f32, every product an fmaf, FkExact activations, the LayerNorms as
-// engine_rnn_frame_f32's; a group's sums run over 8 row lanes (the frame kernels' over 16).
+// Arithmetic: the same sums in the same order as engine_rnn_frame_f32 (f32, FkExact).
 
-#define FK_EW_GROUP 128
-#define FK_EW_LANES 8
-// Named barriers (0 is __syncthreads): within the input group, within the recurrence group,
-// sums of slot s ready (3 + s), slot s taken (5 + s).
-#define FK_EW_BAR_X 1
-#define FK_EW_BAR_H 2
-#define FK_EW_BAR_FULL 3
-#define FK_EW_BAR_EMPTY 5
-
-template <int ID, int N>
-__device__ __forceinline__ void fk_ew_sync() {
-  asm volatile("barrier.sync %0, %1;" ::"n"(ID), "n"(N) : "memory");
-}
-
-template <int ID, int N>
-__device__ __forceinline__ void fk_ew_arrive() {
-  asm volatile("barrier.arrive %0, %1;" ::"n"(ID), "n"(N) : "memory");
-}
-
-// Slot s's barrier of a pair (FULL or EMPTY) over the whole block, waited for or arrived at.
-template <int ID0>
-__device__ __forceinline__ void fk_ew_slot_sync(int s) {
-  if (s == 0)
-    fk_ew_sync<ID0, FK_ER_THREADS>();
-  else
-    fk_ew_sync<ID0 + 1, FK_ER_THREADS>();
-}
-
-template <int ID0>
-__device__ __forceinline__ void fk_ew_slot_arrive(int s) {
-  if (s == 0)
-    fk_ew_arrive<ID0, FK_ER_THREADS>();
-  else
-    fk_ew_arrive<ID0 + 1, FK_ER_THREADS>();
-}
-
-// n tagged words from `src` into `dst` as floats once each carries `tag`, by the `stride`
-// threads i = 0, 1, ...: each thread's words (up to 8) are loaded before any is checked, so
-// that they cost one round trip through L2.
-__device__ __forceinline__ void fk_ew_get(const unsigned long long* src, float* dst, int n,
-                                          unsigned int tag, int i, int stride) {
-  for (int i0 = i; i0 < n; i0 += 8 * stride) {
+// A step's inputs into shared memory, every load of the thread in flight before any is checked
+// (one round trip through L2): nx input values into xs, either the window's rows (`xw`
+// {batch, seq, in}: row t of each batch row; the tag check then passes) or tagged words `xt`
+// of tag `xtag`, and nh tagged words `ht` of tag `htag` into hs.
+__device__ __forceinline__ void fk_ew_inputs(const float* __restrict__ xw, int seq, int t, int in,
+                                             const unsigned long long* xt, unsigned int xtag,
+                                             float* xs, int nx, const unsigned long long* ht,
+                                             unsigned int htag, float* hs, int nh) {
+  const int n = nx + nh;
+  for (int i0 = (int)threadIdx.x; i0 < n; i0 += 8 * FK_ER_THREADS) {
     unsigned long long w[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int j = i0 + k * stride;
-      if (j < n) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(src + j));
+      const int j = i0 + k * FK_ER_THREADS;
+      if (j < nx && xw) {
+        const int b = j / in;
+        const float v = __ldg(xw + ((long long)b * seq + t) * in + (j - b * in));
+        w[k] = ((unsigned long long)xtag << 32) | (unsigned long long)__float_as_uint(v);
+      } else if (j < n) {
+        const unsigned long long* p = j < nx ? xt + j : ht + (j - nx);
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(p));
+      }
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int j = i0 + k * stride;
-      if (j < n)
-        dst[j] = (unsigned int)(w[k] >> 32) == tag ? __uint_as_float((unsigned int)w[k])
-                                                   : fk_ep_get(src + j, tag);
+      const int j = i0 + k * FK_ER_THREADS;
+      if (j < n) {
+        const bool isx = j < nx;
+        const unsigned int tag = isx ? xtag : htag;
+        const float v = (unsigned int)(w[k] >> 32) == tag
+                            ? __uint_as_float((unsigned int)w[k])
+                            : fk_ep_get(isx ? xt + j : ht + (j - nx), tag);
+        if (isx)
+          xs[j] = v;
+        else
+          hs[j - nx] = v;
+      }
     }
   }
-}
-
-// A group's product v·w ({batch, rows} · {rows, width} in shared memory) over its row lanes
-// (rows rl, rl + 8, ...), each lane's partial sums of column `col` parked in red {8, batch, 16}.
-__device__ __forceinline__ void fk_ew_product(const float* w, const float* v, int rows, int width,
-                                              int rl, int col, int batch, float* red) {
-  float acc[FK_ER_MAXB];
-#pragma unroll
-  for (int b = 0; b < FK_ER_MAXB; ++b) acc[b] = 0.0f;
-#pragma unroll 4
-  for (int k = rl; k < rows; k += FK_EW_LANES) {
-    const float wk = w[k * width + col];
-#pragma unroll
-    for (int b = 0; b < FK_ER_MAXB; ++b)
-      if (b < batch) acc[b] = fmaf(v[b * rows + k], wk, acc[b]);
-  }
-#pragma unroll
-  for (int b = 0; b < FK_ER_MAXB; ++b)
-    if (b < batch) red[(rl * batch + b) * FK_ER_COLS + col] = acc[b];
-}
-
-// The sum over the row lanes of column `col` of row b of red {8, batch, 16}.
-__device__ __forceinline__ float fk_ew_lanes_sum(const float* red, int batch, int b, int col) {
-  float s = 0.0f;
-#pragma unroll
-  for (int r = 0; r < FK_EW_LANES; ++r) s += red[(r * batch + b) * FK_ER_COLS + col];
-  return s;
 }
 
 // x {batch, seq, layers[0].in} (device memory); in_gamma/in_beta, layers: as
 // engine_rnn_frame_f32's. pairs: {nlayers, seq, batch, hidden} 64-bit words (zeroed once when
 // made, then left to the launches). out: row b at out + b·out_stride ({hidden} each). sync: one
-// word (zeroed once when made). Dynamic shared memory: 4·((in + hidden)·gates·4 + batch·in +
-// 2·batch·hidden + 2·8·batch·16 + 2·batch·16 + 2·(in + hidden)) bytes (in: the widest layer
-// input).
+// word (zeroed once when made). Dynamic shared memory: engine_rnn_persist_f32's.
 extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     engine_rnn_window_f32(const float* __restrict__ x, const float* __restrict__ in_gamma,
                           const float* __restrict__ in_beta,
@@ -768,12 +717,9 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
     const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // The thread's place in its group: row lane rl (two per warp), column col.
-    const bool recur = tid >= FK_EW_GROUP;
-    const int gt_id = tid - (recur ? FK_EW_GROUP : 0), gwarp = gt_id >> 5;
     const int sub = lane / width, col = lane - sub * width;
     const bool active = sub < 2;
-    const int rl = gwarp * 2 + (active ? sub : 0);
+    const int rl = warp * 2 + (active ? sub : 0);
     const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
     const FkErLayer L = layers[l];
     const int in = (int)L.in;
@@ -781,94 +727,52 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     // Layer l's h of every step, and the layer below's (its input; l > 0).
     unsigned long long* mine = pairs + (long long)l * seq * bh;
     const unsigned long long* below = mine - (long long)seq * bh;
-    const int rs = FK_EW_LANES * batch * FK_ER_COLS;
     float* wis = fk_ew_smem;                 // {in, width}
     float* whs = wis + in * width;           // {hidden, width}
-    float* xs = whs + hidden * width;        // {batch, in}: the input group's input
-    float* hs = xs + batch * in;             // {2, batch, hidden}: h_{t−1} by parity of t
-    float* redx = hs + 2 * bh;               // {8, batch, 16}
-    float* redh = redx + rs;                 // {8, batch, 16}
-    float* xsum = redh + rs;                 // {2, batch, 16}: x·Wi by parity of t
-    float* ngb = xsum + 2 * batch * FK_ER_COLS;  // {2, in}
+    float* xs = whs + hidden * width;        // {batch, in}
+    float* hs = xs + batch * in;             // {batch, hidden}
+    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
+    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
     float* fgb = ngb + 2 * in;               // {2, hidden}
     if (tid == 0) base_s = *reinterpret_cast<volatile unsigned int*>(sync);
     const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
                                   wis, whs, ngb, fgb, bias_s);
     __syncthreads();
     const unsigned int base = base_s;
-    if (!recur) {
-      // The input group: step t's x·Wi into xsum[t & 1].
-      for (int t = 0; t < seq; ++t) {
-        const int slot = t & 1;
-        if (t >= 2) fk_ew_slot_sync<FK_EW_BAR_EMPTY>(slot);
-        if (l == 0) {
-          for (int i = gt_id; i < batch * in; i += FK_EW_GROUP) {
-            const int b = i / in;
-            xs[i] = __ldg(x + ((long long)b * seq + t) * in + (i - b * in));
-          }
-        } else {
-          fk_ew_get(below + t * bh, xs, batch * in, base + 1u + (unsigned int)t, gt_id,
-                    FK_EW_GROUP);
-        }
-        fk_ew_sync<FK_EW_BAR_X, FK_EW_GROUP>();
-        if (ng) {
-          for (int b = gwarp; b < batch; b += FK_EW_GROUP / 32)
-            fk_er_norm_row(xs + b * in, in, ngb, ngb + in, eps, lane);
-          fk_ew_sync<FK_EW_BAR_X, FK_EW_GROUP>();
-        }
-        if (active) fk_ew_product(wis, xs, in, width, rl, col, batch, redx);
-        fk_ew_sync<FK_EW_BAR_X, FK_EW_GROUP>();
-        {
-          const int b = gt_id / FK_ER_COLS, c = gt_id % FK_ER_COLS;
-          if (b < batch && c < width)
-            xsum[(slot * batch + b) * FK_ER_COLS + c] = fk_ew_lanes_sum(redx, batch, b, c);
-        }
-        fk_ew_slot_arrive<FK_EW_BAR_FULL>(slot);
-      }
-      // The recurrence group's last two hand-backs, taken so that no barrier is left owed.
-      for (int t = max(seq, 2); t < seq + 2; ++t) fk_ew_slot_sync<FK_EW_BAR_EMPTY>(t & 1);
-    } else {
-      // The recurrence group: thread (b, u) owns unit u of row b: its biases and (LSTM) c.
-      const int ub = gt_id / FK_ER_UNITS, uu = gt_id % FK_ER_UNITS, ju = g * FK_ER_UNITS + uu;
-      const bool owner = gt_id < batch * FK_ER_UNITS && ju < hidden;
-      float bv[4];
+    // Thread (b, u) owns unit u of row b: its biases and (LSTM) c for the whole window.
+    const int ub = tid / FK_ER_UNITS, uu = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + uu;
+    const bool owner = tid < batch * FK_ER_UNITS && ju < hidden;
+    float bv[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) bv[q] = bias_s[q][uu];
-      float c = 0.0f;
-      for (int t = 0; t < seq; ++t) {
-        const int slot = t & 1;
-        const unsigned int tag = base + 1u + (unsigned int)t;
-        float* hp = hs + slot * bh;
-        // h_{t−1}: zero at the window's start.
-        if (t == 0) {
-          for (int i = gt_id; i < batch * hidden; i += FK_EW_GROUP) hp[i] = 0.0f;
-        } else {
-          fk_ew_get(mine + (t - 1) * bh, hp, batch * hidden, tag - 1u, gt_id, FK_EW_GROUP);
-        }
-        fk_ew_sync<FK_EW_BAR_H, FK_EW_GROUP>();
-        if (active) fk_ew_product(whs, hp, hidden, width, rl, col, batch, redh);
-        // The input group's sums of step t (and this group's h·Wh: every thread of it is in).
-        fk_ew_slot_sync<FK_EW_BAR_FULL>(slot);
-        if (owner) {
-          float sx[4], sh[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int cq = q < gates ? q * FK_ER_UNITS + uu : uu;
-            sx[q] = xsum[(slot * batch + ub) * FK_ER_COLS + cq];
-            sh[q] = fk_ew_lanes_sum(redh, batch, ub, cq);
-          }
-          const long long o = (long long)ub * hidden + ju;
-          const float hv = fk_er_cell(sx, sh, bv, lstm, hp[o], c);
-          fk_ep_put(mine + t * bh + o, hv, tag);
-        }
-        fk_ew_slot_arrive<FK_EW_BAR_EMPTY>(slot);
+    for (int q = 0; q < 4; ++q) bv[q] = bias_s[q][uu];
+    float c = 0.0f;
+    for (int t = 0; t < seq; ++t) {
+      const unsigned int tag = base + 1u + (unsigned int)t;
+      // The input of step t (the window's row, or the layer below's h_t) and h_{t−1} (zero at
+      // the window's start).
+      if (t == 0)
+        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = 0.0f;
+      fk_ew_inputs(l == 0 ? x : nullptr, seq, t, in, below + t * bh, tag, xs, batch * in,
+                   mine + (t - 1) * bh, tag - 1u, hs, t == 0 ? 0 : batch * hidden);
+      __syncthreads();
+      // The input's norm (a warp per row) while the other warps make h·Wh.
+      if (ng && warp < batch) fk_er_norm_row(xs + warp * in, in, ngb, ngb + in, eps, lane);
+      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
+      __syncthreads();
+      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
+      __syncthreads();
+      if (owner) {
+        const long long o = (long long)ub * hidden + ju;
+        const float hv = fk_er_unit(red, batch, ub, uu, gates, lstm, bv, hs[o], &c, &c, 0);
+        fk_ep_put(mine + t * bh + o, hv, tag);
       }
+      // hs and xs are written again next step only after every owner read them.
+      __syncthreads();
     }
     if (l == nlayers - 1 && g == 0) {
       // The last step's h of every unit, normalised, out; then the next launch's base.
-      __syncthreads();
-      fk_ew_get(mine + (seq - 1) * bh, hs, batch * hidden, base + (unsigned int)seq, tid,
-                FK_ER_THREADS);
+      fk_ew_inputs(nullptr, seq, 0, in, nullptr, 0u, xs, 0, mine + (seq - 1) * bh,
+                   base + (unsigned int)seq, hs, batch * hidden);
       __syncthreads();
       for (int b = warp; b < batch; b += FK_ER_WARPS) {
         float* row = hs + b * hidden;

@@ -36,7 +36,7 @@
 
 use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
-use super::window::{self, Slots, WindowArgs};
+use super::window::{Slots, WindowArgs};
 use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::{self, arg};
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -1625,7 +1625,7 @@ impl CudaEngine {
         if b > FRAME_MAX_BATCH || (b == 1 && self.gpu.compute_capability >= (9, 0)) {
             return Ok(None);
         }
-        let smem = window::smem(b, rf.widest, h, rf.gates);
+        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
         let grid = rf.layers * h.div_ceil(FRAME_UNITS);
         Slots::new(&self.gpu, (rf.layers, t, b, h), grid, smem)
     }
@@ -1652,7 +1652,7 @@ impl CudaEngine {
             hidden: h,
             kind: s.kind,
             seq: t,
-            smem: window::smem(b, rf.widest, h, rf.gates),
+            smem: RnnFrame::persist_smem(b, rf.widest, h, rf.gates),
             grid: rf.layers * h.div_ceil(FRAME_UNITS),
         };
         w.launch(&self.gpu, &a)

@@ -59,25 +59,11 @@ pub struct WindowArgs {
     pub hidden: usize,
     pub kind: Kind,
     pub seq: usize,
-    /// Dynamic shared memory bytes (`smem`).
+    /// Dynamic shared memory bytes (the persistent frame kernel's at this batch: the same
+    /// layout).
     pub smem: usize,
     /// Blocks: layers × units groups.
     pub grid: usize,
-}
-
-/// Dynamic shared memory of a launch of `batch` rows, `input` the widest layer input, `gates`
-/// per unit (kernels/engine_rnn.cu: a block's weights, its input rows, two h buffers, the two
-/// groups' row-lane sums, two x·Wi slots, the norms' parameters).
-pub fn smem(batch: usize, input: usize, hidden: usize, gates: usize) -> usize {
-    const UNITS: usize = 4;
-    const LANES: usize = 8;
-    const COLS: usize = 16;
-    4 * ((input + hidden) * gates * UNITS
-        + batch * input
-        + 2 * batch * hidden
-        + 2 * LANES * batch * COLS
-        + 2 * batch * COLS
-        + 2 * (input + hidden))
 }
 
 /// Whether `f`'s `grid` blocks with `smem` bytes each are all resident at once on `gpu`
@@ -130,7 +116,7 @@ impl Slots {
         };
         Ok(Some(Slots {
             pairs: zeroed(2 * words)?,
-            sync: zeroed(4)?,
+            sync: zeroed(1 + nlayers * seq)?,
             launches: 0,
         }))
     }
