@@ -637,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
 // ---------------------------------------------------------------------------------------------
 // A whole LSTM/GRU window from zero state in one launch, for GPUs without thread-block
 // clusters (below sm_90 the batch-1 cluster window does not exist, and a launch per layer
-// pays every layer's start and the host's gaps) and for windows of several rows: the grid is
+// pays every layer's start and the host's gaps); up to 8 batch rows. The grid is
 // `layers × groups` blocks (all resident: a cooperative launch), block (l, g) = blockIdx.x owns
 // units [4g, 4g + 4) of every gate of layer l and keeps its weights in shared memory for the
 // whole window. Per step t it takes its input (the window's row t for layer 0, from device

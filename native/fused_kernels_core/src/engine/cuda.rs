@@ -1614,15 +1614,15 @@ impl CudaEngine {
     }
 
     /// The slots of an LSTM/GRU window shape `key` on the one-launch window kernel
-    /// (engine/window.rs), where it takes the shape: windows of 2 to `FRAME_MAX_BATCH` rows,
-    /// and of 1 row where the GPU routes below sm_90 (from sm_90 on, the cluster window's;
-    /// the kernel is then not compiled for it). None: the window runs as before.
+    /// (engine/window.rs), where it takes the shape: batch-1 windows where the GPU routes below
+    /// sm_90 (from sm_90 on they are the cluster window's, and the kernel is not compiled).
+    /// None: the window runs as before.
     fn window_slots(&self, (b, t, frame): (usize, usize, bool)) -> Result<Option<Slots>> {
         let (Some(rf), false) = (&self.rnn_frame, frame) else {
             return Ok(None);
         };
         let h = self.spec.hidden;
-        if b > FRAME_MAX_BATCH || (b == 1 && self.gpu.compute_capability >= (9, 0)) {
+        if b != 1 || self.gpu.compute_capability >= (9, 0) {
             return Ok(None);
         }
         let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
