@@ -118,7 +118,7 @@ impl Slots {
         };
         Ok(Some(Slots {
             pairs: zeroed(2 * words)?,
-            sync: zeroed(1 + nlayers * seq)?,
+            sync: zeroed(1)?,
             launches: 0,
         }))
     }
