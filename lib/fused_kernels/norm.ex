@@ -1,7 +1,8 @@
 defmodule FusedKernels.Norm do
   @moduledoc """
   LayerNorm and RMSNorm over the last axis with an optional fused residual add
-  (`residual: r` returns `{normed, x + r}`). Native side: `ops/norm.rs`, `kernels/norm.cu`.
+  (`residual: r` returns `{normed, x + r}`). Native side: `ops/norm/`, `kernels/norm.cu`; pure
+  Nx: `FusedKernels.Nx.Norm`.
   """
 
   alias FusedKernels.{Backend, Buffer, Native, Options, Tensor}
@@ -104,7 +105,7 @@ defmodule FusedKernels.Norm do
       :ok
     end
 
-    @doc "Pure Nx (f32 statistics; works inside `defn`)."
+    @doc "The pure-Nx implementation: `FusedKernels.Nx.Norm`."
     @spec nx(
             :layer_norm | :rms_norm,
             FusedKernels.Tensor.nx(),
@@ -112,37 +113,6 @@ defmodule FusedKernels.Norm do
             FusedKernels.Tensor.nx() | nil,
             keyword
           ) :: FusedKernels.Tensor.nx() | {FusedKernels.Tensor.nx(), FusedKernels.Tensor.nx()}
-    def nx(kind, x, weight, bias, opts \\ []) do
-      type = Nx.type(x)
-      compute = if type == {:f, 64}, do: {:f, 64}, else: {:f, 32}
-      cols = elem(Nx.shape(x), Nx.rank(x) - 1)
-
-      unless Nx.shape(weight) == {cols},
-        do:
-          raise(
-            ArgumentError,
-            "#{if kind == :layer_norm, do: "gamma", else: "weight"}: expected shape {#{cols}} (x's last axis), got #{inspect(Nx.shape(weight))}"
-          )
-
-      s = Nx.as_type(x, compute)
-      s = if r = opts[:residual], do: Nx.add(s, Nx.as_type(r, compute)), else: s
-      eps = Keyword.get(opts, :eps, 1.0e-5)
-
-      centred =
-        if kind == :layer_norm,
-          do: Nx.subtract(s, Nx.mean(s, axes: [-1], keep_axes: true)),
-          else: s
-
-      var = Nx.mean(Nx.multiply(centred, centred), axes: [-1], keep_axes: true)
-
-      y =
-        centred
-        |> Nx.multiply(Nx.rsqrt(Nx.add(var, eps)))
-        |> Nx.multiply(Nx.as_type(weight, compute))
-
-      y = if bias, do: Nx.add(y, Nx.as_type(bias, compute)), else: y
-      y = Nx.as_type(y, type)
-      if opts[:residual], do: {y, Nx.as_type(s, type)}, else: y
-    end
+    defdelegate nx(kind, x, weight, bias, opts \\ []), to: FusedKernels.Nx.Norm
   end
 end

@@ -455,7 +455,7 @@ __device__ __forceinline__ void fk_scan_mean_dt(const FkScanArgs& p) {
 // The instances (kernels.rs SELECTIVE_SCAN_*, one module per element type, so a caller
 // compiles only its type): selective_scan_<type>_<NPT>x<TPC>: NPT states per lane, TPC lanes
 // per channel, no exponential on the FMA pipe (POLY 0). The splits are those `split` in
-// ops/selective_scan.rs picks from (state rows padded to at least 16).
+// ops/selective_scan/cuda.rs picks from (state rows padded to at least 16).
 #define FK_SCAN_TILING_2x8 2, 8
 #define FK_SCAN_TILING_4x4 4, 4
 #define FK_SCAN_TILING_4x8 4, 8

@@ -507,8 +507,8 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
             levels: ANY,
             define: Some("FA_FFMA"),
         },
-        // mma.sync: padded head dim, m-tiles, key block (the tile shapes `mma_config` in
-        // ops/flash_attention.rs picks per padded head dim).
+        // mma.sync: padded head dim, m-tiles, key block (the tile shapes `MMA_CONFIGS` in
+        // ops/flash_attention/cuda.rs picks per padded head dim).
         Family {
             root: "fa_mma",
             parts: &[&["f16", "bf16"], &["32", "48", "64"], &["2"], &["64"]],
@@ -534,7 +534,7 @@ pub const FLASH_ATTENTION: Kernel = Kernel {
             define: Some("FA_MMA"),
         },
         // Short sequences: head-dim chunks x key chunks, the pairs whose shared memory fits in
-        // 64 KiB (`short_plan` in ops/flash_attention.rs).
+        // 64 KiB (`short_plan` in ops/flash_attention/cuda.rs).
         Family {
             root: "fa_short",
             parts: &[FLOATS, &["1"], &["1", "2", "4"]],

@@ -3,8 +3,8 @@
 //! return results where the caller asked.
 
 use crate::cuda::{DeviceTensor, Gpu};
-use crate::dtype::DType;
-use crate::error::Result;
+use crate::dtype::{encode_f32, DType};
+use crate::error::{arg_error, Result};
 use crate::tensor::{HostTensor, OwnedTensor};
 use std::ops::Deref;
 use std::sync::Arc;
@@ -99,5 +99,23 @@ impl Value {
             Placement::Device => Ok(Value::Device(t)),
             Placement::Host => Ok(Value::Host(t.download()?)),
         }
+    }
+}
+
+/// A parameter the kernels read as f32 (weights, the scan's A, D, delta_bias, initial state)
+/// on the device: host values of any float type are converted; device buffers must already be
+/// f32.
+pub fn stage_f32<'a>(name: &str, op: &Operand<'a>, gpu: &Arc<Gpu>) -> Result<Staged<'a>> {
+    match op {
+        Operand::Host(h) if h.dtype != DType::F32 => {
+            let bytes = encode_f32(&h.to_f32(), DType::F32);
+            let host = HostTensor::new(name, &bytes, h.shape.clone(), DType::F32)?;
+            Ok(Staged::Owned(DeviceTensor::upload(gpu, &host)?))
+        }
+        Operand::Device(d) if d.dtype != DType::F32 => Err(arg_error(format!(
+            "{name}: device buffers for this parameter must be f32, got {}",
+            d.dtype.name()
+        ))),
+        other => other.on_gpu(name, gpu),
     }
 }

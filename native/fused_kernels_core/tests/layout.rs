@@ -3,7 +3,9 @@
 //! every `crate::`, `super::`, `self::` and child-module path in a file into an edge to the
 //! file that defines what it names (following `pub use` re-exports to their source), and fails
 //! on any cycle of files, naming it. `mod` declarations are containment and `pub use`
-//! re-exports are aliases: neither is an edge by itself.
+//! re-exports are aliases: neither is an edge by itself. Also checks the house's shape: every
+//! op a directory of its backends, every source file reached from its crate's root, and the
+//! mirror core op ↔ NIF file ↔ Elixir module.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -215,6 +217,33 @@ fn file_paths(f: &File, children: &BTreeSet<String>) -> (Vec<ModPath>, Vec<(Stri
     let t = &f.toks;
     let mut paths = Vec::new();
     let mut reexports = Vec::new();
+    // The module each token sits in: the file's, plus the inline `mod name { .. }` blocks
+    // around it (a `super::` inside `mod avx2 { .. }` names the file's own module).
+    let mut inline: Vec<Vec<String>> = Vec::with_capacity(t.len());
+    let mut open: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0;
+    for k in 0..t.len() {
+        match &t[k] {
+            Tok::Open => {
+                depth += 1;
+                if k >= 2 && t[k - 2] == Tok::Ident("mod".into()) {
+                    if let Tok::Ident(name) = &t[k - 1] {
+                        open.push((name.clone(), depth));
+                    }
+                }
+            }
+            Tok::Close => {
+                if open.last().is_some_and(|(_, d)| *d == depth) {
+                    open.pop();
+                }
+                depth -= 1;
+            }
+            _ => {}
+        }
+        let mut m = f.module.clone();
+        m.extend(open.iter().map(|(n, _)| n.clone()));
+        inline.push(m);
+    }
     let mut i = 0;
     while i < t.len() {
         let after_colons = i > 0 && t[i - 1] == Tok::Colons;
@@ -232,7 +261,7 @@ fn file_paths(f: &File, children: &BTreeSet<String>) -> (Vec<ModPath>, Vec<(Stri
             i >= 2 && t[i - 1] == Tok::Ident("use".into()) && t[i - 2] == Tok::Ident("pub".into());
         let (ps, j) = read_paths(t, i, Vec::new());
         for p in ps {
-            let abs = absolute(&f.module, &p);
+            let abs = absolute(&inline[i], &p);
             // A re-export is an alias, not a use by this file's code: paths through it are
             // followed to the source instead.
             if is_pub_use {
@@ -440,7 +469,7 @@ fn finds_a_circle_in_a_synthetic_edge_set() {
 #[test]
 fn reads_edges_from_source() {
     // A re-export is followed to its source; a child module path is an edge; comments and
-    // strings are not.
+    // strings are not; `super::` inside an inline module names the file's own module.
     let dir = std::env::temp_dir().join(format!("fk_layout_{}", std::process::id()));
     std::fs::create_dir_all(dir.join("a")).unwrap();
     std::fs::write(
@@ -450,7 +479,7 @@ fn reads_edges_from_source() {
     .unwrap();
     std::fs::write(
         dir.join("a/mod.rs"),
-        "mod c;\nfn f() { c::g(); }\nuse crate::Thing;\n",
+        "mod c;\nfn f() { c::g(); }\nuse crate::Thing;\nmod inline { fn h() { super::c::g(); } }\n",
     )
     .unwrap();
     std::fs::write(dir.join("a/c.rs"), "pub fn g() {}\n").unwrap();
@@ -471,14 +500,17 @@ fn reads_edges_from_source() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The workspace's library crates, each walked from its `src/lib.rs`.
+const CRATES: [&str; 3] = [
+    "fused_kernels_core",
+    "fused_kernels_nif",
+    "fused_kernels_xla",
+];
+
 #[test]
 fn no_import_circle_in_any_crate() {
     let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    for krate in [
-        "fused_kernels_core",
-        "fused_kernels_nif",
-        "fused_kernels_xla",
-    ] {
+    for krate in CRATES {
         let root = native.join(krate).join("src/lib.rs");
         let edges = crate_edges(&root);
         // Each crate's files use each other; a handful of edges means the walk read nothing.
@@ -512,10 +544,11 @@ fn op_names(dir: &Path, skip: &[&str]) -> BTreeSet<String> {
 #[test]
 fn every_op_has_one_nif_file_and_one_elixir_module() {
     // The mirror a reader follows: core `src/ops/<op>` ↔ NIF `src/ops/<op>.rs` ↔
-    // `lib/fused_kernels/<op>.ex`. `routes.rs` is the routing table every op shares;
-    // `stream_state` (device-side helpers of the backbones' streaming) has no public Elixir API.
+    // `lib/fused_kernels/<op>.ex` ↔ `lib/fused_kernels/nx/<op>.ex`. `routes.rs` is the routing
+    // table every op shares; `stream_state` (device-side helpers of the backbones' streaming)
+    // has no public Elixir API.
     let core = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let ops = op_names(&core.join("src/ops"), &["routes"]);
+    let ops = op_names(&core.join("src/ops"), &OP_HELPERS[..1]);
     let nif = op_names(&core.join("../fused_kernels_nif/src/ops"), &[]);
     assert_eq!(
         ops, nif,
@@ -530,4 +563,89 @@ fn every_op_has_one_nif_file_and_one_elixir_module() {
         missing.is_empty(),
         "ops without lib/fused_kernels/<op>.ex: {missing:?}"
     );
+    // And the pure-Nx implementation of each, `lib/fused_kernels/nx/<op>.ex`, nothing else there.
+    let nx: BTreeSet<String> = std::fs::read_dir(lib.join("nx"))
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension()? == "ex").then(|| p.file_stem().unwrap().to_str().unwrap().to_string())
+        })
+        .collect();
+    let with_nx: BTreeSet<String> = ops
+        .iter()
+        .filter(|o| *o != "stream_state")
+        .cloned()
+        .collect();
+    assert_eq!(nx, with_nx, "lib/fused_kernels/nx/<op>.ex vs the core ops");
+}
+
+/// The shared helpers of `src/ops` that are files, not ops: the routing table every op shares
+/// and the backbones' device-side streaming helpers.
+const OP_HELPERS: [&str; 2] = ["routes", "stream_state"];
+
+#[test]
+fn every_op_is_a_directory_of_its_backends() {
+    // `src/ops/<op>/`: `mod.rs` (the op's entry points and dispatch), `cpu.rs` and the CUDA
+    // side, `cuda.rs` or, where several CUDA paths each win somewhere, `dispatch.rs` choosing
+    // between one file per path (rnn). Parameters and geometry sit underneath both backends,
+    // in `common.rs` where the op has one, so the dispatch on top never gets imported back.
+    let ops_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ops");
+    let mut ops = 0;
+    for e in std::fs::read_dir(&ops_dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_stem().unwrap().to_str().unwrap().to_string();
+        if !p.is_dir() {
+            assert!(
+                name == "mod" || OP_HELPERS.contains(&name.as_str()),
+                "src/ops/{name}.rs: an op is a directory src/ops/{name}/ with mod.rs, cpu.rs \
+                 and cuda.rs (only the shared helpers {OP_HELPERS:?} are files)"
+            );
+            continue;
+        }
+        ops += 1;
+        let has = |f: &str| p.join(f).is_file();
+        for f in ["mod.rs", "cpu.rs"] {
+            assert!(has(f), "src/ops/{name}/: no {f}");
+        }
+        assert!(
+            has("cuda.rs") || has("dispatch.rs"),
+            "src/ops/{name}/: no cuda.rs (nor a dispatch.rs routing between CUDA path files)"
+        );
+    }
+    assert!(ops >= 7, "only {ops} op directories under src/ops");
+}
+
+#[test]
+fn every_source_file_is_a_module_of_its_crate() {
+    // A file the `mod` tree does not reach compiles nowhere and drifts: after a move, the old
+    // copy or a forgotten split part would sit beside the real one.
+    let native = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    for krate in CRATES {
+        let src = native.join(krate).join("src");
+        let reached: BTreeSet<PathBuf> = crate_files(&src.join("lib.rs"))
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        let mut todo = vec![src.clone()];
+        let mut orphans = Vec::new();
+        while let Some(dir) = todo.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    // src/bin holds crate roots of their own.
+                    if p != src.join("bin") {
+                        todo.push(p);
+                    }
+                } else if p.extension().and_then(|x| x.to_str()) == Some("rs")
+                    && !reached.contains(&p)
+                {
+                    orphans.push(p.strip_prefix(native).unwrap().display().to_string());
+                }
+            }
+        }
+        assert!(
+            orphans.is_empty(),
+            "not reached from {krate}'s lib.rs: {orphans:?}"
+        );
+    }
 }

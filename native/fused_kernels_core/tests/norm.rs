@@ -7,6 +7,7 @@ use fused_kernels_core::ops::Backend;
 use fused_kernels_core::{DType, HostTensor};
 
 use fused_kernels_core::ops::norm::*;
+use fused_kernels_core::reference::norm::reference;
 use support::gpu_for_tests;
 use support::{rel_l2, tolerance, Rng};
 

@@ -9,9 +9,11 @@ pub mod gemv;
 pub mod math;
 pub mod packed;
 pub mod pool;
+mod real;
 pub mod simd;
 
 pub use packed::PackedB;
+pub use real::Real;
 pub use simd::Isa;
 
 pub use arena::Buf;

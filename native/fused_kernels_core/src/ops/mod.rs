@@ -1,5 +1,8 @@
-//! The fused ops. Each op has a CPU implementation (`cpu`), a CUDA one (`cuda`) and one entry
-//! point (`run`) that stages operands on the chosen backend.
+//! The fused ops, one directory each: `<op>/mod.rs` is the entry point (`run`, which stages
+//! operands on the chosen backend) and re-exports the op's API; `cpu.rs` and `cuda.rs` (rnn:
+//! `dispatch.rs` over one file per CUDA path) are the backends; `common.rs` holds what both
+//! share (parameters, geometry, their checks). `routes` and `stream_state` are helpers shared
+//! by the ops and the engine.
 
 pub mod dense;
 pub mod flash_attention;
@@ -29,44 +32,5 @@ impl Backend {
                 "backend must be :cpu or :cuda for a native call, got :{other}"
             ))),
         }
-    }
-}
-
-/// Minimal float arithmetic shared by the f32 and f64 CPU paths.
-pub trait Real:
-    Copy + PartialOrd + std::ops::Mul<Output = Self> + std::ops::Sub<Output = Self>
-{
-    const ZERO: Self;
-    const NEG_INF: Self;
-    fn exp(self) -> Self;
-    fn from_f64(v: f64) -> Self;
-    fn to_f64(self) -> f64;
-}
-
-impl Real for f32 {
-    const ZERO: Self = 0.0;
-    const NEG_INF: Self = f32::NEG_INFINITY;
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-}
-
-impl Real for f64 {
-    const ZERO: Self = 0.0;
-    const NEG_INF: Self = f64::NEG_INFINITY;
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    fn to_f64(self) -> f64 {
-        self
     }
 }

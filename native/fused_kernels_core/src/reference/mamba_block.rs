@@ -8,8 +8,10 @@ use crate::operand::Operand;
 use crate::ops::mamba_block::{
     check_state, geometry, state_shapes, Geometry, Params, State, Weights,
 };
-use crate::ops::norm::{self, Kind};
-use crate::ops::selective_scan::{self, Geometry as ScanGeometry, RefInputs};
+use crate::ops::norm::Kind;
+use crate::ops::selective_scan::Geometry as ScanGeometry;
+use crate::reference::norm;
+use crate::reference::selective_scan::{self, RefInputs};
 use crate::tensor::OwnedTensor;
 
 fn vals(op: &Operand<'_>) -> Result<Vec<f64>> {
@@ -95,7 +97,7 @@ pub fn block_stateful(
     };
     let (m, h, inner, n) = (g.batch * g.seq, g.hidden, g.inner, g.state);
     let xs = vals(x)?;
-    let ln = norm::Params::new(Kind::Layer, p.eps)?;
+    let ln = crate::ops::norm::Params::new(Kind::Layer, p.eps)?;
     let gamma = vals(w.norm_gamma)?;
     let beta = vals(w.norm_beta)?;
     let xn = norm::reference(&xs, h, &gamma, Some(&beta), ln);

@@ -5,5 +5,7 @@
 pub mod dense;
 pub mod flash_attention;
 pub mod mamba_block;
+pub mod norm;
 pub mod rnn;
 pub mod scaled_softmax;
+pub mod selective_scan;

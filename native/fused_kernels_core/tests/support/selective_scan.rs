@@ -6,6 +6,7 @@ use fused_kernels_core::dtype::{decode_f64, encode_f64};
 use fused_kernels_core::operand::Operand;
 use fused_kernels_core::ops::selective_scan::*;
 use fused_kernels_core::ops::Backend;
+use fused_kernels_core::reference::selective_scan::{reference, RefInputs};
 use fused_kernels_core::{DType, HostTensor};
 
 /// Which optional operands a case passes.

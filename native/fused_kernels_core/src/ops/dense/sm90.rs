@@ -123,7 +123,7 @@ pub fn cuda(
     if out.shape != g.out_shape || out.dtype != dt {
         return Err(arg_error("out: must have the output's shape and x's type"));
     }
-    let tname = if dt == DType::BF16 { "bf16" } else { "f16" };
+    let tname = dt.kernel_suffix("x")?;
     let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
     let glu = p.kind == Kind::Swiglu;
     let norm = match p.kind {
