@@ -475,6 +475,49 @@ __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, in
   fk_er_park(red, rl, batch, half, col, acc);
 }
 
+// A block's place in the persistent kernels' grid (block (l, g) = blockIdx.x: units [4g, 4g + 4)
+// of layer l) and its thread's row lane rl and column col of the block's {rows, width} weights
+// (as engine_rnn_frame_f32's: two row lanes per warp).
+struct FkEpPlace {
+  int gates, width, groups, l, g, col, rl;
+  bool active;
+};
+
+__device__ __forceinline__ FkEpPlace fk_ep_place(int lstm, int hidden) {
+  FkEpPlace p;
+  p.gates = lstm ? 4 : 3;
+  p.width = p.gates * FK_ER_UNITS;
+  p.groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane / p.width;
+  p.col = lane - sub * p.width;
+  p.active = sub < 2;
+  p.rl = warp * 2 + (p.active ? sub : 0);
+  p.l = (int)blockIdx.x / p.groups;
+  p.g = (int)blockIdx.x - p.l * p.groups;
+  return p;
+}
+
+// The persistent kernels' dynamic shared memory: the block's weights wis {in, width} and whs
+// {hidden, width}, the input rows xs {batch, in}, h rows hs {batch, hidden}, the row lanes'
+// sums red {lanes, batch, 2, 16}, the norms' parameters ngb {2, in} and fgb {2, hidden}.
+struct FkEpSmem {
+  float *wis, *whs, *xs, *hs, *red, *ngb, *fgb;
+};
+
+__device__ __forceinline__ FkEpSmem fk_ep_carve(float* smem, int in, int hidden, int width,
+                                                int batch) {
+  FkEpSmem m;
+  m.wis = smem;
+  m.whs = m.wis + in * width;
+  m.xs = m.whs + hidden * width;
+  m.hs = m.xs + batch * in;
+  m.red = m.hs + batch * hidden;
+  m.ngb = m.red + FK_ER_LANES * batch * 2 * FK_ER_COLS;
+  m.fgb = m.ngb + 2 * in;
+  return m;
+}
+
 // What a block (l, g) of the persistent kernels keeps on chip for its whole run: its weights
 // ({in, width} and {hidden, width} into wis and whs), the norms' parameters (as
 // fk_er_norm_params) and its units' biases (bias_s {4, units}, zero past `hidden`). Returns the
@@ -517,13 +560,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     extern __shared__ float fk_ep_smem[];
     __shared__ unsigned int flag_s;
     __shared__ float bias_s[4][FK_ER_UNITS];
-    const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
-    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int sub = lane / width, col = lane - sub * width;
-    const bool active = sub < 2;
-    const int rl = warp * 2 + (active ? sub : 0);
-    const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
+    const FkEpPlace P = fk_ep_place(lstm, hidden);
+    const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
+    const bool active = P.active;
+    const int tid = threadIdx.x;
     const FkErLayer L = layers[l];
     const FkErState S = states[l];
     const int in = (int)L.in, in0 = (int)layers[0].in;
@@ -532,15 +572,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     unsigned long long* tagged = reinterpret_cast<unsigned long long*>(scratch);
     unsigned long long* hbuf = tagged + 2 * l * bh;
     float* xbuf = scratch + 4 * nlayers * bh;
-    float* wis = fk_ep_smem;                 // {in, width}
-    float* whs = wis + in * width;           // {hidden, width}
-    float* xs = whs + hidden * width;        // {batch, in}
-    float* hs = xs + batch * in;             // {batch, hidden}
-    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
-    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
-    float* fgb = ngb + 2 * in;               // {2, hidden}
+    const FkEpSmem M = fk_ep_carve(fk_ep_smem, in, hidden, width, batch);
+    float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
     const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
-                                  wis, whs, ngb, fgb, bias_s);
+                                  M.wis, whs, ngb, fgb, bias_s);
     // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
     // host cleared the pairs before the launch): from here on h is read from the scratch only.
     for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
@@ -602,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         fk_er_norm_rows(xs, batch, in, ngb, eps);
         __syncthreads();
       }
-      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
+      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
       __syncthreads();
       if (tid < batch * FK_ER_UNITS) {
         const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
@@ -714,29 +749,21 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     extern __shared__ float fk_ew_smem[];
     __shared__ unsigned int base_s;
     __shared__ float bias_s[4][FK_ER_UNITS];
-    const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
-    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
+    const FkEpPlace P = fk_ep_place(lstm, hidden);
+    const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
+    const bool active = P.active;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int sub = lane / width, col = lane - sub * width;
-    const bool active = sub < 2;
-    const int rl = warp * 2 + (active ? sub : 0);
-    const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
     const FkErLayer L = layers[l];
     const int in = (int)L.in;
     const long long bh = (long long)batch * hidden;
     // Layer l's h of every step, and the layer below's (its input; l > 0).
     unsigned long long* mine = pairs + (long long)l * seq * bh;
     const unsigned long long* below = mine - (long long)seq * bh;
-    float* wis = fk_ew_smem;                 // {in, width}
-    float* whs = wis + in * width;           // {hidden, width}
-    float* xs = whs + hidden * width;        // {batch, in}
-    float* hs = xs + batch * in;             // {batch, hidden}
-    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
-    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
-    float* fgb = ngb + 2 * in;               // {2, hidden}
+    const FkEpSmem M = fk_ep_carve(fk_ew_smem, in, hidden, width, batch);
+    float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
     if (tid == 0) base_s = *reinterpret_cast<volatile unsigned int*>(sync);
     const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
-                                  wis, whs, ngb, fgb, bias_s);
+                                  M.wis, whs, ngb, fgb, bias_s);
     __syncthreads();
     const unsigned int base = base_s;
     // Thread (b, u) owns unit u of row b: its biases and (LSTM) c for the whole window.
@@ -759,7 +786,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       if (ng && warp < batch) fk_er_norm_row(xs + warp * in, in, ngb, ngb + in, eps, lane);
       if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
       __syncthreads();
-      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
+      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
       __syncthreads();
       if (owner) {
         const long long o = (long long)ub * hidden + ju;
