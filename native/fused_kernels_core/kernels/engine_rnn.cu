@@ -60,13 +60,17 @@ struct FkErState {
   float* c;
 };
 
-// LayerNorm of `n` values of `row` in place (one warp; `lane` its lane).
+// LayerNorm of `n` values of `row` in place (one warp; `lane` its lane). The statistics are
+// taken about the row's first value as kernels/norm.cu takes them: a mean far above the spread
+// (a window's features around 300 with unit spread) is not lost to the rounding of a sum.
 __device__ __forceinline__ void fk_er_norm_row(float* row, int n, const float* gamma,
                                                const float* beta, float eps, int lane) {
+  const float pivot = row[0];
   const float2 st =
-      fk_warp_moments([&](int j) { return row[j]; }, n, true, eps, FkDivN{(float)n});
+      fk_warp_moments([&](int j) { return row[j] - pivot; }, n, true, eps, FkDivN{(float)n});
   __syncwarp();
-  for (int j = lane; j < n; j += 32) row[j] = fmaf((row[j] - st.x) * st.y, gamma[j], beta[j]);
+  for (int j = lane; j < n; j += 32)
+    row[j] = fmaf(((row[j] - pivot) - st.x) * st.y, gamma[j], beta[j]);
 }
 
 // The LayerNorm of each of `batch` rows of `n` values in place, a warp per row.
@@ -123,6 +127,19 @@ __device__ __forceinline__ void fk_er_park(float* red, int rl, int batch, int ha
     if (b < batch) red[((rl * batch + b) * 2 + half) * FK_ER_COLS + col] = acc[b];
 }
 
+// The cell of one unit from its gates' sums sx (x·Wi) and sh (h·Wh) and biases bv (Axon's
+// order): the new h; LSTM moves c on.
+__device__ __forceinline__ float fk_er_cell(const float (&sx)[4], const float (&sh)[4],
+                                            const float (&bv)[4], bool lstm, float h_old,
+                                            float& c) {
+  if (lstm)
+    return fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
+                                 sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], c);
+  // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
+  return fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1], sx[2] + bv[2],
+                              sh[2] + bv[3], h_old);
+}
+
 // Unit u of the block (unit j of the layer) for row b: the row lanes' partial sums of its gates
 // from `red`, the biases bv (Axon's order), then the cell. Returns the new h (element o of the
 // {batch, hidden} state); LSTM reads c_in[o] and writes the new c to c_out[o].
@@ -144,15 +161,9 @@ __device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, 
       }
     }
   }
-  if (lstm) {
-    const float hn = fk_lstm_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1],
-                                           sx[2] + bv[2] + sh[2], sx[3] + bv[3] + sh[3], cc);
-    c_out[o] = cc;
-    return hn;
-  }
-  // GRU's fourth bias (b_hn) sits where LSTM's o gate's does.
-  return fk_gru_cell<FkExact>(sx[0] + bv[0] + sh[0], sx[1] + bv[1] + sh[1], sx[2] + bv[2],
-                              sh[2] + bv[3], h_old);
+  const float hn = fk_er_cell(sx, sh, bv, lstm, h_old, cc);
+  if (lstm) c_out[o] = cc;
+  return hn;
 }
 
 // FK_ER_PRE rows of this thread's column of `w` ({rows, width}) from row k0 on, row lanes apart.
@@ -464,6 +475,76 @@ __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, in
   fk_er_park(red, rl, batch, half, col, acc);
 }
 
+// A block's place in the persistent kernels' grid (block (l, g) = blockIdx.x: units [4g, 4g + 4)
+// of layer l) and its thread's row lane rl and column col of the block's {rows, width} weights
+// (as engine_rnn_frame_f32's: two row lanes per warp).
+struct FkEpPlace {
+  int gates, width, groups, l, g, col, rl;
+  bool active;
+};
+
+__device__ __forceinline__ FkEpPlace fk_ep_place(int lstm, int hidden) {
+  FkEpPlace p;
+  p.gates = lstm ? 4 : 3;
+  p.width = p.gates * FK_ER_UNITS;
+  p.groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane / p.width;
+  p.col = lane - sub * p.width;
+  p.active = sub < 2;
+  p.rl = warp * 2 + (p.active ? sub : 0);
+  p.l = (int)blockIdx.x / p.groups;
+  p.g = (int)blockIdx.x - p.l * p.groups;
+  return p;
+}
+
+// The persistent kernels' dynamic shared memory: the block's weights wis {in, width} and whs
+// {hidden, width}, the input rows xs {batch, in}, h rows hs {batch, hidden}, the row lanes'
+// sums red {lanes, batch, 2, 16}, the norms' parameters ngb {2, in} and fgb {2, hidden}.
+struct FkEpSmem {
+  float *wis, *whs, *xs, *hs, *red, *ngb, *fgb;
+};
+
+__device__ __forceinline__ FkEpSmem fk_ep_carve(float* smem, int in, int hidden, int width,
+                                                int batch) {
+  FkEpSmem m;
+  m.wis = smem;
+  m.whs = m.wis + in * width;
+  m.xs = m.whs + hidden * width;
+  m.hs = m.xs + batch * in;
+  m.red = m.hs + batch * hidden;
+  m.ngb = m.red + FK_ER_LANES * batch * 2 * FK_ER_COLS;
+  m.fgb = m.ngb + 2 * in;
+  return m;
+}
+
+// What a block (l, g) of the persistent kernels keeps on chip for its whole run: its weights
+// ({in, width} and {hidden, width} into wis and whs), the norms' parameters (as
+// fk_er_norm_params) and its units' biases (bias_s {4, units}, zero past `hidden`). Returns the
+// input norm's gamma (null: the input is not normalised).
+__device__ __forceinline__ const float* fk_ep_setup(const FkErLayer* __restrict__ layers,
+                                                    const FkErLayer& L, const float* in_gamma,
+                                                    const float* in_beta, int l, int g,
+                                                    int nlayers, int in, int hidden, int width,
+                                                    float* wis, float* whs, float* ngb,
+                                                    float* fgb,
+                                                    float (&bias_s)[4][FK_ER_UNITS]) {
+  const int tid = threadIdx.x;
+  const float4* wi4 = reinterpret_cast<const float4*>(L.wi + (long long)g * in * width);
+  const float4* wh4 = reinterpret_cast<const float4*>(L.wh + (long long)g * hidden * width);
+  float4* wis4 = reinterpret_cast<float4*>(wis);
+  float4* whs4 = reinterpret_cast<float4*>(whs);
+  for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
+  for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
+  const float* ng =
+      fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
+  if (tid < 4 * FK_ER_UNITS) {
+    const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
+    bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
+  }
+  return ng;
+}
+
 // Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
 // `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
 // gates·4 bytes (the block's weights).
@@ -479,13 +560,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     extern __shared__ float fk_ep_smem[];
     __shared__ unsigned int flag_s;
     __shared__ float bias_s[4][FK_ER_UNITS];
-    const int gates = lstm ? 4 : 3, width = gates * FK_ER_UNITS;
-    const int groups = (hidden + FK_ER_UNITS - 1) / FK_ER_UNITS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int sub = lane / width, col = lane - sub * width;
-    const bool active = sub < 2;
-    const int rl = warp * 2 + (active ? sub : 0);
-    const int l = (int)blockIdx.x / groups, g = (int)blockIdx.x - l * groups;
+    const FkEpPlace P = fk_ep_place(lstm, hidden);
+    const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
+    const bool active = P.active;
+    const int tid = threadIdx.x;
     const FkErLayer L = layers[l];
     const FkErState S = states[l];
     const int in = (int)L.in, in0 = (int)layers[0].in;
@@ -494,27 +572,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     unsigned long long* tagged = reinterpret_cast<unsigned long long*>(scratch);
     unsigned long long* hbuf = tagged + 2 * l * bh;
     float* xbuf = scratch + 4 * nlayers * bh;
-    float* wis = fk_ep_smem;                 // {in, width}
-    float* whs = wis + in * width;           // {hidden, width}
-    float* xs = whs + hidden * width;        // {batch, in}
-    float* hs = xs + batch * in;             // {batch, hidden}
-    float* red = hs + batch * hidden;        // {lanes, batch, 2, 16}
-    float* ngb = red + FK_ER_LANES * batch * 2 * FK_ER_COLS;  // {2, in}
-    float* fgb = ngb + 2 * in;               // {2, hidden}
-    {
-      const float4* wi4 = reinterpret_cast<const float4*>(L.wi + (long long)g * in * width);
-      const float4* wh4 = reinterpret_cast<const float4*>(L.wh + (long long)g * hidden * width);
-      float4* wis4 = reinterpret_cast<float4*>(wis);
-      float4* whs4 = reinterpret_cast<float4*>(whs);
-      for (int i = tid; i < in * width / 4; i += FK_ER_THREADS) wis4[i] = __ldg(wi4 + i);
-      for (int i = tid; i < hidden * width / 4; i += FK_ER_THREADS) whs4[i] = __ldg(wh4 + i);
-    }
-    const float* ng =
-        fk_er_norm_params(layers, L, in_gamma, in_beta, l, nlayers, in, hidden, ngb, fgb);
-    if (tid < 4 * FK_ER_UNITS) {
-      const int gt = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + u;
-      bias_s[gt][u] = ju < hidden ? L.bias[gt * hidden + ju] : 0.0f;
-    }
+    const FkEpSmem M = fk_ep_carve(fk_ep_smem, in, hidden, width, batch);
+    float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
+    const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
+                                  M.wis, whs, ngb, fgb, bias_s);
     // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
     // host cleared the pairs before the launch): from here on h is read from the scratch only.
     for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
@@ -576,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         fk_er_norm_rows(xs, batch, in, ngb, eps);
         __syncthreads();
       }
-      if (active) fk_ep_product(wis, xs, in, width, rl, col, batch, red, 0);
+      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
       __syncthreads();
       if (tid < batch * FK_ER_UNITS) {
         const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
@@ -604,6 +665,149 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
         // barrier) reach the host before the frame number does.
         if (tid == 0) fk_st_release_sys(mbox + 2, seq);
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A whole LSTM/GRU window from zero state in one launch, for GPUs without thread-block
+// clusters (below sm_90 the batch-1 cluster window does not exist, and a launch per layer
+// pays every layer's start and the host's gaps); up to 8 batch rows. The grid is
+// `layers × groups` blocks (all resident: a cooperative launch), block (l, g) = blockIdx.x owns
+// units [4g, 4g + 4) of every gate of layer l and keeps its weights in shared memory for the
+// whole window. Per step t it takes its input (the window's row t for layer 0, from device
+// memory; else layer l − 1's h_t) and its own layer's h_{t−1} in one round trip through L2,
+// normalises the input (one warp per row, while the other warps start h·Wh), makes x·Wi and
+// the cell, and publishes its units of h_t. Each layer's h of every step has its own slots
+// (`pairs` {layers, seq, batch, hidden}), so layer l runs ahead of layer l + 1 as far as it
+// can (a wavefront) and no slot is written twice per launch.
+//
+// An h value travels with its tag as one 64-bit word (fk_ep_put/fk_ep_get): step t of a launch
+// is tag base + 1 + t, where `base` is read from sync[0] at the start; the last layer's first
+// block, which writes the output once it has read the last step's h of every unit (so every
+// block has read `base` by then: each reads it before it publishes anything), moves sync[0] on
+// by `seq`. Replays of a graph reuse the slots: the tags of one launch are never those left by
+// the one before. A thread keeps its unit's LSTM c in a register.
+//
+// The output: per batch row b the last layer's h of the last step, normalised by its norm,
+// written to out + b·out_stride.
+//
+// Arithmetic: the same sums in the same order as engine_rnn_frame_f32 (f32, FkExact).
+
+// A step's inputs into shared memory, every load of the thread in flight before any is checked
+// (one round trip through L2): nx input values into xs, either the window's rows (`xw`
+// {batch, seq, in}: row t of each batch row; the tag check then passes) or tagged words `xt`
+// of tag `xtag`, and nh tagged words `ht` of tag `htag` into hs.
+__device__ __forceinline__ void fk_ew_inputs(const float* __restrict__ xw, int seq, int t, int in,
+                                             const unsigned long long* xt, unsigned int xtag,
+                                             float* xs, int nx, const unsigned long long* ht,
+                                             unsigned int htag, float* hs, int nh) {
+  const int n = nx + nh;
+  for (int i0 = (int)threadIdx.x; i0 < n; i0 += 8 * FK_ER_THREADS) {
+    unsigned long long w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int j = i0 + k * FK_ER_THREADS;
+      if (j < nx && xw) {
+        const int b = j / in;
+        const float v = __ldg(xw + ((long long)b * seq + t) * in + (j - b * in));
+        w[k] = ((unsigned long long)xtag << 32) | (unsigned long long)__float_as_uint(v);
+      } else if (j < n) {
+        const unsigned long long* p = j < nx ? xt + j : ht + (j - nx);
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[k]) : "l"(p));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int j = i0 + k * FK_ER_THREADS;
+      if (j < n) {
+        const bool isx = j < nx;
+        const unsigned int tag = isx ? xtag : htag;
+        const float v = (unsigned int)(w[k] >> 32) == tag
+                            ? __uint_as_float((unsigned int)w[k])
+                            : fk_ep_get(isx ? xt + j : ht + (j - nx), tag);
+        if (isx)
+          xs[j] = v;
+        else
+          hs[j - nx] = v;
+      }
+    }
+  }
+}
+
+// x {batch, seq, layers[0].in} (device memory); in_gamma/in_beta, layers: as
+// engine_rnn_frame_f32's. pairs: {nlayers, seq, batch, hidden} 64-bit words (zeroed once when
+// made, then left to the launches). out: row b at out + b·out_stride ({hidden} each). sync: one
+// word (zeroed once when made). Dynamic shared memory: engine_rnn_persist_f32's.
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
+    engine_rnn_window_f32(const float* __restrict__ x, const float* __restrict__ in_gamma,
+                          const float* __restrict__ in_beta,
+                          const FkErLayer* __restrict__ layers, unsigned long long* pairs,
+                          float eps, float* out, long long out_stride, unsigned int* sync,
+                          int nlayers, int batch, int hidden, int lstm, int seq) {
+  if constexpr (FK_WANT(engine_rnn_window_f32)) {
+    extern __shared__ float fk_ew_smem[];
+    __shared__ unsigned int base_s;
+    __shared__ float bias_s[4][FK_ER_UNITS];
+    const FkEpPlace P = fk_ep_place(lstm, hidden);
+    const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
+    const bool active = P.active;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const FkErLayer L = layers[l];
+    const int in = (int)L.in;
+    const long long bh = (long long)batch * hidden;
+    // Layer l's h of every step, and the layer below's (its input; l > 0).
+    unsigned long long* mine = pairs + (long long)l * seq * bh;
+    const unsigned long long* below = mine - (long long)seq * bh;
+    const FkEpSmem M = fk_ep_carve(fk_ew_smem, in, hidden, width, batch);
+    float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
+    if (tid == 0) base_s = *reinterpret_cast<volatile unsigned int*>(sync);
+    const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
+                                  M.wis, whs, ngb, fgb, bias_s);
+    __syncthreads();
+    const unsigned int base = base_s;
+    // Thread (b, u) owns unit u of row b: its biases and (LSTM) c for the whole window.
+    const int ub = tid / FK_ER_UNITS, uu = tid % FK_ER_UNITS, ju = g * FK_ER_UNITS + uu;
+    const bool owner = tid < batch * FK_ER_UNITS && ju < hidden;
+    float bv[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) bv[q] = bias_s[q][uu];
+    float c = 0.0f;
+    for (int t = 0; t < seq; ++t) {
+      const unsigned int tag = base + 1u + (unsigned int)t;
+      // The input of step t (the window's row, or the layer below's h_t) and h_{t−1} (zero at
+      // the window's start).
+      if (t == 0)
+        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = 0.0f;
+      fk_ew_inputs(l == 0 ? x : nullptr, seq, t, in, below + t * bh, tag, xs, batch * in,
+                   mine + (t - 1) * bh, tag - 1u, hs, t == 0 ? 0 : batch * hidden);
+      __syncthreads();
+      // The input's norm (a warp per row) while the other warps make h·Wh.
+      if (ng && warp < batch) fk_er_norm_row(xs + warp * in, in, ngb, ngb + in, eps, lane);
+      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
+      __syncthreads();
+      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
+      __syncthreads();
+      if (owner) {
+        const long long o = (long long)ub * hidden + ju;
+        const float hv = fk_er_unit(red, batch, ub, uu, gates, lstm, bv, hs[o], &c, &c, 0);
+        fk_ep_put(mine + t * bh + o, hv, tag);
+      }
+      // hs and xs are written again next step only after every owner read them.
+      __syncthreads();
+    }
+    if (l == nlayers - 1 && g == 0) {
+      // The last step's h of every unit, normalised, out; then the next launch's base.
+      fk_ew_inputs(nullptr, seq, 0, in, nullptr, 0u, xs, 0, mine + (seq - 1) * bh,
+                   base + (unsigned int)seq, hs, batch * hidden);
+      __syncthreads();
+      for (int b = warp; b < batch; b += FK_ER_WARPS) {
+        float* row = hs + b * hidden;
+        fk_er_norm_row(row, hidden, fgb, fgb + hidden, eps, lane);
+        __syncwarp();
+        for (int j = lane; j < hidden; j += 32) out[b * out_stride + j] = row[j];
+      }
+      if (tid == 0) *reinterpret_cast<volatile unsigned int*>(sync) = base + (unsigned int)seq;
     }
   }
 }

@@ -69,6 +69,8 @@ pub const QUICK_FIRST: &[(&str, &str)] = &[
     ("engine_rnn", "engine_rnn_frame"),
     // The persistent frame kernel (1.5 s full on the host; looked up at each of its launches).
     ("engine_rnn", "engine_rnn_persist"),
+    // The multi-block window kernel of GPUs without clusters (looked up at each launch).
+    ("engine_rnn", "engine_rnn_window"),
     ("selective_scan_f32", "selective_scan"),
 ];
 
@@ -809,6 +811,12 @@ pub const ENGINE_RNN: Kernel = Kernel {
         },
         Family {
             root: "engine_rnn_persist",
+            parts: &[&["f32"]],
+            levels: ANY,
+            define: None,
+        },
+        Family {
+            root: "engine_rnn_window",
             parts: &[&["f32"]],
             levels: ANY,
             define: None,

@@ -36,6 +36,7 @@
 
 use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
+use super::window::{Slots, WindowArgs};
 use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::{self, arg};
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -157,6 +158,8 @@ struct Shape {
     /// One eager call has run (modules loaded, every buffer allocated).
     warm: bool,
     graphs: Vec<Graph>,
+    /// An LSTM/GRU window shape's slots on the one-launch window kernel (`window_slots`).
+    window: Option<Slots>,
 }
 
 /// What the engine's lock guards: every shape seen and the call in flight, if any.
@@ -1037,6 +1040,7 @@ impl CudaEngine {
         let fused = self.rnn_fused(key);
         let gemv_frame = self.gemv_frame(key);
         let recurrent = matches!(s.kind, Kind::Lstm | Kind::Gru);
+        let window = self.window_slots(key)?;
         shapes.push(Shape {
             key,
             arena: Arena {
@@ -1046,8 +1050,9 @@ impl CudaEngine {
                 capturing: false,
             },
             // A batch-1 LSTM/GRU window on the cluster path is read by every column
-            // block of its first projection: copied to the device once instead.
-            input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key))
+            // block of its first projection, one on the window kernel by every block of
+            // layer 0: copied to the device once instead.
+            input_dev: if (recurrent && t > 1 && !self.rnn_window_staged(key) && window.is_none())
                 || fused
                 || gemv_frame
             {
@@ -1059,6 +1064,7 @@ impl CudaEngine {
             output_dev: if fused
                 || gemv_frame
                 || self.rnn_window_staged(key)
+                || window.is_some()
                 || self.tail_window(key)
             {
                 mapped(&output)
@@ -1068,6 +1074,7 @@ impl CudaEngine {
             output,
             warm: false,
             graphs: Vec::new(),
+            window,
         });
         Ok(shapes.len() - 1)
     }
@@ -1477,6 +1484,7 @@ impl CudaEngine {
             input_dev,
             output,
             output_dev,
+            window,
             ..
         } = sh;
         arena.next = 0;
@@ -1511,6 +1519,17 @@ impl CudaEngine {
                         if state.is_none()
                             && self
                                 .rnn_window(&xd, o + ((t - 1) * self.spec.hidden * 4) as u64)? =>
+                    {
+                        Ok(())
+                    }
+                    // Else an LSTM/GRU window in one launch where the shape takes it.
+                    (Some(o), _)
+                        if state.is_none()
+                            && window
+                                .as_mut()
+                                .map(|w| self.window_launch(w, &xd, o))
+                                .transpose()?
+                                == Some(true) =>
                     {
                         Ok(())
                     }
@@ -1594,6 +1613,51 @@ impl CudaEngine {
         rnn::cuda_normed_window_on(&self.gpu, self.cell(), xd, &layers, &norms, out, &tuning)
     }
 
+    /// The slots of an LSTM/GRU window shape `key` on the one-launch window kernel
+    /// (engine/window.rs), where it takes the shape: batch-1 windows where the GPU routes below
+    /// sm_90 (from sm_90 on they are the cluster window's, and the kernel is not compiled).
+    /// None: the window runs as before.
+    fn window_slots(&self, (b, t, frame): (usize, usize, bool)) -> Result<Option<Slots>> {
+        let (Some(rf), false) = (&self.rnn_frame, frame) else {
+            return Ok(None);
+        };
+        let h = self.spec.hidden;
+        if b != 1 || self.gpu.compute_capability >= (9, 0) {
+            return Ok(None);
+        }
+        let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
+        let grid = rf.layers * h.div_ceil(FRAME_UNITS);
+        Slots::new(&self.gpu, (rf.layers, t, b, h), grid, smem)
+    }
+
+    /// An LSTM/GRU window `xd` `{batch, seq, embed}` from zero state on the window kernel, the
+    /// last step's normalised h of each row to its place in the output staging `out` (device
+    /// address). Ok(false), nothing queued: the kernel does not take it now.
+    fn window_launch(&self, w: &mut Slots, xd: &DeviceTensor, out: u64) -> Result<bool> {
+        let Some(rf) = &self.rnn_frame else {
+            return Ok(false);
+        };
+        let s = &self.spec;
+        let (b, t, h) = (xd.shape[0], xd.shape[1], s.hidden);
+        let a = WindowArgs {
+            x: ptr(xd),
+            in_gamma: rf.input_norm.0,
+            in_beta: rf.input_norm.1,
+            layers: ptr(&rf.table),
+            eps: s.norm_eps as f32,
+            out: out + ((t - 1) * h * 4) as u64,
+            out_stride: (t * h) as i64,
+            nlayers: rf.layers,
+            batch: b,
+            hidden: h,
+            kind: s.kind,
+            seq: t,
+            smem: RnnFrame::persist_smem(b, rf.widest, h, rf.gates),
+            grid: rf.layers * h.div_ceil(FRAME_UNITS),
+        };
+        w.launch(&self.gpu, &a)
+    }
+
     /// Whether calls of shape `key` are LSTM/GRU frames on the one-launch frame kernel.
     fn rnn_fused(&self, (b, _, frame): (usize, usize, bool)) -> bool {
         frame
@@ -1659,6 +1723,18 @@ impl CudaEngine {
                     .collect();
                 (b, t, f, notes)
             })
+            .collect())
+    }
+
+    /// The window shapes `(batch, seq)` whose calls ran on the one-launch LSTM/GRU window
+    /// kernel (engine/window.rs; eager or captured).
+    pub fn one_launch_windows(&self) -> Result<Vec<(usize, usize)>> {
+        let calls = self.lock_settled()?;
+        Ok(calls
+            .shapes
+            .iter()
+            .filter(|sh| sh.window.as_ref().is_some_and(|w| w.launches > 0))
+            .map(|sh| (sh.key.0, sh.key.1))
             .collect())
     }
 

@@ -13,6 +13,7 @@ mod persist;
 pub mod plan;
 pub mod prefetch;
 pub mod state;
+mod window;
 
 use crate::error::{arg_error, Error, Result};
 use cpu::{Mode, Workspace};

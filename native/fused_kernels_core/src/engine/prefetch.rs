@@ -41,6 +41,10 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_persist", &[&f32]));
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
+            if !cluster::supported_on(cap) {
+                // Batch-1 windows where there are no clusters: one launch of every layer.
+                out.add(&ENGINE_RNN, kernel_name("engine_rnn_window", &[&f32]));
+            }
             if cluster::supported_on(cap) {
                 out.add(&RNN_CLUSTER, kernel_name("rnn_cluster", &[&cell, &f32]));
                 out.add(&RNN_CLUSTER, kernel_name("rnn_cluster_project", &[&f32]));
