@@ -1615,14 +1615,17 @@ impl CudaEngine {
 
     /// The slots of an LSTM/GRU window shape `key` on the one-launch window kernel
     /// (engine/window.rs), where it takes the shape: batch-1 windows where the GPU routes below
-    /// sm_90 (from sm_90 on they are the cluster window's, and the kernel is not compiled).
-    /// None: the window runs as before.
+    /// sm_90 (from sm_90 on they are the cluster window's, and the kernel is not compiled),
+    /// except a one-layer stack from sm_80, where the resident tensor-core recurrence is faster
+    /// (window 16 routed as sm_86: 73.6 against 83-85 µs; as sm_75, without it, the kernel wins:
+    /// 83.5 against 99.2). None: the window runs as before.
     fn window_slots(&self, (b, t, frame): (usize, usize, bool)) -> Result<Option<Slots>> {
         let (Some(rf), false) = (&self.rnn_frame, frame) else {
             return Ok(None);
         };
         let h = self.spec.hidden;
-        if b != 1 || self.gpu.compute_capability >= (9, 0) {
+        let cc = self.gpu.compute_capability;
+        if b != 1 || cc >= (9, 0) || (rf.layers == 1 && cc >= (8, 0)) {
             return Ok(None);
         }
         let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);
