@@ -187,7 +187,7 @@ defmodule FusedKernels.DenseTest do
         o = operands(:dense, xs, n, type, extras?)
         t = fn slot -> if v = o[slot], do: elem(v, 0) end
         prepared = Dense.prepare(t.(:kernel), t.(:bias), backend: :cpu)
-        assert is_reference(prepared.ref) == (type != {:f, 64})
+        assert is_reference(prepared.ref) == unquote(type != {:f, 64})
         opts = [activation: act, residual: t.(:residual), backend: :cpu]
         # Twice: the second call reuses the handle's scratch.
         {bin, shape, ^type} = Dense.dense(t.(:x), prepared, opts)
