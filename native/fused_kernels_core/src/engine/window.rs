@@ -101,10 +101,14 @@ impl Slots {
         grid: usize,
         smem: usize,
     ) -> Result<Option<Slots>> {
-        let words = nlayers * seq * batch * hidden;
-        if seq == 0 || words * 8 > MAX_SLOT_BYTES {
+        // Checked: a product that wrapped would size the slots below what the kernel writes.
+        let Some(words) = [seq, batch, hidden]
+            .into_iter()
+            .try_fold(nlayers, |n, d| n.checked_mul(d))
+            .filter(|&w| w > 0 && w <= MAX_SLOT_BYTES / 8)
+        else {
             return Ok(None);
-        }
+        };
         let Ok(f) = gpu.function(&ENGINE_RNN, WINDOW_FUNCTION) else {
             return Ok(None);
         };
