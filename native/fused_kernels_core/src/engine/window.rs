@@ -69,8 +69,13 @@ pub struct WindowArgs {
 }
 
 /// Whether `f`'s `grid` blocks with `smem` bytes each are all resident at once on `gpu`
-/// (opting in to `smem` first where it is over the default): a block waits for others.
+/// (opting in to `smem` first where it is over the default): a block waits for others. False
+/// where the device takes no cooperative launch (the launch would fail, not fall back).
 fn fits(gpu: &Gpu, f: &CudaFunction, grid: usize, smem: usize) -> bool {
+    let cooperative = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH;
+    if gpu.ctx.attribute(cooperative).map_or(true, |c| c == 0) {
+        return false;
+    }
     if smem > DEFAULT_SMEM
         && (gpu.smem_per_block().map_or(true, |most| smem > most)
             || crate::cuda::smem::allow_dynamic_smem(f, smem).is_err())
