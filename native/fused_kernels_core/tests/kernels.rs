@@ -367,6 +367,27 @@ fn engine_prefetch_names_instances() {
     assert!(seen > 30, "{seen}");
 }
 
+/// The window kernel is prefetched exactly where the engine runs batch-1 windows on it: below
+/// sm_90, and from sm_80 only for stacks of more than one layer (a one-layer stack keeps the
+/// resident recurrence there, so prefetching the kernel would compile a program never run).
+#[test]
+fn engine_prefetch_names_the_window_kernel_where_it_runs() {
+    use fused_kernels_core::engine::plan::Kind;
+    use fused_kernels_core::engine::prefetch::programs_on;
+    for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (12, 0)] {
+        for kind in [Kind::Lstm, Kind::Gru] {
+            for layers in [1, 2, 3] {
+                let spec = support::backbone::rnn_spec(kind, 256, 288, layers);
+                let has = programs_on(&spec, cap, 132)
+                    .iter()
+                    .any(|(_, f)| f == "engine_rnn_window_f32");
+                let runs = cap < (9, 0) && (layers > 1 || cap < (8, 0));
+                assert_eq!(has, runs, "{kind:?} {layers} layers on {cap:?}");
+            }
+        }
+    }
+}
+
 /// The programs with a quick build (`QUICK_FIRST`; the first instance of each such family)
 /// compile with the quick options at the architectures that define them (of sm_75, sm_86,
 /// sm_90, sm_120) (cubins, as the runtime loads them), and only those programs

@@ -36,7 +36,7 @@
 
 use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
-use super::window::{Slots, WindowArgs};
+use super::window::{self, Slots, WindowArgs};
 use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::{self, arg};
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -1614,18 +1614,14 @@ impl CudaEngine {
     }
 
     /// The slots of an LSTM/GRU window shape `key` on the one-launch window kernel
-    /// (engine/window.rs), where it takes the shape: batch-1 windows where the GPU routes below
-    /// sm_90 (from sm_90 on they are the cluster window's, and the kernel is not compiled),
-    /// except a one-layer stack from sm_80, where the resident tensor-core recurrence is faster
-    /// (window 16 routed as sm_86: 73.6 against 83-85 µs; as sm_75, without it, the kernel wins:
-    /// 83.5 against 99.2). None: the window runs as before.
+    /// (engine/window.rs), where it takes the shape (`window::routes`). None: the window runs
+    /// as before.
     fn window_slots(&self, (b, t, frame): (usize, usize, bool)) -> Result<Option<Slots>> {
         let (Some(rf), false) = (&self.rnn_frame, frame) else {
             return Ok(None);
         };
         let h = self.spec.hidden;
-        let cc = self.gpu.compute_capability;
-        if b != 1 || cc >= (9, 0) || (rf.layers == 1 && cc >= (8, 0)) {
+        if !window::routes(rf.layers, b, self.gpu.compute_capability) {
             return Ok(None);
         }
         let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);

@@ -6,6 +6,7 @@
 //! launches costs a compile on a background thread, nothing else.
 
 use super::plan::{Kind, Spec};
+use super::window;
 use crate::cuda::{cluster, Gpu};
 use crate::dtype::DType;
 use crate::kernels::{
@@ -41,7 +42,7 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_persist", &[&f32]));
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
-            if !cluster::supported_on(cap) {
+            if window::routes(spec.layers, 1, cap) {
                 // Batch-1 windows where there are no clusters: one launch of every layer.
                 out.add(&ENGINE_RNN, kernel_name("engine_rnn_window", &[&f32]));
             }

@@ -36,6 +36,15 @@ const MAX_SLOT_BYTES: usize = 64 << 20;
 /// Threads per block (`FK_ER_THREADS`).
 const THREADS: u32 = 256;
 
+/// Whether the kernel takes the `batch`-row windows of a `layers`-layer stack on a GPU routed
+/// as `cap`: batch-1 windows below sm_90 (from sm_90 on they are the cluster window's, and the
+/// kernel is not compiled), except a one-layer stack from sm_80, where the resident tensor-core
+/// recurrence is faster (window 16 routed as sm_86: 73.6 against 83-85 µs; as sm_75, without
+/// it, the kernel wins: 83.5 against 99.2). The engine's shapes and its prefetch both ask here.
+pub fn routes(layers: usize, batch: usize, cap: (i32, i32)) -> bool {
+    batch == 1 && cap < (9, 0) && (layers > 1 || cap < (8, 0))
+}
+
 /// A window shape's tagged h slots `{layers, seq, batch, hidden}` and its tag word.
 pub struct Slots {
     pairs: DeviceTensor,
@@ -69,8 +78,13 @@ pub struct WindowArgs {
 }
 
 /// Whether `f`'s `grid` blocks with `smem` bytes each are all resident at once on `gpu`
-/// (opting in to `smem` first where it is over the default): a block waits for others.
+/// (opting in to `smem` first where it is over the default): a block waits for others. False
+/// where the device takes no cooperative launch (the launch would fail, not fall back).
 fn fits(gpu: &Gpu, f: &CudaFunction, grid: usize, smem: usize) -> bool {
+    let cooperative = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH;
+    if gpu.ctx.attribute(cooperative).map_or(true, |c| c == 0) {
+        return false;
+    }
     if smem > DEFAULT_SMEM
         && (gpu.smem_per_block().map_or(true, |most| smem > most)
             || crate::cuda::smem::allow_dynamic_smem(f, smem).is_err())
@@ -101,10 +115,14 @@ impl Slots {
         grid: usize,
         smem: usize,
     ) -> Result<Option<Slots>> {
-        let words = nlayers * seq * batch * hidden;
-        if seq == 0 || words * 8 > MAX_SLOT_BYTES {
+        // Checked: a product that wrapped would size the slots below what the kernel writes.
+        let Some(words) = [seq, batch, hidden]
+            .into_iter()
+            .try_fold(nlayers, |n, d| n.checked_mul(d))
+            .filter(|&w| w > 0 && w <= MAX_SLOT_BYTES / 8)
+        else {
             return Ok(None);
-        }
+        };
         let Ok(f) = gpu.function(&ENGINE_RNN, WINDOW_FUNCTION) else {
             return Ok(None);
         };
