@@ -756,9 +756,10 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
     const FkErLayer L = layers[l];
     const int in = (int)L.in;
     const long long bh = (long long)batch * hidden;
-    // Layer l's h of every step, and the layer below's (its input; l > 0).
+    // Layer l's h of every step, and the layer below's (its input; l > 0: layer 0 reads the
+    // window, and no address before `pairs` is formed).
     unsigned long long* mine = pairs + (long long)l * seq * bh;
-    const unsigned long long* below = mine - (long long)seq * bh;
+    const unsigned long long* below = l > 0 ? mine - (long long)seq * bh : nullptr;
     const FkEpSmem M = fk_ep_carve(fk_ew_smem, in, hidden, width, batch);
     float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
     if (tid == 0) base_s = *reinterpret_cast<volatile unsigned int*>(sync);
@@ -779,8 +780,9 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       // the window's start).
       if (t == 0)
         for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = 0.0f;
-      fk_ew_inputs(l == 0 ? x : nullptr, seq, t, in, below + t * bh, tag, xs, batch * in,
-                   mine + (t - 1) * bh, tag - 1u, hs, t == 0 ? 0 : batch * hidden);
+      fk_ew_inputs(l == 0 ? x : nullptr, seq, t, in, l > 0 ? below + t * bh : nullptr, tag, xs,
+                   batch * in, t > 0 ? mine + (t - 1) * bh : nullptr, tag - 1u, hs,
+                   t == 0 ? 0 : batch * hidden);
       __syncthreads();
       // The input's norm (a warp per row) while the other warps make h·Wh.
       if (ng && warp < batch) fk_er_norm_row(xs + warp * in, in, ngb, ngb + in, eps, lane);

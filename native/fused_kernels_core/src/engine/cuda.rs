@@ -1725,7 +1725,7 @@ impl CudaEngine {
             .collect())
     }
 
-    /// The window shapes `(batch, seq)` whose calls ran on the one-launch LSTM/GRU window
+    /// The window shapes `(batch, seq)` whose calls were queued on the one-launch LSTM/GRU window
     /// kernel (engine/window.rs; eager or captured).
     pub fn one_launch_windows(&self) -> Result<Vec<(usize, usize)>> {
         let calls = self.lock_settled()?;

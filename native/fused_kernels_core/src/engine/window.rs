@@ -49,7 +49,8 @@ pub fn routes(layers: usize, batch: usize, cap: (i32, i32)) -> bool {
 pub struct Slots {
     pairs: DeviceTensor,
     sync: DeviceTensor,
-    /// Launches queued (eager or captured; a graph's replays are not counted).
+    /// Launches queued (eager, or captured into a graph: counted when captured, whether or
+    /// not the graph is replayed later; replays are not counted).
     pub launches: u64,
 }
 
