@@ -10,9 +10,10 @@ bench/cpu/side.py writes; rounds then time every row on every variant in turn (t
 rotating each round), so drift and other jobs on the machine touch all variants alike. Prints
 per variant the median ms per call over all rounds, and per variant after the first the median
 over rounds of its per-round median divided by the first variant's (with the 25th and 75th
-percentiles of that ratio). Needs numpy only: no ONNX Runtime or PyTorch in the process, so no
-foreign thread pool spins beside ours, unless --foreign times them too, in the same rotating
-order as ours (as side.py does). --backbones adds our backbone rows (ours only).
+percentiles of that ratio). Every batch starts after side.py's --settle pause. Needs numpy
+only: no ONNX Runtime or PyTorch in the process, so no foreign thread pool spins beside ours,
+unless --foreign times them too, in the same rotating order as ours (as side.py does).
+--backbones adds our backbone rows (ours only).
 """
 
 import argparse
@@ -34,6 +35,8 @@ def main():
     ap.add_argument("--rows", default="attention")
     ap.add_argument("--backbones", default="")
     ap.add_argument("--calls", type=int, default=0, help="calls per row per round (0: side.py's)")
+    ap.add_argument("--settle", type=float, default=100.0,
+                    help="ms slept before every batch, as in side.py (0: none)")
     ap.add_argument("--variant", action="append", required=True, help="NAME=K1=V1,K2=V2")
     ap.add_argument("--foreign", action="store_true",
                     help="also time ONNX Runtime and PyTorch in each row, in the rotating order, as "
@@ -84,6 +87,7 @@ def main():
                 order = [(n, None) for n in names] + foreign.get(row, [])
                 order = order[r % len(order):] + order[:r % len(order)]
                 for name, run in order:
+                    side.settle(args.settle)
                     if run is None:
                         ms = servers[name].time(row, calls[row])
                     else:

@@ -12,8 +12,14 @@ i,o,f,c; GRU z,r,h with linear_before_reset=1, which is Axon's `r * (h Whn + bhn
 through nn.LSTM/nn.GRU, scaled_dot_product_attention, matmul+gelu and a selective-scan loop
 (mamba_ssm's selective_scan_ref). Outputs are checked against ONNX Runtime (PyTorch for the
 scan, which has no ONNX Runtime row), then the three are timed in interleaved rounds (the order
-rotating each round); the table prints median ms per call and ours / best. Options: --rounds,
---threads 1,2, --rows, --trace (each batch's median and the batch that ran before it).
+rotating each round); the table prints median ms per call and ours / best. Before every batch
+the script sleeps --settle milliseconds (default 100), the same for every library, so that no
+thread pool of the batch before still spins beside the next one: with 2 threads ONNX Runtime's
+intra-op worker spins ~60 ms after its last run, PyTorch's OpenMP worker ~10 ms, ours < 1 ms
+(process CPU time sampled every 10 ms after a batch, 2-core EPYC, 2026-11-24); without the pause
+a batch that followed ONNX Runtime's ran its whole length beside that spinning worker. Options:
+--rounds, --threads 1,2, --rows, --settle, --trace (each batch's median and the batch that ran
+before it).
 
 --backbones gru,lstm,attention,mamba,jamba (or `all`) adds the backbone rows: our CPU engine
 (`Backbone.load(..., backend: :cpu)`, predict per window, step per frame with the state
@@ -444,6 +450,12 @@ class Backbones:
         return (lambda state: (s.run(None, feeds)[0], None)), rel_l2(self.read(kind, "out"), out)
 
 
+def settle(ms):
+    """Sleeps `ms` milliseconds between two batches (see the module doc)."""
+    if ms > 0:
+        time.sleep(ms / 1e3)
+
+
 def time_py(run, n):
     state, out = None, []
     for _ in range(n):
@@ -464,6 +476,8 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--backbones", default="", help="gru,lstm,attention,mamba,jamba or all")
+    ap.add_argument("--settle", type=float, default=100.0,
+                    help="ms slept before every batch, the same for every library (0: none)")
     ap.add_argument("--trace", action="store_true",
                     help="print each batch's median with the batch that ran before it")
     args = ap.parse_args()
@@ -538,6 +552,7 @@ def main():
                     order = list(runners[row].items())
                     order = order[r % len(order):] + order[:r % len(order)]
                     for name, run in order:
+                        settle(args.settle)
                         ms = ours.time(row, n) if name == "ours" else time_py(run, n)
                         if args.trace:
                             print(f"trace round {r} {row} {name} after {prev}: "
