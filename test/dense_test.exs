@@ -203,6 +203,40 @@ defmodule FusedKernels.DenseTest do
     end
   end
 
+  # native/fused_kernels_nif/src/ops/dense.rs `is_short`: a first call of up to 2^25
+  # multiply-adds continues on a dirty scheduler (the NIF answers the reply itself), a larger
+  # one is queued on the job lanes (the NIF answers a reference, the reply follows).
+  test "a short prepared call runs on a dirty scheduler, a long one on the job lanes" do
+    w = elem(tensor({256, 128}, {:f, 32}, 0.0625), 0)
+    small = elem(tensor({8, 256}, {:f, 32}), 0)
+    large = elem(tensor({1100, 256}, {:f, 32}), 0)
+    alias FusedKernels.Native
+
+    for {x, routed} <- [{small, :dirty}, {large, :lanes}] do
+      # A fresh handle each time: its first call is routed by size.
+      p = Dense.prepare(w, backend: :cpu)
+      args = [%{kernel: p.ref, x: x, residual: nil}, %{activation: :gelu}]
+
+      reply =
+        case apply(Native, :dense_prepared_async, args) do
+          ref when is_reference(ref) ->
+            assert routed == :lanes
+
+            receive do
+              {^ref, reply} -> reply
+            end
+
+          reply ->
+            assert routed == :dirty
+            reply
+        end
+
+      # Either way the same result as the dirty NIF that runs every size.
+      assert {:ok, {bin, _, {:f, 32}}} = reply
+      assert {:ok, {^bin, _, _}} = apply(Native, :dense_prepared_dirty, args)
+    end
+  end
+
   test "a prepared kernel of the wrong size or type raises ArgumentError naming it" do
     o = operands(:dense, {4, 8}, 6, {:f, 32}, true)
     [x, w, bias] = Enum.map([:x, :kernel, :bias], &elem(o[&1], 0))

@@ -345,64 +345,7 @@ fn check_input(x: &HostTensor<'_>, name: &str, want_rank: usize, embed: usize) -
     Ok(())
 }
 
-type RawNif = unsafe extern "C" fn(
-    *mut rustler::sys::ErlNifEnv,
-    std::os::raw::c_int,
-    *const rustler::sys::ErlNifTerm,
-) -> rustler::sys::ErlNifTerm;
-
-/// Continues this NIF call as `f(args)` on a dirty CPU scheduler (the caller's process
-/// waits; the reply is `f`'s).
-fn on_dirty<'a>(env: Env<'a>, name: &std::ffi::CStr, f: RawNif, args: &[Term<'a>]) -> Term<'a> {
-    let raw: Vec<rustler::sys::ErlNifTerm> = args.iter().map(|t| t.as_c_arg()).collect();
-    // Safety: `env` is this call's; `raw` are its terms, copied by the runtime before
-    // `enif_schedule_nif` returns; `f` is a NIF function of the arity given.
-    unsafe {
-        Term::new(
-            env,
-            rustler::sys::enif_schedule_nif(
-                env.as_c_arg(),
-                name.as_ptr(),
-                rustler::sys::ERL_NIF_DIRTY_JOB_CPU_BOUND as i32,
-                f,
-                raw.len() as i32,
-                raw.as_ptr(),
-            ),
-        )
-    }
-}
-
-/// A dirty continuation (`on_dirty`) running `$imp(env, args...)`; a panic becomes an
-/// `:internal` error reply.
-macro_rules! dirty_continuation {
-    ($fname:ident, $imp:path, $n:literal) => {
-        unsafe extern "C" fn $fname(
-            env: *mut rustler::sys::ErlNifEnv,
-            argc: std::os::raw::c_int,
-            argv: *const rustler::sys::ErlNifTerm,
-        ) -> rustler::sys::ErlNifTerm {
-            let lifetime = ();
-            // Safety: the runtime calls this with the process' env and `argc` terms.
-            let env = unsafe { Env::new(&lifetime, env) };
-            let raw = unsafe { std::slice::from_raw_parts(argv, argc as usize) };
-            let args: Vec<Term<'_>> = raw.iter().map(|t| unsafe { Term::new(env, *t) }).collect();
-            let run = std::panic::AssertUnwindSafe(|| match <[Term<'_>; $n]>::try_from(args) {
-                Ok(a) => $imp(env, a),
-                Err(_) => crate::jobs::arity_error(env),
-            });
-            std::panic::catch_unwind(run)
-                .unwrap_or_else(|_| {
-                    reply(
-                        env,
-                        Err(Error::Cuda(
-                            "the engine call panicked (a bug: please report it)".into(),
-                        )),
-                    )
-                })
-                .as_c_arg()
-        }
-    };
-}
+use crate::jobs::{dirty_continuation, on_dirty};
 
 dirty_continuation!(predict_dirty, predict_args, 2);
 dirty_continuation!(step_dirty, step_args, 2);

@@ -1,4 +1,4 @@
-use crate::jobs::op_nifs;
+use crate::jobs::{dirty_continuation, on_dirty, op_nifs, SHORT_CALL_NS};
 use crate::terms::{
     atom_option, decode_args, decode_operand, decode_optional_operand, encode_dtype, encode_shape,
     encode_value, nif_map, reply, resource, target, AtomName, Device, FromTerm, NoOptions,
@@ -8,6 +8,8 @@ use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::dense::{run, Activation, Kind, Operands, Params, PreparedDenseCall};
 use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 atom_option!(
     Kind,
@@ -73,8 +75,12 @@ fn dense_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a>
 
 op_nifs!(dense_dirty, dense_async, dense_call, (inputs, options));
 
-/// A dense kernel and bias packed once for the CPU (`FusedKernels.Dense.prepare/3`).
-pub struct PreparedDenseResource(PreparedDenseCall);
+/// A dense kernel and bias packed once for the CPU (`FusedKernels.Dense.prepare/3`), with
+/// how long its last call computed (which way the next one goes: `dense_prepared_async`).
+pub struct PreparedDenseResource {
+    call: PreparedDenseCall,
+    last_ns: AtomicU64,
+}
 
 #[rustler::resource_impl]
 impl rustler::Resource for PreparedDenseResource {}
@@ -102,7 +108,11 @@ fn dense_prepare<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<
         let b = i.bias.as_ref().map(|b| b.on_host()).transpose()?;
         let bv = b.as_ref().map(|b| b.view());
         let prepared = PreparedDenseCall::new(&k.view(), bv.as_ref())?;
-        Ok(ResourceArc::new(PreparedDenseResource(prepared)).encode(env))
+        let resource = PreparedDenseResource {
+            call: prepared,
+            last_ns: AtomicU64::new(0),
+        };
+        Ok(ResourceArc::new(resource).encode(env))
     })();
     reply(env, result)
 }
@@ -128,7 +138,7 @@ nif_map! {
 fn dense_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
         let (i, o): (PreparedInputs, PreparedOptions) = decode_args(inputs, options)?;
-        let call = &i.kernel.0;
+        let call = &i.kernel.call;
         let xs = i.x.on_host()?;
         let rs = i.residual.as_ref().map(|r| r.on_host()).transpose()?;
         let (xv, rv) = (xs.view(), rs.as_ref().map(|r| r.view()));
@@ -139,7 +149,10 @@ fn dense_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
             .ok_or_else(|| arg_error("output: size overflows"))?;
         fused_kernels_core::alloc::check("dense output", len, 1)?;
         let mut bin = NewBinary::new(env, len);
+        let start = Instant::now();
         call.run_into(&xv, rv.as_ref(), o.activation, bin.as_mut_slice())?;
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        i.kernel.last_ns.store(ns, Ordering::Relaxed);
         let data: Term<'a> = bin.into();
         Ok(make_tuple(
             env,
@@ -153,9 +166,50 @@ fn dense_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
     reply(env, result)
 }
 
-op_nifs!(
-    dense_prepared_dirty,
-    dense_prepared_async,
-    dense_prepared_call,
-    (inputs, options)
-);
+/// Multiply-adds up to which a prepared kernel's first call counts as short (~1 ms on one
+/// core at the ~40 G multiply-adds/s of this machine class's AVX2 GEMM).
+const SHORT_FIRST_MACS: usize = 1 << 25;
+
+/// Whether this call goes to a dirty scheduler (`jobs::SHORT_CALL_NS`): its handle's last
+/// call computed within that, or for a first call, its size promises as much. Arguments that
+/// do not decode go to the lanes, whose reply is the error.
+fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
+    let Ok((i, _)) = decode_args::<PreparedInputs, PreparedOptions>(inputs, options) else {
+        return false;
+    };
+    match i.kernel.last_ns.load(Ordering::Relaxed) {
+        0 => {
+            let (k, n) = i.kernel.call.dims();
+            let rows: usize = i.x.shape().iter().rev().skip(1).product();
+            rows.saturating_mul(k).saturating_mul(n) <= SHORT_FIRST_MACS
+        }
+        ns => ns <= SHORT_CALL_NS,
+    }
+}
+
+fn prepared_dirty_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
+    let reply = dense_prepared_call(env, inputs, options);
+    fused_kernels_core::cpu::pool::rest();
+    reply
+}
+
+dirty_continuation!(prepared_dirty, prepared_dirty_args, 2);
+
+/// `dense_prepared` on the CPU (`FusedKernels.Native`): a short call continues on a dirty
+/// scheduler, a longer one is queued on the job lanes (a reference, the reply follows).
+#[rustler::nif]
+fn dense_prepared_async<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
+    if is_short(inputs, options) {
+        return on_dirty(env, c"dense_prepared", prepared_dirty, &[inputs, options]);
+    }
+    crate::jobs::submit(env, &[inputs, options], |env, args| match args {
+        [i, o] => dense_prepared_call(env, *i, *o),
+        _ => crate::jobs::arity_error(env),
+    })
+}
+
+/// `dense_prepared` on a dirty scheduler whatever its size.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn dense_prepared_dirty<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
+    prepared_dirty_args(env, [inputs, options])
+}

@@ -336,6 +336,11 @@ impl PreparedDenseCall {
         self.dtype
     }
 
+    /// The kernel's `(k, n)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.dense.k, self.dense.n)
+    }
+
     /// Checks a call's x (`{..., k}`) and residual (the output's shape), both in the
     /// weights' type; returns the output shape (x's leading dims + n).
     pub fn check(
