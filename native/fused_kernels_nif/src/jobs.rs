@@ -260,14 +260,20 @@ pub fn on_dirty<'a>(env: Env<'a>, name: &std::ffi::CStr, f: RawNif, args: &[Term
     }
 }
 
-/// A prepared CPU op call whose last run on its handle took at most this long (and, for a
-/// handle's first call, whose size promises as much) continues on a dirty CPU scheduler
-/// instead of the lanes (`on_dirty`). A prepared 60 x 256 x 1024 dense + gelu from Elixir at
-/// 2 threads, 30 interleaved rounds: 0.62 of its time through the lanes, where the call
-/// waits for a lane worker and its pool worker both to get a core beside the BEAM's
-/// scheduler threads; at 1 thread the two are level. A call queued behind one on the dirty
-/// schedulers waits at most about this long; longer calls keep to the lanes.
+/// A short CPU op call continues on a dirty CPU scheduler instead of the lanes (`on_dirty`,
+/// the ops' `short:` test in `op_nifs!`): a prepared call whose handle's last call computed
+/// within this time, an op whose size (`SHORT_MACS`) promises as much. From Elixir at 2
+/// threads, interleaved with the lanes, ONNX Runtime and PyTorch (bench/cpu/ab.py, 15 rounds,
+/// 2-core EPYC): a prepared 60 x 256 x 1024 dense + gelu 0.49 → 0.25 ms, attention B1 H4 S60
+/// D64 causal 0.137 → 0.072 ms; through the lanes such a call waited for a lane worker and
+/// its pool worker to get a core beside the BEAM's scheduler threads, and often ran on one
+/// core. A call queued behind one on the dirty schedulers waits at most about this long;
+/// longer calls keep to the lanes.
 pub const SHORT_CALL_NS: u64 = 1_000_000;
+
+/// Multiply-adds up to which a call counts as short by its size (a prepared kernel's first
+/// call, an attention): ~1 ms on one core at the ~40 G multiply-adds/s of AVX2 FMA.
+pub const SHORT_MACS: usize = 1 << 25;
 
 /// The reply of a dirty continuation that panicked.
 pub fn panicked<'a>(env: Env<'a>) -> Term<'a> {
@@ -277,8 +283,8 @@ pub fn panicked<'a>(env: Env<'a>) -> Term<'a> {
 /// A dirty continuation (`on_dirty`) running `$imp(env, [args; $n])`; a panic becomes an
 /// `:internal` error reply.
 macro_rules! dirty_continuation {
-    ($fname:ident, $imp:path, $n:literal) => {
-        unsafe extern "C" fn $fname(
+    ($vis:vis $fname:ident, $imp:expr, $n:literal) => {
+        $vis unsafe extern "C" fn $fname(
             env: *mut rustler::sys::ErlNifEnv,
             argc: std::os::raw::c_int,
             argv: *const rustler::sys::ErlNifTerm,
@@ -293,7 +299,7 @@ macro_rules! dirty_continuation {
                 .collect();
             let run =
                 std::panic::AssertUnwindSafe(|| match <[rustler::Term<'_>; $n]>::try_from(args) {
-                    Ok(a) => $imp(env, a),
+                    Ok(a) => ($imp)(env, a),
                     Err(_) => $crate::jobs::arity_error(env),
                 });
             std::panic::catch_unwind(run)
@@ -311,15 +317,37 @@ pub fn arity_error<'a>(env: Env<'a>) -> Term<'a> {
 
 /// Declares an op's two NIFs over one implementation `$imp(env, args...) -> Term`:
 /// `$name` runs on a dirty CPU scheduler (CUDA calls), `$async_name` queues a job here (CPU).
+/// With `short: $short, continuation: $cont`, `$async_name` continues a call for which
+/// `$short(args...)` holds on a dirty scheduler instead (`on_dirty`, `SHORT_CALL_NS`;
+/// `$cont` names the continuation's function).
 macro_rules! op_nifs {
     ($name:ident, $async_name:ident, $imp:path, ($($arg:ident),*)) => {
-        #[rustler::nif(schedule = "DirtyCpu")]
+        $crate::jobs::op_nifs!(@dirty $name, $imp, ($($arg),*));
+
+        #[rustler::nif]
         #[allow(clippy::too_many_arguments)]
-        fn $name<'a>(env: rustler::Env<'a>, $($arg: rustler::Term<'a>),*) -> rustler::Term<'a> {
-            let reply = $imp(env, $($arg),*);
-            // As after a job: the CPU pool's idle workers give their cores back.
-            fused_kernels_core::cpu::pool::rest();
-            reply
+        fn $async_name<'a>(
+            env: rustler::Env<'a>,
+            $($arg: rustler::Term<'a>),*
+        ) -> rustler::Term<'a> {
+            $crate::jobs::op_nifs!(@submit env, $imp, ($($arg),*))
+        }
+    };
+    ($name:ident, $async_name:ident, $imp:ident, ($($arg:ident),*),
+     short: $short:path, continuation: $cont:ident) => {
+        $crate::jobs::op_nifs!(@dirty $name, $imp, ($($arg),*));
+
+        /// The dirty continuation of a short call (`run`).
+        mod $cont {
+            fn args<'a>(
+                env: rustler::Env<'a>,
+                [inputs, options]: [rustler::Term<'a>; 2],
+            ) -> rustler::Term<'a> {
+                let reply = super::$imp(env, inputs, options);
+                fused_kernels_core::cpu::pool::rest();
+                reply
+            }
+            $crate::jobs::dirty_continuation!(pub(super) run, args, 2);
         }
 
         #[rustler::nif]
@@ -328,11 +356,30 @@ macro_rules! op_nifs {
             env: rustler::Env<'a>,
             $($arg: rustler::Term<'a>),*
         ) -> rustler::Term<'a> {
-            $crate::jobs::submit(env, &[$($arg),*], |env, args| match args {
-                [$($arg),*] => $imp(env, $(*$arg),*),
-                _ => $crate::jobs::arity_error(env),
-            })
+            if $short($($arg),*) {
+                let name = concat!(stringify!($async_name), "\0");
+                let name = std::ffi::CStr::from_bytes_with_nul(name.as_bytes())
+                    .unwrap_or(c"fused_kernels_op");
+                return $crate::jobs::on_dirty(env, name, $cont::run, &[$($arg),*]);
+            }
+            $crate::jobs::op_nifs!(@submit env, $imp, ($($arg),*))
         }
+    };
+    (@dirty $name:ident, $imp:path, ($($arg:ident),*)) => {
+        #[rustler::nif(schedule = "DirtyCpu")]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<'a>(env: rustler::Env<'a>, $($arg: rustler::Term<'a>),*) -> rustler::Term<'a> {
+            let reply = $imp(env, $($arg),*);
+            // As after a job: the CPU pool's idle workers give their cores back.
+            fused_kernels_core::cpu::pool::rest();
+            reply
+        }
+    };
+    (@submit $env:ident, $imp:path, ($($arg:ident),*)) => {
+        $crate::jobs::submit($env, &[$($arg),*], |env, args| match args {
+            [$($arg),*] => $imp(env, $(*$arg),*),
+            _ => $crate::jobs::arity_error(env),
+        })
     };
 }
 pub(crate) use op_nifs;

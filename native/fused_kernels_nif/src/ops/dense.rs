@@ -1,4 +1,4 @@
-use crate::jobs::{dirty_continuation, on_dirty, op_nifs, SHORT_CALL_NS};
+use crate::jobs::{op_nifs, SHORT_CALL_NS, SHORT_MACS};
 use crate::terms::{
     atom_option, decode_args, decode_operand, decode_optional_operand, encode_dtype, encode_shape,
     encode_value, nif_map, reply, resource, target, AtomName, Device, FromTerm, NoOptions,
@@ -166,10 +166,6 @@ fn dense_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
     reply(env, result)
 }
 
-/// Multiply-adds up to which a prepared kernel's first call counts as short (~1 ms on one
-/// core at the ~40 G multiply-adds/s of this machine class's AVX2 GEMM).
-const SHORT_FIRST_MACS: usize = 1 << 25;
-
 /// Whether this call goes to a dirty scheduler (`jobs::SHORT_CALL_NS`): its handle's last
 /// call computed within that, or for a first call, its size promises as much. Arguments that
 /// do not decode go to the lanes, whose reply is the error.
@@ -181,35 +177,17 @@ fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
         0 => {
             let (k, n) = i.kernel.call.dims();
             let rows: usize = i.x.shape().iter().rev().skip(1).product();
-            rows.saturating_mul(k).saturating_mul(n) <= SHORT_FIRST_MACS
+            rows.saturating_mul(k).saturating_mul(n) <= SHORT_MACS
         }
         ns => ns <= SHORT_CALL_NS,
     }
 }
 
-fn prepared_dirty_args<'a>(env: Env<'a>, [inputs, options]: [Term<'a>; 2]) -> Term<'a> {
-    let reply = dense_prepared_call(env, inputs, options);
-    fused_kernels_core::cpu::pool::rest();
-    reply
-}
-
-dirty_continuation!(prepared_dirty, prepared_dirty_args, 2);
-
-/// `dense_prepared` on the CPU (`FusedKernels.Native`): a short call continues on a dirty
-/// scheduler, a longer one is queued on the job lanes (a reference, the reply follows).
-#[rustler::nif]
-fn dense_prepared_async<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
-    if is_short(inputs, options) {
-        return on_dirty(env, c"dense_prepared", prepared_dirty, &[inputs, options]);
-    }
-    crate::jobs::submit(env, &[inputs, options], |env, args| match args {
-        [i, o] => dense_prepared_call(env, *i, *o),
-        _ => crate::jobs::arity_error(env),
-    })
-}
-
-/// `dense_prepared` on a dirty scheduler whatever its size.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn dense_prepared_dirty<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
-    prepared_dirty_args(env, [inputs, options])
-}
+op_nifs!(
+    dense_prepared_dirty,
+    dense_prepared_async,
+    dense_prepared_call,
+    (inputs, options),
+    short: is_short,
+    continuation: dense_prepared_continue
+);

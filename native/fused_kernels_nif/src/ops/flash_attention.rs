@@ -1,4 +1,4 @@
-use crate::jobs::op_nifs;
+use crate::jobs::{op_nifs, SHORT_MACS};
 use crate::terms::{decode_args, encode_value, nif_map, reply, target, AtomName, Device, FromTerm};
 use fused_kernels_core::error::{arg_error, Result};
 use fused_kernels_core::operand::{Operand, Placement};
@@ -82,9 +82,27 @@ fn flash_attention_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -
     reply(env, result)
 }
 
+/// Whether this call goes to a dirty scheduler (`jobs::SHORT_CALL_NS`): at most
+/// `jobs::SHORT_MACS` multiply-adds (q's elements times the keys, twice). Arguments that do
+/// not decode go to the lanes, whose reply is the error.
+fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
+    let Ok((i, o)) = decode_args::<Inputs, Options>(inputs, options) else {
+        return false;
+    };
+    let seq_axis = match o.layout {
+        Layout::Bshd => 1,
+        Layout::Bhsd => 2,
+    };
+    let keys = i.k.shape().get(seq_axis).copied().unwrap_or(usize::MAX);
+    let q: usize = i.q.shape().iter().product();
+    q.saturating_mul(keys).saturating_mul(2) <= SHORT_MACS
+}
+
 op_nifs!(
     flash_attention_dirty,
     flash_attention_async,
     flash_attention_call,
-    (inputs, options)
+    (inputs, options),
+    short: is_short,
+    continuation: flash_attention_continue
 );
