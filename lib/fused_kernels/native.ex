@@ -123,9 +123,9 @@ defmodule FusedKernels.Native do
   # native/fused_kernels_nif/src/jobs.rs). The three functions of every op are generated from
   # this table: every op takes `(inputs, options)`, two maps decoded into typed structs on
   # the Rust side (native/fused_kernels_nif/src/terms.rs), the backend read from
-  # `options.backend`; the prepared-weights calls run on the CPU only (`:cpu`). A short
-  # prepared dense call continues on a dirty scheduler instead, and `op_async` answers its
-  # reply itself.
+  # `options.backend`; the prepared-weights calls run on the CPU only (`:cpu`). A short CPU
+  # call (a prepared dense, an attention) continues on a dirty scheduler instead, and
+  # `op_async` answers its reply itself.
   @ops [
     scaled_softmax: :options,
     dense: :options,
