@@ -210,30 +210,16 @@ defmodule FusedKernels.DenseTest do
     w = elem(tensor({256, 128}, {:f, 32}, 0.0625), 0)
     small = elem(tensor({8, 256}, {:f, 32}), 0)
     large = elem(tensor({1100, 256}, {:f, 32}), 0)
-    alias FusedKernels.Native
 
     for {x, routed} <- [{small, :dirty}, {large, :lanes}] do
       # A fresh handle each time: its first call is routed by size.
       p = Dense.prepare(w, backend: :cpu)
       args = [%{kernel: p.ref, x: x, residual: nil}, %{activation: :gelu}]
 
-      reply =
-        case apply(Native, :dense_prepared_async, args) do
-          ref when is_reference(ref) ->
-            assert routed == :lanes
-
-            receive do
-              {^ref, reply} -> reply
-            end
-
-          reply ->
-            assert routed == :dirty
-            reply
-        end
-
+      assert {^routed, reply} = TestRef.cpu_route(:dense_prepared, args)
       # Either way the same result as the dirty NIF that runs every size.
       assert {:ok, {bin, _, {:f, 32}}} = reply
-      assert {:ok, {^bin, _, _}} = apply(Native, :dense_prepared_dirty, args)
+      assert {:ok, {^bin, _, _}} = apply(FusedKernels.Native, :dense_prepared_dirty, args)
     end
   end
 

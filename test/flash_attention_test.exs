@@ -134,30 +134,15 @@ defmodule FusedKernels.FlashAttentionTest do
   # the call continues on a dirty scheduler (the NIF answers the reply), above it is queued
   # on the job lanes (the NIF answers a reference); the same result either way.
   test "a short cpu call runs on a dirty scheduler, a long one on the job lanes" do
-    alias FusedKernels.Native
-
     for {s, routed} <- [{60, :dirty}, {1100, :lanes}] do
       x = {TestRef.encode(TestRef.random_list(s * 4 * 64), {:f, 32}), {1, s, 4, 64}, {:f, 32}}
       opts = %{layout: :bshd, scale: nil, causal: true, window: {-1, -1}, return_lse: false}
       opts = Map.merge(opts, %{backend: :cpu, device: nil, out: :host})
       args = [%{q: x, k: x, v: x}, opts]
 
-      reply =
-        case apply(Native, :flash_attention_async, args) do
-          ref when is_reference(ref) ->
-            assert routed == :lanes
-
-            receive do
-              {^ref, reply} -> reply
-            end
-
-          reply ->
-            assert routed == :dirty
-            reply
-        end
-
+      assert {^routed, reply} = TestRef.cpu_route(:flash_attention, args)
       assert {:ok, {bin, {1, ^s, 4, 64}, {:f, 32}}} = reply
-      assert {:ok, {^bin, _, _}} = apply(Native, :flash_attention_dirty, args)
+      assert {:ok, {^bin, _, _}} = apply(FusedKernels.Native, :flash_attention_dirty, args)
     end
   end
 

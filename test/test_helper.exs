@@ -111,6 +111,21 @@ defmodule FusedKernels.TestRef do
     end
   end
 
+  # `Native.<op>_async(args)`: `{:dirty, reply}` when the NIF answered the reply itself (the
+  # call continued on a dirty scheduler), `{:lanes, reply}` when it answered a reference (the
+  # call was queued on the job lanes and the reply followed as a message).
+  def cpu_route(op, args) do
+    case apply(FusedKernels.Native, :"#{op}_async", args) do
+      ref when is_reference(ref) ->
+        receive do
+          {^ref, reply} -> {:lanes, reply}
+        end
+
+      reply ->
+        {:dirty, reply}
+    end
+  end
+
   def tolerance({:f, 32}), do: 1.0e-5
   def tolerance({:f, 64}), do: 1.0e-12
   def tolerance(_), do: 1.0e-2
