@@ -176,8 +176,9 @@ fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
     match i.kernel.last_ns.load(Ordering::Relaxed) {
         0 => {
             let (k, n) = i.kernel.call.dims();
-            let rows: usize = i.x.shape().iter().rev().skip(1).product();
-            rows.saturating_mul(k).saturating_mul(n) <= SHORT_MACS
+            let lead = &i.x.shape()[..i.x.shape().len().saturating_sub(1)];
+            let rows = lead.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
+            rows.is_some_and(|r| r.saturating_mul(k).saturating_mul(n) <= SHORT_MACS)
         }
         ns => ns <= SHORT_CALL_NS,
     }

@@ -94,8 +94,11 @@ fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
         Layout::Bhsd => 2,
     };
     let keys = i.k.shape().get(seq_axis).copied().unwrap_or(usize::MAX);
-    let q: usize = i.q.shape().iter().product();
-    q.saturating_mul(keys).saturating_mul(2) <= SHORT_MACS
+    let q =
+        i.q.shape()
+            .iter()
+            .try_fold(1usize, |a, d| a.checked_mul(*d));
+    q.is_some_and(|q| q.saturating_mul(keys).saturating_mul(2) <= SHORT_MACS)
 }
 
 op_nifs!(
