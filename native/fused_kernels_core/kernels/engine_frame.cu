@@ -60,6 +60,41 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
   inv = rsqrtf(fk_warp_sum(q) * rn + eps);
 }
 
+// red[b][c] = Σ_r xs[b, r]·w[r, col] over this lane's rows r0, r0 + step, ... of k, for the
+// block's `batch` rows (NB: 1, or FK_EG_MAXB with batch of them used).
+template <int NB>
+__device__ __forceinline__ void fk_eg_dot(const float* xs, const float* __restrict__ w, int k,
+                                          int n, int col, bool valid, int r0, int step, int batch,
+                                          float (*red)[FK_EG_COLS], int c) {
+  float acc[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) acc[b] = 0.0f;
+  int r = r0;
+  for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
+    float wv[FK_EG_UNROLL];
+#pragma unroll
+    for (int i = 0; i < FK_EG_UNROLL; ++i)
+      wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (b < batch) {
+#pragma unroll
+        for (int i = 0; i < FK_EG_UNROLL; ++i)
+          acc[b] = fmaf(xs[b * k + r + i * step], wv[i], acc[b]);
+      }
+    }
+  }
+  for (; r < k; r += step) {
+    const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+      if (b < batch) acc[b] = fmaf(xs[b * k + r], wv, acc[b]);
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+    if (b < batch) red[b][c] = acc[b];
+}
+
 // x {rows, k}; xg/xb: LayerNorm of x's rows first (nullptr: none). w {k, n}, bias {n}.
 // act: the activation codes of act.cuh. res {rows, n} added after the activation (nullptr:
 // none), LayerNormed first with rg/rb (nullptr: as is). out {rows, n}. conv_w (nullptr: none):
@@ -67,8 +102,10 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 // conv_b {inner} and conv_state {rows, conv_k-1, inner} (the conv inputs of the frames before;
 // read only, engine_mamba_scan_f32 moves it on): columns j < inner (the x half, n = 2·inner)
 // also give xc[row, j] = SiLU(conv). Grid (column blocks, row blocks of FK_EG_MAXB rows).
-// Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes.
-extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
+// Dynamic shared memory: 4·min(rows, FK_EG_MAXB)·k bytes. One block per SM is all a frame's
+// grid needs; said so, ptxas stops holding the kernel to 40 registers (it spilled on sm_90 with
+// the batch-1 instance beside the general one).
+extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
     engine_gemv_f32(const float* __restrict__ x, const float* __restrict__ xg,
                     const float* __restrict__ xb, const float* __restrict__ w,
                     const float* __restrict__ bias, const float* __restrict__ res,
@@ -126,33 +163,12 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS)
       }
       __syncthreads();
     }
-    float acc[FK_EG_MAXB];
-#pragma unroll
-    for (int b = 0; b < FK_EG_MAXB; ++b) acc[b] = 0.0f;
-    int r = r0;
-    for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
-      float wv[FK_EG_UNROLL];
-#pragma unroll
-      for (int i = 0; i < FK_EG_UNROLL; ++i)
-        wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
-#pragma unroll
-      for (int b = 0; b < FK_EG_MAXB; ++b) {
-        if (b < batch) {
-#pragma unroll
-          for (int i = 0; i < FK_EG_UNROLL; ++i)
-            acc[b] = fmaf(fk_eg_xs[b * k + r + i * step], wv[i], acc[b]);
-        }
-      }
-    }
-    for (; r < k; r += step) {
-      const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
-#pragma unroll
-      for (int b = 0; b < FK_EG_MAXB; ++b)
-        if (b < batch) acc[b] = fmaf(fk_eg_xs[b * k + r], wv, acc[b]);
-    }
-#pragma unroll
-    for (int b = 0; b < FK_EG_MAXB; ++b)
-      if (b < batch) red[2 * warp + half][b][c] = acc[b];
+    // Batch 1 apart: the other rows' FMAs, predicated off, would still issue.
+    if (batch == 1)
+      fk_eg_dot<1>(fk_eg_xs, w, k, n, col, valid, r0, step, batch, red[2 * warp + half], c);
+    else
+      fk_eg_dot<FK_EG_MAXB>(fk_eg_xs, w, k, n, col, valid, r0, step, batch,
+                            red[2 * warp + half], c);
     __syncthreads();
     if (epi) {
       const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;

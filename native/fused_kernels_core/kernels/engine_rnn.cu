@@ -120,10 +120,11 @@ __device__ __forceinline__ const float* fk_er_norm_params(const FkErLayer* __res
 
 // A row lane's partial sums acc[b] of column `col` into its slots of `red` ({lanes, batch, 2,
 // 16}; half 0: x·Wi, 1: h·Wh).
+template <int NB>
 __device__ __forceinline__ void fk_er_park(float* red, int rl, int batch, int half, int col,
-                                           const float (&acc)[FK_ER_MAXB]) {
+                                           const float (&acc)[NB]) {
 #pragma unroll
-  for (int b = 0; b < FK_ER_MAXB; ++b)
+  for (int b = 0; b < NB; ++b)
     if (b < batch) red[((rl * batch + b) * 2 + half) * FK_ER_COLS + col] = acc[b];
 }
 
@@ -179,6 +180,15 @@ __device__ __forceinline__ void fk_er_load(const float* __restrict__ w, int rows
 // acc[b] += v[b, k]·wv[i] over the rows loaded by `fk_er_load(.., k0, ..)`.
 __device__ __forceinline__ void fk_er_fma(const float* v, int rows, int k0, int batch,
                                           const float (&wv)[FK_ER_PRE], float (&acc)[FK_ER_MAXB]) {
+  // Batch 1 apart: the other rows' predicated-off FMAs would still issue (see fk_ep_product).
+  if (batch == 1) {
+#pragma unroll
+    for (int i = 0; i < FK_ER_PRE; ++i) {
+      const int k = k0 + i * FK_ER_LANES;
+      if (k < rows) acc[0] = fmaf(v[k], wv[i], acc[0]);
+    }
+    return;
+  }
 #pragma unroll
   for (int b = 0; b < FK_ER_MAXB; ++b) {
     if (b < batch) {
@@ -452,27 +462,40 @@ __device__ __forceinline__ void fk_ep_copy(const float* src, float* dst, float* 
 }
 
 // acc[b] += v[b, k]·w[k, col] over this thread's rows of a {rows, width} block in shared
-// memory: rows rl, rl + lanes, ... in engine_rnn_frame_f32's order.
+// memory: rows rl, rl + lanes, ... in engine_rnn_frame_f32's order; NB (1 or FK_ER_MAXB) rows
+// of acc, `batch` of them used.
+template <int NB>
 __device__ __forceinline__ void fk_ep_gemv(const float* w, const float* v, int rows, int width,
-                                           int rl, int col, int batch,
-                                           float (&acc)[FK_ER_MAXB]) {
+                                           int rl, int col, int batch, float (&acc)[NB]) {
 #pragma unroll 4
   for (int k = rl; k < rows; k += FK_ER_LANES) {
     const float wk = w[k * width + col];
 #pragma unroll
-    for (int b = 0; b < FK_ER_MAXB; ++b)
+    for (int b = 0; b < NB; ++b)
       if (b < batch) acc[b] = fmaf(v[b * rows + k], wk, acc[b]);
   }
 }
 
-// fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh).
+template <int NB>
+__device__ __forceinline__ void fk_ep_product_n(const float* w, const float* v, int rows,
+                                                int width, int rl, int col, int batch, float* red,
+                                                int half) {
+  float acc[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) acc[b] = 0.0f;
+  fk_ep_gemv<NB>(w, v, rows, width, rl, col, batch, acc);
+  fk_er_park<NB>(red, rl, batch, half, col, acc);
+}
+
+// fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh). Batch 1
+// (the users' frames and windows) has its own instance: predicated-off FMAs and loads of the
+// other rows still issue, and they were most of a step's instructions (ncu).
 __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, int rows, int width,
                                               int rl, int col, int batch, float* red, int half) {
-  float acc[FK_ER_MAXB];
-#pragma unroll
-  for (int b = 0; b < FK_ER_MAXB; ++b) acc[b] = 0.0f;
-  fk_ep_gemv(w, v, rows, width, rl, col, batch, acc);
-  fk_er_park(red, rl, batch, half, col, acc);
+  if (batch == 1)
+    fk_ep_product_n<1>(w, v, rows, width, rl, col, batch, red, half);
+  else
+    fk_ep_product_n<FK_ER_MAXB>(w, v, rows, width, rl, col, batch, red, half);
 }
 
 // A block's place in the persistent kernels' grid (block (l, g) = blockIdx.x: units [4g, 4g + 4)

@@ -368,8 +368,8 @@ fn engine_prefetch_names_instances() {
 }
 
 /// The window kernel is prefetched exactly where the engine runs batch-1 windows on it: below
-/// sm_90, and from sm_80 only for stacks of more than one layer (a one-layer stack keeps the
-/// resident recurrence there, so prefetching the kernel would compile a program never run).
+/// sm_90, for stacks of any depth (from sm_90 the cluster window runs them, and prefetching the
+/// kernel would compile a program never run).
 #[test]
 fn engine_prefetch_names_the_window_kernel_where_it_runs() {
     use fused_kernels_core::engine::plan::Kind;
@@ -381,7 +381,7 @@ fn engine_prefetch_names_the_window_kernel_where_it_runs() {
                 let has = programs_on(&spec, cap, 132)
                     .iter()
                     .any(|(_, f)| f == "engine_rnn_window_f32");
-                let runs = cap < (9, 0) && (layers > 1 || cap < (8, 0));
+                let runs = cap < (9, 0);
                 assert_eq!(has, runs, "{kind:?} {layers} layers on {cap:?}");
             }
         }

@@ -1621,7 +1621,7 @@ impl CudaEngine {
             return Ok(None);
         };
         let h = self.spec.hidden;
-        if !window::routes(rf.layers, b, self.gpu.compute_capability) {
+        if !window::routes(b, self.gpu.compute_capability) {
             return Ok(None);
         }
         let smem = RnnFrame::persist_smem(b, rf.widest, h, rf.gates);

@@ -42,7 +42,7 @@ pub fn programs_on(spec: &Spec, cap: (i32, i32), sms: usize) -> Vec<(&'static Ke
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_frame", &[&f32]));
             out.add(&ENGINE_RNN, kernel_name("engine_rnn_persist", &[&f32]));
             out.add(&NORM, kernel_name("layer_norm", &[&f32]));
-            if window::routes(spec.layers, 1, cap) {
+            if window::routes(1, cap) {
                 // Batch-1 windows where there are no clusters: one launch of every layer.
                 out.add(&ENGINE_RNN, kernel_name("engine_rnn_window", &[&f32]));
             }

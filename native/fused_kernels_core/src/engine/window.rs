@@ -36,13 +36,13 @@ const MAX_SLOT_BYTES: usize = 64 << 20;
 /// Threads per block (`FK_ER_THREADS`).
 const THREADS: u32 = 256;
 
-/// Whether the kernel takes the `batch`-row windows of a `layers`-layer stack on a GPU routed
-/// as `cap`: batch-1 windows below sm_90 (from sm_90 on they are the cluster window's, and the
-/// kernel is not compiled), except a one-layer stack from sm_80, where the resident tensor-core
-/// recurrence is faster (window 16 routed as sm_86: 73.6 against 83-85 µs; as sm_75, without
-/// it, the kernel wins: 83.5 against 99.2). The engine's shapes and its prefetch both ask here.
-pub fn routes(layers: usize, batch: usize, cap: (i32, i32)) -> bool {
-    batch == 1 && cap < (9, 0) && (layers > 1 || cap < (8, 0))
+/// Whether the kernel takes the `batch`-row windows of an LSTM/GRU stack on a GPU routed as
+/// `cap`: batch-1 windows below sm_90 (from sm_90 on they are the cluster window's, and the
+/// kernel is not compiled). One-layer stacks too: with the batch-1 products, the production
+/// GRU (one layer, window 16) routed as sm_86 ran 63.8-65.4 µs on it against 74.6-75.6 on the
+/// resident tensor-core recurrence. The engine's shapes and its prefetch both ask here.
+pub fn routes(batch: usize, cap: (i32, i32)) -> bool {
+    batch == 1 && cap < (9, 0)
 }
 
 /// A window shape's tagged h slots `{layers, seq, batch, hidden}` and its tag word.
