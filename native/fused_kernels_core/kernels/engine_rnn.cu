@@ -695,7 +695,8 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
 // ---------------------------------------------------------------------------------------------
 // A whole LSTM/GRU window from zero state in one launch, for GPUs without thread-block
 // clusters (below sm_90 the batch-1 cluster window does not exist, and a launch per layer
-// pays every layer's start and the host's gaps); up to 8 batch rows. The grid is
+// pays every layer's start and the host's gaps); one batch row (`batch` must be 1: windows of
+// several rows measured no faster here than the layer ops, engine/window.rs). The grid is
 // `layers × groups` blocks (all resident: a cooperative launch), block (l, g) = blockIdx.x owns
 // units [4g, 4g + 4) of every gate of layer l and keeps its weights in shared memory for the
 // whole window. Per step t it takes its input (the window's row t for layer 0, from device
@@ -809,9 +810,9 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
       __syncthreads();
       // The input's norm (a warp per row) while the other warps make h·Wh.
       if (ng && warp < batch) fk_er_norm_row(xs + warp * in, in, ngb, ngb + in, eps, lane);
-      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
+      if (active) fk_ep_product_n<1>(whs, hs, hidden, width, rl, col, 1, red, 1);
       __syncthreads();
-      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
+      if (active) fk_ep_product_n<1>(M.wis, xs, in, width, rl, col, 1, red, 0);
       __syncthreads();
       if (owner) {
         const long long o = (long long)ub * hidden + ju;

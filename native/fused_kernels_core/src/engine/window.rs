@@ -3,9 +3,11 @@
 //! groups` blocks, each block's weights in shared memory, h handed between blocks through L2
 //! as tagged words. It is the batch-1 window of GPUs without thread-block clusters (where the
 //! cluster window does not run); a shape it does not take (too long, too wide for shared
-//! memory, more blocks than fit at once) runs the layer ops. The kernel takes up to 8 rows, but
-//! batch 8 measured no faster than the layer ops (H100 routed as sm_86: GRU/LSTM 543/562 µs
-//! against 453/486; native 531/574 against 500/513), so windows of several rows keep those.
+//! memory, more blocks than fit at once) runs the layer ops. The kernel takes one row: an 8-row
+//! version measured no faster at batch 8 than the layer ops (H100 routed as sm_86: GRU/LSTM
+//! 543/562 µs against 453/486; native 531/574 against 500/513), so windows of several rows
+//! keep those, and the kernel's products are the batch-1 instance only (the 8-row one beside it
+//! spilled on sm_75).
 //!
 //! Each window shape that takes it owns its slots (`Slots`: the tagged h of every layer and
 //! step, and the word the launches take their tags from), zeroed once when the shape is made and
@@ -116,6 +118,10 @@ impl Slots {
         grid: usize,
         smem: usize,
     ) -> Result<Option<Slots>> {
+        // One row only (the kernel's products are batch-1: see the module doc).
+        if batch != 1 {
+            return Ok(None);
+        }
         // Checked: a product that wrapped would size the slots below what the kernel writes.
         let Some(words) = [seq, batch, hidden]
             .into_iter()
