@@ -488,8 +488,9 @@ __device__ __forceinline__ void fk_ep_product_n(const float* w, const float* v, 
 }
 
 // fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh). Batch 1
-// (the users' frames and windows) has its own instance: predicated-off FMAs and loads of the
-// other rows still issue, and they were most of a step's instructions (ncu).
+// (the users' frames) has its own instance: predicated-off FMAs and loads of the other rows
+// still issue, and they were most of a step's instructions (ncu). The window kernel, one row
+// only, calls that instance directly.
 __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, int rows, int width,
                                               int rl, int col, int batch, float* red, int half) {
   if (batch == 1)
