@@ -447,21 +447,23 @@ fn gpu_mamba_frames_of_odd_sizes_match_the_cpu_engine() {
     }
     // The Mamba frame kernels at odd widths (hidden 200, inner 400 or 600), state 64 (two
     // state entries per lane), conv 2 and 5, dt_rank 13, batch rows up to a GEMV block's 8 and
-    // past it (9).
+    // past it (9); inner 135, which is no multiple of the scan's 8 channels a block, so that
+    // blocks span two batch rows.
     for kind in [Kind::Mamba, Kind::Jamba] {
         for (i, (hidden, state, conv, dt_rank, expand, b)) in [
             (200, 64, 4, 13, 2, 1),
             (48, 16, 2, 5, 3, 3),
             (200, 16, 5, 16, 3, 8),
             (48, 8, 3, 5, 2, 9),
+            (45, 16, 4, 7, 3, 3),
         ]
         .into_iter()
         .enumerate()
         {
             let s = Spec {
                 hidden,
-                heads: 4,
-                head_dim: hidden / 4,
+                heads: if hidden % 4 == 0 { 4 } else { 5 },
+                head_dim: hidden / if hidden % 4 == 0 { 4 } else { 5 },
                 embed: 37,
                 state,
                 conv,

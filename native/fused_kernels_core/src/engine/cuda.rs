@@ -37,6 +37,8 @@
 use super::persist::{FrameArgs, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use super::window::{self, Slots, WindowArgs};
+use crate::cpu::math::{norm_rows_inplace, NormKind};
+use crate::cpu::simd::Isa;
 use crate::cuda::gemm::ptr;
 use crate::cuda::pdl::{self, arg};
 use crate::cuda::{self, buffer, DeviceTensor, Gpu};
@@ -283,6 +285,8 @@ pub struct CudaEngine {
     /// Attention/Jamba: the frame kernels (None for the other backbones, or where they could
     /// not be built: frames then run the layer ops).
     frame: Option<FrameFns>,
+    /// Attention: the last LayerNorm's gamma and beta on the host (`host_normed`).
+    last_norm: Option<(Vec<f32>, Vec<f32>)>,
     /// Per shape seen, its arena, and the call in flight; calls into one engine serialise
     /// here (they share the stream, the arenas and the staging).
     calls: Mutex<Calls>,
@@ -869,6 +873,16 @@ impl CudaEngine {
         let prefetch = gpu.prefetch(super::prefetch::programs(&spec, &gpu));
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
+        let last_norm = match spec.kind {
+            Kind::Attention => {
+                let v = |n: &str| {
+                    host.get(&format!("ffn_{}_norm/{n}", spec.layers))
+                        .map(|t| t.1.clone())
+                };
+                v("gamma").zip(v("beta"))
+            }
+            _ => None,
+        };
         let qkv = if frame.is_some() {
             concat_frame_kernels(&spec, &host)?
         } else {
@@ -913,6 +927,7 @@ impl CudaEngine {
             shift_append,
             rnn_frame,
             frame,
+            last_norm,
             calls: Mutex::new(Calls {
                 shapes: Vec::new(),
                 inflight: None,
@@ -1022,6 +1037,45 @@ impl CudaEngine {
                 .get(row..row + hid)
                 .ok_or_else(|| Error::Cuda("output staging shorter than its shape".into()))?;
             out[bi * hid..(bi + 1) * hid].copy_from_slice(src);
+            if self.host_normed(sh) {
+                self.norm_row(&mut out[bi * hid..(bi + 1) * hid]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `sh`'s output staging holds an attention backbone's last rows before its last
+    /// LayerNorm, which the host applies as it reads them (`norm_row`): the batch-1 frames
+    /// and tail windows on the frame kernels, whose last GEMV writes the mapped staging. A
+    /// launch of its own for the norm (not a dependent launch: it is the op's kernel) cost
+    /// more than the norm on the host, a few hundred values as they are read anyway.
+    fn host_normed(&self, sh: &Shape) -> bool {
+        self.last_norm.is_some() && self.frame.is_some() && sh.output_dev.is_some()
+    }
+
+    /// The last LayerNorm (`last_norm`) over one row of `hidden` values, in place.
+    fn norm_row(&self, row: &mut [f32]) {
+        if let Some((g, b)) = &self.last_norm {
+            let eps = self.spec.norm_eps as f32;
+            let hid = self.spec.hidden;
+            norm_rows_inplace(Isa::best(), NormKind::Layer, row, hid, (g, Some(b)), eps);
+        }
+    }
+
+    /// `norm_row` over the rows of `sh`'s output staging that a call reads (each batch row's
+    /// last position) where `host_normed`.
+    fn norm_staged(&self, sh: &mut Shape) -> Result<()> {
+        if !self.host_normed(sh) {
+            return Ok(());
+        }
+        let ((b, t, _), hid) = (sh.key, self.spec.hidden);
+        let y = pinned_f32_mut(&mut sh.output)?;
+        for bi in 0..b {
+            let row = (bi * t + t - 1) * hid;
+            let r = y
+                .get_mut(row..row + hid)
+                .ok_or_else(|| Error::Cuda("output staging shorter than its shape".into()))?;
+            self.norm_row(r);
         }
         Ok(())
     }
@@ -1443,6 +1497,7 @@ impl CudaEngine {
         let t3 = prof.as_ref().map(|_| Instant::now());
         self.gpu.stream.synchronize()?;
         let t4 = prof.as_ref().map(|_| Instant::now());
+        self.norm_staged(sh)?;
         read(pinned_f32(&sh.output)?);
         if let (Some(p), Some(t0), Some(t1), Some(t2), Some(t3), Some(t4)) =
             (prof, t0, t1, t2, t3, t4)
@@ -1779,31 +1834,11 @@ impl CudaEngine {
     }
 
     fn norm(&self, x: &Operand<'_>, name: &str, eps: f64) -> Result<DeviceTensor> {
-        self.norm_to(x, name, eps, None)
-    }
-
-    /// `norm` writing to `dst` when given (`out_or_buf`).
-    fn norm_to(
-        &self,
-        x: &Operand<'_>,
-        name: &str,
-        eps: f64,
-        dst: Option<u64>,
-    ) -> Result<DeviceTensor> {
         let (g, b) = (
             self.w(&format!("{name}/gamma"))?,
             self.w(&format!("{name}/beta"))?,
         );
-        let inputs = norm::Inputs {
-            x,
-            weight: &g,
-            bias: Some(&b),
-            residual: None,
-        };
-        let p = norm::Params::new(norm::Kind::Layer, eps)?;
-        let mut out = self.out_or_buf(dst, x.shape().to_vec())?;
-        norm::cuda_into(&self.gpu, &inputs, p, &mut out, None)?;
-        Ok(out)
+        self.norm_with(x, &g, &b, eps)
     }
 
     fn dw(&self, name: &str) -> Result<&DeviceTensor> {
@@ -2443,8 +2478,9 @@ impl CudaEngine {
         };
         // The layer input: y, LayerNormed by `y_norm` when set (attention's post-norm).
         let mut y_norm: Option<String> = None;
-        // `dst` takes the last layer's rows where nothing follows them (no final norm).
-        let last = |l: usize| dst.filter(|_| l == s.layers && s.kind != Kind::Attention);
+        // `dst` takes the last layer's rows (an attention backbone's before its last norm,
+        // which the host applies: `host_normed`).
+        let last = |l: usize| dst.filter(|_| l == s.layers);
         for l in 1..=s.layers {
             let input = Rows {
                 ptr: ptr(&y),
@@ -2484,7 +2520,18 @@ impl CudaEngine {
                     eps,
                 )?;
                 let down = format!("ffn_{l}_down");
-                y = self.gemv(ff, bt, raw(&f), s.ffn, &down, hid, none, Some(x1n), eps)?;
+                y = self.gemv_to(
+                    ff,
+                    bt,
+                    raw(&f),
+                    s.ffn,
+                    &down,
+                    hid,
+                    none,
+                    Some(x1n),
+                    eps,
+                    (last(l), None),
+                )?;
                 y_norm = Some(format!("ffn_{l}_norm"));
             } else if s.kind == Kind::Jamba && s.jamba_attention(l) {
                 let p = |n: &str| format!("jamba_{l}_{n}");
@@ -2529,8 +2576,8 @@ impl CudaEngine {
             }
         }
         match y_norm {
-            Some(n) => self.norm_to(&Operand::Device(&y), &n, s.norm_eps, dst),
-            None => Ok(y),
+            Some(n) if dst.is_none() => self.norm(&Operand::Device(&y), &n, s.norm_eps),
+            _ => Ok(y),
         }
     }
 
