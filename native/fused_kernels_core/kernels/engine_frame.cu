@@ -61,15 +61,28 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
 }
 
 // red[b][c] = Σ_r xs[b, r]·w[r, col] over this lane's rows r0, r0 + step, ... of k, for the
-// block's `batch` rows (NB: 1, or FK_EG_MAXB with batch of them used).
+// block's `batch` rows (NB: 1, or FK_EG_MAXB with batch of them used). With `pre`, `wpre` holds
+// the weights of the first FK_EG_UNROLL of those rows, loaded by the caller.
 template <int NB>
 __device__ __forceinline__ void fk_eg_dot(const float* xs, const float* __restrict__ w, int k,
                                           int n, int col, bool valid, int r0, int step, int batch,
-                                          float (*red)[FK_EG_COLS], int c) {
+                                          float (*red)[FK_EG_COLS], int c,
+                                          const float (&wpre)[FK_EG_UNROLL], bool pre) {
   float acc[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) acc[b] = 0.0f;
   int r = r0;
+  if (pre) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (b < batch) {
+#pragma unroll
+        for (int i = 0; i < FK_EG_UNROLL; ++i)
+          acc[b] = fmaf(xs[b * k + r + i * step], wpre[i], acc[b]);
+      }
+    }
+    r += FK_EG_UNROLL * step;
+  }
   for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
     float wv[FK_EG_UNROLL];
 #pragma unroll
@@ -141,6 +154,15 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
     const bool epi = tid < batch * FK_EG_COLS && ej < n;
     const float ebias = epi ? bias[ej] : 0.0f;
     fk_pdl_wait();
+    // A batch-1 block's first FK_EG_UNROLL weight rows of each thread and every epilogue
+    // thread's residual value, loaded before the input rows: their latency then overlaps the
+    // rows' load and norm instead of following them.
+    const bool pre = batch == 1 && r0 + (FK_EG_UNROLL - 1) * step < k;
+    float wpre[FK_EG_UNROLL];
+#pragma unroll
+    for (int i = 0; i < FK_EG_UNROLL; ++i)
+      wpre[i] = pre && valid ? __ldg(w + (long long)(r0 + i * step) * n + col) : 0.0f;
+    const float rpre = res && epi ? res[(long long)(tid / FK_EG_COLS) * n + ej] : 0.0f;
     for (int i = tid; i < batch * k; i += FK_EG_THREADS) fk_eg_xs[i] = x[i];
     if (res && rg) {
       for (int b = warp; b < batch; b += FK_EG_WARPS) {
@@ -165,10 +187,11 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
     }
     // Batch 1 apart: the other rows' FMAs, predicated off, would still issue.
     if (batch == 1)
-      fk_eg_dot<1>(fk_eg_xs, w, k, n, col, valid, r0, step, batch, red[2 * warp + half], c);
+      fk_eg_dot<1>(fk_eg_xs, w, k, n, col, valid, r0, step, batch, red[2 * warp + half], c, wpre,
+                   pre);
     else
       fk_eg_dot<FK_EG_MAXB>(fk_eg_xs, w, k, n, col, valid, r0, step, batch,
-                            red[2 * warp + half], c);
+                            red[2 * warp + half], c, wpre, false);
     __syncthreads();
     if (epi) {
       const int b = tid / FK_EG_COLS, cc = tid % FK_EG_COLS;
@@ -179,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(FK_EG_THREADS, 1)
         for (int i = 0; i < 2 * FK_EG_WARPS; ++i) s += red[i][b][cc];
         s = fk_act<FkExact>(s + ebias, act);
         if (res) {
-          float rv = res[(long long)b * n + j];
+          float rv = rpre;
           if (rg) rv = (rv - rstat[b][0]) * rstat[b][1] * rg[j] + rb[j];
           s += rv;
         }
