@@ -370,8 +370,9 @@ extern "C" __global__ void __launch_bounds__(FK_EA_THREADS)
 // xc {batch, inner} (u); bcr {batch, 2·state + rank}: B | C | dt rank, from one GEMV; w_dt
 // {rank, inner}, b_dt {inner}; a {inner, state}; d {inner} or nullptr; conv_state {batch, k-1,
 // inner}; ssm_state {batch, inner, state}; y {batch, inner}. Blocks of FK_EM_THREADS / 32
-// channels.
-extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
+// channels. One block per SM said (as for the GEMV): without it ptxas held the kernel to 40
+// registers and spilled on sm_120.
+extern "C" __global__ void __launch_bounds__(FK_EM_THREADS, 1)
     engine_mamba_scan_f32(const float* __restrict__ xz, const float* __restrict__ xc,
                           const float* __restrict__ bcr, const float* __restrict__ w_dt,
                           const float* __restrict__ b_dt, const float* __restrict__ a,
@@ -393,28 +394,36 @@ extern "C" __global__ void __launch_bounds__(FK_EM_THREADS)
     const float bdt = live ? b_dt[c] : 0.0f;
     fk_pdl_wait();
     if (!live) return;
+    // Everything this warp reads of the launches before, at once (for the first 32 of rank /
+    // state): one latency instead of a chain of them.
     const float* row = bcr + (long long)b * (2 * state + rank);
-    float raw = lane < rank ? row[2 * state + lane] * wdt0 : 0.0f;
+    const float dr0 = lane < rank ? row[2 * state + lane] : 0.0f;
+    const float b0 = lane < state ? row[lane] : 0.0f;
+    const float c0 = lane < state ? row[state + lane] : 0.0f;
+    const float u = xc[i];
+    const float z = xz[(long long)b * 2 * inner + inner + c];
+    const float xin = xz[(long long)b * 2 * inner + c];
+    float raw = dr0 * wdt0;
     for (int r = lane + 32; r < rank; r += 32) raw = fmaf(row[2 * state + r], w_dt[(long long)r * inner + c], raw);
     raw = fk_warp_sum(raw) + bdt;
     const float sp = raw <= 20.0f ? log1pf(expf(raw)) : raw;
     const float delta = fminf(fmaxf(sp, dt_min), dt_max);
-    const float u = xc[i];
     float acc = 0.0f;
     for (int n = lane; n < state; n += 32) {
       const float an = n < 32 ? a0 : a[(long long)c * state + n];
       const float hp = n < 32 ? h0 : h[n];
-      const float hn = expf(delta * an) * hp + delta * row[n] * u;
+      const float bn = n < 32 ? b0 : row[n];
+      const float cn = n < 32 ? c0 : row[state + n];
+      const float hn = expf(delta * an) * hp + delta * bn * u;
       h[n] = hn;
-      acc += hn * row[state + n];
+      acc += hn * cn;
     }
     acc = fk_warp_sum(acc);
     if (lane == 0) {
-      const float z = xz[(long long)b * 2 * inner + inner + c];
       y[i] = (acc + (d ? d[c] : 0.0f) * u) * (z / (1.0f + expf(-z)));
       float* cs = conv_state + (long long)b * (k - 1) * inner + c;
       for (int j = 0; j + 1 < k - 1; ++j) cs[(long long)j * inner] = cs[(long long)(j + 1) * inner];
-      cs[(long long)(k - 2) * inner] = xz[(long long)b * 2 * inner + c];
+      cs[(long long)(k - 2) * inner] = xin;
     }
   }
 }
