@@ -60,9 +60,10 @@ defmodule FusedKernels.Backbone.Engine do
     {back(out, frame), state}
   end
 
-  # The CPU engine's calls run on the library's job lanes: the NIF answers a reference and
-  # the reply follows as `{ref, reply}` (it always comes, errors and panics included). The
-  # CUDA engine's reply, and every argument error, is the NIF's own answer.
+  # The CPU engine's long calls run on the library's job lanes: the NIF answers a reference
+  # and the reply follows as `{ref, reply}` (it always comes, errors and panics included). Its
+  # short calls (continued on a dirty scheduler), the CUDA engine's calls and every argument
+  # error are answered by the NIF itself.
   defp await(ref) when is_reference(ref) do
     receive do
       {^ref, reply} -> reply

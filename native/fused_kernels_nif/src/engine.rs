@@ -2,11 +2,11 @@
 //! the flattened params once; `engine_predict` (a window) and `engine_step` (a frame, with a
 //! state resource updated in place) are one call each. Every call that computes runs off the
 //! normal schedulers: `engine_predict`/`engine_step` check their arguments on the normal
-//! scheduler (argument errors come back at once). Then the CPU engine's windows, and its
-//! frames that run long (`SHORT_CPU_STEP_NS`), go to the library's job lanes (`jobs`: windows
-//! to the long lane, frames by size; no dirty scheduler is held while they compute; the reply
-//! comes as a `{ref, reply}` message), its short frames continue on a dirty CPU scheduler
-//! (`enif_schedule_nif`).
+//! scheduler (argument errors come back at once). Then the CPU engine's windows and frames
+//! that run long (`jobs::SHORT_WINDOW_NS`, `SHORT_CPU_STEP_NS`; a first window) go to the
+//! library's job lanes (`jobs`: windows to the long lane, frames by size; no dirty scheduler is
+//! held while they compute; the reply comes as a `{ref, reply}` message), its short ones
+//! continue on a dirty CPU scheduler (`enif_schedule_nif`).
 //!
 //! A CUDA call is started on the normal scheduler where that waits for nothing
 //! (`CudaEngine::try_start_*`: the engine free, the input written into the page-locked staging,
@@ -51,6 +51,9 @@ enum Exec {
 pub struct EngineResource {
     id: u64,
     exec: Exec,
+    /// How long the CPU engine's last window computed (ns; 0 before the first): the next one
+    /// continues on a dirty scheduler when it was short (`jobs::SHORT_WINDOW_NS`).
+    last_window_ns: AtomicU64,
 }
 
 impl EngineResource {
@@ -273,7 +276,12 @@ fn engine_load<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a
             }
         };
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(ResourceArc::new(EngineResource { id, exec }).encode(env))
+        let e = EngineResource {
+            id,
+            exec,
+            last_window_ns: AtomicU64::new(0),
+        };
+        Ok(ResourceArc::new(e).encode(env))
     })();
     reply(env, result)
 }
@@ -448,8 +456,8 @@ fn window_args<'a>(inputs: Term<'a>, options: Term<'a>) -> Result<WindowInputs<'
 }
 
 /// `engine_predict(%{engine, window}, %{})` → `{batch, hidden}` triple, the last position;
-/// for the CPU engine a reference, and the reply follows as `{ref, reply}` (see the module
-/// doc).
+/// for a CPU window through the lanes a reference, and the reply follows as `{ref, reply}`
+/// (see the module doc).
 #[rustler::nif]
 fn engine_predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let i = match window_args(inputs, options) {
@@ -462,6 +470,9 @@ fn engine_predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term
             Ok(None) => on_dirty(env, c"engine_predict", predict_dirty, &[inputs, options]),
             Err(err) => reply(env, Err(err)),
         },
+        Exec::Cpu(_) if cpu_window_is_short(&i.engine) => {
+            on_dirty(env, c"engine_predict", predict_dirty, &[inputs, options])
+        }
         Exec::Cpu(_) => crate::jobs::submit_to(
             env,
             &[inputs, options],
@@ -482,7 +493,13 @@ fn predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
         } = window_args(inputs, options)?;
         let (b, t) = (x.shape[0], x.shape[1]);
         output(env, (b, e.spec().hidden), x.dtype, |out| match &e.exec {
-            Exec::Cpu(engine) => engine.predict(b, t, |buf| fill(&x, buf), out),
+            Exec::Cpu(engine) => {
+                let t0 = Instant::now();
+                let r = engine.predict(b, t, |buf| fill(&x, buf), out);
+                let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                e.last_window_ns.store(ns, Ordering::Relaxed);
+                r
+            }
             Exec::Cuda(engine) => engine.predict_with(b, t, |buf| fill(&x, buf), out, None),
         })
     })();
@@ -569,6 +586,13 @@ fn engine_step<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a
 /// the dirty schedulers waits at most this long. Longer frames (large batches) and every
 /// window go to the lanes, so a long CPU call never holds a dirty scheduler.
 const SHORT_CPU_STEP_NS: u64 = 200_000;
+
+/// Whether a CPU window continues on a dirty scheduler: the engine's last window computed
+/// within `jobs::SHORT_WINDOW_NS` (a first window goes to the lanes).
+fn cpu_window_is_short(engine: &EngineResource) -> bool {
+    let ns = engine.last_window_ns.load(Ordering::Relaxed);
+    ns != 0 && ns <= crate::jobs::SHORT_WINDOW_NS
+}
 
 fn cpu_step_is_short(state: &StateResource) -> bool {
     state.last_step_ns.load(Ordering::Relaxed) <= SHORT_CPU_STEP_NS

@@ -271,6 +271,14 @@ pub fn on_dirty<'a>(env: Env<'a>, name: &std::ffi::CStr, f: RawNif, args: &[Term
 /// longer calls keep to the lanes.
 pub const SHORT_CALL_NS: u64 = 1_000_000;
 
+/// A window (a prepared LSTM/GRU call, a CPU backbone window) whose last call on the same
+/// weights computed within this time continues on a dirty CPU scheduler too. Through the lanes
+/// a 2-thread window's lane worker and pool worker could share one core with the BEAM's
+/// scheduler threads for whole batches (2-core EPYC, `bench/cpu/side.py` at 2 threads: LSTM
+/// window 3.35 ms against 3.57 at 1 thread); a call queued behind one on the dirty schedulers
+/// waits at most about this long.
+pub const SHORT_WINDOW_NS: u64 = 5_000_000;
+
 /// Multiply-adds up to which a call counts as short by its size (a prepared kernel's first
 /// call, an attention): ~1 ms on one core at the ~40 G multiply-adds/s of AVX2 FMA.
 pub const SHORT_MACS: usize = 1 << 25;

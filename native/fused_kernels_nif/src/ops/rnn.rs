@@ -1,4 +1,4 @@
-use crate::jobs::op_nifs;
+use crate::jobs::{op_nifs, SHORT_WINDOW_NS};
 use crate::terms::{
     atom_option, decode_args, encode_dtype, encode_shape, encode_value, nif_map, reply, resource,
     target, AtomName, Device, FromTerm,
@@ -8,6 +8,8 @@ use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::rnn::{prepare_cpu, run, Cell, Layer, Precision, PreparedCall};
 use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 atom_option!(Cell, ":lstm or :gru");
 atom_option!(Precision, ":f32 or :tf32");
@@ -71,8 +73,12 @@ fn rnn_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
 
 op_nifs!(rnn_dirty, rnn_async, rnn_call, (inputs, options));
 
-/// LSTM/GRU weights packed once for the CPU (`FusedKernels.Rnn.prepare/3`).
-pub struct PreparedRnnResource(PreparedCall);
+/// LSTM/GRU weights packed once for the CPU (`FusedKernels.Rnn.prepare/3`), and how long its
+/// last call computed (ns; 0 before the first), which routes the next one (`is_short`).
+pub struct PreparedRnnResource {
+    call: PreparedCall,
+    last_ns: AtomicU64,
+}
 
 #[rustler::resource_impl]
 impl rustler::Resource for PreparedRnnResource {}
@@ -103,7 +109,11 @@ fn rnn_prepare<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a
     let result = (|| {
         let (i, o): (PrepareInputs, PrepareOptions) = decode_args(inputs, options)?;
         let prepared = prepare_cpu(o.cell, &i.params)?;
-        Ok(ResourceArc::new(PreparedRnnResource(prepared)).encode(env))
+        let r = PreparedRnnResource {
+            call: prepared,
+            last_ns: AtomicU64::new(0),
+        };
+        Ok(ResourceArc::new(r).encode(env))
     })();
     reply(env, result)
 }
@@ -129,7 +139,7 @@ nif_map! {
 fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
     let result = (|| {
         let (args, o): (PreparedInputs, PreparedOptions) = decode_args(inputs, options)?;
-        let call = &args.params.0;
+        let call = &args.params.call;
         let staged_x = args.x.on_host()?;
         let staged_init = args
             .initial_state
@@ -160,7 +170,10 @@ fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> T
         {
             let mut outs: Vec<&mut [u8]> =
                 state_bins.iter_mut().map(|b| b.as_mut_slice()).collect();
+            let t = Instant::now();
             call.run_into(&x, &init, o.reverse, seq_bin.as_mut_slice(), &mut outs)?;
+            let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            args.params.last_ns.store(ns, Ordering::Relaxed);
         }
         let dtype = encode_dtype(env, call.dtype())?;
         let triple = |bin: NewBinary<'a>, shape: &[usize]| -> Term<'a> {
@@ -182,9 +195,21 @@ fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> T
     reply(env, result)
 }
 
+/// Whether this call goes to a dirty scheduler (`jobs::SHORT_WINDOW_NS`): its weights' last
+/// call computed within that. A first call, and arguments that do not decode, go to the lanes
+/// (whose reply is the error).
+fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
+    decode_args::<PreparedInputs, PreparedOptions>(inputs, options).is_ok_and(|(i, _)| {
+        let ns = i.params.last_ns.load(Ordering::Relaxed);
+        ns != 0 && ns <= SHORT_WINDOW_NS
+    })
+}
+
 op_nifs!(
     rnn_prepared_dirty,
     rnn_prepared_async,
     rnn_prepared_call,
-    (inputs, options)
+    (inputs, options),
+    short: is_short,
+    continuation: rnn_prepared_continue
 );
