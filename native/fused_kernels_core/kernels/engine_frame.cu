@@ -60,6 +60,19 @@ __device__ __forceinline__ void fk_eg_stats(const float* row, int n, float eps, 
   inv = rsqrtf(fk_warp_sum(q) * rn + eps);
 }
 
+// acc[b] += Σ_i xs[b, r + i·step]·wv[i] for the block's `batch` rows (NB as in fk_eg_dot).
+template <int NB>
+__device__ __forceinline__ void fk_eg_fma(float (&acc)[NB], const float* xs, int k, int r,
+                                          int step, int batch, const float (&wv)[FK_EG_UNROLL]) {
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (b < batch) {
+#pragma unroll
+      for (int i = 0; i < FK_EG_UNROLL; ++i) acc[b] = fmaf(xs[b * k + r + i * step], wv[i], acc[b]);
+    }
+  }
+}
+
 // red[b][c] = Σ_r xs[b, r]·w[r, col] over this lane's rows r0, r0 + step, ... of k, for the
 // block's `batch` rows (NB: 1, or FK_EG_MAXB with batch of them used). With `pre`, `wpre` holds
 // the weights of the first FK_EG_UNROLL of those rows, loaded by the caller.
@@ -73,14 +86,7 @@ __device__ __forceinline__ void fk_eg_dot(const float* xs, const float* __restri
   for (int b = 0; b < NB; ++b) acc[b] = 0.0f;
   int r = r0;
   if (pre) {
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      if (b < batch) {
-#pragma unroll
-        for (int i = 0; i < FK_EG_UNROLL; ++i)
-          acc[b] = fmaf(xs[b * k + r + i * step], wpre[i], acc[b]);
-      }
-    }
+    fk_eg_fma<NB>(acc, xs, k, r, step, batch, wpre);
     r += FK_EG_UNROLL * step;
   }
   for (; r + (FK_EG_UNROLL - 1) * step < k; r += FK_EG_UNROLL * step) {
@@ -88,14 +94,7 @@ __device__ __forceinline__ void fk_eg_dot(const float* xs, const float* __restri
 #pragma unroll
     for (int i = 0; i < FK_EG_UNROLL; ++i)
       wv[i] = valid ? __ldg(w + (long long)(r + i * step) * n + col) : 0.0f;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      if (b < batch) {
-#pragma unroll
-        for (int i = 0; i < FK_EG_UNROLL; ++i)
-          acc[b] = fmaf(xs[b * k + r + i * step], wv[i], acc[b]);
-      }
-    }
+    fk_eg_fma<NB>(acc, xs, k, r, step, batch, wv);
   }
   for (; r < k; r += step) {
     const float wv = valid ? __ldg(w + (long long)r * n + col) : 0.0f;
