@@ -873,13 +873,16 @@ impl CudaEngine {
         let prefetch = gpu.prefetch(super::prefetch::programs(&spec, &gpu));
         let frame = FrameFns::new(&gpu, spec.kind);
         let host: HashMap<_, _> = params.into_tensors().collect();
+        // Present: the plan above checked every parameter.
         let last_norm = match spec.kind {
             Kind::Attention => {
                 let v = |n: &str| {
-                    host.get(&format!("ffn_{}_norm/{n}", spec.layers))
+                    let name = format!("ffn_{}_norm/{n}", spec.layers);
+                    host.get(&name)
                         .map(|t| t.1.clone())
+                        .ok_or_else(|| arg_error(format!("params: \"{name}\" is missing")))
                 };
-                v("gamma").zip(v("beta"))
+                Some((v("gamma")?, v("beta")?))
             }
             _ => None,
         };
