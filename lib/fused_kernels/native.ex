@@ -124,8 +124,8 @@ defmodule FusedKernels.Native do
   # this table: every op takes `(inputs, options)`, two maps decoded into typed structs on
   # the Rust side (native/fused_kernels_nif/src/terms.rs), the backend read from
   # `options.backend`; the prepared-weights calls run on the CPU only (`:cpu`). A short CPU
-  # call (a prepared dense, an attention) continues on a dirty scheduler instead, and
-  # `op_async` answers its reply itself.
+  # call (a prepared dense, an attention, a prepared LSTM/GRU call that took at most 5 ms last
+  # time) continues on a dirty scheduler instead, and `op_async` answers its reply itself.
   @ops [
     scaled_softmax: :options,
     dense: :options,

@@ -11,7 +11,8 @@
 //! data parallelism inside one op is the ops' own business (`fused_kernels_core::cpu::pool`).
 //!
 //! Short calls of a prepared op skip the lanes and continue on a dirty CPU scheduler
-//! (`on_dirty`, `SHORT_CALL_NS`), as the CPU engine's short frames do.
+//! (`on_dirty`, `SHORT_CALL_NS`, and `SHORT_WINDOW_NS` for LSTM/GRU and backbone windows), as
+//! the CPU engine's short frames do.
 
 use rustler::env::{OwnedEnv, SavedTerm};
 use rustler::types::tuple::get_tuple;
