@@ -100,6 +100,32 @@ defmodule FusedKernels.BackboneEngineTest do
     end
   end
 
+  # native/fused_kernels_nif/src/engine.rs `cpu_window_is_short`: a CPU engine's first window
+  # is queued on the job lanes (the NIF answers a reference, the reply follows); once a window
+  # computed within jobs::SHORT_WINDOW_NS, the next continues on a dirty scheduler (the NIF
+  # answers the reply itself).
+  test "a CPU engine's window runs on the job lanes first, then on a dirty scheduler" do
+    spec = small(:lstm)
+    h = Backbone.load(spec, Backbone.random_params(spec, 4), backend: :cpu)
+    win = Sample.random_triple({2, 16, spec.embed}, {:f, 32})
+    args = %{engine: h.engine, window: win}
+
+    route = fn ->
+      case FusedKernels.Native.engine_predict(args, %{}) do
+        ref when is_reference(ref) ->
+          receive do
+            {^ref, reply} -> {:lanes, reply}
+          end
+
+        reply ->
+          {:dirty, reply}
+      end
+    end
+
+    assert {:lanes, {:ok, first}} = route.()
+    assert {:dirty, {:ok, ^first}} = route.()
+  end
+
   test "ExPhil's 1-layer GRU, windows 16 and 60, streams like its window" do
     for window <- [16, 60] do
       spec = Spec.new(:gru, layers: 1, window: window)

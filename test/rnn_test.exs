@@ -96,6 +96,24 @@ defmodule FusedKernels.RnnTest do
     end
   end
 
+  # native/fused_kernels_nif/src/ops/rnn.rs `is_short`: a handle's first call is queued on the
+  # job lanes (the NIF answers a reference, the reply follows); once a call computed within
+  # jobs::SHORT_WINDOW_NS, the next continues on a dirty scheduler (the NIF answers the reply).
+  test "a prepared call runs on the job lanes first, then on a dirty scheduler when short" do
+    p = params(:lstm, 9, 16, {:f, 32})
+    prepared = Rnn.prepare(:lstm, [p], backend: :cpu)
+
+    args = [
+      %{params: prepared.ref, x: triple({2, 5, 9}, {:f, 32}, 1.0), initial_state: []},
+      %{reverse: false}
+    ]
+
+    assert {:lanes, first} = TestRef.cpu_route(:rnn_prepared, args)
+    assert {:dirty, second} = TestRef.cpu_route(:rnn_prepared, args)
+    assert {:ok, _} = first
+    assert second == first
+  end
+
   test "a prepared handle of the wrong kind, backend or size raises ArgumentError naming it" do
     p = params(:lstm, 4, 5, {:f, 32})
     x = triple({2, 3, 4}, {:f, 32}, 1.0)
