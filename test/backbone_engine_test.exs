@@ -108,22 +108,10 @@ defmodule FusedKernels.BackboneEngineTest do
     spec = small(:lstm)
     h = Backbone.load(spec, Backbone.random_params(spec, 4), backend: :cpu)
     win = Sample.random_triple({2, 16, spec.embed}, {:f, 32})
-    args = %{engine: h.engine, window: win}
+    predict = fn -> Native.engine_predict(%{engine: h.engine, window: win}, %{}) end
 
-    route = fn ->
-      case FusedKernels.Native.engine_predict(args, %{}) do
-        ref when is_reference(ref) ->
-          receive do
-            {^ref, reply} -> {:lanes, reply}
-          end
-
-        reply ->
-          {:dirty, reply}
-      end
-    end
-
-    assert {:lanes, {:ok, first}} = route.()
-    assert {:dirty, {:ok, ^first}} = route.()
+    assert {:lanes, {:ok, first}} = TestRef.route(predict)
+    assert {:dirty, {:ok, ^first}} = TestRef.route(predict)
   end
 
   test "ExPhil's 1-layer GRU, windows 16 and 60, streams like its window" do

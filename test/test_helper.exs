@@ -111,11 +111,14 @@ defmodule FusedKernels.TestRef do
     end
   end
 
-  # `Native.<op>_async(args)`: `{:dirty, reply}` when the NIF answered the reply itself (the
+  # `Native.<op>_async(args)` as `route/1` gives it.
+  def cpu_route(op, args), do: route(fn -> apply(FusedKernels.Native, :"#{op}_async", args) end)
+
+  # A CPU NIF call `call.()`: `{:dirty, reply}` when the NIF answered the reply itself (the
   # call continued on a dirty scheduler), `{:lanes, reply}` when it answered a reference (the
   # call was queued on the job lanes and the reply followed as a message).
-  def cpu_route(op, args) do
-    case apply(FusedKernels.Native, :"#{op}_async", args) do
+  def route(call) do
+    case call.() do
       ref when is_reference(ref) ->
         receive do
           {^ref, reply} -> {:lanes, reply}

@@ -353,7 +353,7 @@ fn check_input(x: &HostTensor<'_>, name: &str, want_rank: usize, embed: usize) -
     Ok(())
 }
 
-use crate::jobs::{dirty_continuation, on_dirty};
+use crate::jobs::{dirty_continuation, on_dirty, store_elapsed, window_is_short};
 
 dirty_continuation!(predict_dirty, predict_args, 2);
 dirty_continuation!(step_dirty, step_args, 2);
@@ -496,8 +496,7 @@ fn predict<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
             Exec::Cpu(engine) => {
                 let t0 = Instant::now();
                 let r = engine.predict(b, t, |buf| fill(&x, buf), out);
-                let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                e.last_window_ns.store(ns, Ordering::Relaxed);
+                store_elapsed(&e.last_window_ns, t0);
                 r
             }
             Exec::Cuda(engine) => engine.predict_with(b, t, |buf| fill(&x, buf), out, None),
@@ -590,8 +589,7 @@ const SHORT_CPU_STEP_NS: u64 = 200_000;
 /// Whether a CPU window continues on a dirty scheduler: the engine's last window computed
 /// within `jobs::SHORT_WINDOW_NS` (a first window goes to the lanes).
 fn cpu_window_is_short(engine: &EngineResource) -> bool {
-    let ns = engine.last_window_ns.load(Ordering::Relaxed);
-    ns != 0 && ns <= crate::jobs::SHORT_WINDOW_NS
+    window_is_short(&engine.last_window_ns)
 }
 
 fn cpu_step_is_short(state: &StateResource) -> bool {
@@ -612,8 +610,7 @@ fn step<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> Term<'a> {
                 (Exec::Cpu(engine), AnyState::Cpu(st)) => {
                     let t = Instant::now();
                     let r = engine.step(st, |buf| fill(&x, buf), out);
-                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                    s.last_step_ns.store(ns, Ordering::Relaxed);
+                    store_elapsed(&s.last_step_ns, t);
                     r
                 }
                 (Exec::Cuda(engine), AnyState::Cuda(st)) => {

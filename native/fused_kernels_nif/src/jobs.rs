@@ -18,7 +18,7 @@ use rustler::env::{OwnedEnv, SavedTerm};
 use rustler::types::tuple::get_tuple;
 use rustler::{Encoder, Env, LocalPid, Term, TermType};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -279,6 +279,19 @@ pub const SHORT_CALL_NS: u64 = 1_000_000;
 /// window 3.35 ms against 3.57 at 1 thread); a call queued behind one on the dirty schedulers
 /// waits at most about this long.
 pub const SHORT_WINDOW_NS: u64 = 5_000_000;
+
+/// Whether a window whose weights' last call computed `last` ns ago (0: none yet) is short
+/// (`SHORT_WINDOW_NS`); a first call is not.
+pub fn window_is_short(last: &AtomicU64) -> bool {
+    let ns = last.load(Ordering::Relaxed);
+    ns != 0 && ns <= SHORT_WINDOW_NS
+}
+
+/// Stores the ns since `start` in `slot`: how long a call computed, which routes the next one.
+pub fn store_elapsed(slot: &AtomicU64, start: Instant) {
+    let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    slot.store(ns, Ordering::Relaxed);
+}
 
 /// Multiply-adds up to which a call counts as short by its size (a prepared kernel's first
 /// call, an attention): ~1 ms on one core at the ~40 G multiply-adds/s of AVX2 FMA.

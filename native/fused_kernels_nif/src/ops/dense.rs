@@ -1,4 +1,4 @@
-use crate::jobs::{op_nifs, SHORT_CALL_NS, SHORT_MACS};
+use crate::jobs::{op_nifs, store_elapsed, SHORT_CALL_NS, SHORT_MACS};
 use crate::terms::{
     atom_option, decode_args, decode_operand, decode_optional_operand, encode_dtype, encode_shape,
     encode_value, nif_map, reply, resource, target, AtomName, Device, FromTerm, NoOptions,
@@ -151,8 +151,7 @@ fn dense_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) ->
         let mut bin = NewBinary::new(env, len);
         let start = Instant::now();
         call.run_into(&xv, rv.as_ref(), o.activation, bin.as_mut_slice())?;
-        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        i.kernel.last_ns.store(ns, Ordering::Relaxed);
+        store_elapsed(&i.kernel.last_ns, start);
         let data: Term<'a> = bin.into();
         Ok(make_tuple(
             env,

@@ -1,4 +1,4 @@
-use crate::jobs::{op_nifs, SHORT_WINDOW_NS};
+use crate::jobs::{op_nifs, store_elapsed, window_is_short};
 use crate::terms::{
     atom_option, decode_args, encode_dtype, encode_shape, encode_value, nif_map, reply, resource,
     target, AtomName, Device, FromTerm,
@@ -8,7 +8,7 @@ use fused_kernels_core::operand::{Operand, Placement};
 use fused_kernels_core::ops::rnn::{prepare_cpu, run, Cell, Layer, Precision, PreparedCall};
 use rustler::types::tuple::make_tuple;
 use rustler::{Encoder, Env, NewBinary, ResourceArc, Term};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 atom_option!(Cell, ":lstm or :gru");
@@ -172,8 +172,7 @@ fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> T
                 state_bins.iter_mut().map(|b| b.as_mut_slice()).collect();
             let t = Instant::now();
             call.run_into(&x, &init, o.reverse, seq_bin.as_mut_slice(), &mut outs)?;
-            let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            args.params.last_ns.store(ns, Ordering::Relaxed);
+            store_elapsed(&args.params.last_ns, t);
         }
         let dtype = encode_dtype(env, call.dtype())?;
         let triple = |bin: NewBinary<'a>, shape: &[usize]| -> Term<'a> {
@@ -199,10 +198,8 @@ fn rnn_prepared_call<'a>(env: Env<'a>, inputs: Term<'a>, options: Term<'a>) -> T
 /// call computed within that. A first call, and arguments that do not decode, go to the lanes
 /// (whose reply is the error).
 fn is_short<'a>(inputs: Term<'a>, options: Term<'a>) -> bool {
-    decode_args::<PreparedInputs, PreparedOptions>(inputs, options).is_ok_and(|(i, _)| {
-        let ns = i.params.last_ns.load(Ordering::Relaxed);
-        ns != 0 && ns <= SHORT_WINDOW_NS
-    })
+    decode_args::<PreparedInputs, PreparedOptions>(inputs, options)
+        .is_ok_and(|(i, _)| window_is_short(&i.params.last_ns))
 }
 
 op_nifs!(
