@@ -221,3 +221,58 @@ fn gpu_one_persistent_kernel_per_device_handed_over_after_its_idle_time_out() {
     assert_eq!(got_a, want, "engine a: frames differ from the graph's");
     assert_eq!(got_b, want, "engine b: frames differ from the graph's");
 }
+
+#[test]
+fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Spec {
+        hidden: 64,
+        embed: 40,
+        ..spec(Kind::Gru)
+    };
+    let framing = CudaEngine::new(s.clone(), to_params(&random_params(&s, 30)), None).unwrap();
+    let mut st = framing.new_state(1).unwrap();
+    let x = Rng::new(31).vec_f32(7 * s.embed, 1.0, 0.0);
+    frames_out(&framing, &mut st, &x, 3);
+    let span = std::time::Duration::from_millis(1500);
+    let (drops, frames_during) = std::thread::scope(|scope| {
+        let t = scope.spawn(|| {
+            // Frames back to back for `span`: the kernel never idles out meanwhile.
+            let t0 = std::time::Instant::now();
+            let (before, _) = framing.persistent_counts().unwrap();
+            while t0.elapsed() < span {
+                frames_out(&framing, &mut st, &x, 1);
+            }
+            framing.persistent_counts().unwrap().0 - before
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // Engines made, used and dropped beside it (their staging and mailbox are page-locked
+        // memory, whose free once waited for the framing kernel to leave).
+        let drops: Vec<std::time::Duration> = (0..3)
+            .map(|i| {
+                let e = CudaEngine::new(s.clone(), to_params(&random_params(&s, 32 + i)), None)
+                    .unwrap();
+                let mut st = e.new_state(1).unwrap();
+                frames_out(&e, &mut st, &x, 2);
+                let t0 = std::time::Instant::now();
+                drop(st);
+                drop(e);
+                t0.elapsed()
+            })
+            .collect();
+        (drops, t.join().unwrap())
+    });
+    assert!(
+        frames_during > 1000,
+        "the framing engine ran {frames_during} frames on its kernel"
+    );
+    for (i, d) in drops.iter().enumerate() {
+        assert!(
+            *d < std::time::Duration::from_millis(100),
+            "engine {i}'s drop took {d:?} while another engine framed"
+        );
+    }
+}

@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Device allocations made by this process (uploads included; memory served by a scratch
 /// allocator is not counted): the engine's tests assert that a warmed-up call makes none.
@@ -48,7 +48,29 @@ fn pageable_copies_allowed() -> Result<()> {
     Ok(())
 }
 
-/// Page-locked host bytes: copies from and to them can be captured in a CUDA graph.
+/// Page-locked blocks that dropped `PinnedBytes` gave back, for the next `PinnedBytes::new` of
+/// their device and size class: (device ordinal, class bytes, address). Freeing page-locked
+/// memory (`cuMemFreeHost`) waits until the device runs no kernel, and an engine's persistent
+/// frame kernel runs for as long as that engine keeps framing (engine/persist.rs): a drop then
+/// held its thread (a BEAM scheduler, when the BEAM collected an engine or its staging) until
+/// the kernel idled out. Measured on the H100 (a throwaway probe: one engine framing on its
+/// persistent kernel, another thread allocating and dropping 1 MiB of page-locked memory every
+/// 5 ms): one drop in 1.5 s, the thread blocked until the frames stopped; from Elixir, a
+/// process whose engine was collected as it exited stalled another process's frame by 20.1-20.6
+/// ms (its scheduler blocked until the framing kernel's idle time-out).
+static PINNED_POOL: Mutex<Vec<(usize, usize, usize)>> = Mutex::new(Vec::new());
+
+/// Page-locked bytes the pool keeps at most; beyond it a dropped block is freed.
+const PINNED_POOL_MAX: usize = 256 << 20;
+
+/// A request's size class: a power of two of at least a page, so that blocks are reused across
+/// nearby sizes and a pooled block wastes at most half.
+fn pinned_class(len: usize) -> usize {
+    len.max(1).next_power_of_two().max(4096)
+}
+
+/// Page-locked host bytes: copies from and to them can be captured in a CUDA graph. Their
+/// memory comes from, and goes back to, `PINNED_POOL` where it can.
 pub struct PinnedBytes {
     gpu: Arc<Gpu>,
     ptr: *mut u8,
@@ -61,9 +83,24 @@ unsafe impl Sync for PinnedBytes {}
 
 impl PinnedBytes {
     pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedBytes> {
+        let class = pinned_class(len);
+        let pooled = {
+            let mut pool = PINNED_POOL.lock().unwrap_or_else(|e| e.into_inner());
+            pool.iter()
+                .position(|&(o, c, _)| o == gpu.ordinal && c == class)
+                .map(|i| pool.swap_remove(i).2)
+        };
+        if let Some(addr) = pooled {
+            return Ok(PinnedBytes {
+                gpu: gpu.clone(),
+                ptr: addr as *mut u8,
+                len,
+            });
+        }
         gpu.bind()?;
-        // Safety: a plain page-locked allocation of at least one byte, freed in Drop.
-        let ptr = unsafe { cudarc::driver::result::malloc_host(len.max(1), 0) }? as *mut u8;
+        // Safety: a plain page-locked allocation of `class` bytes (at least `len`), given back
+        // to the pool or freed in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(class, 0) }? as *mut u8;
         if ptr.is_null() {
             return Err(Error::OutOfMemory(format!(
                 "page-locked host allocation of {len} bytes returned null"
@@ -97,6 +134,17 @@ impl PinnedBytes {
 
 impl Drop for PinnedBytes {
     fn drop(&mut self) {
+        let class = pinned_class(self.len);
+        {
+            let mut pool = PINNED_POOL.lock().unwrap_or_else(|e| e.into_inner());
+            let held: usize = pool.iter().map(|&(_, c, _)| c).sum();
+            if held + class <= PINNED_POOL_MAX {
+                // Copies that read or write the block were waited for by the calls that
+                // queued them: the next owner has it alone.
+                pool.push((self.gpu.ordinal, class, self.ptr as usize));
+                return;
+            }
+        }
         let _ = self.gpu.bind();
         // Safety: allocated by `malloc_host` in `new`, freed once. Copies that read or
         // write it were waited for by the call that queued them.
