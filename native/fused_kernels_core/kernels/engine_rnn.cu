@@ -41,6 +41,8 @@
 // Weight rows per thread loaded before their first use (in flight at once): 20 takes a layer
 // input of up to 320 (ExPhil's 288) in one go.
 #define FK_ER_PRE 20
+// Blocks of the batch-1 persistent kernel one multiprocessor must hold (its register bound).
+#define FK_EP_B1_BLOCKS 4
 // Columns of a row lane's partial sums in shared memory (the widest block row, LSTM).
 #define FK_ER_COLS 16
 
@@ -143,7 +145,9 @@ __device__ __forceinline__ float fk_er_cell(const float (&sx)[4], const float (&
 
 // Unit u of the block (unit j of the layer) for row b: the row lanes' partial sums of its gates
 // from `red`, the biases bv (Axon's order), then the cell. Returns the new h (element o of the
-// {batch, hidden} state); LSTM reads c_in[o] and writes the new c to c_out[o].
+// {batch, hidden} state); LSTM reads c_in[o] and writes the new c to c_out[o]. RU: the row
+// lanes' loads unrolled by this much (fewer keeps a kernel's registers down).
+template <int RU = FK_ER_LANES>
 __device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, int u,
                                             int gates, bool lstm, const float (&bv)[4],
                                             float h_old, const float* c_in, float* c_out,
@@ -155,7 +159,7 @@ __device__ __forceinline__ float fk_er_unit(const float* red, int batch, int b, 
 #pragma unroll
   for (int gt = 0; gt < 4; ++gt) {
     if (gt < gates) {
-#pragma unroll
+#pragma unroll RU
       for (int r = 0; r < FK_ER_LANES; ++r) {
         sx[gt] += red[((r * batch + b) * 2) * FK_ER_COLS + gt * FK_ER_UNITS + u];
         sh[gt] += red[((r * batch + b) * 2 + 1) * FK_ER_COLS + gt * FK_ER_UNITS + u];
@@ -431,22 +435,24 @@ __device__ __forceinline__ bool fk_ep_wait(const unsigned int* word, unsigned in
 }
 
 // n floats of `src` (16-byte aligned) into `dst` (and `dst2` unless null), each thread's loads
-// issued before its stores, so that up to 16 per thread cost one round trip: a frame over the
-// bus, or its copy in L2. `volatile_src`: loaded past every cache (the host's frame, which
-// changes under a running kernel); else from L2.
+// issued before its stores, so that up to 4·D per thread cost one round trip: a frame over the
+// bus, or its copy in L2 (D = 1 takes a batch-1 frame of up to 1,024 values in one).
+// `volatile_src`: loaded past every cache (the host's frame, which changes under a running
+// kernel); else from L2.
+template <int D>
 __device__ __forceinline__ void fk_ep_copy(const float* src, float* dst, float* dst2, int n,
                                            bool volatile_src) {
   const int n4 = n >> 2;
   const float4* s4 = reinterpret_cast<const float4*>(src);
-  for (int i0 = 0; i0 < n4; i0 += 4 * FK_ER_THREADS) {
-    float4 v[4];
+  for (int i0 = 0; i0 < n4; i0 += D * FK_ER_THREADS) {
+    float4 v[D];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < D; ++k) {
       const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
       if (i < n4) v[k] = volatile_src ? __ldcv(s4 + i) : __ldcg(s4 + i);
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < D; ++k) {
       const int i = i0 + k * FK_ER_THREADS + (int)threadIdx.x;
       if (i < n4) {
         reinterpret_cast<float4*>(dst)[i] = v[k];
@@ -490,10 +496,11 @@ __device__ __forceinline__ void fk_ep_product_n(const float* w, const float* v, 
 // fk_ep_gemv from zero, parked in this thread's slots of `red` (half 0: x·Wi, 1: h·Wh). Batch 1
 // (the users' frames) has its own instance: predicated-off FMAs and loads of the other rows
 // still issue, and they were most of a step's instructions (ncu). The window kernel, one row
-// only, calls that instance directly.
+// only, calls that instance directly. NB 1: that instance only; 0: chosen by `batch`.
+template <int NB>
 __device__ __forceinline__ void fk_ep_product(const float* w, const float* v, int rows, int width,
                                               int rl, int col, int batch, float* red, int half) {
-  if (batch == 1)
+  if (NB == 1 || batch == 1)
     fk_ep_product_n<1>(w, v, rows, width, rl, col, batch, red, half);
   else
     fk_ep_product_n<FK_ER_MAXB>(w, v, rows, width, rl, col, batch, red, half);
@@ -569,128 +576,196 @@ __device__ __forceinline__ const float* fk_ep_setup(const FkErLayer* __restrict_
   return ng;
 }
 
-// Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
-// `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
-// gates·4 bytes (the block's weights).
-extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
-    engine_rnn_persist_f32(const float* x, const float* __restrict__ in_gamma,
-                           const float* __restrict__ in_beta,
-                           const FkErLayer* __restrict__ layers,
-                           const FkErState* __restrict__ states, float* scratch, float eps,
-                           float* out, unsigned int* sync, int nlayers, int batch, int hidden,
-                           int lstm, unsigned int* mbox, unsigned int base,
-                           unsigned long long idle_ns) {
-  if constexpr (FK_WANT(engine_rnn_persist_f32)) {
-    extern __shared__ float fk_ep_smem[];
-    __shared__ unsigned int flag_s;
-    __shared__ float bias_s[4][FK_ER_UNITS];
-    const FkEpPlace P = fk_ep_place(lstm, hidden);
-    const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
-    const bool active = P.active;
-    const int tid = threadIdx.x;
-    const FkErLayer L = layers[l];
-    const FkErState S = states[l];
-    const int in = (int)L.in, in0 = (int)layers[0].in;
-    const long long bh = (long long)batch * hidden;
-    // Per layer {2, batch, hidden} (value, frame number) pairs, used in turn; then the frame.
+// A block's addresses of the persistent kernels in global memory: its layer's tagged h pairs,
+// the frame's copy, the state's h and c. Kept in shared memory and read where used (a volatile
+// load the compiler does not hoist out of the frame loop) instead of in registers for the
+// whole run: the batch-1 kernel then fits its register bound without spilling.
+struct FkEpAddr {
+  unsigned long long* hbuf;
+  float* xbuf;
+  float* h;
+  float* c;
+};
+
+__device__ __forceinline__ FkEpAddr fk_ep_addr(const FkEpAddr& s) {
+  const volatile FkEpAddr& v = s;
+  return FkEpAddr{v.hbuf, v.xbuf, v.h, v.c};
+}
+
+// The persistent kernels' body, for one row (NB 1) or any batch (NB 0), the cell fixed by LSTM
+// (below); arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above).
+template <int NB, int LSTM>
+__device__ __forceinline__ void fk_ep_persist(const float* x, const float* __restrict__ in_gamma,
+                                              const float* __restrict__ in_beta,
+                                              const FkErLayer* __restrict__ layers,
+                                              const FkErState* __restrict__ states,
+                                              float* scratch, float eps, float* out,
+                                              unsigned int* sync, int nlayers, int batch,
+                                              int hidden, int lstm, unsigned int* mbox,
+                                              unsigned int base, unsigned long long idle_ns) {
+  // A fixed cell (LSTM 0: GRU, 1: LSTM; -1: `lstm` says) leaves the other's code out.
+  if (LSTM >= 0) lstm = LSTM;
+  extern __shared__ float fk_ep_smem[];
+  __shared__ unsigned int flag_s;
+  __shared__ float bias_s[4][FK_ER_UNITS];
+  const FkEpPlace P = fk_ep_place(lstm, hidden);
+  const int gates = P.gates, width = P.width, l = P.l, g = P.g, col = P.col, rl = P.rl;
+  const bool active = P.active;
+  const int tid = threadIdx.x;
+  __shared__ FkEpAddr addr_s;
+  const FkErLayer L = layers[l];
+  const int in = (int)L.in;
+  const long long bh = (long long)batch * hidden;
+  // Per layer {2, batch, hidden} (value, frame number) pairs, used in turn; then the frame.
+  auto make = [&]() -> FkEpAddr {
     unsigned long long* tagged = reinterpret_cast<unsigned long long*>(scratch);
-    unsigned long long* hbuf = tagged + 2 * l * bh;
-    float* xbuf = scratch + 4 * nlayers * bh;
-    const FkEpSmem M = fk_ep_carve(fk_ep_smem, in, hidden, width, batch);
-    float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
-    const float* ng = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden, width,
-                                  M.wis, whs, ngb, fgb, bias_s);
-    // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
-    // host cleared the pairs before the launch): from here on h is read from the scratch only.
+    return FkEpAddr{tagged + 2 * l * bh, scratch + 4 * nlayers * bh, states[l].h, states[l].c};
+  };
+  if (NB == 1 && tid == 0) addr_s = make();
+  const FkEpAddr keep = NB == 1 ? FkEpAddr{} : make();
+  // The batch-1 kernel reads its addresses from shared memory where it uses them (FkEpAddr);
+  // the other keeps them in registers.
+  auto addr = [&]() -> FkEpAddr {
+    if constexpr (NB == 1)
+      return fk_ep_addr(addr_s);
+    else
+      return keep;
+  };
+  const FkEpSmem M = fk_ep_carve(fk_ep_smem, in, hidden, width, batch);
+  float *whs = M.whs, *xs = M.xs, *hs = M.hs, *red = M.red, *ngb = M.ngb, *fgb = M.fgb;
+  const bool normed = fk_ep_setup(layers, L, in_gamma, in_beta, l, g, nlayers, in, hidden,
+                                  width, M.wis, whs, ngb, fgb, bias_s) != nullptr;
+  // The state's h into the first scratch buffer (this block's units) as frame `base`'s (the
+  // host cleared the pairs before the launch): from here on h is read from the scratch only.
+  if constexpr (NB == 1) __syncthreads();
+  {
+    const FkEpAddr A = addr();
     for (int i = tid; i < batch * FK_ER_UNITS; i += FK_ER_THREADS) {
       const int b = i / FK_ER_UNITS, j = g * FK_ER_UNITS + i % FK_ER_UNITS;
-      if (j < hidden) fk_ep_put(hbuf + b * hidden + j, S.h[b * hidden + j], base);
-    }
-    for (unsigned int j = 0;; ++j) {
-      const unsigned int seq = base + 1u + j;
-      const unsigned long long* hp = hbuf + (j & 1u) * bh;
-      unsigned long long* hn = hbuf + ((j + 1u) & 1u) * bh;
-      // h·Wh of the next frame while it has not come yet (the layer's h of the frame before,
-      // every unit of it).
-      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
-      __syncthreads();
-      // Parked in the reduction's slots while the frame comes.
-      if (active) fk_ep_product(whs, hs, hidden, width, rl, col, batch, red, 1);
-      bool stop;
-      if (l == 0 && g == 0) {
-        // The poller: the host's frame number (or stop), then the frame, published.
-        if (tid == 0) {
-          const unsigned long long t0 = fk_ep_now();
-          unsigned int st = 0u;
-          for (unsigned int n = 0;; ++n) {
-            const unsigned int posted = fk_ld_acquire_sys(mbox);
-            if (posted == seq) break;
-            if (posted == FK_EP_STOP) {
-              st = 1u;
-              break;
-            }
-            if ((n & 63u) == 63u && fk_ep_now() - t0 > idle_ns) {
-              st = 1u;
-              break;
-            }
-          }
-          flag_s = st;
-        }
-        __syncthreads();
-        stop = flag_s != 0u;
-        if (!stop) fk_ep_copy(x, xs, xbuf, batch * in0, true);
-        __syncthreads();
-        if (tid == 0) {
-          const unsigned int go = stop ? FK_EP_STOP : seq;
-          fk_st_release(sync + 1, go);
-        }
-      } else if (l == 0) {
-        stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
-        if (!stop) fk_ep_copy(xbuf, xs, nullptr, batch * in, false);
-      } else {
-        // The frame has come (else stop), then the layer below's h of it.
-        stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
-        if (!stop) {
-          const unsigned long long* prev = tagged + 2 * (l - 1) * bh + ((j + 1u) & 1u) * bh;
-          for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = fk_ep_get(prev + i, seq);
-        }
-      }
-      if (stop) return;
-      __syncthreads();
-      if (ng) {
-        fk_er_norm_rows(xs, batch, in, ngb, eps);
-        __syncthreads();
-      }
-      if (active) fk_ep_product(M.wis, xs, in, width, rl, col, batch, red, 0);
-      __syncthreads();
-      if (tid < batch * FK_ER_UNITS) {
-        const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
-        const int jj = g * FK_ER_UNITS + u;
-        if (jj < hidden) {
-          const long long o = b * hidden + jj;
-          float bv[4];
-#pragma unroll
-          for (int gt = 0; gt < 4; ++gt) bv[gt] = bias_s[gt][u];
-          // The state's c is updated in place (only this thread reads and writes it).
-          const float hv = fk_er_unit(red, batch, b, u, gates, lstm, bv, hs[o], S.c, S.c, o);
-          fk_ep_put(hn + o, hv, seq);
-          S.h[o] = hv;
-        }
-      }
-      __syncthreads();
-      if (l == nlayers - 1 && g == 0) {
-        // The last layer's first block: every unit of the frame, the output, then the frame
-        // number after it.
-        for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hn + i, seq);
-        __syncthreads();
-        fk_er_output(hs, out, batch, hidden, fgb, eps);
-        __syncthreads();
-        // Release at system scope: the block's output writes (ordered before thread 0's by the
-        // barrier) reach the host before the frame number does.
-        if (tid == 0) fk_st_release_sys(mbox + 2, seq);
-      }
+      if (j < hidden) fk_ep_put(A.hbuf + b * hidden + j, A.h[b * hidden + j], base);
     }
   }
+  for (unsigned int j = 0;; ++j) {
+    const unsigned int seq = base + 1u + j;
+    const unsigned long long* hp = addr().hbuf + (j & 1u) * bh;
+    // h·Wh of the next frame while it has not come yet (the layer's h of the frame before,
+    // every unit of it).
+    for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hp + i, seq - 1u);
+    __syncthreads();
+    // Parked in the reduction's slots while the frame comes.
+    if (active) fk_ep_product<NB>(whs, hs, hidden, width, rl, col, batch, red, 1);
+    bool stop;
+    if (l == 0 && g == 0) {
+      // The poller: the host's frame number (or stop), then the frame, published.
+      if (tid == 0) {
+        const unsigned long long t0 = fk_ep_now();
+        unsigned int st = 0u;
+        for (unsigned int n = 0;; ++n) {
+          const unsigned int posted = fk_ld_acquire_sys(mbox);
+          if (posted == seq) break;
+          if (posted == FK_EP_STOP) {
+            st = 1u;
+            break;
+          }
+          if ((n & 63u) == 63u && fk_ep_now() - t0 > idle_ns) {
+            st = 1u;
+            break;
+          }
+        }
+        flag_s = st;
+      }
+      __syncthreads();
+      stop = flag_s != 0u;
+      if (!stop) fk_ep_copy<NB == 1 ? 1 : 4>(x, xs, addr().xbuf, batch * in, true);
+      __syncthreads();
+      if (tid == 0) {
+        const unsigned int go = stop ? FK_EP_STOP : seq;
+        fk_st_release(sync + 1, go);
+      }
+    } else if (l == 0) {
+      stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
+      if (!stop) fk_ep_copy<NB == 1 ? 1 : 4>(addr().xbuf, xs, nullptr, batch * in, false);
+    } else {
+      // The frame has come (else stop), then the layer below's h of it.
+      stop = fk_ep_wait(&sync[1], seq, &sync[1], &flag_s);
+      if (!stop) {
+        const unsigned long long* prev = addr().hbuf - 2 * bh + ((j + 1u) & 1u) * bh;
+        for (int i = tid; i < batch * in; i += FK_ER_THREADS) xs[i] = fk_ep_get(prev + i, seq);
+      }
+    }
+    if (stop) return;
+    __syncthreads();
+    if (normed) {
+      fk_er_norm_rows(xs, batch, in, ngb, eps);
+      __syncthreads();
+    }
+    if (active) fk_ep_product<NB>(M.wis, xs, in, width, rl, col, batch, red, 0);
+    __syncthreads();
+    if (tid < batch * FK_ER_UNITS) {
+      const int b = tid / FK_ER_UNITS, u = tid % FK_ER_UNITS;
+      const int jj = g * FK_ER_UNITS + u;
+      if (jj < hidden) {
+        const long long o = b * hidden + jj;
+        float bv[4];
+#pragma unroll
+        for (int gt = 0; gt < 4; ++gt) bv[gt] = bias_s[gt][u];
+        // The state's c is updated in place (only this thread reads and writes it).
+        // Batch 1 unrolls the lanes' loads by two: the kernel then fits FK_EP_B1_BLOCKS blocks
+        // per multiprocessor without spilling (fully unrolled it spilled at that bound).
+        const FkEpAddr A = addr();
+        const float hv = fk_er_unit<NB == 1 ? 2 : FK_ER_LANES>(red, batch, b, u, gates, lstm,
+                                                               bv, hs[o], A.c, A.c, o);
+        fk_ep_put(A.hbuf + ((j + 1u) & 1u) * bh + o, hv, seq);
+        A.h[o] = hv;
+      }
+    }
+    __syncthreads();
+    if (l == nlayers - 1 && g == 0) {
+      // The last layer's first block: every unit of the frame, the output, then the frame
+      // number after it.
+      const unsigned long long* hn = addr().hbuf + ((j + 1u) & 1u) * bh;
+      for (int i = tid; i < batch * hidden; i += FK_ER_THREADS) hs[i] = fk_ep_get(hn + i, seq);
+      __syncthreads();
+      fk_er_output(hs, out, batch, hidden, fgb, eps);
+      __syncthreads();
+      // Release at system scope: the block's output writes (ordered before thread 0's by the
+      // barrier) reach the host before the frame number does.
+      if (tid == 0) fk_st_release_sys(mbox + 2, seq);
+    }
+  }
+}
+
+#define FK_EP_PERSIST_PARAMS                                                                   \
+  const float *x, const float *__restrict__ in_gamma, const float *__restrict__ in_beta,       \
+      const FkErLayer *__restrict__ layers, const FkErState *__restrict__ states,              \
+      float *scratch, float eps, float *out, unsigned int *sync, int nlayers, int batch,       \
+      int hidden, int lstm, unsigned int *mbox, unsigned int base, unsigned long long idle_ns
+#define FK_EP_PERSIST_ARGS                                                                     \
+  x, in_gamma, in_beta, layers, states, scratch, eps, out, sync, nlayers, batch, hidden, lstm, \
+      mbox, base, idle_ns
+
+// Arguments as engine_rnn_frame_f32's, plus mbox, base and idle_ns (above); `states` and
+// `layers` are read once. Dynamic shared memory: engine_rnn_frame_f32's plus 4·(in + hidden)·
+// gates·4 bytes (the block's weights). Any batch up to FK_ER_MAXB (a
+// batch-1 frame of an engine that has the device to itself too: engine/persist.rs).
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 2)
+    engine_rnn_persist_f32(FK_EP_PERSIST_PARAMS) {
+  if constexpr (FK_WANT(engine_rnn_persist_f32)) fk_ep_persist<0, -1>(FK_EP_PERSIST_ARGS);
+}
+
+// The same for one row (the users' frames), one instance per cell: the other rows' predicated-
+// off FMAs and loads would still issue (they were most of a step's instructions, ncu), and
+// without them and the other cell's code the kernel fits FK_EP_B1_BLOCKS blocks per
+// multiprocessor, so that several engines' kernels are resident at once (engine/persist.rs:
+// each holds a share of the device).
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, FK_EP_B1_BLOCKS)
+    engine_rnn_persist_f32_b1_gru(FK_EP_PERSIST_PARAMS) {
+  if constexpr (FK_WANT(engine_rnn_persist_f32_b1_gru)) fk_ep_persist<1, 0>(FK_EP_PERSIST_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, FK_EP_B1_BLOCKS)
+    engine_rnn_persist_f32_b1_lstm(FK_EP_PERSIST_PARAMS) {
+  if constexpr (FK_WANT(engine_rnn_persist_f32_b1_lstm)) fk_ep_persist<1, 1>(FK_EP_PERSIST_ARGS);
 }
 
 // ---------------------------------------------------------------------------------------------

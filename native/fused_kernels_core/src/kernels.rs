@@ -811,7 +811,7 @@ pub const ENGINE_RNN: Kernel = Kernel {
         },
         Family {
             root: "engine_rnn_persist",
-            parts: &[&["f32"]],
+            parts: &[&["f32"], &["", "b1_gru", "b1_lstm"]],
             levels: ANY,
             define: None,
         },

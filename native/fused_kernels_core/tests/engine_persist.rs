@@ -165,13 +165,15 @@ fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
 }
 
 #[test]
-fn gpu_one_persistent_kernel_per_device_handed_over_after_its_idle_time_out() {
+fn gpu_persistent_kernels_beyond_the_device_share_handed_over_after_the_idle_time_out() {
     if gpu_for_tests().is_none() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 2 layers of 96 four-unit blocks at four per multiprocessor: 48 multiprocessors each, so
+    // one kernel fits the device's half (66 on an H100) and two do not.
     let s = Spec {
-        hidden: 64,
+        hidden: 384,
         embed: 40,
         ..spec(Kind::Gru)
     };
@@ -192,8 +194,8 @@ fn gpu_one_persistent_kernel_per_device_handed_over_after_its_idle_time_out() {
     let mut want = Vec::new();
     let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
     let idle = std::time::Duration::from_millis(40);
-    // a frames first and holds the device's kernel; b, framing in turn with it, replays its
-    // graph. Both idle past the time-out; b frames first and takes the kernel over, and a
+    // a frames first and its kernel takes the room; b, framing in turn with it, replays its
+    // graph. Both idle past the time-out; b frames first and takes a's share over, and a
     // (whose kernel has left) falls back to its graph while b keeps framing.
     for phase in 0..3 {
         let (a0, b0) = (counts(&a), counts(&b));
@@ -275,4 +277,117 @@ fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it
             "engine {i}'s drop took {d:?} while another engine framed"
         );
     }
+}
+
+#[test]
+fn gpu_persistent_kernels_of_engines_that_fit_run_at_once() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Four 1-layer engines of 16 blocks each (and one LSTM among them): all of them fit the
+    // device's half on any GPU with 32 multiprocessors or more.
+    let specs = [Kind::Gru, Kind::Gru, Kind::Lstm, Kind::Gru].map(|kind| Spec {
+        layers: 1,
+        hidden: 64,
+        embed: 40,
+        ..spec(kind)
+    });
+    let made: Vec<_> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let p = to_params(&random_params(s, 20 + i as u64));
+            let graph = CudaEngine::new(s.clone(), p.clone(), None).unwrap();
+            graph.set_persistent_frames(false).unwrap();
+            let persist = CudaEngine::new(s.clone(), p, None).unwrap();
+            (graph, persist)
+        })
+        .collect();
+    let mut states: Vec<_> = made
+        .iter()
+        .map(|(g, p)| (g.new_state(1).unwrap(), p.new_state(1).unwrap()))
+        .collect();
+    let x = Rng::new(21).vec_f32(specs[0].embed, 1.0, 0.0);
+    let counts = |e: &CudaEngine| e.persistent_counts().unwrap();
+    let mut before = Vec::new();
+    // Frames of the four in turn (the first round launches their kernels): each kernel stays
+    // running while the others frame, and every frame equals its graph's.
+    for round in 0..9 {
+        if round == 1 {
+            before = made.iter().map(|(_, p)| counts(p)).collect();
+        }
+        for (i, ((g, p), (sg, sp))) in made.iter().zip(states.iter_mut()).enumerate() {
+            let want = frames_out(g, sg, &x, 1);
+            let got = frames_out(p, sp, &x, 1);
+            assert_eq!(
+                got, want,
+                "engine {i}, round {round}: differs from its graph"
+            );
+        }
+    }
+    for (i, ((_, p), b)) in made.iter().zip(before).enumerate() {
+        let (frames, launches) = counts(p);
+        // (A launch may follow the full build of a kernel whose quick build served first.)
+        assert!(
+            frames - b.0 == 8 && launches - b.1 <= 1,
+            "engine {i}: {} frames on its kernel, {} launches",
+            frames - b.0,
+            launches - b.1
+        );
+    }
+}
+
+#[test]
+fn gpu_a_lone_engines_kernel_shrinks_to_make_room_for_a_second() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // ExPhil's 2-layer hidden-256 GRU: 128 blocks, the general kernel's two per multiprocessor
+    // take 64 multiprocessors (of the H100's half, 66), the batch-1 kernel's four 32: the first
+    // engine's kernel starts general and shrinks when the second engine's does not fit beside it.
+    let s = spec(Kind::Gru);
+    let params = |seed| to_params(&random_params(&s, seed));
+    let refs = [40, 41].map(|seed| {
+        let e = CudaEngine::new(s.clone(), params(seed), None).unwrap();
+        e.set_persistent_frames(false).unwrap();
+        e
+    });
+    let engines = [40, 41].map(|seed| CudaEngine::new(s.clone(), params(seed), None).unwrap());
+    let mut sr: Vec<_> = refs.iter().map(|e| e.new_state(1).unwrap()).collect();
+    let mut se: Vec<_> = engines.iter().map(|e| e.new_state(1).unwrap()).collect();
+    let x = Rng::new(42).vec_f32(7 * s.embed, 1.0, 0.0);
+    let counts = |e: &CudaEngine| e.persistent_counts().unwrap();
+    // The first alone for a few frames, then both in turn.
+    for _ in 0..3 {
+        let want = frames_out(&refs[0], &mut sr[0], &x, 1);
+        assert_eq!(frames_out(&engines[0], &mut se[0], &x, 1), want, "alone");
+    }
+    let mut before = Vec::new();
+    for round in 0..10 {
+        if round == 4 {
+            before = engines.iter().map(counts).collect();
+        }
+        for i in 0..2 {
+            let want = frames_out(&refs[i], &mut sr[i], &x, 1);
+            let got = frames_out(&engines[i], &mut se[i], &x, 1);
+            assert_eq!(
+                got, want,
+                "engine {i}, round {round}: differs from its graph"
+            );
+        }
+    }
+    // Rounds 4-9: both on their kernels, without launching again.
+    for (i, (e, b)) in engines.iter().zip(&before).enumerate() {
+        let (frames, launches) = counts(e);
+        assert!(
+            frames - b.0 == 6 && launches == b.1,
+            "engine {i}: {} frames on its kernel, {} launches in the last 6 rounds",
+            frames - b.0,
+            launches - b.1
+        );
+    }
+    // The first launched again to shrink (a quick build's successor may add one to either).
+    assert!(counts(&engines[0]).1 >= 2, "engine 0's launches");
 }

@@ -588,7 +588,8 @@ impl RnnFrame {
                 let mbox = PinnedBytes::new(gpu, 64)?;
                 match (limit, mapped(&mbox)) {
                     (Some(limit), Some(dev)) => {
-                        Some((Mutex::new(Persist::new(gpu, pf, n, mbox, dev)?), limit))
+                        let lstm = s.kind == Kind::Lstm;
+                        Some((Mutex::new(Persist::new(gpu, lstm, n, mbox, dev)?), limit))
                     }
                     _ => None,
                 }
