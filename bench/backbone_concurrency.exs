@@ -11,7 +11,14 @@ alias FusedKernels.Backbone.Spec
 [backend | rest] = args ++ ["cuda"]
 backend = String.to_existing_atom(backend)
 json = List.first(rest -- ["cuda"])
-calls = if backend == :cuda, do: 300, else: 20
+# Calls per process: on the GPU a frame row of 300 calls spans ~5 ms, where one late start or
+# one pause of a process moved the aggregate by 2x between runs; 3,000 frames (600 windows) span
+# ~50-100 ms.
+calls_of = fn
+  :window when backend == :cuda -> 600
+  :frame when backend == :cuda -> 3000
+  _ -> 20
+end
 
 modes =
   opts
@@ -37,6 +44,7 @@ rows =
       only in [nil, key],
       mode <- modes,
       n <- [1, 2, 4, 8] do
+    calls = calls_of.(mode)
     params = Backbone.random_params(spec, 1)
     shape = if mode == :window, do: {1, spec.window, spec.embed}, else: {1, spec.embed}
     parent = self()
