@@ -372,7 +372,9 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
 // layer by layer the input norm, x·Wi and the cell, the output norm and write.
 //
 // mbox (mapped host memory, u32 words): [0] the frame number the host posted (its frame in
-// `x`) or FK_EP_STOP, [2] the last frame number done (written by the kernel after `out`).
+// `x`) or FK_EP_STOP, with FK_EP_YIELD set when another engine needs the multiprocessors (the
+// kernel leaves once no posted frame is left to run), [2] the last frame number done (written
+// by the kernel after `out`).
 // Frame numbers run on from `base` (the last one done before this launch). sync (device, u32
 // words zeroed before the launch): [1] the frame number the blocks may run (FK_EP_STOP:
 // leave). scratch: per layer two {batch, hidden} h buffers of (value, frame number) pairs
@@ -387,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(FK_ER_THREADS, 1)
 // bit-identical).
 
 #define FK_EP_STOP 0xffffffffu
+#define FK_EP_YIELD 0x80000000u
 
 // An h value and the frame number it belongs to, stored and loaded as one 64-bit access (single
 // copy atomic): a reader waits for the value of its frame itself instead of a count of the
@@ -662,8 +665,8 @@ __device__ __forceinline__ void fk_ep_persist(const float* x, const float* __res
         unsigned int st = 0u;
         for (unsigned int n = 0;; ++n) {
           const unsigned int posted = fk_ld_acquire_sys(mbox);
-          if (posted == seq) break;
-          if (posted == FK_EP_STOP) {
+          if (posted != FK_EP_STOP && (posted & ~FK_EP_YIELD) == seq) break;
+          if (posted == FK_EP_STOP || (posted & FK_EP_YIELD)) {
             st = 1u;
             break;
           }

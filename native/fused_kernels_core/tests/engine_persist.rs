@@ -391,3 +391,61 @@ fn gpu_a_lone_engines_kernel_shrinks_to_make_room_for_a_second() {
     // The first launched again to shrink (a quick build's successor may add one to either).
     assert!(counts(&engines[0]).1 >= 2, "engine 0's launches");
 }
+
+#[test]
+fn gpu_a_window_beside_another_engines_persistent_frames_does_not_wait_for_them() {
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // ExPhil's GRU: its window's thread-block clusters (sm_90+) do not fit beside a running
+    // persistent kernel, which runs for as long as its engine frames.
+    let s = spec(Kind::Gru);
+    let framing = CudaEngine::new(s.clone(), to_params(&random_params(&s, 50)), None).unwrap();
+    let windowing = CudaEngine::new(s.clone(), to_params(&random_params(&s, 51)), None).unwrap();
+    let mut st = framing.new_state(1).unwrap();
+    let x = Rng::new(52).vec_f32(7 * s.embed, 1.0, 0.0);
+    let xw = Rng::new(53).vec_f32(s.window * s.embed, 1.0, 0.0);
+    let mut yw = vec![f32::NAN; s.hidden];
+    windowing.predict(1, s.window, &xw, &mut yw).unwrap();
+    let want = yw.clone();
+    frames_out(&framing, &mut st, &x, 3);
+    let span = std::time::Duration::from_millis(1500);
+    let (windows, kernel_frames) = std::thread::scope(|scope| {
+        let t = scope.spawn(|| {
+            let t0 = std::time::Instant::now();
+            let (before, _) = framing.persistent_counts().unwrap();
+            while t0.elapsed() < span {
+                frames_out(&framing, &mut st, &x, 1);
+            }
+            framing.persistent_counts().unwrap().0 - before
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let windows: Vec<std::time::Duration> = (0..5)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                yw.fill(f32::NAN);
+                windowing.predict(1, s.window, &xw, &mut yw).unwrap();
+                assert_eq!(yw, want, "the window's output");
+                t0.elapsed()
+            })
+            .collect();
+        (windows, t.join().unwrap())
+    });
+    for (i, d) in windows.iter().enumerate() {
+        assert!(
+            *d < std::time::Duration::from_millis(100),
+            "window {i} took {d:?} beside the framing engine"
+        );
+    }
+    // The framing engine had its kernel before the windows and gets it back after them.
+    assert!(kernel_frames > 100, "{kernel_frames} frames on the kernel");
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    let (before, _) = framing.persistent_counts().unwrap();
+    frames_out(&framing, &mut st, &x, 10);
+    assert_eq!(
+        framing.persistent_counts().unwrap().0 - before,
+        10,
+        "frames on the kernel after the windows"
+    );
+}

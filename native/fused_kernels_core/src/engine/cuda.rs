@@ -466,6 +466,8 @@ struct RnnFrame {
     /// The persistent frame kernel (`engine_rnn_persist_f32`) and its mailbox, with the
     /// dynamic shared memory its launches may use; None where it cannot be built or mapped.
     persist: Option<(Mutex<Persist>, usize)>,
+    /// That kernel's engine id (`Persist::id`; 0 without one), for `persist::make_way`.
+    persist_id: u64,
     gates: usize,
 }
 
@@ -605,6 +607,9 @@ impl RnnFrame {
             layers: n,
             widest,
             smem_limit,
+            persist_id: persist
+                .as_ref()
+                .map_or(0, |(p, _)| p.lock().map_or(0, |p| p.id())),
             persist,
             gates,
         }))
@@ -1163,6 +1168,11 @@ impl CudaEngine {
     /// every call of the other backbones). With `quick` nothing waits: where a running kernel
     /// would have to be stopped (or its lock is taken), `Route::Busy` and nothing done.
     fn route(&self, sh: &Shape, state: Option<&CudaState>, quick: bool) -> Result<Route> {
+        if !sh.key.2 {
+            // A window: other engines' persistent kernels leave the device to it.
+            let id = self.rnn_frame.as_ref().map_or(0, |rf| rf.persist_id);
+            super::persist::make_way(self.gpu.ordinal, id);
+        }
         let Some(rf) = &self.rnn_frame else {
             return Ok(Route::Stream);
         };

@@ -85,6 +85,9 @@ const SM_UNITS: u64 = 720_720;
 struct Holder {
     id: u64,
     units: u64,
+    /// The address of the holder's posted word (its mailbox's, alive while it is listed: an
+    /// engine leaves the list when it stops its kernel, before its mailbox goes).
+    posted: usize,
     /// Runs a batch-1 frame on the general kernel, and could run it on the batch-1 one.
     wide: bool,
     share: Arc<Share>,
@@ -113,8 +116,53 @@ struct Share {
 /// time-out with room for the kernel's own clock and its exit.
 const TAKEOVER_MARGIN: Duration = Duration::from_millis(5);
 
-/// Engine ids for `HOLDERS`.
+/// Engine ids for `HOLDERS` (0: none, as `make_way`'s caller without a persistent kernel).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Until when (ns since `epoch()`) persistent kernels stay off each device, and for which
+/// engine's sake (`make_way`).
+static QUIET_UNTIL: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
+static QUIET_FOR: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
+
+/// How long after another engine's window the persistent kernels stay off: windows of a
+/// stream of calls (a bot's every frame) keep them off; `IDLE` without one lets them back.
+const QUIET: Duration = IDLE;
+
+/// Makes way on device `ordinal` for a window of engine `id` (0: one without a persistent
+/// kernel): every other engine's persistent kernel leaves once it has run the frame posted to
+/// it, and none launches for `QUIET`. A window's kernels (the GRU/LSTM pipe's thread-block
+/// clusters above all) do not fit beside a persistent kernel, and one that runs as long as its
+/// engine frames kept them waiting: on the H100 a GRU window beside one framing engine waited
+/// 48-96 s, until that kernel's planned relaunch (a throwaway probe, one engine framing back
+/// to back, another calling `predict`).
+pub fn make_way(ordinal: usize, id: u64) {
+    let (Some(until), Some(by), Some(holders)) = (
+        QUIET_UNTIL.get(ordinal),
+        QUIET_FOR.get(ordinal),
+        HOLDERS.get(ordinal),
+    ) else {
+        return;
+    };
+    by.store(id, Ordering::Release);
+    until.store(now_ns() + QUIET.as_nanos() as u64, Ordering::Release);
+    let list = holders.lock().unwrap_or_else(|e| e.into_inner());
+    for h in list.iter().filter(|h| h.id != id) {
+        // Safety: the word of a listed holder's mailbox, alive while it is listed (this lock
+        // is held); the device reads it with 32-bit accesses.
+        let posted = unsafe { &*(h.posted as *const AtomicU32) };
+        posted.fetch_or(YIELD, Ordering::Release);
+    }
+}
+
+/// Whether persistent kernels are to stay off device `ordinal` for another engine than `id`.
+fn quiet(ordinal: usize, id: u64) -> bool {
+    match (QUIET_UNTIL.get(ordinal), QUIET_FOR.get(ordinal)) {
+        (Some(until), Some(by)) => {
+            by.load(Ordering::Acquire) != id && now_ns() < until.load(Ordering::Acquire)
+        }
+        _ => false,
+    }
+}
 
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -130,6 +178,10 @@ fn now_ns() -> u64 {
 const POSTED: usize = 0;
 const DONE: usize = 2;
 const STOP: u32 = u32::MAX;
+/// Set in a running kernel's posted word by another engine (`make_way`): the kernel runs the
+/// frame posted, if any, and leaves (kernels/engine_rnn.cu FK_EP_YIELD). Frame numbers stay
+/// below it.
+const YIELD: u32 = 1 << 31;
 
 /// What a running kernel is bound to: the stream state and the shape's staging.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -334,6 +386,11 @@ impl Persist {
         }
     }
 
+    /// This engine's id (for `make_way`).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Whether this engine holds its share of the device.
     fn holds_share(&self) -> bool {
         self.share.held.load(Ordering::Acquire)
@@ -403,6 +460,7 @@ impl Persist {
         list.push(Holder {
             id: self.id,
             units,
+            posted: word(&self.mbox, POSTED) as *const AtomicU32 as usize,
             wide,
             share: self.share.clone(),
         });
@@ -441,8 +499,8 @@ impl Persist {
         self.gpu.bind()?;
         // The h pairs are cleared to frame number 0 before the launch: a launch's frame
         // numbers start at 1 or later (else a reader could take a cleared pair for the state's
-        // h), and stay below `STOP` (a launch runs at most `MAX_RUN`).
-        if self.seq == 0 || self.seq > STOP - 2 * MAX_RUN {
+        // h), and stay below `YIELD` (a launch runs at most `MAX_RUN`).
+        if self.seq == 0 || self.seq > YIELD - 2 * MAX_RUN {
             self.seq = 1;
             word(&self.mbox, DONE).store(1, Ordering::Release);
             word(&self.mbox, POSTED).store(1, Ordering::Release);
@@ -565,6 +623,20 @@ impl Persist {
             }
             self.stop()?;
             return Ok(Post::NotTaken);
+        }
+        // Another engine's window wants the multiprocessors (`make_way`): the kernel leaves
+        // (or has left) and the frame runs the caller's way.
+        let yielded =
+            self.running.is_some() && word(&self.mbox, POSTED).load(Ordering::Acquire) & YIELD != 0;
+        let quiet = quiet(self.gpu.ordinal, self.id);
+        if yielded || quiet {
+            if quick && !self.stop_now()? {
+                return Ok(Post::Busy);
+            }
+            self.stop()?;
+            if quiet {
+                return Ok(Post::NotTaken);
+            }
         }
         let bound = Bound {
             state,
