@@ -449,3 +449,51 @@ fn gpu_a_window_beside_another_engines_persistent_frames_does_not_wait_for_them(
         "frames on the kernel after the windows"
     );
 }
+
+#[test]
+fn gpu_an_rnn_op_beside_an_engines_persistent_frames_does_not_wait_for_them() {
+    use fused_kernels_core::dtype::DType;
+    use fused_kernels_core::ops::rnn::Cell;
+    use fused_kernels_core::ops::Backend;
+    use support::rnn::{case, check};
+    if gpu_for_tests().is_none() {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let s = spec(Kind::Gru);
+    let framing = CudaEngine::new(s.clone(), to_params(&random_params(&s, 60)), None).unwrap();
+    let mut st = framing.new_state(1).unwrap();
+    let x = Rng::new(61).vec_f32(7 * s.embed, 1.0, 0.0);
+    frames_out(&framing, &mut st, &x, 3);
+    // ExPhil's 2-layer GRU as a batch-1 op call (thread-block clusters on sm_90+).
+    let c = case(Cell::Gru, 1, 60, 288, &[256, 256], false, false, DType::F32);
+    check(Backend::Cuda(None), &c, 62);
+    let span = std::time::Duration::from_secs(3);
+    let calls = std::thread::scope(|scope| {
+        let t = scope.spawn(|| {
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < span {
+                frames_out(&framing, &mut st, &x, 1);
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // (`check` asserts the outputs against an f64 reference.)
+        let calls: Vec<std::time::Duration> = (0..3)
+            .map(|i| {
+                let t0 = std::time::Instant::now();
+                check(Backend::Cuda(None), &c, 63 + i);
+                t0.elapsed()
+            })
+            .collect();
+        t.join().unwrap();
+        calls
+    });
+    for (i, d) in calls.iter().enumerate() {
+        // The call's f64 reference runs on the host too; waiting out the framing would take
+        // the rest of `span`.
+        assert!(
+            *d < std::time::Duration::from_secs(1),
+            "op call {i} took {d:?} beside the framing engine"
+        );
+    }
+}

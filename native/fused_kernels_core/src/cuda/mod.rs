@@ -9,6 +9,7 @@ pub mod buffer;
 pub mod cache;
 pub mod cluster;
 pub mod gemm;
+pub mod holders;
 pub mod nvrtc;
 pub mod pdl;
 pub mod smem;

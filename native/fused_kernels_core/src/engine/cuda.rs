@@ -466,7 +466,7 @@ struct RnnFrame {
     /// The persistent frame kernel (`engine_rnn_persist_f32`) and its mailbox, with the
     /// dynamic shared memory its launches may use; None where it cannot be built or mapped.
     persist: Option<(Mutex<Persist>, usize)>,
-    /// That kernel's engine id (`Persist::id`; 0 without one), for `persist::make_way`.
+    /// That kernel's engine id (`Persist::id`; 0 without one), for `holders::make_way`.
     persist_id: u64,
     gates: usize,
 }
@@ -1171,7 +1171,7 @@ impl CudaEngine {
         if !sh.key.2 {
             // A window: other engines' persistent kernels leave the device to it.
             let id = self.rnn_frame.as_ref().map_or(0, |rf| rf.persist_id);
-            super::persist::make_way(self.gpu.ordinal, id);
+            cuda::holders::make_way(self.gpu.ordinal, id);
         }
         let Some(rf) = &self.rnn_frame else {
             return Ok(Route::Stream);

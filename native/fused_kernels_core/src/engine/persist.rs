@@ -17,10 +17,14 @@
 //! queues work on the engine's stream (a window, `init_state`, `reset`, another state's frame,
 //! dropping the engine) stops it first (`stop`): a stop is only asked between frames (a frame
 //! posted and not yet waited for is completed first: engine/cuda.rs `lock_settled`), so the
-//! state is always the stream's after its last frame done.
+//! state is always the stream's after its last frame done. A call that needs the
+//! multiprocessors (another engine's window, an RNN op: `holders::make_way`) sets a yield bit in
+//! the posted word: the kernel leaves once it has run the frame posted, and frames run from the
+//! graph until the device has been quiet for `holders::QUIET`.
 
 use crate::cuda::buffer::PinnedBytes;
 use crate::cuda::gemm::ptr;
+use crate::cuda::holders::{self, YIELD};
 use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
@@ -85,9 +89,6 @@ const SM_UNITS: u64 = 720_720;
 struct Holder {
     id: u64,
     units: u64,
-    /// The address of the holder's posted word (its mailbox's, alive while it is listed: an
-    /// engine leaves the list when it stops its kernel, before its mailbox goes).
-    posted: usize,
     /// Runs a batch-1 frame on the general kernel, and could run it on the batch-1 one.
     wide: bool,
     share: Arc<Share>,
@@ -116,53 +117,8 @@ struct Share {
 /// time-out with room for the kernel's own clock and its exit.
 const TAKEOVER_MARGIN: Duration = Duration::from_millis(5);
 
-/// Engine ids for `HOLDERS` (0: none, as `make_way`'s caller without a persistent kernel).
+/// Engine ids for `HOLDERS` and `holders::list` (0: none).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// Until when (ns since `epoch()`) persistent kernels stay off each device, and for which
-/// engine's sake (`make_way`).
-static QUIET_UNTIL: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
-static QUIET_FOR: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
-
-/// How long after another engine's window the persistent kernels stay off: windows of a
-/// stream of calls (a bot's every frame) keep them off; `IDLE` without one lets them back.
-const QUIET: Duration = IDLE;
-
-/// Makes way on device `ordinal` for a window of engine `id` (0: one without a persistent
-/// kernel): every other engine's persistent kernel leaves once it has run the frame posted to
-/// it, and none launches for `QUIET`. A window's kernels (the GRU/LSTM pipe's thread-block
-/// clusters above all) do not fit beside a persistent kernel, and one that runs as long as its
-/// engine frames kept them waiting: on the H100 a GRU window beside one framing engine waited
-/// 48-96 s, until that kernel's planned relaunch (a throwaway probe, one engine framing back
-/// to back, another calling `predict`).
-pub fn make_way(ordinal: usize, id: u64) {
-    let (Some(until), Some(by), Some(holders)) = (
-        QUIET_UNTIL.get(ordinal),
-        QUIET_FOR.get(ordinal),
-        HOLDERS.get(ordinal),
-    ) else {
-        return;
-    };
-    by.store(id, Ordering::Release);
-    until.store(now_ns() + QUIET.as_nanos() as u64, Ordering::Release);
-    let list = holders.lock().unwrap_or_else(|e| e.into_inner());
-    for h in list.iter().filter(|h| h.id != id) {
-        // Safety: the word of a listed holder's mailbox, alive while it is listed (this lock
-        // is held); the device reads it with 32-bit accesses.
-        let posted = unsafe { &*(h.posted as *const AtomicU32) };
-        posted.fetch_or(YIELD, Ordering::Release);
-    }
-}
-
-/// Whether persistent kernels are to stay off device `ordinal` for another engine than `id`.
-fn quiet(ordinal: usize, id: u64) -> bool {
-    match (QUIET_UNTIL.get(ordinal), QUIET_FOR.get(ordinal)) {
-        (Some(until), Some(by)) => {
-            by.load(Ordering::Acquire) != id && now_ns() < until.load(Ordering::Acquire)
-        }
-        _ => false,
-    }
-}
 
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -178,10 +134,6 @@ fn now_ns() -> u64 {
 const POSTED: usize = 0;
 const DONE: usize = 2;
 const STOP: u32 = u32::MAX;
-/// Set in a running kernel's posted word by another engine (`make_way`): the kernel runs the
-/// frame posted, if any, and leaves (kernels/engine_rnn.cu FK_EP_YIELD). Frame numbers stay
-/// below it.
-const YIELD: u32 = 1 << 31;
 
 /// What a running kernel is bound to: the stream state and the shape's staging.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -386,7 +338,7 @@ impl Persist {
         }
     }
 
-    /// This engine's id (for `make_way`).
+    /// This engine's id (for `holders::make_way`).
     pub fn id(&self) -> u64 {
         self.id
     }
@@ -460,7 +412,6 @@ impl Persist {
         list.push(Holder {
             id: self.id,
             units,
-            posted: word(&self.mbox, POSTED) as *const AtomicU32 as usize,
             wide,
             share: self.share.clone(),
         });
@@ -468,11 +419,15 @@ impl Persist {
         // share over while this engine's kernel starts.
         self.share.last.store(now, Ordering::Release);
         self.share.held.store(true, Ordering::Release);
+        // Safety: the mailbox lives as long as `self`, which unlists before it goes (`release`,
+        // from `stop`, which `Drop` calls).
+        unsafe { holders::list(self.gpu.ordinal, self.id, word(&self.mbox, POSTED)) };
         true
     }
 
     /// Gives this engine's share back.
     fn release(&mut self) {
+        holders::unlist(self.gpu.ordinal, self.id);
         if let Some(holders) = HOLDERS.get(self.gpu.ordinal) {
             let mut list = holders.lock().unwrap_or_else(|e| e.into_inner());
             list.retain(|h| h.id != self.id);
@@ -624,11 +579,11 @@ impl Persist {
             self.stop()?;
             return Ok(Post::NotTaken);
         }
-        // Another engine's window wants the multiprocessors (`make_way`): the kernel leaves
+        // Another call wants the multiprocessors (`holders::make_way`): the kernel leaves
         // (or has left) and the frame runs the caller's way.
         let yielded =
             self.running.is_some() && word(&self.mbox, POSTED).load(Ordering::Acquire) & YIELD != 0;
-        let quiet = quiet(self.gpu.ordinal, self.id);
+        let quiet = holders::quiet(self.gpu.ordinal, self.id);
         if yielded || quiet {
             if quick && !self.stop_now()? {
                 return Ok(Post::Busy);

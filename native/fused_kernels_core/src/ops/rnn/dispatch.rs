@@ -157,6 +157,9 @@ pub(super) fn run(
     tuning: &Tuning,
 ) -> Result<DeviceOutput> {
     type_name(g.dtype)?;
+    // Thread-block clusters and cooperative grids may not fit beside an engine's persistent
+    // frame kernel: it leaves the device to this call (cuda/holders.rs).
+    crate::cuda::holders::make_way(gpu.ordinal, 0);
     let x0 = x.on_gpu("x", gpu)?;
     let mut prev: Option<DeviceTensor> = None;
     let mut states = Vec::with_capacity(layers.len());
