@@ -30,6 +30,31 @@ fn frames_out(e: &CudaEngine, st: &mut CudaState, x: &[f32], n: usize) -> Vec<Ve
         .collect()
 }
 
+/// Runs `calls` on this thread while `framing` frames back to back (from state `st`, the rows of
+/// `x`) on another for `span`, starting 100 ms into it (its kernel never idles out meanwhile).
+/// Returns what `calls` returned and the frames that ran on the framing engine's kernel.
+fn beside_framing<T>(
+    framing: &CudaEngine,
+    st: &mut CudaState,
+    x: &[f32],
+    span: std::time::Duration,
+    calls: impl FnOnce() -> T,
+) -> (T, u64) {
+    std::thread::scope(|scope| {
+        let t = scope.spawn(move || {
+            let t0 = std::time::Instant::now();
+            let (before, _) = framing.persistent_counts().unwrap();
+            while t0.elapsed() < span {
+                frames_out(framing, st, x, 1);
+            }
+            framing.persistent_counts().unwrap().0 - before
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let got = calls();
+        (got, t.join().unwrap())
+    })
+}
+
 #[test]
 fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
     if gpu_for_tests().is_none() {
@@ -240,20 +265,10 @@ fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it
     let x = Rng::new(31).vec_f32(7 * s.embed, 1.0, 0.0);
     frames_out(&framing, &mut st, &x, 3);
     let span = std::time::Duration::from_millis(1500);
-    let (drops, frames_during) = std::thread::scope(|scope| {
-        let t = scope.spawn(|| {
-            // Frames back to back for `span`: the kernel never idles out meanwhile.
-            let t0 = std::time::Instant::now();
-            let (before, _) = framing.persistent_counts().unwrap();
-            while t0.elapsed() < span {
-                frames_out(&framing, &mut st, &x, 1);
-            }
-            framing.persistent_counts().unwrap().0 - before
-        });
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        // Engines made, used and dropped beside it (their staging and mailbox are page-locked
-        // memory, whose free once waited for the framing kernel to leave).
-        let drops: Vec<std::time::Duration> = (0..3)
+    // Engines made, used and dropped beside it (their staging and mailbox are page-locked
+    // memory, whose free once waited for the framing kernel to leave).
+    let (drops, frames_during) = beside_framing(&framing, &mut st, &x, span, || {
+        (0..3)
             .map(|i| {
                 let e = CudaEngine::new(s.clone(), to_params(&random_params(&s, 32 + i)), None)
                     .unwrap();
@@ -264,8 +279,7 @@ fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it
                 drop(e);
                 t0.elapsed()
             })
-            .collect();
-        (drops, t.join().unwrap())
+            .collect::<Vec<_>>()
     });
     assert!(
         frames_during > 1000,
@@ -411,17 +425,8 @@ fn gpu_a_window_beside_another_engines_persistent_frames_does_not_wait_for_them(
     let want = yw.clone();
     frames_out(&framing, &mut st, &x, 3);
     let span = std::time::Duration::from_millis(1500);
-    let (windows, kernel_frames) = std::thread::scope(|scope| {
-        let t = scope.spawn(|| {
-            let t0 = std::time::Instant::now();
-            let (before, _) = framing.persistent_counts().unwrap();
-            while t0.elapsed() < span {
-                frames_out(&framing, &mut st, &x, 1);
-            }
-            framing.persistent_counts().unwrap().0 - before
-        });
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let windows: Vec<std::time::Duration> = (0..5)
+    let (windows, kernel_frames) = beside_framing(&framing, &mut st, &x, span, || {
+        (0..5)
             .map(|_| {
                 let t0 = std::time::Instant::now();
                 yw.fill(f32::NAN);
@@ -429,8 +434,7 @@ fn gpu_a_window_beside_another_engines_persistent_frames_does_not_wait_for_them(
                 assert_eq!(yw, want, "the window's output");
                 t0.elapsed()
             })
-            .collect();
-        (windows, t.join().unwrap())
+            .collect::<Vec<_>>()
     });
     for (i, d) in windows.iter().enumerate() {
         assert!(
@@ -469,24 +473,15 @@ fn gpu_an_rnn_op_beside_an_engines_persistent_frames_does_not_wait_for_them() {
     let c = case(Cell::Gru, 1, 60, 288, &[256, 256], false, false, DType::F32);
     check(Backend::Cuda(None), &c, 62);
     let span = std::time::Duration::from_secs(3);
-    let calls = std::thread::scope(|scope| {
-        let t = scope.spawn(|| {
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < span {
-                frames_out(&framing, &mut st, &x, 1);
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        // (`check` asserts the outputs against an f64 reference.)
-        let calls: Vec<std::time::Duration> = (0..3)
+    // (`check` asserts the outputs against an f64 reference.)
+    let (calls, _) = beside_framing(&framing, &mut st, &x, span, || {
+        (0..3)
             .map(|i| {
                 let t0 = std::time::Instant::now();
                 check(Backend::Cuda(None), &c, 63 + i);
                 t0.elapsed()
             })
-            .collect();
-        t.join().unwrap();
-        calls
+            .collect::<Vec<_>>()
     });
     for (i, d) in calls.iter().enumerate() {
         // The call's f64 reference runs on the host too; waiting out the framing would take
