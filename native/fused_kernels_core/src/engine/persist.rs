@@ -69,8 +69,10 @@ const MAX_RUN: u32 = 1 << 22;
 /// The persistent kernels of this process's engines on each device (index: ordinal). Each
 /// block of a kernel weighs `SM_UNITS / per_sm` (per_sm: how many of that kernel's blocks one
 /// multiprocessor holds at its shared memory), and the running kernels together weigh at most
-/// half the device's multiprocessors: the other half stays for other engines' graph frames and
-/// windows, which would otherwise wait until a kernel leaves. An engine alone runs its batch-1
+/// half the device's multiprocessors: the other half stays for other engines' graph frames,
+/// which would otherwise wait until a kernel leaves (a window or an RNN op call, whose
+/// clusters do not fit beside any, makes the kernels leave: cuda/holders.rs). An engine alone
+/// runs its batch-1
 /// frames on the general kernel (128 registers, two blocks per multiprocessor); an engine whose
 /// kernel does not fit asks those to shrink to the batch-1 kernel (64 registers, four), so that
 /// on the H100 two 2-layer hidden-256 engines, or four 1-layer ones, frame at once; it frames
@@ -79,7 +81,7 @@ const MAX_RUN: u32 = 1 << 22;
 /// TAKEOVER_MARGIN` has had its kernel leave by the idle time-out, and an engine that needs the
 /// room takes its share over. Kernels of other processes are not seen (a launch that cannot be
 /// resident waits for room; a frame that waits past `FRAME_TIMEOUT` is an error).
-static HOLDERS: [Mutex<Vec<Holder>>; 16] = [const { Mutex::new(Vec::new()) }; 16];
+static SHARES: [Mutex<Vec<Holder>>; 16] = [const { Mutex::new(Vec::new()) }; 16];
 
 /// One multiprocessor in share units (divisible by every blocks-per-multiprocessor count up
 /// to 16).
@@ -117,7 +119,7 @@ struct Share {
 /// time-out with room for the kernel's own clock and its exit.
 const TAKEOVER_MARGIN: Duration = Duration::from_millis(5);
 
-/// Engine ids for `HOLDERS` and `holders::list` (0: none).
+/// Engine ids for `SHARES` and `holders::list` (0: none).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 fn epoch() -> Instant {
@@ -258,7 +260,7 @@ pub struct Persist {
     broken: Option<String>,
     /// Frame paths may be switched off (benches compare against the graph path).
     enabled: bool,
-    /// This engine's id in `HOLDERS`, and its share's marks.
+    /// This engine's id in `SHARES`, and its share's marks.
     id: u64,
     share: Arc<Share>,
     /// Frames run on the kernel and launches made (tests read them).
@@ -351,21 +353,21 @@ impl Persist {
     /// Whether no other engine's kernel holds a share of this device (one whose kernel has
     /// left by its idle time-out does not count).
     fn alone(&self) -> bool {
-        let Some(holders) = HOLDERS.get(self.gpu.ordinal) else {
+        let Some(shares) = SHARES.get(self.gpu.ordinal) else {
             return true;
         };
         let now = now_ns();
-        let list = holders.lock().unwrap_or_else(|e| e.into_inner());
+        let list = shares.lock().unwrap_or_else(|e| e.into_inner());
         !list.iter().any(|h| h.id != self.id && !h.expired(now))
     }
 
-    /// Takes this engine's share of the device for a launch of `f` for `a` (see `HOLDERS`;
+    /// Takes this engine's share of the device for a launch of `f` for `a` (see `SHARES`;
     /// `wide`: a batch-1 frame on the general kernel): false when the kernels already running
     /// leave too little of the device's half (those running wide are then asked to shrink), or
     /// one block would take half a multiprocessor.
     fn reserve(&mut self, f: &CudaFunction, a: &FrameArgs, wide: bool) -> bool {
         let (grid, threads, smem) = (a.grid, a.threads, a.smem);
-        let Some(holders) = HOLDERS.get(self.gpu.ordinal) else {
+        let Some(shares) = SHARES.get(self.gpu.ordinal) else {
             return false;
         };
         if self.gpu.bind().is_err() {
@@ -391,7 +393,7 @@ impl Persist {
         let id = self.id;
         let others =
             |list: &[Holder]| -> u64 { list.iter().filter(|h| h.id != id).map(|h| h.units).sum() };
-        let mut list = holders.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list = shares.lock().unwrap_or_else(|e| e.into_inner());
         if others(&list) + units > cap {
             // Room from holders whose kernels have left by their idle time-out.
             list.retain(|h| {
@@ -428,8 +430,8 @@ impl Persist {
     /// Gives this engine's share back.
     fn release(&mut self) {
         holders::unlist(self.gpu.ordinal, self.id);
-        if let Some(holders) = HOLDERS.get(self.gpu.ordinal) {
-            let mut list = holders.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(shares) = SHARES.get(self.gpu.ordinal) {
+            let mut list = shares.lock().unwrap_or_else(|e| e.into_inner());
             list.retain(|h| h.id != self.id);
         }
         self.share.held.store(false, Ordering::Release);
