@@ -591,13 +591,14 @@ impl RnnFrame {
                 match (limit, mapped(&mbox)) {
                     (Some(limit), Some(dev)) => {
                         let lstm = s.kind == Kind::Lstm;
-                        Some((Mutex::new(Persist::new(gpu, lstm, n, mbox, dev)?), limit))
+                        Some((Persist::new(gpu, lstm, n, mbox, dev)?, limit))
                     }
                     _ => None,
                 }
             }
             Err(_) => None,
         };
+        let persist_id = persist.as_ref().map_or(0, |(p, _)| p.id());
         Ok(Some(RnnFrame {
             table: upload_words(gpu, "frame layers", &words)?,
             _layers: layers,
@@ -607,10 +608,8 @@ impl RnnFrame {
             layers: n,
             widest,
             smem_limit,
-            persist_id: persist
-                .as_ref()
-                .map_or(0, |(p, _)| p.lock().map_or(0, |p| p.id())),
-            persist,
+            persist: persist.map(|(p, limit)| (Mutex::new(p), limit)),
+            persist_id,
             gates,
         }))
     }
@@ -1190,11 +1189,11 @@ impl CudaEngine {
             }
         };
         let stop = |p: &mut Persist| -> Result<Route> {
-            if quick && !p.stop_now()? {
-                return Ok(Route::Busy);
-            }
-            p.stop()?;
-            Ok(Route::Stream)
+            Ok(if p.stop_unless_busy(quick)? {
+                Route::Stream
+            } else {
+                Route::Busy
+            })
         };
         let (Some(st), true, Some(x), Some(o)) =
             (state, self.rnn_fused(sh.key), sh.input_dev, sh.output_dev)

@@ -24,15 +24,15 @@
 
 use crate::cuda::buffer::PinnedBytes;
 use crate::cuda::gemm::ptr;
-use crate::cuda::holders::{self, YIELD};
+use crate::cuda::holders::{self, now_ns, Holder, Share, YIELD};
 use crate::cuda::pdl::arg;
 use crate::cuda::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use crate::kernels::ENGINE_RNN;
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::CudaFunction;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The general kernel (kernels/engine_rnn.cu): any batch (a lone engine's batch-1 frames too).
@@ -66,70 +66,36 @@ const QUERY_AFTER: Duration = Duration::from_micros(50);
 /// `groups` per frame in 32 bits.
 const MAX_RUN: u32 = 1 << 22;
 
-/// The persistent kernels of this process's engines on each device (index: ordinal). Each
-/// block of a kernel weighs `SM_UNITS / per_sm` (per_sm: how many of that kernel's blocks one
-/// multiprocessor holds at its shared memory), and the running kernels together weigh at most
-/// half the device's multiprocessors: the other half stays for other engines' graph frames,
-/// which would otherwise wait until a kernel leaves (a window or an RNN op call, whose
-/// clusters do not fit beside any, makes the kernels leave: cuda/holders.rs). An engine alone
-/// runs its batch-1
-/// frames on the general kernel (128 registers, two blocks per multiprocessor); an engine whose
-/// kernel does not fit asks those to shrink to the batch-1 kernel (64 registers, four), so that
-/// on the H100 two 2-layer hidden-256 engines, or four 1-layer ones, frame at once; it frames
-/// from its graph until the room is there, as do engines beyond it. A holder gives its share
-/// back when it stops its kernel; a holder whose last frame is older than `IDLE +
-/// TAKEOVER_MARGIN` has had its kernel leave by the idle time-out, and an engine that needs the
-/// room takes its share over. Kernels of other processes are not seen (a launch that cannot be
-/// resident waits for room; a frame that waits past `FRAME_TIMEOUT` is an error).
-static SHARES: [Mutex<Vec<Holder>>; 16] = [const { Mutex::new(Vec::new()) }; 16];
-
 /// One multiprocessor in share units (divisible by every blocks-per-multiprocessor count up
-/// to 16).
+/// to 16). The persistent kernels of this process's engines on a device (`holders::listed`):
+/// each block of a kernel weighs `SM_UNITS / per_sm` (per_sm: how many of that kernel's blocks
+/// one multiprocessor holds at its shared memory), and the running kernels together weigh at
+/// most half the device's multiprocessors: the other half stays for other engines' graph
+/// frames, which would otherwise wait until a kernel leaves (a window or an RNN op call, whose
+/// clusters do not fit beside any, makes the kernels leave: `holders::make_way`). An engine
+/// alone runs its batch-1 frames on the general kernel (128 registers, two blocks per
+/// multiprocessor); an engine whose kernel does not fit asks those to shrink to the batch-1
+/// kernel (64 registers, four), so that on the H100 two 2-layer hidden-256 engines, or four
+/// 1-layer ones, frame at once; it frames from its graph until the room is there, as do engines
+/// beyond it. A holder gives its share back when it stops its kernel; a holder whose last frame
+/// is older than `IDLE + TAKEOVER_MARGIN` has had its kernel leave by the idle time-out, and an
+/// engine that needs the room takes its share over. Kernels of other processes are not seen (a
+/// launch that cannot be resident waits for room; a frame that waits past `FRAME_TIMEOUT` is an
+/// error).
 const SM_UNITS: u64 = 720_720;
 
-/// A running kernel's share of its device.
-struct Holder {
-    id: u64,
-    units: u64,
-    /// Runs a batch-1 frame on the general kernel, and could run it on the batch-1 one.
-    wide: bool,
-    share: Arc<Share>,
-}
-
-impl Holder {
-    /// Whether its kernel has left by its idle time-out (see `TAKEOVER_MARGIN`) at `now`.
-    fn expired(&self, now: u64) -> bool {
-        let after = (IDLE + TAKEOVER_MARGIN).as_nanos() as u64;
-        now.saturating_sub(self.share.last.load(Ordering::Acquire)) > after
-    }
-}
-
-/// What the registry and its engine both read.
-struct Share {
-    /// When the engine last finished a frame or took its share (ns since `epoch()`).
-    last: AtomicU64,
-    /// Whether the engine still holds its share (false once taken over).
-    held: AtomicBool,
-    /// Asked (by an engine whose kernel did not fit) to run its batch-1 frames on the batch-1
-    /// kernel, which takes half the room.
-    shrink: AtomicBool,
+/// Whether `h`'s kernel has left by its idle time-out (see `TAKEOVER_MARGIN`) at `now`.
+fn expired(h: &Holder, now: u64) -> bool {
+    let after = (IDLE + TAKEOVER_MARGIN).as_nanos() as u64;
+    now.saturating_sub(h.share.last.load(Ordering::Acquire)) > after
 }
 
 /// How long after the holder's last frame its share may be taken over: past its kernel's idle
 /// time-out with room for the kernel's own clock and its exit.
 const TAKEOVER_MARGIN: Duration = Duration::from_millis(5);
 
-/// Engine ids for `SHARES` and `holders::list` (0: none).
+/// Engine ids for `holders::listed` (0: none).
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-fn now_ns() -> u64 {
-    epoch().elapsed().as_nanos() as u64
-}
 
 /// Mailbox words (u32): the frame number posted (or `STOP`), the frame number done. One word
 /// for both frames and stop: the kernel's poller reads one word over the bus per look.
@@ -260,7 +226,7 @@ pub struct Persist {
     broken: Option<String>,
     /// Frame paths may be switched off (benches compare against the graph path).
     enabled: bool,
-    /// This engine's id in `SHARES`, and its share's marks.
+    /// This engine's id in `holders::listed`, and its share's marks.
     id: u64,
     share: Arc<Share>,
     /// Frames run on the kernel and launches made (tests read them).
@@ -319,11 +285,7 @@ impl Persist {
             broken: None,
             enabled: true,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            share: Arc::new(Share {
-                last: AtomicU64::new(0),
-                held: AtomicBool::new(false),
-                shrink: AtomicBool::new(false),
-            }),
+            share: Arc::new(Share::default()),
             variant: 0,
             frames: 0,
             launches: 0,
@@ -353,23 +315,19 @@ impl Persist {
     /// Whether no other engine's kernel holds a share of this device (one whose kernel has
     /// left by its idle time-out does not count).
     fn alone(&self) -> bool {
-        let Some(shares) = SHARES.get(self.gpu.ordinal) else {
+        let Some(list) = holders::listed(self.gpu.ordinal) else {
             return true;
         };
         let now = now_ns();
-        let list = shares.lock().unwrap_or_else(|e| e.into_inner());
-        !list.iter().any(|h| h.id != self.id && !h.expired(now))
+        !list.iter().any(|h| h.id != self.id && !expired(h, now))
     }
 
-    /// Takes this engine's share of the device for a launch of `f` for `a` (see `SHARES`;
+    /// Takes this engine's share of the device for a launch of `f` for `a` (see `SM_UNITS`;
     /// `wide`: a batch-1 frame on the general kernel): false when the kernels already running
     /// leave too little of the device's half (those running wide are then asked to shrink), or
     /// one block would take half a multiprocessor.
     fn reserve(&mut self, f: &CudaFunction, a: &FrameArgs, wide: bool) -> bool {
         let (grid, threads, smem) = (a.grid, a.threads, a.smem);
-        let Some(shares) = SHARES.get(self.gpu.ordinal) else {
-            return false;
-        };
         if self.gpu.bind().is_err() {
             return false;
         }
@@ -393,45 +351,48 @@ impl Persist {
         let id = self.id;
         let others =
             |list: &[Holder]| -> u64 { list.iter().filter(|h| h.id != id).map(|h| h.units).sum() };
-        let mut list = shares.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut list) = holders::listed(self.gpu.ordinal) else {
+            return false;
+        };
         if others(&list) + units > cap {
             // Room from holders whose kernels have left by their idle time-out.
             list.retain(|h| {
-                let gone = h.id != id && h.expired(now);
+                let gone = h.id != id && expired(h, now);
                 if gone {
                     h.share.held.store(false, Ordering::Release);
                 }
                 !gone
             });
             if others(&list) + units > cap {
-                for h in list.iter().filter(|h| h.wide && h.id != self.id) {
+                for h in list.iter().filter(|h| h.wide && h.id != id) {
                     h.share.shrink.store(true, Ordering::Release);
                 }
                 return false;
             }
         }
-        list.retain(|h| h.id != self.id);
-        list.push(Holder {
-            id: self.id,
-            units,
-            wide,
-            share: self.share.clone(),
-        });
+        list.retain(|h| h.id != id);
+        // Safety: the mailbox lives as long as `self`, which takes its entry out before it goes
+        // (`release`, from `stop`, which `Drop` calls).
+        let me = unsafe {
+            Holder::new(
+                id,
+                units,
+                wide,
+                self.share.clone(),
+                word(&self.mbox, POSTED),
+            )
+        };
+        list.push(me);
         // A fresh mark: the launch and its first frame count as activity, so nobody takes the
         // share over while this engine's kernel starts.
         self.share.last.store(now, Ordering::Release);
         self.share.held.store(true, Ordering::Release);
-        // Safety: the mailbox lives as long as `self`, which unlists before it goes (`release`,
-        // from `stop`, which `Drop` calls).
-        unsafe { holders::list(self.gpu.ordinal, self.id, word(&self.mbox, POSTED)) };
         true
     }
 
     /// Gives this engine's share back.
     fn release(&mut self) {
-        holders::unlist(self.gpu.ordinal, self.id);
-        if let Some(shares) = SHARES.get(self.gpu.ordinal) {
-            let mut list = shares.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut list) = holders::listed(self.gpu.ordinal) {
             list.retain(|h| h.id != self.id);
         }
         self.share.held.store(false, Ordering::Release);
@@ -525,10 +486,10 @@ impl Persist {
             || unsafe { sys::cuStreamQuery(self.gpu.stream.cu_stream()) } == CUresult::CUDA_SUCCESS
     }
 
-    /// `stop` where it waits for nothing (no kernel, or one that has left); false (nothing
-    /// done) where it would wait for a running kernel.
-    pub fn stop_now(&mut self) -> Result<bool> {
-        if !self.gone() {
+    /// `stop`; with `quick` (a caller that must not wait) only where it waits for nothing (no
+    /// kernel, or one that has left): false, nothing done, where it would wait.
+    pub fn stop_unless_busy(&mut self, quick: bool) -> Result<bool> {
+        if quick && !self.gone() {
             return Ok(false);
         }
         self.stop()?;
@@ -567,33 +528,21 @@ impl Persist {
     /// Posts one frame of `state` (already in the staging `a.x`) to the persistent kernel,
     /// launching it first where it does not run; `wait` answers it. `Post::NotTaken`: the path
     /// is switched off or the launch does not fit (other engines' kernels hold too much of the
-    /// device, or the kernel is too large): the caller runs the frame its own way. With `quick`, nothing
-    /// here waits (a caller on a normal scheduler): where a running kernel would have to be
-    /// stopped first, `Post::Busy` and nothing done.
+    /// device, or the kernel is too large): the caller runs the frame its own way. With
+    /// `quick`, nothing here waits (a caller on a normal scheduler): where a running kernel
+    /// would have to be stopped first, `Post::Busy` and nothing done.
     pub fn post(&mut self, state: u64, a: &FrameArgs, quick: bool) -> Result<Post> {
         if let Some(why) = &self.broken {
             return Err(Error::Cuda(format!("persistent frame kernel: {why}")));
         }
-        if !self.enabled {
-            if quick && !self.stop_now()? {
-                return Ok(Post::Busy);
-            }
-            self.stop()?;
-            return Ok(Post::NotTaken);
-        }
-        // Another call wants the multiprocessors (`holders::make_way`): the kernel leaves
-        // (or has left) and the frame runs the caller's way.
-        let yielded =
-            self.running.is_some() && word(&self.mbox, POSTED).load(Ordering::Acquire) & YIELD != 0;
-        let quiet = holders::quiet(self.gpu.ordinal, self.id);
-        if yielded || quiet {
-            if quick && !self.stop_now()? {
-                return Ok(Post::Busy);
-            }
-            self.stop()?;
-            if quiet {
-                return Ok(Post::NotTaken);
-            }
+        // Switched off, or another call wants the multiprocessors (`holders::make_way`): the
+        // kernel leaves (or has left) and the frame runs the caller's way.
+        if !self.enabled || holders::quiet(self.gpu.ordinal, self.id) {
+            return Ok(if self.stop_unless_busy(quick)? {
+                Post::NotTaken
+            } else {
+                Post::Busy
+            });
         }
         let bound = Bound {
             state,
@@ -602,19 +551,19 @@ impl Persist {
             out: a.out,
         };
         // Another state or staging, a kernel that has left or is about to (idle), one whose
-        // share another engine took over after its idle time-out, or a long run: stopped
-        // (waited for) and launched again below if its share fits. A kernel that leaves
-        // after all just before it sees the frame is found in `wait` by asking the driver.
-        if self.running.is_some_and(|b| b != bound)
-            || (self.running.is_some() && !self.holds_share())
-            || (self.running.is_some() && self.share.shrink.load(Ordering::Acquire))
+        // share another engine took over after its idle time-out, one asked to shrink or to
+        // leave (a call that made way, now past), or a long run: stopped (waited for) and
+        // launched again below if its share fits. A kernel that leaves after all just before
+        // it sees the frame is found in `wait` by asking the driver.
+        let asked = self.share.shrink.load(Ordering::Acquire)
+            || word(&self.mbox, POSTED).load(Ordering::Acquire) & YIELD != 0;
+        if (self.running.is_some_and(|b| b != bound)
+            || (self.running.is_some() && (!self.holds_share() || asked))
             || self.last.elapsed() + IDLE_MARGIN > IDLE
-            || self.seq.wrapping_sub(self.base) >= MAX_RUN
+            || self.seq.wrapping_sub(self.base) >= MAX_RUN)
+            && !self.stop_unless_busy(quick)?
         {
-            if quick && !self.stop_now()? {
-                return Ok(Post::Busy);
-            }
-            self.stop()?;
+            return Ok(Post::Busy);
         }
         if self.running.is_none() {
             // Alone on the device, a batch-1 frame runs on the general kernel (a lone frame
