@@ -113,3 +113,13 @@ pub fn quiet(ordinal: usize, id: u64) -> bool {
         _ => false,
     }
 }
+
+/// Ends the quiet time kept for holder `id` on device `ordinal` (an engine that goes: its
+/// calls no longer need the device, and the others' frames need not wait out `QUIET`).
+pub fn forget(ordinal: usize, id: u64) {
+    if let (Some(until), Some(by)) = (QUIET_UNTIL.get(ordinal), QUIET_FOR.get(ordinal)) {
+        if by.load(Ordering::Acquire) == id {
+            until.store(0, Ordering::Release);
+        }
+    }
+}

@@ -674,5 +674,6 @@ pub enum Post {
 impl Drop for Persist {
     fn drop(&mut self) {
         let _ = self.set_enabled(false);
+        holders::forget(self.gpu.ordinal, self.id);
     }
 }
