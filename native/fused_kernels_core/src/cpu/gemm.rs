@@ -4,8 +4,11 @@
 //! Blocking: K in slices of `KC` (a `KC × NR` panel slice, 16 KB, stays in L1 while every
 //! `MR`-row strip of an `MC`-row block of A streams past it; the A block stays in L2). The
 //! AVX2 micro-kernel keeps a 6 × 16 tile of C in twelve registers and reads A in place (no
-//! packing of A: rows are read sequentially, six streams). Large products split their panels
-//! over the thread pool; every task owns whole columns of C.
+//! packing of A: rows are read sequentially, six streams); the AVX-512 one a 12 × 32 tile (two
+//! panels side by side) in 24 of its 32 registers, twice the FMAs per broadcast row element,
+//! with masked loads and stores for the columns past C's end (so it also takes a row-major B's
+//! last partial panel). Large products split their panels over the thread pool; every task
+//! owns whole columns of C.
 
 use super::math::{apply, Func};
 use super::packed::{PackedB, NR};
@@ -188,6 +191,11 @@ unsafe fn run_panels(
     p1: usize,
 ) {
     let (k, n) = (b.k(), b.n());
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() {
+        avx512::run_panels(m, a, lda, b, c, ldc, init, p0, p1);
+        return;
+    }
     let mut k0 = 0;
     loop {
         let kc = KC.min(k - k0);
@@ -356,6 +364,136 @@ mod avx2 {
                 _mm256_storeu_ps(row.as_mut_ptr().add(8), v[1]);
             }
             write_tile(&buf, c, ldc, rows, cols, mode);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Init, Mode, Rhs, KC, MC, NR};
+    use std::arch::x86_64::*;
+
+    /// Rows of the AVX-512 micro-tile (`MC` is a multiple).
+    const MR: usize = 12;
+
+    /// [`super::run_panels`] on the AVX-512 tile: panels in pairs (one alone at the end of an
+    /// odd count).
+    ///
+    /// # Safety
+    /// As [`super::run_panels`]; the CPU has AVX-512F.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn run_panels(
+        m: usize,
+        a: &[f32],
+        lda: usize,
+        b: Rhs<'_>,
+        c: *mut f32,
+        ldc: usize,
+        init: Init<'_>,
+        p0: usize,
+        p1: usize,
+    ) {
+        let (k, n) = (b.k(), b.n());
+        let mut k0 = 0;
+        loop {
+            let kc = KC.min(k - k0);
+            for i0 in (0..m).step_by(MC) {
+                let i1 = (i0 + MC).min(m);
+                let mut p = p0;
+                while p < p1 {
+                    let two = p + 1 < p1;
+                    let col0 = p * NR;
+                    let cols = (if two { 2 * NR } else { NR }).min(n - col0);
+                    let mode = match (k0, init) {
+                        (0, Init::Zero) => Mode::Store,
+                        (0, Init::Bias(bias)) => Mode::Bias(bias.as_ptr().add(col0)),
+                        _ => Mode::Add,
+                    };
+                    let (bp, ldb) = match b {
+                        Rhs::Packed(pb) => (
+                            [
+                                pb.panel(p).as_ptr().add(k0 * NR),
+                                pb.panel(if two { p + 1 } else { p }).as_ptr().add(k0 * NR),
+                            ],
+                            NR,
+                        ),
+                        Rhs::RowMajor { b, n, .. } => {
+                            let at = b.as_ptr().add(k0 * n + col0);
+                            ([at, at.wrapping_add(NR)], n)
+                        }
+                    };
+                    for ir in (i0..i1).step_by(MR) {
+                        let rows = MR.min(i1 - ir);
+                        let ap = a.as_ptr().add(ir * lda + k0);
+                        let cp = c.add(ir * ldc + col0);
+                        if two {
+                            tile::<2>(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
+                        } else {
+                            tile::<1>(kc, ap, lda, [bp[0]], ldb, cp, ldc, rows, cols, mode);
+                        }
+                    }
+                    p += if two { 2 } else { 1 };
+                }
+            }
+            k0 += kc;
+            if k0 >= k {
+                break;
+            }
+        }
+    }
+
+    /// Lanes `0..cols - 16w` of vector `w` (all 16 where C goes on).
+    #[inline(always)]
+    fn lanes(cols: usize, w: usize) -> __mmask16 {
+        let left = cols.saturating_sub(16 * w).min(16);
+        ((1u32 << left) - 1) as __mmask16
+    }
+
+    /// C rows `0..rows`, columns `0..cols` (≤ 16 W) per `mode` plus A · B over `kc`, B as W
+    /// 16-column streams of row stride `ldb` (whose columns past `cols` are never read).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile<const W: usize>(
+        kc: usize,
+        a: *const f32,
+        lda: usize,
+        b: [*const f32; W],
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        mode: Mode,
+    ) {
+        let mask: [__mmask16; W] = std::array::from_fn(|w| lanes(cols, w));
+        // Rows past `rows` re-read the last valid row; their results are dropped.
+        let ar: [*const f32; MR] = std::array::from_fn(|i| a.add(i.min(rows - 1) * lda));
+        let mut acc = [[_mm512_setzero_ps(); W]; MR];
+        for kk in 0..kc {
+            let bv: [__m512; W] =
+                std::array::from_fn(|w| _mm512_maskz_loadu_ps(mask[w], b[w].add(kk * ldb)));
+            for i in 0..MR {
+                let av = _mm512_set1_ps(*ar[i].add(kk));
+                for w in 0..W {
+                    acc[i][w] = _mm512_fmadd_ps(av, bv[w], acc[i][w]);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate().take(rows) {
+            let cr = c.add(i * ldc);
+            for (w, &v) in row.iter().enumerate() {
+                let at = cr.add(16 * w);
+                let v = match mode {
+                    Mode::Store => v,
+                    Mode::Add => _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[w], at)),
+                    Mode::Bias(bias) => {
+                        _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[w], bias.add(16 * w)))
+                    }
+                };
+                _mm512_mask_storeu_ps(at, mask[w], v);
+            }
         }
     }
 }

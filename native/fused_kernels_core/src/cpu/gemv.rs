@@ -1,7 +1,9 @@
 //! `y = init + x · B` for one row x over a packed B: the batch-1 recurrence and frame path.
 //!
 //! Bound by reading B once from cache or memory, so the AVX2 kernel streams four panels at a
-//! time (eight FMA accumulators, enough to cover the FMA latency) and writes y once. It runs
+//! time (eight FMA accumulators, enough to cover the FMA latency) and writes y once; the
+//! AVX-512 kernel eight panels (one 16-lane accumulator each), every column summed over k in
+//! order by one accumulator, so any grouping of the panels gives the same bits. It runs
 //! on the calling thread: at the sizes of an RNN step (≤ a few MB of weights) waking threads
 //! for one product costs more than it saves. A window's time loop, whose threads stay awake
 //! from step to step, splits the columns itself ([`gemv_cols`] per thread).
@@ -25,6 +27,12 @@ pub fn gemv_cols(isa: Isa, x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32
     assert!(y.len().is_multiple_of(NR) || c0 + y.len() == b.n());
     if let Some(i) = init {
         assert!(i.len() == y.len());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() {
+        // Safety: an AVX-512 `Isa` exists only on CPUs with AVX-512F; lengths checked above.
+        unsafe { avx512::gemv(x, b, p0, init, y) };
+        return;
     }
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx2() {
@@ -140,6 +148,62 @@ mod avx2 {
                 init,
                 y,
             );
+            p += 1;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{PackedB, NR};
+    use std::arch::x86_64::*;
+
+    /// Panels `p..p + G` (counted from y's first column): one accumulator per panel, k in
+    /// order; the columns past y's end (the last panel's padding) are not written.
+    #[inline(always)]
+    unsafe fn panels<const G: usize>(
+        x: &[f32],
+        b: &PackedB,
+        p0: usize,
+        p: usize,
+        init: Option<&[f32]>,
+        y: &mut [f32],
+    ) {
+        let ptr: [*const f32; G] = std::array::from_fn(|q| b.panel(p0 + p + q).as_ptr());
+        let xp = x.as_ptr();
+        let mut acc = [_mm512_setzero_ps(); G];
+        for kk in 0..b.k() {
+            let xv = _mm512_set1_ps(*xp.add(kk));
+            for q in 0..G {
+                acc[q] = _mm512_fmadd_ps(_mm512_loadu_ps(ptr[q].add(kk * NR)), xv, acc[q]);
+            }
+        }
+        for (q, &v) in acc.iter().enumerate() {
+            let c0 = (p + q) * NR;
+            let left = (y.len() - c0).min(NR);
+            let mask = ((1u32 << left) - 1) as __mmask16;
+            let v = match init {
+                Some(i) => _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, i.as_ptr().add(c0))),
+                None => v,
+            };
+            _mm512_mask_storeu_ps(y.as_mut_ptr().add(c0), mask, v);
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn gemv(x: &[f32], b: &PackedB, p0: usize, init: Option<&[f32]>, y: &mut [f32]) {
+        let count = y.len().div_ceil(NR);
+        let mut p = 0;
+        while p + 8 <= count {
+            panels::<8>(x, b, p0, p, init, y);
+            p += 8;
+        }
+        if p + 4 <= count {
+            panels::<4>(x, b, p0, p, init, y);
+            p += 4;
+        }
+        while p < count {
+            panels::<1>(x, b, p0, p, init, y);
             p += 1;
         }
     }
