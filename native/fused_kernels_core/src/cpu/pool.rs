@@ -85,6 +85,9 @@ const SPIN: Duration = Duration::from_micros(50);
 /// 0.061 (bench/RESULTS.md, "Native CPU path").
 const YIELD_WATCH: Duration = Duration::from_micros(300);
 
+/// How long the submitter of a lockstep job yields for its workers to enter before it starts.
+const ENTER_WAIT: Duration = Duration::from_micros(500);
+
 /// Spins until `done()` or `SPIN` has passed; true if `done()`.
 fn spin_until(done: impl Fn() -> bool) -> bool {
     let start = Instant::now();
@@ -212,7 +215,7 @@ fn run_tasks(next: &AtomicUsize, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 /// when all are done. Tasks must be independent; their order is unspecified. With one task,
 /// a one-thread pool or a busy pool, everything runs on the calling thread.
 pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-    if tasks <= 1 || threads() <= 1 || !submit(tasks, f, 1) {
+    if tasks <= 1 || threads() <= 1 || !submit(tasks, f, 1, false) {
         (0..tasks).for_each(f);
     }
 }
@@ -221,12 +224,12 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 /// so tasks may wait for each other ([`Barrier`]); returns false, running nothing, when the
 /// pool cannot give `tasks` threads now (too few, or busy with another caller's job).
 pub fn run_together(tasks: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
-    tasks >= 2 && threads() >= tasks && submit(tasks, f, tasks - 1)
+    tasks >= 2 && threads() >= tasks && submit(tasks, f, tasks - 1, true)
 }
 
 /// Runs the job on the pool if it is free and has at least `min_workers` workers; false if
-/// nothing ran.
-fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool {
+/// nothing ran. `lockstep`: the tasks wait for each other (`run_together`).
+fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize, lockstep: bool) -> bool {
     let pool: &'static Pool = &POOL;
     let Ok(_held) = pool.submit.try_lock() else {
         return false;
@@ -248,6 +251,19 @@ fn submit(tasks: usize, f: &(dyn Fn(usize) + Sync), min_workers: usize) -> bool 
         pool.generation.store(st.generation, Ordering::Release);
         if st.parked > 0 {
             pool.wake.notify_all();
+        }
+    }
+    if lockstep {
+        // A lockstep job needs its workers running before its first barrier.
+        // One that sits on this thread's CPU (it watched for the job there, yielding) runs
+        // only once this thread gives the CPU up: spinning at the barrier, its start came
+        // 160-190 µs late on the 2-core Zen 5 VM (a split LSTM window from the BEAM, whose
+        // first crossing then gave up on it). Yielding here lets it run and move off
+        // (`place::leave_taken`) within microseconds; bounded, since one the OS does not run
+        // soon is the barrier's patience's business.
+        let start = Instant::now();
+        while pool.inside.load(Ordering::SeqCst) < min_workers && start.elapsed() < ENTER_WAIT {
+            std::thread::yield_now();
         }
     }
     let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(&pool.next, tasks, f)));
