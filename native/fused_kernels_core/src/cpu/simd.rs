@@ -7,8 +7,8 @@
 //! explicitly ([`Isa::available`] lists every level the CPU has).
 //!
 //! Levels on x86_64: AVX2 + FMA (8-lane f32), and AVX-512F on top of it (CPUs with AVX-512F
-//! all have AVX2 and FMA, so an AVX-512 `Isa` also takes every AVX2 path; the element-wise
-//! functions of `math` run 16 lanes there). Everything else, aarch64 included, runs the
+//! all have AVX2 and FMA, so an AVX-512 `Isa` also takes every AVX2 path; the GEMM and GEMV
+//! micro-kernels and the element-wise functions of `math` run 16 lanes there). Everything else, aarch64 included, runs the
 //! portable path: no NEON kernels are built, since no aarch64 target was available to compile
 //! and test them.
 
