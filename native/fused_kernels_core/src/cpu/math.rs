@@ -936,6 +936,12 @@ pub mod avx512 {
     use super::{lanes, Func, NormKind};
     use std::arch::x86_64::__m512;
 
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp(x: __m512) -> __m512 {
+        lanes::exp(x)
+    }
+
     #[target_feature(enable = "avx512f")]
     pub unsafe fn apply(f: Func, xs: &mut [f32]) {
         lanes::apply::<__m512>(f, xs)

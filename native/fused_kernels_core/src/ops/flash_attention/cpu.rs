@@ -1,6 +1,6 @@
 //! The CPU attention: an online softmax over blocks of keys, query rows in blocks of 16 as
-//! pool tasks, f32 arithmetic for f32/f16/bf16 (an AVX2 path where the CPU has it) and f64 for
-//! f64.
+//! pool tasks, f32 arithmetic for f32/f16/bf16 (AVX2 and AVX-512 paths where the CPU has
+//! them) and f64 for f64.
 
 use super::common::{geometry, Geometry, Params, MAX_HEAD_DIM};
 use crate::cpu::{arena, pool, Isa, Real};
@@ -223,6 +223,47 @@ mod avx2 {
         ]
     }
 
+    /// `qt[c · ROW_BLOCK + r] = scale · q[rows.start + r][c]` for the rows of (batch b, head
+    /// h) at `bh`, zero for rows past `rows`: Qᵀ for the block kernels, eight rows by eight
+    /// columns at a time through registers. Needs `d % 8 == 0`, `qt.len() >= d · ROW_BLOCK`.
+    ///
+    /// # Safety
+    /// As [`super::rows`]; the CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scaled_qt(
+        c: Call<f32>,
+        g: &Geometry,
+        p: &Params,
+        bh: usize,
+        rows: std::ops::Range<usize>,
+        qt: &mut [f32],
+    ) {
+        const R: usize = super::ROW_BLOCK;
+        let qs = g.q_strides();
+        let (d, nr) = (g.d, rows.len());
+        let (b, h) = (bh / g.heads, bh % g.heads);
+        assert!(qt.len() >= d * R && d.is_multiple_of(8) && nr <= R);
+        let sv = _mm256_set1_ps(g.scale(p) as f32);
+        for half in 0..2 {
+            let rp: [Option<*const f32>; 8] = std::array::from_fn(|i| {
+                let r = 8 * half + i;
+                (r < nr).then(|| c.q.add(b * qs.sb + (rows.start + r) * qs.ss + h * qs.sh))
+            });
+            let mut c0 = 0;
+            while c0 < d {
+                let rv: [__m256; 8] = std::array::from_fn(|i| match rp[i] {
+                    Some(p) => _mm256_mul_ps(_mm256_loadu_ps(p.add(c0)), sv),
+                    None => _mm256_setzero_ps(),
+                });
+                let t = transpose8(rv);
+                for (i, v) in t.iter().enumerate() {
+                    _mm256_storeu_ps(qt.as_mut_ptr().add((c0 + i) * R + 8 * half), *v);
+                }
+                c0 += 8;
+            }
+        }
+    }
+
     /// Up to 16 query rows `rows` of (batch b, head h) at once, the rows in the lanes of two
     /// vectors: scores `Sᵀ = K · Qᵀ` for six keys at a time (each key value broadcast, twelve
     /// accumulators), the online softmax vertically over the keys of a block (each row's
@@ -247,48 +288,22 @@ mod avx2 {
         let kh = h / (g.heads / g.kv_heads);
         let kbase = b * ks.sb + kh * ks.sh;
         let nr = rows.len();
-        let scale = g.scale(p) as f32;
         // Fixed-size scratch on the stack, only the parts this head dim uses initialised.
         let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
         let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
-        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R]>::uninit();
-        // Qᵀ scaled: qt[c * R + r]; rows past nr are zero.
+        // One row of R past the block's keys: the last 6-row tile of P · V reads up to
+        // rows 12..18 of a key's R weights (the rows past 16 dropped), zeros there.
+        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R + R]>::uninit();
         let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
-        // Eight rows by eight columns at a time, through registers.
-        let sv = _mm256_set1_ps(scale);
-        for half in 0..2 {
-            let rp: [Option<*const f32>; 8] = std::array::from_fn(|i| {
-                let r = 8 * half + i;
-                (r < nr).then(|| c.q.add(b * qs.sb + (rows.start + r) * qs.ss + h * qs.sh))
-            });
-            let mut c0 = 0;
-            while c0 < d {
-                let rv: [__m256; 8] = std::array::from_fn(|i| match rp[i] {
-                    Some(p) => _mm256_mul_ps(_mm256_loadu_ps(p.add(c0)), sv),
-                    None => _mm256_setzero_ps(),
-                });
-                let t = transpose8(rv);
-                for (i, v) in t.iter().enumerate() {
-                    _mm256_storeu_ps(qt.as_mut_ptr().add((c0 + i) * R + 8 * half), *v);
-                }
-                c0 += 8;
-            }
-        }
-        let (mut lo_r, mut hi_r) = ([f32::INFINITY; R], [f32::NEG_INFINITY; R]);
-        let (mut lo, mut hi) = (i64::MAX, i64::MIN);
-        let (mut lo_max, mut hi_min) = (i64::MIN, i64::MAX);
-        for r in 0..nr {
-            let i = rows.start + r;
-            let (a, z) = g.visible(p, i);
-            if a <= z {
-                (lo_r[r], hi_r[r]) = (a as f32, z as f32);
-                (lo, hi) = (lo.min(a), hi.max(z));
-                (lo_max, hi_min) = (lo_max.max(a), hi_min.min(z));
-            } else {
-                // A row that sees nothing masks every key.
-                (lo_max, hi_min) = (i64::MAX, i64::MIN);
-            }
-        }
+        scaled_qt(c, g, p, bh, rows.clone(), qt);
+        let super::Visible {
+            lo_r,
+            hi_r,
+            lo,
+            hi,
+            lo_max,
+            hi_min,
+        } = super::Visible::of(g, p, rows.clone());
         let lov = [
             _mm256_loadu_ps(lo_r.as_ptr()),
             _mm256_loadu_ps(lo_r.as_ptr().add(8)),
@@ -305,7 +320,9 @@ mod avx2 {
         let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
         o.fill(0.0);
         // Scores, then weights, of one key block: st[j * R + r], written before read.
-        let st = std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R);
+        let st =
+            std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R + R);
+        st[KEY_BLOCK * R..].fill(0.0);
         let mut j0 = lo;
         while j0 <= hi {
             let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
@@ -685,6 +702,225 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The block kernel sixteen lanes wide (AVX-512F; callers hold an AVX-512 `Isa`).
+    use super::{Call, Geometry, Params, Visible, KEY_BLOCK, MAX_HEAD_DIM, ROW_BLOCK};
+    use crate::cpu::math;
+    use std::arch::x86_64::*;
+
+    /// [`super::avx2::block`] with the block's 16 rows in the lanes of one vector: scores for
+    /// twelve keys at a time (twelve accumulators), the online softmax in one vector, and
+    /// `O += P · V` in 8-row × 32-column register tiles. Needs `d % 16 == 0`.
+    ///
+    /// # Safety
+    /// As [`super::rows`]; the CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn block(
+        c: Call<f32>,
+        g: &Geometry,
+        p: &Params,
+        bh: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        const R: usize = ROW_BLOCK;
+        const KEYS: usize = 12;
+        const TILE: usize = 8;
+        let (qs, ks) = (g.q_strides(), g.k_strides());
+        let d = g.d;
+        let (b, h) = (bh / g.heads, bh % g.heads);
+        let kh = h / (g.heads / g.kv_heads);
+        let kbase = b * ks.sb + kh * ks.sh;
+        let nr = rows.len();
+        let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+        let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R]>::uninit();
+        let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
+        super::avx2::scaled_qt(c, g, p, bh, rows.clone(), qt);
+        let Visible {
+            lo_r,
+            hi_r,
+            lo,
+            hi,
+            lo_max,
+            hi_min,
+        } = Visible::of(g, p, rows.clone());
+        let (lov, hiv) = (
+            _mm512_loadu_ps(lo_r.as_ptr()),
+            _mm512_loadu_ps(hi_r.as_ptr()),
+        );
+        let (zero, ninf) = (_mm512_setzero_ps(), _mm512_set1_ps(f32::NEG_INFINITY));
+        let (mut m, mut l) = (ninf, zero);
+        // O unnormalised, row-major R × d, zeroed (its first rescale multiplies by 0).
+        let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
+        o.fill(0.0);
+        // Scores, then weights, of one key block: st[j * R + r], written before read.
+        let st = std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R);
+        let mut j0 = lo;
+        while j0 <= hi {
+            let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
+            let ju = j0 as usize;
+            let krow = |j: usize| c.k.add(kbase + (ju + j) * ks.ss);
+            let vrow = |j: usize| c.v.add(kbase + (ju + j) * ks.ss);
+            // Sᵀ[j] for twelve keys at a time (keys past n re-read the last; dropped).
+            let mut j = 0;
+            while j < n {
+                let kp: [*const f32; KEYS] = std::array::from_fn(|i| krow((j + i).min(n - 1)));
+                let mut acc = [zero; KEYS];
+                for cc in 0..d {
+                    let qv = _mm512_loadu_ps(qt.as_ptr().add(cc * R));
+                    for i in 0..KEYS {
+                        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(*kp[i].add(cc)), qv, acc[i]);
+                    }
+                }
+                for (i, a) in acc.iter().enumerate().take(n - j) {
+                    _mm512_storeu_ps(st.as_mut_ptr().add((j + i) * R), *a);
+                }
+                j += KEYS;
+            }
+            // Keys outside a row's window: -inf (only before the latest window start or after
+            // the earliest window end).
+            let before = (lo_max - j0).clamp(0, n as i64) as usize;
+            let after = (hi_min + 1 - j0).clamp(before as i64, n as i64) as usize;
+            for j in (0..before).chain(after..n) {
+                let jv = _mm512_set1_ps((ju + j) as f32);
+                let out = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(jv, lov)
+                    | _mm512_cmp_ps_mask::<_CMP_GT_OQ>(jv, hiv);
+                let at = st.as_mut_ptr().add(j * R);
+                _mm512_storeu_ps(at, _mm512_mask_mov_ps(_mm512_loadu_ps(at), out, ninf));
+            }
+            // Online softmax, each lane a row.
+            let mut bm = ninf;
+            for j in 0..n {
+                bm = _mm512_max_ps(bm, _mm512_loadu_ps(st.as_ptr().add(j * R)));
+            }
+            let mn = _mm512_max_ps(m, bm);
+            // A row with no key seen yet keeps -inf; exponentials against 0 then give 0.
+            let mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(mn, ninf), zero);
+            let f = math::avx512::exp(_mm512_sub_ps(m, mu));
+            let mut sum = zero;
+            for j in 0..n {
+                let at = st.as_mut_ptr().add(j * R);
+                let e = math::avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(at), mu));
+                _mm512_storeu_ps(at, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l = _mm512_fmadd_ps(l, f, sum);
+            m = mn;
+            let mut fr = [0.0f32; R];
+            _mm512_storeu_ps(fr.as_mut_ptr(), f);
+            // O = O · f + P · V, eight rows by 32 (or 16) columns per register tile.
+            let mut r0 = 0;
+            while r0 < nr {
+                let rn = TILE.min(nr - r0);
+                let mut c0 = 0;
+                while c0 < d {
+                    let wide = c0 + 32 <= d;
+                    let mut acc = [[zero; 2]; TILE];
+                    for (i, a) in acc.iter_mut().enumerate().take(rn) {
+                        let fv = _mm512_set1_ps(fr[r0 + i]);
+                        let op = o.as_ptr().add((r0 + i) * d + c0);
+                        a[0] = _mm512_mul_ps(_mm512_loadu_ps(op), fv);
+                        if wide {
+                            a[1] = _mm512_mul_ps(_mm512_loadu_ps(op.add(16)), fv);
+                        }
+                    }
+                    for j in 0..n {
+                        let vp = vrow(j).add(c0);
+                        // Rows r0..r0 + 8 of this key's weights (within its R).
+                        let pp = st.as_ptr().add(j * R + r0);
+                        let v0 = _mm512_loadu_ps(vp);
+                        if wide {
+                            let v1 = _mm512_loadu_ps(vp.add(16));
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let pv = _mm512_set1_ps(*pp.add(i));
+                                a[0] = _mm512_fmadd_ps(pv, v0, a[0]);
+                                a[1] = _mm512_fmadd_ps(pv, v1, a[1]);
+                            }
+                        } else {
+                            for (i, a) in acc.iter_mut().enumerate() {
+                                let pv = _mm512_set1_ps(*pp.add(i));
+                                a[0] = _mm512_fmadd_ps(pv, v0, a[0]);
+                            }
+                        }
+                    }
+                    for (i, a) in acc.iter().enumerate().take(rn) {
+                        let op = o.as_mut_ptr().add((r0 + i) * d + c0);
+                        _mm512_storeu_ps(op, a[0]);
+                        if wide {
+                            _mm512_storeu_ps(op.add(16), a[1]);
+                        }
+                    }
+                    c0 += if wide { 32 } else { 16 };
+                }
+                r0 += TILE;
+            }
+            j0 += n as i64;
+        }
+        let (mut ms, mut ls) = ([0.0f32; R], [0.0f32; R]);
+        _mm512_storeu_ps(ms.as_mut_ptr(), m);
+        _mm512_storeu_ps(ls.as_mut_ptr(), l);
+        for r in 0..nr {
+            let i = rows.start + r;
+            let out = c.out.add(b * qs.sb + i * qs.ss + h * qs.sh);
+            let seen = ls[r] > 0.0;
+            let iv = _mm512_set1_ps(if seen { 1.0 / ls[r] } else { 0.0 });
+            let mut cc = 0;
+            while cc < d {
+                let v = _mm512_mul_ps(_mm512_loadu_ps(o.as_ptr().add(r * d + cc)), iv);
+                _mm512_storeu_ps(out.add(cc), v);
+                cc += 16;
+            }
+            if !c.lse.is_null() {
+                *c.lse.add(bh * g.sq + i) = if seen {
+                    ms[r] + ls[r].ln()
+                } else {
+                    f32::INFINITY
+                };
+            }
+        }
+    }
+}
+
+/// The keys a block of query rows sees (`Geometry::visible` per row): each row's first and
+/// last key as f32 (exact below 2^24; a row that sees none: +inf, -inf), the union `lo..=hi`,
+/// and the keys every row sees, `lo_max..=hi_min` (empty when a row sees none).
+#[cfg(target_arch = "x86_64")]
+struct Visible {
+    lo_r: [f32; ROW_BLOCK],
+    hi_r: [f32; ROW_BLOCK],
+    lo: i64,
+    hi: i64,
+    lo_max: i64,
+    hi_min: i64,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Visible {
+    fn of(g: &Geometry, p: &Params, rows: std::ops::Range<usize>) -> Visible {
+        let mut v = Visible {
+            lo_r: [f32::INFINITY; ROW_BLOCK],
+            hi_r: [f32::NEG_INFINITY; ROW_BLOCK],
+            lo: i64::MAX,
+            hi: i64::MIN,
+            lo_max: i64::MIN,
+            hi_min: i64::MAX,
+        };
+        for (r, i) in rows.enumerate() {
+            let (a, z) = g.visible(p, i);
+            if a <= z {
+                (v.lo_r[r], v.hi_r[r]) = (a as f32, z as f32);
+                (v.lo, v.hi) = (v.lo.min(a), v.hi.max(z));
+                (v.lo_max, v.hi_min) = (v.lo_max.max(a), v.hi_min.min(z));
+            } else {
+                // A row that sees nothing masks every key.
+                (v.lo_max, v.hi_min) = (i64::MAX, i64::MIN);
+            }
+        }
+        v
+    }
+}
+
 /// Where one call's rows are: q/k/v/out base pointers and the problem.
 #[derive(Clone, Copy)]
 struct Call<F> {
@@ -880,14 +1116,16 @@ fn cpu_typed<F: Real>(
         };
         let r = blk * ROW_BLOCK..((blk + 1) * ROW_BLOCK).min(g.sq);
         // Safety: the pointers span the caller's tensors of geometry g; unit t writes only its
-        // own rows of out and lse. The f32 cast is a no-op (F is f32 there), and an AVX2 `Isa`
-        // exists only on CPUs with AVX2 and FMA.
+        // own rows of out and lse. The f32 cast is a no-op (F is f32 there), and an AVX2
+        // (AVX-512) `Isa` exists only on CPUs with AVX2 and FMA (and AVX-512F).
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if f32_vector {
                 let c32: Call<f32> = std::mem::transmute_copy(&c);
-                // Key positions compare as f32 in the block kernel: exact below 2^24.
-                if g.d.is_multiple_of(8) && g.sk < 1 << 24 {
+                // Key positions compare as f32 in the block kernels: exact below 2^24.
+                if isa.is_avx512() && g.d.is_multiple_of(16) && g.sk < 1 << 24 {
+                    avx512::block(c32, g, p, bh, r);
+                } else if g.d.is_multiple_of(8) && g.sk < 1 << 24 {
                     avx2::block(c32, g, p, bh, r);
                 } else {
                     rows_avx2(c32, g, p, bh, r);
