@@ -172,7 +172,9 @@ pub fn gemm_act(
     }
 }
 
-/// Panels `p0..p1` of the product, all rows, all of K.
+/// Panels `p0..p1` of the product, all rows, all of K: the AVX-512 tile takes two panels and
+/// `avx512::MR` rows at a time (one panel where an odd count ends), the others one panel and
+/// `MR` rows.
 ///
 /// # Safety
 /// `c` must be valid for `(m - 1) * ldc + n` floats, with no other thread touching those
@@ -192,37 +194,49 @@ unsafe fn run_panels(
 ) {
     let (k, n) = (b.k(), b.n());
     #[cfg(target_arch = "x86_64")]
-    if isa.is_avx512() {
-        avx512::run_panels(m, a, lda, b, c, ldc, init, p0, p1);
-        return;
-    }
+    let (mr, pw) = if isa.is_avx512() {
+        (avx512::MR, 2)
+    } else {
+        (MR, 1)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (mr, pw) = (MR, 1);
     let mut k0 = 0;
     loop {
         let kc = KC.min(k - k0);
         for i0 in (0..m).step_by(MC) {
             let i1 = (i0 + MC).min(m);
-            for p in p0..p1 {
+            let mut p = p0;
+            while p < p1 {
+                let w = pw.min(p1 - p);
                 let col0 = p * NR;
-                let cols = NR.min(n - col0);
+                let cols = (w * NR).min(n - col0);
                 let mode = match (k0, init) {
                     (0, Init::Zero) => Mode::Store,
                     (0, Init::Bias(bias)) => Mode::Bias(bias.as_ptr().add(col0)),
                     _ => Mode::Add,
                 };
-                let (bp, ldb, narrow) = match b {
-                    Rhs::Packed(pb) => (pb.panel(p).as_ptr().add(k0 * NR), NR, false),
-                    Rhs::RowMajor { b, n, .. } => (b.as_ptr().add(k0 * n + col0), n, cols < NR),
+                // The panels' first rows in this K slice (the second one only where w is 2).
+                let (bp, ldb) = match b {
+                    Rhs::Packed(pb) => (
+                        [0, w - 1].map(|q| pb.panel(p + q).as_ptr().add(k0 * NR)),
+                        NR,
+                    ),
+                    Rhs::RowMajor { b, n, .. } => {
+                        let at = b.as_ptr().add(k0 * n + col0);
+                        ([at, at.wrapping_add(NR)], n)
+                    }
                 };
-                for ir in (i0..i1).step_by(MR) {
-                    let rows = MR.min(i1 - ir);
+                for ir in (i0..i1).step_by(mr) {
+                    let rows = mr.min(i1 - ir);
                     let ap = a.as_ptr().add(ir * lda + k0);
                     let cp = c.add(ir * ldc + col0);
-                    if narrow {
-                        scalar_tile(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
-                    } else {
-                        tile(isa, kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
-                    }
+                    let narrow = matches!(b, Rhs::RowMajor { .. }) && cols < NR;
+                    tile(
+                        isa, w, kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode, narrow,
+                    );
                 }
+                p += w;
             }
         }
         k0 += kc;
@@ -232,28 +246,41 @@ unsafe fn run_panels(
     }
 }
 
+/// One tile of `w` panels (`bp[..w]`) on the best path `isa` has: AVX-512 (its masked tile
+/// takes a narrow row-major panel too), AVX2 (one panel, not `narrow`), else scalar.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile(
     isa: Isa,
+    w: usize,
     kc: usize,
     a: *const f32,
     lda: usize,
-    b: *const f32,
+    bp: [*const f32; 2],
     ldb: usize,
     c: *mut f32,
     ldc: usize,
     rows: usize,
     cols: usize,
     mode: Mode,
+    narrow: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa.is_avx2() {
-        avx2::tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
+    if isa.is_avx512() {
+        if w == 2 {
+            avx512::tile::<2>(kc, a, lda, bp, ldb, c, ldc, rows, cols, mode);
+        } else {
+            avx512::tile::<1>(kc, a, lda, [bp[0]], ldb, c, ldc, rows, cols, mode);
+        }
         return;
     }
-    let _ = isa;
-    scalar_tile(kc, a, lda, b, ldb, c, ldc, rows, cols, mode);
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx2() && !narrow {
+        avx2::tile(kc, a, lda, bp[0], ldb, c, ldc, rows, cols, mode);
+        return;
+    }
+    let _ = (isa, w, narrow);
+    scalar_tile(kc, a, lda, bp[0], ldb, c, ldc, rows, cols, mode);
 }
 
 /// The scalar tile: the portable path, and the last panel of a row-major B whose columns
@@ -370,78 +397,11 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Init, Mode, Rhs, KC, MC, NR};
+    use super::Mode;
     use std::arch::x86_64::*;
 
     /// Rows of the AVX-512 micro-tile (`MC` is a multiple).
-    const MR: usize = 12;
-
-    /// [`super::run_panels`] on the AVX-512 tile: panels in pairs (one alone at the end of an
-    /// odd count).
-    ///
-    /// # Safety
-    /// As [`super::run_panels`]; the CPU has AVX-512F.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn run_panels(
-        m: usize,
-        a: &[f32],
-        lda: usize,
-        b: Rhs<'_>,
-        c: *mut f32,
-        ldc: usize,
-        init: Init<'_>,
-        p0: usize,
-        p1: usize,
-    ) {
-        let (k, n) = (b.k(), b.n());
-        let mut k0 = 0;
-        loop {
-            let kc = KC.min(k - k0);
-            for i0 in (0..m).step_by(MC) {
-                let i1 = (i0 + MC).min(m);
-                let mut p = p0;
-                while p < p1 {
-                    let two = p + 1 < p1;
-                    let col0 = p * NR;
-                    let cols = (if two { 2 * NR } else { NR }).min(n - col0);
-                    let mode = match (k0, init) {
-                        (0, Init::Zero) => Mode::Store,
-                        (0, Init::Bias(bias)) => Mode::Bias(bias.as_ptr().add(col0)),
-                        _ => Mode::Add,
-                    };
-                    let (bp, ldb) = match b {
-                        Rhs::Packed(pb) => (
-                            [
-                                pb.panel(p).as_ptr().add(k0 * NR),
-                                pb.panel(if two { p + 1 } else { p }).as_ptr().add(k0 * NR),
-                            ],
-                            NR,
-                        ),
-                        Rhs::RowMajor { b, n, .. } => {
-                            let at = b.as_ptr().add(k0 * n + col0);
-                            ([at, at.wrapping_add(NR)], n)
-                        }
-                    };
-                    for ir in (i0..i1).step_by(MR) {
-                        let rows = MR.min(i1 - ir);
-                        let ap = a.as_ptr().add(ir * lda + k0);
-                        let cp = c.add(ir * ldc + col0);
-                        if two {
-                            tile::<2>(kc, ap, lda, bp, ldb, cp, ldc, rows, cols, mode);
-                        } else {
-                            tile::<1>(kc, ap, lda, [bp[0]], ldb, cp, ldc, rows, cols, mode);
-                        }
-                    }
-                    p += if two { 2 } else { 1 };
-                }
-            }
-            k0 += kc;
-            if k0 >= k {
-                break;
-            }
-        }
-    }
+    pub const MR: usize = 12;
 
     /// Lanes `0..cols - 16w` of vector `w` (all 16 where C goes on).
     #[inline(always)]
@@ -453,9 +413,8 @@ mod avx512 {
     /// C rows `0..rows`, columns `0..cols` (≤ 16 W) per `mode` plus A · B over `kc`, B as W
     /// 16-column streams of row stride `ldb` (whose columns past `cols` are never read).
     #[allow(clippy::too_many_arguments)]
-    #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile<const W: usize>(
+    pub unsafe fn tile<const W: usize>(
         kc: usize,
         a: *const f32,
         lda: usize,
