@@ -324,7 +324,7 @@ pub mod scalar {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod lanes {
+pub(crate) mod lanes {
     //! The vector functions written once over a lane type ([`V`]); `avx2` and `avx512`
     //! instantiate them for 8 and 16 lanes inside their `#[target_feature]` functions, where
     //! everything here is inlined.
@@ -935,12 +935,6 @@ pub mod avx512 {
     //! Sixteen-lane versions; every function requires AVX-512F (callers hold an AVX-512 `Isa`).
     use super::{lanes, Func, NormKind};
     use std::arch::x86_64::__m512;
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn exp(x: __m512) -> __m512 {
-        lanes::exp(x)
-    }
 
     #[target_feature(enable = "avx512f")]
     pub unsafe fn apply(f: Func, xs: &mut [f32]) {

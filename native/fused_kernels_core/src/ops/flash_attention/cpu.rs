@@ -3,6 +3,8 @@
 //! them) and f64 for f64.
 
 use super::common::{geometry, Geometry, Params, MAX_HEAD_DIM};
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::math::{self, lanes::V};
 use crate::cpu::{arena, pool, Isa, Real};
 use crate::dtype::{decode_f64, encode_f64, DType};
 use crate::error::{arg_error, Result};
@@ -123,7 +125,7 @@ impl<F: Real> RowOps<F> for Portable {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! The f32 row operations eight lanes at a time (AVX2 + FMA; callers hold an AVX2 `Isa`).
-    use super::{Call, Geometry, Params, RowOps, KEY_BLOCK, MAX_HEAD_DIM};
+    use super::{Call, Geometry, Params, RowOps};
     use crate::cpu::math;
     use std::arch::x86_64::*;
 
@@ -264,12 +266,9 @@ mod avx2 {
         }
     }
 
-    /// Up to 16 query rows `rows` of (batch b, head h) at once, the rows in the lanes of two
-    /// vectors: scores `Sᵀ = K · Qᵀ` for six keys at a time (each key value broadcast, twelve
-    /// accumulators), the online softmax vertically over the keys of a block (each row's
-    /// maximum and sum in lanes), and `O += P · V` in 6-row × 16-column register tiles (each
-    /// value row loaded once for six rows). Every key and value row is read once per block
-    /// of rows instead of once per row or pair. Needs `d % 8 == 0`.
+    /// [`super::block`] eight lanes wide: the block's 16 rows in two vectors, scores for six
+    /// keys at a time (twelve accumulators), `O += P · V` in 6-row × 16-column tiles. Needs
+    /// `d % 8 == 0`.
     ///
     /// # Safety
     /// As [`super::rows`]; the CPU must have AVX2 and FMA.
@@ -281,192 +280,7 @@ mod avx2 {
         bh: usize,
         rows: std::ops::Range<usize>,
     ) {
-        const R: usize = super::ROW_BLOCK;
-        let (qs, ks) = (g.q_strides(), g.k_strides());
-        let d = g.d;
-        let (b, h) = (bh / g.heads, bh % g.heads);
-        let kh = h / (g.heads / g.kv_heads);
-        let kbase = b * ks.sb + kh * ks.sh;
-        let nr = rows.len();
-        // Fixed-size scratch on the stack, only the parts this head dim uses initialised.
-        let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
-        let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
-        // One row of R past the block's keys: the last 6-row tile of P · V reads up to
-        // rows 12..18 of a key's R weights (the rows past 16 dropped), zeros there.
-        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R + R]>::uninit();
-        let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
-        scaled_qt(c, g, p, bh, rows.clone(), qt);
-        let super::Visible {
-            lo_r,
-            hi_r,
-            lo,
-            hi,
-            lo_max,
-            hi_min,
-        } = super::Visible::of(g, p, rows.clone());
-        let lov = [
-            _mm256_loadu_ps(lo_r.as_ptr()),
-            _mm256_loadu_ps(lo_r.as_ptr().add(8)),
-        ];
-        let hiv = [
-            _mm256_loadu_ps(hi_r.as_ptr()),
-            _mm256_loadu_ps(hi_r.as_ptr().add(8)),
-        ];
-        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-        let mut m = [ninf; 2];
-        let mut l = [_mm256_setzero_ps(); 2];
-        // O accumulated unnormalised, row-major R × d (its first rescale multiplies by 0, so
-        // it must hold no NaN: zeroed).
-        let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
-        o.fill(0.0);
-        // Scores, then weights, of one key block: st[j * R + r], written before read.
-        let st =
-            std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R + R);
-        st[KEY_BLOCK * R..].fill(0.0);
-        let mut j0 = lo;
-        while j0 <= hi {
-            let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
-            let ju = j0 as usize;
-            let krow = |j: usize| c.k.add(kbase + (ju + j) * ks.ss);
-            let vrow = |j: usize| c.v.add(kbase + (ju + j) * ks.ss);
-            // Sᵀ[j][r] for six keys at a time (keys past n re-read the last; dropped).
-            let mut j = 0;
-            while j < n {
-                let kp: [*const f32; 6] = std::array::from_fn(|i| krow((j + i).min(n - 1)));
-                let mut acc = [[_mm256_setzero_ps(); 2]; 6];
-                for cc in 0..d {
-                    let q0 = _mm256_loadu_ps(qt.as_ptr().add(cc * R));
-                    let q1 = _mm256_loadu_ps(qt.as_ptr().add(cc * R + 8));
-                    for i in 0..6 {
-                        let kv = _mm256_broadcast_ss(&*kp[i].add(cc));
-                        acc[i][0] = _mm256_fmadd_ps(kv, q0, acc[i][0]);
-                        acc[i][1] = _mm256_fmadd_ps(kv, q1, acc[i][1]);
-                    }
-                }
-                for (i, a) in acc.iter().enumerate().take(n - j) {
-                    _mm256_storeu_ps(st.as_mut_ptr().add((j + i) * R), a[0]);
-                    _mm256_storeu_ps(st.as_mut_ptr().add((j + i) * R + 8), a[1]);
-                }
-                j += 6;
-            }
-            // Keys outside a row's window: -inf. Only keys before the latest window start or
-            // after the earliest window end can be outside one.
-            let before = (lo_max - j0).clamp(0, n as i64) as usize;
-            let after = (hi_min + 1 - j0).clamp(before as i64, n as i64) as usize;
-            for j in (0..before).chain(after..n) {
-                {
-                    let jv = _mm256_set1_ps((ju + j) as f32);
-                    for (v, (lv, hv)) in lov.iter().zip(&hiv).enumerate() {
-                        let out = _mm256_or_ps(
-                            _mm256_cmp_ps::<_CMP_LT_OQ>(jv, *lv),
-                            _mm256_cmp_ps::<_CMP_GT_OQ>(jv, *hv),
-                        );
-                        let at = st.as_mut_ptr().add(j * R + 8 * v);
-                        _mm256_storeu_ps(at, _mm256_blendv_ps(_mm256_loadu_ps(at), ninf, out));
-                    }
-                }
-            }
-            // Online softmax, each lane a row: new maximum, rescale factor, exponentials.
-            let mut f = [_mm256_setzero_ps(); 2];
-            for v in 0..2 {
-                let mut bm = ninf;
-                for j in 0..n {
-                    bm = _mm256_max_ps(bm, _mm256_loadu_ps(st.as_ptr().add(j * R + 8 * v)));
-                }
-                let mn = _mm256_max_ps(m[v], bm);
-                // A row with no key seen yet keeps -inf; exponentials against 0 then give 0.
-                let mu = _mm256_blendv_ps(
-                    mn,
-                    _mm256_setzero_ps(),
-                    _mm256_cmp_ps::<_CMP_EQ_OQ>(mn, ninf),
-                );
-                f[v] = math::avx2::exp(_mm256_sub_ps(m[v], mu));
-                let mut sum = _mm256_setzero_ps();
-                for j in 0..n {
-                    let at = st.as_mut_ptr().add(j * R + 8 * v);
-                    let e = math::avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(at), mu));
-                    _mm256_storeu_ps(at, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                l[v] = _mm256_fmadd_ps(l[v], f[v], sum);
-                m[v] = mn;
-            }
-            let mut fr = [0.0f32; R];
-            _mm256_storeu_ps(fr.as_mut_ptr(), f[0]);
-            _mm256_storeu_ps(fr.as_mut_ptr().add(8), f[1]);
-            // O = O · f + P · V, six rows by sixteen (or eight) columns per register tile.
-            let mut r0 = 0;
-            while r0 < nr {
-                let rn = 6.min(nr - r0);
-                let mut c0 = 0;
-                while c0 < d {
-                    let wide = c0 + 16 <= d;
-                    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
-                    for (i, a) in acc.iter_mut().enumerate().take(rn) {
-                        let fv = _mm256_set1_ps(fr[r0 + i]);
-                        let op = o.as_ptr().add((r0 + i) * d + c0);
-                        a[0] = _mm256_mul_ps(_mm256_loadu_ps(op), fv);
-                        if wide {
-                            a[1] = _mm256_mul_ps(_mm256_loadu_ps(op.add(8)), fv);
-                        }
-                    }
-                    for j in 0..n {
-                        let vp = vrow(j).add(c0);
-                        let pp = st.as_ptr().add(j * R + r0);
-                        let v0 = _mm256_loadu_ps(vp);
-                        if wide {
-                            let v1 = _mm256_loadu_ps(vp.add(8));
-                            for (i, a) in acc.iter_mut().enumerate() {
-                                let pv = _mm256_broadcast_ss(&*pp.add(i));
-                                a[0] = _mm256_fmadd_ps(pv, v0, a[0]);
-                                a[1] = _mm256_fmadd_ps(pv, v1, a[1]);
-                            }
-                        } else {
-                            for (i, a) in acc.iter_mut().enumerate() {
-                                let pv = _mm256_broadcast_ss(&*pp.add(i));
-                                a[0] = _mm256_fmadd_ps(pv, v0, a[0]);
-                            }
-                        }
-                    }
-                    for (i, a) in acc.iter().enumerate().take(rn) {
-                        let op = o.as_mut_ptr().add((r0 + i) * d + c0);
-                        _mm256_storeu_ps(op, a[0]);
-                        if wide {
-                            _mm256_storeu_ps(op.add(8), a[1]);
-                        }
-                    }
-                    c0 += if wide { 16 } else { 8 };
-                }
-                r0 += 6;
-            }
-            j0 += n as i64;
-        }
-        let mut ms = [0.0f32; R];
-        let mut ls = [0.0f32; R];
-        _mm256_storeu_ps(ms.as_mut_ptr(), m[0]);
-        _mm256_storeu_ps(ms.as_mut_ptr().add(8), m[1]);
-        _mm256_storeu_ps(ls.as_mut_ptr(), l[0]);
-        _mm256_storeu_ps(ls.as_mut_ptr().add(8), l[1]);
-        for r in 0..nr {
-            let i = rows.start + r;
-            let out = c.out.add(b * qs.sb + i * qs.ss + h * qs.sh);
-            let seen = ls[r] > 0.0;
-            let inv = if seen { 1.0 / ls[r] } else { 0.0 };
-            let iv = _mm256_set1_ps(inv);
-            let mut cc = 0;
-            while cc < d {
-                let v = _mm256_mul_ps(_mm256_loadu_ps(o.as_ptr().add(r * d + cc)), iv);
-                _mm256_storeu_ps(out.add(cc), v);
-                cc += 8;
-            }
-            if !c.lse.is_null() {
-                *c.lse.add(bh * g.sq + i) = if seen {
-                    ms[r] + ls[r].ln()
-                } else {
-                    f32::INFINITY
-                };
-            }
-        }
+        super::block::<[__m256; 2], __m256, 6, 6>(c, g, p, bh, rows)
     }
 
     impl RowOps<f32> for Avx2 {
@@ -705,13 +519,11 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     //! The block kernel sixteen lanes wide (AVX-512F; callers hold an AVX-512 `Isa`).
-    use super::{Call, Geometry, Params, Visible, KEY_BLOCK, MAX_HEAD_DIM, ROW_BLOCK};
-    use crate::cpu::math;
-    use std::arch::x86_64::*;
+    use super::{Call, Geometry, Params};
+    use std::arch::x86_64::__m512;
 
-    /// [`super::avx2::block`] with the block's 16 rows in the lanes of one vector: scores for
-    /// twelve keys at a time (twelve accumulators), the online softmax in one vector, and
-    /// `O += P · V` in 8-row × 32-column register tiles. Needs `d % 16 == 0`.
+    /// [`super::block`] with the block's 16 rows in one vector: scores for twelve keys at a
+    /// time, `O += P · V` in 8-row × 32-column tiles. Needs `d % 16 == 0`.
     ///
     /// # Safety
     /// As [`super::rows`]; the CPU must have AVX-512F.
@@ -723,161 +535,184 @@ mod avx512 {
         bh: usize,
         rows: std::ops::Range<usize>,
     ) {
-        const R: usize = ROW_BLOCK;
-        const KEYS: usize = 12;
-        const TILE: usize = 8;
-        let (qs, ks) = (g.q_strides(), g.k_strides());
-        let d = g.d;
-        let (b, h) = (bh / g.heads, bh % g.heads);
-        let kh = h / (g.heads / g.kv_heads);
-        let kbase = b * ks.sb + kh * ks.sh;
-        let nr = rows.len();
-        let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
-        let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
-        let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R]>::uninit();
-        let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
-        super::avx2::scaled_qt(c, g, p, bh, rows.clone(), qt);
-        let Visible {
-            lo_r,
-            hi_r,
-            lo,
-            hi,
-            lo_max,
-            hi_min,
-        } = Visible::of(g, p, rows.clone());
-        let (lov, hiv) = (
-            _mm512_loadu_ps(lo_r.as_ptr()),
-            _mm512_loadu_ps(hi_r.as_ptr()),
-        );
-        let (zero, ninf) = (_mm512_setzero_ps(), _mm512_set1_ps(f32::NEG_INFINITY));
-        let (mut m, mut l) = (ninf, zero);
-        // O unnormalised, row-major R × d, zeroed (its first rescale multiplies by 0).
-        let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
-        o.fill(0.0);
-        // Scores, then weights, of one key block: st[j * R + r], written before read.
-        let st = std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R);
-        let mut j0 = lo;
-        while j0 <= hi {
-            let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
-            let ju = j0 as usize;
-            let krow = |j: usize| c.k.add(kbase + (ju + j) * ks.ss);
-            let vrow = |j: usize| c.v.add(kbase + (ju + j) * ks.ss);
-            // Sᵀ[j] for twelve keys at a time (keys past n re-read the last; dropped).
-            let mut j = 0;
-            while j < n {
-                let kp: [*const f32; KEYS] = std::array::from_fn(|i| krow((j + i).min(n - 1)));
-                let mut acc = [zero; KEYS];
-                for cc in 0..d {
-                    let qv = _mm512_loadu_ps(qt.as_ptr().add(cc * R));
-                    for i in 0..KEYS {
-                        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(*kp[i].add(cc)), qv, acc[i]);
-                    }
+        super::block::<__m512, __m512, 12, 8>(c, g, p, bh, rows)
+    }
+}
+
+/// Up to 16 query rows `rows` of (batch b, head h) at once, one row per lane of `Rw` (16
+/// lanes: two AVX2 vectors or one AVX-512 vector): scores `Sᵀ = K · Qᵀ` for `KEYS` keys at a
+/// time (each key value broadcast), the online softmax vertically over the keys of a block
+/// (each row's maximum and sum in its lane), and `O += P · V` in register tiles of `TILE`
+/// rows × two `Cv` vectors of columns (each value row loaded once for `TILE` rows). Every key
+/// and value row is read once per block of rows instead of once per row or pair. Written
+/// once for both instruction sets, as `cpu::math`'s functions; the `avx2`/`avx512` wrappers
+/// instantiate it inside their `#[target_feature]` functions. Needs `d` a multiple of
+/// `Cv::LANES`.
+///
+/// # Safety
+/// As [`rows`]; the CPU must have the instruction set of `Rw` and `Cv` (and AVX2 + FMA).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block<Rw: V, Cv: V, const KEYS: usize, const TILE: usize>(
+    c: Call<f32>,
+    g: &Geometry,
+    p: &Params,
+    bh: usize,
+    rows: std::ops::Range<usize>,
+) {
+    const R: usize = ROW_BLOCK;
+    let (qs, ks) = (g.q_strides(), g.k_strides());
+    let d = g.d;
+    let (b, h) = (bh / g.heads, bh % g.heads);
+    let kh = h / (g.heads / g.kv_heads);
+    let kbase = b * ks.sb + kh * ks.sh;
+    let nr = rows.len();
+    // Fixed-size scratch on the stack, only the parts this head dim uses initialised.
+    let mut qt_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+    let mut o_buf = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM * R]>::uninit();
+    // One row of R past the block's keys: a P · V tile starting at row 12 reads the weights of
+    // rows 12..12 + TILE of a key (those past 16 dropped): zeros there.
+    let mut st_buf = std::mem::MaybeUninit::<[f32; KEY_BLOCK * R + R]>::uninit();
+    let qt = std::slice::from_raw_parts_mut(qt_buf.as_mut_ptr().cast::<f32>(), d * R);
+    avx2::scaled_qt(c, g, p, bh, rows.clone(), qt);
+    let Visible {
+        lo_r,
+        hi_r,
+        lo,
+        hi,
+        lo_max,
+        hi_min,
+    } = Visible::of(g, p, rows.clone());
+    let (lov, hiv) = (Rw::load(lo_r.as_ptr()), Rw::load(hi_r.as_ptr()));
+    let (zero, ninf) = (Rw::splat(0.0), Rw::splat(f32::NEG_INFINITY));
+    let (mut m, mut l) = (ninf, zero);
+    // O accumulated unnormalised, row-major R × d (its first rescale multiplies by 0, so it
+    // must hold no NaN: zeroed).
+    let o = std::slice::from_raw_parts_mut(o_buf.as_mut_ptr().cast::<f32>(), d * R);
+    o.fill(0.0);
+    // Scores, then weights, of one key block: st[j * R + r], written before read.
+    let st = std::slice::from_raw_parts_mut(st_buf.as_mut_ptr().cast::<f32>(), KEY_BLOCK * R + R);
+    st[KEY_BLOCK * R..].fill(0.0);
+    let mut j0 = lo;
+    while j0 <= hi {
+        let n = (KEY_BLOCK as i64).min(hi + 1 - j0) as usize;
+        let ju = j0 as usize;
+        let krow = |j: usize| c.k.add(kbase + (ju + j) * ks.ss);
+        let vrow = |j: usize| c.v.add(kbase + (ju + j) * ks.ss);
+        // Sᵀ[j] for KEYS keys at a time (keys past n re-read the last; dropped).
+        let mut j = 0;
+        while j < n {
+            let kp: [*const f32; KEYS] = std::array::from_fn(|i| krow((j + i).min(n - 1)));
+            let mut acc = [zero; KEYS];
+            for cc in 0..d {
+                let qv = Rw::load(qt.as_ptr().add(cc * R));
+                for i in 0..KEYS {
+                    acc[i] = Rw::splat(*kp[i].add(cc)).fmadd(qv, acc[i]);
                 }
-                for (i, a) in acc.iter().enumerate().take(n - j) {
-                    _mm512_storeu_ps(st.as_mut_ptr().add((j + i) * R), *a);
-                }
-                j += KEYS;
             }
-            // Keys outside a row's window: -inf (only before the latest window start or after
-            // the earliest window end).
-            let before = (lo_max - j0).clamp(0, n as i64) as usize;
-            let after = (hi_min + 1 - j0).clamp(before as i64, n as i64) as usize;
-            for j in (0..before).chain(after..n) {
-                let jv = _mm512_set1_ps((ju + j) as f32);
-                let out = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(jv, lov)
-                    | _mm512_cmp_ps_mask::<_CMP_GT_OQ>(jv, hiv);
-                let at = st.as_mut_ptr().add(j * R);
-                _mm512_storeu_ps(at, _mm512_mask_mov_ps(_mm512_loadu_ps(at), out, ninf));
+            for (i, a) in acc.iter().enumerate().take(n - j) {
+                a.store(st.as_mut_ptr().add((j + i) * R));
             }
-            // Online softmax, each lane a row.
-            let mut bm = ninf;
-            for j in 0..n {
-                bm = _mm512_max_ps(bm, _mm512_loadu_ps(st.as_ptr().add(j * R)));
-            }
-            let mn = _mm512_max_ps(m, bm);
-            // A row with no key seen yet keeps -inf; exponentials against 0 then give 0.
-            let mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(mn, ninf), zero);
-            let f = math::avx512::exp(_mm512_sub_ps(m, mu));
-            let mut sum = zero;
-            for j in 0..n {
-                let at = st.as_mut_ptr().add(j * R);
-                let e = math::avx512::exp(_mm512_sub_ps(_mm512_loadu_ps(at), mu));
-                _mm512_storeu_ps(at, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            l = _mm512_fmadd_ps(l, f, sum);
-            m = mn;
-            let mut fr = [0.0f32; R];
-            _mm512_storeu_ps(fr.as_mut_ptr(), f);
-            // O = O · f + P · V, eight rows by 32 (or 16) columns per register tile.
-            let mut r0 = 0;
-            while r0 < nr {
-                let rn = TILE.min(nr - r0);
-                let mut c0 = 0;
-                while c0 < d {
-                    let wide = c0 + 32 <= d;
-                    let mut acc = [[zero; 2]; TILE];
-                    for (i, a) in acc.iter_mut().enumerate().take(rn) {
-                        let fv = _mm512_set1_ps(fr[r0 + i]);
-                        let op = o.as_ptr().add((r0 + i) * d + c0);
-                        a[0] = _mm512_mul_ps(_mm512_loadu_ps(op), fv);
-                        if wide {
-                            a[1] = _mm512_mul_ps(_mm512_loadu_ps(op.add(16)), fv);
-                        }
-                    }
-                    for j in 0..n {
-                        let vp = vrow(j).add(c0);
-                        // Rows r0..r0 + 8 of this key's weights (within its R).
-                        let pp = st.as_ptr().add(j * R + r0);
-                        let v0 = _mm512_loadu_ps(vp);
-                        if wide {
-                            let v1 = _mm512_loadu_ps(vp.add(16));
-                            for (i, a) in acc.iter_mut().enumerate() {
-                                let pv = _mm512_set1_ps(*pp.add(i));
-                                a[0] = _mm512_fmadd_ps(pv, v0, a[0]);
-                                a[1] = _mm512_fmadd_ps(pv, v1, a[1]);
-                            }
-                        } else {
-                            for (i, a) in acc.iter_mut().enumerate() {
-                                let pv = _mm512_set1_ps(*pp.add(i));
-                                a[0] = _mm512_fmadd_ps(pv, v0, a[0]);
-                            }
-                        }
-                    }
-                    for (i, a) in acc.iter().enumerate().take(rn) {
-                        let op = o.as_mut_ptr().add((r0 + i) * d + c0);
-                        _mm512_storeu_ps(op, a[0]);
-                        if wide {
-                            _mm512_storeu_ps(op.add(16), a[1]);
-                        }
-                    }
-                    c0 += if wide { 32 } else { 16 };
-                }
-                r0 += TILE;
-            }
-            j0 += n as i64;
+            j += KEYS;
         }
-        let (mut ms, mut ls) = ([0.0f32; R], [0.0f32; R]);
-        _mm512_storeu_ps(ms.as_mut_ptr(), m);
-        _mm512_storeu_ps(ls.as_mut_ptr(), l);
-        for r in 0..nr {
-            let i = rows.start + r;
-            let out = c.out.add(b * qs.sb + i * qs.ss + h * qs.sh);
-            let seen = ls[r] > 0.0;
-            let iv = _mm512_set1_ps(if seen { 1.0 / ls[r] } else { 0.0 });
-            let mut cc = 0;
-            while cc < d {
-                let v = _mm512_mul_ps(_mm512_loadu_ps(o.as_ptr().add(r * d + cc)), iv);
-                _mm512_storeu_ps(out.add(cc), v);
-                cc += 16;
+        // Keys outside a row's window: -inf. Only keys before the latest window start or
+        // after the earliest window end can be outside one.
+        let before = (lo_max - j0).clamp(0, n as i64) as usize;
+        let after = (hi_min + 1 - j0).clamp(before as i64, n as i64) as usize;
+        for j in (0..before).chain(after..n) {
+            let jv = Rw::splat((ju + j) as f32);
+            let at = st.as_mut_ptr().add(j * R);
+            let kept = Rw::select(hiv.lt(jv), ninf, Rw::load(at));
+            Rw::select(jv.lt(lov), ninf, kept).store(at);
+        }
+        // Online softmax, each lane a row: new maximum, rescale factor, exponentials.
+        let mut bm = ninf;
+        for j in 0..n {
+            bm = bm.max(Rw::load(st.as_ptr().add(j * R)));
+        }
+        let mn = m.max(bm);
+        // A row with no key seen yet keeps -inf; exponentials against 0 then give 0.
+        let mu = Rw::select(ninf.lt(mn), mn, zero);
+        let f = math::lanes::exp(m.sub(mu));
+        let mut sum = zero;
+        for j in 0..n {
+            let at = st.as_mut_ptr().add(j * R);
+            let e = math::lanes::exp(Rw::load(at).sub(mu));
+            e.store(at);
+            sum = sum.add(e);
+        }
+        l = l.fmadd(f, sum);
+        m = mn;
+        let mut fr = [0.0f32; R];
+        f.store(fr.as_mut_ptr());
+        // O = O · f + P · V, TILE rows by two (or one) column vectors per register tile.
+        let w = Cv::LANES;
+        let mut r0 = 0;
+        while r0 < nr {
+            let rn = TILE.min(nr - r0);
+            let mut c0 = 0;
+            while c0 < d {
+                let wide = c0 + 2 * w <= d;
+                let mut acc = [[Cv::splat(0.0); 2]; TILE];
+                for (i, a) in acc.iter_mut().enumerate().take(rn) {
+                    let fv = Cv::splat(fr[r0 + i]);
+                    let op = o.as_ptr().add((r0 + i) * d + c0);
+                    a[0] = Cv::load(op).mul(fv);
+                    if wide {
+                        a[1] = Cv::load(op.add(w)).mul(fv);
+                    }
+                }
+                for j in 0..n {
+                    let vp = vrow(j).add(c0);
+                    let pp = st.as_ptr().add(j * R + r0);
+                    let v0 = Cv::load(vp);
+                    if wide {
+                        let v1 = Cv::load(vp.add(w));
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            let pv = Cv::splat(*pp.add(i));
+                            a[0] = pv.fmadd(v0, a[0]);
+                            a[1] = pv.fmadd(v1, a[1]);
+                        }
+                    } else {
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            a[0] = Cv::splat(*pp.add(i)).fmadd(v0, a[0]);
+                        }
+                    }
+                }
+                for (i, a) in acc.iter().enumerate().take(rn) {
+                    let op = o.as_mut_ptr().add((r0 + i) * d + c0);
+                    a[0].store(op);
+                    if wide {
+                        a[1].store(op.add(w));
+                    }
+                }
+                c0 += if wide { 2 * w } else { w };
             }
-            if !c.lse.is_null() {
-                *c.lse.add(bh * g.sq + i) = if seen {
-                    ms[r] + ls[r].ln()
-                } else {
-                    f32::INFINITY
-                };
-            }
+            r0 += TILE;
+        }
+        j0 += n as i64;
+    }
+    let (mut ms, mut ls) = ([0.0f32; R], [0.0f32; R]);
+    m.store(ms.as_mut_ptr());
+    l.store(ls.as_mut_ptr());
+    for r in 0..nr {
+        let i = rows.start + r;
+        let out = c.out.add(b * qs.sb + i * qs.ss + h * qs.sh);
+        let seen = ls[r] > 0.0;
+        let iv = Cv::splat(if seen { 1.0 / ls[r] } else { 0.0 });
+        let mut cc = 0;
+        while cc < d {
+            Cv::load(o.as_ptr().add(r * d + cc))
+                .mul(iv)
+                .store(out.add(cc));
+            cc += Cv::LANES;
+        }
+        if !c.lse.is_null() {
+            *c.lse.add(bh * g.sq + i) = if seen {
+                ms[r] + ls[r].ln()
+            } else {
+                f32::INFINITY
+            };
         }
     }
 }
