@@ -9,13 +9,10 @@ mod support;
 
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Spec};
-use std::sync::Mutex;
 use support::backbone::{
     cpu_predict, engines, gpu_predict, random_params, rnn_spec, spec, to_params,
 };
-use support::{gpu_for_tests, rel_l2, Rng};
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use support::{gpu_alone, rel_l2, Rng};
 
 /// `n` frames of `b` rows from `st`, every output kept.
 fn frames_out(e: &CudaEngine, st: &mut CudaState, x: &[f32], n: usize) -> Vec<Vec<f32>> {
@@ -57,10 +54,9 @@ fn beside_framing<T>(
 
 #[test]
 fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     // ExPhil's 2-layer and 1-layer shapes, odd and wide layers, batch 1 and 8.
     for kind in [Kind::Gru, Kind::Lstm] {
         for (i, (hidden, embed, layers, b)) in [
@@ -121,10 +117,9 @@ fn gpu_persistent_frames_equal_the_graph_frames_bit_for_bit() {
 
 #[test]
 fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     for kind in [Kind::Gru, Kind::Lstm] {
         let s = Spec {
             hidden: 48,
@@ -191,10 +186,9 @@ fn gpu_persistent_kernel_stops_and_restarts_with_the_stream_intact() {
 
 #[test]
 fn gpu_persistent_kernels_beyond_the_device_share_handed_over_after_the_idle_time_out() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     // 2 layers of 96 four-unit blocks at four per multiprocessor: 48 multiprocessors each, so
     // one kernel fits the device's half (66 on an H100) and two do not.
     let s = Spec {
@@ -251,10 +245,9 @@ fn gpu_persistent_kernels_beyond_the_device_share_handed_over_after_the_idle_tim
 
 #[test]
 fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     let s = Spec {
         hidden: 64,
         embed: 40,
@@ -295,10 +288,9 @@ fn gpu_an_engine_dropped_while_another_frames_on_its_kernel_does_not_wait_for_it
 
 #[test]
 fn gpu_persistent_kernels_of_engines_that_fit_run_at_once() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     // Four 1-layer engines of 16 blocks each (and one LSTM among them): all of them fit the
     // device's half on any GPU with 32 multiprocessors or more.
     let specs = [Kind::Gru, Kind::Gru, Kind::Lstm, Kind::Gru].map(|kind| Spec {
@@ -354,10 +346,9 @@ fn gpu_persistent_kernels_of_engines_that_fit_run_at_once() {
 
 #[test]
 fn gpu_a_lone_engines_kernel_shrinks_to_make_room_for_a_second() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     // ExPhil's 2-layer hidden-256 GRU: 128 blocks, the general kernel's two per multiprocessor
     // take 64 multiprocessors (of the H100's half, 66), the batch-1 kernel's four 32: the first
     // engine's kernel starts general and shrinks when the second engine's does not fit beside it.
@@ -408,10 +399,9 @@ fn gpu_a_lone_engines_kernel_shrinks_to_make_room_for_a_second() {
 
 #[test]
 fn gpu_a_window_beside_another_engines_persistent_frames_does_not_wait_for_them() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     // ExPhil's GRU: its window's thread-block clusters (sm_90+) do not fit beside a running
     // persistent kernel, which runs for as long as its engine frames.
     let s = spec(Kind::Gru);
@@ -460,10 +450,9 @@ fn gpu_an_rnn_op_beside_an_engines_persistent_frames_does_not_wait_for_them() {
     use fused_kernels_core::ops::rnn::Cell;
     use fused_kernels_core::ops::Backend;
     use support::rnn::{case, check};
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    };
     let s = spec(Kind::Gru);
     let framing = CudaEngine::new(s.clone(), to_params(&random_params(&s, 60)), None).unwrap();
     let mut st = framing.new_state(1).unwrap();

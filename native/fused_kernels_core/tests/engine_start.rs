@@ -13,16 +13,9 @@ mod support;
 
 use fused_kernels_core::engine::cuda::{CudaEngine, CudaState};
 use fused_kernels_core::engine::plan::{Kind, Spec};
-use std::sync::Mutex;
 use std::time::Instant;
 use support::backbone::{random_params, small, spec, to_params};
-use support::{gpu_for_tests, Rng};
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+use support::{gpu_alone, Rng};
 
 fn engine(s: &Spec, seed: u64) -> CudaEngine {
     CudaEngine::new(s.clone(), to_params(&random_params(s, seed)), None).unwrap()
@@ -70,10 +63,9 @@ fn predict_in_halves(e: &CudaEngine, x: &[f32], b: usize, t: usize) -> (Vec<f32>
 
 #[test]
 fn gpu_started_calls_equal_the_ordinary_calls_bit_for_bit() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = one_at_a_time();
+    };
     let kinds = [
         Kind::Gru,
         Kind::Lstm,
@@ -131,10 +123,9 @@ fn gpu_started_calls_equal_the_ordinary_calls_bit_for_bit() {
 
 #[test]
 fn gpu_a_call_while_one_is_in_flight_is_not_started_and_the_first_gets_its_output() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = one_at_a_time();
+    };
     for (kind, persistent) in [
         (Kind::Gru, true),
         (Kind::Gru, false),
@@ -236,10 +227,9 @@ fn gpu_a_call_while_one_is_in_flight_is_not_started_and_the_first_gets_its_outpu
 
 #[test]
 fn gpu_an_abandoned_call_is_completed_by_the_next_and_the_stream_moves_on() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = one_at_a_time();
+    };
     for (kind, persistent) in [(Kind::Gru, true), (Kind::Gru, false), (Kind::Jamba, true)] {
         let s = small(kind);
         let tag = format!("{kind:?} persistent {persistent}");
@@ -320,10 +310,9 @@ fn gpu_an_abandoned_call_is_completed_by_the_next_and_the_stream_moves_on() {
 
 #[test]
 fn gpu_threads_sharing_one_engine_keep_every_stream_right() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = one_at_a_time();
+    };
     for (kind, persistent) in [(Kind::Gru, true), (Kind::Gru, false), (Kind::Mamba, true)] {
         let s = small(kind);
         let tag = format!("{kind:?} persistent {persistent}");
@@ -392,10 +381,9 @@ fn gpu_threads_sharing_one_engine_keep_every_stream_right() {
 
 #[test]
 fn gpu_callers_that_vanish_between_the_halves_leave_no_damage() {
-    if gpu_for_tests().is_none() {
+    let Some(_one) = gpu_alone() else {
         return;
-    }
-    let _one = one_at_a_time();
+    };
     // What the BEAM does to a killed caller: its started call given up and its state dropped
     // while the call may still run, from threads sharing one engine, with windows and new
     // states between frames; afterwards a fresh stream still equals the reference.

@@ -13,7 +13,7 @@ pub mod selective_scan;
 
 use fused_kernels_core::cuda::{gpu, Gpu};
 use fused_kernels_core::DType;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A small deterministic generator (xorshift*), seeded per test so failures reproduce;
 /// values are uniform, never all zero.
@@ -80,6 +80,14 @@ pub fn tolerance(dtype: DType) -> f64 {
         DType::F64 => 1e-12,
         DType::F16 | DType::BF16 => 1e-2,
     }
+}
+
+/// The default GPU's turn for this test binary (None: no GPU, as [`gpu_for_tests`]): tests
+/// whose persistent kernels, counts or timings another test's would disturb run one at a time.
+pub fn gpu_alone() -> Option<MutexGuard<'static, ()>> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    gpu_for_tests()?;
+    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The default GPU, or None (the test skips). Set `FUSED_KERNELS_REQUIRE_GPU=1` on a GPU
