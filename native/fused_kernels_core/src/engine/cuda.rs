@@ -34,7 +34,7 @@
 //! (`Calls::inflight`) and whatever takes the engine next from a thread that may wait
 //! completes it first (`lock_settled`), its owner's `finish` or anyone else's call.
 
-use super::persist::{FrameArgs, Persist, Post};
+use super::persist::{FrameArgs, Func, Persist, Post};
 use super::plan::{Kind, Op, Params, Plan, Spec};
 use super::window::{self, Slots, WindowArgs};
 use crate::cpu::math::{norm_rows_inplace, NormKind};
@@ -463,8 +463,9 @@ struct RnnFrame {
     /// The dynamic shared memory a launch may use: opted in at load up to what batch
     /// `FRAME_MAX_BATCH` needs where the device allows it, else the default.
     smem_limit: usize,
-    /// The persistent frame kernel (`engine_rnn_persist_f32`) and its mailbox, with the
-    /// dynamic shared memory its launches may use; None where it cannot be built or mapped.
+    /// The persistent frame kernels (`engine_rnn_persist_f32`, its batch-1 instances) and
+    /// their mailbox, with the dynamic shared memory their launches may use; None where the
+    /// general one cannot be built or the mailbox mapped.
     persist: Option<(Mutex<Persist>, usize)>,
     /// That kernel's engine id (`Persist::id`; 0 without one), for `holders::make_way`.
     persist_id: u64,
@@ -577,6 +578,8 @@ impl RnnFrame {
                 FRAME_SMEM
             };
         let gates = if s.kind == Kind::Lstm { 4 } else { 3 };
+        // Read before the look-up: a full build that lands after it moves the generation on.
+        let generation = gpu.modules_generation();
         let persist = match gpu.function(&ENGINE_RNN, super::persist::PERSIST_FUNCTION) {
             Ok(pf) => {
                 // Opted in for batch FRAME_MAX_BATCH where the device allows it, else batch 1.
@@ -591,7 +594,8 @@ impl RnnFrame {
                 match (limit, mapped(&mbox)) {
                     (Some(limit), Some(dev)) => {
                         let lstm = s.kind == Kind::Lstm;
-                        Some((Persist::new(gpu, lstm, n, mbox, dev)?, limit))
+                        let general = Func::new(pf, generation, limit);
+                        Some((Persist::new(gpu, lstm, n, mbox, dev, general)?, limit))
                     }
                     _ => None,
                 }

@@ -194,12 +194,24 @@ impl FrameArgs {
     }
 }
 
-/// A kernel function as last looked up: the module generation it was looked up at
+/// A kernel function as last looked up: the module generation read before the look-up
 /// (`Gpu::modules_generation`) and the dynamic shared memory it is opted in to.
-struct Func {
+pub struct Func {
     f: CudaFunction,
     generation: u64,
     opted: usize,
+}
+
+impl Func {
+    /// `f`, looked up at module generation `generation` and opted in to `opted` bytes (at
+    /// least the default).
+    pub fn new(f: CudaFunction, generation: u64, opted: usize) -> Func {
+        Func {
+            f,
+            generation,
+            opted: opted.max(DEFAULT_SMEM),
+        }
+    }
 }
 
 pub struct Persist {
@@ -243,13 +255,16 @@ fn word(m: &PinnedBytes, i: usize) -> &AtomicU32 {
 
 impl Persist {
     /// The host side of the kernels for `layers` layers of LSTM (`lstm`) or GRU, fed through
-    /// `mbox` (at least 16 bytes of page-locked memory, `mbox_dev` its device address).
+    /// `mbox` (at least 16 bytes of page-locked memory, `mbox_dev` its device address);
+    /// `general`: the general kernel as the engine's load looked it up (the batch-1 one is
+    /// looked up at its first launch).
     pub fn new(
         gpu: &Arc<Gpu>,
         lstm: bool,
         layers: usize,
         mbox: PinnedBytes,
         mbox_dev: u64,
+        general: Func,
     ) -> Result<Persist> {
         if mbox.len() < 16 {
             return Err(Error::Cuda(
@@ -272,8 +287,8 @@ impl Persist {
                     PERSIST_B1_GRU
                 },
             ],
-            // Looked up at the first launch (a quick build may have been replaced since).
-            funcs: [None, None],
+            // Looked up again at a launch where a quick build has been replaced since.
+            funcs: [Some(general), None],
             mbox,
             mbox_dev,
             sync,
