@@ -41,6 +41,6 @@ echo "== BEAM: a NIF round trip by scheduler, and the CPU engine's step"
 timeout 60 mix run bench/beam_call.exs --json "$out/beam_call.json" 2>&1 |
   tee "$out/beam_call.log" || status=1
 echo "== concurrency"
-timeout 45 mix run bench/backbone_concurrency.exs cuda "$out/concurrency.json" 2>&1 |
+timeout 80 mix run bench/backbone_concurrency.exs cuda "$out/concurrency.json" 2>&1 |
   tee "$out/concurrency.log" || status=1
 exit $status
