@@ -4,7 +4,7 @@
 //! thread pool under nesting and concurrent callers.
 
 use fused_kernels_core::cpu::gemm::{gemm, gemm_rhs, Init, Rhs};
-use fused_kernels_core::cpu::gemv::gemv;
+use fused_kernels_core::cpu::gemv::{gemv, Reads};
 use fused_kernels_core::cpu::math::{apply, norm_rows, norm_rows_inplace, Func, NormKind};
 use fused_kernels_core::cpu::{pool, Isa, PackedB};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -144,7 +144,23 @@ fn gemv_matches_f64_and_gemm_rows() {
                 let packed = PackedB::new(k, n, &b).unwrap();
                 for with_init in [false, true] {
                     let mut y = vec![f32::NAN; n];
-                    gemv(isa, &x, &packed, with_init.then_some(&init[..]), &mut y);
+                    gemv(
+                        isa,
+                        &x,
+                        &packed,
+                        with_init.then_some(&init[..]),
+                        &mut y,
+                        Reads::Reused,
+                    );
+                    // The prefetching kernel computes the same bits.
+                    let mut once = vec![f32::NAN; n];
+                    let init_once = with_init.then_some(&init[..]);
+                    gemv(isa, &x, &packed, init_once, &mut once, Reads::Once);
+                    assert!(
+                        y.iter().zip(&once).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} k{k} n{n}: Reads::Once differs",
+                        isa.name()
+                    );
                     let want = naive(
                         1,
                         k,

@@ -6,7 +6,7 @@
 
 use super::common::{geometry, shapes, Activation, Geometry, Kind, Operands, Params};
 use crate::cpu::gemm::{gemm_act, Init, Rhs};
-use crate::cpu::gemv::gemv;
+use crate::cpu::gemv::{gemv, Reads};
 use crate::cpu::math::{apply, norm_rows, Func, NormKind};
 use crate::cpu::pool::for_each_row_chunk;
 use crate::cpu::{Isa, PackedB};
@@ -536,7 +536,7 @@ fn product(
 ) {
     match b {
         Product::Gemv(p) => {
-            gemv(isa, &a[..k], p, bias, &mut c[..n]);
+            gemv(isa, &a[..k], p, bias, &mut c[..n], Reads::Reused);
             if let Some(f) = act {
                 apply(isa, f, &mut c[..n]);
             }

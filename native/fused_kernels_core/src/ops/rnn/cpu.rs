@@ -24,7 +24,7 @@
 use super::common::{Cell, Geometry, Layer};
 use crate::alloc::{count, try_vec};
 use crate::cpu::gemm::{gemm, Init};
-use crate::cpu::gemv::{gemv, gemv_cols};
+use crate::cpu::gemv::{gemv, gemv_cols, Reads};
 use crate::cpu::packed::NR;
 use crate::cpu::pool::{self, SendPtr};
 use crate::cpu::{alloc_zeroed, arena, Buf, Isa, PackedB};
@@ -504,7 +504,9 @@ impl PreparedRnn {
                     (&layer.w_h, h0r, &layer.bias_h, hq.get())
                 };
                 let y = unsafe { std::slice::from_raw_parts_mut(y, gh) };
-                gemv(isa, v, w, Some(b), y);
+                // Not prefetched: with each core streaming half the step's weights the
+                // prefetch measured no gain (see `Reads::Once`).
+                gemv(isa, v, w, Some(b), y, Reads::Reused);
             });
             let cur = &mut out[..h];
             match self.cell {
@@ -516,7 +518,15 @@ impl PreparedRnn {
             return;
         }
         if rows == 1 {
-            gemv(isa, input, &layer.w_in, Some(&layer.bias_in), xp);
+            // One step of one sequence: each of its weights is read once.
+            gemv(
+                isa,
+                input,
+                &layer.w_in,
+                Some(&layer.bias_in),
+                xp,
+                Reads::Once,
+            );
         } else {
             gemm(
                 isa,
@@ -590,7 +600,9 @@ impl PreparedRnn {
                 (&out[tp * h..], row_stride)
             };
             if batch == 1 {
-                gemv(isa, &prev[..h], &layer.w_h, Some(&layer.bias_h), hp);
+                // W_h stays in cache from step to step of a window; a lone step reads it once.
+                let reads = if seq == 1 { Reads::Once } else { Reads::Reused };
+                gemv(isa, &prev[..h], &layer.w_h, Some(&layer.bias_h), hp, reads);
             } else {
                 gemm(
                     isa,
