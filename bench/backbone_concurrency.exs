@@ -75,7 +75,7 @@ end
 [backend | rest] = args ++ ["cuda"]
 backend = String.to_existing_atom(backend)
 json = List.first(rest -- ["cuda"])
-# The timed run: on the GPU ~20,000 frames or ~3,000 windows of one process.
+# The timed run: on the H100 ~16,000-20,000 frames or ~1,800-4,500 windows of one process.
 run_ms = Keyword.get(opts, :ms, if(backend == :cuda, do: 300, else: 2000))
 rounds = Keyword.get(opts, :rounds, if(backend == :cuda, do: 5, else: 1))
 
