@@ -143,36 +143,18 @@ fn gemv_matches_f64_and_gemm_rows() {
                 let init = rng.vec_f32(n, 2.0, 0.0);
                 let packed = PackedB::new(k, n, &b).unwrap();
                 for with_init in [false, true] {
+                    let init = with_init.then_some(&init[..]);
                     let mut y = vec![f32::NAN; n];
-                    gemv(
-                        isa,
-                        &x,
-                        &packed,
-                        with_init.then_some(&init[..]),
-                        &mut y,
-                        Reads::Reused,
-                    );
+                    gemv(isa, &x, &packed, init, &mut y, Reads::Reused);
                     // The prefetching kernel computes the same bits.
                     let mut once = vec![f32::NAN; n];
-                    let init_once = with_init.then_some(&init[..]);
-                    gemv(isa, &x, &packed, init_once, &mut once, Reads::Once);
+                    gemv(isa, &x, &packed, init, &mut once, Reads::Once);
                     assert!(
                         y.iter().zip(&once).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "{} k{k} n{n}: Reads::Once differs",
                         isa.name()
                     );
-                    let want = naive(
-                        1,
-                        k,
-                        n,
-                        &x,
-                        k,
-                        &b,
-                        &[],
-                        n,
-                        with_init.then_some(&init[..]),
-                        false,
-                    );
+                    let want = naive(1, k, n, &x, k, &b, &[], n, init, false);
                     check(&y, &want, k, &format!("{} k{k} n{n}", isa.name()));
                 }
             }

@@ -19,9 +19,9 @@ pub enum Reads {
     /// B is read once per call among other weights that together exceed L2 (the products
     /// of one recurrent step or frame, several MB in all): each panel's stream is prefetched
     /// `PREFETCH_ROWS` rows ahead, which the hardware prefetcher alone does not keep deep
-    /// enough from L3 (2-core Zen 5, `cpu_ops --mode step`, 1 thread, 5 alternated rounds:
-    /// a 2 x 256 GRU step 0.0357-0.0368 -> 0.0306-0.0345 ms, LSTM 0.0479-0.0498 ->
-    /// 0.0411-0.0415; the same prefetch on the windows' L2-resident W_h cost them 0-10%, and
+    /// enough from L3 (2-core Zen 5, `cpu_ops --mode step`, 1 thread, 4 alternated rounds:
+    /// a 2 x 256 GRU step 0.0366-0.0380 -> 0.0317-0.0361 ms, LSTM 0.0409-0.0526 ->
+    /// 0.0413-0.0433; the same prefetch on the windows' L2-resident W_h cost them 0-10%, and
     /// on a 2-thread step, each core streaming half its weights, GRU 0.0180-0.0186 ->
     /// 0.0182-0.0200).
     Once,

@@ -590,6 +590,8 @@ impl PreparedRnn {
         let isa = self.isa;
         let (h, gh) = (layer.units, self.cell.gates() * layer.units);
         let row_stride = seq * h;
+        // W_h stays in cache from step to step of a window; a lone step reads it once.
+        let reads = if seq == 1 { Reads::Once } else { Reads::Reused };
         for s in from..seq {
             let ti = if reverse { seq - 1 - s } else { s };
             // The previous h: the initial state, else the row this layer wrote last step.
@@ -600,8 +602,6 @@ impl PreparedRnn {
                 (&out[tp * h..], row_stride)
             };
             if batch == 1 {
-                // W_h stays in cache from step to step of a window; a lone step reads it once.
-                let reads = if seq == 1 { Reads::Once } else { Reads::Reused };
                 gemv(isa, &prev[..h], &layer.w_h, Some(&layer.bias_h), hp, reads);
             } else {
                 gemm(
