@@ -406,8 +406,7 @@ mod avx512 {
     /// Lanes `0..cols - 16w` of vector `w` (all 16 where C goes on).
     #[inline(always)]
     fn lanes(cols: usize, w: usize) -> __mmask16 {
-        let left = cols.saturating_sub(16 * w).min(16);
-        ((1u32 << left) - 1) as __mmask16
+        crate::cpu::simd::lanes16(cols.saturating_sub(16 * w))
     }
 
     /// C rows `0..rows`, columns `0..cols` (≤ 16 W) per `mode` plus A · B over `kc`, B as W

@@ -223,8 +223,7 @@ mod avx512 {
         }
         for (q, &v) in acc.iter().enumerate() {
             let c0 = (p + q) * NR;
-            let left = (y.len() - c0).min(NR);
-            let mask = ((1u32 << left) - 1) as __mmask16;
+            let mask = crate::cpu::simd::lanes16(y.len() - c0);
             let v = match init {
                 Some(i) => _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, i.as_ptr().add(c0))),
                 None => v,

@@ -76,3 +76,11 @@ impl Isa {
         }
     }
 }
+
+/// The AVX-512 mask of lanes `0..min(n, 16)`: a tail's masked loads and stores (`n` the
+/// values left from the vector's first lane).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn lanes16(n: usize) -> std::arch::x86_64::__mmask16 {
+    ((1u32 << n.min(16)) - 1) as std::arch::x86_64::__mmask16
+}
